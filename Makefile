@@ -1,0 +1,41 @@
+# train-ledger: `make demo` and `make test` both build .venv from nothing.
+SHELL := /bin/bash
+PYTHON312 ?= $(shell command -v pyenv >/dev/null && echo "$$(pyenv root)/versions/3.12.1/bin/python" || command -v python3.12)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast clean slurm-up slurm-down
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x "$(PYTHON312)" || { echo "Python 3.12 not found (megatron-core 0.18 needs >= 3.12): set PYTHON312=" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# torch first: the CUDA build of 2.13.0 (runs on the CPU; brings triton, which megatron-core and torchtitan import)
+	$(PIP) install -q torch==2.13.0 numpy
+	# deepspeed is an sdist: build it against that torch, pure Python (no CUDA/C++ ops at install)
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -q -e .
+	$(PIP) check
+	touch $(STAMP)
+
+demo: $(STAMP)
+	WANDB_MODE=offline $(PY) launch.py -m framework=megatron,deepspeed,titan
+
+test: $(STAMP)
+	WANDB_MODE=offline $(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not real and not slurm"
+
+clean:
+	rm -rf $(VENV) multirun outputs
+
+slurm-up:
+	bash scripts/slurm.sh up
+
+slurm-down:
+	bash scripts/slurm.sh down

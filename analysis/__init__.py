@@ -1,0 +1,1 @@
+"""Prediction-versus-measurement tables, W&B, report."""

@@ -1,0 +1,22 @@
+"""Hydra callback: at the end of a multirun, print the reconcile summary of the whole sweep."""
+from __future__ import annotations
+
+from hydra.experimental.callback import Callback
+
+
+class ReconcileCallback(Callback):
+    def on_multirun_end(self, config, **kwargs) -> None:
+        from analysis import records, reconcile
+
+        sweep_dir = config.hydra.sweep.dir
+        recs = records.load(sweep_dir)
+        if not recs:
+            return
+        df = reconcile.table(recs)
+        print(f"\n== reconcile: {sweep_dir} ==")
+        steady = df[df.phase == "steady"]
+        if len(steady):
+            last = steady.groupby(["job", "rank"]).step.transform("max")
+            print(reconcile.render(steady[steady.step == last], "markdown"))
+        print()
+        print(reconcile.render(reconcile.summary(recs, df), "markdown"))

@@ -1,0 +1,135 @@
+"""Prediction versus measurement, one row per (job, rank, step, quantity).
+
+    python -m analysis.reconcile SWEEP_OR_JOB_DIR [--format markdown|csv|json] [--all-steps]
+
+Quantities: params_bytes grads_bytes optim_bytes resident_bytes (at the step boundary) and
+comm/<dim>/<kind>/count, comm/<dim>/<kind>/buffer_bytes (per optimizer step). Step 0 is the
+first (tracing / warm-up) step: it is compared with the ledger's first-step prediction and
+reported as phase "first"; later steps are phase "steady".
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import pandas as pd
+
+from analysis import records as R
+
+STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
+COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
+           "abs_err", "rel_err"]
+
+
+def _comm_totals(comm: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for c in comm or []:
+        out[f"comm/{c['dim']}/{c['kind']}/count"] += c["count"]
+        out[f"comm/{c['dim']}/{c['kind']}/buffer_bytes"] += c["buffer_bytes"]
+    return out
+
+
+def rows(rec: dict) -> list[dict]:
+    """Reconcile rows of one record (empty when it has no measurement)."""
+    pred, meas = rec.get("prediction"), rec.get("measurement")
+    if not pred or not meas:
+        return []
+    base = {"job": R.job_name(rec), "framework": R.framework_variant(rec), "layout": R.layout_name(rec)}
+    by_rank = {p["rank"]: p for p in pred["per_rank"]}
+    out = []
+    for m in meas["ranks"]:
+        p = by_rank.get(m["rank"])
+        if p is None or m.get("status") != "ok":
+            continue
+        for st in m.get("steps", []):
+            phase = "first" if st["step"] == 0 else "steady"
+            r0 = {**base, "rank": m["rank"], "step": st["step"], "phase": phase}
+            if "state" in st:
+                for q in STATE_Q:
+                    out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
+            if "comm" in st:
+                pc = _comm_totals(p.get("comm_first") if phase == "first" and "comm_first" in p else p["comm"])
+                mc = _comm_totals(st["comm"])
+                for q in sorted(set(pc) | set(mc)):
+                    out.append({**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)})
+    for r in out:
+        r["abs_err"] = r["measured"] - r["predicted"]
+        r["rel_err"] = r["abs_err"] / r["predicted"] if r["predicted"] else (0.0 if r["abs_err"] == 0 else float("inf"))
+    return out
+
+
+def table(path_or_records) -> pd.DataFrame:
+    recs = R.load(path_or_records) if isinstance(path_or_records, str) else path_or_records
+    data = [r for rec in recs for r in rows(rec)]
+    return pd.DataFrame(data, columns=COLUMNS)
+
+
+def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One line per job: status, rows compared, steady-state mismatches, worst relative error."""
+    df = table(recs) if df is None else df
+    out = []
+    for rec in recs:
+        job = R.job_name(rec)
+        d = df[df.job == job]
+        steady = d[d.phase == "steady"]
+        bad = steady[steady.abs_err != 0]
+        pg = (rec.get("prediction") or {}).get("per_gpu") or {}
+        out.append({"job": job, "framework": R.framework_variant(rec), "layout": R.layout_name(rec),
+                    "status": rec["status"], "rows": len(d), "steady_mismatches": len(bad),
+                    "max_abs_rel_err": float(steady.rel_err.abs().max()) if len(steady) else None,
+                    "predicted_resident": pg.get("resident_bytes"),
+                    "error": (rec.get("error") or "")[:120]})
+    return pd.DataFrame(out)
+
+
+def render(df: pd.DataFrame, fmt: str) -> str:
+    if fmt == "csv":
+        return df.to_csv(index=False)
+    if fmt == "json":
+        return df.to_json(orient="records", indent=1)
+    return df.to_markdown(index=False) if _has_tabulate() else df.to_string(index=False)
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.reconcile", description=__doc__.splitlines()[0])
+    ap.add_argument("path", nargs="?", help="a sweep dir, a job dir or a record.json")
+    ap.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+    ap.add_argument("--all-steps", action="store_true", help="every step (default: the last step per rank)")
+    ap.add_argument("--mismatches", action="store_true", help="only rows whose abs_err is not 0")
+    ap.add_argument("--from-wandb", metavar="SRC", help="rebuild from W&B: an offline sweep dir or entity/project[/group]")
+    a = ap.parse_args(argv)
+    if a.from_wandb:
+        from analysis.wandb_io import read_records
+
+        recs = read_records(a.from_wandb)
+    elif a.path:
+        recs = R.load(a.path)
+    else:
+        ap.error("give a PATH or --from-wandb SRC")
+    if not recs:
+        print(f"no record.json under {a.path or a.from_wandb}", file=sys.stderr)
+        return 1
+    df = table(recs)
+    if not a.all_steps and len(df):
+        last = df.groupby(["job", "rank"]).step.transform("max")
+        df = df[(df.step == last) | (df.phase == "first")]
+    if a.mismatches:
+        df = df[df.abs_err != 0]
+    print(render(df, a.format))
+    if a.format == "markdown":
+        print()
+        print(render(summary(recs), "markdown"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Structured (typed) Hydra configs: the one schema every config group is checked against.
+
+A typo'd key or a wrong type fails at composition time (OmegaConf struct mode), before any
+job is dispatched. Framework knobs carry the names the frameworks themselves use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    layers: int = MISSING
+    hidden: int = MISSING
+    ffn_hidden: int = MISSING
+    heads: int = MISSING
+    kv_heads: int = MISSING
+    vocab: int = MISSING
+    seq_len: int = 128
+    tied_embeddings: bool = False
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    swiglu: bool = True
+    bias: bool = False
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class LayoutConfig:
+    tp: int = 1
+    pp: int = 1
+    # total data-parallel degree (replicas x shards); -1 = world / (tp*pp*cp) of the cluster
+    dp: int = -1
+    # HSDP replicate degree (torchtitan); dp_shard = dp / dp_replicate
+    dp_replicate: int = 1
+    cp: int = 1
+    ep: int = 1
+    vp: int = 1  # virtual pipeline (interleaved) chunks per stage
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    # -1 = micro_batch_size * dp * pp (m = pp micro-batches per step)
+    global_batch_size: int = -1
+
+
+@dataclass
+class FrameworkConfig:
+    name: str = MISSING
+    precision: str = "bf16"  # bf16 | fp32
+
+
+@dataclass
+class MegatronConfig(FrameworkConfig):
+    name: str = "megatron"
+    use_distributed_optimizer: bool = True
+    grad_reduce_in_fp32: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # elements per bucket; None = Megatron's default max(40_000_000, 1_000_000 * dp)
+    bucket_size: Optional[int] = None
+    average_in_collective: bool = False
+    clip_grad: float = 1.0
+
+
+@dataclass
+class DeepSpeedConfig(FrameworkConfig):
+    name: str = "deepspeed"
+    zero_stage: int = 1
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    gradient_clipping: float = 1.0
+
+
+@dataclass
+class TitanConfig(FrameworkConfig):
+    name: str = "titan"
+    # "default" | "always" | "never", as torchtitan's fsdp_reshard_after_forward
+    reshard_after_forward: str = "default"
+    mixed_precision_param: str = "bfloat16"
+    mixed_precision_reduce: str = "float32"
+    dtype: str = "float32"
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    kind: str = "local"  # local | slurm
+    backend: str = "gloo"  # gloo | nccl
+    device: str = "cpu"  # cpu | cuda
+    ranks: int = 2  # ranks per node (local: processes on this machine)
+    nodes: int = 1
+    timeout_s: int = 900
+    # slurm-only fields (ignored locally)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 30
+    gpus_per_node: Optional[int] = None
+    cpus_per_task: int = 1
+    mem_gb: Optional[int] = None
+    exclusive: bool = False
+    constraint: Optional[str] = None
+    setup: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 3  # optimizer steps; step 0 is the first (tracing/warm-up) step
+    lr: float = 1e-3
+    seed: int = 1234
+
+
+@dataclass
+class LedgerConfig:
+    mode: str = "faithful"  # faithful | textbook
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "train-ledger"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class ProbeConfig:
+    memory: bool = True
+    comm: bool = True
+    # steps whose collectives are recorded (TorchDispatchMode is active only then); empty = all
+    comm_steps: list[int] = field(default_factory=list)
+    cuda_profile_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class JobConfig:
+    mode: str = "run"  # predict | run | dry
+    model: ModelConfig = MISSING
+    framework: FrameworkConfig = MISSING
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    cluster: ClusterConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "titan": TitanConfig}
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    # model presets live in ledger.model (one place); each becomes a config of group model/
+    from ledger.model import PRESETS
+
+    for name, shape in PRESETS.items():
+        cs.store(group="model", name=name, node=ModelConfig(name=name, **shape))
+    cs.store(group="layout", name="layout_schema", node=LayoutConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    for name, node in FRAMEWORK_SCHEMAS.items():
+        cs.store(group="framework", name=f"{name}_schema", node=node)
+
+
+def load(cfg_dict: dict) -> Any:
+    """Rebuild a typed JobConfig from a resolved dict (e.g. read back from a job dir)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(JobConfig)
+    base.framework = OmegaConf.structured(FRAMEWORK_SCHEMAS[cfg_dict["framework"]["name"]])
+    base.model = OmegaConf.structured(ModelConfig)
+    base.cluster = OmegaConf.structured(ClusterConfig)
+    d = {k: v for k, v in cfg_dict.items() if k not in ("defaults", "hydra")}
+    return OmegaConf.merge(base, d)

@@ -1,0 +1,136 @@
+"""One job of a sweep: validate -> predict -> (run | dry) -> record.json.
+
+Every job leaves a record: status ok | failed | invalid, with the error text. Records are written
+atomically (temp file + rename) so a reader never sees half a record.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import traceback
+from importlib import metadata
+
+from omegaconf import OmegaConf
+
+from launchers import FRAMEWORKS
+from ledger.layout import ConfigError, resolve, validate
+from ledger.model import ModelShape
+from ledger.parallel import place
+
+PACKAGES = ("torch", "deepspeed", "megatron-core", "torchtitan", "hydra-core", "omegaconf", "submitit", "wandb")
+
+
+def versions() -> dict:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def world_of(cfg) -> int:
+    return cfg.cluster.ranks * cfg.cluster.nodes
+
+
+def check(cfg):
+    """Resolve and validate; raises ConfigError naming the field and the rule."""
+    model = ModelShape.from_config(cfg.model)
+    world = world_of(cfg)
+    # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size
+    lay = resolve(cfg.layout, world)
+    validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
+    if cfg.mode not in ("predict", "run", "dry"):
+        raise ConfigError(f"mode={cfg.mode!r} must be predict, run or dry")
+    return model, lay
+
+
+def run_job(cfg, job_dir: str, ranks_runner=None) -> dict:
+    """Run one job into job_dir and return its record. ranks_runner(job_dir, world, timeout, device)
+    starts the ranks (default: processes on this machine)."""
+    os.makedirs(job_dir, exist_ok=True)
+    t0 = time.time()
+    record: dict = {"status": None, "error": None, "mode": cfg.mode, "job_dir": os.path.abspath(job_dir),
+                    "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
+                    "timings": {}, "prediction": None, "measurement": None}
+    rec_path = os.path.join(job_dir, "record.json")
+    try:
+        model, lay = check(cfg)
+    except ConfigError as e:
+        record.update(status="invalid", error=str(e))
+        write_json(rec_path, record)
+        return record
+    try:
+        cfg_l = OmegaConf.merge(cfg, {})  # a copy whose layout is the resolved one
+        pl = place(model, None, _with_layout(cfg_l, lay))
+        pred = pl.to_dict()
+        record["prediction"] = pred
+        write_json(os.path.join(job_dir, "prediction.json"), pred)
+        record["timings"]["predict_s"] = time.time() - t0
+        print(pl.report())
+        if cfg.mode == "dry":
+            mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
+            record["artifacts"] = mod.dry(cfg, lay, job_dir)
+        elif cfg.mode == "run":
+            t1 = time.time()
+            record["measurement"] = run_ranks(cfg, lay, job_dir, ranks_runner)
+            record["timings"]["run_s"] = time.time() - t1
+            bad = [r for r in record["measurement"]["ranks"] if r.get("status") != "ok"]
+            if bad:
+                record["status"] = "failed"
+                record["error"] = "; ".join(f"rank {r['rank']}: {r.get('error')}" for r in bad)[:4000]
+        record["status"] = record["status"] or "ok"
+    except Exception as e:
+        record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+    record["timings"]["total_s"] = time.time() - t0
+    write_json(rec_path, record)
+    return record
+
+
+def _with_layout(cfg, lay):
+    class _Cfg:  # place() reads .framework, .layout (resolved) and .ledger
+        framework, layout, ledger = cfg.framework, lay, cfg.ledger
+
+        def __contains__(self, k):
+            return k == "ledger"
+
+    return _Cfg()
+
+
+def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
+    from launchers.local import run_local
+
+    world = lay.world
+    write_json(os.path.join(job_dir, "job.json"), OmegaConf.to_container(cfg, resolve=True))
+    for r in range(world):  # stale results of an earlier attempt must not be read back
+        p = os.path.join(job_dir, f"rank{r}.json")
+        if os.path.exists(p):
+            os.remove(p)
+    runner = ranks_runner or run_local
+    procs = runner(job_dir, world, cfg.cluster.timeout_s, cfg.cluster.device)
+    ranks = []
+    for pr in procs:
+        p = os.path.join(job_dir, f"rank{pr['rank']}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                d = json.load(f)
+        else:
+            d = {"rank": pr["rank"], "status": "failed",
+                 "error": f"rank exited with code {pr['returncode']} without a result"}
+        if pr["returncode"] not in (0, None) and d.get("status") == "ok":
+            d["status"] = "failed"
+            d["error"] = f"exit code {pr['returncode']} after writing its result"
+        if d.get("status") != "ok":
+            d["log_tail"] = pr.get("log_tail")
+        ranks.append(d)
+    return {"world": world, "ranks": ranks}

@@ -1,0 +1,53 @@
+"""One rank of a real run: `python -m launchers.worker JOB_DIR` with RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT in the environment (set by launchers.local or taken from Slurm).
+
+Writes JOB_DIR/rank{R}.json: the probe session (per-step state bytes, collectives, loss, time)
+or, when the rank crashed, the traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+
+
+def rank_env() -> tuple[int, int]:
+    """Rank and world size from torchrun-style variables, else from Slurm's."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+
+
+def run(job_dir: str) -> int:
+    from conf.schema import load
+    from launchers import FRAMEWORKS
+    from ledger.layout import resolve
+    from probes.session import ProbeSession
+
+    rank, world = rank_env()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", str(rank)))
+    out_path = os.path.join(job_dir, f"rank{rank}.json")
+    with open(os.path.join(job_dir, "job.json")) as f:
+        cfg = load(json.load(f))
+    lay = resolve(cfg.layout, world)
+    session = ProbeSession(lay.grid, rank, out_path, comm_steps=list(cfg.probe.comm_steps),
+                           memory=cfg.probe.memory, comm=cfg.probe.comm,
+                           cuda_profile_steps=list(cfg.probe.cuda_profile_steps))
+    try:
+        mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
+        extra = mod.run_rank(cfg, lay, session) or {}
+        session.dump({"status": "ok", **extra})
+        return 0
+    except BaseException as e:  # the record must say why, whatever happened
+        session.dump({"status": "failed", "error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()[-4000:]})
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1]))

@@ -1,0 +1,67 @@
+"""The rank grid shared by the ledger and the probes: which ranks form which group.
+
+Order, innermost (fastest-varying) first: tp, cp, dp (shard), dp_replicate, pp. It is Megatron's
+default order "tp-cp-ep-dp-pp" (parallel_state.initialize_model_parallel, ep = 1) and torchtitan's
+(pp, dp_replicate, dp_shard, cp, tp) mesh (distributed/parallel_dims.py build_mesh), so one grid
+names the groups of all three frameworks. A collective's `dim` is the dash-joined list of grid
+dims that vary inside its group ("dp", "tp", "tp-pp", ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+DIMS = ("tp", "cp", "dp", "dp_replicate", "pp")
+
+
+@dataclass(frozen=True)
+class Grid:
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1  # the shard part of data parallelism (dp_shard)
+    dp_replicate: int = 1
+    pp: int = 1
+
+    @classmethod
+    def from_layout(cls, layout, world: int | None = None) -> "Grid":
+        dp_total = layout.dp if layout.dp > 0 else world // (layout.tp * layout.pp * layout.cp)
+        return cls(tp=layout.tp, cp=layout.cp, dp=dp_total // layout.dp_replicate,
+                   dp_replicate=layout.dp_replicate, pp=layout.pp)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for d, s in zip(DIMS, self.sizes):
+            out[d] = rank % s
+            rank //= s
+        return out
+
+    def rank(self, coords: dict[str, int]) -> int:
+        r, stride = 0, 1
+        for d, s in zip(DIMS, self.sizes):
+            r += coords.get(d, 0) * stride
+            stride *= s
+        return r
+
+    def group(self, rank: int, dims: tuple[str, ...] | str) -> list[int]:
+        """Ranks of `rank`'s group that varies over `dims` (others fixed)."""
+        dims = (dims,) if isinstance(dims, str) else dims
+        c = self.coords(rank)
+        ranges = [range(getattr(self, d)) for d in dims]
+        return sorted(self.rank({**c, **dict(zip(dims, v))}) for v in product(*ranges))
+
+    def label(self, ranks) -> str:
+        """The dims that vary inside a group of ranks, e.g. 'dp' or 'tp-pp'."""
+        cs = [self.coords(r) for r in ranks]
+        varying = [d for d in DIMS if len({c[d] for c in cs}) > 1]
+        return "-".join(varying) if varying else "self"

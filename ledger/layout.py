@@ -1,0 +1,123 @@
+"""A parallel layout resolved to integers, and the validation every job passes before dispatch."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ledger.grid import Grid
+from ledger.model import ModelShape
+
+
+class ConfigError(ValueError):
+    """Bad input: the message names the field and the rule it breaks."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int  # total data parallel (replicas x shards)
+    dp_replicate: int
+    cp: int
+    ep: int
+    vp: int
+    sequence_parallel: bool
+    micro_batch_size: int
+    global_batch_size: int
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(tp=self.tp, cp=self.cp, dp=self.dp_shard, dp_replicate=self.dp_replicate, pp=self.pp)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(world=self.world, dp_shard=self.dp_shard, num_microbatches=self.num_microbatches)
+        return d
+
+
+def resolve(layout_cfg, world: int | None = None) -> Layout:
+    """Fill dp = -1 from the cluster's world size and global_batch_size = -1 as micro*dp*pp."""
+    lc = layout_cfg
+    for name in ("tp", "pp", "cp", "ep", "vp", "dp_replicate", "micro_batch_size"):
+        if lc[name] < 1:
+            raise ConfigError(f"layout.{name}={lc[name]} must be >= 1")
+    dp = lc.dp
+    if dp == -1:
+        if world is None:
+            raise ConfigError("layout.dp=-1 (auto) needs a cluster world size; set layout.dp")
+        mp = lc.tp * lc.pp * lc.cp
+        if world % mp:
+            raise ConfigError(f"layout.dp=-1: world={world} is not divisible by tp*pp*cp={mp}")
+        dp = world // mp
+    elif dp < 1:
+        raise ConfigError(f"layout.dp={dp} must be >= 1 or -1 (auto)")
+    gbs = lc.global_batch_size
+    if gbs == -1:
+        gbs = lc.micro_batch_size * dp * lc.pp
+    return Layout(tp=lc.tp, pp=lc.pp, dp=dp, dp_replicate=lc.dp_replicate, cp=lc.cp, ep=lc.ep, vp=lc.vp,
+                  sequence_parallel=bool(lc.sequence_parallel), micro_batch_size=lc.micro_batch_size,
+                  global_batch_size=gbs)
+
+
+def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world: int | None = None) -> None:
+    """Raise ConfigError naming the field and the rule; checked before anything is dispatched."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    need(model.hidden % model.heads == 0, f"model.heads={model.heads} does not divide model.hidden={model.hidden}")
+    need(model.heads % model.kv_heads == 0,
+         f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads}")
+    need(model.heads % lay.tp == 0, f"tp={lay.tp} does not divide num_heads={model.heads}")
+    need(model.kv_heads % lay.tp == 0, f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
+    need(model.ffn_hidden % lay.tp == 0, f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
+    need(model.vocab % lay.tp == 0, f"tp={lay.tp} does not divide vocab={model.vocab}")
+    need(model.layers % (lay.pp * lay.vp) == 0,
+         f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
+    need(lay.vp == 1 or lay.pp > 1, f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
+    need(lay.dp % lay.dp_replicate == 0, f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
+    need(lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0,
+         f"global_batch_size={lay.global_batch_size} is not divisible by micro_batch_size*dp="
+         f"{lay.micro_batch_size}*{lay.dp}")
+    need(model.seq_len % (lay.tp if lay.sequence_parallel else 1) == 0,
+         f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
+    need(model.seq_len % (2 * lay.cp) == 0 or lay.cp == 1,
+         f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
+    need(lay.ep == 1, f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
+    need(not lay.sequence_parallel or lay.tp > 1, "sequence_parallel=true needs tp > 1")
+    if world is not None:
+        need(lay.world == world, f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
+                                 f"!= cluster ranks {world}")
+    # framework limits
+    if framework == "deepspeed":
+        stage = fw_cfg.zero_stage if fw_cfg is not None else 1
+        need(stage in (0, 1, 2, 3), f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
+        need(lay.tp == 1 and lay.pp == 1 and lay.cp == 1,
+             f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed ZeRO as pure data "
+             "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
+        need(lay.dp_replicate == 1, "deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+    elif framework == "megatron":
+        need(lay.dp_replicate == 1, "megatron: dp_replicate (HSDP) is a torchtitan layout")
+        need(lay.cp == 1, f"megatron: cp={lay.cp} is not modelled by the faithful ledger yet")
+    elif framework == "titan":
+        need(lay.pp == 1, f"titan: pp={lay.pp}: pipeline parallelism is not modelled for torchtitan yet")
+        need(lay.cp == 1, f"titan: cp={lay.cp} is not modelled for torchtitan yet")
+        need(lay.num_microbatches == 1,
+             f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
+             "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+        if fw_cfg is not None:
+            need(fw_cfg.reshard_after_forward in ("default", "always", "never"),
+                 f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")
+    else:
+        raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")

@@ -1,0 +1,96 @@
+"""Model shapes: exact parameter counts and per-module parameter lists of a Llama-style decoder."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int = 128
+    tied_embeddings: bool = False
+    norm: str = "rmsnorm"
+    swiglu: bool = True
+    bias: bool = False
+    name: str = "custom"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: cfg[k] for k in names if k in cfg})
+
+    # -- parameters ---------------------------------------------------------------------------
+    def norm_params(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        out = [(f"{prefix}.weight", (self.hidden,))]
+        if self.norm == "layernorm":
+            out.append((f"{prefix}.bias", (self.hidden,)))
+        return out
+
+    def linear(self, name: str, out_f: int, in_f: int) -> list[tuple[str, tuple[int, ...]]]:
+        out = [(f"{name}.weight", (out_f, in_f))]
+        if self.bias:
+            out.append((f"{name}.bias", (out_f,)))
+        return out
+
+    def layer_params(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        """One decoder block, in module order (torchtitan / plain-PyTorch Llama names)."""
+        p, h, hd = f"layers.{i}", self.hidden, self.head_dim
+        out = self.norm_params(f"{p}.attention_norm")
+        out += self.linear(f"{p}.attention.wq", self.heads * hd, h)
+        out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h)
+        out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h)
+        out += self.linear(f"{p}.attention.wo", h, self.heads * hd)
+        out += self.norm_params(f"{p}.ffn_norm")
+        out += self.linear(f"{p}.feed_forward.w1", self.ffn_hidden, h)
+        out += self.linear(f"{p}.feed_forward.w2", h, self.ffn_hidden)
+        if self.swiglu:
+            out += self.linear(f"{p}.feed_forward.w3", self.ffn_hidden, h)
+        return out
+
+    def params(self) -> list[tuple[str, tuple[int, ...]]]:
+        """All parameters in module (registration) order."""
+        out = [("tok_embeddings.weight", (self.vocab, self.hidden))]
+        for i in range(self.layers):
+            out += self.layer_params(i)
+        out += self.norm_params("norm")
+        if not self.tied_embeddings:
+            out.append(("output.weight", (self.vocab, self.hidden)))
+        return out
+
+    def num_params(self) -> int:
+        return sum(numel(s) for _, s in self.params())
+
+    def layer_num_params(self) -> int:
+        return sum(numel(s) for _, s in self.layer_params(0))
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+PRESETS = {
+    "tiny": dict(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=128),
+    # Llama-3.2-1B shape, untied as in the design article's runs
+    "llama3_1b": dict(layers=16, hidden=2048, ffn_hidden=8192, heads=32, kv_heads=8, vocab=128256, seq_len=8192),
+    "llama3_8b": dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256, seq_len=8192),
+    "llama3_70b": dict(layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256, seq_len=8192),
+    "llama3_405b": dict(layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8, vocab=128256, seq_len=8192),
+}
+
+
+def preset(name: str, **overrides) -> ModelShape:
+    if name not in PRESETS:
+        raise KeyError(f"model preset {name!r} unknown; known: {sorted(PRESETS)}")
+    return ModelShape(name=name, **{**PRESETS[name], **overrides})

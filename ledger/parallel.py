@@ -1,0 +1,45 @@
+"""`place(model, state, cfg)`: the one entry point that predicts a job (textbook or faithful)."""
+from __future__ import annotations
+
+import importlib
+
+from ledger.layout import Layout, resolve, validate
+from ledger.memory import StateBytes, state_bytes
+from ledger.model import ModelShape
+from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (re-exported API)
+
+FAITHFUL = {"megatron": "ledger.faithful.megatron", "deepspeed": "ledger.faithful.deepspeed",
+            "titan": "ledger.faithful.titan"}
+
+
+def grad_dtype(fw) -> str:
+    """The gradient dtype a framework accumulates in (what state_bytes needs)."""
+    if fw.name == "megatron":
+        return "fp32" if fw.grad_reduce_in_fp32 or fw.precision == "fp32" else "bf16"
+    if fw.name == "titan":
+        return "fp32"
+    return "bf16" if fw.precision == "bf16" else "fp32"
+
+
+def place(model: ModelShape, state: StateBytes | None, cfg, world: int | None = None) -> Placement:
+    """Predict per-rank resident state and per-step collectives.
+
+    cfg: a JobConfig (or anything with .framework, .layout, .ledger.mode). world fills layout.dp=-1.
+    """
+    fw = cfg.framework
+    lay: Layout = cfg.layout if isinstance(cfg.layout, Layout) else resolve(cfg.layout, world)
+    validate(model, lay, fw.name, fw)
+    if state is None:
+        state = state_bytes(model, fw.precision, "adam", grad_dtype(fw))
+    mode = cfg.ledger.mode if "ledger" in cfg else "faithful"
+    if mode == "textbook":
+        from ledger import textbook
+
+        return textbook.place(model, state, lay, fw)
+    if mode != "faithful":
+        raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
+    return importlib.import_module(FAITHFUL[fw.name]).place(model, lay, fw)
+
+
+def report(model: ModelShape, cfg, world: int | None = None) -> str:
+    return place(model, None, cfg, world).report()

@@ -1,0 +1,196 @@
+"""What a prediction is: per-rank resident state bytes and per-step collectives (the contract).
+
+`Placement.per_rank` may be large (16,384 ranks); ranks that are provably identical share one
+`RankState` (same object), so predicting a big layout costs one computation per distinct rank.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all", "broadcast")
+STATES = ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")
+
+
+def wire_bytes(kind: str, buffer_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends under the ring algorithm for a buffer handed to a collective.
+
+    all_gather / reduce_scatter buffers are the full (unsharded) tensor; send_recv buffers
+    count what is sent (see Comm.buffer_bytes)."""
+    n = group_size
+    if n <= 1:
+        return 0
+    if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        return buffer_bytes * (n - 1) // n
+    if kind == "all_reduce":
+        return 2 * buffer_bytes * (n - 1) // n
+    if kind == "send_recv":
+        return buffer_bytes
+    raise ValueError(f"collective kind {kind!r} unknown; known: {KINDS}")
+
+
+@dataclass
+class Comm:
+    """Collectives of one (dim, kind, dtype) per rank per optimizer step.
+
+    buffer_bytes: bytes of the tensors handed to the collectives, summed over `count` calls
+    (all_gather/reduce_scatter: the full gathered tensor; send_recv: sent and received tensors).
+    """
+    dim: str
+    kind: str
+    count: int
+    buffer_bytes: int
+    wire_bytes: int
+    dtype: str = ""
+    what: str = ""  # which framework call, for people
+
+    def to_dict(self) -> dict:
+        return {"dim": self.dim, "kind": self.kind, "count": self.count, "buffer_bytes": self.buffer_bytes,
+                "wire_bytes": self.wire_bytes, "dtype": self.dtype, "what": self.what}
+
+
+@dataclass
+class RankState:
+    stage: int = 0
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optim_bytes: int = 0
+    other_bytes: int = 0
+    comm: list[Comm] = field(default_factory=list)
+    # the first (tracing / warm-up) step where it differs from steady state; None = same
+    comm_first: Optional[list[Comm]] = None
+    detail: dict[str, int] = field(default_factory=dict)  # named parts of the four states
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes + self.other_bytes
+
+    def add(self, state: str, name: str, nbytes: int) -> None:
+        setattr(self, state, getattr(self, state) + nbytes)
+        key = f"{state[:-6]}/{name}"
+        self.detail[key] = self.detail.get(key, 0) + nbytes
+
+
+class CommBuilder:
+    """Accumulates collectives by (dim, kind, dtype)."""
+
+    def __init__(self):
+        self._acc: dict[tuple, list] = {}
+
+    def add(self, dim: str, kind: str, buffer_bytes: int, group_size: int, dtype: str = "",
+            count: int = 1, what: str = "") -> None:
+        if group_size <= 1 or count == 0:
+            return  # a group of one sends nothing; the probe ignores such calls too
+        key = (dim, kind, dtype)
+        if key not in self._acc:
+            self._acc[key] = [0, 0, 0, set()]
+        a = self._acc[key]
+        a[0] += count
+        a[1] += buffer_bytes * count
+        a[2] += wire_bytes(kind, buffer_bytes, group_size) * count
+        if what:
+            a[3].add(what)
+
+    def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "") -> None:
+        key = (dim, "send_recv", dtype)
+        if key not in self._acc:
+            self._acc[key] = [0, 0, 0, set()]
+        a = self._acc[key]
+        a[0] += (sent_bytes > 0) + (received_bytes > 0)
+        a[1] += sent_bytes + received_bytes
+        a[2] += sent_bytes
+        if what:
+            a[3].add(what)
+
+    def build(self) -> list[Comm]:
+        return [Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
+
+
+@dataclass
+class Placement:
+    framework: str
+    mode: str
+    model: dict
+    layout: dict
+    world: int
+    rank_state: Callable[[int], RankState]  # rank -> its (possibly shared) state
+    notes: list[str] = field(default_factory=list)
+    _per_gpu: Optional[RankState] = None
+
+    @property
+    def per_rank(self) -> list[RankState]:
+        return [self.rank_state(r) for r in range(self.world)]
+
+    @property
+    def per_gpu(self) -> RankState:
+        """The most-loaded rank (largest resident bytes)."""
+        if self._per_gpu is None:
+            seen, best = set(), None
+            for r in range(self.world):
+                s = self.rank_state(r)
+                if id(s) in seen:
+                    continue
+                seen.add(id(s))
+                if best is None or s.resident_bytes > best.resident_bytes:
+                    best = s
+            self._per_gpu = best
+        return self._per_gpu
+
+    @property
+    def comm(self) -> list[Comm]:
+        return self.per_gpu.comm
+
+    def by_kind(self) -> dict[str, int]:
+        """Wire bytes per collective kind of the most-loaded rank, per optimizer step."""
+        out: dict[str, int] = defaultdict(int)
+        for c in self.comm:
+            out[c.kind] += c.wire_bytes
+        return dict(out)
+
+    def by_dim(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for c in self.comm:
+            out[c.dim] += c.wire_bytes
+        return dict(out)
+
+    def to_dict(self, all_ranks: bool = True) -> dict:
+        g = self.per_gpu
+        ranks = range(self.world) if all_ranks else [0]
+        return {
+            "framework": self.framework,
+            "mode": self.mode,
+            "model": self.model,
+            "layout": self.layout,
+            "world": self.world,
+            "per_gpu": {k: getattr(g, k) for k in ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")},
+            "per_rank": [_rank_dict(r, self.rank_state(r)) for r in ranks],
+            "comm": [c.to_dict() for c in g.comm],
+            "notes": self.notes,
+        }
+
+    def report(self, max_rows: int = 16) -> str:
+        from ledger.report import render
+
+        return render(self, max_rows)
+
+
+def _rank_dict(rank: int, s: RankState) -> dict:
+    d = {"rank": rank, "stage": s.stage}
+    for k in (*STATES, "resident_bytes"):
+        d[k] = getattr(s, k)
+    d["detail"] = dict(s.detail)
+    d["comm"] = [c.to_dict() for c in s.comm]
+    if s.comm_first is not None:
+        d["comm_first"] = [c.to_dict() for c in s.comm_first]
+    return d
+
+
+def fmt(nbytes: float) -> str:
+    """Human units, decimal (GB = 1e9 B) as the design article writes them."""
+    n = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"

@@ -1,0 +1,81 @@
+"""Textbook mode: the design article's formulas, not what a framework allocates.
+
+Memory: 16 (or 18 with fp32 grads) bytes/param over N_local = N/(tp*pp); ZeRO-1/2/3 divide the
+last 12/14/16 bytes by N_d; FSDP (torchtitan) keeps fp32 shards = master. Traffic: DP-family
+RS + AG (2N) or AG + AG + RS (3N, 2N without reshard after forward); TP with SP 4 AG + 4 RS of
+s*b*h per layer per micro-batch (4 AR without SP); PP activations s/t*b*h per micro-batch each
+way (the article counts both directions).
+"""
+from __future__ import annotations
+
+from ledger.layout import Layout
+from ledger.memory import StateBytes
+from ledger.model import ModelShape
+from ledger.placement import CommBuilder, Placement, RankState
+
+
+def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
+    name = fw.name
+    n_local = st.num_params // (lay.tp * lay.pp)
+    nd = lay.dp
+    s = RankState()
+    cb = CommBuilder()
+    act = 2  # bf16 activations
+    if name == "megatron":
+        # DDP + distributed optimizer: full bf16 params and grads, 12/N_d optimizer
+        s.add("params_bytes", "bf16 params", 2 * n_local)
+        s.add("grads_bytes", "grads", st.grad * n_local)
+        opt_div = nd if fw.use_distributed_optimizer else 1
+        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_local // opt_div)
+        if fw.use_distributed_optimizer:
+            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
+            cb.add("dp", "all_gather", 2 * n_local, nd, what="bf16 params")
+        else:
+            cb.add("dp", "all_reduce", st.grad * n_local, nd, what="grads")
+    elif name == "deepspeed":
+        z = fw.zero_stage
+        s.add("params_bytes", "bf16 params", 2 * n_local // (nd if z >= 3 else 1))
+        s.add("grads_bytes", "grads", st.grad * n_local // (nd if z >= 2 else 1))
+        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_local // (nd if z >= 1 else 1))
+        if z >= 3:
+            cb.add("dp", "all_gather", 2 * n_local, nd, count=2, what="forward + backward gather")
+            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
+        elif z >= 1:
+            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
+            cb.add("dp", "all_gather", 2 * n_local, nd, what="bf16 params")
+        else:
+            cb.add("dp", "all_reduce", st.grad * n_local, nd, what="grads")
+    elif name == "titan":
+        # fp32 shard is both the model parameter and the master copy
+        s.add("params_bytes", "fp32 shards", 4 * n_local // nd)
+        s.add("grads_bytes", "fp32 grads", 4 * n_local // nd)
+        s.add("optim_bytes", "adam", st.optim * n_local // nd)
+        gathers = 1 if fw.reshard_after_forward == "never" else 2
+        cb.add("dp", "all_gather", 2 * n_local, nd, count=gathers, what="bf16 unshard")
+        cb.add("dp", "reduce_scatter", 4 * n_local, nd, what="fp32 grads")
+    # TP: per layer per micro-batch 4 AG + 4 RS (SP) or 4 AR of s*b*h
+    m = lay.num_microbatches
+    sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
+    layers_local = model.layers // lay.pp
+    calls = 4 * layers_local * m
+    if lay.tp > 1:
+        if lay.sequence_parallel:
+            cb.add("tp", "all_gather", sbh, lay.tp, count=calls, what="SP")
+            cb.add("tp", "reduce_scatter", sbh, lay.tp, count=calls, what="SP")
+        else:
+            cb.add("tp", "all_reduce", sbh, lay.tp, count=calls, what="TP")
+    if lay.pp > 1:
+        shard = sbh // (lay.tp if lay.sequence_parallel else 1)
+        # the article's convention: activations forward and gradients backward, both counted
+        cb.add_p2p("pp", 2 * m * shard, 0, what="activations each way")
+    s.comm = cb.build()
+    pl = Placement(framework=name, mode="textbook", model=_model_dict(model), layout=lay.to_dict(),
+                   world=lay.world, rank_state=lambda r: s)
+    pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
+    return pl
+
+
+def _model_dict(model: ModelShape) -> dict:
+    from dataclasses import asdict
+
+    return {**asdict(model), "num_params": model.num_params()}

@@ -1,0 +1,1 @@
+"""What runs inside the training process: memory at step boundaries, collectives per step."""

@@ -1,0 +1,172 @@
+"""Comm probe: every collective a rank calls, by process group dimension, kind, dtype and bytes.
+
+A TorchDispatchMode sees the dispatcher ops that torch.distributed lowers every call to in torch
+2.13 (`c10d::allreduce_`, `c10d::_allgather_base_`, `c10d::_reduce_scatter_base_`, send/recv, and
+the functional `_c10d_functional.*` used by DTensor/FSDP2), whatever name the framework called
+(`all_gather_into_tensor`, `all_gather_single`, deepspeed.comm, Megatron's bound functions), so no
+per-framework patching is needed. It is active only during the steps being recorded.
+
+Buffer bytes follow the ledger's contract (ledger/placement.py): all_gather and reduce_scatter
+count the full (gathered / pre-scatter) tensor; send_recv counts each tensor sent or received.
+Groups of one rank are ignored (nothing leaves the rank), as the ledger does.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger(__name__)
+
+# op name -> (kind, how to find the buffer bytes)
+#   "out0": the first tensor (list) argument is the (full) buffer
+#   "ag_out": all_gather: output list/tensor (full)
+#   "rs_in": reduce_scatter: input list/tensor (full)
+_C10D = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "send": "send_recv",
+    "recv_": "send_recv",
+    "recv_any_source_": "send_recv",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "barrier": "barrier",
+}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "uint8",
+          torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.float64: "fp64"}
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        out = []
+        for y in x:
+            out += _tensors(y)
+        return out
+    return []
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, probe: "CommProbe"):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = getattr(func, "namespace", "")
+        if ns in ("c10d", "_c10d_functional"):
+            try:
+                self.probe._record(ns, func._opname, args, kwargs)
+            except Exception as e:  # a probe never breaks training
+                self.probe.errors.append(f"comm probe: {func}: {type(e).__name__}: {e}")
+        return func(*args, **kwargs)
+
+
+class CommProbe:
+    """Records collectives while `recording()` is active; `take()` returns and clears them."""
+
+    def __init__(self, label_of_ranks=None):
+        # label_of_ranks: ranks -> dim label (ledger.grid.Grid.label); default: "world"/"group"
+        self.label_of_ranks = label_of_ranks
+        self._acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._group_cache: dict[str, tuple[str, int]] = {}
+        self.errors: list[str] = []
+        self.ignored_single = 0
+
+    def recording(self):
+        return _Mode(self)
+
+    def _group_info(self, pg) -> tuple[str, int]:
+        key = pg.group_name
+        if key not in self._group_cache:
+            ranks = dist.get_process_group_ranks(pg)
+            label = self.label_of_ranks(ranks) if self.label_of_ranks else f"group{len(ranks)}"
+            self._group_cache[key] = (label, len(ranks))
+        return self._group_cache[key]
+
+    def _record(self, ns: str, op: str, args, kwargs) -> None:
+        if ns == "c10d":
+            kind = _C10D.get(op)
+            if kind is None:
+                return
+            # the dispatcher boxes the ProcessGroup as a ScriptObject; it is the first one
+            # in every c10d op's schema (the ReduceOp, when present, comes after it)
+            boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            if boxed is None:
+                raise RuntimeError(f"no process group argument in c10d.{op}")
+            pg = dist.ProcessGroup.unbox(boxed)
+            tensor_args = [a for a in args if isinstance(a, (torch.Tensor, list, tuple))]
+            if kind == "all_gather":
+                # (output, input, ...): the gathered output is the full buffer
+                ts = _tensors(tensor_args[0])
+            elif kind == "reduce_scatter":
+                # (output, input, ...): the input is the full buffer
+                ts = _tensors(tensor_args[1])
+            else:
+                ts = _tensors(tensor_args[0])
+        else:
+            kind = _FUNCTIONAL.get(op)
+            if kind is None:
+                return
+            name = next(a for a in reversed(args) if isinstance(a, str))
+            pg = dist.distributed_c10d._resolve_process_group(name)
+            group_size = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), None)
+            ts = _tensors(args[0])
+            if kind == "all_gather":
+                # functional all-gather takes the local shard: the full buffer is shard * group size
+                label, n = self._group_info(pg)
+                self._add(label, n, kind, ts, scale=n)
+                return
+        label, n = self._group_info(pg)
+        self._add(label, n, kind, ts)
+
+    def _add(self, label: str, n: int, kind: str, ts, scale: int = 1) -> None:
+        if n <= 1:
+            self.ignored_single += 1
+            return
+        if kind == "barrier":
+            return
+        dtype = _DTYPE.get(ts[0].dtype, str(ts[0].dtype)) if ts else ""
+        a = self._acc[(label, kind, dtype)]
+        a[0] += 1
+        a[1] += _nbytes(ts) * scale
+
+    def take(self) -> list[dict]:
+        out = [{"dim": d, "kind": k, "dtype": t, "count": c, "buffer_bytes": b}
+               for (d, k, t), (c, b) in sorted(self._acc.items())]
+        self._acc.clear()
+        return out
