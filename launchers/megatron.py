@@ -1,0 +1,283 @@
+"""Megatron Core 0.18.0 driven as megatron/training/training.py drives it, one rank per process.
+
+parallel_state.initialize_model_parallel -> GPTModel (local, non-TransformerEngine layer spec) ->
+Float16Module (bf16) -> DistributedDataParallel -> get_megatron_optimizer -> per step:
+zero_grad_buffer + zero_grad, get_forward_backward_func() over m micro-batches, optimizer.step().
+On CPU (cluster.device == "cpu") launchers.megatron_cpu redirects Megatron's CUDA assumptions.
+
+`dry` writes run.sh: the Megatron-LM pretrain_gpt.py command line of the same job for a GPU
+cluster (the design article's chapter 7 run.sh).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Iterator
+
+import torch
+
+from ledger.layout import Layout
+from ledger.model import ModelShape
+
+
+# -- the model -----------------------------------------------------------------------------------
+def transformer_config(cfg, lay: Layout):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, fw = cfg.model, cfg.framework
+    bf16 = fw.precision == "bf16"
+    return TransformerConfig(
+        num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn_hidden,
+        num_attention_heads=m.heads, num_query_groups=m.kv_heads,
+        normalization="RMSNorm" if m.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        sequence_parallel=lay.sequence_parallel,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # CPU tensors: initialise on the CPU (also valid on GPU); p2p without a CUDA sync
+        use_cpu_initialization=cfg.cluster.device == "cpu", batch_p2p_sync=False,
+        # the local spec computes attention with Megatron's own DotProductAttention
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def build_model(cfg, lay: Layout, tcfg):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    m = cfg.model
+    spec = get_gpt_layer_local_spec(normalization=tcfg.normalization)
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=m.vocab, max_sequence_length=m.seq_len,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=m.tied_embeddings, position_embedding_type="rope",
+                     rotary_base=int(m.rope_theta))
+    if cfg.cluster.device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    if tcfg.bf16:  # training.py get_model: Float16Module casts to bf16 (else RMSNorm stays fp32)
+        model = Float16Module(tcfg, model)
+    return model
+
+
+def ddp_config(fw):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=fw.grad_reduce_in_fp32, overlap_grad_reduce=fw.overlap_grad_reduce,
+        overlap_param_gather=fw.overlap_param_gather, use_distributed_optimizer=fw.use_distributed_optimizer,
+        bucket_size=fw.bucket_size, average_in_collective=fw.average_in_collective)
+
+
+def optimizer_config(cfg):
+    from megatron.core.optimizer import OptimizerConfig
+
+    fw = cfg.framework
+    bf16 = fw.precision == "bf16"
+    return OptimizerConfig(optimizer="adam", lr=cfg.train.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                           use_distributed_optimizer=fw.use_distributed_optimizer, clip_grad=fw.clip_grad)
+
+
+# -- data ----------------------------------------------------------------------------------------
+def batches(cfg, lay: Layout, device, seed: int) -> Iterator[dict]:
+    """Synthetic tokens, the same on every rank of a DP replica (a seed per DP rank)."""
+    g = torch.Generator().manual_seed(seed)
+    s, b, v = cfg.model.seq_len, lay.micro_batch_size, cfg.model.vocab
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    while True:
+        tok = torch.randint(0, v, (b, s + 1), generator=g)
+        yield {"tokens": tok[:, :-1].to(device), "labels": tok[:, 1:].to(device), "position_ids": pos.to(device)}
+
+
+def forward_step(data_iterator, model):
+    from functools import partial
+
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, partial(_loss, batch)
+
+
+def _loss(batch, output_tensor):
+    # output_tensor: per-token loss [b, s] from GPTModel (vocab-parallel cross-entropy)
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+# -- one rank ------------------------------------------------------------------------------------
+def init_distributed(cfg) -> torch.device:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.cluster.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        from launchers import megatron_cpu
+
+        megatron_cpu.install()
+        device = torch.device("cpu")
+    torch.distributed.init_process_group(backend=cfg.cluster.backend, rank=rank, world_size=world)
+    return device
+
+
+def state_groups(model, optimizer) -> dict:
+    """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron.py)."""
+    params, grads, other = [], [], []
+    for buf in model.buffers + model.expert_parallel_buffers:
+        # param_data is None without the distributed optimizer: then params are the module's own
+        params.append(buf.param_data) if buf.param_data is not None else None
+        grads.append(buf.grad_data)
+    params += list(model.parameters())  # views into param_data (counted once) or own storages
+    optim = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in getattr(opt, "shard_fp32_from_float16_groups", []) + getattr(opt, "fp32_from_float16_groups", []):
+            optim += list(group)
+        for group in getattr(opt, "shard_fp32_groups", []):
+            optim += list(group)
+        for st in opt.optimizer.state.values():
+            optim += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        for name in ("found_inf", "_dummy_overflow_buf", "_scale_one"):
+            t = getattr(opt, name, None)
+            if isinstance(t, torch.Tensor):
+                other.append(t)
+    return {"params": params, "grads": grads, "optim": optim, "other": other}
+
+
+def run_rank(cfg, lay: Layout, session) -> dict:
+    device = init_distributed(cfg)
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                 context_parallel_size=lay.cp)
+    torch.manual_seed(cfg.train.seed)
+    # the inference tracker keeps CPU-compatible RNG states (no torch.cuda.get_rng_state)
+    model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=device.type == "cpu")
+    tcfg = transformer_config(cfg, lay)
+    module = build_model(cfg, lay, tcfg)
+    model = DDP(tcfg, ddp_config(cfg.framework), module)
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), [model])
+    fw = cfg.framework
+    # training.py train(): the schedule talks to DDP through these config hooks
+    if fw.overlap_grad_reduce:
+        tcfg.no_sync_func = model.no_sync
+        tcfg.grad_sync_func = model.start_grad_sync
+    if fw.overlap_param_gather:
+        tcfg.param_sync_func = model.start_param_sync
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.grad_scale_func = optimizer.scale_loss
+
+    data = batches(cfg, lay, device, cfg.train.seed + ps.get_data_parallel_rank())
+    fb = get_forward_backward_func()
+    m = lay.num_microbatches
+    for step in range(cfg.train.steps):
+        with session.step(step):
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=m,
+                        seq_length=cfg.model.seq_len, micro_batch_size=lay.micro_batch_size, forward_only=False)
+            ok, grad_norm, _ = optimizer.step()
+        loss = sum(float(x["lm loss"]) for x in losses) / m if losses else None
+        session.loss(loss)
+        session.state(lambda: state_groups(model, optimizer))
+    extra = {"grad_norm": float(grad_norm) if grad_norm is not None else None,
+             "stage": ps.get_pipeline_model_parallel_rank()}
+    if device.type == "cpu":
+        from launchers import megatron_cpu
+
+        extra["cpu_redirects"] = megatron_cpu.hits()
+    torch.distributed.barrier()
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return extra
+
+
+# -- dry: Megatron-LM's pretrain_gpt.py command line ----------------------------------------------
+def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
+    """The flags of Megatron-LM pretrain_gpt.py for this job (names as megatron/training/arguments.py)."""
+    m, fw, t = cfg.model, cfg.framework, cfg.train
+    a = ["--use-mcore-models", "--transformer-impl", "transformer_engine",
+         "--num-layers", m.layers, "--hidden-size", m.hidden, "--ffn-hidden-size", m.ffn_hidden,
+         "--num-attention-heads", m.heads]
+    if m.kv_heads != m.heads:
+        a += ["--group-query-attention", "--num-query-groups", m.kv_heads]
+    a += ["--seq-length", m.seq_len, "--max-position-embeddings", m.seq_len,
+          "--position-embedding-type", "rope", "--rotary-base", int(m.rope_theta),
+          "--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm", "--norm-epsilon", m.norm_eps]
+    if m.swiglu:
+        a.append("--swiglu")
+    if not m.bias:
+        a.append("--disable-bias-linear")
+    if not m.tied_embeddings:
+        a.append("--untie-embeddings-and-output-weights")
+    a += ["--attention-dropout", 0.0, "--hidden-dropout", 0.0,
+          "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
+    if lay.cp > 1:
+        a += ["--context-parallel-size", lay.cp]
+    if lay.vp > 1:
+        a += ["--num-layers-per-virtual-pipeline-stage", m.layers // (lay.pp * lay.vp)]
+    if lay.sequence_parallel:
+        a.append("--sequence-parallel")
+    if fw.use_distributed_optimizer:
+        a.append("--use-distributed-optimizer")
+    if fw.overlap_grad_reduce:
+        a.append("--overlap-grad-reduce")
+    if fw.overlap_param_gather:
+        a.append("--overlap-param-gather")
+    if fw.bucket_size is not None:
+        a += ["--ddp-bucket-size", fw.bucket_size]
+    if fw.average_in_collective:
+        a.append("--ddp-average-in-collective")
+    if not fw.grad_reduce_in_fp32:
+        a.append("--grad-reduce-in-bf16")
+    a += ["--micro-batch-size", lay.micro_batch_size, "--global-batch-size", lay.global_batch_size]
+    if fw.precision == "bf16":
+        a.append("--bf16")
+    a += ["--lr", t.lr, "--train-iters", t.steps, "--clip-grad", fw.clip_grad, "--weight-decay", 0.1,
+          "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--seed", t.seed,
+          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab, "--split", "99,1,0",
+          "--log-interval", 1, "--log-memory-to-tensorboard", "--tensorboard-dir", "$PWD/tb/megatron",
+          "--eval-iters", 0, "--save-interval", 1000000, "--distributed-timeout-minutes", 30]
+    return [str(x) for x in a]
+
+
+def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
+    c = cfg.cluster
+    gpus = c.gpus_per_node or c.ranks
+    args = pretrain_gpt_args(cfg, lay)
+    lines = ["#!/bin/bash",
+             f"# train-ledger: Megatron-LM pretrain_gpt.py, model {cfg.model.name}: "
+             f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}, world {lay.world}",
+             "# run from a Megatron-LM checkout on each node (torchrun's rendezvous from the environment)",
+             f"torchrun --nproc_per_node {gpus} --nnodes {c.nodes} "
+             '--node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" '
+             '--master_port "${MASTER_PORT:-6000}" pretrain_gpt.py \\']
+    pairs, i = [], 0
+    while i < len(args):  # one flag (with its values) per line
+        j = i + 1
+        while j < len(args) and not args[j].startswith("--"):
+            j += 1
+        pairs.append(" ".join(_q(x) for x in args[i:j]))
+        i = j
+    lines += [f"  {p} \\" for p in pairs[:-1]] + [f"  {pairs[-1]}", ""]
+    path = os.path.join(out_dir, "run.sh")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    os.chmod(path, 0o755)
+    return [path]
+
+
+def _q(x: str) -> str:
+    return f'"{x}"' if x.startswith("$PWD") else shlex.quote(x)  # expanded by the shell on the node
+
+
+def model_shape(cfg) -> ModelShape:
+    return ModelShape.from_config(cfg.model)
