@@ -89,6 +89,8 @@ class TitanConfig(FrameworkConfig):
     mixed_precision_param: str = "bfloat16"
     mixed_precision_reduce: str = "float32"
     dtype: str = "float32"
+    # ParallelismConfig.spmd_backend; the default "spmd_types" fails inside torch 2.13's FSDP2
+    spmd_backend: str = "partial_dtensor"
 
 
 @dataclass

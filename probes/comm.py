@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,11 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # A mode is switched off while its own handler runs, so collectives DTensor issues
+        # inside its dispatch (e.g. the grad-norm all-reduce of _NormPartial, loss-parallel
+        # reductions) would go unseen; deferring to DTensor lets its inner ops come back here.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         ns = getattr(func, "namespace", "")
         if ns in ("c10d", "_c10d_functional"):
             try:

@@ -1,0 +1,245 @@
+"""torchtitan 0.3.0: its own Trainer, configured the 0.3.0 way (a function returning Trainer.Config).
+
+One renderer writes that function as a Python module from the Hydra config (`render_module`);
+a real run imports the very module it wrote into the job dir and builds the Trainer from it
+(`config.build()`), and `mode=dry` writes the same module plus the `run_train.sh` line a user
+runs on a GPU cluster. The model is a `model_registry`-style ModelSpec for the configured
+ModelShape, built from torchtitan's own llama3 pieces (models/llama3/__init__.py).
+
+The probe wraps `Trainer.train_step` on the instance: one probe step = one optimizer step,
+state read at the step boundary (after optimizers.step()).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import textwrap
+
+from launchers.local import REPO
+
+MODULE_NAME = "ledger_titan"
+CONFIG_FN = "ledger_config"
+ASSETS_CACHE = os.path.join(REPO, "outputs", "titan_assets")  # outputs/ is git-ignored
+
+
+def _py(v) -> str:
+    return repr(v)
+
+
+def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> str:
+    """The torchtitan config module for this job (a function returning Trainer.Config)."""
+    m, fw, tr = cfg.model, cfg.framework, cfg.train
+    head_dim = m.hidden // m.heads
+    return textwrap.dedent(f'''\
+        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, tp={lay.tp}
+        dp_shard={lay.dp_shard} dp_replicate={lay.dp_replicate} (world {lay.world}).
+
+        On a GPU cluster, from the torchtitan repo root (this folder on PYTHONPATH):
+            PYTHONPATH={os.path.dirname(dump_folder)} NGPU={lay.world} MODULE={MODULE_NAME} CONFIG={CONFIG_FN} ./run_train.sh
+        """
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+        from torchtitan.components.metrics import MetricsProcessor
+        from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+        from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed.pipeline_parallel import pipeline_llm
+        from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+        from torchtitan.models.common.config_utils import decoder_vocab_size
+        from torchtitan.models.llama3 import (
+            _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init, parallelize_llama)
+        from torchtitan.models.llama3.model import Llama3Model
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+        from torchtitan.protocols.model_spec import ModelSpec
+        from torchtitan.trainer import Trainer
+
+
+        def ledger_model_spec() -> ModelSpec:
+            """model_registry()-style spec for the ledger's shape {m.name!r} (untied, separate wq/wk/wv)."""
+            dim, vocab = {m.hidden}, {m.vocab}
+            config = Llama3Model.Config(
+                dim=dim,
+                vocab_size=vocab,
+                tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+                norm=RMSNorm.Config(normalized_shape=dim, eps={m.norm_eps}, param_init=_NORM_INIT),
+                lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+                layers=_build_llama3_layers(
+                    fuse_qkv=False,
+                    n_layers={m.layers},
+                    dim=dim,
+                    n_heads={m.heads},
+                    n_kv_heads={m.kv_heads},
+                    hidden_dim={m.ffn_hidden},
+                    # the rope cache is sized to the training sequence (a buffer on every layer)
+                    rope=ComplexRoPE.Config(dim={head_dim}, max_seq_len={m.seq_len}, theta={m.rope_theta}),
+                    attn_backend="flex",
+                ),
+            )
+            return ModelSpec(name="llama3", flavor={m.name!r}, model=config, parallelize_fn=parallelize_llama,
+                             pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
+                             state_dict_adapter=Llama3StateDictAdapter)
+
+
+        def {CONFIG_FN}() -> Trainer.Config:
+            model_spec = ledger_model_spec()
+            return Trainer.Config(
+                model_spec=model_spec,
+                loss=ChunkedLossWrapper.Config(
+                    loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))),
+                hf_assets_path={_py(tok_dir)},
+                dump_folder={_py(dump_folder)},
+                optimizer=default_adamw(lr={tr.lr}),
+                lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
+                training=TrainingConfig(
+                    local_batch_size={lay.micro_batch_size},
+                    global_batch_size={lay.global_batch_size},
+                    seq_len={m.seq_len},
+                    steps={tr.steps},
+                    dtype={fw.dtype!r},                                    # fp32 shards = master weights
+                    mixed_precision_param={fw.mixed_precision_param!r},    # all-gather / compute dtype
+                    mixed_precision_reduce={fw.mixed_precision_reduce!r},  # reduce-scatter dtype
+                ),
+                parallelism=ParallelismConfig(
+                    data_parallel_shard_degree={lay.dp_shard},
+                    data_parallel_replicate_degree={lay.dp_replicate},
+                    tensor_parallel_degree={lay.tp},
+                    enable_sequence_parallel={bool(lay.sequence_parallel)},
+                    fsdp_reshard_after_forward={fw.reshard_after_forward!r},
+                    spmd_backend={fw.spmd_backend!r},
+                ),
+                dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path={_py(data_dir)}),
+                metrics=MetricsProcessor.Config(log_freq=1),
+                activation_checkpoint=None,
+                debug=DebugConfig(seed={tr.seed}),
+            )
+        ''')
+
+
+def write_module(cfg, lay, out_dir: str) -> str:
+    from launchers import titan_assets
+
+    tok_dir, data_dir = titan_assets.build(os.path.join(out_dir, "titan_assets"), cfg.model.vocab) \
+        if cfg.mode == "dry" else titan_assets.build(ASSETS_CACHE, cfg.model.vocab)
+    src = render_module(cfg, lay, tok_dir, data_dir, os.path.join(out_dir, "titan_dump"))
+    path = os.path.join(out_dir, f"{MODULE_NAME}.py")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(src)
+    os.replace(tmp, path)
+    return path
+
+
+def load_config(path: str):
+    """Import the written module by path and call its config function -> Trainer.Config."""
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[MODULE_NAME] = mod
+    spec.loader.exec_module(mod)
+    return getattr(mod, CONFIG_FN)()
+
+
+def run_train_line(lay, out_dir: str) -> str:
+    return (f"PYTHONPATH={out_dir}:$PYTHONPATH NGPU={lay.world} MODULE={MODULE_NAME} CONFIG={CONFIG_FN} "
+            "./run_train.sh")
+
+
+def dry(cfg, lay, out_dir: str) -> list[str]:
+    path = write_module(cfg, lay, out_dir)
+    sh = os.path.join(out_dir, "run_train.sh")
+    with open(sh, "w") as f:
+        f.write("#!/bin/bash\n# train-ledger: torchtitan 0.3.0 on a GPU cluster; run from the torchtitan repo root\n"
+                "# (its run_train.sh wraps torchrun with NGPU ranks per node). torch 2.13 lacks\n"
+                "# torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.\n"
+                f"{run_train_line(lay, out_dir)}\n")
+    os.chmod(sh, 0o755)
+    return [path, sh]
+
+
+def _fsdp_resident(model) -> list:
+    """Tensors FSDP2 itself holds on its param groups / params at the step boundary."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+
+    def collect(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)) and depth < 3:
+            for x in v:
+                collect(x, depth + 1)
+        elif hasattr(v, "__dataclass_fields__") and depth < 3:
+            for k in v.__dataclass_fields__:
+                collect(getattr(v, k, None), depth + 1)
+
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        pg = state._fsdp_param_group
+        if pg is None:
+            continue
+        for obj in [pg, *pg.fsdp_params]:
+            for v in vars(obj).values():
+                collect(v)
+    return out
+
+
+def state_groups(trainer) -> dict:
+    from probes.memory import optimizer_tensors
+
+    params, grads, other = [], [], []
+    for m in trainer.model_parts:
+        for p in m.parameters():
+            params.append(p)
+            if p.grad is not None:
+                grads.append(p.grad)
+        other += list(m.buffers())
+        other += _fsdp_resident(m)
+    optim = []
+    for o in trainer.optimizers.optimizers:
+        optim += optimizer_tensors(o)
+    return {"params": params, "grads": grads, "optim": optim, "other": other}
+
+
+def run_rank(cfg, lay, session) -> dict:
+    from launchers import titan_cpu
+
+    if cfg.cluster.device == "cpu":
+        titan_cpu.install()
+    else:
+        titan_cpu.set_timeout_shim()
+    import torch
+
+    job_dir = os.path.dirname(session.out_path)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(ASSETS_CACHE, "hf_datasets_cache"))
+    path = write_module(cfg, lay, job_dir)
+    config = load_config(path)
+    trainer = config.build()
+    losses: dict[int, float] = {}
+    orig_log = trainer.metrics_processor.log
+
+    def log(step, global_avg_loss, *a, **k):
+        losses[step] = float(global_avg_loss)
+        return orig_log(step, global_avg_loss, *a, **k)
+
+    trainer.metrics_processor.log = log
+    orig_step = trainer.train_step
+
+    def train_step(data_iterator):
+        i = trainer.step - 1  # Trainer.train() counts from 1; the ledger's step 0 is the first
+        with session.step(i):
+            orig_step(data_iterator)
+        session.loss(losses.get(trainer.step))
+        session.state(lambda: state_groups(trainer))
+
+    trainer.train_step = train_step
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return {"cpu_redirects": titan_cpu.reached()}

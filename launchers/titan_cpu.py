@@ -1,0 +1,173 @@
+"""The one place where torchtitan 0.3.0 is redirected to run on CPU gloo ranks.
+
+Each redirect names the torchtitan file it serves and counts in REACHED every time it does its
+work, so a test can tell a redirect that stopped being reached (no longer needed, or no longer
+working) from one that still carries the run. `install()` is called by launchers.titan only
+when cluster.device == "cpu", before torchtitan is imported; nothing here touches a GPU run,
+except `set_timeout` (see there), which torch 2.13 lacks on every device.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+REACHED: Counter = Counter()
+_installed = False
+
+
+# -- tools/utils.py: get_device_info() falls back to "cuda" when no accelerator is found, at import
+def _device_type_cpu():
+    import torch._utils as tu
+
+    orig = tu._get_available_device_type
+
+    def available_or_cpu():
+        found = orig()
+        if found is None:
+            REACHED["device_type"] += 1
+            return "cpu"
+        return found
+
+    return tu, orig, available_or_cpu
+
+
+@contextlib.contextmanager
+def _scoped_device_type():
+    """Only torchtitan's module-level device_type/device_module see "cpu"; torch is left alone."""
+    tu, orig, repl = _device_type_cpu()
+    tu._get_available_device_type = repl
+    try:
+        yield
+    finally:
+        tu._get_available_device_type = orig
+
+
+# -- components/metrics.py: DeviceMemoryMonitor calls get_device_name / memory_stats / empty_cache,
+#    which torch.cpu does not have. The CPU monitor reports no device statistics (zeros).
+def _memory_monitor_cpu():
+    from torchtitan.components import metrics
+
+    def __init__(self, device: str = "cpu"):
+        REACHED["memory_monitor"] += 1
+        self.device = torch.device("cpu")
+        self.device_name = "cpu"
+        self.device_index = 0
+        self.device_capacity = 1
+        self.device_capacity_gib = self._to_gib(1)
+
+    def get_peak_stats(self):
+        REACHED["memory_monitor"] += 1
+        return metrics.DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+
+    def reset_peak_stats(self):
+        REACHED["memory_monitor"] += 1
+
+    m = metrics.DeviceMemoryMonitor
+    m.__init__, m.get_peak_stats, m.reset_peak_stats = __init__, get_peak_stats, reset_peak_stats
+
+
+# -- models/common/attention.py: FlexAttention is the only language-model attention backend, and
+#    flex_attention (compiled or eager) refuses backward on CPU. The same attention is computed
+#    with scaled_dot_product_attention under the BlockMask's own mask_mod, evaluated densely
+#    (create_mask), so document-causal masking is kept exactly.
+def math_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                        return_aux=None, kernel_options=None):
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+
+    REACHED["flex_attention"] += 1
+    if score_mod is not None:
+        raise NotImplementedError("titan_cpu: score_mod is not supported by the CPU attention redirect")
+    B, _, Lq, _ = q.shape
+    mask = None
+    if block_mask is not None:
+        mask = create_mask(block_mask.mask_mod, B, 1, Lq, k.shape[2], device=q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    lse = None
+    if return_aux is not None and return_aux.lse:
+        kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1) if enable_gqa else k
+        s = (q.float() @ kk.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+    return out, AuxOutput(lse=lse)
+
+
+def _flex_math():
+    from torchtitan.models.common.attention import FlexAttention
+
+    FlexAttention._compiled_flex_attn = staticmethod(math_flex_attention)
+
+
+# -- distributed/fsdp.py: disable_fsdp_gradient_division() sets gradient_divide_factor=1.0,
+#    which FSDP2 turns into ReduceOp.PREMUL_SUM(1.0) for the reduce-scatter; gloo has no
+#    PREMUL_SUM. force_sum_reduction_for_comms gives SUM with no division (factor 1): the same
+#    numbers and the same collectives.
+def _force_sum():
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import fsdp
+
+    orig = fsdp.disable_fsdp_gradient_division
+
+    def disable_division_sum_only(model):
+        orig(model)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                REACHED["force_sum_reduction"] += 1
+                m.set_force_sum_reduction_for_comms(True)
+
+    fsdp.disable_fsdp_gradient_division = disable_division_sum_only
+
+
+# -- distributed/utils.py set_pg_timeouts(): barrier(device_ids=[device_module.current_device()])
+#    passes "cpu" as a device id, which barrier rejects; a plain barrier synchronises the same ranks.
+def _barrier_without_device_ids():
+    orig = dist.barrier
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        if device_ids is not None and any(not isinstance(d, int) for d in device_ids):
+            REACHED["barrier_device_ids"] += 1
+            device_ids = None
+        return orig(group=group, async_op=async_op, device_ids=device_ids)
+
+    dist.barrier = barrier
+
+
+# -- distributed/utils.py set_pg_timeouts(): torch.distributed.set_timeout does not exist in
+#    torch 2.13 (on any device); _set_pg_timeout is the same operation under its private name.
+def set_timeout_shim() -> None:
+    if hasattr(dist, "set_timeout"):
+        return
+
+    def set_timeout(timeout: timedelta, group=None):
+        REACHED["set_timeout"] += 1
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    dist.set_timeout = set_timeout
+
+
+def install() -> None:
+    """Apply every CPU redirect; must run before any torchtitan import."""
+    global _installed
+    if _installed:
+        return
+    if "torchtitan.tools.utils" in sys.modules:
+        raise RuntimeError("titan_cpu.install() must run before torchtitan is imported "
+                           "(tools/utils.py fixes device_type at import)")
+    with _scoped_device_type():
+        import torchtitan.tools.utils  # noqa: F401  (device_type, device_module = cpu, torch.cpu)
+    _memory_monitor_cpu()
+    _flex_math()
+    _force_sum()
+    _barrier_without_device_ids()
+    set_timeout_shim()
+    _installed = True
+
+
+def reached() -> dict[str, int]:
+    return dict(REACHED)
