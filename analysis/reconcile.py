@@ -5,7 +5,8 @@
 Quantities: params_bytes grads_bytes optim_bytes resident_bytes (at the step boundary) and
 comm/<dim>/<kind>/count, comm/<dim>/<kind>/buffer_bytes (per optimizer step). Step 0 is the
 first (tracing / warm-up) step: it is compared with the ledger's first-step prediction and
-reported as phase "first"; later steps are phase "steady".
+reported as phase "first", as are further warm-up steps the prediction lists (comm_warmup);
+later steps are phase "steady".
 """
 from __future__ import annotations
 
@@ -42,14 +43,19 @@ def rows(rec: dict) -> list[dict]:
         p = by_rank.get(m["rank"])
         if p is None or m.get("status") != "ok":
             continue
+        warmup = p.get("comm_warmup") or []
         for st in m.get("steps", []):
-            phase = "first" if st["step"] == 0 else "steady"
+            # step 0 and any further warm-up steps the prediction names are "first", not steady
+            phase = "first" if st["step"] <= len(warmup) else "steady"
             r0 = {**base, "rank": m["rank"], "step": st["step"], "phase": phase}
             if "state" in st:
                 for q in STATE_Q:
                     out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
             if "comm" in st:
-                pc = _comm_totals(p.get("comm_first") if phase == "first" and "comm_first" in p else p["comm"])
+                if 0 < st["step"] <= len(warmup):
+                    pc = _comm_totals(warmup[st["step"] - 1])
+                else:
+                    pc = _comm_totals(p.get("comm_first") if phase == "first" and "comm_first" in p else p["comm"])
                 mc = _comm_totals(st["comm"])
                 for q in sorted(set(pc) | set(mc)):
                     out.append({**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)})

@@ -60,6 +60,9 @@ class RankState:
     comm: list[Comm] = field(default_factory=list)
     # the first (tracing / warm-up) step where it differs from steady state; None = same
     comm_first: Optional[list[Comm]] = None
+    # steps 1..k when a framework's warm-up spans more than one optimizer step (DeepSpeed ZeRO-3
+    # completes its trace in the second forward); these steps are reported as phase "first" too
+    comm_warmup: Optional[list[list[Comm]]] = None
     detail: dict[str, int] = field(default_factory=dict)  # named parts of the four states
 
     @property
@@ -183,6 +186,8 @@ def _rank_dict(rank: int, s: RankState) -> dict:
     d["comm"] = [c.to_dict() for c in s.comm]
     if s.comm_first is not None:
         d["comm_first"] = [c.to_dict() for c in s.comm_first]
+    if s.comm_warmup:
+        d["comm_warmup"] = [[c.to_dict() for c in cs] for cs in s.comm_warmup]
     return d
 
 

@@ -1,0 +1,208 @@
+"""DeepSpeed ZeRO-1/2/3 on the plain-PyTorch Llama: engine(batch) / engine.backward(loss) / engine.step().
+
+One probe "step" is one optimizer step: gradient_accumulation_steps micro-batches, each
+forward + backward + engine.step() (DeepSpeed steps the optimizer at the accumulation boundary).
+
+CPU (cluster.device=cpu): DS_ACCELERATOR=cpu and gloo, set before deepspeed is imported; torch's
+AdamW ("torch_adam") instead of DeepSpeed's JIT-built CPU Adam; the shm all-reduce op, which
+DeepSpeed JIT-compiles at init_distributed, is disabled. GPU (cluster.device=cuda): the CUDA
+accelerator and NCCL, one GPU per rank (LOCAL_RANK).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ledger.layout import Layout
+
+
+def ds_config(cfg, lay: Layout) -> dict:
+    """The ds_config dict a user would pass to deepspeed.initialize (also written by mode=dry)."""
+    fw = cfg.framework
+    zero: dict = {
+        "stage": int(fw.zero_stage),
+        "reduce_bucket_size": int(fw.reduce_bucket_size),
+        "allgather_bucket_size": int(fw.allgather_bucket_size),
+        "overlap_comm": bool(fw.overlap_comm),
+        "contiguous_gradients": bool(fw.contiguous_gradients),
+    }
+    if fw.zero_stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(fw.stage3_prefetch_bucket_size),
+                    stage3_max_reuse_distance=int(fw.stage3_max_reuse_distance),
+                    stage3_max_live_parameters=int(fw.stage3_max_live_parameters),
+                    stage3_param_persistence_threshold=int(fw.stage3_param_persistence_threshold))
+    return {
+        "train_batch_size": lay.global_batch_size,
+        "train_micro_batch_size_per_gpu": lay.micro_batch_size,
+        "gradient_accumulation_steps": lay.num_microbatches,
+        "gradient_clipping": float(fw.gradient_clipping),
+        "bf16": {"enabled": fw.precision == "bf16"},
+        "optimizer": {"type": "AdamW",
+                      # torch_adam: torch.optim.AdamW (no JIT-built fused / CPU Adam)
+                      "params": {"lr": float(cfg.train.lr), "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                 "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _setup_env(cfg) -> None:
+    """Before `import deepspeed`: it picks its accelerator at import time."""
+    if cfg.cluster.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        os.environ["DS_ACCELERATOR"] = "cuda"
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+
+
+def _no_shm_op() -> None:
+    # deepspeed.comm.torch.build_shm_op JIT-compiles a C++ op (minutes) on the CPU accelerator.
+    # The attribute path deepspeed.comm.torch resolves to the torch package, hence sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def run_rank(cfg, lay: Layout, session) -> dict:
+    _setup_env(cfg)
+    import torch
+
+    import deepspeed
+
+    from launchers.data import batch
+    from launchers.llama import Llama
+    from ledger.model import ModelShape
+
+    cpu = cfg.cluster.device == "cpu"
+    if cpu:
+        _no_shm_op()
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=cfg.cluster.backend)
+    rank = torch.distributed.get_rank()
+
+    conf = ds_config(cfg, lay)
+    shape = ModelShape.from_config(cfg.model)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.framework.zero_stage == 3:
+        # no dtype: zero.Init(dtype=float32) yields bf16 params on CPUs without fp16 (Init._set_dtype)
+        with deepspeed.zero.Init(config_dict_or_path=conf):
+            model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps)
+    else:
+        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+
+    dp_rank, dp = rank, lay.dp  # pure data parallelism: the DP rank is the global rank
+    for step in range(cfg.train.steps):
+        losses = []
+        with session.step(step):
+            for micro in range(lay.num_microbatches):
+                tokens, labels = batch(shape.vocab, shape.seq_len, lay.micro_batch_size, cfg.train.seed, step,
+                                       micro, dp_rank, dp, engine.device)
+                loss = engine(tokens, labels)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float().item())
+        session.loss(sum(losses) / len(losses))
+        session.state(lambda: state_groups(engine))
+    return {"ds_config": conf, "global_steps": engine.global_steps}
+
+
+def _tensors(x) -> list:
+    import torch
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def state_groups(engine) -> dict:
+    """The engine's real containers at the step boundary, as params / grads / optim / other.
+
+    A tensor that is a view into a flat buffer counts the whole buffer once (probes.memory)."""
+    from probes.memory import optimizer_tensors
+
+    opt = engine.optimizer
+    mparams = list(engine.module.parameters())
+    buckets = [t for b in getattr(opt, "ipg_buckets", {}).values() for t in _tensors(getattr(b, "buffer", None))]
+    if hasattr(opt, "fp16_partitioned_groups_flat"):  # ZeRO-3 (stage3.py)
+        params = _tensors(opt.fp16_partitioned_groups_flat) + [p.ds_tensor for p in mparams]
+        params += [p for p in mparams if p.numel() > 0]  # gathered (persistent) params: full data
+        grads = _tensors(getattr(opt, "grad_partitions_flat_buffer", None)) + buckets
+        grads += _tensors(getattr(opt, "averaged_gradients", None))
+        optim = _tensors(opt.fp32_partitioned_groups_flat)
+    else:  # ZeRO-1/2 (stage_1_and_2.py)
+        params = _tensors(opt.bit16_groups_flat) + mparams
+        grads = _tensors(getattr(opt, "averaged_gradients", None)) + buckets
+        grads += _tensors(getattr(opt, "grads_in_partition", None))
+        optim = _tensors(opt.single_partition_of_fp32_groups)
+    grads += [p.grad for p in mparams if p.grad is not None]
+    optim += optimizer_tensors(opt.optimizer)
+    other = _tensors(getattr(opt, "_global_grad_norm", None)) + _tensors(getattr(opt, "inf_or_nan_tracker", None))
+    return {"params": params, "grads": grads, "optim": optim, "other": other}
+
+
+RUN_LINE = ('deepspeed --num_gpus {gpus} --num_nodes {nodes} "$HERE/train_ds.py" '
+            '--deepspeed_config "$HERE/ds_config.json" --model {model} --steps {steps}')
+
+TRAIN_DS = """\"\"\"train-ledger: ZeRO on the plain-PyTorch Llama (launchers/llama.py), as run_rank does it.\"\"\"
+import argparse, json, os
+import deepspeed, torch
+from launchers.llama import Llama
+from launchers.data import batch
+from ledger.model import ModelShape
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--deepspeed_config"); ap.add_argument("--model"); ap.add_argument("--steps", type=int)
+ap.add_argument("--local_rank", type=int, default=0)
+a = ap.parse_args()
+deepspeed.init_distributed()
+conf = json.load(open(a.deepspeed_config))
+shape = ModelShape(**json.loads(a.model))
+if conf["zero_optimization"]["stage"] == 3:
+    with deepspeed.zero.Init(config_dict_or_path=conf):   # no dtype: the config decides
+        model = Llama(shape)
+else:
+    model = Llama(shape)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+for step in range(a.steps):
+    for micro in range(engine.gradient_accumulation_steps()):
+        x, y = batch(shape.vocab, shape.seq_len, engine.train_micro_batch_size_per_gpu(), 1234, step, micro,
+                     engine.global_rank, engine.dp_world_size, engine.device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+"""
+
+
+def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
+    """ds_config.json, train_ds.py and run.sh for a GPU cluster (DeepSpeed's own launcher)."""
+    from dataclasses import asdict
+
+    from ledger.model import ModelShape
+
+    conf = ds_config(cfg, lay)
+    paths = []
+    p = os.path.join(out_dir, "ds_config.json")
+    with open(p, "w") as f:
+        json.dump(conf, f, indent=2)
+    paths.append(p)
+    p = os.path.join(out_dir, "train_ds.py")
+    with open(p, "w") as f:
+        f.write(TRAIN_DS)
+    paths.append(p)
+    gpus = cfg.cluster.gpus_per_node or cfg.cluster.ranks
+    line = RUN_LINE.format(gpus=gpus, nodes=cfg.cluster.nodes, steps=cfg.train.steps,
+                           model="'" + json.dumps(asdict(ModelShape.from_config(cfg.model))) + "'")
+    p = os.path.join(out_dir, "run.sh")
+    with open(p, "w") as f:
+        f.write("#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
+                'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
+                "PYTHONPATH=$PWD %s\n" % (cfg.framework.zero_stage, lay.world, line))
+    os.chmod(p, 0o755)
+    paths.append(p)
+    return paths

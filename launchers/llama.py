@@ -1,0 +1,130 @@
+"""A plain-PyTorch Llama of a ModelShape: RMSNorm, RoPE, GQA, SwiGLU, untied output.
+
+Module and parameter names are torchtitan's, the same list and order as ledger.model
+ModelShape.params(), so a ledger's parameter list and the real model agree name by name
+(tests/test_deepspeed.py checks it). The model holds no buffers: RoPE angles are computed in
+forward, so the only model state a framework can keep is the parameters themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ledger.model import ModelShape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def _norm(shape: ModelShape, eps: float) -> nn.Module:
+    if shape.norm == "layernorm":
+        return nn.LayerNorm(shape.hidden, eps=eps)
+    return RMSNorm(shape.hidden, eps)
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on (batch, seq, heads, head_dim), pairs (2i, 2i+1) as torchtitan's."""
+    b, s, h, d = x.shape
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (s, d/2)
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    xf = x.float().reshape(b, s, h, d // 2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.reshape(b, s, h, d).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, theta: float):
+        super().__init__()
+        hd, bias = shape.head_dim, shape.bias
+        self.heads, self.kv_heads, self.head_dim, self.theta = shape.heads, shape.kv_heads, hd, theta
+        self.wq = nn.Linear(shape.hidden, shape.heads * hd, bias=bias)
+        self.wk = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=bias)
+        self.wo = nn.Linear(shape.heads * hd, shape.hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = rope(self.wq(x).view(b, s, self.heads, self.head_dim), self.theta)
+        k = rope(self.wk(x).view(b, s, self.kv_heads, self.head_dim), self.theta)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads  # GQA: each K/V head serves `rep` query heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.swiglu = shape.swiglu
+        self.w1 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=shape.bias)
+        self.w2 = nn.Linear(shape.ffn_hidden, shape.hidden, bias=shape.bias)
+        if shape.swiglu:
+            self.w3 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=shape.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape, theta: float, eps: float):
+        super().__init__()
+        # registration order = ModelShape.layer_params() order
+        self.attention_norm = _norm(shape, eps)
+        self.attention = Attention(shape, theta)
+        self.ffn_norm = _norm(shape, eps)
+        self.feed_forward = FeedForward(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5):
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
+        self.layers = nn.ModuleList(Block(shape, rope_theta, norm_eps) for _ in range(shape.layers))
+        self.norm = _norm(shape, norm_eps)
+        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        if shape.tied_embeddings:
+            # one Parameter in two modules: named_parameters() lists it once, as tok_embeddings.weight
+            self.output.weight = self.tok_embeddings.weight
+        self._init(shape)
+
+    def _init(self, shape: ModelShape) -> None:
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                # residual projections scaled by depth, as GPT-2 / torchtitan do
+                s = std / math.sqrt(2 * shape.layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                nn.init.normal_(p, 0.0, s)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        h = self.norm(h)
+        logits = self.output(h)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
