@@ -1,0 +1,48 @@
+"""Bad layouts are rejected before anything runs, naming the field and the rule."""
+import pytest
+
+from ledger.layout import ConfigError, resolve, validate
+from ledger.model import preset
+
+
+class L(dict):
+    __getattr__ = dict.__getitem__
+
+
+def lay(**kw):
+    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False,
+                micro_batch_size=1, global_batch_size=-1)
+    return L({**base, **kw})
+
+
+@pytest.mark.parametrize("model,kw,fw,needle", [
+    ("llama3_8b", dict(tp=3, dp=1), "megatron", "tp=3 does not divide num_heads=32"),
+    ("tiny", dict(pp=3, dp=1), "megatron", "pp*vp=3*1 does not divide layers=4"),
+    ("tiny", dict(dp=2, global_batch_size=3), "megatron", "global_batch_size=3"),
+    ("tiny", dict(tp=2, dp=1), "deepspeed", "deepspeed: tp=2"),
+    ("tiny", dict(pp=2, dp=1), "titan", "titan: pp=2"),
+    ("tiny", dict(dp=4, dp_replicate=3), "titan", "dp_replicate=3 does not divide dp=4"),
+    ("tiny", dict(ep=2, dp=1), "megatron", "ep=2"),
+    ("tiny", dict(dp=1, sequence_parallel=True), "megatron", "sequence_parallel=true needs tp > 1"),
+])
+def test_rejections_name_field_and_rule(model, kw, fw, needle):
+    with pytest.raises(ConfigError) as e:
+        validate(preset(model), resolve(lay(**kw), world=8), fw)
+    assert needle in str(e.value)
+
+
+def test_world_must_match_cluster():
+    with pytest.raises(ConfigError, match="world size"):
+        validate(preset("tiny"), resolve(lay(dp=2, tp=2)), "megatron", world=2)
+
+
+def test_dp_auto_fills_from_world():
+    l = resolve(lay(tp=2), world=8)
+    assert (l.dp, l.world, l.num_microbatches) == (4, 8, 1)
+
+
+def test_cli_single_run_exits_nonzero_naming_tp_and_heads(run_launch, tmp_path):
+    p = run_launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=3", "layout.dp=1",
+                   f"hydra.run.dir={tmp_path}")
+    assert p.returncode != 0
+    assert "tp=3 does not divide num_heads=32" in p.stderr
