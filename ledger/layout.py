@@ -116,6 +116,9 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         need(lay.num_microbatches == 1,
              f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
              "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+        from ledger.faithful.titan import check as titan_check  # shape limits of the llama3 spec
+
+        titan_check(model, lay)
         if fw_cfg is not None:
             need(fw_cfg.reshard_after_forward in ("default", "always", "never"),
                  f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")

@@ -78,14 +78,22 @@ def check(model: ModelShape, lay: Layout) -> None:
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check(model, lay)
+    for field, want in (("dtype", "float32"), ("mixed_precision_param", "bfloat16"),
+                        ("mixed_precision_reduce", "float32"), ("spmd_backend", "partial_dtensor")):
+        if getattr(fw, field) != want:
+            raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models {want!r}")
     grid: Grid = lay.grid
     cache: dict = {}
 
+    params = [p for _, u in units(model, lay.tp) for p in u]
+
     def rank_state(r: int) -> RankState:
-        k = grid.coords(r)["dp"]  # ranks differ only by their dim-0 shard index
-        if k not in cache:
-            cache[k] = _state(model, lay, fw, k)
-        return cache[k]
+        # ranks differ only by the rows their dim-0 shard holds: equal rows share one state
+        k = grid.coords(r)["dp"]
+        key = tuple(_rows(p, lay.dp_shard, k) for p in params)
+        if key not in cache:
+            cache[key] = _state(model, lay, fw, k)
+        return cache[key]
 
     from ledger.textbook import _model_dict
 
