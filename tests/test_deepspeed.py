@@ -8,6 +8,8 @@ The real matrix (one fixture, two Hydra multiruns, ~3 min on 2 cores):
     python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=4 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=0 \\
         framework.stage3_max_reuse_distance=0 train.steps=4
+    python launch.py -m framework=deepspeed framework.zero_stage=2 cluster.ranks=2 \\
+        framework.reduce_bucket_size=500000 layout.global_batch_size=4 train.steps=4   # 2 micro-batches
 
 reduce_bucket_size=500000 elements splits the tiny model's gradients into several IPG buckets (and
 keeps ZeRO-3's always-allocated IPG bucket at 1 MB instead of the default's 1 GB).
@@ -29,6 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
 MATRIX = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "train.steps=4"]
+GAS2 = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", f"framework.reduce_bucket_size={SMALL_BUCKET}",
+        "layout.global_batch_size=4", "train.steps=4"]
 KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
           "framework.stage3_max_reuse_distance=0", "train.steps=4"]
@@ -216,7 +220,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     _sweep(MATRIX, root / "matrix")
     _sweep(KNOBS0, root / "knobs0")
-    recs = {"matrix": R.load(str(root / "matrix")), "knobs0": R.load(str(root / "knobs0"))}
+    _sweep(GAS2, root / "gas2")
+    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -236,8 +241,8 @@ def _steady_comm(rank_rec, step):
 def test_matrix_ran_every_rank(runs):
     recs, _ = runs
     assert sorted(_key(r) for r in recs["matrix"]) == [(1, 2), (1, 4), (2, 2), (2, 4), (3, 2), (3, 4)]
-    assert [_key(r) for r in recs["knobs0"]] == [(3, 4)]
-    for rec in recs["matrix"] + recs["knobs0"]:
+    assert [_key(r) for r in recs["knobs0"]] == [(3, 4)] and [_key(r) for r in recs["gas2"]] == [(2, 2)]
+    for rec in recs["matrix"] + recs["knobs0"] + recs["gas2"]:
         assert rec["status"] == "ok", rec["error"]
         ranks = rec["measurement"]["ranks"]
         assert [r["rank"] for r in ranks] == list(range(_key(rec)[1]))
@@ -308,3 +313,16 @@ def test_zero3_2n_default_and_3n_with_knobs_zero(runs):
         assert k[("all_gather", "bf16")] == (2 * len(big_modules) + len(persist), 2 * n + 2 * (n - sum(persist)))
         assert d[("reduce_scatter", "bf16")][1] == k[("reduce_scatter", "bf16")][1] == 2 * n
         assert d[("reduce_scatter", "bf16")][0] > 1
+
+
+@pytest.mark.real
+def test_zero2_reduces_every_micro_batch(runs):
+    """Stage 2 reduces gradients in the backward hooks of every micro-batch, not once per step."""
+    recs, _ = runs
+    one = next(r for r in recs["matrix"] if _key(r) == (2, 2))
+    two = recs["gas2"][0]
+    assert two["prediction"]["layout"]["num_microbatches"] == 2
+    for r1, r2 in zip(one["measurement"]["ranks"], two["measurement"]["ranks"]):
+        c1, c2 = _steady_comm(r1, 3), _steady_comm(r2, 3)
+        assert c2[("all_reduce", "bf16")] == tuple(2 * x for x in c1[("all_reduce", "bf16")])
+        assert c2[("all_gather", "bf16")] == c1[("all_gather", "bf16")]
