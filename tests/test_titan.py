@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (three small multiruns) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
+One shared sweep (three small multiruns, 8 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false). Every row on every
 rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every rank.
@@ -24,8 +24,9 @@ from tests.conftest import REPO, launch
 COMMON = ("framework=titan", "model.seq_len=32", "train.steps=2")
 SWEEPS = (
     ("w2", ("cluster.ranks=2", "framework.reshard_after_forward=always,never")),
-    ("w4", ("cluster.ranks=4", "model.vocab=1030", "layout.tp=1,2", "layout.dp_replicate=1,2",
+    ("w4", ("cluster.ranks=4", "model.vocab=1030", "layout.dp_replicate=1,2",
             "framework.reshard_after_forward=always,never")),
+    ("w4tp", ("cluster.ranks=4", "model.vocab=1030", "layout.tp=2", "framework.reshard_after_forward=always,never")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2"}  # layout names (dp is the total DP degree)
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
