@@ -50,12 +50,12 @@ REDIRECTS: tuple[Redirect, ...] = (
     # `model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` picks the
     # fp32-master path for bf16 params
     Redirect(_DOPT, "DistributedOptimizer._build_model_and_main_param_groups", "Tensor.type"),
+    # optimizer/distrib_optimizer.py DistributedOptimizer.__init__: the same check marks bf16
+    # params main_param_sharded (their fp32 copy lives in the shard)
+    Redirect(_DOPT, "DistributedOptimizer.__init__", "Tensor.type"),
     # optimizer/optimizer.py MixedPrecisionOptimizer.__init__: found_inf / _dummy_overflow_buf /
     # _scale_one created with device='cuda'
     Redirect(_OPT, "MixedPrecisionOptimizer.__init__", "device='cuda'"),
-    # optimizer/optimizer.py MegatronOptimizer.get_loss_scale: bf16 without a grad scaler returns
-    # a 1.0 tensor on torch.cuda.current_device()
-    Redirect(_OPT, "MegatronOptimizer.get_loss_scale", "torch.cuda.current_device"),
     # optimizer/clip_grads.py get_grad_norm_fp32: dummy_overflow_buf with device='cuda'
     Redirect(_CLIP, "get_grad_norm_fp32", "device='cuda'"),
     # optimizer/clip_grads.py clip_grad_by_total_norm_fp32: dummy_overflow_buf with device='cuda'
@@ -91,7 +91,12 @@ REDIRECTS: tuple[Redirect, ...] = (
     # tensor_parallel/mappings.py _reduce_scatter_along_first_dim (sequence parallel): output
     # on torch.cuda.current_device()
     Redirect(_MAP, "_reduce_scatter_along_first_dim", "torch.cuda.current_device"),
-    Redirect(_LAYERS, "?", "torch.cuda.current_device"),
+    # tensor_parallel/mappings.py _gather_along_first_dim (sequence parallel, backward of the
+    # reduce-scatter regions): output on torch.cuda.current_device()
+    Redirect(_MAP, "_gather_along_first_dim", "torch.cuda.current_device"),
+    # tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward
+    # (sequence parallel): the reduce-scattered input grad on torch.cuda.current_device()
+    Redirect(_LAYERS, "LinearWithGradAccumulationAndAsyncCommunication.backward", "torch.cuda.current_device"),
 )
 
 _MODULES = sorted({r.module for r in REDIRECTS})
