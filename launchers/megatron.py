@@ -124,7 +124,26 @@ def init_distributed(cfg) -> torch.device:
     return device
 
 
-def state_groups(model, optimizer) -> dict:
+def rope_tensors(model, seq_len: int) -> list[torch.Tensor]:
+    """RotaryEmbedding keeps inv_freq (a plain attribute) and, through @lru_cache on forward,
+    the emb tensor of the last call (models/common/embeddings/rotary_pos_embedding.py). The
+    cached one is fetched by repeating GPTModel._preprocess's call: a cache hit, checked."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, RotaryEmbedding):
+            out.append(mod.inv_freq)
+            before = type(mod).forward.cache_info()
+            emb = mod(seq_len, packed_seq=False, cp_group=None)
+            after = type(mod).forward.cache_info()
+            if after.currsize != before.currsize or after.hits != before.hits + 1:
+                raise RuntimeError(f"rope cache probe missed: {before} -> {after}")
+            out.append(emb)
+    return out
+
+
+def state_groups(model, optimizer, seq_len: int) -> dict:
     """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron.py)."""
     params, grads, other = [], [], []
     for buf in model.buffers + model.expert_parallel_buffers:
@@ -144,6 +163,12 @@ def state_groups(model, optimizer) -> dict:
             t = getattr(opt, name, None)
             if isinstance(t, torch.Tensor):
                 other.append(t)
+    # module buffers (RoPE inv_freq) and utils.py GlobalMemoryBuffer: the scratch tensors that
+    # dot_product_attention.py (attention scores) and the SP all-gathers keep between steps
+    other += list(model.module.buffers()) + rope_tensors(model, seq_len)
+    from megatron.core import parallel_state as ps
+
+    other += list(ps.get_global_memory_buffer().buffer.values())
     return {"params": params, "grads": grads, "optim": optim, "other": other}
 
 
@@ -187,7 +212,7 @@ def run_rank(cfg, lay: Layout, session) -> dict:
             ok, grad_norm, _ = optimizer.step()
         loss = sum(float(x["lm loss"]) for x in losses) / m if losses else None
         session.loss(loss)
-        session.state(lambda: state_groups(model, optimizer))
+        session.state(lambda: state_groups(model, optimizer, cfg.model.seq_len))
     extra = {"grad_norm": float(grad_norm) if grad_norm is not None else None,
              "stage": ps.get_pipeline_model_parallel_rank()}
     if device.type == "cpu":

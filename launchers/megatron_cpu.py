@@ -53,6 +53,10 @@ REDIRECTS: tuple[Redirect, ...] = (
     # optimizer/distrib_optimizer.py DistributedOptimizer.__init__: the same check marks bf16
     # params main_param_sharded (their fp32 copy lives in the shard)
     Redirect(_DOPT, "DistributedOptimizer.__init__", "Tensor.type"),
+    # optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__ (no distributed
+    # optimizer): `param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` picks
+    # the fp32-master path, anything else raises "Wrapped parameters must be one of ..."
+    Redirect(_OPT, "Float16OptimizerWithFloat16Params.__init__", "Tensor.type"),
     # optimizer/optimizer.py MixedPrecisionOptimizer.__init__: found_inf / _dummy_overflow_buf /
     # _scale_one created with device='cuda'
     Redirect(_OPT, "MixedPrecisionOptimizer.__init__", "device='cuda'"),

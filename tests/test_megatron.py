@@ -31,10 +31,14 @@ SWEEPS = (
     ("w4off", ("cluster.ranks=4", "framework.overlap_grad_reduce=false", "layout={tp:2},{tp:2,pp:2,sequence_parallel:true}")),
     ("w4on", ("cluster.ranks=4", "framework.overlap_grad_reduce=true",
               "layout={tp:2,sequence_parallel:true},{pp:2},{tp:2,pp:2}")),
+    # the plain DDP path (no distributed optimizer): fp32 masters in full, all-reduce per bucket
+    ("w2ddp", ("cluster.ranks=2", "framework.overlap_grad_reduce=true", "framework.use_distributed_optimizer=false",
+               "layout={}")),
 )
-# (layout, overlap_grad_reduce) of every job
-EXPECTED = {("dp2", False), ("tp2", False), ("dp2", True), ("tp2·sp", True), ("pp2", True),
-            ("tp2·dp2", False), ("tp2·pp2·sp", False), ("tp2·dp2·sp", True), ("pp2·dp2", True), ("tp2·pp2", True)}
+# (layout, overlap_grad_reduce, use_distributed_optimizer) of every job
+EXPECTED = {("dp2", False, True), ("tp2", False, True), ("dp2", True, True), ("tp2·sp", True, True),
+            ("pp2", True, True), ("tp2·dp2", False, True), ("tp2·pp2·sp", False, True), ("tp2·dp2·sp", True, True),
+            ("pp2·dp2", True, True), ("tp2·pp2", True, True), ("dp2", True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,8 @@ def _overlap(rec) -> bool:
 def test_matrix_ran(sweep):
     bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
     assert not bad, bad
-    assert {(records.layout_name(r), _overlap(r)) for r in sweep["ok"]} == EXPECTED
+    assert {(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"])
+            for r in sweep["ok"]} == EXPECTED
 
 
 @pytest.mark.real
@@ -177,12 +182,15 @@ def test_ledger_18_bytes_per_param_and_zero1_division():
         assert abs(s.optim_bytes - 12 * n / 2) < 12 * 2 * 128 + 4 * 200  # padding + step tensors only
 
 
-def test_ledger_refuses_what_it_does_not_model():
+def test_faithful_ledger_refuses_what_it_does_not_model():
     model = preset("tiny")
     with pytest.raises(ConfigError, match="overlap_param_gather"):
         L.place(model, _lay(), _fw(overlap_param_gather=True))
     with pytest.raises(ConfigError, match="tied_embeddings"):
-        L.place(dataclasses.replace(preset("tiny"), tied_embeddings=True), _lay(), _fw())
+        L.place(dataclasses.replace(model, tied_embeddings=True), _lay(), _fw())
+    with pytest.raises(ConfigError, match="vp=2"):
+        L.place(model, _lay(pp=2, vp=2), _fw())
+    L.place(model, _lay(tp=2, pp=2, dp=1, sequence_parallel=True), _fw())
 
 
 # -- dry: run.sh ---------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Resident state at a step boundary:
   grads   DDP grad buffer (grad_data, fp32 with grad_reduce_in_fp32, padded)
   optim   fp32 master shards (bf16 params) + Adam exp_avg / exp_avg_sq per byte range + one
           4-byte `step` per parameter that has a non-empty range on this rank
-  other   the optimizer's unity loss scale `_scale_one` (bf16 without a grad scaler)
+  other   the optimizer's unity loss scale `_scale_one` (bf16 without a grad scaler), RoPE's
+          inv_freq and cached emb, utils.py GlobalMemoryBuffer scratch (attention scores, SP
+          all-gathers)
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
-from ledger.model import ModelShape, numel
+from ledger.model import ModelShape
 from ledger.placement import CommBuilder, Placement, RankState
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
@@ -169,6 +171,19 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     # optimizer.py MixedPrecisionOptimizer.__init__: bf16 without a grad scaler keeps _scale_one
     if bf16:
         s.add("other_bytes", "unity loss scale (_scale_one)", 4)
+    # models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding: inv_freq (fp32,
+    # ceil(kv_channels/2)) and the emb tensor [s, 1, 1, 2*ceil(kv_channels/2)] fp32 that the
+    # @lru_cache on forward keeps alive; every stage computes it (gpt_model.py _preprocess)
+    half = -(-model.head_dim // 2)
+    s.add("other_bytes", "rope inv_freq", 4 * half)
+    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half)
+    # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
+    # transformer/dot_product_attention.py (scores [b*heads/tp, s, s]) and, with SP, of the
+    # all-gathers in tensor_parallel/layers.py / mappings.py ([s, b, h])
+    act = 2 if bf16 else 4
+    b, sq = lay.micro_batch_size, model.seq_len
+    mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
+    s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
     s.comm = _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt)
     return s
 
@@ -242,14 +257,15 @@ def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
 
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
+    # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
     if model.tied_embeddings:
         raise ConfigError("megatron: model.tied_embeddings=true is not modelled by the faithful ledger yet "
                           "(shared_embedding bucket, embedding-group all-reduce)")
-    if fw.overlap_param_gather:
+    if getattr(fw, "overlap_param_gather", False):
         raise ConfigError("megatron: framework.overlap_param_gather=true is not modelled by the faithful ledger "
-                          "yet (all-gathers move into the next step's forward pre-hooks)")
+                          "yet (the all-gathers move into the next step's forward pre-hooks)")
     if lay.vp > 1 or lay.cp > 1:
-        raise ConfigError(f"megatron: vp={lay.vp} cp={lay.cp}: only vp=1, cp=1 are modelled by the faithful ledger")
+        raise ConfigError(f"megatron: vp={lay.vp} cp={lay.cp}: the faithful ledger models vp=1, cp=1 only")
     grid = lay.grid
     cache: dict[tuple, RankState] = {}
 
