@@ -4,6 +4,8 @@ parallel_state.initialize_model_parallel -> GPTModel (local, non-TransformerEngi
 Float16Module (bf16) -> DistributedDataParallel -> get_megatron_optimizer -> per step:
 zero_grad_buffer + zero_grad, get_forward_backward_func() over m micro-batches, optimizer.step().
 On CPU (cluster.device == "cpu") launchers.megatron_cpu redirects Megatron's CUDA assumptions.
+On GPU (cluster.device=cuda, backend=nccl) nothing is redirected: stock Megatron runs, and
+sequence parallel with the local spec then needs apex (its FusedLayerNorm; torch's norm refuses SP).
 
 `dry` writes run.sh: the Megatron-LM pretrain_gpt.py command line of the same job for a GPU
 cluster (the design article's chapter 7 run.sh).
@@ -105,7 +107,8 @@ def forward_step(data_iterator, model):
 def _loss(batch, output_tensor):
     # output_tensor: per-token loss [b, s] from GPTModel (vocab-parallel cross-entropy)
     loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    # a copy: schedules.py forward_step_calc_loss divides the returned loss in place by m
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 # -- one rank ------------------------------------------------------------------------------------

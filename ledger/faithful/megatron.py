@@ -280,4 +280,6 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                    layout=lay.to_dict(), world=lay.world, rank_state=state)
     pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
                     "_compute_per_buffer_param_layout; master/Adam per DP byte range")
+    pl.notes.append("other: the local (non-TransformerEngine) spec's DotProductAttention keeps a "
+                    "[b*heads/tp, s, s] score buffer in GlobalMemoryBuffer; TE's fused attention (run.sh) does not")
     return pl
