@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -20,8 +21,20 @@ register()
 def main(cfg) -> dict:
     from launchers.job import run_job
 
+    from launchers.slurm import slurm_ranks_runner, task_env
+
     hc = HydraConfig.get()
-    record = run_job(cfg, hc.runtime.output_dir)
+    te = task_env()
+    if te is not None:  # a task of a Slurm job: this task runs one rank; rank 0 writes the record
+        rank, world, master, port, job_id = te
+        record = run_job(cfg, hc.runtime.output_dir, ranks_runner=slurm_ranks_runner(rank, world, master, port),
+                         writes_record=rank == 0,
+                         extra={"slurm": {"JobId": job_id, "NodeList": os.environ.get("SLURM_JOB_NODELIST"),
+                                          "ntasks": world}})
+        if rank != 0:
+            return {"status": record["status"], "job_dir": hc.runtime.output_dir, "rank": rank}
+    else:
+        record = run_job(cfg, hc.runtime.output_dir)
     status = record["status"]
     if status != "ok":
         print(f"job {hc.job.num if hc.mode == RunMode.MULTIRUN else ''} {status}: {record['error']}",

@@ -33,7 +33,7 @@ def job_name(rec: dict) -> str:
 
 
 def layout_name(rec: dict) -> str:
-    lay = (rec.get("prediction") or {}).get("layout") or rec["config"]["layout"]
+    lay = (rec.get("prediction") or {}).get("layout") or (rec.get("config") or {}).get("layout") or {}
     parts = [f"{k}{lay[k]}" for k in ("tp", "pp", "dp") if lay.get(k, 1) not in (1, -1)]
     if lay.get("dp_replicate", 1) > 1:
         parts.append(f"rep{lay['dp_replicate']}")
@@ -43,7 +43,7 @@ def layout_name(rec: dict) -> str:
 
 
 def framework_variant(rec: dict) -> str:
-    fw = rec["config"]["framework"]
+    fw = (rec.get("config") or {}).get("framework") or {"name": "?"}
     name = fw["name"]
     if name == "deepspeed":
         return f"deepspeed-z{fw['zero_stage']}"

@@ -107,12 +107,20 @@ class ClusterConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     time_min: int = 30
+    # seconds before the time limit that Slurm signals the job (submitit's USR2 checkpoint/requeue)
+    signal_delay_s: int = 120
+    # times submitit requeues a job that hit its time limit or was preempted (0 = record it and stop)
+    max_num_timeout: int = 0
     gpus_per_node: Optional[int] = None
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
     exclusive: bool = False
     constraint: Optional[str] = None
     setup: list[str] = field(default_factory=list)
+    # extra sbatch options, e.g. {exclusive: true}; comes through to submitit unchanged
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    # the slurm.conf the clients use (SLURM_CONF); None = the system's
+    slurm_conf: Optional[str] = None
 
 
 @dataclass
@@ -129,10 +137,12 @@ class LedgerConfig:
 
 @dataclass
 class WandbConfig:
-    enabled: bool = False
-    mode: str = "offline"  # offline | online | disabled
+    # on by default: offline mode needs no network; run files go under the job dir (analysis/wandb_io.py)
+    enabled: bool = True
+    mode: str = "offline"  # offline | online | disabled (this setting wins over WANDB_MODE)
     project: str = "train-ledger"
     entity: Optional[str] = None
+    # None = the Hydra sweep dir's name, so the runs of one sweep share a group
     group: Optional[str] = None
 
 
@@ -164,6 +174,11 @@ FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="job_schema", node=JobConfig)
+    # submitit's Slurm launcher under a second name: conf/hydra/launcher/submitit_slurm.yaml extends it
+    # with sizes taken from the cluster config
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+
+    cs.store(group="hydra/launcher", name="submitit_slurm_base", node=SlurmQueueConf(), provider="train-ledger")
     cs.store(group="model", name="model_schema", node=ModelConfig)
     # model presets live in ledger.model (one place); each becomes a config of group model/
     from ledger.model import PRESETS

@@ -44,7 +44,8 @@ def world_of(cfg) -> int:
 
 
 def check(cfg):
-    """Resolve and validate; raises ConfigError naming the field and the rule."""
+    """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
+    prediction is part of the check: a faithful ledger rejects what it does not model."""
     model = ModelShape.from_config(cfg.model)
     world = world_of(cfg)
     # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size
@@ -52,32 +53,43 @@ def check(cfg):
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.mode not in ("predict", "run", "dry"):
         raise ConfigError(f"mode={cfg.mode!r} must be predict, run or dry")
-    return model, lay
+    return model, lay, place(model, None, _with_layout(cfg, lay))
 
 
-def run_job(cfg, job_dir: str, ranks_runner=None) -> dict:
+def new_record(cfg, job_dir: str) -> dict:
+    return {"status": None, "error": None, "mode": cfg.mode, "job_dir": os.path.abspath(job_dir),
+            "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
+            "timings": {}, "prediction": None, "measurement": None}
+
+
+def invalid_record(cfg, job_dir: str, error: str) -> dict:
+    """The record of a job rejected before anything ran."""
+    os.makedirs(job_dir, exist_ok=True)
+    record = {**new_record(cfg, job_dir), "status": "invalid", "error": error}
+    write_json(os.path.join(job_dir, "record.json"), record)
+    return record
+
+
+def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, extra: dict | None = None) -> dict:
     """Run one job into job_dir and return its record. ranks_runner(job_dir, world, timeout, device)
-    starts the ranks (default: processes on this machine)."""
+    starts the ranks (default: processes on this machine). In a Slurm job every task calls this with
+    its own runner; only rank 0 writes the record (writes_record)."""
     os.makedirs(job_dir, exist_ok=True)
     t0 = time.time()
-    record: dict = {"status": None, "error": None, "mode": cfg.mode, "job_dir": os.path.abspath(job_dir),
-                    "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
-                    "timings": {}, "prediction": None, "measurement": None}
+    try:
+        model, lay, pl = check(cfg)
+    except ConfigError as e:
+        return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
+    record = {**new_record(cfg, job_dir), **(extra or {})}
     rec_path = os.path.join(job_dir, "record.json")
     try:
-        model, lay = check(cfg)
-    except ConfigError as e:
-        record.update(status="invalid", error=str(e))
-        write_json(rec_path, record)
-        return record
-    try:
-        cfg_l = OmegaConf.merge(cfg, {})  # a copy whose layout is the resolved one
-        pl = place(model, None, _with_layout(cfg_l, lay))
         pred = pl.to_dict()
         record["prediction"] = pred
-        write_json(os.path.join(job_dir, "prediction.json"), pred)
+        if writes_record:
+            write_json(os.path.join(job_dir, "prediction.json"), pred)
         record["timings"]["predict_s"] = time.time() - t0
-        print(pl.report())
+        if writes_record:
+            print(pl.report())
         if cfg.mode == "dry":
             mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
             record["artifacts"] = mod.dry(cfg, lay, job_dir)
@@ -93,7 +105,11 @@ def run_job(cfg, job_dir: str, ranks_runner=None) -> dict:
     except Exception as e:
         record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
     record["timings"]["total_s"] = time.time() - t0
-    write_json(rec_path, record)
+    if writes_record:
+        write_json(rec_path, record)
+        from analysis.wandb_io import log_job
+
+        log_job(cfg, record)  # never raises: a W&B failure lands in record["wandb"]["error"]
     return record
 
 
@@ -107,15 +123,19 @@ def _with_layout(cfg, lay):
     return _Cfg()
 
 
+def clear_results(job_dir: str, ranks) -> None:
+    """Stale results of an earlier attempt (a rerun, a requeue) must not be read back."""
+    for r in ranks:
+        p = os.path.join(job_dir, f"rank{r}.json")
+        if os.path.exists(p):
+            os.remove(p)
+
+
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
     from launchers.local import run_local
 
     world = lay.world
     write_json(os.path.join(job_dir, "job.json"), OmegaConf.to_container(cfg, resolve=True))
-    for r in range(world):  # stale results of an earlier attempt must not be read back
-        p = os.path.join(job_dir, f"rank{r}.json")
-        if os.path.exists(p):
-            os.remove(p)
     runner = ranks_runner or run_local
     procs = runner(job_dir, world, cfg.cluster.timeout_s, cfg.cluster.device)
     ranks = []

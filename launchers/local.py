@@ -21,6 +21,9 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> 
 
     When one rank fails the others are given a few seconds, then killed: they would otherwise
     wait in a collective until the timeout."""
+    from launchers.job import clear_results
+
+    clear_results(job_dir, range(world))
     port = free_port()
     procs = []
     for r in range(world):

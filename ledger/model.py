@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,33 @@ class ModelShape:
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         """All parameters in module (registration) order."""
+        return list(_params(self))
+
+    def _params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         out = [("tok_embeddings.weight", (self.vocab, self.hidden))]
         for i in range(self.layers):
             out += self.layer_params(i)
         out += self.norm_params("norm")
         if not self.tied_embeddings:
             out.append(("output.weight", (self.vocab, self.hidden)))
-        return out
+        return tuple(out)
 
     def num_params(self) -> int:
-        return sum(numel(s) for _, s in self.params())
+        return _num_params(self)
 
     def layer_num_params(self) -> int:
         return sum(numel(s) for _, s in self.layer_params(0))
+
+
+# shapes are frozen (hashable): a sweep over thousands of layouts lists a model's parameters once
+@lru_cache(maxsize=64)
+def _params(model: ModelShape):
+    return model._params()
+
+
+@lru_cache(maxsize=64)
+def _num_params(model: ModelShape) -> int:
+    return sum(numel(s) for _, s in _params(model))
 
 
 def numel(shape) -> int:
@@ -94,3 +109,15 @@ def preset(name: str, **overrides) -> ModelShape:
     if name not in PRESETS:
         raise KeyError(f"model preset {name!r} unknown; known: {sorted(PRESETS)}")
     return ModelShape(name=name, **{**PRESETS[name], **overrides})
+
+
+@lru_cache(maxsize=64)
+def _model_dict(model: ModelShape) -> tuple:
+    from dataclasses import asdict
+
+    return tuple({**asdict(model), "num_params": model.num_params()}.items())
+
+
+def model_dict(model: ModelShape) -> dict:
+    """The shape and its parameter count, as records carry it."""
+    return dict(_model_dict(model))

@@ -119,6 +119,9 @@ class Placement:
     world: int
     rank_state: Callable[[int], RankState]  # rank -> its (possibly shared) state
     notes: list[str] = field(default_factory=list)
+    # ranks that between them hold every distinct RankState (None = all ranks); lets per_gpu
+    # look at a handful of ranks instead of 16,384
+    representatives: Optional[list[int]] = None
     _per_gpu: Optional[RankState] = None
 
     @property
@@ -130,7 +133,7 @@ class Placement:
         """The most-loaded rank (largest resident bytes)."""
         if self._per_gpu is None:
             seen, best = set(), None
-            for r in range(self.world):
+            for r in self.representatives if self.representatives is not None else range(self.world):
                 s = self.rank_state(r)
                 if id(s) in seen:
                     continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ledger.layout import Layout
 from ledger.memory import StateBytes
-from ledger.model import ModelShape
+from ledger.model import ModelShape, model_dict
 from ledger.placement import CommBuilder, Placement, RankState
 
 
@@ -70,12 +70,10 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add_p2p("pp", 2 * m * shard, 0, what="activations each way")
     s.comm = cb.build()
     pl = Placement(framework=name, mode="textbook", model=_model_dict(model), layout=lay.to_dict(),
-                   world=lay.world, rank_state=lambda r: s)
+                   world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
     return pl
 
 
 def _model_dict(model: ModelShape) -> dict:
-    from dataclasses import asdict
-
-    return {**asdict(model), "num_params": model.num_params()}
+    return model_dict(model)

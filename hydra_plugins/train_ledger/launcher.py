@@ -1,0 +1,109 @@
+"""submitit's Slurm launcher, validating every job before sbatch and recording jobs Slurm kills.
+
+Hydra instantiates launchers only from the hydra_plugins namespace, hence this module; the
+callback that selects it and the Slurm helpers are in launchers/slurm.py.
+"""
+import os
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from omegaconf import OmegaConf, open_dict
+
+from launchers.slurm import _annotate, _record_killed, final_state, log
+
+
+class ValidatingSlurmLauncher(SlurmLauncher):
+    def launch(self, job_overrides, initial_job_idx):
+        from launchers.job import check, invalid_record
+        from ledger.layout import ConfigError
+
+        loader = self.hydra_context.config_loader
+        valid, returns = [], {}
+        tasks = self.params["nodes"] * self.params["tasks_per_node"]
+        for i, ov in enumerate(job_overrides):
+            idx = initial_job_idx + i
+            cfg = loader.load_sweep_config(self.config, list(ov))
+            with open_dict(cfg.hydra.job):
+                cfg.hydra.job.num = idx
+            job_dir = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
+            with open_dict(cfg):  # the job's own config, as its task function would see it
+                del cfg["hydra"]
+            try:
+                _, lay, _ = check(cfg)
+                if cfg.mode == "run" and lay.world != tasks:
+                    raise ConfigError(f"world size: tp*pp*dp*cp={lay.world} != Slurm nodes*tasks_per_node="
+                                      f"{self.params['nodes']}*{self.params['tasks_per_node']}={tasks}")
+            except ConfigError as e:
+                invalid_record(cfg, job_dir, str(e))
+                log.error(f"#{idx} invalid, not submitted: {e}")
+                returns[i] = _done(ov, {"status": "invalid", "job_dir": job_dir})
+                continue
+            valid.append((i, ov, cfg, job_dir))
+        if valid:
+            for (i, ov, cfg, job_dir), r in zip(valid, self._submit([v[1] for v in valid], initial_job_idx,
+                                                                    [v[0] for v in valid], [v[3] for v in valid])):
+                returns[i] = r
+        return [returns[i] for i in range(len(job_overrides))]
+
+    def _submit(self, overrides, initial_job_idx, positions, job_dirs):
+        """submitit's launch() for a subset of the sweep; a job Slurm kills becomes a record."""
+        import logging
+
+        import submitit
+        from hydra.core.singleton import Singleton
+
+        # without slurmdbd every state poll warns that sacct failed; _wait() asks scontrol instead
+        logging.getLogger("submitit").setLevel(logging.ERROR)
+
+        params = dict(self.params)
+        executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                                         slurm_max_num_timeout=params.pop("max_num_timeout", 0))
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+        args = [(list(ov), "hydra.sweep.dir", initial_job_idx + pos, f"job_id_for_{initial_job_idx + pos}",
+                 Singleton.get_state()) for ov, pos in zip(overrides, positions)]
+        jobs = executor.map_array(self, *zip(*args))
+        out = []
+        for job, ov, job_dir in zip(jobs, overrides, job_dirs):
+            try:
+                if not _wait(job):
+                    raise RuntimeError("no result from the job's first task")
+                res = job.results()[0]
+                _annotate(job_dir, job.job_id)
+                out.append(res)
+            except Exception as e:  # killed by Slurm, or the task itself died
+                state = final_state(job.job_id)
+                _record_killed(job_dir, job.job_id, state, e)
+                out.append(_done(ov, {"status": "failed", "job_dir": job_dir, "slurm_state": state.get("JobState")}))
+        return out
+
+
+def _done(overrides, value):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    r = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
+    r.return_value = value
+    return r
+
+
+_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+def _wait(job, poll_s: float = 2.0) -> bool:
+    """Until every task left its result (True), or Slurm says the job ended (False, when task 0 has
+    no result: submitit's results() would then wait forever). submitit asks sacct, which needs
+    slurmdbd; without it a job killed before task 0 wrote its result would be waited on forever."""
+    import time
+
+    from launchers.slurm import slurm_state
+
+    tasks = [job.task(i) for i in range(job.num_tasks)] if job.num_tasks > 1 else [job]
+    ended_at = None
+    while not all(t.paths.result_pickle.exists() for t in tasks):
+        if slurm_state(job.job_id).get("JobState", "UNKNOWN") not in _ACTIVE:
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > 10:  # results of a finished job reach the shared folder late
+                return tasks[0].paths.result_pickle.exists()
+        time.sleep(poll_s)
+    return True
