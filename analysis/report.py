@@ -1,0 +1,334 @@
+"""The prediction-versus-measurement report of a sweep, as a page a person opens in a browser.
+
+    python -m analysis.report SWEEP_DIR                        # -> SWEEP_DIR/report/index.html
+    python -m analysis.report SWEEP_DIR --from-wandb SRC       # the same, from W&B (offline dir or ENTITY/PROJECT[/GROUP])
+    python -m analysis.report SWEEP_DIR --wandb-report ENTITY/PROJECT   # also a W&B report (online only, untested here)
+
+Three figures (matplotlib, PNG), frameworks side by side:
+  scatter.png  predicted vs measured per quantity family, with the identity line (steady steps)
+  memory.png   per-rank resident state stacked by params / grads / optim / other, predicted beside measured
+  comm.png     collective buffer bytes per optimizer step by dimension and kind, predicted beside measured
+and the per-job summary, the mismatching rows and the whole table (reconcile.csv).
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on compute nodes or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from analysis import records as R  # noqa: E402
+from analysis import reconcile  # noqa: E402
+
+FAMILIES = ("megatron", "deepspeed", "titan")  # column order: the three frameworks side by side
+FAMILY_COLOR = {"megatron": "#76b900", "deepspeed": "#0078d4", "titan": "#ee4c2c"}
+VARIANT_MARKER = {"megatron": "o", "deepspeed-z1": "s", "deepspeed-z2": "D", "deepspeed-z3": "^", "titan": "P"}
+STATES = ("params", "grads", "optim", "other")
+STATE_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "other": "#8c8c8c"}
+PANELS = [("params_bytes", "params"), ("grads_bytes", "grads"), ("optim_bytes", "optim (master + Adam)"),
+          ("resident_bytes", "resident (all state)"), ("comm_bytes", "collective buffer bytes / step"),
+          ("comm_count", "collective calls / step")]
+
+
+def family(variant: str) -> str:
+    return variant.split("-", 1)[0]
+
+
+def human(n: float, _pos=None) -> str:
+    """Decimal units as the ledger prints them (ledger.placement.fmt), short enough for tick labels."""
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.0f} TB"
+
+
+def last_steady(df: pd.DataFrame) -> pd.DataFrame:
+    """Steady rows of the last step of each (job, rank): what the summary calls the steady state."""
+    s = df[df.phase == "steady"]
+    if not len(s):
+        return s
+    return s[s.step == s.groupby(["job", "rank"]).step.transform("max")]
+
+
+def _panel_of(q: str) -> str:
+    if q.startswith("comm/"):
+        return "comm_bytes" if q.endswith("/buffer_bytes") else "comm_count"
+    return q
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+def fig_scatter(df: pd.DataFrame, path: str) -> None:
+    d = last_steady(df).copy()
+    d["panel"] = d.quantity.map(_panel_of)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 9.5))
+    for ax, (panel, title) in zip(axes.flat, PANELS):
+        p = d[d.panel == panel]
+        # symlog, linear below 1: a predicted and measured 0 is a point too
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_yscale("symlog", linthresh=1)
+        hi = max(float(p[["predicted", "measured"]].max().max()) if len(p) else 1.0, 1.0) * 3
+        ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", zorder=1, label="measured = predicted")
+        for variant, g in p.groupby("framework"):
+            # hollow markers: points of several frameworks at one spot stay visible
+            ax.scatter(g.predicted, g.measured, s=48, marker=VARIANT_MARKER.get(variant, "o"), facecolor="none",
+                       edgecolor=FAMILY_COLOR.get(family(variant), "gray"), lw=1.4, label=variant, zorder=2)
+        off = int((p.abs_err != 0).sum())
+        ax.set_title(f"{title}\n{len(p)} points, {off} off the line", fontsize=10,
+                     color="black" if off == 0 else "#b00020")
+        ax.set_xlim(-0.5, hi)
+        ax.set_ylim(-0.5, hi)
+        fmt = FuncFormatter(human) if panel != "comm_count" else FuncFormatter(lambda v, _p: f"{v:g}")
+        ax.xaxis.set_major_formatter(fmt)
+        ax.yaxis.set_major_formatter(fmt)
+        ax.set_xlabel("predicted")
+        ax.set_ylabel("measured")
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), frameon=False)
+    fig.suptitle("Predicted vs measured, per rank, last steady step (each point: one job x rank x quantity)")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _grid(recs: list[dict]):
+    """Jobs arranged in one column per framework family, in sweep order within a column."""
+    cols = [f for f in FAMILIES if any(family(R.framework_variant(r)) == f for r in recs)]
+    cols += sorted({family(R.framework_variant(r)) for r in recs} - set(cols))
+    per = {c: [r for r in recs if family(R.framework_variant(r)) == c] for c in cols}
+    return cols, per, max(len(v) for v in per.values())
+
+
+def _columns(recs: list[dict], col_w: float, row_h: float, title: str):
+    """A figure with one sub-figure per framework family (headed by its name) and one axes per job;
+    yields (axes, record) and leaves unused axes off."""
+    cols, per, rows = _grid(recs)
+    fig = plt.figure(figsize=(col_w * len(cols), row_h * rows + 1.3), layout="constrained")
+    fig.suptitle(title)
+    subs = fig.subfigures(1, len(cols), squeeze=False)[0]
+    cells = []
+    for sf, c in zip(subs, cols):
+        sf.suptitle(c, color=FAMILY_COLOR.get(c, "black"), fontsize=13, weight="bold")
+        axs = sf.subplots(rows, 1, squeeze=False)[:, 0]
+        for ri, ax in enumerate(axs):
+            if ri < len(per[c]):
+                cells.append((ax, per[c][ri], c))
+            else:
+                ax.axis("off")
+    return fig, cells
+
+
+def _title(rec: dict) -> str:
+    return f"{R.framework_variant(rec)} · {R.layout_name(rec)}\n{R.job_name(rec)}"
+
+
+def _measured_state(rec: dict) -> dict[int, dict]:
+    """rank -> state dict of its last step."""
+    out = {}
+    for m in (rec.get("measurement") or {}).get("ranks", []):
+        steps = [s for s in m.get("steps", []) if "state" in s]
+        if m.get("status") == "ok" and steps:
+            out[m["rank"]] = steps[-1]["state"]
+    return out
+
+
+def fig_memory(recs: list[dict], path: str) -> None:
+    fig, cells = _columns(recs, 5.4, 3.2, "Resident state per rank at the step boundary (MB, 1 MB = 1e6 B)")
+    for ax, rec, _ in cells:
+        pred = {p["rank"]: p for p in (rec.get("prediction") or {}).get("per_rank", [])}
+        meas = _measured_state(rec)
+        ranks = sorted(set(pred) | set(meas))
+        x = np.arange(len(ranks))
+        w = 0.38
+        for off, src, style in ((-w / 2, pred, dict(alpha=0.45, hatch="//")), (w / 2, meas, dict())):
+            bottom = np.zeros(len(ranks))
+            for s in STATES:
+                v = np.array([src.get(r, {}).get(f"{s}_bytes", 0) or 0 for r in ranks], dtype=float) / 1e6
+                ax.bar(x + off, v, w, bottom=bottom, color=STATE_COLOR[s], edgecolor="white", lw=0.5, **style)
+                bottom += v
+        ax.set_xticks(x, [f"rank {r}" for r in ranks], fontsize=8)
+        ax.set_ylabel("MB")
+        status = rec.get("status")
+        ax.set_title(_title(rec) + ("" if status == "ok" else f"  [{status}]"), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        if not meas:
+            ax.text(0.5, 0.5, "no measurement", transform=ax.transAxes, ha="center", color="#b00020")
+    legend = [Patch(color=STATE_COLOR[s], label=s) for s in STATES]
+    legend += [Patch(facecolor="white", edgecolor="gray", hatch="//", label="left bar: predicted"),
+               Patch(facecolor="gray", label="right bar: measured")]
+    fig.legend(handles=legend, loc="outside lower center", ncol=len(legend), frameon=False)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def comm_by_dim_kind(rec: dict, df: pd.DataFrame) -> pd.DataFrame:
+    """(dim/kind) -> predicted and measured buffer bytes per optimizer step, mean over ranks (last steady step)."""
+    d = last_steady(df[df.job == R.job_name(rec)])
+    d = d[d.quantity.str.startswith("comm/") & d.quantity.str.endswith("/buffer_bytes")]
+    if not len(d):
+        return pd.DataFrame(columns=["predicted", "measured"])
+    d = d.assign(dk=d.quantity.str.slice(5, -len("/buffer_bytes")))
+    nranks = d["rank"].nunique()
+    return d.groupby("dk")[["predicted", "measured"]].sum() / nranks
+
+
+def fig_comm(recs: list[dict], df: pd.DataFrame, path: str) -> None:
+    fig, cells = _columns(recs, 5.4, 2.8, "Collective buffer bytes per optimizer step by grid dimension / kind "
+                                          "(mean over ranks, last steady step)")
+    for ax, rec, c in cells:
+        t = comm_by_dim_kind(rec, df)
+        ax.set_title(_title(rec), fontsize=9)
+        if not len(t):
+            ax.text(0.5, 0.5, "no collectives measured", transform=ax.transAxes, ha="center", color="#b00020")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        y = np.arange(len(t))
+        h = 0.38
+        color = FAMILY_COLOR.get(c, "gray")
+        ax.barh(y - h / 2, t.predicted, h, color=color, alpha=0.4, hatch="//", edgecolor="white")
+        ax.barh(y + h / 2, t.measured, h, color=color)
+        for yi, (p, m) in enumerate(zip(t.predicted, t.measured)):
+            ax.text(max(p, m), yi, f" {human(m)}" + ("" if p == m else f" (predicted {human(p)})"), va="center",
+                    fontsize=7, color="black" if p == m else "#b00020")
+        ax.set_yticks(y, t.index, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(human))
+        ax.tick_params(axis="x", labelsize=7)
+        pos = t[t > 0].min().min() if (t > 0).any().any() else 1.0
+        ax.set_xlim(max(min(pos, 1.0), 0.1) / 2, max(t.max().max(), 1) * 30)  # room for the value labels
+        ax.grid(axis="x", alpha=0.3)
+    legend = [Patch(facecolor="gray", alpha=0.4, hatch="//", label="predicted (upper bar)"),
+              Patch(color="gray", label="measured (lower bar)")]
+    fig.legend(handles=legend, loc="outside lower center", ncol=2, frameon=False)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the page ---------------------------------------------------------------------------------
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1700px;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
+.ok{color:#1a7f37;font-weight:600}.bad{color:#b00020;font-weight:600}img{max-width:100%;border:1px solid #eee}
+.muted{color:#666;font-size:13px}"""
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, border=0, na_rep="", escape=True,
+                      formatters={c: (lambda v: f"{v:,}" if isinstance(v, (int, np.integer)) else v)
+                                  for c in df.columns if c in ("predicted", "measured", "abs_err", "predicted_resident")})
+
+
+def write(recs: list[dict], out_dir: str, source: str) -> str:
+    """Write out_dir/index.html, its PNGs and reconcile.csv; return the page's path."""
+    os.makedirs(out_dir, exist_ok=True)
+    df = reconcile.table(recs)
+    summ = reconcile.summary(recs, df)
+    df.to_csv(os.path.join(out_dir, "reconcile.csv"), index=False)
+    figs = []
+    if len(df):
+        fig_scatter(df, os.path.join(out_dir, "scatter.png"))
+        fig_memory(recs, os.path.join(out_dir, "memory.png"))
+        fig_comm(recs, df, os.path.join(out_dir, "comm.png"))
+        figs = [("Predicted vs measured", "scatter.png",
+                 "Every point is one (job, rank, quantity) of the last steady step; on the dashed line the ledger "
+                 "predicted the measured value exactly."),
+                ("Per-rank memory by state", "memory.png",
+                 "For each job (columns: framework), left bars are the prediction, right bars the measurement."),
+                ("Communication by dimension and kind", "comm.png",
+                 "Buffer bytes handed to collectives in one optimizer step; red labels mark a disagreement.")]
+    steady = df[df.phase == "steady"]
+    bad = steady[steady.abs_err != 0]
+    verdict = (f'<span class="ok">all {len(steady)} steady rows match to the byte</span>' if len(steady) and not len(bad)
+               else f'<span class="bad">{len(bad)} of {len(steady)} steady rows differ</span>')
+    fams = ", ".join(sorted({R.framework_variant(r) for r in recs}))
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>train-ledger report</title>"
+             f"<style>{CSS}</style></head><body>",
+             f"<h1>train-ledger: prediction vs measurement</h1>",
+             f"<p class='muted'>source: {html.escape(source)} · {len(recs)} jobs ({html.escape(fams)}) · "
+             f"written {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
+             f"<p>{verdict}</p>", "<h2>Jobs</h2>", _html_table(summ)]
+    for title, png, caption in figs:
+        parts += [f"<h2>{title}</h2>", f"<p class='muted'>{caption}</p>", f"<img src='{png}' alt='{title}'>"]
+    parts += ["<h2>Mismatching rows</h2>",
+              _html_table(bad) if len(bad) else "<p class='ok'>none</p>",
+              "<p class='muted'>every row, every step: <a href='reconcile.csv'>reconcile.csv</a></p></body></html>"]
+    path = os.path.join(out_dir, "index.html")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+    return path
+
+
+def wandb_report(entity_project: str, group: str | None, title: str) -> str:
+    """A W&B report with the same panels, built with wandb-workspaces; needs a W&B server.
+
+    UNTESTED HERE: this machine reaches no W&B server, and wandb-workspaces saves reports only
+    through one. The panels are plotted from the runs' logged metrics and summary."""
+    try:
+        import wandb_workspaces.reports.v2 as wr
+    except ImportError as e:
+        raise RuntimeError("the W&B report needs the wandb-workspaces package") from e
+    entity, project = entity_project.strip("/").split("/")[:2]
+    runset = wr.Runset(entity=entity, project=project, name=group or "all runs",
+                       filters=f"Config('group') == '{group}'" if group else "")
+    panels = [wr.ScatterPlot(title="predicted vs measured resident bytes (rank 0)",
+                             x="predicted_resident_bytes", y="max_resident_bytes"),
+              wr.LinePlot(title="resident bytes per rank", x="Step", y=["max_resident_bytes"]),
+              wr.LinePlot(title="loss", x="Step", y=["loss"]),
+              wr.BarPlot(title="steady mismatches per job", metrics=["steady_mismatches"]),
+              wr.WeaveBlockSummaryTable(entity=entity, project=project, table_name="reconcile")
+              if hasattr(wr, "WeaveBlockSummaryTable") else wr.RunComparer()]
+    report = wr.Report(entity=entity, project=project, title=title,
+                       blocks=[wr.H1(text=title), wr.PanelGrid(runsets=[runset], panels=panels)])
+    report.save()
+    return report.url
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
+    ap.add_argument("sweep_dir", help="the sweep (or job) dir; the report goes to SWEEP_DIR/report/")
+    ap.add_argument("--from-wandb", metavar="SRC", help="read the records back from W&B instead of record.json")
+    ap.add_argument("--out", help="report dir (default SWEEP_DIR/report)")
+    ap.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="also save a W&B report (online; untested here)")
+    a = ap.parse_args(argv)
+    if a.from_wandb:
+        from analysis.wandb_io import read_records
+
+        recs = read_records(a.from_wandb)
+    else:
+        recs = R.load(a.sweep_dir)
+    if not recs:
+        print(f"no records under {a.from_wandb or a.sweep_dir}", file=sys.stderr)
+        return 1
+    path = write(recs, a.out or os.path.join(a.sweep_dir, "report"), a.from_wandb or os.path.abspath(a.sweep_dir))
+    if a.wandb_report:
+        group = (recs[0].get("wandb") or {}).get("group")
+        try:
+            print(f"W&B report: {wandb_report(a.wandb_report, group, f'train-ledger: {group or a.sweep_dir}')}")
+        except Exception as e:  # the local report stands without it
+            print(f"W&B report not written: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"report: {os.path.abspath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

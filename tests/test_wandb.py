@@ -1,0 +1,223 @@
+"""W&B logging and reading back: a real small sweep logs offline runs (the default), the runs are read
+back from their .wandb logs, and the reconcile table rebuilt from W&B equals the one from record.json.
+
+The sweep (tests/wandb_sweep.py, shared with test_report.py): framework=deepspeed,titan, 2 ranks, 2 steps.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from analysis import reconcile, records
+from analysis import wandb_io as W
+from tests.wandb_sweep import real_sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return real_sweep(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def recs(sweep):
+    return records.load(sweep)
+
+
+# -- logging from the real sweep --------------------------------------------------------------
+
+@pytest.mark.real
+def test_every_job_logged_an_offline_run_inside_its_job_dir(sweep, recs):
+    assert len(recs) == 2 and {records.framework_variant(r) for r in recs} == {"deepspeed-z1", "titan"}
+    for rec in recs:
+        assert rec["status"] == "ok", rec["error"]
+        w = rec["wandb"]
+        assert "error" not in w, w
+        assert w["mode"] == "offline"
+        assert os.path.dirname(os.path.dirname(w["run_dir"])) == rec["job_dir"]
+        assert glob.glob(os.path.join(w["run_dir"], f"run-{w['run_id']}.wandb"))
+        # the cost per job is measured and stays small (the first job pays wandb's imports)
+        assert w["total_s"] < 30
+
+
+@pytest.mark.real
+def test_runs_share_the_sweep_group_and_carry_framework_model_layout_tags(sweep, recs):
+    runs = [W.read_run(d) for d in W.find_runs(sweep)]
+    assert len(runs) == len(recs)
+    for run, rec in zip(runs, recs):
+        assert run["group"] == os.path.basename(sweep)
+        assert run["tags"] == [records.framework_variant(rec), "tiny", records.layout_name(rec)]
+        assert run["name"] == records.job_name(rec)
+        assert run["id"] == rec["wandb"]["run_id"]
+        assert run["config"] == rec["config"]  # the resolved config, whole
+        assert run["exit_code"] == 0
+
+
+@pytest.mark.real
+def test_per_step_metrics_per_rank_are_the_measurements(sweep, recs):
+    for d, rec in zip(W.find_runs(sweep), recs):
+        hist = {h["_step"]: h for h in W.read_run(d)["history"]}
+        ranks = rec["measurement"]["ranks"]
+        assert sorted(hist) == sorted({st["step"] for m in ranks for st in m["steps"]})
+        for m in ranks:
+            for st in m["steps"]:
+                h = hist[st["step"]]
+                assert h[f"rank{m['rank']}/loss"] == pytest.approx(st["loss"])
+                assert h[f"rank{m['rank']}/step_time_s"] == pytest.approx(st["time_s"])
+                for k in W.STATE_KEYS:
+                    assert h[f"rank{m['rank']}/{k}"] == st["state"][k]
+        last = max(hist)
+        assert hist[last]["reconcile"]["_type"] == "table-file"  # the table rides on the last step
+
+
+@pytest.mark.real
+def test_prediction_and_measurements_are_in_the_summary(sweep, recs):
+    for d, rec in zip(W.find_runs(sweep), recs):
+        s = W.read_run(d)["summary"]
+        assert s["prediction"] == rec["prediction"]
+        assert [m["rank"] for m in s["measurement"]["ranks"]] == [m["rank"] for m in rec["measurement"]["ranks"]]
+        assert s["steady_mismatches"] == int((reconcile.table([rec]).query("phase == 'steady'").abs_err != 0).sum())
+
+
+@pytest.mark.real
+def test_table_from_wandb_equals_table_from_records(sweep):
+    want = reconcile.table(sweep)
+    assert len(want) > 0
+    pd.testing.assert_frame_equal(reconcile.table(W.read_records(sweep)), want)
+    pd.testing.assert_frame_equal(W.read_tables(sweep), want)  # the logged wandb.Table itself
+
+
+@pytest.mark.real
+def test_summary_from_wandb_equals_summary_from_records(sweep, recs):
+    got = reconcile.summary(W.read_records(sweep))
+    pd.testing.assert_frame_equal(got, reconcile.summary(recs))
+
+
+@pytest.mark.real
+def test_reconcile_cli_from_wandb_prints_the_same_table(sweep):
+    def cli(*a):
+        return subprocess.run([sys.executable, "-m", "analysis.reconcile", *a, "--format", "csv", "--all-steps"],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    assert cli("--from-wandb", sweep) == cli(sweep)
+
+
+@pytest.mark.real
+def test_a_copied_sweep_dir_reads_back_from_its_new_place(sweep, tmp_path):
+    dst = tmp_path / "moved"
+    shutil.copytree(sweep, dst, ignore=shutil.ignore_patterns("record.json", "rank*.json", "titan_dump"))
+    got = W.read_records(str(dst))
+    assert [r["job_dir"] for r in got] == [str(dst / os.path.basename(r["job_dir"])) for r in records.load(sweep)]
+    pd.testing.assert_frame_equal(reconcile.table(got), reconcile.table(sweep))
+
+
+@pytest.mark.real
+def test_reader_agrees_with_wandbs_own_inspector(sweep):
+    """wandb ships a Go reader of the transaction log (`wandb leet inspect --json`): same history rows."""
+    run_dir = W.find_runs(sweep)[0]
+    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "wandb"), "leet", "inspect", "--json", run_dir],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    theirs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    their_hist = [r["history"]["item"] for r in theirs if r.get("type") == "history"]
+    mine = W.read_run(run_dir)["history"]
+    assert len(mine) == len(their_hist) > 0
+    for a, b in zip(mine, their_hist):
+        # the inspector flattens the table reference's nested keys ("reconcile._type"); scalars compare 1:1
+        assert {k: v for k, v in a.items() if k != "reconcile"} == \
+            pytest.approx({k: v for k, v in b.items() if not k.startswith("reconcile.")})
+        assert {f"reconcile.{k}" for k in a.get("reconcile", {})} == {k for k in b if k.startswith("reconcile.")}
+    assert sum(r.get("type") == "summary" for r in theirs) > 0
+
+
+# -- the hook in launchers/job.py, without ranks (mode=predict) ----------------------------------
+
+def _cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
+        return compose(config_name="config", overrides=["mode=predict", *overrides])
+
+
+def test_wandb_is_on_and_offline_by_default():
+    cfg = _cfg()
+    assert cfg.wandb.enabled and cfg.wandb.mode == "offline" and cfg.wandb.group is None
+
+
+def test_predict_job_logs_and_reads_back(tmp_path):
+    from launchers.job import run_job
+
+    job = tmp_path / "sweepname" / "0_titan"
+    rec = run_job(_cfg("framework=titan"), str(job))
+    assert rec["status"] == "ok" and "error" not in rec["wandb"], rec.get("wandb")
+    on_disk = json.load(open(job / "record.json"))
+    assert on_disk["wandb"]["run_id"] == rec["wandb"]["run_id"]  # the record was rewritten with it
+    (back,) = W.read_records(str(tmp_path))
+    assert back["prediction"] == rec["prediction"] and back["measurement"] is None and back["status"] == "ok"
+    assert back["wandb"]["group"] == "sweepname"
+    assert back["wandb"]["tags"] == ["titan", "tiny", records.layout_name(rec)]
+
+
+def test_group_setting_wins_over_the_sweep_dir_name(tmp_path):
+    cfg = _cfg("wandb.group=mygroup")
+    assert W.group_of(cfg, {"job_dir": str(tmp_path / "s" / "0_x")}) == "mygroup"
+    assert W.group_of(_cfg(), {"job_dir": str(tmp_path / "s" / "0_x")}) == "s"
+
+
+def test_a_wandb_failure_never_fails_the_job(tmp_path, monkeypatch):
+    import wandb
+
+    from launchers.job import run_job
+
+    def boom(*a, **k):
+        raise RuntimeError("W&B is down")
+
+    monkeypatch.setattr(wandb, "init", boom)
+    job = tmp_path / "s" / "0_deepspeed"
+    rec = run_job(_cfg(), str(job))
+    assert rec["status"] == "ok"
+    on_disk = json.load(open(job / "record.json"))
+    assert on_disk["status"] == "ok" and "W&B is down" in on_disk["wandb"]["error"]
+
+
+def test_disabled_logs_nothing(tmp_path):
+    from launchers.job import run_job
+
+    for over in ("wandb.enabled=false", "wandb.mode=disabled"):
+        job = tmp_path / over / "0_deepspeed"
+        rec = run_job(_cfg(over), str(job))
+        assert rec["status"] == "ok" and "wandb" not in rec
+        assert not (job / "wandb").exists()
+
+
+# -- the reader on damaged input ----------------------------------------------------------------
+
+def test_reader_keeps_what_came_before_a_torn_write(tmp_path):
+    from launchers.job import run_job
+
+    rec = run_job(_cfg(), str(tmp_path / "s" / "0_deepspeed"))
+    (path,) = glob.glob(os.path.join(rec["wandb"]["run_dir"], "run-*.wandb"))
+    whole = W.read_run(rec["wandb"]["run_dir"])
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) - 40])  # a run killed mid-write
+    torn = W.read_run(rec["wandb"]["run_dir"])
+    assert torn["config"] == whole["config"] and torn["id"] == whole["id"]
+    open(path, "wb").write(b"not a wandb log" + data)
+    with pytest.raises(ValueError, match="not a W&B transaction log"):
+        W.read_run(rec["wandb"]["run_dir"])
+
+
+def test_online_source_must_name_entity_and_project():
+    with pytest.raises(ValueError, match="ENTITY/PROJECT"):
+        W.read_records("just-a-name-that-is-no-dir")
