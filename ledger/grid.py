@@ -9,6 +9,7 @@ dims that vary inside its group ("dp", "tp", "tp-pp", ...).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 
 DIMS = ("tp", "cp", "dp", "dp_replicate", "pp")
@@ -62,6 +63,11 @@ class Grid:
 
     def label(self, ranks) -> str:
         """The dims that vary inside a group of ranks, e.g. 'dp' or 'tp-pp'."""
-        cs = [self.coords(r) for r in ranks]
-        varying = [d for d in DIMS if len({c[d] for c in cs}) > 1]
-        return "-".join(varying) if varying else "self"
+        return _label(self, tuple(ranks))
+
+
+@lru_cache(maxsize=4096)
+def _label(grid: Grid, ranks: tuple[int, ...]) -> str:
+    cs = [grid.coords(r) for r in ranks]
+    varying = [d for d in DIMS if len({c[d] for c in cs}) > 1]
+    return "-".join(varying) if varying else "self"

@@ -6,7 +6,7 @@ import importlib
 from ledger.layout import Layout, resolve, validate
 from ledger.memory import StateBytes, state_bytes
 from ledger.model import ModelShape
-from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (re-exported API)
+from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (the article's API: ledger.parallel.fmt, ...)
 
 FAITHFUL = {"megatron": "ledger.faithful.megatron", "deepspeed": "ledger.faithful.deepspeed",
             "titan": "ledger.faithful.titan"}

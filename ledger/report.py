@@ -38,5 +38,5 @@ def render(pl: Placement, max_rows: int = 16) -> str:
         c.add_row(x.dim, x.kind, x.dtype, str(x.count), fmt(x.buffer_bytes), fmt(x.wire_bytes), x.what)
     con.print(c)
     for n in pl.notes:
-        con.print(f"note: {n}")
+        con.print(f"note: {n}", markup=False)
     return buf.getvalue()

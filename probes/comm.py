@@ -150,7 +150,6 @@ class CommProbe:
                 return
             name = next(a for a in reversed(args) if isinstance(a, str))
             pg = dist.distributed_c10d._resolve_process_group(name)
-            group_size = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), None)
             ts = _tensors(args[0])
             if kind == "all_gather":
                 # functional all-gather takes the local shard: the full buffer is shard * group size

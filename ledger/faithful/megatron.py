@@ -15,11 +15,12 @@ Resident state at a step boundary:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import lru_cache
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
-from ledger.model import ModelShape
+from ledger.model import ModelShape, model_dict
 from ledger.placement import CommBuilder, Placement, RankState
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
@@ -133,6 +134,14 @@ def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int) -> list[tuple[str
     return out
 
 
+@lru_cache(maxsize=1024)
+def _stage(model: ModelShape, tp: int, pp: int, stage: int, bucket_size, dp: int, dist_opt: bool):
+    """A stage's parameters and buffer layout: shared by its TP and DP ranks, and across the layouts
+    of a sweep (read-only)."""
+    params = stage_params(model, tp, pp, stage)
+    return params, buffer_layout(params, bucket_size, dp, dist_opt)
+
+
 # -- one rank ------------------------------------------------------------------------------------
 def _dtype_bytes(dtype: str) -> int:
     return {"bf16": 2, "fp32": 4}[dtype]
@@ -146,9 +155,8 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
     pb, gb = _dtype_bytes(pdt), _dtype_bytes(gdt)
     dist_opt = fw.use_distributed_optimizer
-    params = stage_params(model, tp, lay.pp, stage)
+    params, buckets = _stage(model, tp, lay.pp, stage, effective_bucket_size(fw, dp, stage), dp, dist_opt)
     n_local = sum(n for _, n in params)
-    buckets = buffer_layout(params, effective_bucket_size(fw, dp, stage), dp, dist_opt)
     buf_numel = sum(b.numel for b in buckets)
 
     s = RankState(stage=stage)
@@ -276,7 +284,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
             cache[key] = rank_state(model, lay, fw, grid, rank)
         return cache[key]
 
-    pl = Placement(framework="megatron", mode="faithful", model={**asdict(model), "num_params": model.num_params()},
+    pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
                    layout=lay.to_dict(), world=lay.world, rank_state=state)
     pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
                     "_compute_per_buffer_param_layout; master/Adam per DP byte range")

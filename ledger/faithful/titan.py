@@ -132,7 +132,6 @@ def _state(model: ModelShape, lay: Layout, fw, k: int) -> RankState:
 def _comm(model: ModelShape, lay: Layout, fw, us, steady: bool):
     cb = CommBuilder()
     ds, rep, tp = lay.dp_shard, lay.dp_replicate, lay.tp
-    L = model.layers
     by = dict(us)
     emb, head = by["tok_embeddings"], by["norm+lm_head"]
     layers = [u for n, u in us if n.startswith("layers.")]

@@ -1,0 +1,48 @@
+"""Probe overhead outside recording windows: step time with probes / without (target <= 1.02).
+
+    .venv/bin/python benchmarks/probe_overhead.py [--framework deepspeed] [--steps 30]
+
+Runs the same real job twice on the local CPU cluster: once with the probes off, once with the
+memory probe on and the comm probe recording step 0 only (its TorchDispatchMode is then inactive
+for the steps that are timed). Compares the median step time of steps 5.. (warm) and prints the
+ratio. Each step's time is taken inside ProbeSession.step, which both runs share.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def median_step(framework: str, steps: int, probes: bool, out: str) -> float:
+    args = [sys.executable, "launch.py", f"framework={framework}", f"train.steps={steps}", f"hydra.run.dir={out}",
+            "wandb.mode=disabled"]
+    args += ["probe.comm_steps=[0]"] if probes else ["probe.memory=false", "probe.comm=false"]
+    p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="disabled"))
+    if p.returncode != 0:
+        raise SystemExit(f"run failed: {p.stderr[-2000:]}")
+    rec = json.load(open(os.path.join(out, "record.json")))
+    times = [s["time_s"] for r in rec["measurement"]["ranks"] for s in r["steps"] if s["step"] >= 5]
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framework", default="deepspeed")
+    ap.add_argument("--steps", type=int, default=30)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        off = median_step(a.framework, a.steps, False, os.path.join(d, "off"))
+        on = median_step(a.framework, a.steps, True, os.path.join(d, "on"))
+    print(f"{a.framework}: median step {off * 1e3:.1f} ms without probes, {on * 1e3:.1f} ms with probes "
+          f"(comm recording off after step 0): ratio {on / off:.3f} (target <= 1.02)")
+
+
+if __name__ == "__main__":
+    main()
