@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) check
 	touch $(STAMP)
 
+# one sweep dir per `make demo`; the report (HTML + PNGs) goes to $(DEMO_DIR)/report/index.html
+DEMO_DIR := multirun/demo-$(shell date +%Y%m%d-%H%M%S)
+
 demo: $(STAMP)
-	WANDB_MODE=offline $(PY) launch.py -m framework=megatron,deepspeed,titan
+	WANDB_MODE=offline $(PY) launch.py -m framework=megatron,deepspeed,titan hydra.sweep.dir=$(DEMO_DIR)
+	$(PY) -m analysis.report $(DEMO_DIR)
 
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q tests

@@ -1,0 +1,99 @@
+"""The sweep report: `python -m analysis.report SWEEP_DIR` writes SWEEP_DIR/report/index.html with its
+figures, from the records or from W&B, and a disagreement shows on the page.
+
+Uses the real sweep of tests/wandb_sweep.py (framework=deepspeed,titan, 2 ranks, 2 steps).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from analysis import reconcile, records
+from analysis import report as REP
+from tests.wandb_sweep import real_sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return real_sweep(tmp_path_factory)
+
+
+def _png_size(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG, path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+@pytest.mark.real
+def test_report_cli_writes_the_page_and_prints_where(sweep):
+    p = subprocess.run([sys.executable, "-m", "analysis.report", sweep], cwd=REPO, capture_output=True, text=True,
+                       check=True)
+    page = os.path.join(sweep, "report", "index.html")
+    assert p.stdout.strip().splitlines()[-1] == f"report: {page}"
+    html = open(page).read()
+    for png in ("scatter.png", "memory.png", "comm.png"):
+        assert f"src='{png}'" in html
+        w, h = _png_size(os.path.join(sweep, "report", png))
+        assert w >= 800 and h >= 300
+    recs = records.load(sweep)
+    for rec in recs:  # every job and framework is on the page
+        assert records.job_name(rec) in html and records.framework_variant(rec) in html
+    n_steady = int((reconcile.table(recs).phase == "steady").sum())
+    assert f"all {n_steady} steady rows match to the byte" in html
+    got = pd.read_csv(os.path.join(sweep, "report", "reconcile.csv"), keep_default_na=False)
+    assert len(got) == len(reconcile.table(recs))
+
+
+@pytest.mark.real
+def test_report_from_wandb_has_the_same_table(sweep, tmp_path):
+    assert REP.main([sweep, "--from-wandb", sweep, "--out", str(tmp_path / "wb")]) == 0
+    assert REP.main([sweep, "--out", str(tmp_path / "rec")]) == 0
+    a = open(tmp_path / "wb" / "reconcile.csv").read()
+    assert a == open(tmp_path / "rec" / "reconcile.csv").read() and a.count("\n") > 1
+
+
+@pytest.mark.real
+def test_a_disagreement_shows_on_the_page(sweep, tmp_path):
+    recs = copy.deepcopy(records.load(sweep))
+    st = recs[0]["measurement"]["ranks"][1]["steps"][-1]["state"]
+    st["optim_bytes"] += 1  # one byte the ledger did not predict
+    st["resident_bytes"] += 1
+    path = REP.write(recs, str(tmp_path), "perturbed")
+    html = open(path).read()
+    n_steady = int((reconcile.table(recs).phase == "steady").sum())
+    assert f"2 of {n_steady} steady rows differ" in html
+    mism = html.split("<h2>Mismatching rows</h2>", 1)[1]
+    assert len(re.findall(r"<tr[ >]", mism)) == 3  # header + the two rows
+    assert "optim_bytes" in mism and "resident_bytes" in mism
+
+
+@pytest.mark.real
+def test_comm_panel_sums_are_the_tables(sweep):
+    recs = records.load(sweep)
+    df = reconcile.table(recs)
+    for rec in recs:
+        t = REP.comm_by_dim_kind(rec, df)
+        d = REP.last_steady(df[df.job == records.job_name(rec)])
+        d = d[d.quantity.str.endswith("/buffer_bytes")]
+        assert len(t) == d.quantity.nunique() > 0
+        assert t.measured.sum() * d["rank"].nunique() == d.measured.sum()
+
+
+def test_units_are_decimal_like_the_ledger():
+    assert REP.human(0) == "0 B" and REP.human(4) == "4 B"
+    assert REP.human(7_082_496) == "7.1 MB" and REP.human(1e9) == "1 GB" and REP.human(1500) == "1.5 kB"
+
+
+def test_no_records_is_an_error(tmp_path, capsys):
+    assert REP.main([str(tmp_path)]) == 1
+    assert "no records" in capsys.readouterr().err
