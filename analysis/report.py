@@ -2,7 +2,7 @@
 
     python -m analysis.report SWEEP_DIR                        # -> SWEEP_DIR/report/index.html
     python -m analysis.report SWEEP_DIR --from-wandb SRC       # the same, from W&B (offline dir or ENTITY/PROJECT[/GROUP])
-    python -m analysis.report SWEEP_DIR --wandb-report ENTITY/PROJECT   # also a W&B report (online only, untested here)
+    python -m analysis.report SWEEP_DIR --wandb-report ENTITY/PROJECT   # also a W&B report (online; UNTESTED here)
 
 Three figures (matplotlib, PNG), frameworks side by side:
   scatter.png  predicted vs measured per quantity family, with the identity line (steady steps)
@@ -278,27 +278,54 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
     return path
 
 
-def wandb_report(entity_project: str, group: str | None, title: str) -> str:
-    """A W&B report with the same panels, built with wandb-workspaces; needs a W&B server.
+FIGURES = ("scatter", "memory", "comm")
 
-    UNTESTED HERE: this machine reaches no W&B server, and wandb-workspaces saves reports only
-    through one. The panels are plotted from the runs' logged metrics and summary."""
-    try:
-        import wandb_workspaces.reports.v2 as wr
-    except ImportError as e:
-        raise RuntimeError("the W&B report needs the wandb-workspaces package") from e
+
+def build_wandb_report(entity: str, project: str, group: str, world: int, title: str):
+    """The W&B report object (wandb-workspaces): the report's own three figures, logged as images by
+    a "report" run of the sweep's group, then live panels over the jobs' runs (predicted vs measured
+    from their reconcile tables, per-rank memory, mismatches, loss, the tables themselves).
+
+    Building it needs no server; saving it does (publish_wandb_report) and is UNTESTED HERE: this
+    machine reaches no W&B server."""
+    import wandb_workspaces.reports.v2 as wr
+
+    jobs = wr.Runset(entity=entity, project=project, name="jobs",
+                     filters=f"Metric('Group') == '{group}' and Metric('JobType') != 'report'")
+    mine = wr.Runset(entity=entity, project=project, name="report",
+                     filters=f"Metric('Group') == '{group}' and Metric('JobType') == 'report'")
+    ranks = range(max(world, 1))
+    figures = [wr.MediaBrowser(title=t, media_keys=[f"report/{k}"], num_columns=1)
+               for k, t in zip(FIGURES, ("predicted vs measured", "per-rank memory by state",
+                                         "communication by dimension and kind"))]
+    live = [wr.CustomChart(query={"summaryTable": {"tableKey": "reconcile"}}, chart_name="wandb/scatter/v0",
+                           chart_fields={"x": "predicted", "y": "measured", "groupKeys": "framework"}),
+            wr.BarPlot(title="measured resident bytes per rank", metrics=[f"rank{r}/resident_bytes" for r in ranks]),
+            wr.BarPlot(title="rank 0 state by kind (bytes)",
+                       metrics=[f"rank0/{k}_bytes" for k in ("params", "grads", "optim", "other")]),
+            wr.BarPlot(title="steady rows that differ", metrics=["steady_mismatches"]),
+            wr.LinePlot(title="loss", x="Step", y=["loss"]),
+            wr.WeavePanelSummaryTable(table_name="reconcile")]
+    return wr.Report(entity=entity, project=project, title=title,
+                     description="train-ledger: what the ledger predicted per rank against what the frameworks did",
+                     blocks=[wr.H1(text=title),
+                             wr.H2(text="The sweep report's figures"), wr.PanelGrid(runsets=[mine], panels=figures),
+                             wr.H2(text="Live panels over the jobs' runs"), wr.PanelGrid(runsets=[jobs], panels=live)])
+
+
+def publish_wandb_report(entity_project: str, group: str, world: int, out_dir: str, title: str) -> str:
+    """Log the figures as a "report" run of the group and save the W&B report; returns its URL.
+    Online only, UNTESTED HERE (no W&B server reachable from this machine)."""
+    import wandb
+
     entity, project = entity_project.strip("/").split("/")[:2]
-    runset = wr.Runset(entity=entity, project=project, name=group or "all runs",
-                       filters=f"Config('group') == '{group}'" if group else "")
-    panels = [wr.ScatterPlot(title="predicted vs measured resident bytes (rank 0)",
-                             x="predicted_resident_bytes", y="max_resident_bytes"),
-              wr.LinePlot(title="resident bytes per rank", x="Step", y=["max_resident_bytes"]),
-              wr.LinePlot(title="loss", x="Step", y=["loss"]),
-              wr.BarPlot(title="steady mismatches per job", metrics=["steady_mismatches"]),
-              wr.WeaveBlockSummaryTable(entity=entity, project=project, table_name="reconcile")
-              if hasattr(wr, "WeaveBlockSummaryTable") else wr.RunComparer()]
-    report = wr.Report(entity=entity, project=project, title=title,
-                       blocks=[wr.H1(text=title), wr.PanelGrid(runsets=[runset], panels=panels)])
+    report = build_wandb_report(entity, project, group, world, title)  # fails early, before anything is logged
+    run = wandb.init(entity=entity, project=project, group=group, job_type="report", name=f"report {group}",
+                     settings=wandb.Settings(mode="online", x_disable_stats=True, save_code=False, console="off"))
+    try:
+        run.log({f"report/{k}": wandb.Image(os.path.join(out_dir, f"{k}.png")) for k in FIGURES})
+    finally:
+        run.finish()
     report.save()
     return report.url
 
@@ -321,9 +348,11 @@ def main(argv=None) -> int:
         return 1
     path = write(recs, a.out or os.path.join(a.sweep_dir, "report"), a.from_wandb or os.path.abspath(a.sweep_dir))
     if a.wandb_report:
-        group = (recs[0].get("wandb") or {}).get("group")
+        group = (recs[0].get("wandb") or {}).get("group") or os.path.basename(os.path.abspath(a.sweep_dir))
+        world = max(((r.get("measurement") or {}).get("world") or 0) for r in recs)
         try:
-            print(f"W&B report: {wandb_report(a.wandb_report, group, f'train-ledger: {group or a.sweep_dir}')}")
+            url = publish_wandb_report(a.wandb_report, group, world, os.path.dirname(path), f"train-ledger: {group}")
+            print(f"W&B report: {url}")
         except Exception as e:  # the local report stands without it
             print(f"W&B report not written: {type(e).__name__}: {e}", file=sys.stderr)
     print(f"report: {os.path.abspath(path)}")

@@ -318,7 +318,9 @@ def _online_runs(src: str):
     if len(parts) not in (2, 3):
         raise ValueError(f"--from-wandb {src!r}: give an offline sweep dir or ENTITY/PROJECT[/GROUP]")
     filters = {"group": parts[2]} if len(parts) == 3 else None
-    runs = list(wandb.Api().runs(f"{parts[0]}/{parts[1]}", filters=filters))
+    # the sweep report's own run (analysis.report --wandb-report) is no job
+    runs = [r for r in wandb.Api().runs(f"{parts[0]}/{parts[1]}", filters=filters)
+            if getattr(r, "job_type", None) != "report"]
     newest: dict[str, object] = {}
     for r in runs:  # newest run per job dir, as offline
         jd = r.summary_metrics.get("job_dir") or r.name

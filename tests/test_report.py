@@ -97,3 +97,17 @@ def test_units_are_decimal_like_the_ledger():
 def test_no_records_is_an_error(tmp_path, capsys):
     assert REP.main([str(tmp_path)]) == 1
     assert "no records" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb-workspaces uses pydantic v1 validators
+def test_wandb_report_object_builds_without_a_server():
+    """Only the report object: saving it needs a W&B server, which this machine cannot reach (untested)."""
+    pytest.importorskip("wandb_workspaces")
+    rep = REP.build_wandb_report("ent", "proj", "sweep-1", 4, "train-ledger: sweep-1")
+    grids = [b for b in rep.blocks if type(b).__name__ == "PanelGrid"]
+    assert len(grids) == 2
+    media = [k for p in grids[0].panels for k in p.media_keys]
+    assert media == [f"report/{k}" for k in REP.FIGURES]
+    assert all("Group') == 'sweep-1'" in g.runsets[0].filters for g in grids)
+    bars = [p for p in grids[1].panels if type(p).__name__ == "BarPlot"]
+    assert bars[0].metrics == [f"rank{r}/resident_bytes" for r in range(4)]
