@@ -139,6 +139,17 @@ def _title(rec: dict) -> str:
     return f"{R.framework_variant(rec)} · {R.layout_name(rec)}\n{R.job_name(rec)}"
 
 
+def _no_data(ax, rec: dict, what: str) -> None:
+    """An empty cell says why: the job's status and the first words of its error."""
+    import textwrap
+
+    err = (rec.get("error") or "").strip().splitlines()
+    msg = f"{what}\n[{rec.get('status')}]" + (f"\n" + textwrap.fill(err[0][:160], 48) if err else "")
+    ax.text(0.5, 0.5, msg, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="#b00020")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
 def _measured_state(rec: dict) -> dict[int, dict]:
     """rank -> state dict of its last step."""
     out = {}
@@ -169,7 +180,7 @@ def fig_memory(recs: list[dict], path: str) -> None:
         ax.set_title(_title(rec) + ("" if status == "ok" else f"  [{status}]"), fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         if not meas:
-            ax.text(0.5, 0.5, "no measurement", transform=ax.transAxes, ha="center", color="#b00020")
+            _no_data(ax, rec, "no measurement")
     legend = [Patch(color=STATE_COLOR[s], label=s) for s in STATES]
     legend += [Patch(facecolor="white", edgecolor="gray", hatch="//", label="left bar: predicted"),
                Patch(facecolor="gray", label="right bar: measured")]
@@ -196,9 +207,7 @@ def fig_comm(recs: list[dict], df: pd.DataFrame, path: str) -> None:
         t = comm_by_dim_kind(rec, df)
         ax.set_title(_title(rec), fontsize=9)
         if not len(t):
-            ax.text(0.5, 0.5, "no collectives measured", transform=ax.transAxes, ha="center", color="#b00020")
-            ax.set_xticks([])
-            ax.set_yticks([])
+            _no_data(ax, rec, "no collectives measured")
             continue
         y = np.arange(len(t))
         h = 0.38
