@@ -221,3 +221,25 @@ def test_reader_keeps_what_came_before_a_torn_write(tmp_path):
 def test_online_source_must_name_entity_and_project():
     with pytest.raises(ValueError, match="ENTITY/PROJECT"):
         W.read_records("just-a-name-that-is-no-dir")
+
+
+@pytest.mark.real
+def test_mismatches_round_trip_too(sweep, tmp_path):
+    """A disagreement (here predicted 0, measured 1 byte: rel_err inf) reads back unchanged."""
+    import copy
+
+    from conf.schema import load
+
+    rec = copy.deepcopy(next(r for r in records.load(sweep) if r["config"]["framework"]["name"] == "deepspeed"))
+    st = rec["measurement"]["ranks"][0]["steps"][-1]["state"]
+    assert rec["prediction"]["per_rank"][0]["grads_bytes"] == 0  # ZeRO-1 keeps no grads at the boundary
+    st["grads_bytes"] += 1
+    rec["job_dir"] = str(tmp_path / "perturbed" / "0_deepspeed")
+    os.makedirs(rec["job_dir"])
+    info = W.log_job(load(rec["config"]), rec)
+    assert "error" not in info, info
+    want = reconcile.table([rec])
+    assert (want.rel_err == float("inf")).sum() == 1
+    pd.testing.assert_frame_equal(W.read_tables(str(tmp_path)), want)
+    pd.testing.assert_frame_equal(reconcile.table(W.read_records(str(tmp_path))), want)
+    assert W.read_run(W.find_runs(str(tmp_path))[0])["summary"]["steady_mismatches"] == 1
