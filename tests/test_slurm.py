@@ -47,7 +47,7 @@ def test_reconcile_exact_as_locally(sweep):
     _, recs, _ = sweep
     df = reconcile.table(recs)
     steady = df[df.phase == "steady"]
-    assert len(steady) > 0 and set(steady.rank) == {0, 1}
+    assert len(steady) > 0 and set(steady["rank"]) == {0, 1}
     bad = steady[steady.abs_err != 0]
     assert bad.empty, bad.to_string()
 
