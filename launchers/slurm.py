@@ -29,6 +29,13 @@ SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmL
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# submitit launcher parameter <- cluster config field
+_SIZING = {"nodes": "nodes", "tasks_per_node": "ranks", "gpus_per_node": "gpus_per_node",
+           "cpus_per_task": "cpus_per_task", "mem_gb": "mem_gb", "partition": "partition", "account": "account",
+           "qos": "qos", "constraint": "constraint", "timeout_min": "time_min", "signal_delay_s": "signal_delay_s",
+           "max_num_timeout": "max_num_timeout"}
+
+
 class SlurmSetup(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         # Hydra turns a callback's exception into a warning; a sweep sized wrongly must not be sent
@@ -46,18 +53,8 @@ class SlurmSetup(Callback):
             os.environ["SLURM_CONF"] = os.path.join(REPO, c.slurm_conf)
         with read_write(hl), open_dict(hl):
             hl._target_ = "hydra_plugins.train_ledger.launcher.ValidatingSlurmLauncher"
-            hl.nodes = c.nodes
-            hl.tasks_per_node = c.ranks
-            hl.gpus_per_node = c.gpus_per_node
-            hl.cpus_per_task = c.cpus_per_task
-            hl.mem_gb = c.mem_gb
-            hl.partition = c.partition
-            hl.account = c.account
-            hl.qos = c.qos
-            hl.constraint = c.constraint
-            hl.timeout_min = c.time_min
-            hl.signal_delay_s = c.signal_delay_s
-            hl.max_num_timeout = c.max_num_timeout
+            for launcher_key, cluster_key in _SIZING.items():
+                hl[launcher_key] = c[cluster_key]
             hl.setup = list(c.setup) or None
             hl.additional_parameters = OmegaConf.to_container(c.additional_parameters)
             # one submitit folder per sweep: Slurm job ids restart after a state wipe

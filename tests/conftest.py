@@ -21,3 +21,16 @@ def launch(*args: str, timeout: int = 1800, check: bool = False) -> subprocess.C
 @pytest.fixture
 def run_launch():
     return launch
+
+
+def run_sweeps(root, sweeps, common=()) -> dict:
+    """Run named multiruns into root/<name> once; return their records, the ok ones and their reconcile table."""
+    from analysis import reconcile, records
+
+    for name, overrides in sweeps:
+        p = launch("-m", *common, *overrides, f"hydra.sweep.dir={root / name}",
+                   f"hydra.sweep.subdir={name}_${{hydra.job.num}}", timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+    recs = records.load(str(root))
+    ok = [r for r in recs if r["status"] == "ok"]
+    return {"records": recs, "ok": ok, "table": reconcile.table(ok)}

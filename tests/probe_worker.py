@@ -1,5 +1,4 @@
 """Two gloo ranks exercising the probes with plain torch.distributed (run by tests/test_probes.py)."""
-import json
 import sys
 
 import torch

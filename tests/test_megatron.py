@@ -20,7 +20,7 @@ from analysis import reconcile, records
 from ledger.faithful import megatron as L
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
-from tests.conftest import launch
+from tests.conftest import launch, run_sweeps
 
 COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000")
 # four multiruns; each sweeps layout dicts (merged into the layout node), so the 10 jobs cover the
@@ -43,14 +43,7 @@ EXPECTED = {("dp2", False, True), ("tp2", False, True), ("dp2", True, True), ("t
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_sweep")
-    for name, overrides in SWEEPS:
-        p = launch("-m", *COMMON, *overrides, f"hydra.sweep.dir={root / name}",
-                   f"hydra.sweep.subdir={name}_${{hydra.job.num}}", timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
-    recs = records.load(str(root))
-    ok = [r for r in recs if r["status"] == "ok"]
-    return {"records": recs, "ok": ok, "table": reconcile.table(ok)}
+    return run_sweeps(tmp_path_factory.mktemp("megatron_sweep"), SWEEPS, COMMON)
 
 
 def _overlap(rec) -> bool:

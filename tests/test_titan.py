@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 
-from analysis import reconcile, records
+from analysis import records
 from ledger.faithful import titan as L
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, run_sweeps
 
 COMMON = ("framework=titan", "model.seq_len=32", "train.steps=2")
 SWEEPS = (
@@ -35,14 +35,7 @@ REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduc
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("titan_sweep")
-    for name, overrides in SWEEPS:
-        p = launch("-m", *COMMON, *overrides, f"hydra.sweep.dir={root / name}",
-                   f"hydra.sweep.subdir={name}_${{hydra.job.num}}", timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
-    recs = records.load(str(root))
-    ok = [r for r in recs if r["status"] == "ok"]
-    return {"records": recs, "ok": ok, "table": reconcile.table(ok)}
+    return run_sweeps(tmp_path_factory.mktemp("titan_sweep"), SWEEPS, COMMON)
 
 
 def _fw(**kw):
