@@ -1,0 +1,47 @@
+"""`launch.py mode=predict` writes the prediction.json contract and prints a readable table."""
+import json
+
+import pytest
+
+from ledger.placement import KINDS
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    from tests.conftest import launch
+
+    d = tmp_path_factory.mktemp("predict")
+    p = launch("mode=predict", "model=llama3_1b", "framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2",
+               f"hydra.run.dir={d}", check=True, timeout=300)
+    return json.load(open(d / "prediction.json")), p.stdout, json.load(open(d / "record.json"))
+
+
+def test_contract(predicted):
+    pred, _, _ = predicted
+    assert {"framework", "mode", "model", "layout", "per_gpu", "per_rank", "comm"} <= set(pred)
+    assert pred["framework"] == "megatron" and pred["mode"] == "faithful"
+    assert pred["model"]["num_params"] == 1_498_482_688
+    assert (pred["layout"]["tp"], pred["layout"]["pp"], pred["layout"]["dp"]) == (2, 2, 2)
+    ranks = pred["per_rank"]
+    assert [r["rank"] for r in ranks] == list(range(8))
+    for r in ranks:
+        assert r["resident_bytes"] == r["params_bytes"] + r["grads_bytes"] + r["optim_bytes"] + r["other_bytes"]
+        assert r["stage"] in (0, 1)
+    most = max(ranks, key=lambda r: r["resident_bytes"])
+    assert pred["per_gpu"] == {k: most[k] for k in ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")}
+    for c in pred["comm"]:
+        assert c["kind"] in KINDS and c["count"] > 0 and 0 <= c["wire_bytes"] <= 2 * c["buffer_bytes"]
+    assert {c["dim"] for c in pred["comm"]} >= {"dp", "tp", "pp"}
+
+
+def test_stages_differ_and_tp_ranks_agree(predicted):
+    pred, _, _ = predicted
+    by = {r["rank"]: r for r in pred["per_rank"]}
+    assert by[0]["params_bytes"] == by[1]["params_bytes"]  # tp peers (tp is the innermost grid dim)
+    assert by[0]["params_bytes"] != by[4]["params_bytes"]  # stage 0 holds the embedding, stage 1 the output
+
+
+def test_table_in_human_units_and_record(predicted):
+    _, out, rec = predicted
+    assert "GB" in out and "resident" in out and "rank" in out
+    assert rec["status"] == "ok" and rec["measurement"] is None and rec["mode"] == "predict"
