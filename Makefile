@@ -1,6 +1,7 @@
 # train-ledger: `make demo` and `make test` both build .venv from nothing.
 SHELL := /bin/bash
-PYTHON312 ?= $(shell command -v pyenv >/dev/null && echo "$$(pyenv root)/versions/3.12.1/bin/python" || command -v python3.12)
+# Python 3.12 (megatron-core 0.18 needs it): pyenv's if there is one, else python3.12 on PATH
+PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
