@@ -67,6 +67,9 @@ def invalid_record(cfg, job_dir: str, error: str) -> dict:
     os.makedirs(job_dir, exist_ok=True)
     record = {**new_record(cfg, job_dir), "status": "invalid", "error": error}
     write_json(os.path.join(job_dir, "record.json"), record)
+    from analysis.wandb_io import log_job
+
+    log_job(cfg, record)  # a rejected job is a line of the sweep in W&B too; never raises
     return record
 
 

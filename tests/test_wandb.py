@@ -243,3 +243,18 @@ def test_mismatches_round_trip_too(sweep, tmp_path):
     pd.testing.assert_frame_equal(W.read_tables(str(tmp_path)), want)
     pd.testing.assert_frame_equal(reconcile.table(W.read_records(str(tmp_path))), want)
     assert W.read_run(W.find_runs(str(tmp_path))[0])["summary"]["steady_mismatches"] == 1
+
+
+def test_invalid_job_is_logged_and_read_back(tmp_path):
+    """A job rejected before it ran is still a run of its sweep in W&B, with its reason."""
+    from analysis import records
+    from analysis.wandb_io import read_records
+    from tests.conftest import launch
+
+    p = launch("-m", "framework=deepspeed", "layout.tp=3", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (rec,) = records.load(str(tmp_path))
+    assert rec["status"] == "invalid" and "tp*pp*cp=3" in rec["error"]
+    assert "error" not in rec["wandb"], rec["wandb"]
+    (back,) = read_records(str(tmp_path))
+    assert (back["status"], back["error"]) == (rec["status"], rec["error"])
