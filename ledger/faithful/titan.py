@@ -85,20 +85,27 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     grid: Grid = lay.grid
     cache: dict = {}
 
-    params = [p for _, u in units(model, lay.tp) for p in u]
+    ds = lay.dp_shard
+    # ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does not
+    # split evenly give different ranks different rows: they alone key the shared states
+    uneven = [p for _, u in units(model, lay.tp) for p in u if p.shape[0] % ds]
+    by_k: dict[int, RankState] = {}
 
     def rank_state(r: int) -> RankState:
-        # ranks differ only by the rows their dim-0 shard holds: equal rows share one state
         k = grid.coords(r)["dp"]
-        key = tuple(_rows(p, lay.dp_shard, k) for p in params)
-        if key not in cache:
-            cache[key] = _state(model, lay, fw, k)
-        return cache[key]
+        if k not in by_k:
+            key = tuple(_rows(p, ds, k) for p in uneven)
+            if key not in cache:
+                cache[key] = _state(model, lay, fw, k)
+            by_k[k] = cache[key]
+        return by_k[k]
 
     from ledger.textbook import _model_dict
 
     pl = Placement(framework="titan", mode="faithful", model=_model_dict(model), layout=lay.to_dict(),
-                   world=lay.world, rank_state=rank_state)
+                   world=lay.world, rank_state=rank_state,
+                   # a state depends on the shard rank alone: one rank per shard rank covers them all
+                   representatives=[grid.rank({"dp": k}) for k in range(ds)])
     if lay.tp > 1:
         pl.notes.append("titan tp: the redistributions DTensor inserts inside mm/attention backward "
                         "(partial_dtensor backend) follow a per-layer pattern fitted from traced calls "
