@@ -1,7 +1,7 @@
 # train-ledger: `make demo` and `make test` both build .venv from nothing.
 SHELL := /bin/bash
 # Python 3.12 (megatron-core 0.18 needs it): pyenv's if there is one, else python3.12 on PATH
-PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
+PYTHON312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.12*/bin/python /root/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
