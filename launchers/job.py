@@ -79,13 +79,13 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     its own runner; only rank 0 writes the record (writes_record)."""
     os.makedirs(job_dir, exist_ok=True)
     t0 = time.time()
-    try:
-        model, lay, pl = check(cfg)
-    except ConfigError as e:
-        return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
     record = {**new_record(cfg, job_dir), **(extra or {})}
     rec_path = os.path.join(job_dir, "record.json")
     try:
+        try:
+            model, lay, pl = check(cfg)
+        except ConfigError as e:
+            return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
         pred = pl.to_dict()
         record["prediction"] = pred
         if writes_record:
