@@ -57,13 +57,26 @@ class RankState:
     grads_bytes: int = 0
     optim_bytes: int = 0
     other_bytes: int = 0
-    comm: list[Comm] = field(default_factory=list)
+    _comm: Optional[list[Comm]] = field(default=None, repr=False)
+    # computes `comm` on first use: finding the most-loaded rank of a big layout needs memory only
+    comm_fn: Optional[Callable[[], list[Comm]]] = field(default=None, repr=False, compare=False)
     # the first (tracing / warm-up) step where it differs from steady state; None = same
     comm_first: Optional[list[Comm]] = None
     # steps 1..k when a framework's warm-up spans more than one optimizer step (DeepSpeed ZeRO-3
     # completes its trace in the second forward); these steps are reported as phase "first" too
     comm_warmup: Optional[list[list[Comm]]] = None
     detail: dict[str, int] = field(default_factory=dict)  # named parts of the four states
+
+    @property
+    def comm(self) -> list[Comm]:
+        """Collectives per optimizer step, steady state."""
+        if self._comm is None:
+            self._comm = self.comm_fn() if self.comm_fn is not None else []
+        return self._comm
+
+    @comm.setter
+    def comm(self, value: list[Comm]) -> None:
+        self._comm = value
 
     @property
     def resident_bytes(self) -> int:

@@ -17,7 +17,10 @@ from ledger.placement import CommBuilder, Placement, RankState
 def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     name = fw.name
     n_local = st.num_params // (lay.tp * lay.pp)
-    nd = lay.dp
+    # CP splits the sequence, not the parameters: gradients are reduced, and Megatron's distributed
+    # optimizer sharded, over the dp x cp ranks (parallel_state's "dp-cp" group)
+    nd = lay.dp * (lay.cp if name == "megatron" else 1)
+    dp_dim = "cp-dp" if name == "megatron" and lay.cp > 1 else "dp"
     s = RankState()
     cb = CommBuilder()
     act = 2  # bf16 activations
@@ -28,10 +31,10 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         opt_div = nd if fw.use_distributed_optimizer else 1
         s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_local // opt_div)
         if fw.use_distributed_optimizer:
-            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
-            cb.add("dp", "all_gather", 2 * n_local, nd, what="bf16 params")
+            cb.add(dp_dim, "reduce_scatter", st.grad * n_local, nd, what="grads")
+            cb.add(dp_dim, "all_gather", 2 * n_local, nd, what="bf16 params")
         else:
-            cb.add("dp", "all_reduce", st.grad * n_local, nd, what="grads")
+            cb.add(dp_dim, "all_reduce", st.grad * n_local, nd, what="grads")
     elif name == "deepspeed":
         z = fw.zero_stage
         s.add("params_bytes", "bf16 params", 2 * n_local // (nd if z >= 3 else 1))
@@ -55,7 +58,7 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add("dp", "reduce_scatter", 4 * n_local, nd, what="fp32 grads")
     # TP: per layer per micro-batch 4 AG + 4 RS (SP) or 4 AR of s*b*h
     m = lay.num_microbatches
-    sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
+    sbh = model.seq_len // lay.cp * lay.micro_batch_size * model.hidden * act  # each CP rank: s/cp
     layers_local = model.layers // lay.pp
     calls = 4 * layers_local * m
     if lay.tp > 1:
@@ -66,12 +69,15 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
             cb.add("tp", "all_reduce", sbh, lay.tp, count=calls, what="TP")
     if lay.pp > 1:
         shard = sbh // (lay.tp if lay.sequence_parallel else 1)
-        # the article's convention: activations forward and gradients backward, both counted
-        cb.add_p2p("pp", 2 * m * shard, 0, what="activations each way")
+        # the article's convention: activations forward and gradients backward, both counted; the
+        # interleaved schedule crosses stages vp times per micro-batch
+        cb.add_p2p("pp", 2 * m * lay.vp * shard, 0, what="activations each way")
     s.comm = cb.build()
     pl = Placement(framework=name, mode="textbook", model=_model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
+    if lay.cp > 1:
+        pl.notes.append("textbook: context parallelism's own attention traffic (K/V exchange) is not in these formulas")
     return pl
 
 

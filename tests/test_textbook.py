@@ -60,3 +60,20 @@ def test_llama3_1b_param_count():
     h, f, kv = 2048, 8192, 512
     layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     assert m.num_params() == 2 * 128256 * h + 16 * layer + h
+
+
+def test_cp_shards_optimizer_over_dp_cp_and_splits_the_sequence():
+    base = dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16)
+    one = place(preset("llama3_1b"), None, cfg(MEGATRON, **base))
+    two = place(preset("llama3_1b"), None, cfg(MEGATRON, **base, cp=2))
+    assert two.per_gpu.params_bytes == one.per_gpu.params_bytes
+    assert two.per_gpu.optim_bytes * 2 == one.per_gpu.optim_bytes
+    assert two.by_dim()["tp"] * 2 == one.by_dim()["tp"]
+    assert "cp-dp" in two.by_dim() and any("context parallelism" in n for n in two.notes)
+
+
+def test_interleaving_multiplies_pp_crossings():
+    base = dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16)
+    one = place(preset("llama3_1b"), None, cfg(MEGATRON, **base))
+    two = place(preset("llama3_1b"), None, cfg(MEGATRON, **base, vp=2))
+    assert two.by_dim()["pp"] == 2 * one.by_dim()["pp"]

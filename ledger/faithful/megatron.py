@@ -192,7 +192,7 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     b, sq = lay.micro_batch_size, model.seq_len
     mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
     s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
-    s.comm = _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt)
+    s.comm_fn = lambda: _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt)
     return s
 
 
@@ -285,7 +285,9 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return cache[key]
 
     pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
-                   layout=lay.to_dict(), world=lay.world, rank_state=state)
+                   layout=lay.to_dict(), world=lay.world, rank_state=state,
+                   # TP ranks of a stage hold equal shapes: one per (stage, dp rank) covers every state
+                   representatives=[grid.rank({"pp": p, "dp": d}) for p in range(lay.pp) for d in range(lay.dp)])
     pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
                     "_compute_per_buffer_param_layout; master/Adam per DP byte range")
     pl.notes.append("other: the local (non-TransformerEngine) spec's DotProductAttention keeps a "
