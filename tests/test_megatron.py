@@ -221,3 +221,15 @@ def test_dry_writes_pretrain_gpt_command_accepted_by_megatron_parser(tmp_path):
     assert args.bf16 and args.swiglu and args.untie_embeddings_and_output_weights
     assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
     assert args.rotary_base == 500000 and args.clip_grad == 1.0
+
+
+@pytest.mark.parametrize("dp,bucket", [(2, None), (3, 100_000), (4, 40_000), (16, 1_000_000)])
+def test_owned_sizes_by_bisection_equal_the_range_walk(dp, bucket):
+    shape = preset("llama3_1b") if dp == 16 else ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8,
+                                                              kv_heads=2, vocab=1030, seq_len=32)
+    for stage in range(2):
+        params = L.stage_params(shape, 2, 2, stage)
+        buckets = L.buffer_layout(params, bucket, dp, True)
+        for r in range(dp):
+            walk = L.shard_ranges(buckets, dp, r)
+            assert L.owned_sizes(buckets, dp, r) == (sum(n for _, n in walk), len(walk))

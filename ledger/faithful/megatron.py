@@ -15,6 +15,7 @@ Resident state at a step boundary:
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -142,6 +143,40 @@ def _stage(model: ModelShape, tp: int, pp: int, stage: int, bucket_size, dp: int
     return params, buffer_layout(params, bucket_size, dp, dist_opt)
 
 
+def owned_sizes(buckets: list[Bucket], dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, param pieces) of shard_ranges(buckets, dp, dp_rank), by bisection over each bucket's
+    sorted param bounds instead of a pass over every parameter (big layouts have thousands of DP ranks)."""
+    numel = pieces = 0
+    for b in buckets:
+        starts, ends, prefix = _bounds(b)
+        size = b.numel // dp
+        lo, hi = b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+        i0 = bisect_right(ends, lo)  # first param ending after lo
+        i1 = bisect_left(starts, hi) - 1  # last param starting before hi
+        if i0 > i1:
+            continue
+        numel += prefix[i1 + 1] - prefix[i0] - max(0, lo - starts[i0]) - max(0, ends[i1] - hi)
+        pieces += i1 - i0 + 1
+    return numel, pieces
+
+
+_BOUNDS: dict[int, tuple] = {}
+
+
+def _bounds(b: Bucket) -> tuple[list[int], list[int], list[int]]:
+    """A bucket's param starts, ends and prefix lengths (buckets are cached and never change)."""
+    key = id(b)
+    hit = _BOUNDS.get(key)
+    if hit is None or hit[0] is not b:
+        starts = [st for _, st, _ in b.params]
+        ends = [e for _, _, e in b.params]
+        prefix = [0]
+        for st, e in zip(starts, ends):
+            prefix.append(prefix[-1] + e - st)
+        hit = _BOUNDS[key] = (b, starts, ends, prefix)
+    return hit[1], hit[2], hit[3]
+
+
 # -- one rank ------------------------------------------------------------------------------------
 def _dtype_bytes(dtype: str) -> int:
     return {"bf16": 2, "fp32": 4}[dtype]
@@ -170,12 +205,14 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     # optim: distrib_optimizer.py _build_model_and_main_param_groups (fp32 master shard per
     # param range for bf16 params; fp32 params are optimized in place through views) or
     # optimizer.py Float16OptimizerWithFloat16Params (full fp32 masters) / FP32Optimizer
-    owned = shard_ranges(buckets, dp, dp_rank) if dist_opt else params
-    owned_numel = sum(n for _, n in owned)
+    if dist_opt:
+        owned_numel, owned_pieces = owned_sizes(buckets, dp, dp_rank)
+    else:
+        owned_numel, owned_pieces = n_local, len(params)
     if bf16:
         s.add("optim_bytes", "fp32 master params", 4 * owned_numel)
     s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 8 * owned_numel)
-    s.add("optim_bytes", "adam step", ADAM_STEP_BYTES * len(owned))
+    s.add("optim_bytes", "adam step", ADAM_STEP_BYTES * owned_pieces)
     # optimizer.py MixedPrecisionOptimizer.__init__: bf16 without a grad scaler keeps _scale_one
     if bf16:
         s.add("other_bytes", "unity loss scale (_scale_one)", 4)
