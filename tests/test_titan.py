@@ -21,14 +21,19 @@ from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
 from tests.conftest import REPO, launch, run_sweeps
 
-COMMON = ("framework=titan", "model.seq_len=32", "train.steps=2")
+COMMON = ("framework=titan", "train.steps=2")
 SWEEPS = (
-    ("w2", ("cluster.ranks=2", "framework.reshard_after_forward=always,never")),
-    ("w4", ("cluster.ranks=4", "model.vocab=1030", "layout.dp_replicate=1,2",
+    ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never")),
+    ("w4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.dp_replicate=1,2",
             "framework.reshard_after_forward=always,never")),
-    ("w4tp", ("cluster.ranks=4", "model.vocab=1030", "layout.tp=2", "framework.reshard_after_forward=always,never")),
+    ("w4tp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
+              "framework.reshard_after_forward=always,never")),
+    # DTensor's cost model picks other mm-backward strategies at seq 16 (tp2); tp4 needs 4 kv heads
+    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "layout.tp=2")),
+    ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2"}  # layout names (dp is the total DP degree)
+EXPECTED_ONCE = {"tp2", "tp4"}  # the extra TP jobs, one reshard setting each
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 
@@ -63,6 +68,7 @@ def test_matrix_ran(sweep):
     for lay in EXPECTED:
         for raf in ("always", "never"):
             assert (lay, raf) in seen, f"{lay} reshard_after_forward={raf} missing from {sorted(seen)}"
+    assert EXPECTED_ONCE <= {lay for lay, _ in seen}, sorted(seen)
 
 
 @pytest.mark.real
@@ -249,3 +255,16 @@ def test_dry_writes_a_module_torchtitan_loads(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-7:] == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
+
+
+def test_tp_backward_strategy_follows_dtensor_cost_model():
+    """The mm-backward collectives are DTensor's min-cost strategy choices, so they change with the
+    shape: at tp2 seq 16 the wo input grad all-reduces the Partial grad instead of all-gathering wo,
+    at seq 256 the w2 weight grad all-reduces instead of all-gathering the activation."""
+    m = lambda seq: ModelShape(layers=1, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=seq)
+    kinds = lambda seq: sorted(k for k, _ in L._layer_backward_comm(m(seq), seq, 2)[0])
+    assert kinds(32).count("all_reduce") == 1 and kinds(32).count("reduce_scatter") == 3
+    assert kinds(16).count("all_reduce") == 2 and kinds(256).count("all_reduce") == 2
+    assert not L._layer_backward_comm(m(32), 32, 2)[1]  # every path derived at these shapes
+    # the device topology enters the cost: one device per host (cpu) prices collectives inter-host
+    assert L._coll_cost("all_reduce", 1 << 20, 2) > L._coll_cost("all_gather", 1 << 20, 2)

@@ -107,9 +107,12 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                    # a state depends on the shard rank alone: one rank per shard rank covers them all
                    representatives=[grid.rank({"dp": k}) for k in range(ds)])
     if lay.tp > 1:
-        pl.notes.append("titan tp: the redistributions DTensor inserts inside mm/attention backward "
-                        "(partial_dtensor backend) follow a per-layer pattern fitted from traced calls "
-                        "at two shapes, not derived from source; see _tp_comm")
+        T = lay.micro_batch_size * model.seq_len
+        pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
+                        "per host (cpu); on cuda with tp <= GPUs per host its intra-host numbers apply and a "
+                        "choice may differ (DEVICES_PER_HOST)")
+        for gap in _layer_backward_comm(model, T, lay.tp)[1]:
+            pl.notes.append(f"titan tp: {gap}; collectives past that point are not predicted")
     return pl
 
 
@@ -206,15 +209,117 @@ def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
     cb.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", count=3 * chunks, what="loss-parallel CE")
-    # backward: the hidden-state grad handed back by ChunkedLossWrapper (Partial -> Replicate)
-    cb.add("tp", "all_reduce", act, tp, "bf16", what="ChunkedLossWrapper hidden grad")
-    # backward, per layer: redistributions DTensor's sharding propagation inserts inside the
-    # mm / attention backward ops (torch/distributed/tensor/_dispatch.py redistribute_local_args,
-    # _api.py backward). Not spelled out in torchtitan; shapes fitted from traced calls at two
-    # model shapes (tp=2) and written in the model's terms: q = heads*head_dim/tp, f = ffn/tp.
-    q, f = model.heads * model.head_dim // tp, model.ffn_hidden // tp
-    per = [("all_gather", h * q), ("all_gather", T * f), ("all_gather", T * q),
-           ("reduce_scatter", T * q), ("reduce_scatter", h * f), ("reduce_scatter", h * q)]
-    for kind, local in per:
-        cb.add("tp", kind, tp * local * BF16, tp, "bf16", count=L, what="DTensor backward redistribution")
-    cb.add("tp", "all_reduce", act, tp, "bf16", count=L, what="DTensor backward redistribution")
+    # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py GradAccumulator.result);
+    # it stays Partial down the residual stream (derivation above _MM) and is reduced once, at
+    # tok_embeddings' local_map output (Partial -> Replicate)
+    cb.add("tp", "all_reduce", act, tp, "bf16", what="residual-stream grad at tok_embeddings")
+    # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
+    # (derivation above _MM); every layer is alike
+    bwd, _ = _layer_backward_comm(model, T, tp)
+    for kind, full in bwd:
+        cb.add("tp", kind, full * BF16, tp, "bf16", count=L, what="DTensor mm backward redistribution")
+
+
+# -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
+# the 1-D tp mesh inside every block, so each aten op of the backward goes through sharding
+# propagation, torch/distributed/tensor/_dispatch.py OpDispatcher -> _sharding_prop.py) ------------
+#
+# Placements entering the backward (models/common/decoder_sharding.py, protocols/module.py):
+#   colwise wq wk wv w1 w3: W Shard(0) [out, in], input x Replicate, output Shard(-1);
+#   rowwise wo w2: W Shard(1), input Shard(-1), output Partial -> Replicate (forward all-reduce).
+#   The gradient reaching a rowwise output is Partial: components/loss.py GradAccumulator.result
+#   hands the hidden grad back Partial(sum), the norms' and colwise inputs' grads are Partial and
+#   add(P, P) stays P, so the residual stream's grad is Partial down to tok_embeddings.
+#   Colwise outputs get a Shard grad: q/k/v from inner attention's local_map in_grad_placements
+#   Shard(2) (set_gqa_inner_attention_local_map), w1/w3 from SwiGLU's elementwise backward.
+# nn.Linear on a 3-D input runs t + view + aten.mm; MmBackward0 (derivatives.yaml, FunctionsManual
+# mm_mat1_backward / mm_mat2_backward) computes grad_x2d = mm(g, W) and, W.t() being column-major,
+# grad_Wt = mm(g.t(), x2d).t(). Each mm picks a strategy of _ops/_matrix_ops.py
+# gen_single_dim_einsum_strategies("mk,kn->mn") (all-Replicate inserted first,
+# single_dim_strategy.py) by _sharding_prop.py _select_min_cost_strategy, priced by
+# _collective_utils.py redistribute_cost; the chosen input redistributions are the collectives.
+# The weight grad then meets FSDP's _fsdp_param.py _get_grad_inner_tensor, which redistributes it
+# to the param's TP placement (Partial -> Shard = reduce-scatter).
+
+# mk,kn->mn strategies over one mesh dim, (out, mat1, mat2), in the order the propagator sees them
+_MM = (("R", "R", "R"), ("P", "S1", "S0"), ("S0", "S0", "R"), ("S1", "R", "S1"),
+       ("P", "P", "R"), ("P", "R", "P"), ("Pavg", "Pavg", "R"), ("Pavg", "R", "Pavg"))
+# _collective_utils.py MeshTopoInfo.build_from_mesh: 87.7 GB/s and 0.6 us per hop within a host; a
+# mesh dim with more devices than num_devices_per_host (torch.<device>.device_count(): 1 for cpu)
+# gets 0.22x the bandwidth and 2.7 us. The ledger is checked against CPU/gloo runs: one per host.
+DEVICES_PER_HOST = 1
+
+
+def _coll_cost(kind: str, nbytes: float, n: int) -> float:
+    """_collective_utils.py allgather_cost / allreduce_cost / reduce_scatter_cost, in us."""
+    bw, lat = (87.7, 0.6) if n <= DEVICES_PER_HOST else (87.7 * 0.22, 2.7)
+    hops = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return 6.6 + hops * lat + (nbytes / 1024 ** 3 * hops / n) / bw * 1e6
+
+
+def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | None]:
+    """_collective_utils.py redistribute_cost / _compute_placement_transition_cost on one mesh dim
+    (bf16 tensors): cost and the collective redistribute_local_tensor then runs."""
+    full = numel_full * BF16
+    if cur == tgt or cur == "R":  # Replicate -> Shard / Partial: a local chunk or view
+        return 0.0, None
+    if cur[0] == "S" and tgt == "R":
+        return _coll_cost("all_gather", full, n), "all_gather"
+    if cur[0] == "S" and tgt[0] == "S":  # all-to-all priced as a local all-gather + 1.0 penalty
+        return _coll_cost("all_gather", full / n, n) + 1.0, "all_to_all"
+    if cur == "P" and tgt == "R":
+        return _coll_cost("all_reduce", full, n), "all_reduce"
+    if cur == "P" and tgt[0] == "S":
+        return _coll_cost("reduce_scatter", full, n), "reduce_scatter"
+    return float("inf"), None  # Shard -> Partial, Partial -> another Partial: banned
+
+
+def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]]]:
+    """aten.mm on DTensors (placement, full numel) a @ b: the output placement and the collectives.
+    _sharding_prop.py _select_min_cost_strategy: a strategy needing no redistribution first, then
+    the first zero-cost one, else the first of minimal summed cost."""
+    best = None
+    for out, pa, pb in _MM:
+        (ca, ka), (cb_, kb) = _move(a[0], pa, a[1], n), _move(b[0], pb, b[1], n)
+        cost = ca + cb_
+        if (pa, pb) == (a[0], b[0]):
+            cost = -1.0  # no redistribution at all: taken before any other
+        moves = [(k, numel) for k, numel in ((ka, a[1]), (kb, b[1])) if k]
+        if best is None or cost < best[0]:
+            best = (cost, out, moves)
+    return best[1], best[2]
+
+
+def _layer_backward_comm(model: ModelShape, T: int, tp: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, and the
+    paths this derivation does not cover (named in the Placement's notes)."""
+    h, f = model.hidden, model.ffn_hidden
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    out: list[tuple[str, int]] = []
+    undone: list[str] = []
+    for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h] P, x2d [T,k] S1, W [h,k] S1
+        o, m = _mm(("P", h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
+        out += m
+        if o == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
+            out.append(("reduce_scatter", h * k))
+        elif o not in ("S1", "R"):
+            undone.append(f"{name} weight grad leaves mm as {o}")
+        o, m = _mm(("P", T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
+        out += m
+        if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
+            out.append(("reduce_scatter", T * k))
+        elif o not in ("S1", "R"):
+            undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
+                          "backward that follows is not derived)")
+    for name, k in (("wq", q), ("wk", kv), ("wv", kv), ("w1", f), ("w3", f)):  # colwise: g [T,k] S1
+        o, m = _mm(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
+        out += m
+        if o == "P":
+            out.append(("reduce_scatter", k * h))
+        elif o not in ("S0", "R"):
+            undone.append(f"{name} weight grad leaves mm as {o}")
+        o, m = _mm(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
+        out += m
+        if o != "P":
+            undone.append(f"{name} input grad leaves mm as {o}")
+    return out, undone
