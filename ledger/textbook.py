@@ -73,13 +73,10 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         # interleaved schedule crosses stages vp times per micro-batch
         cb.add_p2p("pp", 2 * m * lay.vp * shard, 0, what="activations each way")
     s.comm = cb.build()
-    pl = Placement(framework=name, mode="textbook", model=_model_dict(model), layout=lay.to_dict(),
+    pl = Placement(framework=name, mode="textbook", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
     if lay.cp > 1:
         pl.notes.append("textbook: context parallelism's own attention traffic (K/V exchange) is not in these formulas")
     return pl
 
-
-def _model_dict(model: ModelShape) -> dict:
-    return model_dict(model)

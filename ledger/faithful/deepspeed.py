@@ -13,9 +13,8 @@ reduce_bucket_size (DeepSpeed reduces it on its own, outside the bucket), tied e
 from __future__ import annotations
 
 from ledger.layout import ConfigError, Layout
-from ledger.model import ModelShape, numel
+from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState
-from ledger.textbook import _model_dict
 
 BF16, FP32, FP64, INT64 = 2, 4, 8, 8
 
@@ -85,7 +84,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         s = _zero12(model, lay, fw)
     else:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3")
-    pl = Placement(framework="deepspeed", mode="faithful", model=_model_dict(model), layout=lay.to_dict(),
+    pl = Placement(framework="deepspeed", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=lambda r: s)
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, bf16, torch AdamW; pure DP over {lay.dp} ranks")
     return pl

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
-from ledger.model import ModelShape, numel
+from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState
 
 F32, BF16 = 4, 2
@@ -100,9 +100,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
             by_k[k] = cache[key]
         return by_k[k]
 
-    from ledger.textbook import _model_dict
-
-    pl = Placement(framework="titan", mode="faithful", model=_model_dict(model), layout=lay.to_dict(),
+    pl = Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=rank_state,
                    # a state depends on the shard rank alone: one rank per shard rank covers them all
                    representatives=[grid.rank({"dp": k}) for k in range(ds)])
