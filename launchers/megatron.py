@@ -36,6 +36,9 @@ def transformer_config(cfg, lay: Layout):
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=m.bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        # interleaved schedule (vp > 1): microbatch_group_size_per_vp_stage defaults to pp
+        # (model_parallel_config.py __post_init__); batch_p2p_comm on, overlap_p2p_comm off
+        virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
         sequence_parallel=lay.sequence_parallel,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -47,7 +50,10 @@ def transformer_config(cfg, lay: Layout):
     )
 
 
-def build_model(cfg, lay: Layout, tcfg):
+def build_model(cfg, lay: Layout, tcfg, vp_stage: int | None = None):
+    """One model chunk. With vp > 1, training.py get_model builds vp chunks per stage: chunk i has
+    vp_stage=i (GPTModel -> TransformerBlock takes its layer offset from it), pre_process only on
+    the first chunk of the first stage, post_process only on the last chunk of the last stage."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -55,10 +61,13 @@ def build_model(cfg, lay: Layout, tcfg):
 
     m = cfg.model
     spec = get_gpt_layer_local_spec(normalization=tcfg.normalization)
+    stage, pp = ps.get_pipeline_model_parallel_rank(), lay.pp
+    pre = stage == 0 and vp_stage in (None, 0)
+    post = stage == pp - 1 and vp_stage in (None, lay.vp - 1)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=m.vocab, max_sequence_length=m.seq_len,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     pre_process=pre, post_process=post,
                      share_embeddings_and_output_weights=m.tied_embeddings, position_embedding_type="rope",
-                     rotary_base=int(m.rope_theta))
+                     rotary_base=int(m.rope_theta), vp_stage=vp_stage)
     if cfg.cluster.device == "cuda":
         model.cuda(torch.cuda.current_device())
     if tcfg.bf16:  # training.py get_model: Float16Module casts to bf16 (else RMSNorm stays fp32)
@@ -146,14 +155,16 @@ def rope_tensors(model, seq_len: int) -> list[torch.Tensor]:
     return out
 
 
-def state_groups(model, optimizer, seq_len: int) -> dict:
-    """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron.py)."""
+def state_groups(chunks, optimizer, seq_len: int) -> dict:
+    """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron.py).
+    `chunks`: the DDP-wrapped model chunks of this rank (vp of them with interleaving)."""
     params, grads, other = [], [], []
-    for buf in model.buffers + model.expert_parallel_buffers:
-        # param_data is None without the distributed optimizer: then params are the module's own
-        params.append(buf.param_data) if buf.param_data is not None else None
-        grads.append(buf.grad_data)
-    params += list(model.parameters())  # views into param_data (counted once) or own storages
+    for model in chunks:
+        for buf in model.buffers + model.expert_parallel_buffers:
+            # param_data is None without the distributed optimizer: then params are the module's own
+            params.append(buf.param_data) if buf.param_data is not None else None
+            grads.append(buf.grad_data)
+        params += list(model.parameters())  # views into param_data (counted once) or own storages
     optim = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in getattr(opt, "shard_fp32_from_float16_groups", []) + getattr(opt, "fp32_from_float16_groups", []):
@@ -168,7 +179,8 @@ def state_groups(model, optimizer, seq_len: int) -> dict:
                 other.append(t)
     # module buffers (RoPE inv_freq) and utils.py GlobalMemoryBuffer: the scratch tensors that
     # dot_product_attention.py (attention scores) and the SP all-gathers keep between steps
-    other += list(model.module.buffers()) + rope_tensors(model, seq_len)
+    for model in chunks:
+        other += list(model.module.buffers()) + rope_tensors(model, seq_len)
     from megatron.core import parallel_state as ps
 
     other += list(ps.get_global_memory_buffer().buffer.values())
@@ -176,6 +188,9 @@ def state_groups(model, optimizer, seq_len: int) -> dict:
 
 
 def run_rank(cfg, lay: Layout, session) -> dict:
+    from ledger.faithful.megatron import check_interleaving
+
+    check_interleaving(lay)  # ConfigError naming the field, before Megatron's own schedule check
     device = init_distributed(cfg)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -184,38 +199,49 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    vp = lay.vp if lay.vp > 1 else None
     ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                 context_parallel_size=lay.cp)
+                                 virtual_pipeline_model_parallel_size=vp, context_parallel_size=lay.cp)
     torch.manual_seed(cfg.train.seed)
     # the inference tracker keeps CPU-compatible RNG states (no torch.cuda.get_rng_state)
     model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=device.type == "cpu")
     tcfg = transformer_config(cfg, lay)
-    module = build_model(cfg, lay, tcfg)
-    model = DDP(tcfg, ddp_config(cfg.framework), module)
-    optimizer = get_megatron_optimizer(optimizer_config(cfg), [model])
+    # training.py get_model: vp chunks (one without interleaving), each in its own DDP;
+    # bucketing disabled for chunks after the first (DDP also disables it on stages > 0)
+    vp_stages = list(range(lay.vp)) if vp else [None]
+    chunks = [DDP(tcfg, ddp_config(cfg.framework), build_model(cfg, lay, tcfg, v), disable_bucketing=i > 0)
+              for i, v in enumerate(vp_stages)]
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), chunks)
     fw = cfg.framework
-    # training.py train(): the schedule talks to DDP through these config hooks
+    # training.py train(): the schedule talks to DDP through these config hooks (a list per
+    # chunk, unwrapped when there is one chunk)
+    one = len(chunks) == 1
     if fw.overlap_grad_reduce:
-        tcfg.no_sync_func = model.no_sync
-        tcfg.grad_sync_func = model.start_grad_sync
+        tcfg.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
+        tcfg.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
     if fw.overlap_param_gather:
-        tcfg.param_sync_func = model.start_param_sync
+        tcfg.param_sync_func = chunks[0].start_param_sync if one else [c.start_param_sync for c in chunks]
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
 
-    data = batches(cfg, lay, device, cfg.train.seed + ps.get_data_parallel_rank())
+    # one iterator per chunk (the interleaved schedule asks for a list), all the same stream:
+    # chunk 0 of the first stage reads tokens, the last chunk of the last stage the labels
+    seed = cfg.train.seed + ps.get_data_parallel_rank()
+    data = [batches(cfg, lay, device, seed) for _ in chunks]
     fb = get_forward_backward_func()
     m = lay.num_microbatches
     for step in range(cfg.train.steps):
         with session.step(step):
-            model.zero_grad_buffer()
+            for c in chunks:
+                c.zero_grad_buffer()
             optimizer.zero_grad()
-            losses = fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=m,
-                        seq_length=cfg.model.seq_len, micro_batch_size=lay.micro_batch_size, forward_only=False)
+            losses = fb(forward_step_func=forward_step, data_iterator=data[0] if one else data, model=chunks,
+                        num_microbatches=m, seq_length=cfg.model.seq_len, micro_batch_size=lay.micro_batch_size,
+                        forward_only=False)
             ok, grad_norm, _ = optimizer.step()
         loss = sum(float(x["lm loss"]) for x in losses) / m if losses else None
         session.loss(loss)
-        session.state(lambda: state_groups(model, optimizer, cfg.model.seq_len))
+        session.state(lambda: state_groups(chunks, optimizer, cfg.model.seq_len))
     extra = {"grad_norm": float(grad_norm) if grad_norm is not None else None,
              "stage": ps.get_pipeline_model_parallel_rank()}
     if device.type == "cpu":

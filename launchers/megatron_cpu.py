@@ -73,6 +73,8 @@ REDIRECTS: tuple[Redirect, ...] = (
     Redirect(_SCHED, "forward_backward_no_pipelining", "device='cuda'"),
     # pipeline_parallel/schedules.py forward_backward_pipelining_without_interleaving: ditto
     Redirect(_SCHED, "forward_backward_pipelining_without_interleaving", "device='cuda'"),
+    # pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving (vp > 1): ditto
+    Redirect(_SCHED, "forward_backward_pipelining_with_interleaving", "device='cuda'"),
     # pipeline_parallel/p2p_communication.py P2PCommunicator._communicate: receive buffers on
     # torch.cuda.current_device()
     Redirect(_P2P, "P2PCommunicator._communicate.<locals>.create_tensor_recv_prev", "torch.cuda.current_device"),

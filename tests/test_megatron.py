@@ -1,8 +1,9 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (three small multiruns, 14 jobs) covers dp2, tp2, pp2 (world 2) and dp4, tp2·dp2,
+One shared sweep (a few small multiruns, 13 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
-small buckets, so several padded buckets per buffer). Every steady row on every rank must
+small buckets, so several padded buckets per buffer), and the interleaved schedule (pp2·vp2 world 2,
+pp2·vp2·dp2 world 4: one DDP buffer per model chunk). Every steady row on every rank must
 reconcile with abs_err 0.
 """
 from __future__ import annotations
@@ -34,11 +35,16 @@ SWEEPS = (
     # the plain DDP path (no distributed optimizer): fp32 masters in full, all-reduce per bucket
     ("w2ddp", ("cluster.ranks=2", "framework.overlap_grad_reduce=true", "framework.use_distributed_optimizer=false",
                "layout={}")),
+    # interleaved pipeline (vp=2): 4 layers as 2 stages x 2 chunks; global batch 4 gives 4 (dp1) / 2 (dp2)
+    # micro-batches, multiples of pp as the interleaved schedule needs
+    ("w2vp", ("cluster.ranks=2", "layout={pp:2,vp:2,global_batch_size:4}")),
+    ("w4vp", ("cluster.ranks=4", "framework.overlap_grad_reduce=true", "layout={pp:2,vp:2,global_batch_size:4}")),
 )
-# (layout, overlap_grad_reduce, use_distributed_optimizer) of every job
-EXPECTED = {("dp2", False, True), ("tp2", False, True), ("dp2", True, True), ("tp2·sp", True, True),
-            ("pp2", True, True), ("tp2·dp2", False, True), ("tp2·pp2·sp", False, True), ("tp2·dp2·sp", True, True),
-            ("pp2·dp2", True, True), ("tp2·pp2", True, True), ("dp2", True, False)}
+# (layout, overlap_grad_reduce, use_distributed_optimizer, vp) of every job
+EXPECTED = {("dp2", False, True, 1), ("tp2", False, True, 1), ("dp2", True, True, 1), ("tp2·sp", True, True, 1),
+            ("pp2", True, True, 1), ("tp2·dp2", False, True, 1), ("tp2·pp2·sp", False, True, 1),
+            ("tp2·dp2·sp", True, True, 1), ("pp2·dp2", True, True, 1), ("tp2·pp2", True, True, 1),
+            ("dp2", True, False, 1), ("pp2", False, True, 2), ("pp2·dp2", True, True, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,9 @@ def _overlap(rec) -> bool:
 def test_matrix_ran(sweep):
     bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
     assert not bad, bad
-    assert {(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"])
-            for r in sweep["ok"]} == EXPECTED
+    jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
+             r["prediction"]["layout"]["vp"]) for r in sweep["ok"]]
+    assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
 
 
 @pytest.mark.real
@@ -91,9 +98,10 @@ def test_sweep_exercises_padding_buckets_and_every_collective(sweep):
     padded = uneven = False
     for rec in sweep["ok"]:
         pr = rec["prediction"]["per_rank"]
-        n_local = {s: sum(n for _, n in L.stage_params(ModelShape.from_config(rec["config"]["model"]),
-                                                         rec["prediction"]["layout"]["tp"],
-                                                         rec["prediction"]["layout"]["pp"], s))
+        lay = rec["prediction"]["layout"]
+        shape = ModelShape.from_config(rec["config"]["model"])
+        n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in L.stage_params(shape, lay["tp"], lay["pp"], s,
+                                                                                   lay["vp"], ch))
                    for s in {p["stage"] for p in pr}}
         padded |= any(p["grads_bytes"] > 4 * n_local[p["stage"]] for p in pr)
         by_stage = {}
@@ -181,9 +189,51 @@ def test_faithful_ledger_refuses_what_it_does_not_model():
         L.place(model, _lay(), _fw(overlap_param_gather=True))
     with pytest.raises(ConfigError, match="tied_embeddings"):
         L.place(dataclasses.replace(model, tied_embeddings=True), _lay(), _fw())
-    with pytest.raises(ConfigError, match="vp=2"):
-        L.place(model, _lay(pp=2, vp=2), _fw())
+    with pytest.raises(ConfigError, match="cp=2"):
+        L.place(model, _lay(cp=2, dp=1), _fw())
+    # the interleaved schedule needs num_microbatches (global_batch_size / (micro_batch_size*dp)) % pp == 0
+    with pytest.raises(ConfigError, match="global_batch_size=3 gives num_microbatches=3"):
+        L.place(model, _lay(pp=2, vp=2, dp=1, global_batch_size=3), _fw())
+    with pytest.raises(ConfigError, match="global_batch_size=2 gives num_microbatches=1"):
+        L.place(model, _lay(pp=2, vp=2, dp=2, global_batch_size=2), _fw())
+    L.place(model, _lay(pp=2, vp=2, dp=1, global_batch_size=4), _fw())
     L.place(model, _lay(tp=2, pp=2, dp=1, sequence_parallel=True), _fw())
+
+
+@pytest.mark.parametrize("pp,vp,m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (3, 4, 3)])
+def test_interleaved_p2p_pairs_every_send_with_a_receive(pp, vp, m):
+    """Replaying the interleaved schedule: each of the pp*vp-1 virtual-stage boundaries carries one
+    activation forward and one grad backward per micro-batch, each a send on one stage and a
+    receive on its neighbour; the first stage receives no activation for chunk 0, the last sends none
+    from its last chunk."""
+    per_stage = [L.interleaved_p2p(pp, s, vp, m) for s in range(pp)]
+    crossings = 2 * (pp * vp - 1) * m
+    assert sum(x for x, _ in per_stage) == crossings
+    assert sum(y for _, y in per_stage) == crossings
+    # inner stages send and receive vp boundaries each way; the ends one fewer
+    for s, (sent, received) in enumerate(per_stage):
+        ends = (s == 0) + (s == pp - 1)
+        assert sent == received == 2 * m * vp - ends * m, (s, sent, received)
+
+
+def test_interleaved_buffers_one_per_chunk():
+    """vp chunks per stage: each chunk its own (padded) DDP buffer, only chunk 0 of stage 0 bucketed
+    (training.py get_model disable_bucketing, distributed_data_parallel.py pp_rank > 0)."""
+    model = preset("tiny")
+    fw = _fw(overlap_grad_reduce=True, bucket_size=100_000)
+    lay = _lay(pp=2, vp=2, dp=2, global_batch_size=4)
+    assert [L.effective_bucket_size(fw, 2, st, ch) for st in range(2) for ch in range(2)] == [100_000, None, None, None]
+    pl = L.place(model, lay, fw)
+    for st in range(2):
+        layouts = [L.buffer_layout(L.stage_params(model, 1, 2, st, 2, ch), L.effective_bucket_size(fw, 2, st, ch), 2,
+                                   True) for ch in range(2)]
+        numel = sum(b.numel for bs in layouts for b in bs)
+        s = pl.rank_state(lay.grid.rank({"pp": st, "dp": 0}))
+        assert s.grads_bytes == 4 * numel and s.params_bytes == 2 * numel
+    # the embedding sits in stage 0 chunk 0, the output layer in stage 1 chunk 1 only
+    names = {(st, ch): {n for n, _ in L.stage_params(model, 1, 2, st, 2, ch)} for st in range(2) for ch in range(2)}
+    assert [("embedding.word_embeddings.weight" in names[k], "output_layer.weight" in names[k])
+            for k in sorted(names)] == [(True, False), (False, False), (False, False), (False, True)]
 
 
 # -- dry: run.sh ---------------------------------------------------------------------------------

@@ -28,8 +28,14 @@ ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor
 
 
 # -- the parameters of one pipeline stage -----------------------------------------------------------
-def stage_params(model: ModelShape, tp: int, pp: int, stage: int) -> list[tuple[str, int]]:
-    """(name, local numel) in GPTModel.named_parameters() order for one PP stage and TP rank.
+def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
+    """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
+    of vp with interleaving) and TP rank.
+
+    training/training.py get_model: with vp > 1 each stage builds vp GPTModels of layers/(pp*vp)
+    layers; pre_process (embedding) only on chunk 0 of stage 0, post_process (final norm, output
+    layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py is_vp_first_stage /
+    is_vp_last_stage).
 
     models/gpt/gpt_model.py GPTModel.__init__: embedding (pre_process), decoder, output_layer
     (post_process, untied); transformer/transformer_layer.py registers input_layernorm,
@@ -37,9 +43,9 @@ def stage_params(model: ModelShape, tp: int, pp: int, stage: int) -> list[tuple[
     linear_proj before SelfAttention.__init__ builds linear_qkv; transformer/mlp.py: linear_fc1
     (2*ffn when gated) then linear_fc2. Column-parallel weights split dim 0, row-parallel dim 1."""
     h, hd = model.hidden, model.head_dim
-    per_stage = model.layers // pp
+    per_stage = model.layers // (pp * vp)
     out: list[tuple[str, int]] = []
-    first, last = stage == 0, stage == pp - 1
+    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
     norm_n = h * (2 if model.norm == "layernorm" else 1)
 
     def lin(name, out_f, in_f, bias_len):
@@ -83,10 +89,11 @@ class Bucket:
         return self.end - self.start
 
 
-def effective_bucket_size(fw, dp: int, stage: int) -> int | None:
+def effective_bucket_size(fw, dp: int, stage: int, chunk: int = 0) -> int | None:
     """distributed/distributed_data_parallel.py DistributedDataParallel.__init__: default
-    max(40M, 1M*dp); None (one bucket) without overlap_grad_reduce or on PP stages after the first."""
-    if not fw.overlap_grad_reduce or stage > 0:
+    max(40M, 1M*dp); None (one bucket) without overlap_grad_reduce or on PP stages after the first;
+    training/training.py get_model: disable_bucketing for model chunks after the first (vp > 1)."""
+    if not fw.overlap_grad_reduce or stage > 0 or chunk > 0:
         return None
     return fw.bucket_size if fw.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
 
@@ -136,10 +143,11 @@ def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int) -> list[tuple[str
 
 
 @lru_cache(maxsize=1024)
-def _stage(model: ModelShape, tp: int, pp: int, stage: int, bucket_size, dp: int, dist_opt: bool):
-    """A stage's parameters and buffer layout: shared by its TP and DP ranks, and across the layouts
-    of a sweep (read-only)."""
-    params = stage_params(model, tp, pp, stage)
+def _stage(model: ModelShape, tp: int, pp: int, stage: int, bucket_size, dp: int, dist_opt: bool,
+           vp: int = 1, chunk: int = 0):
+    """A stage's (model chunk's) parameters and buffer layout: shared by its TP and DP ranks, and across
+    the layouts of a sweep (read-only)."""
+    params = stage_params(model, tp, pp, stage, vp, chunk)
     return params, buffer_layout(params, bucket_size, dp, dist_opt)
 
 
@@ -190,7 +198,11 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
     pb, gb = _dtype_bytes(pdt), _dtype_bytes(gdt)
     dist_opt = fw.use_distributed_optimizer
-    params, buckets = _stage(model, tp, lay.pp, stage, effective_bucket_size(fw, dp, stage), dp, dist_opt)
+    # one DDP (so one buffer per (param, grad) dtype) per model chunk: vp of them with interleaving
+    chunks = [_stage(model, tp, lay.pp, stage, effective_bucket_size(fw, dp, stage, ch), dp, dist_opt, lay.vp, ch)
+              for ch in range(lay.vp)]
+    params = [p for ps_, _ in chunks for p in ps_]
+    buckets = [b for _, bs in chunks for b in bs]  # every chunk's buckets, chunk 0 first
     n_local = sum(n for _, n in params)
     buf_numel = sum(b.numel for b in buckets)
 
@@ -204,9 +216,11 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     s.add("grads_bytes", f"{gdt} grad buffer (grad_data)", gb * buf_numel)
     # optim: distrib_optimizer.py _build_model_and_main_param_groups (fp32 master shard per
     # param range for bf16 params; fp32 params are optimized in place through views) or
-    # optimizer.py Float16OptimizerWithFloat16Params (full fp32 masters) / FP32Optimizer
+    # optimizer.py Float16OptimizerWithFloat16Params (full fp32 masters) / FP32Optimizer;
+    # the DP ranges are per bucket of each chunk's buffer (_build_gbuf_range_map per buffer)
     if dist_opt:
-        owned_numel, owned_pieces = owned_sizes(buckets, dp, dp_rank)
+        sizes = [owned_sizes(bs, dp, dp_rank) for _, bs in chunks]
+        owned_numel, owned_pieces = sum(n for n, _ in sizes), sum(k for _, k in sizes)
     else:
         owned_numel, owned_pieces = n_local, len(params)
     if bf16:
@@ -218,10 +232,11 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
         s.add("other_bytes", "unity loss scale (_scale_one)", 4)
     # models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding: inv_freq (fp32,
     # ceil(kv_channels/2)) and the emb tensor [s, 1, 1, 2*ceil(kv_channels/2)] fp32 that the
-    # @lru_cache on forward keeps alive; every stage computes it (gpt_model.py _preprocess)
+    # @lru_cache on forward keeps alive (keyed by self: one per model chunk); every stage
+    # computes it (gpt_model.py _preprocess)
     half = -(-model.head_dim // 2)
-    s.add("other_bytes", "rope inv_freq", 4 * half)
-    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half)
+    s.add("other_bytes", "rope inv_freq", 4 * half * lay.vp)
+    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half * lay.vp)
     # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
     # transformer/dot_product_attention.py (scores [b*heads/tp, s, s]) and, with SP, of the
     # all-gathers in tensor_parallel/layers.py / mappings.py ([s, b, h])
@@ -282,7 +297,16 @@ def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
     # PP: pipeline_parallel/schedules.py forward_backward_pipelining_without_interleaving +
     # p2p_communication.py: per micro-batch activations forward, their grads backward; with SP
     # the sequence-sharded tensor [s/tp, b, h]
-    if pp > 1:
+    if pp > 1 and lay.vp > 1:
+        shard = sbh // (tp if sp else 1)
+        sent, received = interleaved_p2p(pp, stage, lay.vp, m)
+        for _ in range(sent):
+            cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt,
+                       what="activations / activation grads, interleaved (schedules.py, p2p_communication.py)")
+        for _ in range(received):
+            cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt,
+                       what="activations / activation grads, interleaved (schedules.py, p2p_communication.py)")
+    elif pp > 1:
         shard = sbh // (tp if sp else 1)
         nxt = 0 if last else 1
         prv = 0 if first else 1
@@ -301,6 +325,82 @@ def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
     return cb.build()
 
 
+# -- the interleaved schedule (vp > 1) -----------------------------------------------------------
+def check_interleaving(lay: Layout) -> None:
+    """pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: with
+    microbatch_group_size_per_vp_stage = pp (model_parallel_config.py default) it needs
+    pp <= num_microbatches and no final group smaller than pp, i.e. num_microbatches % pp == 0."""
+    m = lay.num_microbatches
+    if lay.vp > 1 and (m < lay.pp or m % lay.pp):
+        raise ConfigError(f"megatron: vp={lay.vp}: layout.global_batch_size={lay.global_batch_size} gives "
+                          f"num_microbatches={m} (global_batch_size / (micro_batch_size*dp)), which must be a "
+                          f"multiple of pp={lay.pp} for the interleaved schedule")
+
+
+def _schedule_table(m: int, vp: int, group: int) -> list[tuple[int, int]]:
+    """schedules.py get_schedule_table: (microbatch id, model chunk id) per virtual micro-batch."""
+    out = []
+    for lo in range(0, m, group):
+        hi = m if lo + group >= m else lo + group
+        out += [(mb, ch) for ch in range(vp) for mb in range(lo, hi)]
+    return out
+
+
+def interleaved_p2p(pp: int, stage: int, vp: int, m: int) -> tuple[int, int]:
+    """(tensors sent, tensors received) by one stage in one forward_backward_pipelining_with_interleaving
+    call, replaying its control flow with overlap_p2p_comm and overlap_p2p_comm_warmup_flush off
+    (the launcher's config): get_pp_rank_microbatches (warm-up length), recv_tensor_from_previous_stage
+    (the leading stage receives nothing for its first pp-1 virtual micro-batches and nothing for the
+    last chunk's), the first stage's first chunk sends no input grad, the last stage's last chunk no
+    output; p2p_communication.py _communicate posts one isend / irecv per non-None tensor / recv flag."""
+    group = pp  # microbatch_group_size_per_vp_stage
+    total = m * vp
+    table = _schedule_table(m, vp, group)
+    first, last = stage == 0, stage == pp - 1
+    warm = (pp - stage - 1) * 2 + (vp - 1) * group
+    all_warm = warm >= total
+    warm = min(warm, total)
+    remaining = total - warm
+
+    def chunk(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else vp - 1 - c
+
+    def recv_from_prev(k: int, forward: bool) -> bool:
+        leading = first if forward else last
+        if not leading:
+            return True
+        end_chunk = vp - 1 if forward else 0
+        nxt = chunk(k + 1, forward) if k < pp - 1 else chunk(k - (pp - 1), forward)
+        return k >= pp - 1 and nxt != end_chunk
+
+    sent = received = 0
+    received += not first  # recv_forward for chunk 0 (none on the first stage)
+    for k in range(warm):
+        recv_prev = recv_from_prev(k, True) and k != total - 1
+        out = not (chunk(k, True) == vp - 1 and last)
+        sent += out
+        received += recv_prev
+        if k == warm - 1 and not all_warm:  # send_forward_backward_recv_forward_backward
+            received += not last
+    for k in range(remaining):
+        fk = k + warm
+        out = not (chunk(fk, True) == vp - 1 and last)
+        grad = not (chunk(k, False) == 0 and first)
+        recv_prev = recv_from_prev(fk, True) and k != remaining - 1
+        recv_next = recv_from_prev(k, False)
+        sent += out + grad
+        received += recv_prev + recv_next
+    if all_warm:
+        received += not last  # recv_backward for the last chunk
+    for k in range(remaining, total):
+        grad = not (chunk(k, False) == 0 and first)
+        recv_next = recv_from_prev(k, False) and k != total - 1
+        sent += grad
+        received += recv_next
+    return sent, received
+
+
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
     if model.tied_embeddings:
@@ -309,8 +409,9 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     if getattr(fw, "overlap_param_gather", False):
         raise ConfigError("megatron: framework.overlap_param_gather=true is not modelled by the faithful ledger "
                           "yet (the all-gathers move into the next step's forward pre-hooks)")
-    if lay.vp > 1 or lay.cp > 1:
-        raise ConfigError(f"megatron: vp={lay.vp} cp={lay.cp}: the faithful ledger models vp=1, cp=1 only")
+    if lay.cp > 1:
+        raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only")
+    check_interleaving(lay)
     grid = lay.grid
     cache: dict[tuple, RankState] = {}
 
