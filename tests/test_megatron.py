@@ -44,7 +44,7 @@ SWEEPS = (
 EXPECTED = {("dp2", False, True, 1), ("tp2", False, True, 1), ("dp2", True, True, 1), ("tp2·sp", True, True, 1),
             ("pp2", True, True, 1), ("tp2·dp2", False, True, 1), ("tp2·pp2·sp", False, True, 1),
             ("tp2·dp2·sp", True, True, 1), ("pp2·dp2", True, True, 1), ("tp2·pp2", True, True, 1),
-            ("dp2", True, False, 1), ("pp2", False, True, 2), ("pp2·dp2", True, True, 2)}
+            ("dp2", True, False, 1), ("pp2·vp2", False, True, 2), ("pp2·vp2·dp2", True, True, 2)}
 
 
 @pytest.fixture(scope="module")
