@@ -31,6 +31,17 @@ def _comm_totals(comm: list[dict]) -> dict[str, int]:
     return out
 
 
+def _predicted_comm(p: dict, step: int) -> list[dict]:
+    """The rank's predicted collectives for a step: comm_first at step 0 (when it differs),
+    comm_warmup[step - 1] for the further warm-up steps, comm (steady state) after."""
+    warmup = p.get("comm_warmup") or []
+    if step == 0:
+        return p["comm_first"] if "comm_first" in p else p["comm"]
+    if step <= len(warmup):
+        return warmup[step - 1]
+    return p["comm"]
+
+
 def rows(rec: dict) -> list[dict]:
     """Reconcile rows of one record (empty when it has no measurement)."""
     pred, meas = rec.get("prediction"), rec.get("measurement")
@@ -52,10 +63,7 @@ def rows(rec: dict) -> list[dict]:
                 for q in STATE_Q:
                     out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
             if "comm" in st:
-                if 0 < st["step"] <= len(warmup):
-                    pc = _comm_totals(warmup[st["step"] - 1])
-                else:
-                    pc = _comm_totals(p.get("comm_first") if phase == "first" and "comm_first" in p else p["comm"])
+                pc = _comm_totals(_predicted_comm(p, st["step"]))
                 mc = _comm_totals(st["comm"])
                 for q in sorted(set(pc) | set(mc)):
                     out.append({**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)})
@@ -113,14 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mismatches", action="store_true", help="only rows whose abs_err is not 0")
     ap.add_argument("--from-wandb", metavar="SRC", help="rebuild from W&B: an offline sweep dir or entity/project[/group]")
     a = ap.parse_args(argv)
-    if a.from_wandb:
-        from analysis.wandb_io import read_records
-
-        recs = read_records(a.from_wandb)
-    elif a.path:
-        recs = R.load(a.path)
-    else:
+    if not (a.path or a.from_wandb):
         ap.error("give a PATH or --from-wandb SRC")
+    recs = R.load_from(a.path, a.from_wandb)
     if not recs:
         print(f"no record.json under {a.path or a.from_wandb}", file=sys.stderr)
         return 1

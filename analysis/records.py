@@ -48,3 +48,13 @@ def framework_variant(rec: dict) -> str:
     if name == "deepspeed":
         return f"deepspeed-z{fw['zero_stage']}"
     return name
+
+
+def load_from(path: str | None, from_wandb: str | None = None) -> list[dict]:
+    """Records from W&B (an offline sweep dir or entity/project[/group]) when from_wandb is given,
+    else from the record.json files under path."""
+    if from_wandb:
+        from analysis.wandb_io import read_records
+
+        return read_records(from_wandb)
+    return load(path)

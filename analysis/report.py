@@ -97,7 +97,7 @@ def fig_scatter(df: pd.DataFrame, path: str) -> None:
         ax.set_ylabel("measured")
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
@@ -144,7 +144,7 @@ def _no_data(ax, rec: dict, what: str) -> None:
     import textwrap
 
     err = (rec.get("error") or "").strip().splitlines()
-    msg = f"{what}\n[{rec.get('status')}]" + (f"\n" + textwrap.fill(err[0][:160], 48) if err else "")
+    msg = f"{what}\n[{rec.get('status')}]" + ("\n" + textwrap.fill(err[0][:160], 48) if err else "")
     ax.text(0.5, 0.5, msg, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="#b00020")
     ax.set_xticks([])
     ax.set_yticks([])
@@ -272,7 +272,7 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
     fams = ", ".join(sorted({R.framework_variant(r) for r in recs}))
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>train-ledger report</title>"
              f"<style>{CSS}</style></head><body>",
-             f"<h1>train-ledger: prediction vs measurement</h1>",
+             "<h1>train-ledger: prediction vs measurement</h1>",
              f"<p class='muted'>source: {html.escape(source)} · {len(recs)} jobs ({html.escape(fams)}) · "
              f"written {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
              f"<p>{verdict}</p>", "<h2>Jobs</h2>", _html_table(summ)]
@@ -346,12 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="report dir (default SWEEP_DIR/report)")
     ap.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="also save a W&B report (online; untested here)")
     a = ap.parse_args(argv)
-    if a.from_wandb:
-        from analysis.wandb_io import read_records
-
-        recs = read_records(a.from_wandb)
-    else:
-        recs = R.load(a.sweep_dir)
+    recs = R.load_from(a.sweep_dir, a.from_wandb)
     if not recs:
         print(f"no records under {a.from_wandb or a.sweep_dir}", file=sys.stderr)
         return 1

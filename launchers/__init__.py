@@ -5,3 +5,13 @@ A framework module exposes:
     dry(cfg, layout, out_dir) -> list[str]   # framework-native artifacts for a GPU cluster
 """
 FRAMEWORKS = {"megatron": "launchers.megatron", "deepspeed": "launchers.deepspeed", "titan": "launchers.titan"}
+
+
+def write_script(path: str, text: str) -> str:
+    """Write an executable shell script (the dry artifacts a user runs by hand); returns its path."""
+    import os
+
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    return path

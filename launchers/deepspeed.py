@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from launchers import write_script
 from ledger.layout import Layout
 
 
@@ -198,11 +199,8 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
     gpus = cfg.cluster.gpus_per_node or cfg.cluster.ranks
     line = RUN_LINE.format(gpus=gpus, nodes=cfg.cluster.nodes, steps=cfg.train.steps,
                            model="'" + json.dumps(asdict(ModelShape.from_config(cfg.model))) + "'")
-    p = os.path.join(out_dir, "run.sh")
-    with open(p, "w") as f:
-        f.write("#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
-                'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
-                "PYTHONPATH=$PWD %s\n" % (cfg.framework.zero_stage, lay.world, line))
-    os.chmod(p, 0o755)
-    paths.append(p)
+    paths.append(write_script(os.path.join(out_dir, "run.sh"),
+                              "#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
+                              'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
+                              "PYTHONPATH=$PWD %s\n" % (cfg.framework.zero_stage, lay.world, line)))
     return paths

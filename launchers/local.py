@@ -16,6 +16,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, local_rank: int,
+               device: str) -> subprocess.Popen:
+    """One rank as `python -m launchers.worker JOB_DIR`, torchrun-style variables set, output to
+    JOB_DIR/rank{R}.log. On CPU no GPU is visible to it."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+               MASTER_ADDR=master, MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    with open(os.path.join(job_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
+        return subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_tail(job_dir: str, rank: int, chars: int = 3000) -> str:
+    with open(os.path.join(job_dir, f"rank{rank}.log"), errors="replace") as f:
+        return f.read()[-chars:]
+
+
 def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> list[dict]:
     """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail}.
 
@@ -25,35 +44,19 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> 
 
     clear_results(job_dir, range(world))
     port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1")
-        if device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        log = open(os.path.join(job_dir, f"rank{r}.log"), "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
+    procs = [spawn_rank(job_dir, r, world, "127.0.0.1", port, r, device) for r in range(world)]
     deadline = time.monotonic() + timeout_s
     failed_at = None
     while True:
-        rcs = [p.poll() for p, _ in procs]
+        rcs = [p.poll() for p in procs]
         if all(rc is not None for rc in rcs):
             break
         if failed_at is None and any(rc not in (None, 0) for rc in rcs):
             failed_at = time.monotonic()
         now = time.monotonic()
         if now > deadline or (failed_at is not None and now - failed_at > 10):
-            for p, _ in procs:
+            for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.2)
-    out = []
-    for r, (p, log) in enumerate(procs):
-        log.close()
-        with open(log.name, errors="replace") as f:
-            tail = f.read()[-3000:]
-        out.append({"rank": r, "returncode": p.returncode, "log_tail": tail})
-    return out
+    return [{"rank": r, "returncode": p.returncode, "log_tail": log_tail(job_dir, r)} for r, p in enumerate(procs)]

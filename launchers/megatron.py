@@ -18,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from launchers import write_script
 from ledger.layout import Layout
 from ledger.model import ModelShape
 
@@ -322,10 +323,7 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
         pairs.append(" ".join(_q(x) for x in args[i:j]))
         i = j
     lines += [f"  {p} \\" for p in pairs[:-1]] + [f"  {pairs[-1]}", ""]
-    path = os.path.join(out_dir, "run.sh")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    os.chmod(path, 0o755)
+    path = write_script(os.path.join(out_dir, "run.sh"), "\n".join(lines))
     return [path]
 
 

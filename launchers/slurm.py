@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 
 from hydra.experimental.callback import Callback
@@ -61,6 +60,10 @@ class SlurmSetup(Callback):
             hl.submitit_folder = "${hydra.sweep.dir}/.submitit/%j"
 
 
+# Slurm job states in which the job has not ended yet
+ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
 def slurm_state(job_id: str) -> dict:
     """JobState, RunTime, NodeList, ... of a job: scontrol while Slurm remembers it, else the jobcomp log."""
     try:
@@ -98,7 +101,7 @@ def final_state(job_id: str, wait_s: float = 15) -> dict:
     deadline = time.monotonic() + wait_s
     while True:
         st = slurm_state(job_id)
-        if st.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") or time.monotonic() > deadline:
+        if st.get("JobState") not in ACTIVE_STATES or time.monotonic() > deadline:
             return st
         time.sleep(0.5)
 
@@ -141,7 +144,7 @@ def _record_killed(job_dir: str, job_id: str, state: dict, err: Exception) -> No
 # -- inside a Slurm job ---------------------------------------------------------------------------
 
 def task_env():
-    """(rank, world, master_addr, port) when running as a task of a multi-task Slurm job, else None."""
+    """(rank, world, master_addr, port, job_id) when running as a task of a Slurm job, else None."""
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":  # set by submitit's sbatch script
         return None
     try:
@@ -163,18 +166,16 @@ def slurm_ranks_runner(rank: int, world: int, master: str, port: int):
 
     def run(job_dir: str, world_: int, timeout_s: int, device: str) -> list[dict]:
         from launchers.job import clear_results
+        from launchers.local import log_tail, spawn_rank
 
         clear_results(job_dir, [rank])
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master, MASTER_PORT=str(port),
-                   LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        with open(os.path.join(job_dir, f"rank{rank}.log"), "w") as log_f:
-            p = subprocess.run([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
-                               stdout=log_f, stderr=subprocess.STDOUT, timeout=timeout_s)
-        mine = {"rank": rank, "returncode": p.returncode,
-                "log_tail": open(os.path.join(job_dir, f"rank{rank}.log"), errors="replace").read()[-3000:]}
+        p = spawn_rank(job_dir, rank, world, master, port, int(os.environ.get("SLURM_LOCALID", "0")), device)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        mine = {"rank": rank, "returncode": p.returncode, "log_tail": log_tail(job_dir, rank)}
         if rank != 0:
             return [mine]
         out = [mine]

@@ -16,6 +16,7 @@ import os
 import sys
 import textwrap
 
+from launchers import write_script
 from launchers.local import REPO
 
 MODULE_NAME = "ledger_titan"
@@ -145,13 +146,11 @@ def run_train_line(lay, out_dir: str) -> str:
 
 def dry(cfg, lay, out_dir: str) -> list[str]:
     path = write_module(cfg, lay, out_dir)
-    sh = os.path.join(out_dir, "run_train.sh")
-    with open(sh, "w") as f:
-        f.write("#!/bin/bash\n# train-ledger: torchtitan 0.3.0 on a GPU cluster; run from the torchtitan repo root\n"
-                "# (its run_train.sh wraps torchrun with NGPU ranks per node). torch 2.13 lacks\n"
-                "# torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.\n"
-                f"{run_train_line(lay, out_dir)}\n")
-    os.chmod(sh, 0o755)
+    sh = write_script(os.path.join(out_dir, "run_train.sh"),
+                      "#!/bin/bash\n# train-ledger: torchtitan 0.3.0 on a GPU cluster; run from the torchtitan repo root\n"
+                      "# (its run_train.sh wraps torchrun with NGPU ranks per node). torch 2.13 lacks\n"
+                      "# torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.\n"
+                      f"{run_train_line(lay, out_dir)}\n")
     return [path, sh]
 
 

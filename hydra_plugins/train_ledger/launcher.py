@@ -18,7 +18,6 @@ class ValidatingSlurmLauncher(SlurmLauncher):
 
         loader = self.hydra_context.config_loader
         valid, returns = [], {}
-        tasks = self.params["nodes"] * self.params["tasks_per_node"]
         for i, ov in enumerate(job_overrides):
             idx = initial_job_idx + i
             cfg = loader.load_sweep_config(self.config, list(ov))
@@ -28,24 +27,23 @@ class ValidatingSlurmLauncher(SlurmLauncher):
             with open_dict(cfg):  # the job's own config, as its task function would see it
                 del cfg["hydra"]
             try:
-                _, lay, _ = check(cfg)
-                if cfg.mode == "run" and lay.world != tasks:
-                    raise ConfigError(f"world size: tp*pp*dp*cp={lay.world} != Slurm nodes*tasks_per_node="
-                                      f"{self.params['nodes']}*{self.params['tasks_per_node']}={tasks}")
+                # in run mode this includes world == cluster.nodes x cluster.ranks, which SlurmSetup
+                # made the launcher's nodes x tasks_per_node
+                check(cfg)
             except ConfigError as e:
                 invalid_record(cfg, job_dir, str(e))
                 log.error(f"#{idx} invalid, not submitted: {e}")
                 returns[i] = _done(ov, {"status": "invalid", "job_dir": job_dir})
                 continue
-            valid.append((i, ov, cfg, job_dir))
+            valid.append((i, ov, job_dir))
         if valid:
-            for (i, ov, cfg, job_dir), r in zip(valid, self._submit([v[1] for v in valid], initial_job_idx,
-                                                                    [v[0] for v in valid], [v[3] for v in valid])):
+            for (i, _, _), r in zip(valid, self._submit(valid, initial_job_idx)):
                 returns[i] = r
         return [returns[i] for i in range(len(job_overrides))]
 
-    def _submit(self, overrides, initial_job_idx, positions, job_dirs):
-        """submitit's launch() for a subset of the sweep; a job Slurm kills becomes a record."""
+    def _submit(self, valid, initial_job_idx):
+        """submitit's launch() for the valid jobs [(position, overrides, job_dir)] of the sweep; a job
+        Slurm kills becomes a record."""
         import logging
 
         import submitit
@@ -62,10 +60,10 @@ class ValidatingSlurmLauncher(SlurmLauncher):
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
         args = [(list(ov), "hydra.sweep.dir", initial_job_idx + pos, f"job_id_for_{initial_job_idx + pos}",
-                 Singleton.get_state()) for ov, pos in zip(overrides, positions)]
+                 Singleton.get_state()) for pos, ov, _ in valid]
         jobs = executor.map_array(self, *zip(*args))
         out = []
-        for job, ov, job_dir in zip(jobs, overrides, job_dirs):
+        for job, (_, ov, job_dir) in zip(jobs, valid):
             try:
                 if not _wait(job):
                     raise RuntimeError("no result from the job's first task")
@@ -87,21 +85,18 @@ def _done(overrides, value):
     return r
 
 
-_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
-
-
 def _wait(job, poll_s: float = 2.0) -> bool:
     """Until every task left its result (True), or Slurm says the job ended (False, when task 0 has
     no result: submitit's results() would then wait forever). submitit asks sacct, which needs
     slurmdbd; without it a job killed before task 0 wrote its result would be waited on forever."""
     import time
 
-    from launchers.slurm import slurm_state
+    from launchers.slurm import ACTIVE_STATES, slurm_state
 
     tasks = [job.task(i) for i in range(job.num_tasks)] if job.num_tasks > 1 else [job]
     ended_at = None
     while not all(t.paths.result_pickle.exists() for t in tasks):
-        if slurm_state(job.job_id).get("JobState", "UNKNOWN") not in _ACTIVE:
+        if slurm_state(job.job_id).get("JobState", "UNKNOWN") not in ACTIVE_STATES:
             ended_at = ended_at or time.monotonic()
             if time.monotonic() - ended_at > 10:  # results of a finished job reach the shared folder late
                 return tasks[0].paths.result_pickle.exists()
