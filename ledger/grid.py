@@ -61,6 +61,17 @@ class Grid:
         ranges = [range(getattr(self, d)) for d in dims]
         return sorted(self.rank({**c, **dict(zip(dims, v))}) for v in product(*ranges))
 
+    def size_of(self, dims: tuple[str, ...]) -> int:
+        """Ranks in a group that varies over `dims`."""
+        n = 1
+        for d in dims:
+            n *= getattr(self, d)
+        return n
+
+    def label_of(self, dims: tuple[str, ...]) -> str:
+        """label() of a group that varies over `dims`, without listing its ranks."""
+        return "-".join(d for d in DIMS if d in dims and getattr(self, d) > 1) or "self"
+
     def label(self, ranks) -> str:
         """The dims that vary inside a group of ranks, e.g. 'dp' or 'tp-pp'."""
         return _label(self, tuple(ranks))

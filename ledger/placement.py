@@ -108,14 +108,33 @@ class CommBuilder:
         if what:
             a[3].add(what)
 
-    def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "") -> None:
+    def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
+                 what: str = "") -> None:
+        """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
+        if group_size <= 1 or not buffers:
+            return
+        key = (dim, kind, dtype)
+        if key not in self._acc:
+            self._acc[key] = [0, 0, 0, set()]
+        a = self._acc[key]
+        a[0] += len(buffers)
+        a[1] += sum(buffers)
+        a[2] += sum(wire_bytes(kind, b, group_size) for b in buffers)
+        if what:
+            a[3].add(what)
+
+    def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "",
+                times: int = 1) -> None:
+        """`times` exchanges, each sending sent_bytes and receiving received_bytes (0: that side absent)."""
+        if times <= 0:
+            return
         key = (dim, "send_recv", dtype)
         if key not in self._acc:
             self._acc[key] = [0, 0, 0, set()]
         a = self._acc[key]
-        a[0] += (sent_bytes > 0) + (received_bytes > 0)
-        a[1] += sent_bytes + received_bytes
-        a[2] += sent_bytes
+        a[0] += ((sent_bytes > 0) + (received_bytes > 0)) * times
+        a[1] += (sent_bytes + received_bytes) * times
+        a[2] += sent_bytes * times
         if what:
             a[3].add(what)
 
@@ -132,8 +151,8 @@ class Placement:
     world: int
     rank_state: Callable[[int], RankState]  # rank -> its (possibly shared) state
     notes: list[str] = field(default_factory=list)
-    # ranks that between them hold every distinct RankState (None = all ranks); lets per_gpu
-    # look at a handful of ranks instead of 16,384
+    # ranks among which per_gpu finds the most-loaded one (the first of them on ties; None = all
+    # ranks): a ledger that knows which ranks can be heaviest names a handful instead of 16,384
     representatives: Optional[list[int]] = None
     _per_gpu: Optional[RankState] = None
 

@@ -14,6 +14,7 @@ import os
 import shlex
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -280,6 +281,35 @@ def test_owned_sizes_by_bisection_equal_the_range_walk(dp, bucket):
     for stage in range(2):
         params = L.stage_params(shape, 2, 2, stage)
         buckets = L.buffer_layout(params, bucket, dp, True)
+        buf = L.build_buffer(np.array([n for _, n in params]), bucket, dp, True)
+        assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == [(b.start, b.end) for b in buckets]
         for r in range(dp):
             walk = L.shard_ranges(buckets, dp, r)
-            assert L.owned_sizes(buckets, dp, r) == (sum(n for _, n in walk), len(walk))
+            assert L.owned_sizes([buf], dp, r) == (sum(n for _, n in walk), len(walk))
+
+
+@pytest.mark.parametrize("dp,bucket,tp", [(2, None, 1), (3, 1_000, 2), (4, 40_000, 1), (16, 3_000, 2), (64, 20_000, 1),
+                                          (128, None, 2), (1000, 50_000, 1), (96, 100, 1)])
+def test_heaviest_dp_rank_is_the_max_over_every_rank(dp, bucket, tp):
+    """The sparse search (ranks around param bounds and padding only) finds the rank a walk over
+    every DP rank finds, including tiny buckets whose DP ranges fall wholly into padding."""
+    shape = ModelShape(layers=3, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    for stage, vp in ((0, 1), (1, 1), (0, 2)):
+        bufs = [L.build_buffer(np.array([n for _, n in L.stage_params(shape, tp, 2 if vp == 1 else 1, stage, vp, ch)]),
+                               bucket if ch == 0 else None, dp, True) for ch in range(vp)]
+        for w in ((12, 4), (8, 4), (0, 1)):
+            scores = [w[0] * e + w[1] * k for e, k in (L.owned_sizes(bufs, dp, r) for r in range(dp))]
+            assert L.heaviest_dp_rank(bufs, dp, *w) == scores.index(max(scores)), (stage, vp, w)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=1, dp=8), dict(pp=2, dp=4), dict(pp=4, dp=2, global_batch_size=8),
+                                dict(pp=2, vp=2, dp=3, global_batch_size=6), dict(tp=2, pp=3, dp=5)])
+def test_per_gpu_is_the_most_loaded_of_every_rank(kw):
+    shape = ModelShape(layers=12, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    for fw in (_fw(overlap_grad_reduce=True, bucket_size=30_000), _fw(), _fw(use_distributed_optimizer=False)):
+        lay = _lay(**kw)
+        pl = L.place(shape, lay, fw)
+        every = [pl.rank_state(r) for r in range(lay.world)]
+        best = max(s.resident_bytes for s in every)
+        assert pl.per_gpu.resident_bytes == best
+        assert pl.per_gpu is next(s for s in every if s.resident_bytes == best)  # the first on ties

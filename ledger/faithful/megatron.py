@@ -11,13 +11,18 @@ Resident state at a step boundary:
   other   the optimizer's unity loss scale `_scale_one` (bf16 without a grad scaler), RoPE's
           inv_freq and cached emb, utils.py GlobalMemoryBuffer scratch (attention scores, SP
           all-gathers)
+
+Speed: a layout search predicts thousands of layouts, so a stage's buffer is computed once per
+parameter-size sequence (middle PP stages share one) with numpy, and the most-loaded DP rank of a
+stage is found without building every rank's state (`heaviest_dp_rank`).
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
@@ -28,56 +33,134 @@ ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor
 
 
 # -- the parameters of one pipeline stage -----------------------------------------------------------
-def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
-    """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
-    of vp with interleaving) and TP rank.
-
-    training/training.py get_model: with vp > 1 each stage builds vp GPTModels of layers/(pp*vp)
-    layers; pre_process (embedding) only on chunk 0 of stage 0, post_process (final norm, output
-    layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py is_vp_first_stage /
-    is_vp_last_stage).
+@lru_cache(maxsize=256)
+def _pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
+    """(embedding, one decoder layer, final norm + output) as (name, local numel) in
+    GPTModel.named_parameters() order; layer names are suffixes of decoder.layers.<i>.
 
     models/gpt/gpt_model.py GPTModel.__init__: embedding (pre_process), decoder, output_layer
     (post_process, untied); transformer/transformer_layer.py registers input_layernorm,
     self_attention, pre_mlp_layernorm, mlp; transformer/attention.py: Attention.__init__ builds
     linear_proj before SelfAttention.__init__ builds linear_qkv; transformer/mlp.py: linear_fc1
-    (2*ffn when gated) then linear_fc2. Column-parallel weights split dim 0, row-parallel dim 1."""
+    (2*ffn when gated) then linear_fc2. Column-parallel weights split dim 0, row-parallel dim 1;
+    a row-parallel bias is not split (tensor_parallel/layers.py RowParallelLinear)."""
     h, hd = model.hidden, model.head_dim
-    per_stage = model.layers // (pp * vp)
-    out: list[tuple[str, int]] = []
-    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
-    norm_n = h * (2 if model.norm == "layernorm" else 1)
+
+    def norm(name):  # a LayerNorm is two tensors (weight, bias) of h each
+        return [(f"{name}.weight", h), (f"{name}.bias", h)] if model.norm == "layernorm" else [(f"{name}.weight", h)]
 
     def lin(name, out_f, in_f, bias_len):
-        out.append((f"{name}.weight", out_f * in_f))
-        if model.bias:
-            out.append((f"{name}.bias", bias_len))
+        return [(f"{name}.weight", out_f * in_f)] + ([(f"{name}.bias", bias_len)] if model.bias else [])
 
-    if first:
-        out.append(("embedding.word_embeddings.weight", model.vocab // tp * h))
-    for i in range(stage * per_stage, (stage + 1) * per_stage):
-        p = f"decoder.layers.{i - stage * per_stage}"
-        out.append((f"{p}.input_layernorm", norm_n))
-        # row-parallel: bias is not split (tensor_parallel/layers.py RowParallelLinear)
-        lin(f"{p}.self_attention.linear_proj", h, model.heads * hd // tp, h)
-        qkv = (model.heads + 2 * model.kv_heads) * hd // tp
-        lin(f"{p}.self_attention.linear_qkv", qkv, h, qkv)
-        out.append((f"{p}.pre_mlp_layernorm", norm_n))
-        fc1 = (2 if model.swiglu else 1) * model.ffn_hidden // tp
-        lin(f"{p}.mlp.linear_fc1", fc1, h, fc1)
-        lin(f"{p}.mlp.linear_fc2", h, model.ffn_hidden // tp, h)
-    if last:
-        out.append(("decoder.final_layernorm", norm_n))
-        out.append(("output_layer.weight", model.vocab // tp * h))
-    if model.norm == "layernorm":  # a LayerNorm is two tensors (weight, bias) of h each
-        out = [x for name, n in out for x in
-               ([(f"{name}.weight", h), (f"{name}.bias", h)] if name.endswith("layernorm") else [(name, n)])]
-    else:
-        out = [(f"{name}.weight", n) if name.endswith("layernorm") else (name, n) for name, n in out]
-    return out
+    qkv = (model.heads + 2 * model.kv_heads) * hd // tp
+    fc1 = (2 if model.swiglu else 1) * model.ffn_hidden // tp
+    layer = (norm("input_layernorm") + lin("self_attention.linear_proj", h, model.heads * hd // tp, h)
+             + lin("self_attention.linear_qkv", qkv, h, qkv) + norm("pre_mlp_layernorm")
+             + lin("mlp.linear_fc1", fc1, h, fc1) + lin("mlp.linear_fc2", h, model.ffn_hidden // tp, h))
+    emb = [("embedding.word_embeddings.weight", model.vocab // tp * h)]
+    head = norm("decoder.final_layernorm") + [("output_layer.weight", model.vocab // tp * h)]
+    return tuple(emb), tuple(layer), tuple(head)
+
+
+def _stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) -> tuple[int, bool, bool]:
+    """(layers, holds the embedding, holds the output) of one model chunk of one stage.
+
+    training/training.py get_model: with vp > 1 each stage builds vp GPTModels of layers/(pp*vp)
+    layers; pre_process (embedding) only on chunk 0 of stage 0, post_process (final norm, output
+    layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py is_vp_first_stage /
+    is_vp_last_stage)."""
+    return model.layers // (pp * vp), stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
+
+
+def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
+    """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
+    of vp with interleaving) and TP rank."""
+    n, first, last = _stage_shape(model, pp, stage, vp, chunk)
+    emb, layer, head = _pieces(model, tp)
+    out = list(emb) if first else []
+    out += [(f"decoder.layers.{i}.{name}", k) for i in range(n) for name, k in layer]
+    return out + (list(head) if last else [])
+
+
+@lru_cache(maxsize=1024)
+def _sizes(model: ModelShape, tp: int, layers: int, first: bool, last: bool) -> np.ndarray:
+    """stage_params' numels as an array (read-only; one per distinct stage shape)."""
+    emb, layer, head = _pieces(model, tp)
+    parts = ([np.array([k for _, k in emb], np.int64)] if first else []) + \
+        [np.tile(np.array([k for _, k in layer], np.int64), layers)] + \
+        ([np.array([k for _, k in head], np.int64)] if last else [])
+    a = np.concatenate(parts)
+    a.flags.writeable = False
+    return a
 
 
 # -- DDP buffer layout ---------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """One DDP buffer: params in reverse (backprop) order at [starts, ends) of the (padded) buffer,
+    bucket b spanning [bstart[b], bend[b]); `params` holds the indices of stage_params order."""
+    starts: np.ndarray
+    ends: np.ndarray
+    bstart: np.ndarray
+    bend: np.ndarray
+    first: np.ndarray  # index (in buffer order) of each bucket's first param
+    prefix: np.ndarray  # prefix[i] = elements of params before i (buffer order)
+
+    @property
+    def numel(self) -> int:
+        return int(self.bend[-1]) if len(self.bend) else 0
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        return (self.bend - self.bstart).tolist()
+
+
+@lru_cache(maxsize=1024)
+def _buffer(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+            dist_opt: bool) -> Buffer:
+    return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt)
+
+
+def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool) -> Buffer:
+    """Params in reverse (backprop) order into buckets.
+
+    Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
+    optimizer/param_layout.py pad_param_start (64 elements) and pad_bucket_end (lcm(dp, 128),
+    pad_buckets_for_high_nccl_busbw off); a bucket closes at the first param whose end reaches
+    bucket_size elements past the bucket start. Otherwise distributed/param_and_grad_buffer.py
+    _compute_default_per_buffer_param_layout: no padding.
+    Every param start is 64-aligned and so is every bucket start (lcm(dp, 128)), hence a param
+    starts at its bucket's start plus the aligned sizes of the params before it in the bucket."""
+    n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
+    a = -(-n // 64) * 64 if dist_opt else n
+    cum = np.zeros(len(n) + 1, np.int64)
+    np.cumsum(a, out=cum[1:])
+    reach = cum[:-1] + n  # bucket-relative end of param i, plus the bucket's cum offset
+    div = math.lcm(dp, 128)
+    P = len(n)
+    firsts, bstarts, bends = [], [], []
+    j, b0 = 0, 0
+    while j < P:
+        if bucket_size is None:
+            i = P - 1
+        else:
+            i = min(int(np.searchsorted(reach, cum[j] + bucket_size, "left")), P - 1)
+        pend = b0 + int(reach[i] - cum[j])
+        end = -(-pend // div) * div if dist_opt else pend
+        firsts.append(j)
+        bstarts.append(b0)
+        bends.append(end)
+        j, b0 = i + 1, end
+    first = np.array(firsts, np.int64)
+    bstart = np.array(bstarts, np.int64)
+    counts = np.diff(np.append(first, P))
+    starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
+    prefix = np.zeros(P + 1, np.int64)
+    np.cumsum(n, out=prefix[1:])
+    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=np.array(bends, np.int64), first=first,
+                  prefix=prefix)
+
+
 @dataclass
 class Bucket:
     start: int
@@ -89,6 +172,16 @@ class Bucket:
         return self.end - self.start
 
 
+def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: int, dist_opt: bool) -> list[Bucket]:
+    """build_buffer with names: the buckets and (name, start, end) of their params."""
+    buf = build_buffer(np.array([k for _, k in params], np.int64), bucket_size, dp, dist_opt)
+    names = [name for name, _ in reversed(params)]
+    st, en = buf.starts.tolist(), buf.ends.tolist()
+    lims = buf.first.tolist() + [len(names)]
+    return [Bucket(int(buf.bstart[b]), int(buf.bend[b]), [(names[i], st[i], en[i]) for i in range(lims[b], lims[b + 1])])
+            for b in range(len(lims) - 1)]
+
+
 def effective_bucket_size(fw, dp: int, stage: int, chunk: int = 0) -> int | None:
     """distributed/distributed_data_parallel.py DistributedDataParallel.__init__: default
     max(40M, 1M*dp); None (one bucket) without overlap_grad_reduce or on PP stages after the first;
@@ -96,35 +189,6 @@ def effective_bucket_size(fw, dp: int, stage: int, chunk: int = 0) -> int | None
     if not fw.overlap_grad_reduce or stage > 0 or chunk > 0:
         return None
     return fw.bucket_size if fw.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
-
-
-def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: int, dist_opt: bool) -> list[Bucket]:
-    """Params in reverse (backprop) order into buckets.
-
-    Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
-    optimizer/param_layout.py pad_param_start (64 elements) and pad_bucket_end (lcm(dp, 128),
-    pad_buckets_for_high_nccl_busbw off). Otherwise distributed/param_and_grad_buffer.py
-    _compute_default_per_buffer_param_layout: no padding."""
-    buckets: list[Bucket] = []
-    cur: list[tuple[str, int, int]] = []
-    start = bstart = 0
-    pend = 0
-    div = math.lcm(dp, 128)
-    for name, n in reversed(params):
-        if dist_opt:
-            start = -(-start // 64) * 64
-        pend = start + n
-        cur.append((name, start, pend))
-        if bucket_size is not None and pend - bstart >= bucket_size:
-            end = -(-pend // div) * div if dist_opt else pend
-            buckets.append(Bucket(bstart, end, cur))
-            cur, bstart, start = [], end, end
-        else:
-            start = pend
-    if cur:
-        end = -(-pend // div) * div if dist_opt else pend
-        buckets.append(Bucket(bstart, end, cur))
-    return buckets
 
 
 def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int) -> list[tuple[str, int]]:
@@ -142,52 +206,90 @@ def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int) -> list[tuple[str
     return out
 
 
-@lru_cache(maxsize=1024)
-def _stage(model: ModelShape, tp: int, pp: int, stage: int, bucket_size, dp: int, dist_opt: bool,
-           vp: int = 1, chunk: int = 0):
-    """A stage's (model chunk's) parameters and buffer layout: shared by its TP and DP ranks, and across
-    the layouts of a sweep (read-only)."""
-    params = stage_params(model, tp, pp, stage, vp, chunk)
-    return params, buffer_layout(params, bucket_size, dp, dist_opt)
+def _covered(buf: Buffer, x: np.ndarray) -> np.ndarray:
+    """Param elements of the buffer below position x (x an array)."""
+    k = np.searchsorted(buf.starts, x, "right") - 1
+    kk = np.maximum(k, 0)
+    return np.where(k >= 0, buf.prefix[kk] + np.minimum(x - buf.starts[kk], buf.ends[kk] - buf.starts[kk]), 0)
 
 
-def owned_sizes(buckets: list[Bucket], dp: int, dp_rank: int) -> tuple[int, int]:
-    """(elements, param pieces) of shard_ranges(buckets, dp, dp_rank), by bisection over each bucket's
-    sorted param bounds instead of a pass over every parameter (big layouts have thousands of DP ranks)."""
-    numel = pieces = 0
-    for b in buckets:
-        starts, ends, prefix = _bounds(b)
-        size = b.numel // dp
-        lo, hi = b.start + dp_rank * size, b.start + (dp_rank + 1) * size
-        i0 = bisect_right(ends, lo)  # first param ending after lo
-        i1 = bisect_left(starts, hi) - 1  # last param starting before hi
-        if i0 > i1:
-            continue
-        numel += prefix[i1 + 1] - prefix[i0] - max(0, lo - starts[i0]) - max(0, ends[i1] - hi)
-        pieces += i1 - i0 + 1
+def _owned(buf: Buffer, bucket: np.ndarray, rank: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) DP rank rank[j] owns of bucket bucket[j] (shard_ranges, counted)."""
+    size = (buf.bend[bucket] - buf.bstart[bucket]) // dp
+    lo = buf.bstart[bucket] + rank * size
+    hi = lo + size
+    numel = _covered(buf, hi) - _covered(buf, lo)
+    pieces = np.searchsorted(buf.starts, hi, "left") - np.searchsorted(buf.ends, lo, "right")
     return numel, pieces
 
 
-_BOUNDS: dict[int, tuple] = {}
+def owned_sizes(buffers, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, param pieces) of shard_ranges over every bucket of `buffers` for one DP rank."""
+    numel = pieces = 0
+    for buf in buffers:
+        nb = len(buf.bstart)
+        e, p = _owned(buf, np.arange(nb), np.full(nb, dp_rank, np.int64), dp)
+        numel += int(e.sum())
+        pieces += int(p.sum())
+    return numel, pieces
 
 
-def _bounds(b: Bucket) -> tuple[list[int], list[int], list[int]]:
-    """A bucket's param starts, ends and prefix lengths (buckets are cached and never change)."""
-    key = id(b)
-    hit = _BOUNDS.get(key)
-    if hit is None or hit[0] is not b:
-        starts = [st for _, st, _ in b.params]
-        ends = [e for _, _, e in b.params]
-        prefix = [0]
-        for st, e in zip(starts, ends):
-            prefix.append(prefix[-1] + e - st)
-        hit = _BOUNDS[key] = (b, starts, ends, prefix)
-    return hit[1], hit[2], hit[3]
+def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
+    """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
+    every bucket of `buffers`, without evaluating every (bucket, rank) pair: a rank whose range
+    lies inside one param owns the whole range as one piece; only the ranks around param bounds
+    and padding (at most a few per param) differ, so only those are evaluated."""
+    if dp == 1:
+        return 0
+    delta = np.zeros(dp, np.float64)  # exact: integers far below 2**53
+    for buf in buffers:
+        nb = len(buf.bstart)
+        if nb == 0:
+            continue
+        counts = np.diff(np.append(buf.first, len(buf.starts)))
+        bid = np.repeat(np.arange(nb), counts)
+        b0 = buf.bstart[bid]
+        size = ((buf.bend - buf.bstart) // dp)[bid]
+        inner_lo = -((b0 - buf.starts) // size)  # first rank whose range starts inside param i
+        inner_end = np.maximum(inner_lo, (buf.ends - b0) // size)  # past the last one ending inside it
+        # ranks not inside any param: before each param's inner ranks (after the previous one's), and
+        # after the bucket's last param
+        prev = np.concatenate(([0], inner_end[:-1]))
+        prev[buf.first] = 0
+        last = np.append(buf.first[1:], len(buf.starts)) - 1
+        lo_r = np.concatenate((prev, inner_end[last]))
+        hi_r = np.concatenate((inner_lo, np.full(nb, dp, np.int64)))
+        gb = np.concatenate((bid, np.arange(nb)))
+        lens = np.maximum(hi_r - lo_r, 0)
+        total = int(lens.sum())
+        if total == 0:
+            continue
+        ranks = np.repeat(lo_r - np.cumsum(lens) + lens, lens) + np.arange(total)
+        bks = np.repeat(gb, lens)
+        e, p = _owned(buf, bks, ranks, dp)
+        full = (buf.bend - buf.bstart)[bks] // dp
+        delta += np.bincount(ranks, weights=(per_elem * (e - full) + per_piece * (p - 1)).astype(np.float64),
+                             minlength=dp)
+    return int(np.argmax(delta))
 
 
 # -- one rank ------------------------------------------------------------------------------------
 def _dtype_bytes(dtype: str) -> int:
     return {"bf16": 2, "fp32": 4}[dtype]
+
+
+def stage_buffers(model: ModelShape, lay: Layout, fw, stage: int) -> list[Buffer]:
+    """One DDP (so one buffer per (param, grad) dtype) per model chunk: vp of them with interleaving,
+    chunk 0 first."""
+    return [_buffer(model, lay.tp, *_stage_shape(model, lay.pp, stage, lay.vp, ch),
+                    effective_bucket_size(fw, lay.dp, stage, ch), lay.dp, bool(fw.use_distributed_optimizer))
+            for ch in range(lay.vp)]
+
+
+def _optim_weights(fw) -> tuple[int, int]:
+    """Optimizer bytes per owned element (fp32 master for bf16 params + Adam's two moments) and per
+    owned param piece (Adam's `step`)."""
+    return (4 if fw.precision == "bf16" else 0) + 8, ADAM_STEP_BYTES
 
 
 def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> RankState:
@@ -198,13 +300,10 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
     pb, gb = _dtype_bytes(pdt), _dtype_bytes(gdt)
     dist_opt = fw.use_distributed_optimizer
-    # one DDP (so one buffer per (param, grad) dtype) per model chunk: vp of them with interleaving
-    chunks = [_stage(model, tp, lay.pp, stage, effective_bucket_size(fw, dp, stage, ch), dp, dist_opt, lay.vp, ch)
-              for ch in range(lay.vp)]
-    params = [p for ps_, _ in chunks for p in ps_]
-    buckets = [b for _, bs in chunks for b in bs]  # every chunk's buckets, chunk 0 first
-    n_local = sum(n for _, n in params)
-    buf_numel = sum(b.numel for b in buckets)
+    buffers = stage_buffers(model, lay, fw, stage)
+    n_local = sum(int(b.prefix[-1]) for b in buffers)
+    n_params = sum(len(b.starts) for b in buffers)
+    buf_numel = sum(b.numel for b in buffers)
 
     s = RankState(stage=stage)
     # params / grads: distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates
@@ -219,10 +318,9 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     # optimizer.py Float16OptimizerWithFloat16Params (full fp32 masters) / FP32Optimizer;
     # the DP ranges are per bucket of each chunk's buffer (_build_gbuf_range_map per buffer)
     if dist_opt:
-        sizes = [owned_sizes(bs, dp, dp_rank) for _, bs in chunks]
-        owned_numel, owned_pieces = sum(n for n, _ in sizes), sum(k for _, k in sizes)
+        owned_numel, owned_pieces = owned_sizes(buffers, dp, dp_rank)
     else:
-        owned_numel, owned_pieces = n_local, len(params)
+        owned_numel, owned_pieces = n_local, n_params
     if bf16:
         s.add("optim_bytes", "fp32 master params", 4 * owned_numel)
     s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 8 * owned_numel)
@@ -244,14 +342,24 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     b, sq = lay.micro_batch_size, model.seq_len
     mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
     s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
-    s.comm_fn = lambda: _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt)
+    s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
     return s
 
 
-def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
+def _norm_numel(model: ModelShape, lay: Layout, stage: int) -> int:
+    """Elements of a stage's norm weights (the `sequence_parallel` params with SP)."""
+    _, layer, head = _pieces(model, lay.tp)
+    per_layer = sum(k for name, k in layer if "layernorm" in name)
+    out = 0
+    for ch in range(lay.vp):
+        n, _, last = _stage_shape(model, lay.pp, stage, lay.vp, ch)
+        out += n * per_layer + (sum(k for name, k in head if "layernorm" in name) if last else 0)
+    return out
+
+
+def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
     cb = CommBuilder()
-    c = grid.coords(rank)
-    stage, tp, pp, dp, m = c["pp"], lay.tp, lay.pp, lay.dp, lay.num_microbatches
+    tp, pp, dp, m = lay.tp, lay.pp, lay.dp, lay.num_microbatches
     first, last = stage == 0, stage == pp - 1
     layers = model.layers // pp
     sp = lay.sequence_parallel
@@ -261,12 +369,12 @@ def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
     # bucket per group (partition_buckets without fp8): reduce-scatter of the whole padded
     # bucket grad_data (distributed optimizer) or all-reduce; start_param_sync after
     # optimizer.step (step_with_ready_grads): all-gather of the bucket's param_data
-    for b in buckets:
-        if fw.use_distributed_optimizer:
-            cb.add("dp", "reduce_scatter", gb * b.numel, dp, gdt, what="grad bucket (start_grad_sync)")
-            cb.add("dp", "all_gather", pb * b.numel, dp, pdt, what="param bucket (start_param_sync)")
-        else:
-            cb.add("dp", "all_reduce", gb * b.numel, dp, gdt, what="grad bucket (start_grad_sync)")
+    numels = [n for b in buffers for n in b.bucket_numels]
+    if fw.use_distributed_optimizer:
+        cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what="param bucket (start_param_sync)")
+    else:
+        cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
     # linear_qkv / linear_fc1 copy_to_tensor_model_parallel_region (all-reduce in backward),
     # linear_proj / linear_fc2 reduce_from_tensor_model_parallel_region (all-reduce in forward).
@@ -292,36 +400,30 @@ def _comm(model, lay, fw, grid, rank, params, buckets, pb, gb, gdt, pdt):
     if sp:
         # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
         # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
-        sp_numel = sum(n for name, n in params if "layernorm" in name)
-        cb.add("tp", "all_reduce", gb * sp_numel, tp, gdt, what="SP norm grads (finalize_model_grads)")
+        cb.add("tp", "all_reduce", gb * _norm_numel(model, lay, stage), tp, gdt,
+               what="SP norm grads (finalize_model_grads)")
     # PP: pipeline_parallel/schedules.py forward_backward_pipelining_without_interleaving +
     # p2p_communication.py: per micro-batch activations forward, their grads backward; with SP
     # the sequence-sharded tensor [s/tp, b, h]
     if pp > 1 and lay.vp > 1:
         shard = sbh // (tp if sp else 1)
         sent, received = interleaved_p2p(pp, stage, lay.vp, m)
-        for _ in range(sent):
-            cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt,
-                       what="activations / activation grads, interleaved (schedules.py, p2p_communication.py)")
-        for _ in range(received):
-            cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt,
-                       what="activations / activation grads, interleaved (schedules.py, p2p_communication.py)")
+        what = "activations / activation grads, interleaved (schedules.py, p2p_communication.py)"
+        cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt, what=what, times=sent)
+        cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt, what=what, times=received)
     elif pp > 1:
         shard = sbh // (tp if sp else 1)
-        nxt = 0 if last else 1
-        prv = 0 if first else 1
         # per micro-batch and neighbour one tensor sent and one received: send_forward +
         # recv_backward with the next stage, recv_forward + send_backward with the previous
-        for _ in range((nxt + prv) * m):
-            cb.add_p2p("pp", sent_bytes=shard, received_bytes=shard, dtype=pdt,
-                       what="activations / activation grads (p2p_communication.py)")
+        cb.add_p2p("pp", sent_bytes=shard, received_bytes=shard, dtype=pdt,
+                   what="activations / activation grads (p2p_communication.py)", times=((not last) + (not first)) * m)
     # grad norm: optimizer/clip_grads.py get_grad_norm_fp32, one fp32 all-reduce over
     # grad_stats_parallel_group: the whole world with the distributed optimizer
     # (optimizer/__init__.py: intra_dist_opt_group), else the model-parallel group
-    world = list(range(grid.world))
-    group = world if fw.use_distributed_optimizer else grid.group(rank, ("tp", "pp"))
-    if fw.clip_grad > 0 and len(group) > 1:
-        cb.add(grid.label(group), "all_reduce", 4, len(group), "fp32", what="grad norm (clip_grads.py)")
+    dims = ("tp", "cp", "dp", "dp_replicate", "pp") if fw.use_distributed_optimizer else ("tp", "pp")
+    size = grid.size_of(dims)
+    if fw.clip_grad > 0 and size > 1:
+        cb.add(grid.label_of(dims), "all_reduce", 4, size, "fp32", what="grad norm (clip_grads.py)")
     return cb.build()
 
 
@@ -422,10 +524,18 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
             cache[key] = rank_state(model, lay, fw, grid, rank)
         return cache[key]
 
+    # the most-loaded rank: TP ranks of a stage hold equal shapes, stages between the first and the
+    # last hold equal buffers (the lowest such stage stands for them), and within a stage DP ranks
+    # differ only by the master/Adam bytes of their bucket ranges
+    stages = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
+    w_elem, w_piece = _optim_weights(fw)
+    reps = []
+    for st in stages:
+        d = heaviest_dp_rank(stage_buffers(model, lay, fw, st), lay.dp, w_elem, w_piece) \
+            if fw.use_distributed_optimizer else 0
+        reps.append(grid.rank({"pp": st, "dp": d}))
     pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
-                   layout=lay.to_dict(), world=lay.world, rank_state=state,
-                   # TP ranks of a stage hold equal shapes: one per (stage, dp rank) covers every state
-                   representatives=[grid.rank({"pp": p, "dp": d}) for p in range(lay.pp) for d in range(lay.dp)])
+                   layout=lay.to_dict(), world=lay.world, rank_state=state, representatives=reps)
     pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
                     "_compute_per_buffer_param_layout; master/Adam per DP byte range")
     pl.notes.append("other: the local (non-TransformerEngine) spec's DotProductAttention keeps a "
