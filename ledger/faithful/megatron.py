@@ -225,6 +225,11 @@ def _owned(buf: Buffer, bucket: np.ndarray, rank: np.ndarray, dp: int) -> tuple[
 
 def owned_sizes(buffers, dp: int, dp_rank: int) -> tuple[int, int]:
     """(elements, param pieces) of shard_ranges over every bucket of `buffers` for one DP rank."""
+    return _owned_sizes(tuple(buffers), dp, dp_rank)
+
+
+@lru_cache(maxsize=4096)
+def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[int, int]:
     numel = pieces = 0
     for buf in buffers:
         nb = len(buf.bstart)
@@ -236,7 +241,13 @@ def owned_sizes(buffers, dp: int, dp_rank: int) -> tuple[int, int]:
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
     """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
-    every bucket of `buffers`, without evaluating every (bucket, rank) pair: a rank whose range
+    every bucket of `buffers` (cached: layouts of a search that differ only by micro-batch share it)."""
+    return _heaviest(tuple(buffers), dp, per_elem, per_piece)
+
+
+@lru_cache(maxsize=4096)
+def _heaviest(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> int:
+    """heaviest_dp_rank without evaluating every (bucket, rank) pair: a rank whose range
     lies inside one param owns the whole range as one piece; only the ranks around param bounds
     and padding (at most a few per param) differ, so only those are evaluated."""
     if dp == 1:
