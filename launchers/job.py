@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from launchers import FRAMEWORKS
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape
-from ledger.parallel import place
+from ledger.parallel import predict
 
 PACKAGES = ("torch", "deepspeed", "megatron-core", "torchtitan", "hydra-core", "omegaconf", "submitit", "wandb")
 
@@ -53,7 +53,7 @@ def check(cfg):
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.mode not in ("predict", "run", "dry"):
         raise ConfigError(f"mode={cfg.mode!r} must be predict, run or dry")
-    return model, lay, place(model, None, _with_layout(cfg, lay))
+    return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 
 def new_record(cfg, job_dir: str) -> dict:
@@ -114,16 +114,6 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
 
         log_job(cfg, record)  # never raises: a W&B failure lands in record["wandb"]["error"]
     return record
-
-
-def _with_layout(cfg, lay):
-    class _Cfg:  # place() reads .framework, .layout (resolved) and .ledger
-        framework, layout, ledger = cfg.framework, lay, cfg.ledger
-
-        def __contains__(self, k):
-            return k == "ledger"
-
-    return _Cfg()
 
 
 def clear_results(job_dir: str, ranks) -> None:

@@ -29,13 +29,16 @@ def place(model: ModelShape, state: StateBytes | None, cfg, world: int | None = 
     fw = cfg.framework
     lay: Layout = cfg.layout if isinstance(cfg.layout, Layout) else resolve(cfg.layout, world)
     validate(model, lay, fw.name, fw)
-    if state is None:
-        state = state_bytes(model, fw.precision, "adam", grad_dtype(fw))
-    mode = cfg.ledger.mode if "ledger" in cfg else "faithful"
+    return predict(model, lay, fw, cfg.ledger.mode if "ledger" in cfg else "faithful", state)
+
+
+def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: StateBytes | None = None) -> Placement:
+    """place() for a resolved and validated layout (the framework's faithful ledger may still refuse
+    what it does not model, with a ConfigError)."""
     if mode == "textbook":
         from ledger import textbook
 
-        return textbook.place(model, state, lay, fw)
+        return textbook.place(model, state or state_bytes(model, fw.precision, "adam", grad_dtype(fw)), lay, fw)
     if mode != "faithful":
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
     return importlib.import_module(FAITHFUL[fw.name]).place(model, lay, fw)
