@@ -4,7 +4,7 @@ Memory: 16 (or 18 with fp32 grads) bytes/param over N_local = N/(tp*pp); ZeRO-1/
 last 12/14/16 bytes by N_d; FSDP (torchtitan) keeps fp32 shards = master. Traffic: DP-family
 RS + AG (2N) or AG + AG + RS (3N, 2N without reshard after forward); TP with SP 4 AG + 4 RS of
 s*b*h per layer per micro-batch (4 AR without SP); PP activations s/t*b*h per micro-batch each
-way (the article counts both directions).
+way (the article counts both directions); CP as a K/V ring, 3*(cp-1) hops per layer per micro-batch.
 """
 from __future__ import annotations
 
@@ -72,11 +72,19 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         # the article's convention: activations forward and gradients backward, both counted; the
         # interleaved schedule crosses stages vp times per micro-batch
         cb.add_p2p("pp", 2 * m * lay.vp * shard, 0, what="activations each way")
+    if lay.cp > 1:
+        # CP as ring attention: each CP rank passes its K and V chunk (s/cp tokens, its TP share of
+        # the kv heads) around the ring, cp-1 hops per attention in forward; backward passes K/V
+        # again and their grads (dK, dV): 3*(cp-1) hops per layer per micro-batch, each way
+        kv = 2 * (model.seq_len // lay.cp) * lay.micro_batch_size * model.kv_heads * model.head_dim * act // lay.tp
+        cb.add_p2p("cp", kv, kv, what="ring attention K/V (+ dK/dV in backward)",
+                   times=3 * (lay.cp - 1) * layers_local * m)
     s.comm = cb.build()
     pl = Placement(framework=name, mode="textbook", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
     if lay.cp > 1:
-        pl.notes.append("textbook: context parallelism's own attention traffic (K/V exchange) is not in these formulas")
+        pl.notes.append("textbook: CP attention as a plain K/V ring (3*(cp-1) hops per layer per micro-batch); "
+                        "load balancing, causal-mask skips and all-gather variants are not in these formulas")
     return pl
 

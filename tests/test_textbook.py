@@ -69,7 +69,19 @@ def test_cp_shards_optimizer_over_dp_cp_and_splits_the_sequence():
     assert two.per_gpu.params_bytes == one.per_gpu.params_bytes
     assert two.per_gpu.optim_bytes * 2 == one.per_gpu.optim_bytes
     assert two.by_dim()["tp"] * 2 == one.by_dim()["tp"]
-    assert "cp-dp" in two.by_dim() and any("context parallelism" in n for n in two.notes)
+    assert "cp-dp" in two.by_dim() and any("K/V ring" in n for n in two.notes)
+
+
+def test_cp_ring_attention_traffic():
+    """K and V of s/cp tokens and the rank's kv heads, 3*(cp-1) hops per layer per micro-batch."""
+    m = preset("llama3_1b")
+    base = dict(tp=2, pp=2, dp=1, sequence_parallel=True, global_batch_size=4)
+    for cp in (2, 4):
+        pl = place(m, None, cfg(MEGATRON, **base, cp=cp))
+        (c,) = [c for c in pl.comm if c.dim == "cp"]
+        kv = 2 * (m.seq_len // cp) * 1 * m.kv_heads * m.head_dim * 2 // 2
+        hops = 3 * (cp - 1) * (m.layers // 2) * 4  # 4 micro-batches (global 4 / (micro 1 * dp 1))
+        assert (c.kind, c.count, c.wire_bytes, c.buffer_bytes) == ("send_recv", 2 * hops, hops * kv, 2 * hops * kv)
 
 
 def test_interleaving_multiplies_pp_crossings():
