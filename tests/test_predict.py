@@ -44,4 +44,9 @@ def test_stages_differ_and_tp_ranks_agree(predicted):
 def test_table_in_human_units_and_record(predicted):
     _, out, rec = predicted
     assert "GB" in out and "resident" in out and "rank" in out
+    # one row per stage with its rank block, and the most-loaded rank in exact bytes
+    assert "0–3 (4)" in out and "4–7 (4)" in out
+    pred, _, _ = predicted
+    most = max(pred["per_rank"], key=lambda r: r["resident_bytes"])
+    assert f"most-loaded: rank {most['rank']} (stage {most['stage']}): resident {most['resident_bytes']:,} B" in out
     assert rec["status"] == "ok" and rec["measurement"] is None and rec["mode"] == "predict"
