@@ -1,9 +1,10 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (three small multiruns, 8 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
+One shared sweep (six small multiruns, 11 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
-uneven), each with reshard_after_forward always (true) and never (false). Every row on every
-rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every rank.
+uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4; and
+tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default). Every row on every rank
+must reconcile with abs_err 0, and every CPU redirect must have been reached on every rank.
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ SWEEPS = (
     # DTensor's cost model picks other mm-backward strategies at seq 16 (tp2); tp4 needs 4 kv heads
     ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "layout.tp=2")),
     ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4")),
+    # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
+    ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
+                "layout.sequence_parallel=true", "layout.micro_batch_size=2")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2"}  # layout names (dp is the total DP degree)
-EXPECTED_ONCE = {"tp2", "tp4"}  # the extra TP jobs, one reshard setting each
+EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp"}  # the extra TP jobs, one reshard setting each
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 
@@ -100,8 +104,24 @@ def test_collectives_cover_fsdp_tp_hsdp(sweep):
         if not steady:
             continue
         n = steady[0]["count"]
-        extra = L_ + 1 if rec["config"]["framework"]["reshard_after_forward"] == "always" else 0
+        extra = L_ + 1 if rec["config"]["framework"]["reshard_after_forward"] in ("always", "default") else 0
         assert n == (L_ + 2) + 2 + extra
+
+
+@pytest.mark.real
+def test_sequence_parallel_gathers_and_scatters_instead_of_all_reduce(sweep):
+    """SP (tp2·dp2, micro-batch 2): 2L+1 activation reduce-scatters and 2L+1 all-gathers forward,
+    as many backward; the only bf16 tp all-reduces left are the 2L+1 norm weight grads."""
+    rec = next(r for r in sweep["ok"] if records.layout_name(r) == "tp2·dp2·sp")
+    m = rec["config"]["model"]
+    L_, act = m["layers"], 2 * m["seq_len"] * m["hidden"] * 2
+    for rank in rec["measurement"]["ranks"]:
+        comm = {(c["dim"], c["kind"], c["dtype"]): c for c in rank["steps"][-1]["comm"]}
+        for kind in ("all_gather", "reduce_scatter"):
+            c = comm[("tp", kind, "bf16")]
+            assert (c["count"], c["buffer_bytes"]) == (2 * (2 * L_ + 1), 2 * (2 * L_ + 1) * act)
+        c = comm[("tp", "all_reduce", "bf16")]
+        assert (c["count"], c["buffer_bytes"]) == (2 * L_ + 1, (2 * L_ + 1) * m["hidden"] * 2)
 
 
 @pytest.mark.real
@@ -234,8 +254,9 @@ def test_shape_limits_are_config_errors():
     m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128, seq_len=32, bias=True)
     with pytest.raises(ConfigError, match="bias"):
         L.place(m, _lay(world=2), _fw())
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        L.place(preset("tiny"), _lay(world=4, tp=2, sequence_parallel=True), _fw())
+    # trainer.py: with SP the sequence is split over tp
+    with pytest.raises(ConfigError, match="sequence_parallel: seq_len=128 must be divisible by tp=3"):
+        L.place(preset("tiny"), _lay(world=3, tp=3, sequence_parallel=True), _fw())
 
 
 # -- dry ------------------------------------------------------------------------------------------
@@ -268,3 +289,57 @@ def test_tp_backward_strategy_follows_dtensor_cost_model():
     assert not L._layer_backward_comm(m(32), 32, 2)[1]  # every path derived at these shapes
     # the device topology enters the cost: one device per host (cpu) prices collectives inter-host
     assert L._coll_cost("all_reduce", 1 << 20, 2) > L._coll_cost("all_gather", 1 << 20, 2)
+
+
+def test_sequence_parallel_tp_collectives():
+    """SP: no activation all-reduce, no mm-backward redistribution (every mm takes its inputs as
+    they come, so DTensor's cost model chooses nothing and its note is absent)."""
+    m = ModelShape(layers=3, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=32)
+    pl = L.place(m, _lay(world=4, tp=2, sequence_parallel=True, micro_batch_size=2), _fw())
+    tp = {(c.kind, c.dtype): c for c in pl.rank_state(0).comm if c.dim == "tp"}
+    act, n = 2 * 32 * 256 * 2, 2 * (2 * 3 + 1)
+    assert (tp["all_gather", "bf16"].count, tp["all_gather", "bf16"].buffer_bytes) == (n, n * act)
+    assert (tp["reduce_scatter", "bf16"].count, tp["reduce_scatter", "bf16"].buffer_bytes) == (n, n * act)
+    assert tp["all_reduce", "bf16"].buffer_bytes == 7 * 256 * 2  # norm weight grads only
+    assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False)
+    assert not pl.notes
+    assert L._layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
+    assert any("cost model" in n for n in L.place(m, _lay(world=4, tp=2), _fw()).notes)
+
+
+@pytest.mark.parametrize("raf", ["default", "never"])
+@pytest.mark.parametrize("kw", [dict(), dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True)])
+def test_first_step_list_is_the_steady_list_less_the_lm_head_regather(raf, kw):
+    m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=32)
+    lay, fw = _lay(world=8, **kw), _fw(reshard_after_forward=raf)
+    sh = L._sharded(m, lay.tp, lay.dp_shard)
+    first = L._comm(m, lay, fw, sh, steady=False)
+    assert L._first_step(L._comm(m, lay, fw, sh, steady=True), sh, lay.dp_shard) == first
+    assert L.place(m, lay, fw).rank_state(0).comm_first == first
+
+
+def test_comm_is_computed_on_first_use():
+    pl = L.place(preset("tiny"), _lay(world=2), _fw(reshard_after_forward="always"))
+    s = pl.rank_state(0)
+    assert s._comm is None and s.comm and s._comm is not None
+
+
+def test_representatives_cover_every_distinct_state():
+    """One rank per stretch of shard ranks whose rows of every uneven dim 0 agree."""
+    for m, world, tp in ((ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030,
+                                     seq_len=32), 12, 1),
+                         (ModelShape(layers=1, hidden=64, ffn_hidden=96, heads=4, kv_heads=2, vocab=1000,
+                                     seq_len=32), 48, 2)):
+        pl = L.place(m, _lay(world=world, tp=tp), _fw())
+        every = {id(s): s for s in pl.per_rank}
+        assert {id(pl.rank_state(r)) for r in pl.representatives} == set(every)
+        assert len(every) > 1
+        assert pl.per_gpu.resident_bytes == max(s.resident_bytes for s in every.values())
+
+
+def test_cached_block_stands_for_every_layer():
+    m = preset("tiny")
+    for tp in (1, 2):
+        us = L.units(m, tp)
+        blocks = [tuple(p.shape for p in u) for n, u in us if n.startswith("layers.")]
+        assert len(blocks) == m.layers and set(blocks) == {tuple(p.shape for p in L._unit_params(m, tp)[1])}

@@ -6,11 +6,13 @@ builds them (llama3 layers, untied lm_head, separate wq/wk/wv, rope cache sized 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
-from ledger.placement import CommBuilder, Placement, RankState
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
 
@@ -32,17 +34,26 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return (shape[0] // tp, *shape[1:])
 
 
-def units(model: ModelShape, tp: int) -> list[tuple[str, list[Param]]]:
+def _ps(items, tp: int) -> tuple[Param, ...]:
+    return tuple(Param(n, _tp_local(n, s, tp)) for n, s in items)
+
+
+def units(model: ModelShape, tp: int) -> list[tuple[str, tuple[Param, ...]]]:
     """FSDP units of distributed/fsdp.py apply_fsdp_to_decoder (untied): tok_embeddings, one per
     TransformerBlock, [norm, lm_head] together; the root fully_shard(model) is left with none."""
-    def ps(items):
-        return [Param(n, _tp_local(n, s, tp)) for n, s in items]
+    emb, block, head = _unit_params(model, tp)
+    return [("tok_embeddings", emb),
+            *((f"layers.{i}", block if i == 0 else _ps(model.layer_params(i), tp)) for i in range(model.layers)),
+            ("norm+lm_head", head)]
 
-    out = [("tok_embeddings", ps([("tok_embeddings.weight", (model.vocab, model.hidden))]))]
-    for i in range(model.layers):
-        out.append((f"layers.{i}", ps(model.layer_params(i))))
-    out.append(("norm+lm_head", ps([("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))])))
-    return out
+
+@lru_cache(maxsize=256)
+def _unit_params(model: ModelShape, tp: int) -> tuple[tuple[Param, ...], tuple[Param, ...], tuple[Param, ...]]:
+    """units() as the ledger uses them: tok_embeddings, one TransformerBlock (ModelShape's blocks
+    are alike: layer_params(i) differs from layer 0 by names only), [norm, lm_head]. Cached per
+    (model, tp): a layout search asks for them many times."""
+    return (_ps([("tok_embeddings.weight", (model.vocab, model.hidden))], tp), _ps(model.layer_params(0), tp),
+            _ps([("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))], tp))
 
 
 def _rest(p: Param) -> int:
@@ -54,22 +65,64 @@ def _chunk_rows(p: Param, ds: int) -> int:
     return -(-p.shape[0] // ds)
 
 
-def _rows(p: Param, ds: int, k: int) -> int:
-    """Rows shard rank k really holds (_chunk_with_empty: the last chunks may be short or empty)."""
-    c = _chunk_rows(p, ds)
-    return max(0, min(p.shape[0] - k * c, c))
+def _rows_of(d0: int, ds: int, k: int) -> int:
+    """Rows shard rank k really holds of a dim 0 of d0 rows (_chunk_with_empty: the last chunks may
+    be short or empty)."""
+    c = -(-d0 // ds)
+    return max(0, min(d0 - k * c, c))
 
 
 def _padded_full(p: Param, ds: int) -> int:
     return _chunk_rows(p, ds) * ds * _rest(p)
 
 
+class _Sharded(NamedTuple):
+    """What the state and the FSDP collectives of one (model, tp, dp_shard) need, in elements."""
+    n_params: int
+    padded: int  # sum of padded local shards (chunk rows x rest): params and grads
+    even: int  # the same over params whose dim 0 splits evenly (every rank holds all its rows)
+    uneven: tuple[tuple[int, int], ...]  # (dim 0, summed rest) of the others: rows differ by rank
+    emb_full: int  # padded full (all-gather / reduce-scatter) numel per FSDP unit
+    norm_full: int
+    lm_full: int
+    layer_full: int  # the same for one TransformerBlock (every block alike)
+    reps: tuple[int, ...]  # one shard rank per distinct state
+
+
+@lru_cache(maxsize=1024)
+def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
+    emb, block, head = _unit_params(model, tp)
+    L = model.layers
+    counted = [(p, 1) for p in (*emb, *head)] + [(p, L) for p in block]  # (param, how many)
+    padded = even = 0
+    uneven: dict[int, int] = {}
+    for p, n in counted:
+        padded += n * _chunk_rows(p, ds) * _rest(p)
+        if p.shape[0] % ds:
+            uneven[p.shape[0]] = uneven.get(p.shape[0], 0) + n * _rest(p)
+        else:
+            even += n * p.shape[0] // ds * _rest(p)
+    (emb_p,), (norm, lm) = emb, head
+    # a rank's rows of a dim 0 of d0 rows are c (= ceil(d0/ds)) up to shard rank d0 // c, the rest
+    # there, none after: the state is constant between these shard ranks
+    reps = {0}
+    for d0 in uneven:
+        j = d0 // -(-d0 // ds)
+        reps.update(x for x in (j, j + 1) if x < ds)
+    return _Sharded(sum(n for _, n in counted), padded, even, tuple(sorted(uneven.items())),
+                    _padded_full(emb_p, ds), _padded_full(norm, ds), _padded_full(lm, ds),
+                    sum(_padded_full(p, ds) for p in block), tuple(sorted(reps)))
+
+
 def check(model: ModelShape, lay: Layout) -> None:
+    sp_div = lay.tp if lay.sequence_parallel else 1
     for ok, msg in ((model.norm == "rmsnorm", f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
                     (model.swiglu, "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
                     (not model.bias, "titan: model.bias=true: torchtitan llama3 linears have no bias"),
                     (not model.tied_embeddings, "titan: tied_embeddings=true is not modelled (separate FSDP grouping)"),
-                    (not lay.sequence_parallel, "titan: sequence_parallel=true is not modelled yet"),
+                    # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
+                    (model.seq_len % sp_div == 0, f"titan: sequence_parallel: seq_len={model.seq_len} must be "
+                                                  f"divisible by tp={lay.tp}"),
                     (model.seq_len % 8 == 0, f"titan: seq_len={model.seq_len} must be divisible by "
                                              "ChunkedLossWrapper.num_chunks=8")):
         if not ok:
@@ -83,106 +136,126 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         if getattr(fw, field) != want:
             raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models {want!r}")
     grid: Grid = lay.grid
-    cache: dict = {}
-
     ds = lay.dp_shard
+    sh = _sharded(model, lay.tp, ds)
+    # the collectives are the same on every rank (padded full buffers): computed once, on first use
+    memo: dict[bool, list] = {}
+
+    def steady_comm():
+        if True not in memo:
+            memo[True] = _comm(model, lay, fw, sh, steady=True)
+        return memo[True]
+
+    # the first step differs from steady state only where the loss wrapper's lm_head unshard does
+    # (_lm_head_regathers); RankState.comm_first is a plain field, so it is made now, from the
+    # steady list (_first_step: the same list as _comm(steady=False), for a fraction of the work)
+    first = (_first_step(steady_comm(), sh, ds)
+             if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None)
     # ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does not
     # split evenly give different ranks different rows: they alone key the shared states
-    uneven = [p for _, u in units(model, lay.tp) for p in u if p.shape[0] % ds]
+    cache: dict = {}
     by_k: dict[int, RankState] = {}
 
     def rank_state(r: int) -> RankState:
         k = grid.coords(r)["dp"]
         if k not in by_k:
-            key = tuple(_rows(p, ds, k) for p in uneven)
+            key = tuple(_rows_of(d0, ds, k) for d0, _ in sh.uneven)
             if key not in cache:
-                cache[key] = _state(model, lay, fw, k)
+                cache[key] = _state(model, sh, k, ds, steady_comm, first)
             by_k[k] = cache[key]
         return by_k[k]
 
     pl = Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=rank_state,
-                   # a state depends on the shard rank alone: one rank per shard rank covers them all
-                   representatives=[grid.rank({"dp": k}) for k in range(ds)])
+                   # a state depends on the shard rank alone, and only changes where an unevenly
+                   # split dim 0 does: one rank per such stretch of shard ranks covers them all
+                   representatives=[grid.rank({"dp": k}) for k in sh.reps])
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len
-        pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
-                        "per host (cpu); on cuda with tp <= GPUs per host its intra-host numbers apply and a "
-                        "choice may differ (DEVICES_PER_HOST)")
-        for gap in _layer_backward_comm(model, T, lay.tp)[1]:
+        _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
+        if priced:
+            pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
+                            "per host (cpu); on cuda with tp <= GPUs per host its intra-host numbers apply and a "
+                            "choice may differ (DEVICES_PER_HOST)")
+        for gap in gaps:
             pl.notes.append(f"titan tp: {gap}; collectives past that point are not predicted")
     return pl
 
 
-def _state(model: ModelShape, lay: Layout, fw, k: int) -> RankState:
-    ds, tp = lay.dp_shard, lay.tp
-    s = RankState()
-    us = units(model, tp)
-    params = [p for _, u in us for p in u]
-    for p in params:
-        # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage
-        s.add("params_bytes", "fp32 shards (dim-0 padded)", _chunk_rows(p, ds) * _rest(p) * F32)
-        # _fsdp_collectives.py foreach_reduce: .grad views the padded reduce-scatter output; trainer
-        # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
-        s.add("grads_bytes", "fp32 grad shards (dim-0 padded)", _chunk_rows(p, ds) * _rest(p) * F32)
-        # torch.optim.AdamW: exp_avg / exp_avg_sq like the unpadded local shard, 4-byte fp32 step
-        s.add("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * _rows(p, ds, k) * _rest(p) * F32)
-        s.add("optim_bytes", "adam step", F32)
+def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first) -> RankState:
+    s = RankState(comm_fn=comm_fn, comm_first=comm_first)
+    # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage
+    s.add("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32)
+    # _fsdp_collectives.py foreach_reduce: .grad views the padded reduce-scatter output; trainer
+    # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
+    s.add("grads_bytes", "fp32 grad shards (dim-0 padded)", sh.padded * F32)
+    # torch.optim.AdamW: exp_avg / exp_avg_sq like the unpadded local shard, 4-byte fp32 step
+    held = sh.even + sum(_rows_of(d0, ds, k) * rest for d0, rest in sh.uneven)
+    s.add("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32)
+    s.add("optim_bytes", "adam step", sh.n_params * F32)
     # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x head_dim/2)
     s.add("other_bytes", "rope cache buffers", model.layers * model.seq_len * (model.head_dim // 2) * 8)
-    s.comm = _comm(model, lay, fw, us, steady=True)
-    first = _comm(model, lay, fw, us, steady=False)
-    if [c.to_dict() for c in first] != [c.to_dict() for c in s.comm]:
-        s.comm_first = first
     return s
 
 
-def _comm(model: ModelShape, lay: Layout, fw, us, steady: bool):
+def _lm_head_regathers(fw, steady: bool) -> bool:
+    """components/loss.py ChunkedLossWrapper: lm_head.unshard() before the chunks; after step 0 the
+    group reshards after forward (the wrapper leaves set_reshard_after_forward(True) behind), and
+    "always" reshards from the start, so the unshard gathers again."""
+    return steady or fw.reshard_after_forward == "always"
+
+
+_REGATHER = "ChunkedLossWrapper lm_head.unshard"
+
+
+def _first_step(steady: list[Comm], sh: _Sharded, ds: int) -> list[Comm]:
+    """Step 0's collectives where they differ: steady state less the [norm, lm_head] gather that
+    _lm_head_regathers leaves out of the first step (test: equal to _comm(steady=False))."""
+    buf = (sh.norm_full + sh.lm_full) * BF16
+    out = []
+    for c in steady:
+        if (c.dim, c.kind, c.dtype) == ("dp", "all_gather", "bf16"):
+            c = Comm(c.dim, c.kind, c.count - 1, c.buffer_bytes - buf, c.wire_bytes - wire_bytes(c.kind, buf, ds),
+                     c.dtype, "; ".join(w for w in c.what.split("; ") if w != _REGATHER))
+        out.append(c)
+    return out
+
+
+def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool) -> list[Comm]:
     cb = CommBuilder()
     ds, rep, tp = lay.dp_shard, lay.dp_replicate, lay.tp
-    by = dict(us)
-    emb, head = by["tok_embeddings"], by["norm+lm_head"]
-    layers = [u for n, u in us if n.startswith("layers.")]
-    norm_p, lm_p = head
+    head = sh.norm_full + sh.lm_full
 
-    def ag(unit, what):  # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit
-        cb.add("dp", "all_gather", sum(_padded_full(p, ds) for p in unit) * BF16, ds, "bf16", what=what)
+    def ag(full, what, count=1):  # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit
+        cb.add("dp", "all_gather", full * BF16, ds, "bf16", count=count, what=what)
 
-    def rs(unit, what):  # foreach_reduce: one fp32 reduce-scatter per call, + HSDP all-reduce
-        full = sum(_padded_full(p, ds) for p in unit) * F32
-        cb.add("dp", "reduce_scatter", full, ds, "fp32", what=what)
-        cb.add("dp_replicate", "all_reduce", full // ds, rep, "fp32", what=f"HSDP {what}")
+    def rs(full, what, count=1):  # foreach_reduce: one fp32 reduce-scatter per call, + HSDP all-reduce
+        cb.add("dp", "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
+        cb.add("dp_replicate", "all_reduce", full * F32 // ds, rep, "fp32", count=count, what=f"HSDP {what}")
 
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
     reshard = fw.reshard_after_forward in ("default", "always")
     # forward: every unit gathers once
-    ag(emb, "forward unshard")
-    for u in layers:
-        ag(u, "forward unshard")
+    ag(sh.emb_full, "forward unshard")
+    ag(sh.layer_full, "forward unshard", model.layers)
     ag(head, "forward unshard (norm)")
-    # components/loss.py ChunkedLossWrapper: lm_head.unshard() before the chunks; after step 0 the
-    # group reshards after forward (the wrapper leaves set_reshard_after_forward(True) behind), and
-    # "always" reshards from the start, so the unshard gathers again
-    if steady or fw.reshard_after_forward == "always":
-        ag(head, "ChunkedLossWrapper lm_head.unshard")
+    if _lm_head_regathers(fw, steady):
+        ag(head, _REGATHER)
     # ... and ends with lm_head.reshard(): the norm's backward gathers the group again
     ag(head, "backward unshard (norm)")
     if reshard:
-        for u in layers:
-            ag(u, "backward unshard")
-        ag(emb, "backward unshard")
+        ag(sh.layer_full, "backward unshard", model.layers)
+        ag(sh.emb_full, "backward unshard")
     # reduce-scatters: lm_head at the last chunk (gradient sync off before), norm after its backward
-    rs([lm_p], "lm_head grad (last chunk)")
-    rs([norm_p], "norm grad")
-    for u in layers:
-        rs(u, "layer grads")
-    rs(emb, "tok_embeddings grad")
+    rs(sh.lm_full, "lm_head grad (last chunk)")
+    rs(sh.norm_full, "norm grad")
+    rs(sh.layer_full, "layer grads", model.layers)
+    rs(sh.emb_full, "tok_embeddings grad")
 
-    n_params = sum(len(u) for _, u in us)
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    cb.add("dp", "all_reduce", n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
-    cb.add("tp", "all_reduce", n_params * F32, tp, "fp32", what="grad-norm (stacked per-param norms)")
+    cb.add("dp", "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
+    cb.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", what="grad-norm (stacked per-param norms)")
     # trainer.py train_step: global_valid_tokens (int64) on the batch mesh, then the logged
     # global avg loss (sum), max loss, ntokens_seen (int64) on the loss mesh (= batch mesh here)
     bdim = "-".join(d for d, n in (("dp", ds), ("dp_replicate", rep)) if n > 1)
@@ -195,25 +268,50 @@ def _comm(model: ModelShape, lay: Layout, fw, us, steady: bool):
 
 
 def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
-    """TP (no SP) collectives of models/common/decoder_sharding.py's plan as DTensor runs it."""
+    """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
+    DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel)."""
     tp, L, h = lay.tp, model.layers, model.hidden
     T = lay.micro_batch_size * model.seq_len
     act = T * h * BF16
-    # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs
-    cb.add("tp", "all_reduce", act, tp, "bf16", count=2 * L + 1, what="embedding + rowwise outputs")
-    # backward: replicated norm weights' grads (Partial -> Replicate), every norm
+    sp = bool(lay.sequence_parallel)
+    if sp:
+        # SP: the residual stream is sequence-sharded, Shard(1) (dense_sequence_parallel_placement).
+        # forward: tok_embeddings' output (set_decoder_sharding_config: out_src Partial, out_dst SP) and
+        # rowwise wo, w2 (rowwise_config(output_sp=True)) go Partial -> Shard(1): reduce-scatter
+        cb.add("tp", "reduce_scatter", act, tp, "bf16", count=2 * L + 1,
+               what="SP: embedding + rowwise outputs Partial -> Shard(1)")
+        # forward: attention's x_BLD and feed_forward's x (set_gqa_attention_sharding /
+        # set_dense_ffn_sharding in_dst Replicate) and the root norm's output (pre_lm_head_norm_config
+        # out_dst Replicate) go Shard(1) -> Replicate: all-gather
+        cb.add("tp", "all_gather", act, tp, "bf16", count=2 * L + 1,
+               what="SP: attention/ffn inputs + root norm output Shard(1) -> Replicate")
+        # backward: _redistribute.py _redistribute_backward runs each of these in reverse. A
+        # Partial -> Shard(1) becomes Shard(1) -> Replicate ("for backward shard -> partial, we just
+        # do shard -> replicate"): all-gather. A Shard(1) -> Replicate gets the Partial grad (the
+        # colwise input grads, derivation above _MM; the loss wrapper's hidden grad) and takes it
+        # back to Shard(1): reduce-scatter
+        cb.add("tp", "all_gather", act, tp, "bf16", count=2 * L + 1,
+               what="SP backward: grads of the Partial -> Shard(1) outputs gathered")
+        cb.add("tp", "reduce_scatter", act, tp, "bf16", count=2 * L + 1,
+               what="SP backward: Partial grads of the gathered inputs scattered")
+    else:
+        # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs
+        cb.add("tp", "all_reduce", act, tp, "bf16", count=2 * L + 1, what="embedding + rowwise outputs")
+        # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py GradAccumulator.result);
+        # it stays Partial down the residual stream (derivation above _MM) and is reduced once, at
+        # tok_embeddings' local_map output (Partial -> Replicate)
+        cb.add("tp", "all_reduce", act, tp, "bf16", what="residual-stream grad at tok_embeddings")
+    # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
+    # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
+    # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
     cb.add("tp", "all_reduce", h * BF16, tp, "bf16", count=2 * L + 1, what="norm weight grads")
     # components/loss.py ChunkedLossWrapper -> loss-parallel cross-entropy on vocab-sharded logits:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
     cb.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", count=3 * chunks, what="loss-parallel CE")
-    # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py GradAccumulator.result);
-    # it stays Partial down the residual stream (derivation above _MM) and is reduced once, at
-    # tok_embeddings' local_map output (Partial -> Replicate)
-    cb.add("tp", "all_reduce", act, tp, "bf16", what="residual-stream grad at tok_embeddings")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
-    bwd, _ = _layer_backward_comm(model, T, tp)
+    bwd, _, _ = _layer_backward_comm(model, T, tp, sp)
     for kind, full in bwd:
         cb.add("tp", kind, full * BF16, tp, "bf16", count=L, what="DTensor mm backward redistribution")
 
@@ -224,10 +322,16 @@ def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
 #
 # Placements entering the backward (models/common/decoder_sharding.py, protocols/module.py):
 #   colwise wq wk wv w1 w3: W Shard(0) [out, in], input x Replicate, output Shard(-1);
-#   rowwise wo w2: W Shard(1), input Shard(-1), output Partial -> Replicate (forward all-reduce).
-#   The gradient reaching a rowwise output is Partial: components/loss.py GradAccumulator.result
-#   hands the hidden grad back Partial(sum), the norms' and colwise inputs' grads are Partial and
-#   add(P, P) stays P, so the residual stream's grad is Partial down to tok_embeddings.
+#   rowwise wo w2: W Shard(1), input Shard(-1), output Partial -> Replicate (forward all-reduce),
+#   with SP Partial -> Shard(1) (forward reduce-scatter).
+#   No SP: the gradient reaching a rowwise output is Partial: components/loss.py
+#   GradAccumulator.result hands the hidden grad back Partial(sum), the norms' and colwise inputs'
+#   grads are Partial and add(P, P) stays P, so the residual stream's grad is Partial down to
+#   tok_embeddings.
+#   SP: the rowwise output's Partial -> Shard(1) runs backward as Shard(1) -> Replicate
+#   (_redistribute.py _redistribute_backward), so the gradient reaching a rowwise output is
+#   Replicate; the colwise inputs' Partial grads meet the block input's Shard(1) -> Replicate
+#   backward (a reduce-scatter, counted in _tp_comm).
 #   Colwise outputs get a Shard grad: q/k/v from inner attention's local_map in_grad_placements
 #   Shard(2) (set_gqa_inner_attention_local_map), w1/w3 from SwiGLU's elementwise backward.
 # nn.Linear on a 3-D input runs t + view + aten.mm; MmBackward0 (derivatives.yaml, FunctionsManual
@@ -272,8 +376,9 @@ def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | Non
     return float("inf"), None  # Shard -> Partial, Partial -> another Partial: banned
 
 
-def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]]]:
-    """aten.mm on DTensors (placement, full numel) a @ b: the output placement and the collectives.
+def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
+    """aten.mm on DTensors (placement, full numel) a @ b: the output placement, the collectives, and
+    whether the choice was priced (no strategy took the inputs as they are).
     _sharding_prop.py _select_min_cost_strategy: a strategy needing no redistribution first, then
     the first zero-cost one, else the first of minimal summed cost."""
     best = None
@@ -285,39 +390,48 @@ def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple
         moves = [(k, numel) for k, numel in ((ka, a[1]), (kb, b[1])) if k]
         if best is None or cost < best[0]:
             best = (cost, out, moves)
-    return best[1], best[2]
+    return best[1], best[2], best[0] >= 0
 
 
-def _layer_backward_comm(model: ModelShape, T: int, tp: int) -> tuple[list[tuple[str, int]], list[str]]:
-    """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, and the
-    paths this derivation does not cover (named in the Placement's notes)."""
+@lru_cache(maxsize=1024)
+def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
+                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
+    """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the
+    paths this derivation does not cover (named in the Placement's notes), and whether any mm's
+    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came)."""
     h, f = model.hidden, model.ffn_hidden
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     out: list[tuple[str, int]] = []
     undone: list[str] = []
-    for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h] P, x2d [T,k] S1, W [h,k] S1
-        o, m = _mm(("P", h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
+    priced = False
+    g_row = "R" if sp else "P"  # the grad reaching a rowwise output (placements above _MM)
+    for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h], x2d [T,k] S1, W [h,k] S1
+        o, m, pr = _mm((g_row, h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
         out += m
+        priced |= pr
         if o == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
             out.append(("reduce_scatter", h * k))
         elif o not in ("S1", "R"):
             undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m = _mm(("P", T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
+        o, m, pr = _mm((g_row, T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
         out += m
+        priced |= pr
         if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
             out.append(("reduce_scatter", T * k))
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
     for name, k in (("wq", q), ("wk", kv), ("wv", kv), ("w1", f), ("w3", f)):  # colwise: g [T,k] S1
-        o, m = _mm(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
+        o, m, pr = _mm(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
         out += m
+        priced |= pr
         if o == "P":
             out.append(("reduce_scatter", k * h))
         elif o not in ("S0", "R"):
             undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m = _mm(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
+        o, m, pr = _mm(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
         out += m
+        priced |= pr
         if o != "P":
             undone.append(f"{name} input grad leaves mm as {o}")
-    return out, undone
+    return tuple(out), tuple(undone), priced
