@@ -50,6 +50,25 @@ class Comm:
                 "wire_bytes": self.wire_bytes, "dtype": self.dtype, "what": self.what}
 
 
+class _Lazy:
+    """A field that may be given a zero-argument callable instead of its value: called on first read
+    (a search reads the most-loaded rank's memory only; its collectives may never be asked for)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the dataclass default
+        v = obj.__dict__.get(self.slot)
+        if callable(v):
+            v = obj.__dict__[self.slot] = v()
+        return v
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class RankState:
     stage: int = 0
@@ -60,8 +79,9 @@ class RankState:
     _comm: Optional[list[Comm]] = field(default=None, repr=False)
     # computes `comm` on first use: finding the most-loaded rank of a big layout needs memory only
     comm_fn: Optional[Callable[[], list[Comm]]] = field(default=None, repr=False, compare=False)
-    # the first (tracing / warm-up) step where it differs from steady state; None = same
-    comm_first: Optional[list[Comm]] = None
+    # the first (tracing / warm-up) step where it differs from steady state; None = same (may be
+    # given as a callable returning either)
+    comm_first: Optional[list[Comm]] = _Lazy()
     # steps 1..k when a framework's warm-up spans more than one optimizer step (DeepSpeed ZeRO-3
     # completes its trace in the second forward); these steps are reported as phase "first" too
     comm_warmup: Optional[list[list[Comm]]] = None
