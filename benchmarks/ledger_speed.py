@@ -94,6 +94,7 @@ def main() -> None:
                                        stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0),
              layouts(world, 8 * gbs, [1], [1], mbs)),
             ("titan", framework("titan"), layouts(world, gbs, d, [1], mbs)),
+            ("titan sp", framework("titan"), layouts(world, gbs, d, [1], mbs, **sp)),
             ("titan hsdp", framework("titan"), layouts(world, gbs, d, [1], mbs, dp_replicate=8))]
     print(f"llama3_70b on {world:,} GPUs, every (tp, pp, dp, micro_batch) layout predicted once "
           f"(place + per_gpu + by_kind), best of {args.repeat}; target {TARGET:,}/s on one core")

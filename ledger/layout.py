@@ -75,51 +75,51 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
 
 def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world: int | None = None) -> None:
     """Raise ConfigError naming the field and the rule; checked before anything is dispatched."""
-    def need(ok: bool, msg: str):
+    def need(ok: bool, msg):  # msg: the text, or a lambda making it (formatted only on failure)
         if not ok:
-            raise ConfigError(msg)
+            raise ConfigError(msg() if callable(msg) else msg)
 
-    need(model.hidden % model.heads == 0, f"model.heads={model.heads} does not divide model.hidden={model.hidden}")
+    need(model.hidden % model.heads == 0, lambda: f"model.heads={model.heads} does not divide model.hidden={model.hidden}")
     need(model.heads % model.kv_heads == 0,
-         f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads}")
-    need(model.heads % lay.tp == 0, f"tp={lay.tp} does not divide num_heads={model.heads}")
-    need(model.kv_heads % lay.tp == 0, f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
-    need(model.ffn_hidden % lay.tp == 0, f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    need(model.vocab % lay.tp == 0, f"tp={lay.tp} does not divide vocab={model.vocab}")
+         lambda: f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads}")
+    need(model.heads % lay.tp == 0, lambda: f"tp={lay.tp} does not divide num_heads={model.heads}")
+    need(model.kv_heads % lay.tp == 0, lambda: f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
+    need(model.ffn_hidden % lay.tp == 0, lambda: f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
+    need(model.vocab % lay.tp == 0, lambda: f"tp={lay.tp} does not divide vocab={model.vocab}")
     need(model.layers % (lay.pp * lay.vp) == 0,
-         f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
-    need(lay.vp == 1 or lay.pp > 1, f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
-    need(lay.dp % lay.dp_replicate == 0, f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
+         lambda: f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
+    need(lay.vp == 1 or lay.pp > 1, lambda: f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
+    need(lay.dp % lay.dp_replicate == 0, lambda: f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
     need(lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0,
-         f"global_batch_size={lay.global_batch_size} is not divisible by micro_batch_size*dp="
+         lambda: f"global_batch_size={lay.global_batch_size} is not divisible by micro_batch_size*dp="
          f"{lay.micro_batch_size}*{lay.dp}")
     need(model.seq_len % (lay.tp if lay.sequence_parallel else 1) == 0,
-         f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
+         lambda: f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
     need(model.seq_len % (2 * lay.cp) == 0 or lay.cp == 1,
-         f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
-    need(lay.ep == 1, f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
-    need(not lay.sequence_parallel or lay.tp > 1, "sequence_parallel=true needs tp > 1")
+         lambda: f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
+    need(lay.ep == 1, lambda: f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
+    need(not lay.sequence_parallel or lay.tp > 1, lambda: "sequence_parallel=true needs tp > 1")
     if world is not None:
-        need(lay.world == world, f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
+        need(lay.world == world, lambda: f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
                                  f"!= cluster size {world} (cluster.nodes x cluster.ranks, on Slurm nodes x tasks_per_node)")
     # framework limits
     if framework == "deepspeed":
         stage = fw_cfg.zero_stage if fw_cfg is not None else 1
-        need(stage in (0, 1, 2, 3), f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
+        need(stage in (0, 1, 2, 3), lambda: f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
         need(lay.tp == 1 and lay.pp == 1 and lay.cp == 1,
-             f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed ZeRO as pure data "
+             lambda: f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed ZeRO as pure data "
              "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
-        need(lay.dp_replicate == 1, "deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+        need(lay.dp_replicate == 1, lambda: "deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
     elif framework == "megatron":
-        need(lay.dp_replicate == 1, "megatron: dp_replicate (HSDP) is a torchtitan layout")
+        need(lay.dp_replicate == 1, lambda: "megatron: dp_replicate (HSDP) is a torchtitan layout")
     elif framework == "titan":
-        need(lay.pp == 1, f"titan: pp={lay.pp}: pipeline parallelism is not modelled for torchtitan yet")
+        need(lay.pp == 1, lambda: f"titan: pp={lay.pp}: pipeline parallelism is not modelled for torchtitan yet")
         need(lay.cp == 1, f"titan: cp={lay.cp} is not modelled for torchtitan yet")
         need(lay.num_microbatches == 1,
-             f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
+             lambda: f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
              "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
         if fw_cfg is not None:
             need(fw_cfg.reshard_after_forward in ("default", "always", "never"),
-                 f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")
+                 lambda: f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")
