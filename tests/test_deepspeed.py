@@ -1,15 +1,19 @@
 """DeepSpeed ZeRO-1/2/3: real runs on local gloo ranks reconciled to the byte, the model/ledger name
 agreement, the faithful ledger's rules, and the dry artifacts checked by DeepSpeed's own parser.
 
-The real matrix (one fixture, two Hydra multiruns, ~3 min on 2 cores):
+The real matrix (one fixture, three Hydra multiruns, 14 jobs):
 
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
         framework.reduce_bucket_size=500000 train.steps=4
-    python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=4 \\
+    # ZeRO-3 per-module fetch (3N): 2 ranks with 2 micro-batches, 4 ranks with 1; tied and untied
+    python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2,4 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=0 \\
-        framework.stage3_max_reuse_distance=0 train.steps=4
-    python launch.py -m framework=deepspeed framework.zero_stage=2 cluster.ranks=2 \\
-        framework.reduce_bucket_size=500000 layout.global_batch_size=4 train.steps=4   # 2 micro-batches
+        framework.stage3_max_reuse_distance=0 layout.global_batch_size=4 model.tied_embeddings=false,true \\
+        train.steps=4
+    # 2 micro-batches per step (gradient accumulation), ZeRO-2 and ZeRO-3 (default prefetch: 2N), tied and untied
+    python launch.py -m framework=deepspeed framework.zero_stage=2,3 cluster.ranks=2 \\
+        framework.reduce_bucket_size=500000 layout.global_batch_size=4 model.tied_embeddings=false,true \\
+        train.steps=4
 
 reduce_bucket_size=500000 elements splits the tiny model's gradients into several IPG buckets (and
 keeps ZeRO-3's always-allocated IPG bucket at 1 MB instead of the default's 1 GB).
@@ -31,11 +35,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
 MATRIX = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "train.steps=4"]
-GAS2 = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", f"framework.reduce_bucket_size={SMALL_BUCKET}",
-        "layout.global_batch_size=4", "train.steps=4"]
-KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4",
+GAS2 = ["framework=deepspeed", "framework.zero_stage=2,3", "cluster.ranks=2", f"framework.reduce_bucket_size={SMALL_BUCKET}",
+        "layout.global_batch_size=4", "model.tied_embeddings=false,true", "train.steps=4"]
+KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
-          "framework.stage3_max_reuse_distance=0", "train.steps=4"]
+          "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true",
+          "train.steps=4"]
 
 
 def _fw(**kw):
@@ -105,13 +110,17 @@ def test_ipg_bucket_rule():
 
 
 def test_backward_order_covers_every_parameter_once():
-    from ledger.faithful.deepspeed import backward_order
+    from ledger.faithful.deepspeed import _grad_sizes, _registration_sizes, backward_order
 
-    for over in ({}, {"bias": True, "norm": "layernorm"}, {"swiglu": False}):
+    for over in ({}, {"bias": True, "norm": "layernorm"}, {"swiglu": False}, {"tied_embeddings": True}):
         shape = preset("tiny", **over)
         order = backward_order(shape)
         assert sorted(order) == sorted(shape.params())
-        assert order[0][0] == "output.weight" and order[-1][0] == "tok_embeddings.weight"
+        first = "norm.weight" if shape.tied_embeddings else "output.weight"
+        assert order[0][0] == first and order[-1][0] == "tok_embeddings.weight"
+        # the per-block size lists the hot path uses are these orders' sizes
+        assert list(_grad_sizes(shape)) == [numel(s) for _, s in order]
+        assert list(_registration_sizes(shape)) == [numel(s) for _, s in shape.params()]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -140,10 +149,15 @@ def test_ledger_refuses_what_it_does_not_model():
         place(shape, _lay(2), _fw(precision="fp32"))
     with pytest.raises(ConfigError, match="reduce_bucket_size"):
         place(shape, _lay(2), _fw(reduce_bucket_size=1000))
-    with pytest.raises(ConfigError, match="micro-batches"):
-        place(shape, _lay(2, gbs=4), _fw(zero_stage=3))
     with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
         place(shape, _lay(2), _fw(zero_stage=3, stage3_prefetch_bucket_size=1000))
+    # a prefetch bucket covering the non-persistent params but not all: one coalesced fetch in steady
+    # state, but not in step 0's first traced forward, which also fetches the persistent params
+    persist = sum(numel(s) for _, s in shape.params() if numel(s) <= 100_000)
+    between = _fw(zero_stage=3, reduce_bucket_size=SMALL_BUCKET, stage3_prefetch_bucket_size=shape.num_params() - persist)
+    place(shape, _lay(2), between)
+    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
+        place(shape, _lay(2, gbs=4), between)
 
 
 def test_zero3_3n_versus_2n_prediction():
@@ -160,6 +174,49 @@ def test_zero3_3n_versus_2n_prediction():
     assert ag() == 2 * n  # every param gathered once per step (2N pattern)
     # knobs 0: non-persistent params gathered again for backward (3N pattern)
     assert ag(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0) == 2 * n + 2 * (n - persist)
+
+
+@pytest.mark.parametrize("knobs0", [False, True])
+def test_zero3_accumulation_prediction(knobs0):
+    """Two micro-batches: the trace completes inside step 0 (no warm-up step after it); every
+    micro-batch fetches and reduce-scatters, persistent params are gathered once per step."""
+    from ledger.faithful.deepspeed import place
+
+    shape = preset("tiny")
+    n = shape.num_params()
+    persist = sum(numel(s) for _, s in shape.params() if numel(s) <= 100_000)
+    kw = dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0) if knobs0 else {}
+    fw = _fw(zero_stage=3, reduce_bucket_size=SMALL_BUCKET, **kw)
+    one, two = (place(shape, _lay(2, gbs=g), fw).rank_state(0) for g in (2, 4))
+    assert (one.params_bytes, one.grads_bytes, one.optim_bytes) == (two.params_bytes, two.grads_bytes, two.optim_bytes)
+    assert len(one.comm_warmup) == 1 and two.comm_warmup is None
+
+    def tot(cs, kind):
+        return sum(c.count for c in cs if c.kind == kind), sum(c.buffer_bytes for c in cs if c.kind == kind)
+
+    rs1 = tot(one.comm, "reduce_scatter")
+    assert tot(two.comm, "reduce_scatter") == tot(two.comm_first, "reduce_scatter") == (2 * rs1[0], 2 * rs1[1])
+    per_micro = 2 * (2 * (n - persist)) if knobs0 else 2 * (n - persist)
+    assert tot(two.comm, "all_gather")[1] == 2 * per_micro + 2 * persist
+    assert tot(two.comm, "broadcast") == (0, 0) and tot(two.comm_first, "broadcast")[0] == 2 + 6
+    # step 0: recording pass (every module fwd + bwd), then the first traced micro-batch (persistent
+    # params fetched again: the recording pass released them), then _post_step's persistent gathers
+    first_traced = 2 * n + 2 * (n - persist) if knobs0 else 2 * n
+    assert tot(two.comm_first, "all_gather")[1] == 2 * 2 * n + first_traced + 2 * persist
+
+
+def test_place_is_lazy_and_shares_cached_lists():
+    """place() computes steady collectives on first use; model-derived lists are computed once per
+    (model, dp, knobs), whatever the micro-batch size."""
+    from ledger.faithful.deepspeed import place
+
+    shape = preset("tiny")
+    for stage in (1, 2, 3):
+        fw = _fw(zero_stage=stage, reduce_bucket_size=SMALL_BUCKET)
+        a, b = (place(shape, _lay(2, mbs=k), fw).rank_state(0) for k in (1, 2))
+        assert a._comm is None and a.comm_fn is not None
+        assert a.comm == b.comm and a.comm is not b.comm and all(x is y for x, y in zip(a.comm, b.comm))
+        assert a.detail == b.detail and a.detail is not b.detail
 
 
 # -- dry: DeepSpeed's own parser -----------------------------------------------------------------
@@ -230,6 +287,14 @@ def _key(rec):
     return c["framework"]["zero_stage"], c["cluster"]["ranks"]
 
 
+def _tied(rec) -> bool:
+    return bool(rec["config"]["model"]["tied_embeddings"])
+
+
+def _job(recs, stage, ranks, tied=False):
+    return next(r for r in recs if _key(r) == (stage, ranks) and _tied(r) == tied)
+
+
 def _steady_comm(rank_rec, step):
     out = {}
     for c in next(s for s in rank_rec["steps"] if s["step"] == step)["comm"]:
@@ -241,7 +306,12 @@ def _steady_comm(rank_rec, step):
 def test_matrix_ran_every_rank(runs):
     recs, _ = runs
     assert sorted(_key(r) for r in recs["matrix"]) == [(1, 2), (1, 4), (2, 2), (2, 4), (3, 2), (3, 4)]
-    assert [_key(r) for r in recs["knobs0"]] == [(3, 4)] and [_key(r) for r in recs["gas2"]] == [(2, 2)]
+    assert sorted((*_key(r), _tied(r)) for r in recs["knobs0"]) == [(3, 2, False), (3, 2, True), (3, 4, False),
+                                                                    (3, 4, True)]
+    assert sorted((*_key(r), _tied(r)) for r in recs["gas2"]) == [(2, 2, False), (2, 2, True), (3, 2, False),
+                                                                  (3, 2, True)]
+    for rec in recs["knobs0"] + recs["gas2"]:
+        assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
     for rec in recs["matrix"] + recs["knobs0"] + recs["gas2"]:
         assert rec["status"] == "ok", rec["error"]
         ranks = rec["measurement"]["ranks"]
@@ -303,8 +373,8 @@ def test_zero3_2n_default_and_3n_with_knobs_zero(runs):
     n = shape.num_params()
     persist = [numel(s) for _, s in shape.params() if numel(s) <= 100_000]
     big_modules = {name.rsplit(".", 1)[0] for name, s in shape.params() if numel(s) > 100_000}
-    default = next(r for r in recs["matrix"] if _key(r) == (3, 4))
-    knobs = recs["knobs0"][0]
+    default = _job(recs["matrix"], 3, 4)
+    knobs = _job(recs["knobs0"], 3, 4)
     for r_d, r_k in zip(default["measurement"]["ranks"], knobs["measurement"]["ranks"]):
         d, k = _steady_comm(r_d, 3), _steady_comm(r_k, 3)
         # 2N: one coalesced gather of all non-persistent params + the persistent ones after step
@@ -319,10 +389,65 @@ def test_zero3_2n_default_and_3n_with_knobs_zero(runs):
 def test_zero2_reduces_every_micro_batch(runs):
     """Stage 2 reduces gradients in the backward hooks of every micro-batch, not once per step."""
     recs, _ = runs
-    one = next(r for r in recs["matrix"] if _key(r) == (2, 2))
-    two = recs["gas2"][0]
+    one = _job(recs["matrix"], 2, 2)
+    two = _job(recs["gas2"], 2, 2)
     assert two["prediction"]["layout"]["num_microbatches"] == 2
     for r1, r2 in zip(one["measurement"]["ranks"], two["measurement"]["ranks"]):
         c1, c2 = _steady_comm(r1, 3), _steady_comm(r2, 3)
         assert c2[("all_reduce", "bf16")] == tuple(2 * x for x in c1[("all_reduce", "bf16")])
         assert c2[("all_gather", "bf16")] == c1[("all_gather", "bf16")]
+
+
+@pytest.mark.real
+def test_zero3_accumulation(runs):
+    """ZeRO-3, 2 micro-batches: every micro-batch fetches its params and reduce-scatters all gradients;
+    persistent params are gathered once, after the step; the trace is recorded in micro-batch 0 of
+    step 0 and completed at the start of micro-batch 1 (all trace broadcasts in step 0)."""
+    recs, tables = runs
+    shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
+    n = shape.num_params()
+    persist = [numel(s) for _, s in shape.params() if numel(s) <= 100_000]
+    np_ = n - sum(persist)
+    big_modules = {name.rsplit(".", 1)[0] for name, s in shape.params() if numel(s) > 100_000}
+    one, two, knobs = _job(recs["matrix"], 3, 2), _job(recs["gas2"], 3, 2), _job(recs["knobs0"], 3, 2)
+    for r1, r2, rk in zip(*(j["measurement"]["ranks"] for j in (one, two, knobs))):
+        c1, c2, ck = _steady_comm(r1, 3), _steady_comm(r2, 3), _steady_comm(rk, 3)
+        rs = ("reduce_scatter", "bf16")
+        assert c2[rs] == ck[rs] == (2 * c1[rs][0], 2 * c1[rs][1])
+        assert c1[("all_reduce", "fp64")] == c2[("all_reduce", "fp64")] == (1, 8)  # grad norm at the boundary
+        ag = ("all_gather", "bf16")
+        # 2N: one coalesced gather of the non-persistent params per micro-batch
+        assert c2[ag] == (2 + len(persist), 2 * 2 * np_ + 2 * sum(persist))
+        # 3N: per-module gathers in forward and backward, per micro-batch
+        assert ck[ag] == (2 * 2 * len(big_modules) + len(persist), 2 * 2 * 2 * np_ + 2 * sum(persist))
+        s0, s1 = _steady_comm(r2, 0), _steady_comm(r2, 1)
+        assert s0[("broadcast", "int64")][0] == 2 + 6 and ("broadcast", "int64") not in s1
+        # step 0: the recording pass gathers every module forward and backward, micro-batch 1 every
+        # param in one call (the recording pass released the persistent ones too)
+        assert s0[ag] == (2 * (len(big_modules) + len(persist)) + 1 + len(persist), 2 * 2 * n + 2 * n + 2 * sum(persist))
+    for name in ("gas2", "knobs0"):
+        df = tables[name]
+        z3m2 = df[(df.framework == "deepspeed-z3") & (df.layout == "dp2")]
+        assert set(z3m2[z3m2.phase == "first"].step) == {0}  # no warm-up step after step 0
+
+
+@pytest.mark.real
+def test_zero3_tied_embeddings(runs):
+    """Tied: one Parameter in two modules. ZeRO-3 fetches it for each (3N: the output's fetch is the
+    embedding's size, as untied); it is reduced and stored once."""
+    recs, _ = runs
+    shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
+    e = shape.vocab * shape.hidden
+    for ranks in (2, 4):
+        u, t = _job(recs["knobs0"], 3, ranks), _job(recs["knobs0"], 3, ranks, tied=True)
+        assert u["prediction"]["per_gpu"]["params_bytes"] - t["prediction"]["per_gpu"]["params_bytes"] == 2 * e // ranks
+        for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
+            cu, ct = _steady_comm(ru, 3), _steady_comm(rt, 3)
+            m = 4 // ranks
+            assert ct[("all_gather", "bf16")] == cu[("all_gather", "bf16")]
+            assert ct[("reduce_scatter", "bf16")][1] == cu[("reduce_scatter", "bf16")][1] - m * 2 * e
+    u, t = _job(recs["gas2"], 3, 2), _job(recs["gas2"], 3, 2, tied=True)
+    for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
+        cu, ct = _steady_comm(ru, 3), _steady_comm(rt, 3)
+        # 2N: the coalesced gather holds the embedding once, each micro-batch
+        assert ct[("all_gather", "bf16")] == (cu[("all_gather", "bf16")][0], cu[("all_gather", "bf16")][1] - 2 * 2 * e)

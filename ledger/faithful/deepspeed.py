@@ -4,17 +4,30 @@ Pure data parallelism (train-ledger drives DeepSpeed without Megatron-DeepSpeed)
 rank, all ranks hold the same byte counts. bf16 mixed precision with torch's AdamW (`torch_adam`);
 paths quoted are under deepspeed/runtime/. Each rule names the function it follows.
 
-Known limits (raise ConfigError rather than guess): fp32 precision, ZeRO-3 with gradient
-accumulation (the trace then completes inside step 0), ZeRO-3 prefetch settings between the two
-regimes modelled (per-module fetch: prefetch 0 and reuse distance 0; one coalesced fetch: prefetch,
-live-parameter and reuse budgets covering the whole model), a parameter larger than
-reduce_bucket_size (DeepSpeed reduces it on its own, outside the bucket), tied embeddings at stage 3.
+One optimizer step is `num_microbatches` forward + backward passes (engine.step() at each, the
+optimizer only at the accumulation boundary). ZeRO-3's parameter trace
+(zero/partitioned_param_coordinator.py) is recorded in the first forward + backward and completed
+at the start of the second one, wherever that falls: inside step 0 with two or more micro-batches,
+at the start of step 1 with one.
+
+Known limits (raise ConfigError rather than guess): fp32 precision, ZeRO-3 prefetch settings between
+the two regimes modelled (per-module fetch: prefetch 0 and reuse distance 0; one coalesced fetch:
+prefetch, live-parameter and reuse budgets covering the whole model), a parameter larger than
+reduce_bucket_size (DeepSpeed reduces it on its own, outside the bucket).
+
+Speed: a layout search calls place() ~20,000 times/s. Everything derived from the model (gradient
+order, per-parameter padding, module maps, IPG buckets, collective sums) is cached per (model, dp,
+knobs); a RankState's steady collectives are computed on first use (comm_fn).
 """
 from __future__ import annotations
 
+from collections import Counter
+from functools import lru_cache
+from typing import NamedTuple
+
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
-from ledger.placement import CommBuilder, Placement, RankState
+from ledger.placement import Comm, Placement, RankState, wire_bytes
 
 BF16, FP32, FP64, INT64 = 2, 4, 8, 8
 
@@ -27,27 +40,60 @@ def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def backward_order(model: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
+# a block's modules in the order their gradients become ready (autograd on launchers.llama.Block)
+_BLOCK_BACKWARD = ("feed_forward.w2", "feed_forward.w3", "feed_forward.w1", "ffn_norm", "attention.wo", "attention.wv",
+                   "attention.wk", "attention.wq", "attention_norm")
+
+
+@lru_cache(maxsize=64)
+def _block(model: ModelShape) -> tuple[tuple[str, int], ...]:
+    """One block's params as (module within the block, numel), registration order; every block is the
+    same, so per-block sums times `layers` replace walks over all parameters."""
+    return tuple((_module(n).split(".", 2)[2], numel(sh)) for n, sh in model.layer_params(0))
+
+
+@lru_cache(maxsize=64)
+def _block_perm(model: ModelShape) -> tuple[int, ...]:
+    """Indexes into a block's params (layer_params order) in gradient-ready order."""
+    mods = [mo for mo, _ in _block(model)]
+    return tuple(j for mo in _BLOCK_BACKWARD for j, m in enumerate(mods) if m == mo)
+
+
+@lru_cache(maxsize=64)
+def backward_order(model: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Parameters in the order their gradients become ready (autograd on launchers.llama.Llama):
     output, final norm, then each block last to first: w2, w3, w1, ffn_norm, wo, wv, wk, wq,
-    attention_norm; the embedding last. Measured through the IPG bucket boundaries."""
-    shapes = dict(model.params())
-    inner = ["feed_forward.w2", "feed_forward.w3", "feed_forward.w1", "ffn_norm", "attention.wo", "attention.wv",
-             "attention.wk", "attention.wq", "attention_norm"]
-    out = [(n, shapes[n]) for n in ("output.weight",) if n in shapes]
-    out += [(n, s) for n, s in model.norm_params("norm")]
+    attention_norm; the embedding last (tied: its one AccumulateGrad runs once both uses have
+    contributed, after the embedding's backward). Measured through the IPG bucket boundaries."""
+    emb = (model.vocab, model.hidden)
+    out = [] if model.tied_embeddings else [("output.weight", emb)]
+    out += model.norm_params("norm")
+    perm = _block_perm(model)
     for i in reversed(range(model.layers)):
-        by_mod: dict[str, list] = {}
-        for n, s in model.layer_params(i):
-            by_mod.setdefault(_module(n).split(".", 2)[2], []).append((n, s))
-        for m in inner:
-            out += by_mod.get(m, [])
-    out.append(("tok_embeddings.weight", shapes["tok_embeddings.weight"]))
-    assert sorted(out) == sorted(model.params()), "backward order must list every parameter once"
-    return out
+        lp = model.layer_params(i)
+        out += [lp[j] for j in perm]
+    out.append(("tok_embeddings.weight", emb))
+    return tuple(out)
 
 
-def ipg_buckets(sizes: list[int], bucket: int) -> list[int]:
+@lru_cache(maxsize=64)
+def _grad_sizes(model: ModelShape) -> tuple[int, ...]:
+    """numel of backward_order(model), built per block."""
+    e = model.vocab * model.hidden
+    blk = _block(model)
+    head = ([] if model.tied_embeddings else [e]) + [numel(sh) for _, sh in model.norm_params("norm")]
+    return tuple(head + [blk[j][1] for j in _block_perm(model)] * model.layers + [e])
+
+
+@lru_cache(maxsize=64)
+def _registration_sizes(model: ModelShape) -> tuple[int, ...]:
+    """numel of model.params() (registration order), built per block."""
+    e = model.vocab * model.hidden
+    tail = [numel(sh) for _, sh in model.norm_params("norm")] + ([] if model.tied_embeddings else [e])
+    return tuple([e] + [n for _, n in _block(model)] * model.layers + tail)
+
+
+def ipg_buckets(sizes, bucket: int) -> list[int]:
     """Elements per IPG bucket: a gradient that would overflow the bucket flushes it first
     (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads; stage3.py
     __reduce_and_partition_ipg_grads via reduce_partition_and_remove_grads: the same rule)."""
@@ -70,10 +116,75 @@ def invoked_modules(model: ModelShape) -> int:
     return 1 + 1 + model.layers * per_block + 1 + 1
 
 
+# -- collective sums -------------------------------------------------------------------------------
+
+class _Calls(NamedTuple):
+    """`count` calls of one kind: bytes handed to them and wire bytes, each call floored on its own
+    (placement.wire_bytes), so a sum of calls reconciles with the probe's per-call records."""
+    count: int
+    nbytes: int
+    wire: int
+
+    def times(self, k: int) -> "_Calls":
+        return _Calls(self.count * k, self.nbytes * k, self.wire * k)
+
+    def plus(self, o: "_Calls") -> "_Calls":
+        return _Calls(self.count + o.count, self.nbytes + o.nbytes, self.wire + o.wire)
+
+
+def _calls(kind: str, buffers, group: int, times: int = 1) -> _Calls:
+    """`times` rounds of one call per buffer (bytes); equal buffers are summed once."""
+    count = nbytes = wire = 0
+    for b, k in Counter(buffers).items():
+        count += k
+        nbytes += b * k
+        wire += wire_bytes(kind, b, group) * k
+    return _Calls(count * times, nbytes * times, wire * times)
+
+
+_NONE = _Calls(0, 0, 0)
+
+
+class _Sum:
+    """CommBuilder over pre-summed calls (dim "dp"): same Comm list, same order, same `what` text."""
+
+    def __init__(self):
+        self._acc: dict[tuple, list] = {}
+
+    def add(self, kind: str, dtype: str, c: _Calls, what: str) -> "_Sum":
+        if c.count == 0:
+            return self
+        a = self._acc.setdefault(("dp", kind, dtype), [0, 0, 0, set()])
+        a[0] += c.count
+        a[1] += c.nbytes
+        a[2] += c.wire
+        a[3].add(what)
+        return self
+
+    def build(self) -> tuple[Comm, ...]:
+        return tuple(Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items()))
+
+
+class _Memory(RankState):
+    """A RankState's four states and detail, computed once per (model, dp, knobs); state() copies it
+    (cheaper than repeating the named adds for every layout)."""
+
+    def state(self) -> RankState:
+        return RankState(stage=self.stage, params_bytes=self.params_bytes, grads_bytes=self.grads_bytes,
+                         optim_bytes=self.optim_bytes, other_bytes=self.other_bytes, detail=dict(self.detail))
+
+
+def _fresh(comms) -> list[Comm]:
+    """A list of its own per RankState (the cached Comm objects themselves are only read)."""
+    return list(comms)
+
+
+# -- place -----------------------------------------------------------------------------------------
+
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     if fw.precision != "bf16":
         raise ConfigError(f"framework.precision={fw.precision!r}: the faithful DeepSpeed ledger models bf16 only")
-    biggest = max(numel(s) for _, s in model.params())
+    biggest = _biggest(model)
     if biggest > fw.reduce_bucket_size:
         raise ConfigError(f"framework.reduce_bucket_size={fw.reduce_bucket_size} < largest parameter ({biggest} "
                           "elements): DeepSpeed then reduces that gradient outside the IPG bucket, not modelled")
@@ -85,14 +196,29 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     else:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3")
     pl = Placement(framework="deepspeed", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
-                   world=lay.world, rank_state=lambda r: s)
+                   world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, bf16, torch AdamW; pure DP over {lay.dp} ranks")
     return pl
 
 
+@lru_cache(maxsize=64)
+def _biggest(model: ModelShape) -> int:
+    return max(_registration_sizes(model))
+
+
+# -- ZeRO-1/2 ----------------------------------------------------------------------------------
+
 def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
-    dp, m, n = lay.dp, lay.num_microbatches, model.num_params()
-    s = RankState(stage=fw.zero_stage)
+    s = _zero12_memory(model, lay.dp, fw.zero_stage).state()
+    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, lay.num_microbatches)
+    s.comm_fn = lambda: _fresh(_zero12_comm(*key))
+    return s
+
+
+@lru_cache(maxsize=256)
+def _zero12_memory(model: ModelShape, dp: int, stage: int) -> "_Memory":
+    n = model.num_params()
+    s = _Memory(stage)
     # stage_1_and_2.py __init__: one param group -> one flat bf16 buffer, padded to a multiple of
     # dp * nccl_start_alignment_factor (2) (flatten_dense_tensors_aligned); params are views into it
     flat = _ceil_to(n, 2 * dp)
@@ -105,121 +231,222 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
     # the gradient partition (averaged_gradients) and IPG buffers are freed in step()
     # (free_grad_in_param_list / zero_grad): nothing of the gradients survives the boundary
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
-
-    cb = CommBuilder()
-    if fw.zero_stage == 1 and not fw.overlap_comm:
-        # stage 1 without overlap: reduce_gradients() walks bit16_groups (registration order) once,
-        # at the accumulation boundary
-        sizes, times = [numel(sh) for _, sh in model.params()], 1
-    else:
-        # grad hooks (process_gradients) bucket in gradient-ready order; stage 2 reduces every
-        # micro-batch (reduce_ready_partitions_and_remove_grads: partition_gradients), stage 1 with
-        # overlap_comm only at the boundary
-        sizes = [numel(sh) for _, sh in backward_order(model)]
-        times = m if fw.zero_stage == 2 else 1
-    for b in ipg_buckets(sizes, fw.reduce_bucket_size):
-        # average_tensor(reduce_scatter=True, use_multi_rank_bucket_allreduce) -> allreduce_and_scatter:
-        # one all-reduce of the whole bucket (no reduce-scatter at stage 1 or 2)
-        cb.add("dp", "all_reduce", BF16 * b, dp, "bf16", count=times, what="IPG bucket (average_tensor)")
-    # step(): overflow check (has_overflow -> all_reduce uint8 MAX) and grad norm (fp32 SUM)
-    cb.add("dp", "all_reduce", 1, dp, "uint8", what="overflow check")
-    cb.add("dp", "all_reduce", FP32, dp, "fp32", what="grad norm")
-    # utils.all_gather_dp_groups -> all_gather_into_tensor_dp_groups: one call per param group
-    cb.add("dp", "all_gather", BF16 * flat, dp, "bf16", what="updated bf16 partitions")
-    s.comm = cb.build()
     return s
+
+
+@lru_cache(maxsize=256)
+def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[int, ...]:
+    # stage 1 without overlap: reduce_gradients() walks bit16_groups (registration order); otherwise the
+    # grad hooks (process_gradients) bucket in gradient-ready order
+    return tuple(ipg_buckets(_registration_sizes(model) if registration else _grad_sizes(model), bucket))
+
+
+@lru_cache(maxsize=1024)
+def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, m: int) -> tuple[Comm, ...]:
+    n = model.num_params()
+    flat = _ceil_to(n, 2 * dp)
+    # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
+    # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
+    # (reduce_ready_partitions_and_remove_grads: partition_gradients)
+    registration = stage == 1 and not overlap
+    times = m if stage == 2 else 1
+    # average_tensor(reduce_scatter=True, use_multi_rank_bucket_allreduce) -> allreduce_and_scatter:
+    # one all-reduce of the whole bucket (no reduce-scatter at stage 1 or 2)
+    ipg = _calls("all_reduce", (BF16 * b for b in _buckets12(model, bucket, registration)), dp).times(times)
+    out = _Sum().add("all_reduce", "bf16", ipg, "IPG bucket (average_tensor)")
+    # step(): overflow check (has_overflow -> all_reduce uint8 MAX) and grad norm (fp32 SUM)
+    out.add("all_reduce", "uint8", _calls("all_reduce", [1], dp), "overflow check")
+    out.add("all_reduce", "fp32", _calls("all_reduce", [FP32], dp), "grad norm")
+    # utils.all_gather_dp_groups -> all_gather_into_tensor_dp_groups: one call per param group
+    out.add("all_gather", "bf16", _calls("all_gather", [BF16 * flat], dp), "updated bf16 partitions")
+    return out.build() if dp > 1 else ()
+
+
+# -- ZeRO-3 --------------------------------------------------------------------------------------
+
+class _Z3Shape(NamedTuple):
+    """What ZeRO-3 derives from the model for one dp and persistence threshold (elements)."""
+    part: int  # ds_tensor elements per rank (sum of padded sizes / dp)
+    total: int  # sum of padded sizes
+    persist_numel: int  # persistent params, full
+    np_elems: int  # non-persistent params, padded
+    persist: _Calls  # _post_step: one all-gather per persistent param (bf16)
+    module_pass: _Calls  # one fetch per module with params, all its params (one pass, nothing gathered)
+    np_pass: _Calls  # one fetch per module with non-persistent params, those params
+    coalesced_all: _Calls  # one all-gather of every param
+    coalesced_np: _Calls  # one all-gather of every non-persistent param
+    trace_params: int  # parameters summed over the modules of one forward (record_parameters)
+    ipg: _Calls  # one backward's IPG reduce-scatters
+
+
+def _modules(model: ModelShape) -> list[tuple[tuple[int, ...], int]]:
+    """Modules with direct params (iter_params(module, recurse=False)) as (their params' numel,
+    how many such modules): per block once, times `layers`; then embedding, final norm, output.
+    Tied embeddings: the output Linear's weight is the embedding's Parameter, so both list it."""
+    by_mod: dict[str, list[int]] = {}
+    for mo, n in _block(model):
+        by_mod.setdefault(mo, []).append(n)
+    e = model.vocab * model.hidden
+    out = [(tuple(ns), model.layers) for ns in by_mod.values()]
+    out.append(((e,), 1))  # tok_embeddings; output (tied or not) has one weight of the same size
+    out.append((tuple(numel(sh) for _, sh in model.norm_params("norm")), 1))
+    out.append(((e,), 1))
+    return out
+
+
+@lru_cache(maxsize=256)
+def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int) -> _Z3Shape:
+    # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
+    # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
+    # stage3_model_persistence_threshold is left at its default, sys.maxsize)
+    def pad(n: int) -> int:
+        return _ceil_to(n, dp)
+
+    sizes = _registration_sizes(model)  # every Parameter once
+    persist = [n for n in sizes if n <= threshold]
+    total = sum(pad(n) for n in sizes)
+    np_elems = sum(pad(n) for n in sizes if n > threshold)
+    mods = _modules(model)
+
+    def per_module(keep) -> _Calls:
+        out = _NONE
+        for ns, k in mods:
+            b = sum(pad(n) for n in ns if keep(n))
+            if any(keep(n) for n in ns):
+                out = out.plus(_calls("all_gather", [BF16 * b], dp, times=k))
+        return out
+
+    return _Z3Shape(
+        part=total // dp, total=total, persist_numel=sum(persist), np_elems=np_elems,
+        persist=_calls("all_gather", (BF16 * pad(n) for n in persist), dp),
+        module_pass=per_module(lambda n: True),
+        np_pass=per_module(lambda n: n > threshold),
+        coalesced_all=_calls("all_gather", [BF16 * total], dp),
+        coalesced_np=_calls("all_gather", [BF16 * np_elems], dp) if np_elems else _NONE,
+        trace_params=sum(len(ns) * k for ns, k in mods),
+        # stage3.py __avg_scatter_grads: one reduce-scatter per IPG bucket (per-param padded to dp)
+        ipg=_calls("reduce_scatter", (BF16 * b for b in ipg_buckets([pad(n) for n in _grad_sizes(model)], bucket)), dp),
+    )
+
+
+def _z3_regime(model: ModelShape, lay: Layout, fw, z: _Z3Shape) -> str:
+    """Which fetch pattern fetch_sub_module / release_sub_module produce with a complete trace."""
+    if fw.stage3_prefetch_bucket_size == 0 and fw.stage3_max_reuse_distance == 0:
+        return "3N"
+    # the coalesced prefetch (issued while fetching the root module, which has no direct params) takes
+    # every param not yet available; in steady state those are the non-persistent ones; in the first
+    # traced forward of step 0 (two or more micro-batches) every param, persistent ones included
+    need = z.total if lay.num_microbatches > 1 else z.np_elems
+    if (fw.stage3_prefetch_bucket_size >= need and fw.stage3_max_live_parameters >= z.total
+            and fw.stage3_max_reuse_distance >= z.total):
+        return "2N"
+    raise ConfigError("framework.stage3_prefetch_bucket_size / stage3_max_reuse_distance / "
+                      "stage3_max_live_parameters: only 0/0 or budgets covering the whole model are modelled")
 
 
 def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     dp, m = lay.dp, lay.num_microbatches
-    if m != 1:
-        raise ConfigError(f"layout: {m} micro-batches per step: ZeRO-3 tracing then completes inside step 0; "
-                          "the faithful ledger models one micro-batch per step")
-    if model.tied_embeddings:
-        raise ConfigError("model.tied_embeddings=true with zero_stage=3 is not modelled")
-    params = model.params()
-    pad = {name: _ceil_to(numel(sh), dp) for name, sh in params}  # partition_parameters.py _aligned_size
-    part = sum(pad.values()) // dp
-    # parameter_offload.py mark_persistent_parameters: ds_numel <= stage3_param_persistence_threshold
-    persist = [name for name, sh in params if numel(sh) <= fw.stage3_param_persistence_threshold]
-    mods: dict[str, list[str]] = {}
-    for name, _ in params:
-        mods.setdefault(_module(name), []).append(name)
-    np_mods = [mo for mo, ps in mods.items() if any(p not in persist for p in ps)]
-    np_elems = sum(pad[p] for p in pad if p not in persist)
-    persist_numel = sum(numel(sh) for name, sh in params if name in persist)
+    z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size)
+    regime = _z3_regime(model, lay, fw, z)
 
-    s = RankState(stage=3)
-    # stage3.py _create_fp16_partitions_with_defragmentation: the ds_tensors of one sub-group live in
-    # fp16_partitioned_groups_flat (sub_group_size 1e9 >> tiny models: one group)
-    s.add("params_bytes", "bf16 partitions (ds_tensor, fp16_partitioned_groups_flat)", BF16 * part)
-    # ds_persist params stay gathered after _post_step (full bf16 tensors)
-    s.add("params_bytes", "persistent params (full)", BF16 * persist_numel)
-    # grad_partitions_flat_buffer (gradient_accumulation_dtype bf16) and the IPG bucket of
-    # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3)
-    s.add("grads_bytes", "grad partitions (grad_partitions_flat_buffer)", BF16 * part)
-    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", BF16 * fw.reduce_bucket_size)
-    s.add("optim_bytes", "fp32 partition (fp32_partitioned_groups_flat)", FP32 * part)
-    s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * part)
-    s.add("optim_bytes", "adam step", FP32)
-    s.add("other_bytes", "_global_grad_norm (fp64 scalar)", FP64)
-    s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
-
-    def common(cb: CommBuilder) -> None:
-        for b in ipg_buckets([pad[name] for name, _ in backward_order(model)], fw.reduce_bucket_size):
-            # __avg_scatter_grads: one reduce-scatter of the bucket (per-param padded to dp)
-            cb.add("dp", "reduce_scatter", BF16 * b, dp, "bf16", what="IPG bucket (__avg_scatter_grads)")
-        # get_grad_norm_direct: fp64 norm all-reduce (bf16 has no overflow all-reduce at stage 3)
-        cb.add("dp", "all_reduce", FP64, dp, "fp64", what="grad norm")
-        # _post_step: persistent_parameters[0].all_gather(persistent_parameters): one call per param
-        for name in persist:
-            cb.add("dp", "all_gather", BF16 * pad[name], dp, "bf16", what="persistent params (_post_step)")
-
-    # steady: the trace is complete (partitioned_param_coordinator.py fetch_sub_module)
-    cb = CommBuilder()
-    total = sum(pad.values())
-    if fw.stage3_prefetch_bucket_size == 0 and fw.stage3_max_reuse_distance == 0:
-        # no prefetch, no reuse: each module's non-persistent params gathered before its forward and
-        # again before its backward, released after each (the 3N pattern)
-        for mo in np_mods:
-            b = sum(pad[p] for p in mods[mo] if p not in persist)
-            cb.add("dp", "all_gather", BF16 * b, dp, "bf16", count=2, what="per-module fetch, forward + backward")
-    elif (fw.stage3_prefetch_bucket_size >= np_elems and fw.stage3_max_live_parameters >= total
-          and fw.stage3_max_reuse_distance >= total):
-        # the root module (no direct params) is fetched first; its prefetch takes every
-        # non-persistent param in one coalesced all-gather; the reuse distance keeps them
-        # gathered through backward (the 2N pattern)
-        cb.add("dp", "all_gather", BF16 * np_elems, dp, "bf16", what="coalesced prefetch of all params")
-    else:
-        raise ConfigError("framework.stage3_prefetch_bucket_size / stage3_max_reuse_distance / "
-                          "stage3_max_live_parameters: only 0/0 or budgets covering the whole model are modelled")
-    common(cb)
-    s.comm = cb.build()
-
-    # step 0: trace INVALID -> every module with params fetched and released around its forward and
-    # its backward; reset_step broadcasts an empty trace (assert_ints_same_as_other_ranks: len + list)
-    first = CommBuilder()
-    for mo, ps in mods.items():
-        first.add("dp", "all_gather", BF16 * sum(pad[p] for p in ps), dp, "bf16", count=2,
-                  what="untraced per-module fetch, forward + backward")
-    first.add("dp", "broadcast", INT64, dp, "int64", what="trace length check (empty)")
-    first.add("dp", "broadcast", 0, dp, "int64", what="trace list (empty)")
-    common(first)
-    s.comm_first = first.build()
-
-    # step 1: reset_step completes the recorded trace: three checked lists (modules fwd+bwd, params,
-    # their step ids), each a length broadcast and a list broadcast; then steady
-    s.comm_warmup = [_steady_plus_trace(model, len(params), dp, s.comm)]
+    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size).state()
+    steady, first, warmup = _zero3_comm(model, dp, m, fw.stage3_param_persistence_threshold,
+                                        fw.reduce_bucket_size, regime)
+    s.comm_fn = lambda: _fresh(steady)
+    s.comm_first = _fresh(first)
+    s.comm_warmup = [_fresh(warmup)] if warmup is not None else None
     return s
 
 
-def _steady_plus_trace(model: ModelShape, n_params: int, dp: int, steady) -> list:
-    from ledger.placement import Comm, wire_bytes
+@lru_cache(maxsize=256)
+def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int) -> "_Memory":
+    z = _z3_shape(model, dp, threshold, bucket)
+    s = _Memory(3)
+    # stage3.py _create_fp16_partitions_with_defragmentation: the ds_tensors of one sub-group live in
+    # fp16_partitioned_groups_flat (sub_group_size 1e9 >> tiny models: one group)
+    s.add("params_bytes", "bf16 partitions (ds_tensor, fp16_partitioned_groups_flat)", BF16 * z.part)
+    # ds_persist params stay gathered after _post_step (full bf16 tensors)
+    s.add("params_bytes", "persistent params (full)", BF16 * z.persist_numel)
+    # grad_partitions_flat_buffer (gradient_accumulation_dtype bf16) and the IPG bucket of
+    # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3); micro-batches accumulate
+    # into the same partitions (partition_grads: copy_ at micro_step_id 0, add_ after)
+    s.add("grads_bytes", "grad partitions (grad_partitions_flat_buffer)", BF16 * z.part)
+    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", BF16 * bucket)
+    s.add("optim_bytes", "fp32 partition (fp32_partitioned_groups_flat)", FP32 * z.part)
+    s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * z.part)
+    s.add("optim_bytes", "adam step", FP32)
+    s.add("other_bytes", "_global_grad_norm (fp64 scalar)", FP64)
+    s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
+    return s
 
-    out = [Comm(c.dim, c.kind, c.count, c.buffer_bytes, c.wire_bytes, c.dtype, c.what) for c in steady]
-    n_mod = 2 * invoked_modules(model)
-    n_par = 2 * n_params  # record_parameters: one entry per param of each fetched module, fwd and bwd
-    sizes = [INT64, INT64 * n_mod, INT64, INT64 * n_par, INT64, INT64 * n_par]
-    out.append(Comm("dp", "broadcast", len(sizes), sum(sizes), sum(wire_bytes("broadcast", b, dp) for b in sizes),
-                    "int64", "trace checks (reset_step completing the trace)"))
-    return out
+
+@lru_cache(maxsize=1024)
+def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, regime: str):
+    """(steady, step 0, step 1 or None) collectives of one rank.
+
+    The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
+    forward (parameter_offload.py _start_of_forward_hook), i.e. every micro-batch. The first one finds
+    the trace INVALID: assert_ints_same_as_other_ranks on the empty module list (a length broadcast and
+    an empty list broadcast), then RECORD. The recording forward + backward fetch each module's params
+    (fetch_sub_module, no prefetch) and release all of them after its forward and after its backward
+    (release_sub_module, trace not complete: persistent params too). The next reset_step checks the
+    recorded module list, the parameter list and their step ids (three length + list broadcasts) and
+    marks the trace COMPLETE; from then on fetches follow the regime, and __params_to_release keeps
+    persistent params gathered."""
+    if dp == 1:
+        return (), (), (None if m > 1 else ())
+    z = _z3_shape(model, dp, threshold, bucket)
+    if regime == "3N":
+        # prefetch 0, reuse distance 0: each module's non-available params gathered before its forward,
+        # released after it, gathered again before its backward and released after it
+        steady_micro = z.np_pass.times(2)
+        steady_what = "per-module fetch, forward + backward"
+        # the first complete forward after the recording one: persistent params were released by the
+        # recording pass, so each module's first fetch takes all its params; its backward only the
+        # non-persistent ones
+        first_complete = z.module_pass.plus(z.np_pass)
+        first_what = "per-module fetch, persistent params not yet gathered"
+    else:
+        # the root module (no direct params) is fetched first; its prefetch takes every non-available
+        # param in one coalesced all-gather; the reuse distance keeps them through the backward, whose
+        # last release frees them (the 2N pattern): once per micro-batch
+        steady_micro = z.coalesced_np
+        steady_what = "coalesced prefetch of all params"
+        first_complete = z.coalesced_all  # persistent params too: released by the recording pass
+        first_what = "coalesced prefetch of all params (persistent included)"
+
+    def common(out: _Sum) -> _Sum:
+        # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
+        # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
+        # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
+        out.add("reduce_scatter", "bf16", z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+        # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (bf16 has no overflow all-reduce
+        # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
+        out.add("all_reduce", "fp64", _calls("all_reduce", [FP64], dp), "grad norm")
+        out.add("all_gather", "bf16", z.persist, "persistent params (_post_step)")
+        return out
+
+    steady = common(_Sum().add("all_gather", "bf16", steady_micro.times(m), steady_what)).build()
+
+    # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
+    first = _Sum().add("all_gather", "bf16", z.module_pass.times(2), "untraced per-module fetch, forward + backward")
+    first.add("broadcast", "int64", _calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
+    trace = _trace_checks(model, z, dp)
+    if m == 1:
+        # step 1 starts with the trace completion, then runs as steady state
+        warmup = _Sum().add("all_gather", "bf16", steady_micro.times(m), steady_what)
+        warmup.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
+        return steady, common(first).build(), common(warmup).build()
+    # micro-batch 1 completes the trace, fetches as the first complete pass; later ones as steady
+    first.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
+    first.add("all_gather", "bf16", first_complete, first_what)
+    first.add("all_gather", "bf16", steady_micro.times(m - 2), steady_what)
+    return steady, common(first).build(), None
+
+
+def _trace_checks(model: ModelShape, z: _Z3Shape, dp: int) -> _Calls:
+    """reset_step completing the trace: assert_ints_same_as_other_ranks (zero/utils.py: a length
+    broadcast, then the list broadcast) on the module ids, the param ids and their step ids."""
+    n_mod = 2 * invoked_modules(model)  # every invoked module, forward and backward
+    n_par = 2 * z.trace_params  # record_parameters: one entry per param of each fetched module, fwd and bwd
+    return _calls("broadcast", [INT64, INT64 * n_mod, INT64, INT64 * n_par, INT64, INT64 * n_par], dp)
