@@ -322,6 +322,11 @@ def test_comm_is_computed_on_first_use():
     pl = L.place(preset("tiny"), _lay(world=2), _fw(reshard_after_forward="always"))
     s = pl.rank_state(0)
     assert s._comm is None and s.comm and s._comm is not None
+    # the first-step list too (RankState.comm_first given as a callable), shared by every rank
+    pl = L.place(preset("tiny"), _lay(world=2), _fw())
+    s0, s1 = pl.rank_state(0), pl.rank_state(1)
+    assert callable(s0.__dict__["_comm_first"]) and s0._comm is None
+    assert s0.comm_first is s1.comm_first
 
 
 def test_representatives_cover_every_distinct_state():

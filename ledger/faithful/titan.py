@@ -147,10 +147,14 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return memo[True]
 
     # the first step differs from steady state only where the loss wrapper's lm_head unshard does
-    # (_lm_head_regathers); RankState.comm_first is a plain field, so it is made now, from the
-    # steady list (_first_step: the same list as _comm(steady=False), for a fraction of the work)
-    first = (_first_step(steady_comm(), sh, ds)
-             if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None)
+    # (_lm_head_regathers): derived from the steady list on first read (_first_step: the same list
+    # as _comm(steady=False), for a fraction of the work); a search never reads it
+    def first_comm():  # shared by the states of every rank, like the steady list
+        if False not in memo:
+            memo[False] = _first_step(steady_comm(), sh, ds)
+        return memo[False]
+
+    first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
     # ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does not
     # split evenly give different ranks different rows: they alone key the shared states
     cache: dict = {}
