@@ -299,13 +299,12 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int) -> _Z3Sha
     # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
     # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
     # stage3_model_persistence_threshold is left at its default, sys.maxsize)
-    def pad(n: int) -> int:
-        return _ceil_to(n, dp)
-
     sizes = _registration_sizes(model)  # every Parameter once
+    pad = {n: _ceil_to(n, dp) for n in set(sizes)}.__getitem__  # few distinct sizes
     persist = [n for n in sizes if n <= threshold]
-    total = sum(pad(n) for n in sizes)
-    np_elems = sum(pad(n) for n in sizes if n > threshold)
+    counts = Counter(sizes)
+    total = sum(pad(n) * k for n, k in counts.items())
+    np_elems = sum(pad(n) * k for n, k in counts.items() if n > threshold)
     mods = _modules(model)
 
     def per_module(keep) -> _Calls:
@@ -350,11 +349,11 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     regime = _z3_regime(model, lay, fw, z)
 
     s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size).state()
-    steady, first, warmup = _zero3_comm(model, dp, m, fw.stage3_param_persistence_threshold,
-                                        fw.reduce_bucket_size, regime)
-    s.comm_fn = lambda: _fresh(steady)
-    s.comm_first = _fresh(first)
-    s.comm_warmup = [_fresh(warmup)] if warmup is not None else None
+    key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, regime)
+    # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
+    s.comm_fn = lambda: _fresh(_zero3_comm(*key)[0])
+    s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
+    s.comm_warmup = [_fresh(_zero3_comm(*key)[2])] if m == 1 else None
     return s
 
 
