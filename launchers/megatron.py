@@ -76,12 +76,15 @@ def build_model(cfg, lay: Layout, tcfg, vp_stage: int | None = None):
     return model
 
 
-def ddp_config(fw):
+def ddp_config(fw, lay: Layout):
+    """As training.py builds it from the arguments: align_param_gather (--no-align-param-gather
+    unset: True) is forced False by arguments.py validate_args without the interleaved schedule."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=fw.grad_reduce_in_fp32, overlap_grad_reduce=fw.overlap_grad_reduce,
-        overlap_param_gather=fw.overlap_param_gather, use_distributed_optimizer=fw.use_distributed_optimizer,
+        overlap_param_gather=fw.overlap_param_gather, align_param_gather=lay.vp > 1,
+        use_distributed_optimizer=fw.use_distributed_optimizer,
         bucket_size=fw.bucket_size, average_in_collective=fw.average_in_collective)
 
 
@@ -189,9 +192,11 @@ def state_groups(chunks, optimizer, seq_len: int) -> dict:
 
 
 def run_rank(cfg, lay: Layout, session) -> dict:
-    from ledger.faithful.megatron import check_interleaving
+    from ledger.faithful.megatron import check_framework, check_interleaving
 
-    check_interleaving(lay)  # ConfigError naming the field, before Megatron's own schedule check
+    # ConfigErrors naming the field, before Megatron's own checks (arguments.py, the schedule)
+    check_framework(cfg.framework)
+    check_interleaving(lay)
     device = init_distributed(cfg)
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -210,7 +215,7 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     # training.py get_model: vp chunks (one without interleaving), each in its own DDP;
     # bucketing disabled for chunks after the first (DDP also disables it on stages > 0)
     vp_stages = list(range(lay.vp)) if vp else [None]
-    chunks = [DDP(tcfg, ddp_config(cfg.framework), build_model(cfg, lay, tcfg, v), disable_bucketing=i > 0)
+    chunks = [DDP(tcfg, ddp_config(cfg.framework, lay), build_model(cfg, lay, tcfg, v), disable_bucketing=i > 0)
               for i, v in enumerate(vp_stages)]
     optimizer = get_megatron_optimizer(optimizer_config(cfg), chunks)
     fw = cfg.framework
@@ -220,8 +225,11 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     if fw.overlap_grad_reduce:
         tcfg.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
         tcfg.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
-    if fw.overlap_param_gather:
-        tcfg.param_sync_func = chunks[0].start_param_sync if one else [c.start_param_sync for c in chunks]
+    # training.py setup: param_sync_func only with align_param_gather (the interleaved schedule)
+    param_sync_func = None
+    if fw.overlap_param_gather and chunks[0].ddp_config.align_param_gather:
+        param_sync_func = chunks[0].start_param_sync if one else [c.start_param_sync for c in chunks]
+    tcfg.param_sync_func = param_sync_func
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.grad_scale_func = optimizer.scale_loss
 
@@ -231,7 +239,19 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     data = [batches(cfg, lay, device, seed) for _ in chunks]
     fb = get_forward_backward_func()
     m = lay.num_microbatches
+    # training.py train() with overlap_param_gather (should_disable_forward_pre_hook): the first
+    # iteration runs without the forward pre-hooks and param_sync_func (no param all-gather), both
+    # are enabled after it; disable_forward_pre_hook() at the end gathers the last update
+    opg = fw.use_distributed_optimizer and fw.overlap_param_gather
+    if opg:
+        for c in chunks:
+            c.disable_forward_pre_hook(param_sync=False)
+        tcfg.param_sync_func = None
     for step in range(cfg.train.steps):
+        if opg and step == 1:
+            for c in chunks:
+                c.enable_forward_pre_hook()
+            tcfg.param_sync_func = param_sync_func
         with session.step(step):
             for c in chunks:
                 c.zero_grad_buffer()
@@ -243,6 +263,9 @@ def run_rank(cfg, lay: Layout, session) -> dict:
         loss = sum(float(x["lm loss"]) for x in losses) / m if losses else None
         session.loss(loss)
         session.state(lambda: state_groups(chunks, optimizer, cfg.model.seq_len))
+    if opg and cfg.train.steps > 1:
+        for c in chunks:
+            c.disable_forward_pre_hook()
     extra = {"grad_norm": float(grad_norm) if grad_norm is not None else None,
              "stage": ps.get_pipeline_model_parallel_rank()}
     if device.type == "cpu":

@@ -10,8 +10,8 @@ site is reached (an upgrade added one: declare it).
 Mechanism (scoped, not a global monkey-patch of torch): each listed megatron module gets a proxy
 in place of its module-global `torch`; the proxy forwards everything to torch except
 `torch.cuda.current_device()` / `synchronize()` and `device="cuda"` in tensor factories, which it
-redirects to the CPU. `Tensor.type()` string checks are answered as on CUDA, only for callers in
-the listed modules.
+redirects to the CPU. `Tensor.type()` string checks are answered as on CUDA and `Tensor.cuda()`
+returns the CPU tensor, only for callers in the listed modules.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ _TUTILS = "megatron.core.transformer.utils"
 _NORM = "megatron.core.transformer.torch_norm"
 _MAP = "megatron.core.tensor_parallel.mappings"
 _LAYERS = "megatron.core.tensor_parallel.layers"
+_LM = "megatron.core.models.common.language_module.language_module"
 
 REDIRECTS: tuple[Redirect, ...] = (
     # distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__: param_data / grad_data
@@ -103,10 +104,15 @@ REDIRECTS: tuple[Redirect, ...] = (
     # tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward
     # (sequence parallel): the reduce-scattered input grad on torch.cuda.current_device()
     Redirect(_LAYERS, "LinearWithGradAccumulationAndAsyncCommunication.backward", "torch.cuda.current_device"),
+    # models/common/language_module/language_module.py LanguageModule.setup_embeddings_and_output_layer
+    # (tied embeddings, pp > 1): `weight.data = weight.data.cuda()` before the init-time all-reduce
+    # of the word embeddings over the embedding group; on CPU the tensor stays where it is
+    Redirect(_LM, "LanguageModule.setup_embeddings_and_output_layer", "Tensor.cuda"),
 )
 
 _MODULES = sorted({r.module for r in REDIRECTS})
 _TYPE_MODULES = {r.module for r in REDIRECTS if r.what == "Tensor.type"}
+_CUDA_MODULES = {r.module for r in REDIRECTS if r.what == "Tensor.cuda"}
 
 _hits: Counter = Counter()
 _installed = False
@@ -182,6 +188,19 @@ def _type(self, *args, **kwargs):
     return _orig_type(self, *args, **kwargs)
 
 
+_orig_cuda = torch.Tensor.cuda
+
+
+def _tensor_cuda(self, *args, **kwargs):
+    # Tensor.cuda() (language_module.py): the CPU tensor itself, only for callers in the listed modules
+    if self.device.type == "cpu":
+        mod, fn = _site()
+        if mod in _CUDA_MODULES:
+            _hits[(mod, fn, "Tensor.cuda")] += 1
+            return self
+    return _orig_cuda(self, *args, **kwargs)
+
+
 def _patch_norm() -> None:
     import copy
 
@@ -216,6 +235,7 @@ def install() -> None:
         assert getattr(mod, "torch", None) is torch, f"{name}: no module-global torch to redirect"
         mod.torch = proxy
     torch.Tensor.type = _type
+    torch.Tensor.cuda = _tensor_cuda
     _patch_norm()
     _installed = True
 

@@ -1,10 +1,13 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (a few small multiruns, 13 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
+One shared sweep (a few small multiruns, 18 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
-small buckets, so several padded buckets per buffer), and the interleaved schedule (pp2·vp2 world 2,
-pp2·vp2·dp2 world 4: one DDP buffer per model chunk). Every steady row on every rank must
-reconcile with abs_err 0.
+small buckets, so several padded buckets per buffer), the interleaved schedule (pp2·vp2 world 2,
+pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
+pp2·dp2, pp2·vp2·dp2: the last stage's copy, shared-embedding buckets, the embedding-group
+all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gather in the first step,
+the previous step's in the forward pre-hooks after). Every row (first and steady steps) on every
+rank must reconcile with abs_err 0.
 """
 from __future__ import annotations
 
@@ -40,12 +43,28 @@ SWEEPS = (
     # micro-batches, multiples of pp as the interleaved schedule needs
     ("w2vp", ("cluster.ranks=2", "layout={pp:2,vp:2,global_batch_size:4}")),
     ("w4vp", ("cluster.ranks=4", "framework.overlap_grad_reduce=true", "layout={pp:2,vp:2,global_batch_size:4}")),
+    # tied embeddings: pp1 (one weight, no output_layer.weight) and pp2 (the last stage's copy in a
+    # bucket of its own, the embedding-group all-reduce)
+    ("w2tied", ("cluster.ranks=2", "model.tied_embeddings=true", "framework.overlap_grad_reduce=true",
+                "layout={},{pp:2}")),
+    # overlap_param_gather: the param all-gathers move into the next step's forward pre-hooks
+    ("w2opg", ("cluster.ranks=2", "framework.overlap_grad_reduce=true", "framework.overlap_param_gather=true",
+               "layout={}")),
+    # both, with the interleaved schedule's aligned param gather (param_sync_func) in the vp job
+    ("w4tiedopg", ("cluster.ranks=4", "model.tied_embeddings=true", "framework.overlap_grad_reduce=true",
+                   "framework.overlap_param_gather=true", "layout={pp:2},{pp:2,vp:2,global_batch_size:4}")),
 )
-# (layout, overlap_grad_reduce, use_distributed_optimizer, vp) of every job
-EXPECTED = {("dp2", False, True, 1), ("tp2", False, True, 1), ("dp2", True, True, 1), ("tp2·sp", True, True, 1),
-            ("pp2", True, True, 1), ("tp2·dp2", False, True, 1), ("tp2·pp2·sp", False, True, 1),
-            ("tp2·dp2·sp", True, True, 1), ("pp2·dp2", True, True, 1), ("tp2·pp2", True, True, 1),
-            ("dp2", True, False, 1), ("pp2·vp2", False, True, 2), ("pp2·vp2·dp2", True, True, 2)}
+# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather) of every job
+EXPECTED = {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
+            ("dp2", True, True, 1, False, False), ("tp2·sp", True, True, 1, False, False),
+            ("pp2", True, True, 1, False, False), ("tp2·dp2", False, True, 1, False, False),
+            ("tp2·pp2·sp", False, True, 1, False, False), ("tp2·dp2·sp", True, True, 1, False, False),
+            ("pp2·dp2", True, True, 1, False, False), ("tp2·pp2", True, True, 1, False, False),
+            ("dp2", True, False, 1, False, False), ("pp2·vp2", False, True, 2, False, False),
+            ("pp2·vp2·dp2", True, True, 2, False, False),
+            ("dp2", True, True, 1, True, False), ("pp2", True, True, 1, True, False),
+            ("dp2", True, True, 1, False, True),
+            ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +82,8 @@ def test_matrix_ran(sweep):
     bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
-             r["prediction"]["layout"]["vp"]) for r in sweep["ok"]]
+             r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
+             r["config"]["framework"]["overlap_param_gather"]) for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
 
 
@@ -113,6 +133,29 @@ def test_sweep_exercises_padding_buckets_and_every_collective(sweep):
 
 
 @pytest.mark.real
+def test_tied_embeddings_and_overlap_param_gather_are_exercised(sweep):
+    """The rows that confirm the two features are there: the embedding-group all-reduce on both PP
+    ends of every tied pp2 job (reconciled to the byte by the test above), and with overlap_param_gather no param all-gather in step 0 but
+    all-gathers in the steady step, on every rank."""
+    df = sweep["table"]
+    for rec in sweep["ok"]:
+        job, world = records.job_name(rec), rec["measurement"]["world"]
+        d = df[df.job == job]
+        if rec["config"]["model"]["tied_embeddings"] and rec["prediction"]["layout"]["pp"] > 1:
+            # the fp32 word-embedding grad (vocab/tp x h); with dp = tp = 1 the grad-norm all-reduce
+            # (4 bytes) is a pp group too
+            m, tp = rec["config"]["model"], rec["prediction"]["layout"]["tp"]
+            ar = d[(d.quantity == "comm/pp/all_reduce/buffer_bytes") & (d.phase == "steady")]
+            emb = 4 * (m["vocab"] // tp) * m["hidden"]
+            assert len(ar) == world and ar.measured.isin([emb, emb + 4]).all(), (job, ar.to_string())
+        if rec["config"]["framework"]["overlap_param_gather"]:
+            ag = d[d.quantity == "comm/dp/all_gather/count"]
+            assert ag[ag.phase == "first"].measured.sum() == 0, job
+            steady = ag[ag.phase == "steady"]
+            assert len(steady) == world and (steady.measured > 0).all(), (job, steady.to_string())
+
+
+@pytest.mark.real
 def test_cpu_redirects_are_all_reached_and_declared(sweep):
     from launchers import megatron_cpu
 
@@ -135,16 +178,25 @@ def test_losses_are_finite_on_the_last_stage(sweep):
 
 
 # -- the ledger's buffer layout against Megatron's own -------------------------------------------
-@pytest.mark.parametrize("dp,bucket", [(1, None), (2, None), (2, 100_000), (4, 70_000), (3, 50_000)])
-def test_buffer_layout_matches_megatron(dp, bucket):
+def _megatron_layout(params, shared, bucket, dp):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    fake = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in params]
+    # language_module.py setup_embeddings_and_output_layer marks these (tied embeddings, pp > 1)
+    if shared[0]:
+        fake[0].shared_embedding = True
+    if shared[1]:
+        fake[-1].shared_embedding = True
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    return fake, DistributedOptimizer._compute_per_buffer_param_layout(fake, bucket, dp, cfg)
+
+
+@pytest.mark.parametrize("dp,bucket", [(1, None), (2, None), (2, 100_000), (4, 70_000), (3, 50_000)])
+def test_buffer_layout_matches_megatron(dp, bucket):
     model = preset("tiny")
     params = L.stage_params(model, tp=2, pp=1, stage=0)
-    fake = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in params]
-    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True)
-    ref = DistributedOptimizer._compute_per_buffer_param_layout(fake, bucket, dp, cfg)
+    fake, ref = _megatron_layout(params, (False, False), bucket, dp)
     ours = L.buffer_layout(params, bucket, dp, dist_opt=True)
     assert [(b.start, b.end) for b in ours] == ref.bucket_indices
     got = {name: (s, e) for b in ours for name, s, e in b.params}
@@ -153,6 +205,88 @@ def test_buffer_layout_matches_megatron(dp, bucket):
     # the DP shards cover every parameter element exactly once
     total = sum(n for r in range(dp) for _, n in L.shard_ranges(ours, dp, r))
     assert total == sum(n for _, n in params)
+
+
+@pytest.mark.parametrize("dp,bucket", [(1, None), (2, None), (2, 100_000), (4, 30_000), (3, 5_000)])
+@pytest.mark.parametrize("pp,vp", [(2, 1), (2, 2), (3, 1)])
+def test_tied_shared_embedding_buckets_match_megatron(dp, bucket, pp, vp):
+    """Tied embeddings with pp > 1: the first stage's word embeddings and the last stage's output
+    weight copy are `shared_embedding` params, each in a bucket of its own
+    (distrib_optimizer.py _does_param_require_new_bucket), with and without bucketing; the cached
+    stage buffer the ledger predicts from is the same layout."""
+    shape = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32,
+                       tied_embeddings=True)
+    for stage in range(pp):
+        for ch in range(vp):
+            params = L.stage_params(shape, 2, pp, stage, vp, ch)
+            shared = L.shared_embedding(shape, pp, stage, vp, ch)
+            _, n_first, n_last = L._stage_shape(shape, pp, stage, vp, ch)
+            assert shared == (n_first, n_last)
+            fake, ref = _megatron_layout(params, shared, bucket, dp)
+            ours = L.buffer_layout(params, bucket, dp, True, *shared)
+            assert [(b.start, b.end) for b in ours] == ref.bucket_indices, (stage, ch)
+            got = {name: (s, e) for b in ours for name, s, e in b.params}
+            for (name, _), p in zip(params, fake):
+                assert got[name] == ref.param_index_map[p][:2], name
+            buf = L._buffer(shape, 2, *L._stage_shape(shape, pp, stage, vp, ch), bucket, dp, True)
+            assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == ref.bucket_indices
+            if any(shared):  # the shared param alone in its bucket
+                name = params[0][0] if shared[0] else params[-1][0]
+                assert [b.params for b in ours if any(n == name for n, _, _ in b.params)][0][0][0] == name
+                assert sum(len(b.params) == 1 and b.params[0][0] == name for b in ours) == 1
+
+
+def test_tied_embeddings_params_and_collectives():
+    """pp=1: no output_layer.weight (gpt_model.py skip_weight_param_allocation), no shared bucket, no
+    embedding-group all-reduce. pp=2: the last stage holds its own copy; both ends all-reduce the
+    word-embedding grad (fp32 main_grad, vocab/tp x h) over the embedding group once per step."""
+    model = dataclasses.replace(preset("tiny"), tied_embeddings=True)
+    untied = preset("tiny")
+    names = [n for n, _ in L.stage_params(model, 2, 1, 0)]
+    assert "output_layer.weight" not in names and "embedding.word_embeddings.weight" in names
+    assert len(names) == len(L.stage_params(untied, 2, 1, 0)) - 1
+    assert L.shared_embedding(model, 1, 0, 1, 0) == (False, False)
+    pl = L.place(model, _lay(tp=2, dp=2), _fw())
+    s = pl.rank_state(0)
+    assert not any(c.dim == "pp" for c in s.comm)
+    assert s.grads_bytes == 4 * L.build_buffer(L._sizes(model, 2, 4, True, True), None, 2, True).numel
+    assert L.stage_params(model, 2, 2, 1) == L.stage_params(untied, 2, 2, 1)  # the last stage's copy
+    lay = _lay(tp=2, pp=2, dp=1)
+    pl = L.place(model, lay, _fw())
+    emb = 4 * (model.vocab // 2) * model.hidden
+    for st in range(2):
+        ar = [c for c in pl.rank_state(lay.grid.rank({"pp": st})).comm if c.dim == "pp" and c.kind == "all_reduce"]
+        assert [(c.count, c.buffer_bytes, c.dtype) for c in ar] == [(1, emb, "fp32")]
+        # the shared param's own bucket: one bucket more than the untied stage (bucket_size None)
+        assert len(L.stage_buffers(model, lay, _fw(), st)[0].bstart) == 2
+        assert len(L.stage_buffers(untied, lay, _fw(), st)[0].bstart) == 1
+    # without the distributed optimizer (param_and_grad_buffer.py _compute_default_per_buffer_param_layout)
+    # shared_embedding does not split buckets
+    assert len(L.stage_buffers(model, lay, _fw(use_distributed_optimizer=False), 0)[0].bstart) == 1
+
+
+def test_overlap_param_gather_moves_the_all_gathers_out_of_the_first_step():
+    """Steady state: the same per-bucket all-gathers as without overlap_param_gather (now in the
+    forward pre-hooks); the first step (training.py: pre-hooks disabled) has none; memory unchanged."""
+    model = preset("tiny")
+    lay = _lay(pp=2, dp=2)
+    base = L.place(model, lay, _fw(overlap_grad_reduce=True, bucket_size=100_000))
+    opg = L.place(model, lay, _fw(overlap_grad_reduce=True, bucket_size=100_000, overlap_param_gather=True))
+
+    def totals(comm):
+        return {(c.dim, c.kind, c.dtype): (c.count, c.buffer_bytes) for c in comm}
+
+    for r in range(lay.world):
+        a, b = base.rank_state(r), opg.rank_state(r)
+        assert [getattr(a, k) for k in ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")] == \
+            [getattr(b, k) for k in ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")]
+        assert totals(a.comm) == totals(b.comm) and a.comm_first is None
+        first = totals(b.comm_first)
+        assert ("dp", "all_gather", "bf16") not in first
+        assert first == {k: v for k, v in totals(b.comm).items() if k != ("dp", "all_gather", "bf16")}
+    # dp = 1: nothing to gather, no separate first step
+    assert L.place(model, _lay(pp=2, dp=1), _fw(overlap_grad_reduce=True, overlap_param_gather=True)
+                   ).rank_state(0).comm_first is None
 
 
 def _fw(**kw):
@@ -186,10 +320,14 @@ def test_ledger_18_bytes_per_param_and_zero1_division():
 
 def test_faithful_ledger_refuses_what_it_does_not_model():
     model = preset("tiny")
-    with pytest.raises(ConfigError, match="overlap_param_gather"):
+    # training/arguments.py validate_args: overlap_param_gather needs both
+    with pytest.raises(ConfigError, match="overlap_param_gather=true needs framework.overlap_grad_reduce=true"):
         L.place(model, _lay(), _fw(overlap_param_gather=True))
-    with pytest.raises(ConfigError, match="tied_embeddings"):
-        L.place(dataclasses.replace(model, tied_embeddings=True), _lay(), _fw())
+    with pytest.raises(ConfigError, match="overlap_param_gather=true needs framework.use_distributed_optimizer"):
+        L.place(model, _lay(), _fw(overlap_param_gather=True, overlap_grad_reduce=True,
+                                   use_distributed_optimizer=False))
+    L.place(model, _lay(), _fw(overlap_param_gather=True, overlap_grad_reduce=True))
+    L.place(dataclasses.replace(model, tied_embeddings=True), _lay(pp=2), _fw())
     with pytest.raises(ConfigError, match="cp=2"):
         L.place(model, _lay(cp=2, dp=1), _fw())
     # the interleaved schedule needs num_microbatches (global_batch_size / (micro_batch_size*dp)) % pp == 0
@@ -293,23 +431,31 @@ def test_owned_sizes_by_bisection_equal_the_range_walk(dp, bucket):
 def test_heaviest_dp_rank_is_the_max_over_every_rank(dp, bucket, tp):
     """The sparse search (ranks around param bounds and padding only) finds the rank a walk over
     every DP rank finds, including tiny buckets whose DP ranges fall wholly into padding."""
-    shape = ModelShape(layers=3, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
-    for stage, vp in ((0, 1), (1, 1), (0, 2)):
-        bufs = [L.build_buffer(np.array([n for _, n in L.stage_params(shape, tp, 2 if vp == 1 else 1, stage, vp, ch)]),
-                               bucket if ch == 0 else None, dp, True) for ch in range(vp)]
-        for w in ((12, 4), (8, 4), (0, 1)):
-            scores = [w[0] * e + w[1] * k for e, k in (L.owned_sizes(bufs, dp, r) for r in range(dp))]
-            assert L.heaviest_dp_rank(bufs, dp, *w) == scores.index(max(scores)), (stage, vp, w)
+    for tied in (False, True):
+        shape = ModelShape(layers=3, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32,
+                           tied_embeddings=tied)
+        for stage, vp in ((0, 1), (1, 1), (0, 2)):
+            pp = 2 if vp == 1 else 1
+            # tied: the shared-embedding buckets of pp = 2 (none with pp = 1)
+            bufs = [L.build_buffer(np.array([n for _, n in L.stage_params(shape, tp, pp, stage, vp, ch)]),
+                                   bucket if ch == 0 else None, dp, True, *L.shared_embedding(shape, pp, stage, vp, ch))
+                    for ch in range(vp)]
+            for w in ((12, 4), (8, 4), (0, 1)):
+                scores = [w[0] * e + w[1] * k for e, k in (L.owned_sizes(bufs, dp, r) for r in range(dp))]
+                assert L.heaviest_dp_rank(bufs, dp, *w) == scores.index(max(scores)), (tied, stage, vp, w)
 
 
 @pytest.mark.parametrize("kw", [dict(pp=1, dp=8), dict(pp=2, dp=4), dict(pp=4, dp=2, global_batch_size=8),
                                 dict(pp=2, vp=2, dp=3, global_batch_size=6), dict(tp=2, pp=3, dp=5)])
 def test_per_gpu_is_the_most_loaded_of_every_rank(kw):
-    shape = ModelShape(layers=12, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
-    for fw in (_fw(overlap_grad_reduce=True, bucket_size=30_000), _fw(), _fw(use_distributed_optimizer=False)):
-        lay = _lay(**kw)
-        pl = L.place(shape, lay, fw)
-        every = [pl.rank_state(r) for r in range(lay.world)]
-        best = max(s.resident_bytes for s in every)
-        assert pl.per_gpu.resident_bytes == best
-        assert pl.per_gpu is next(s for s in every if s.resident_bytes == best)  # the first on ties
+    for tied in (False, True):
+        shape = ModelShape(layers=12, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32,
+                           tied_embeddings=tied)
+        for fw in (_fw(overlap_grad_reduce=True, bucket_size=30_000), _fw(), _fw(use_distributed_optimizer=False),
+                   _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=30_000)):
+            lay = _lay(**kw)
+            pl = L.place(shape, lay, fw)
+            every = [pl.rank_state(r) for r in range(lay.world)]
+            best = max(s.resident_bytes for s in every)
+            assert pl.per_gpu.resident_bytes == best
+            assert pl.per_gpu is next(s for s in every if s.resident_bytes == best)  # the first on ties

@@ -12,6 +12,11 @@ Resident state at a step boundary:
           inv_freq and cached emb, utils.py GlobalMemoryBuffer scratch (attention scores, SP
           all-gathers)
 
+Tied embeddings (pp=1: one weight; pp>1: the last stage's copy, `shared_embedding` buckets, the
+embedding-group all-reduce) and overlap_param_gather (the param all-gathers in the next step's
+forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,
+shared_embedding, build_buffer, _comm, rank_state.
+
 Speed: a layout search predicts thousands of layouts, so a stage's buffer is computed once per
 parameter-size sequence (middle PP stages share one) with numpy, and the most-loaded DP rank of a
 stage is found without building every rank's state (`heaviest_dp_rank`).
@@ -72,23 +77,46 @@ def _stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) ->
     return model.layers // (pp * vp), stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
 
 
+def _head(model: ModelShape, tp: int, first: bool) -> tuple:
+    """The final norm and output layer of the chunk holding post_process.
+
+    Tied embeddings (share_embeddings_and_output_weights): models/gpt/gpt_model.py builds
+    output_layer with skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+    so the chunk that also holds the embedding (pp=1) has no output_layer.weight (the output
+    projection uses embedding.word_embeddings.weight); a last stage without the embedding
+    (pp > 1) allocates its own copy (models/common/language_module/language_module.py
+    setup_embeddings_and_output_layer: zeroed, then all-reduced with the first stage at init)."""
+    head = _pieces(model, tp)[2]
+    return head[:-1] if model.tied_embeddings and first else head
+
+
+def shared_embedding(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) -> tuple[bool, bool]:
+    """(the embedding weight, the output weight) of this chunk marked `shared_embedding`:
+    language_module.py setup_embeddings_and_output_layer, tied embeddings with pp > 1 only (the
+    first stage's word embeddings, the last stage's duplicated output weight)."""
+    if not model.tied_embeddings or pp == 1:
+        return False, False
+    _, first, last = _stage_shape(model, pp, stage, vp, chunk)
+    return first, last
+
+
 def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
     """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
     of vp with interleaving) and TP rank."""
     n, first, last = _stage_shape(model, pp, stage, vp, chunk)
-    emb, layer, head = _pieces(model, tp)
+    emb, layer, _ = _pieces(model, tp)
     out = list(emb) if first else []
     out += [(f"decoder.layers.{i}.{name}", k) for i in range(n) for name, k in layer]
-    return out + (list(head) if last else [])
+    return out + (list(_head(model, tp, first)) if last else [])
 
 
 @lru_cache(maxsize=1024)
 def _sizes(model: ModelShape, tp: int, layers: int, first: bool, last: bool) -> np.ndarray:
     """stage_params' numels as an array (read-only; one per distinct stage shape)."""
-    emb, layer, head = _pieces(model, tp)
+    emb, layer, _ = _pieces(model, tp)
     parts = ([np.array([k for _, k in emb], np.int64)] if first else []) + \
         [np.tile(np.array([k for _, k in layer], np.int64), layers)] + \
-        ([np.array([k for _, k in head], np.int64)] if last else [])
+        ([np.array([k for _, k in _head(model, tp, first)], np.int64)] if last else [])
     a = np.concatenate(parts)
     a.flags.writeable = False
     return a
@@ -118,10 +146,15 @@ class Buffer:
 @lru_cache(maxsize=1024)
 def _buffer(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
             dist_opt: bool) -> Buffer:
-    return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt)
+    # a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
+    # pp > 1 holds a `shared_embedding` param (shared_embedding()); pp = 1 holds both, marks none
+    shared = dist_opt and model.tied_embeddings and not (first and last)
+    return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt,
+                        shared_first=shared and first, shared_last=shared and last)
 
 
-def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool) -> Buffer:
+def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool,
+                 shared_first: bool = False, shared_last: bool = False) -> Buffer:
     """Params in reverse (backprop) order into buckets.
 
     Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
@@ -130,7 +163,11 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     bucket_size elements past the bucket start. Otherwise distributed/param_and_grad_buffer.py
     _compute_default_per_buffer_param_layout: no padding.
     Every param start is 64-aligned and so is every bucket start (lcm(dp, 128)), hence a param
-    starts at its bucket's start plus the aligned sizes of the params before it in the bucket."""
+    starts at its bucket's start plus the aligned sizes of the params before it in the bucket.
+    shared_first / shared_last: the first / last param of `sizes` (stage order) is a
+    `shared_embedding` param, which _compute_per_buffer_param_layout (_does_param_require_new_bucket)
+    puts in a bucket of its own, even without bucketing (bucket_size None): the bucket before it
+    closes (padded) and it closes its own."""
     n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
     a = -(-n // 64) * 64 if dist_opt else n
     cum = np.zeros(len(n) + 1, np.int64)
@@ -141,10 +178,14 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     while j < P:
-        if bucket_size is None:
+        if shared_last and j == 0:  # the output weight, first in backprop order
+            i = 0
+        elif bucket_size is None:
             i = P - 1
         else:
             i = min(int(np.searchsorted(reach, cum[j] + bucket_size, "left")), P - 1)
+        if shared_first and i == P - 1 and j < P - 1:  # the embedding, last in backprop order
+            i = P - 2
         pend = b0 + int(reach[i] - cum[j])
         end = -(-pend // div) * div if dist_opt else pend
         firsts.append(j)
@@ -172,9 +213,11 @@ class Bucket:
         return self.end - self.start
 
 
-def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: int, dist_opt: bool) -> list[Bucket]:
+def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: int, dist_opt: bool,
+                  shared_first: bool = False, shared_last: bool = False) -> list[Bucket]:
     """build_buffer with names: the buckets and (name, start, end) of their params."""
-    buf = build_buffer(np.array([k for _, k in params], np.int64), bucket_size, dp, dist_opt)
+    buf = build_buffer(np.array([k for _, k in params], np.int64), bucket_size, dp, dist_opt, shared_first,
+                       shared_last)
     names = [name for name, _ in reversed(params)]
     st, en = buf.starts.tolist(), buf.ends.tolist()
     lims = buf.first.tolist() + [len(names)]
@@ -353,7 +396,14 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     b, sq = lay.micro_batch_size, model.seq_len
     mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
     s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
-    s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
+    if fw.overlap_param_gather and dp > 1:
+        # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
+        # first iteration, see _comm): steady state less its DP all-gathers (the param gathers, the
+        # only DP all-gathers). RankState.comm_first is a plain field, so both are built now
+        s.comm = _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
+        s.comm_first = [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
+    else:
+        s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
     return s
 
 
@@ -369,6 +419,7 @@ def _norm_numel(model: ModelShape, lay: Layout, stage: int) -> int:
 
 
 def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
+    """Collectives of one steady-state optimizer step of this stage."""
     cb = CommBuilder()
     tp, pp, dp, m = lay.tp, lay.pp, lay.dp, lay.num_microbatches
     first, last = stage == 0, stage == pp - 1
@@ -378,12 +429,26 @@ def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
     sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
     # DP: distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync, one
     # bucket per group (partition_buckets without fp8): reduce-scatter of the whole padded
-    # bucket grad_data (distributed optimizer) or all-reduce; start_param_sync after
-    # optimizer.step (step_with_ready_grads): all-gather of the bucket's param_data
-    numels = [n for b in buffers for n in b.bucket_numels]
+    # bucket grad_data (distributed optimizer) or all-reduce; start_param_sync: all-gather of the
+    # bucket's param_data, once per bucket group and step. Without overlap_param_gather it runs
+    # after optimizer.step (distrib_optimizer.py step_with_ready_grads). With it, step_with_ready_grads
+    # gathers nothing; the next step's forward gathers each bucket group, asynchronously
+    # (distributed_data_parallel.py _make_forward_pre_hook -> finish_param_sync: start_param_sync
+    # of an undispatched group, then the next group's; or, with the interleaved schedule's
+    # align_param_gather, config.param_sync_func from schedules.py), and finish_grad_sync resets
+    # param_gather_dispatched for the step after. training.py train() disables the pre-hooks
+    # (disable_forward_pre_hook(param_sync=False)) and param_sync_func for the first iteration:
+    # step 0 gathers nothing, every later step gathers the previous step's update.
+    # Bucket groups: partition_buckets gives each bucket its own group, except for a DDP built
+    # with disable_bucketing (training.py get_model: model chunks after the first) whose buckets
+    # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
+    # chunk has several buckets only around a tied model's shared embedding (build_buffer)
+    numels = list(buffers[0].bucket_numels) + [b.numel for b in buffers[1:]]
     if fw.use_distributed_optimizer:
         cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
-        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what="param bucket (start_param_sync)")
+        what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
+                if fw.overlap_param_gather else "param bucket (start_param_sync)")
+        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what=what)
     else:
         cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
@@ -408,6 +473,13 @@ def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
         # predicted logits, sum of exp, each fp32 [s, b]
         cb.add("tp", "all_reduce", model.seq_len * lay.micro_batch_size * 4, tp, "fp32", count=3 * m,
                what="vocab-parallel cross-entropy")
+    if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
+        # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
+        # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
+        # grad_reduce_in_fp32), all-reduced over the embedding group (parallel_state.py
+        # default_embedding_ranks: the first and last PP rank, a pp group of 2) after finish_grad_sync
+        cb.add(grid.label_of(("pp",)), "all_reduce", gb * (model.vocab // tp) * model.hidden, 2, gdt,
+               what="tied word-embedding grads (finalize_model_grads)")
     if sp:
         # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
         # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
@@ -514,16 +586,22 @@ def interleaved_p2p(pp: int, stage: int, vp: int, m: int) -> tuple[int, int]:
     return sent, received
 
 
+def check_framework(fw) -> None:
+    """training/arguments.py validate_args: --overlap-param-gather needs the distributed optimizer
+    (the plain optimizer's buffers have no layer-wise gather lists) and --overlap-grad-reduce."""
+    if fw.overlap_param_gather and not fw.use_distributed_optimizer:
+        raise ConfigError("megatron: framework.overlap_param_gather=true needs "
+                          "framework.use_distributed_optimizer=true (training/arguments.py validate_args)")
+    if fw.overlap_param_gather and not fw.overlap_grad_reduce:
+        raise ConfigError("megatron: framework.overlap_param_gather=true needs framework.overlap_grad_reduce=true "
+                          "(training/arguments.py validate_args)")
+
+
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
-    if model.tied_embeddings:
-        raise ConfigError("megatron: model.tied_embeddings=true is not modelled by the faithful ledger yet "
-                          "(shared_embedding bucket, embedding-group all-reduce)")
-    if getattr(fw, "overlap_param_gather", False):
-        raise ConfigError("megatron: framework.overlap_param_gather=true is not modelled by the faithful ledger "
-                          "yet (the all-gathers move into the next step's forward pre-hooks)")
     if lay.cp > 1:
         raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only")
+    check_framework(fw)
     check_interleaving(lay)
     grid = lay.grid
     cache: dict[tuple, RankState] = {}
