@@ -396,14 +396,12 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     b, sq = lay.micro_batch_size, model.seq_len
     mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
     s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
+    s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
     if fw.overlap_param_gather and dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
         # first iteration, see _comm): steady state less its DP all-gathers (the param gathers, the
-        # only DP all-gathers). RankState.comm_first is a plain field, so both are built now
-        s.comm = _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
-        s.comm_first = [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
-    else:
-        s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
+        # only DP all-gathers); both built on first read
+        s.comm_first = lambda: [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
     return s
 
 
