@@ -24,6 +24,7 @@ stage is found without building every rank's state (`heaviest_dp_rank`).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -177,16 +178,17 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     P = len(n)
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
+    reach_l, cum_l = reach.tolist(), cum.tolist()  # scalar bisection is faster on lists
     while j < P:
         if shared_last and j == 0:  # the output weight, first in backprop order
             i = 0
         elif bucket_size is None:
             i = P - 1
         else:
-            i = min(int(np.searchsorted(reach, cum[j] + bucket_size, "left")), P - 1)
+            i = min(bisect_left(reach_l, cum_l[j] + bucket_size), P - 1)
         if shared_first and i == P - 1 and j < P - 1:  # the embedding, last in backprop order
             i = P - 2
-        pend = b0 + int(reach[i] - cum[j])
+        pend = b0 + reach_l[i] - cum_l[j]
         end = -(-pend // div) * div if dist_opt else pend
         firsts.append(j)
         bstarts.append(b0)
