@@ -600,7 +600,11 @@ def check_framework(fw) -> None:
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
     if lay.cp > 1:
-        raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only")
+        # transformer/dot_product_attention.py DotProductAttention asserts context_parallel_size == 1
+        # ("only supported by TEDotProductAttention"): CP needs TransformerEngine, which no CPU run
+        # here has, so no run could confirm a rule; textbook mode predicts it
+        raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only (Megatron's CP needs "
+                          "TransformerEngine attention, which no CPU run can confirm; use ledger.mode=textbook)")
     check_framework(fw)
     check_interleaving(lay)
     grid = lay.grid
