@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO-1/2/3: real runs on local gloo ranks reconciled to the byte, the model/ledger name
 agreement, the faithful ledger's rules, and the dry artifacts checked by DeepSpeed's own parser.
 
-The real matrix (one fixture, three Hydra multiruns, 14 jobs):
+The real matrix (one fixture, four Hydra multiruns, 17 jobs):
 
+    # bf16, reduce_bucket_size below the embedding: extra-large parameters reduced on their own
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
-        framework.reduce_bucket_size=500000 train.steps=4
+        framework.reduce_bucket_size=65536 train.steps=4
     # ZeRO-3 per-module fetch (3N): 2 ranks with 2 micro-batches, 4 ranks with 1; tied and untied
     python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2,4 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=0 \\
@@ -12,11 +13,19 @@ The real matrix (one fixture, three Hydra multiruns, 14 jobs):
         train.steps=4
     # 2 micro-batches per step (gradient accumulation), ZeRO-2 and ZeRO-3 (default prefetch: 2N), tied and untied
     python launch.py -m framework=deepspeed framework.zero_stage=2,3 cluster.ranks=2 \\
-        framework.reduce_bucket_size=500000 layout.global_batch_size=4 model.tied_embeddings=false,true \\
+        framework.reduce_bucket_size=65536 layout.global_batch_size=4 model.tied_embeddings=false,true \\
         train.steps=4
+    # fp32 (no bf16 section), 4 ranks, 2 micro-batches
+    python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=4 framework.precision=fp32 \\
+        framework.reduce_bucket_size=100000 layout.global_batch_size=8 train.steps=4
 
-reduce_bucket_size=500000 elements splits the tiny model's gradients into several IPG buckets (and
-keeps ZeRO-3's always-allocated IPG bucket at 1 MB instead of the default's 1 GB).
+The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
+reduce_bucket_size=500000 fits every parameter and splits the gradients into several IPG buckets;
+65536 is below the embedding and w1/w2/w3, which DeepSpeed then reduces outside the IPG buffer, and at
+4 ranks (ZeRO-1/2 partitions of 885,312 elements) layer 0's w1 straddles a partition boundary with a
+first slice of 65,600 > 65,536 elements: two all-reduces for it. At 100000 the same w1 is one
+all-reduce (65,600 fits, the sum of both slices does not). Small buckets also keep ZeRO-3's
+always-allocated IPG buffer small (the default's 5e8 elements is 1 GB).
 """
 from __future__ import annotations
 
@@ -33,14 +42,18 @@ from ledger.model import ModelShape, numel, preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
+BELOW_EMBEDDING = 65_536
+FP32_BUCKET = 100_000
 MATRIX = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=2,4",
-          f"framework.reduce_bucket_size={SMALL_BUCKET}", "train.steps=4"]
-GAS2 = ["framework=deepspeed", "framework.zero_stage=2,3", "cluster.ranks=2", f"framework.reduce_bucket_size={SMALL_BUCKET}",
+          f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "train.steps=4"]
+GAS2 = ["framework=deepspeed", "framework.zero_stage=2,3", "cluster.ranks=2", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
         "layout.global_batch_size=4", "model.tied_embeddings=false,true", "train.steps=4"]
 KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
           "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true",
           "train.steps=4"]
+FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
+        f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", "train.steps=4"]
 
 
 def _fw(**kw):
@@ -109,6 +122,98 @@ def test_ipg_bucket_rule():
     assert ipg_buckets([5], 6) == [5]
 
 
+def test_extra_large_gradient_all_reduce_chunks():
+    """average_tensor cuts an extra-large gradient at partition boundaries; allreduce_and_scatter adds
+    slices until their sum exceeds reduce_bucket_size and all-reduces them."""
+    from ledger.faithful.deepspeed import allreduce_chunks
+
+    # tiny, 4 ranks: layer 0's w1 at flat offset 819,712 straddles the first boundary (885,312)
+    assert allreduce_chunks(196_608, 819_712, 885_312, 65_536) == [65_600, 131_008]
+    assert allreduce_chunks(196_608, 819_712, 885_312, 100_000) == [196_608]  # 65,600 fits; the sum does not
+    assert allreduce_chunks(262_144, 0, 885_312, 65_536) == [262_144]  # inside one partition: one call
+    # llama3_70b's embedding (1,050,673,152 elements, first in the flat group) at dp 1024, default bucket:
+    # slices of one partition each, calls of 8 slices (8 x 68.9M > 5e8)
+    n, flat = 1_050_673_152, 70_553_706_496
+    part = flat // 1024
+    chunks = allreduce_chunks(n, 0, part, 500_000_000)
+    assert sum(chunks) == n and chunks[:-1] == [8 * part] * (len(chunks) - 1) and 0 < chunks[-1] <= 8 * part
+
+
+def test_flat_offsets_follow_registration():
+    from ledger.faithful.deepspeed import _flat_items
+
+    for over in ({}, {"bias": True, "norm": "layernorm"}, {"tied_embeddings": True}):
+        shape = preset("tiny", **over)
+        sizes = [numel(sh) for _, sh in shape.params()]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        assert list(_flat_items(shape, True)) == list(zip(sizes, offsets))
+        assert sorted(_flat_items(shape, False)) == sorted(zip(sizes, offsets))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_larger_than_the_bucket(stage):
+    """Each extra-large gradient is reduced on its own (ZeRO-1/2: one more all-reduce at 4 ranks where
+    w1 straddles a partition boundary); bytes unchanged; ZeRO-3 keeps its IPG buffer allocated."""
+    from ledger.faithful.deepspeed import _buckets12, _grad_sizes, ipg_buckets, place
+
+    shape = preset("tiny")
+    n = shape.num_params()
+    for dp in (2, 4):
+        s = place(shape, _lay(dp), _fw(zero_stage=stage, reduce_bucket_size=BELOW_EMBEDDING)).rank_state(0)
+        c = {(x.kind, x.dtype): (x.count, x.buffer_bytes) for x in s.comm}
+        if stage == 3:
+            pad = [-(-k // dp) * dp for k in _grad_sizes(shape)]
+            assert c[("reduce_scatter", "bf16")][0] == len(ipg_buckets(pad, BELOW_EMBEDDING))
+            assert s.detail["grads/IPG bucket (reduce_bucket_size)"] == 2 * BELOW_EMBEDDING
+        else:
+            buckets = _buckets12(shape, BELOW_EMBEDDING, stage == 1)
+            assert sum(b for b, off in buckets if off >= 0) == 2 * 262_144 + 3 * 4 * 196_608
+            assert c[("all_reduce", "bf16")] == (len(buckets) + (dp == 4), 2 * n)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_prediction(stage):
+    """fp32: the flat params / partitions, gradients and collectives in fp32, still an fp32 master
+    copy; ZeRO-1/2 skip the overflow all-reduce."""
+    from ledger.faithful.deepspeed import place
+
+    shape = preset("tiny")
+    n = shape.num_params()
+    b, p = (place(shape, _lay(4), _fw(zero_stage=stage, reduce_bucket_size=FP32_BUCKET, precision=x)).rank_state(0)
+            for x in ("bf16", "fp32"))
+    assert p.params_bytes == 2 * b.params_bytes and p.optim_bytes == b.optim_bytes
+    assert p.grads_bytes == 2 * b.grads_bytes
+    kinds = {(c.kind, c.dtype) for c in p.comm}
+    if stage == 3:
+        assert kinds == {("all_gather", "fp32"), ("reduce_scatter", "fp32"), ("all_reduce", "fp64")}
+        assert p.grads_bytes == 4 * n // 4 + 4 * FP32_BUCKET
+    else:
+        assert kinds == {("all_gather", "fp32"), ("all_reduce", "fp32")} and p.params_bytes == 4 * n
+        assert ("all_reduce", "uint8") in {(c.kind, c.dtype) for c in b.comm}
+    cb = {(c.kind, c.dtype): (c.count, c.buffer_bytes) for c in b.comm}
+    cp = {(c.kind, c.dtype): (c.count, c.buffer_bytes) for c in p.comm}
+    norm = (1, 4) if stage < 3 else (0, 0)  # ZeRO-1/2's fp32 grad norm all-reduce joins the fp32 IPG ones
+    for kind in ("all_gather", "all_reduce", "reduce_scatter"):
+        if (kind, "bf16") in cb:
+            count, nbytes = cb[(kind, "bf16")]
+            extra = norm if kind == "all_reduce" else (0, 0)
+            assert cp[(kind, "fp32")] == (count + extra[0], 2 * nbytes + extra[1])
+
+
+def test_llama3_70b_with_default_knobs():
+    """The 70B embedding (1.05e9 elements) exceeds the default reduce_bucket_size (5e8): predicted, not refused."""
+    from ledger.faithful.deepspeed import place
+
+    shape = preset("llama3_70b")
+    n = shape.num_params()
+    for stage in (1, 2, 3):
+        kw = dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0) if stage == 3 else {}
+        for dp in (8, 1024):
+            s = place(shape, _lay(dp), _fw(zero_stage=stage, **kw)).rank_state(0)
+            red = [c for c in s.comm if c.kind in ("all_reduce", "reduce_scatter") and c.dtype == "bf16"]
+            assert len(red) == 1 and red[0].buffer_bytes >= 2 * n
+
+
 def test_backward_order_covers_every_parameter_once():
     from ledger.faithful.deepspeed import _grad_sizes, _registration_sizes, backward_order
 
@@ -146,9 +251,9 @@ def test_ledger_refuses_what_it_does_not_model():
 
     shape = preset("tiny")
     with pytest.raises(ConfigError, match="precision"):
-        place(shape, _lay(2), _fw(precision="fp32"))
-    with pytest.raises(ConfigError, match="reduce_bucket_size"):
-        place(shape, _lay(2), _fw(reduce_bucket_size=1000))
+        place(shape, _lay(2), _fw(precision="fp16"))
+    with pytest.raises(ConfigError, match="contiguous_gradients"):
+        place(shape, _lay(2), _fw(contiguous_gradients=False))
     with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
         place(shape, _lay(2), _fw(zero_stage=3, stage3_prefetch_bucket_size=1000))
     # a prefetch bucket covering the non-persistent params but not all: one coalesced fetch in steady
@@ -278,7 +383,8 @@ def runs(tmp_path_factory):
     _sweep(MATRIX, root / "matrix")
     _sweep(KNOBS0, root / "knobs0")
     _sweep(GAS2, root / "gas2")
-    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2")}
+    _sweep(FP32, root / "fp32")
+    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -310,9 +416,13 @@ def test_matrix_ran_every_rank(runs):
                                                                     (3, 4, True)]
     assert sorted((*_key(r), _tied(r)) for r in recs["gas2"]) == [(2, 2, False), (2, 2, True), (3, 2, False),
                                                                   (3, 2, True)]
+    assert sorted(_key(r) for r in recs["fp32"]) == [(1, 4), (2, 4), (3, 4)]
     for rec in recs["knobs0"] + recs["gas2"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
-    for rec in recs["matrix"] + recs["knobs0"] + recs["gas2"]:
+    for rec in recs["fp32"]:
+        assert rec["prediction"]["layout"]["num_microbatches"] == 2
+        assert rec["config"]["framework"]["precision"] == "fp32"
+    for rec in recs["matrix"] + recs["knobs0"] + recs["gas2"] + recs["fp32"]:
         assert rec["status"] == "ok", rec["error"]
         ranks = rec["measurement"]["ranks"]
         assert [r["rank"] for r in ranks] == list(range(_key(rec)[1]))
@@ -413,7 +523,8 @@ def test_zero3_accumulation(runs):
     for r1, r2, rk in zip(*(j["measurement"]["ranks"] for j in (one, two, knobs))):
         c1, c2, ck = _steady_comm(r1, 3), _steady_comm(r2, 3), _steady_comm(rk, 3)
         rs = ("reduce_scatter", "bf16")
-        assert c2[rs] == ck[rs] == (2 * c1[rs][0], 2 * c1[rs][1])
+        assert c2[rs] == (2 * c1[rs][0], 2 * c1[rs][1])  # matrix and gas2: the same bucket size
+        assert ck[rs][1] == c2[rs][1]  # knobs0 buckets differently (500000), the same bytes
         assert c1[("all_reduce", "fp64")] == c2[("all_reduce", "fp64")] == (1, 8)  # grad norm at the boundary
         ag = ("all_gather", "bf16")
         # 2N: one coalesced gather of the non-persistent params per micro-batch
@@ -451,3 +562,60 @@ def test_zero3_tied_embeddings(runs):
         cu, ct = _steady_comm(ru, 3), _steady_comm(rt, 3)
         # 2N: the coalesced gather holds the embedding once, each micro-batch
         assert ct[("all_gather", "bf16")] == (cu[("all_gather", "bf16")][0], cu[("all_gather", "bf16")][1] - 2 * 2 * e)
+
+
+@pytest.mark.real
+def test_extra_large_params_reduced_on_their_own(runs):
+    """reduce_bucket_size below the embedding: ZeRO-1/2 all-reduce each extra-large gradient outside the
+    IPG buffer, cut where it straddles a partition boundary (4 ranks: layer 0's w1, first slice 65,600 >
+    65,536 elements: one more call than buckets; at 100000 it stays one call); ZeRO-3 reduce-scatters it
+    alone and keeps its IPG buffer of reduce_bucket_size elements."""
+    from ledger.faithful.deepspeed import _buckets12, _grad_sizes, ipg_buckets
+
+    recs, _ = runs
+    shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
+    n = shape.num_params()
+    assert max(numel(s) for _, s in shape.params()) > BELOW_EMBEDDING
+    for name, bucket, dtype, w in (("matrix", BELOW_EMBEDDING, "bf16", 2), ("fp32", FP32_BUCKET, "fp32", 4)):
+        for rec in recs[name]:
+            stage, dp = _key(rec)
+            m = rec["prediction"]["layout"]["num_microbatches"]
+            for r in rec["measurement"]["ranks"]:
+                c = _steady_comm(r, 3)
+                if stage == 3:
+                    pad = [-(-k // dp) * dp for k in _grad_sizes(shape)]
+                    assert c[("reduce_scatter", dtype)][0] == m * len(ipg_buckets(pad, bucket))
+                    continue
+                calls = len(_buckets12(shape, bucket, stage == 1)) + (dp == 4 and bucket == BELOW_EMBEDDING)
+                times = m if stage == 2 else 1
+                ipg = c[("all_reduce", dtype)]
+                if dtype == "fp32":  # the fp32 grad norm joins them
+                    ipg = (ipg[0] - 1, ipg[1] - 4)
+                assert ipg == (times * calls, times * w * n)
+        if name == "matrix":
+            z3 = _job(recs[name], 3, 4)
+            assert z3["prediction"]["per_rank"][0]["detail"]["grads/IPG bucket (reduce_bucket_size)"] == w * bucket
+
+
+@pytest.mark.real
+def test_fp32_runs(runs):
+    """fp32 (no bf16 section): fp32 flat params and collectives, no overflow all-reduce at ZeRO-1/2, an
+    fp32 master partition copied anyway (ZeRO-1/2 clone; ZeRO-3's no-copy branch compares a torch.device
+    with a str)."""
+    recs, _ = runs
+    shape = ModelShape.from_config(recs["fp32"][0]["config"]["model"])
+    n = shape.num_params()
+    for rec in recs["fp32"]:
+        stage, dp = _key(rec)
+        for r in rec["measurement"]["ranks"]:
+            st = next(s for s in r["steps"] if s["step"] == 3)
+            kinds = set(_steady_comm(r, 3))
+            part = -(-n // (2 * dp)) * 2 if stage < 3 else None
+            if stage < 3:
+                assert kinds == {("all_gather", "fp32"), ("all_reduce", "fp32")}
+                assert st["state"]["params_bytes"] == 4 * part * dp
+                assert st["state"]["optim_bytes"] == 12 * part + 4
+            else:
+                assert kinds == {("all_gather", "fp32"), ("reduce_scatter", "fp32"), ("all_reduce", "fp64")}
+                # fp32 ds_tensor partitions + fp32 master copy + Adam moments
+                assert st["state"]["optim_bytes"] == 3 * (st["state"]["grads_bytes"] - 4 * FP32_BUCKET) + 4

@@ -1,8 +1,9 @@
 """DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: what the engine keeps per rank and calls per optimizer step.
 
 Pure data parallelism (train-ledger drives DeepSpeed without Megatron-DeepSpeed): every rank is a DP
-rank, all ranks hold the same byte counts. bf16 mixed precision with torch's AdamW (`torch_adam`);
-paths quoted are under deepspeed/runtime/. Each rule names the function it follows.
+rank, all ranks hold the same byte counts. bf16 mixed precision (a `bf16` section) or plain fp32 (none),
+with torch's AdamW (`torch_adam`); paths quoted are under deepspeed/runtime/. Each rule names the
+function it follows.
 
 One optimizer step is `num_microbatches` forward + backward passes (engine.step() at each, the
 optimizer only at the accumulation boundary). ZeRO-3's parameter trace
@@ -10,10 +11,10 @@ optimizer only at the accumulation boundary). ZeRO-3's parameter trace
 at the start of the second one, wherever that falls: inside step 0 with two or more micro-batches,
 at the start of step 1 with one.
 
-Known limits (raise ConfigError rather than guess): fp32 precision, ZeRO-3 prefetch settings between
-the two regimes modelled (per-module fetch: prefetch 0 and reuse distance 0; one coalesced fetch:
-prefetch, live-parameter and reuse budgets covering the whole model), a parameter larger than
-reduce_bucket_size (DeepSpeed reduces it on its own, outside the bucket).
+Known limits (raise ConfigError rather than guess): ZeRO-3 prefetch settings between the two regimes
+modelled (per-module fetch: prefetch 0 and reuse distance 0; one coalesced fetch: prefetch,
+live-parameter and reuse budgets covering the whole model); contiguous_gradients=false (another
+reduction path, buffered_reduce_fallback, and no IPG buffer at stage 3).
 
 Speed: a layout search calls place() ~20,000 times/s. Everything derived from the model (gradient
 order, per-parameter padding, module maps, IPG buckets, collective sums) is cached per (model, dp,
@@ -30,6 +31,10 @@ from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, Placement, RankState, wire_bytes
 
 BF16, FP32, FP64, INT64 = 2, 4, 8, 8
+# engine.get_data_types(): the model dtype is bf16 with a `bf16` section, fp32 without one; ZeRO keeps
+# its flat params / partitions, gradients and IPG buckets and communicates in it (grad_accum_dtype and
+# communication_data_type default to the model dtype)
+_DTYPES = {"bf16": BF16, "fp32": FP32}
 
 
 def _module(param_name: str) -> str:
@@ -182,12 +187,11 @@ def _fresh(comms) -> list[Comm]:
 # -- place -----------------------------------------------------------------------------------------
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
-    if fw.precision != "bf16":
-        raise ConfigError(f"framework.precision={fw.precision!r}: the faithful DeepSpeed ledger models bf16 only")
-    biggest = _biggest(model)
-    if biggest > fw.reduce_bucket_size:
-        raise ConfigError(f"framework.reduce_bucket_size={fw.reduce_bucket_size} < largest parameter ({biggest} "
-                          "elements): DeepSpeed then reduces that gradient outside the IPG bucket, not modelled")
+    if fw.precision not in _DTYPES:
+        raise ConfigError(f"framework.precision={fw.precision!r}: the faithful DeepSpeed ledger models bf16 and fp32")
+    if not fw.contiguous_gradients:
+        raise ConfigError("framework.contiguous_gradients=false: DeepSpeed then reduces through "
+                          "buffered_reduce_fallback (stage 1/2) and keeps no IPG buffer (stage 3), not modelled")
     z = fw.zero_stage
     if z == 3:
         s = _zero3(model, lay, fw)
@@ -197,34 +201,33 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3")
     pl = Placement(framework="deepspeed", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
-    pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, bf16, torch AdamW; pure DP over {lay.dp} ranks")
+    pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")
     return pl
-
-
-@lru_cache(maxsize=64)
-def _biggest(model: ModelShape) -> int:
-    return max(_registration_sizes(model))
 
 
 # -- ZeRO-1/2 ----------------------------------------------------------------------------------
 
 def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
-    s = _zero12_memory(model, lay.dp, fw.zero_stage).state()
-    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, lay.num_microbatches)
+    s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
+    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, lay.num_microbatches,
+           fw.precision)
     s.comm_fn = lambda: _fresh(_zero12_comm(*key))
     return s
 
 
 @lru_cache(maxsize=256)
-def _zero12_memory(model: ModelShape, dp: int, stage: int) -> "_Memory":
+def _zero12_memory(model: ModelShape, dp: int, stage: int, precision: str) -> "_Memory":
     n = model.num_params()
+    w = _DTYPES[precision]
     s = _Memory(stage)
-    # stage_1_and_2.py __init__: one param group -> one flat bf16 buffer, padded to a multiple of
-    # dp * nccl_start_alignment_factor (2) (flatten_dense_tensors_aligned); params are views into it
+    # stage_1_and_2.py __init__: one param group -> one flat buffer in the model dtype, padded to a
+    # multiple of dp * nccl_start_alignment_factor (2) (flatten_dense_tensors_aligned; parameter_alignment
+    # off: no per-param padding); params are views into it
     flat = _ceil_to(n, 2 * dp)
     part = flat // dp
-    s.add("params_bytes", "bf16 flat group (bit16_groups_flat)", BF16 * flat)
-    # single_partition_of_fp32_groups: fp32 clone of this rank's slice; AdamW state on it
+    s.add("params_bytes", f"{precision} flat group (bit16_groups_flat)", w * flat)
+    # single_partition_of_fp32_groups: `partition.detach().clone().to(fp32)`, a copy of this rank's
+    # slice even when the model is fp32; AdamW state on it
     s.add("optim_bytes", "fp32 partition (single_partition_of_fp32_groups)", FP32 * part)
     s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * part)
     s.add("optim_bytes", "adam step", FP32)
@@ -234,16 +237,81 @@ def _zero12_memory(model: ModelShape, dp: int, stage: int) -> "_Memory":
     return s
 
 
+@lru_cache(maxsize=64)
+def _flat_items(model: ModelShape, registration: bool) -> tuple[tuple[int, int], ...]:
+    """(numel, offset in the flat group) per parameter, in registration order or in gradient-ready
+    order; the flat group is registration order without per-param padding. Built per block."""
+    e, blk = model.vocab * model.hidden, _block(model)
+    size = sum(n for _, n in blk)
+    rel = [sum(n for _, n in blk[:j]) for j in range(len(blk))]
+    norms = [numel(sh) for _, sh in model.norm_params("norm")]
+    norm_at = e + model.layers * size
+    if registration:
+        out = [(e, 0)] + [(n, e + i * size + rel[j]) for i in range(model.layers) for j, (_, n) in enumerate(blk)]
+        out += [(n, norm_at + sum(norms[:k])) for k, n in enumerate(norms)]
+        return tuple(out + ([] if model.tied_embeddings else [(e, norm_at + sum(norms))]))
+    out = [] if model.tied_embeddings else [(e, norm_at + sum(norms))]
+    out += [(n, norm_at + sum(norms[:k])) for k, n in enumerate(norms)]
+    perm = _block_perm(model)
+    out += [(blk[j][1], e + i * size + rel[j]) for i in reversed(range(model.layers)) for j in perm]
+    return tuple(out + [(e, 0)])
+
+
 @lru_cache(maxsize=256)
-def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[int, ...]:
-    # stage 1 without overlap: reduce_gradients() walks bit16_groups (registration order); otherwise the
-    # grad hooks (process_gradients) bucket in gradient-ready order
-    return tuple(ipg_buckets(_registration_sizes(model) if registration else _grad_sizes(model), bucket))
+def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[tuple[int, int], ...]:
+    """IPG buckets as (elements, offset): offset -1 for a bucket of gradients copied into the IPG
+    buffer, the flat offset of the parameter for an extra-large one.
+
+    stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow
+    the bucket flushes it first (reduce_ipg_grads; an empty bucket makes no call); a parameter with more
+    than reduce_bucket_size elements is not copied into the IPG buffer but kept as
+    extra_large_param_to_reduce, alone in its bucket: the next gradient (or the epilogue) flushes it.
+    Stage 1 without overlap walks bit16_groups (reduce_gradients: registration order); otherwise the grad
+    hooks (process_gradients) bucket in gradient-ready order."""
+    out, cur = [], 0
+    for n, off in _flat_items(model, registration):
+        if cur + n > bucket and cur > 0:
+            out.append((cur, -1))
+            cur = 0
+        if n > bucket:
+            out.append((n, off))
+        else:
+            cur += n
+    if cur:
+        out.append((cur, -1))
+    return tuple(out)
+
+
+def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
+    """Elements per all-reduce for an extra-large gradient of n elements at `offset` in the flat group.
+
+    average_tensor(reduce_scatter=True) cuts the bucket into one slice per partition it touches
+    (param_to_partition_ids / grad_start_offset, partitions of `part` elements); with
+    use_multi_rank_bucket_allreduce all slices go to allreduce_and_scatter(numel_per_bucket=
+    reduce_bucket_size), which adds slices until their sum exceeds reduce_bucket_size, all-reduces
+    those (allreduce_and_copy_with_multiple_ranks -> allreduce_bucket: one flattened all_reduce) and
+    starts again; the rest goes in a last call. A bucket of copied gradients never exceeds
+    reduce_bucket_size: one call."""
+    out, acc, pos, end = [], 0, offset, offset + n
+    while pos < end:
+        nxt = min(end, (pos // part + 1) * part)
+        acc += nxt - pos
+        pos = nxt
+        if acc > bucket:
+            out.append(acc)
+            acc = 0
+    if acc:
+        out.append(acc)
+    return out
 
 
 @lru_cache(maxsize=1024)
-def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, m: int) -> tuple[Comm, ...]:
+def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, m: int,
+                 precision: str) -> tuple[Comm, ...]:
+    if dp == 1:
+        return ()
     n = model.num_params()
+    w = _DTYPES[precision]
     flat = _ceil_to(n, 2 * dp)
     # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
@@ -251,15 +319,21 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
     registration = stage == 1 and not overlap
     times = m if stage == 2 else 1
     # average_tensor(reduce_scatter=True, use_multi_rank_bucket_allreduce) -> allreduce_and_scatter:
-    # one all-reduce of the whole bucket (no reduce-scatter at stage 1 or 2)
-    ipg = _calls("all_reduce", (BF16 * b for b in _buckets12(model, bucket, registration)), dp).times(times)
-    out = _Sum().add("all_reduce", "bf16", ipg, "IPG bucket (average_tensor)")
-    # step(): overflow check (has_overflow -> all_reduce uint8 MAX) and grad norm (fp32 SUM)
-    out.add("all_reduce", "uint8", _calls("all_reduce", [1], dp), "overflow check")
+    # all-reduces (no reduce-scatter at stage 1 or 2), in the model dtype
+    sizes = []
+    for b, off in _buckets12(model, bucket, registration):
+        sizes += [b] if off < 0 else allreduce_chunks(b, off, flat // dp, bucket)
+    ipg = _calls("all_reduce", (w * b for b in sizes), dp).times(times)
+    out = _Sum().add("all_reduce", precision, ipg, "IPG bucket (average_tensor)")
+    # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
+    # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
+    # (fp32 SUM)
+    if precision == "bf16":
+        out.add("all_reduce", "uint8", _calls("all_reduce", [1], dp), "overflow check")
     out.add("all_reduce", "fp32", _calls("all_reduce", [FP32], dp), "grad norm")
     # utils.all_gather_dp_groups -> all_gather_into_tensor_dp_groups: one call per param group
-    out.add("all_gather", "bf16", _calls("all_gather", [BF16 * flat], dp), "updated bf16 partitions")
-    return out.build() if dp > 1 else ()
+    out.add("all_gather", precision, _calls("all_gather", [w * flat], dp), f"updated {precision} partitions")
+    return out.build()
 
 
 # -- ZeRO-3 --------------------------------------------------------------------------------------
@@ -295,7 +369,8 @@ def _modules(model: ModelShape) -> list[tuple[tuple[int, ...], int]]:
 
 
 @lru_cache(maxsize=256)
-def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int) -> _Z3Shape:
+def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -> _Z3Shape:
+    """w: bytes per element of the model dtype (params gathered, gradients reduce-scattered in it)."""
     # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
     # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
     # stage3_model_persistence_threshold is left at its default, sys.maxsize)
@@ -312,19 +387,21 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int) -> _Z3Sha
         for ns, k in mods:
             b = sum(pad(n) for n in ns if keep(n))
             if any(keep(n) for n in ns):
-                out = out.plus(_calls("all_gather", [BF16 * b], dp, times=k))
+                out = out.plus(_calls("all_gather", [w * b], dp, times=k))
         return out
 
     return _Z3Shape(
         part=total // dp, total=total, persist_numel=sum(persist), np_elems=np_elems,
-        persist=_calls("all_gather", (BF16 * pad(n) for n in persist), dp),
+        persist=_calls("all_gather", (w * pad(n) for n in persist), dp),
         module_pass=per_module(lambda n: True),
         np_pass=per_module(lambda n: n > threshold),
-        coalesced_all=_calls("all_gather", [BF16 * total], dp),
-        coalesced_np=_calls("all_gather", [BF16 * np_elems], dp) if np_elems else _NONE,
+        coalesced_all=_calls("all_gather", [w * total], dp),
+        coalesced_np=_calls("all_gather", [w * np_elems], dp) if np_elems else _NONE,
         trace_params=sum(len(ns) * k for ns, k in mods),
-        # stage3.py __avg_scatter_grads: one reduce-scatter per IPG bucket (per-param padded to dp)
-        ipg=_calls("reduce_scatter", (BF16 * b for b in ipg_buckets([pad(n) for n in _grad_sizes(model)], bucket)), dp),
+        # stage3.py __avg_scatter_grads -> reduce_scatter_coalesced: one reduce-scatter per IPG bucket
+        # (per-param padded to dp). A parameter above reduce_bucket_size is not copied into the IPG
+        # buffer (__add_grad_to_ipg_bucket) but is bucketed alike: alone, one reduce-scatter of it
+        ipg=_calls("reduce_scatter", (w * b for b in ipg_buckets([pad(n) for n in _grad_sizes(model)], bucket)), dp),
     )
 
 
@@ -344,12 +421,12 @@ def _z3_regime(model: ModelShape, lay: Layout, fw, z: _Z3Shape) -> str:
 
 
 def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
-    dp, m = lay.dp, lay.num_microbatches
-    z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size)
+    dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
+    z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, _DTYPES[prec])
     regime = _z3_regime(model, lay, fw, z)
 
-    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size).state()
-    key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, regime)
+    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec).state()
+    key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, regime, prec)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: _fresh(_zero3_comm(*key)[0])
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
@@ -358,19 +435,24 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
 
 
 @lru_cache(maxsize=256)
-def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int) -> "_Memory":
-    z = _z3_shape(model, dp, threshold, bucket)
+def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str) -> "_Memory":
+    w = _DTYPES[precision]
+    z = _z3_shape(model, dp, threshold, bucket, w)
     s = _Memory(3)
     # stage3.py _create_fp16_partitions_with_defragmentation: the ds_tensors of one sub-group live in
-    # fp16_partitioned_groups_flat (sub_group_size 1e9 >> tiny models: one group)
-    s.add("params_bytes", "bf16 partitions (ds_tensor, fp16_partitioned_groups_flat)", BF16 * z.part)
-    # ds_persist params stay gathered after _post_step (full bf16 tensors)
-    s.add("params_bytes", "persistent params (full)", BF16 * z.persist_numel)
-    # grad_partitions_flat_buffer (gradient_accumulation_dtype bf16) and the IPG bucket of
-    # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3); micro-batches accumulate
-    # into the same partitions (partition_grads: copy_ at micro_step_id 0, add_ after)
-    s.add("grads_bytes", "grad partitions (grad_partitions_flat_buffer)", BF16 * z.part)
-    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", BF16 * bucket)
+    # fp16_partitioned_groups_flat, in the model dtype (sub_group_size 1e9 >> tiny models: one group)
+    s.add("params_bytes", f"{precision} partitions (ds_tensor, fp16_partitioned_groups_flat)", w * z.part)
+    # ds_persist params stay gathered after _post_step (full tensors)
+    s.add("params_bytes", "persistent params (full)", w * z.persist_numel)
+    # grad_partitions_flat_buffer (gradient_accumulation_dtype = model dtype) and the IPG bucket of
+    # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3), also when a parameter is
+    # larger than the bucket; micro-batches accumulate into the same partitions (partition_grads:
+    # copy_ at micro_step_id 0, add_ after)
+    s.add("grads_bytes", "grad partitions (grad_partitions_flat_buffer)", w * z.part)
+    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", w * bucket)
+    # _create_fp32_partitions: an fp32 copy (.to(self.device, fp32).clone()), fp32 models too: its
+    # no-copy branch needs `fp16_partitioned_groups_flat[i].device == self.device`, a torch.device
+    # against the accelerator's device name (a str: 'cpu', 'cuda:0'), which is never equal
     s.add("optim_bytes", "fp32 partition (fp32_partitioned_groups_flat)", FP32 * z.part)
     s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * z.part)
     s.add("optim_bytes", "adam step", FP32)
@@ -380,7 +462,7 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int) -> "_
 
 
 @lru_cache(maxsize=1024)
-def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, regime: str):
+def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, regime: str, precision: str):
     """(steady, step 0, step 1 or None) collectives of one rank.
 
     The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
@@ -394,7 +476,8 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     persistent params gathered."""
     if dp == 1:
         return (), (), (None if m > 1 else ())
-    z = _z3_shape(model, dp, threshold, bucket)
+    z = _z3_shape(model, dp, threshold, bucket, _DTYPES[precision])
+    t = precision  # the dtype of the param all-gathers and gradient reduce-scatters
     if regime == "3N":
         # prefetch 0, reuse distance 0: each module's non-available params gathered before its forward,
         # released after it, gathered again before its backward and released after it
@@ -418,28 +501,28 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
         # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
         # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
         # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
-        out.add("reduce_scatter", "bf16", z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
-        # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (bf16 has no overflow all-reduce
+        out.add("reduce_scatter", t, z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+        # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (only fp16 has an overflow all-reduce
         # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
         out.add("all_reduce", "fp64", _calls("all_reduce", [FP64], dp), "grad norm")
-        out.add("all_gather", "bf16", z.persist, "persistent params (_post_step)")
+        out.add("all_gather", t, z.persist, "persistent params (_post_step)")
         return out
 
-    steady = common(_Sum().add("all_gather", "bf16", steady_micro.times(m), steady_what)).build()
+    steady = common(_Sum().add("all_gather", t, steady_micro.times(m), steady_what)).build()
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
-    first = _Sum().add("all_gather", "bf16", z.module_pass.times(2), "untraced per-module fetch, forward + backward")
+    first = _Sum().add("all_gather", t, z.module_pass.times(2), "untraced per-module fetch, forward + backward")
     first.add("broadcast", "int64", _calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
     trace = _trace_checks(model, z, dp)
     if m == 1:
         # step 1 starts with the trace completion, then runs as steady state
-        warmup = _Sum().add("all_gather", "bf16", steady_micro.times(m), steady_what)
+        warmup = _Sum().add("all_gather", t, steady_micro.times(m), steady_what)
         warmup.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
         return steady, common(first).build(), common(warmup).build()
     # micro-batch 1 completes the trace, fetches as the first complete pass; later ones as steady
     first.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
-    first.add("all_gather", "bf16", first_complete, first_what)
-    first.add("all_gather", "bf16", steady_micro.times(m - 2), steady_what)
+    first.add("all_gather", t, first_complete, first_what)
+    first.add("all_gather", t, steady_micro.times(m - 2), steady_what)
     return steady, common(first).build(), None
 
 
