@@ -33,7 +33,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     m, fw, tr = cfg.model, cfg.framework, cfg.train
     head_dim = m.hidden // m.heads
     return textwrap.dedent(f'''\
-        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, tp={lay.tp}
+        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, tp={lay.tp} cp={lay.cp}
         dp_shard={lay.dp_shard} dp_replicate={lay.dp_replicate} (world {lay.world}).
 
         On a GPU cluster, from the torchtitan repo root (this folder on PYTHONPATH):
@@ -104,6 +104,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                     data_parallel_shard_degree={lay.dp_shard},
                     data_parallel_replicate_degree={lay.dp_replicate},
                     tensor_parallel_degree={lay.tp},
+                    context_parallel_degree={lay.cp},  # FlexAttention: K/V all-gathered over cp
                     enable_sequence_parallel={bool(lay.sequence_parallel)},
                     fsdp_reshard_after_forward={fw.reshard_after_forward!r},
                     spmd_backend={fw.spmd_backend!r},
@@ -208,6 +209,8 @@ def run_rank(cfg, lay, session) -> dict:
         titan_cpu.install()
     else:
         titan_cpu.set_timeout_shim()
+        titan_cpu.eager_cp_block_mask()
+        titan_cpu.visible_cp_allgather()
     import torch
 
     job_dir = os.path.dirname(session.out_path)

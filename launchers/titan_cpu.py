@@ -4,7 +4,9 @@ Each redirect names the torchtitan file it serves and counts in REACHED every ti
 work, so a test can tell a redirect that stopped being reached (no longer needed, or no longer
 working) from one that still carries the run. `install()` is called by launchers.titan only
 when cluster.device == "cpu", before torchtitan is imported; nothing here touches a GPU run,
-except `set_timeout` (see there), which torch 2.13 lacks on every device.
+except `set_timeout` (see there), which torch 2.13 lacks on every device, and
+`eager_cp_block_mask` and `visible_cp_allgather` (see there), which the comm probe needs on
+every device.
 """
 from __future__ import annotations
 
@@ -151,6 +153,55 @@ def set_timeout_shim() -> None:
     dist.set_timeout = set_timeout
 
 
+# -- distributed/context_parallel/api.py cp_shard -> torch's _context_parallel/_attention.py
+#    _create_cp_block_mask builds the CP BlockMask with torch.compile(create_block_mask,
+#    fullgraph=True). Under the comm probe's TorchDispatchMode dynamo skips every frame
+#    (_dynamo/convert_frame.py: "non-infra torch dispatch mode present"), and fullgraph turns
+#    the skip into "torch.compile with fullgraph=True found no compiled frames". The eager
+#    create_block_mask builds the same BlockMask (tests/test_titan.py compares them) and runs
+#    no collective. A probe effect, not a CPU one: applied on every device.
+def eager_cp_block_mask() -> None:
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def create_block_mask_eager(*a, **k):
+        REACHED["eager_cp_block_mask"] += 1
+        return create_block_mask(*a, **k)
+
+    _attention._compiled_create_block_mask = create_block_mask_eager  # read when None: compiled then
+
+
+# -- distributed/context_parallel/api.py apply_cp_to_forward: FlexAttention's K/V all-gather is
+#    torch's custom op cplib::flex_cp_allgather (_context_parallel/_cp_custom_ops.py), backward
+#    cplib::flex_cp_allgather_backward. The comm probe's TorchDispatchMode sees the custom op as
+#    one opaque op and runs its body with the mode off, so the funcol all_gather_single /
+#    reduce_scatter_single inside go unrecorded. The same two bodies (the ops' own functions,
+#    `_init_fn`) run here under an autograd.Function instead: the same collectives, seen. A probe
+#    effect, not a CPU one: applied on every device.
+def visible_cp_allgather() -> None:
+    from torch.distributed.tensor.experimental._context_parallel import _cp_custom_ops as ops
+    from torchtitan.distributed.context_parallel import api
+
+    gather, scatter = ops.flex_cp_allgather._init_fn, ops.flex_cp_allgather_backward._init_fn
+
+    class AllGatherKV(torch.autograd.Function):  # _cp_custom_ops.py register_autograd, unwrapped
+        @staticmethod
+        def forward(ctx, k, v, seq_dim, pg_name):
+            ctx.seq_dim, ctx.pg_name = seq_dim, pg_name
+            return gather(k, v, seq_dim, pg_name)
+
+        @staticmethod
+        def backward(ctx, grad_k, grad_v):
+            REACHED["visible_cp_allgather"] += 1
+            return (*scatter(grad_k, grad_v, ctx.seq_dim, ctx.pg_name), None, None)
+
+    def flex_cp_allgather(k, v, seq_dim, pg_name):
+        REACHED["visible_cp_allgather"] += 1
+        return AllGatherKV.apply(k, v, seq_dim, pg_name)
+
+    api.flex_cp_allgather = flex_cp_allgather  # cp_forward looks the name up at call time
+
+
 def install() -> None:
     """Apply every CPU redirect; must run before any torchtitan import."""
     global _installed
@@ -166,6 +217,8 @@ def install() -> None:
     _force_sum()
     _barrier_without_device_ids()
     set_timeout_shim()
+    eager_cp_block_mask()
+    visible_cp_allgather()
     _installed = True
 
 

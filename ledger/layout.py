@@ -114,7 +114,11 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         need(lay.dp_replicate == 1, lambda: "megatron: dp_replicate (HSDP) is a torchtitan layout")
     elif framework == "titan":
         need(lay.pp == 1, lambda: f"titan: pp={lay.pp}: pipeline parallelism is not modelled for torchtitan yet")
-        need(lay.cp == 1, f"titan: cp={lay.cp} is not modelled for torchtitan yet")
+        # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
+        # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
+        need(lay.cp == 1 or model.seq_len % (128 * lay.cp) == 0,
+             lambda: f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 (FlexAttention's "
+             "CP BlockMask is sharded in whole 128-token blocks)")
         need(lay.num_microbatches == 1,
              lambda: f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
              "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")

@@ -1,10 +1,13 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (six small multiruns, 11 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
+One shared sweep (nine small multiruns, 17 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
-uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4; and
-tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default). Every row on every rank
-must reconcile with abs_err 0, and every CPU redirect must have been reached on every rank.
+uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
+tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default); and context parallelism
+at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
+settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4). Every row on
+every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
+rank (the CP ones on the CP jobs).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 
 from analysis import records
 from ledger.faithful import titan as L
-from ledger.layout import ConfigError, resolve
+from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
 from tests.conftest import REPO, launch, run_sweeps
 
@@ -35,11 +38,18 @@ SWEEPS = (
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
     ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.micro_batch_size=2")),
+    # context parallelism: K/V all-gathers over cp, FSDP over dp_shard x cp, loss mesh with cp
+    ("w2cp", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.reshard_after_forward=always,never")),
+    ("w4cp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.dp_replicate=1,2")),
+    ("w4tpcp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.tp=2",
+                "layout.sequence_parallel=false,true")),
 )
-EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2"}  # layout names (dp is the total DP degree)
-EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp"}  # the extra TP jobs, one reshard setting each
+EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
+# the extra TP and CP jobs, one reshard setting each
+EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp"}
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
+CP_REDIRECTS = {"eager_cp_block_mask", "visible_cp_allgather"}  # reached where cp > 1
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +104,9 @@ def test_collectives_cover_fsdp_tp_hsdp(sweep):
     q = set(df.quantity)
     for needed in ("comm/dp/all_gather/count", "comm/dp/reduce_scatter/count", "comm/dp/all_reduce/count",
                    "comm/tp/all_reduce/count", "comm/tp/all_gather/count", "comm/dp_replicate/all_reduce/count",
-                   "comm/dp-dp_replicate/all_reduce/count"):
+                   "comm/dp-dp_replicate/all_reduce/count", "comm/cp/all_gather/count", "comm/cp/reduce_scatter/count",
+                   "comm/cp-dp/all_gather/count", "comm/cp-dp/reduce_scatter/count",
+                   "comm/cp-dp_replicate/all_reduce/count"):
         assert needed in q, needed
     # reshard_after_forward=never gathers the blocks once per step, always twice
     for rec in sweep["ok"]:
@@ -125,6 +137,27 @@ def test_sequence_parallel_gathers_and_scatters_instead_of_all_reduce(sweep):
 
 
 @pytest.mark.real
+def test_context_parallel_gathers_kv_per_layer_and_shards_fsdp_over_cp(sweep):
+    """cp2·dp2 (vocab 1030): every layer all-gathers K and V over cp and reduce-scatters their grads
+    (B x seq x kv_heads x head_dim bf16, full); FSDP shards over dp_shard x cp = 4 ranks ("cp-dp");
+    the rope cache stays whole (seq_len rows) on every rank."""
+    rec = next(r for r in sweep["ok"] if records.layout_name(r) == "cp2·dp2")
+    m = rec["config"]["model"]
+    L_, kv = m["layers"], m["seq_len"] * m["kv_heads"] * (m["hidden"] // m["heads"]) * 2
+    for rank in rec["measurement"]["ranks"]:
+        comm = {(c["dim"], c["kind"], c["dtype"]): c for c in rank["steps"][-1]["comm"]}
+        for kind in ("all_gather", "reduce_scatter"):
+            c = comm[("cp", kind, "bf16")]
+            assert (c["count"], c["buffer_bytes"]) == (2 * L_, 2 * L_ * kv)
+        assert ("cp-dp", "all_gather", "bf16") in comm and ("dp", "all_gather", "bf16") not in comm
+        st = rank["steps"][-1]["state"]
+        assert st["other_bytes"] == L_ * m["seq_len"] * (m["hidden"] // m["heads"] // 2) * 8
+    # 1030 rows over 4 shards: 258 each, the last 256; shard index dp * cp + cp: rank 3 is the last
+    st = {r["rank"]: r["steps"][-1]["state"] for r in rec["measurement"]["ranks"]}
+    assert st[0]["optim_bytes"] - st[3]["optim_bytes"] == 2 * 2 * 2 * m["hidden"] * 4
+
+
+@pytest.mark.real
 def test_dim0_padding_is_measured_per_rank(sweep):
     """vocab 1030 over dp_shard 4: every rank stores ceil(1030/4)=258 rows, rank 3 updates 256."""
     rec = next(r for r in sweep["ok"] if records.layout_name(r) == "dp4")
@@ -136,9 +169,10 @@ def test_dim0_padding_is_measured_per_rank(sweep):
 @pytest.mark.real
 def test_every_cpu_redirect_reached_on_every_rank(sweep):
     for rec in sweep["ok"]:
+        want = REDIRECTS | (CP_REDIRECTS if rec["prediction"]["layout"]["cp"] > 1 else set())
         for m in rec["measurement"]["ranks"]:
             got = m.get("cpu_redirects") or {}
-            missing = {k for k in REDIRECTS if got.get(k, 0) < 1}
+            missing = {k for k in want if got.get(k, 0) < 1}
             assert not missing, (records.job_name(rec), m["rank"], missing)
 
 
@@ -174,6 +208,118 @@ def test_redirect_math_attention_matches_flex_forward():
     ref = flex_attention(q, kk, vv, block_mask=bm, enable_gqa=True)
     got, _ = math_flex_attention(q, kk, vv, block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+class _CPMesh:  # what torch's _create_cp_block_mask reads of a cp mesh
+    device_type = "cpu"
+
+    def __init__(self, rank, size):
+        self.rank_, self.size_ = rank, size
+
+    def get_local_rank(self):
+        return self.rank_
+
+    def size(self):
+        return self.size_
+
+
+def _causal(b, h, q, k):
+    return q >= k
+
+
+def test_redirect_math_attention_under_cp_is_the_ranks_rows_of_full_attention():
+    """Under CP each rank's attention gets its load-balanced (head-tail) Q chunk, the K/V all-gather
+    of every rank's chunks and torch's CP BlockMask, whose mask_mod maps local q and gathered kv
+    back to global positions: the redirect gives the rank's rows of full causal attention, as
+    flex_attention's own forward does."""
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel import _attention as A
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from launchers.titan_cpu import math_flex_attention
+
+    cp, n = 2, 256
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 8) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    full = flex_attention(q, k, v, block_mask=create_block_mask(_causal, 1, None, n, n, device="cpu"),
+                          enable_gqa=True)
+    lb = _HeadTailLoadBalancer(n, cp, "cpu")
+    idx = lb._generate_indices()[0]
+    kk, vv = k[:, :, idx], v[:, :, idx]  # the all-gather: rank order of load-balanced chunks
+    saved = A._compiled_create_block_mask
+    A._compiled_create_block_mask = create_block_mask  # eager (see the next test)
+    try:
+        for r in range(cp):
+            bm = A._create_cp_block_mask(_causal, 1, 1, n, n, _CPMesh(r, cp), lb)
+            rows = idx[r * n // cp:(r + 1) * n // cp]
+            got, _ = math_flex_attention(q[:, :, rows], kk, vv, block_mask=bm, enable_gqa=True)
+            torch.testing.assert_close(got, full[:, :, rows], rtol=1e-5, atol=1e-5)
+            ref = flex_attention(q[:, :, rows], kk, vv, block_mask=bm, enable_gqa=True)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        A._compiled_create_block_mask = saved
+
+
+def test_redirect_eager_cp_block_mask_is_the_compiled_one_and_still_needed():
+    """torch compiles create_block_mask with fullgraph=True for CP; under the comm probe's dispatch
+    mode dynamo compiles nothing and raises. The eager build gives the same BlockMask."""
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel import _attention as A
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from probes.comm import CommProbe
+
+    saved = A._compiled_create_block_mask
+    try:
+        args = (_causal, 2, 1, 512, 512, _CPMesh(1, 2), _HeadTailLoadBalancer(512, 2, "cpu"))
+        A._compiled_create_block_mask = None
+        with CommProbe().recording(), pytest.raises(RuntimeError, match="found no compiled frames"):
+            A._create_cp_block_mask(*args)
+        torch._dynamo.reset()  # forget the frames skipped under the mode
+        A._compiled_create_block_mask = None
+        ref = A._create_cp_block_mask(*args)  # compiled (no mode active)
+        A._compiled_create_block_mask = create_block_mask
+        got = A._create_cp_block_mask(*args)
+    finally:
+        A._compiled_create_block_mask = saved
+    assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
+    for a in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices"):
+        assert torch.equal(getattr(got, a), getattr(ref, a)), a
+
+
+def test_redirect_visible_cp_allgather_shows_the_probe_the_same_collectives():
+    """The probe does not see the collectives inside torch's cplib::flex_cp_allgather custom op (a
+    one-rank group: the probe counts each call it sees as ignored_single); the redirect runs the
+    op's own bodies where it sees both all-gathers and both backward reduce-scatters, same values."""
+    code = r"""
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from launchers import titan_cpu
+titan_cpu.install()
+from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
+from torchtitan.distributed.context_parallel import api
+from probes.comm import CommProbe
+pg = dist.group.WORLD.group_name
+for name, fn in (("opaque", flex_cp_allgather), ("visible", api.flex_cp_allgather)):
+    k = torch.arange(24.0).reshape(1, 3, 2, 4).requires_grad_()
+    probe = CommProbe()
+    with probe.recording():
+        gk, gv = fn(k, k * 2, 1, pg)
+        (gk * 3 + gv).sum().backward()
+    print(name, probe.ignored_single, float(gk.sum() + gv.sum()), float(k.grad.sum()))
+"""
+    from launchers.local import free_port
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PORT=str(free_port()), PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    got = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.split()[:1] in
+           (["opaque"], ["visible"])}
+    assert set(got) == {"opaque", "visible"}, r.stderr[-3000:]
+    assert got["opaque"][0] == "0" and got["visible"][0] == "4"
+    assert got["opaque"][1:] == got["visible"][1:]
 
 
 def test_redirects_still_needed_in_a_fresh_process():
@@ -255,8 +401,18 @@ def test_shape_limits_are_config_errors():
     with pytest.raises(ConfigError, match="bias"):
         L.place(m, _lay(world=2), _fw())
     # trainer.py: with SP the sequence is split over tp
-    with pytest.raises(ConfigError, match="sequence_parallel: seq_len=128 must be divisible by tp=3"):
+    with pytest.raises(ConfigError, match=r"seq_len=128 must be divisible by tp=3 \(sequence_parallel\)"):
         L.place(preset("tiny"), _lay(world=3, tp=3, sequence_parallel=True), _fw())
+    # with CP: x 2*cp; torch's _create_cp_block_mask shards the BlockMask in 128-token blocks
+    sp_cp = ModelShape(layers=2, hidden=96, ffn_hidden=192, heads=6, kv_heads=3, vocab=129, seq_len=512)
+    with pytest.raises(ConfigError, match=r"seq_len=512 must be divisible by tp=3 \(sequence_parallel\) x 2\*cp=4"):
+        L.place(sp_cp, _lay(world=6, tp=3, cp=2, sequence_parallel=True), _fw())
+    for world, cp, seq in ((2, 2, 128), (4, 4, 256)):
+        m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128, seq_len=seq)
+        with pytest.raises(ConfigError, match=f"cp={cp}: seq_len={seq} must be divisible by cp\\*128"):
+            L.place(m, _lay(world=world, cp=cp), _fw())
+        with pytest.raises(ConfigError, match=f"cp={cp}: seq_len={seq} must be divisible by cp\\*128"):
+            validate(m, _lay(world=world, cp=cp), "titan")
 
 
 # -- dry ------------------------------------------------------------------------------------------
@@ -308,13 +464,15 @@ def test_sequence_parallel_tp_collectives():
 
 
 @pytest.mark.parametrize("raf", ["default", "never"])
-@pytest.mark.parametrize("kw", [dict(), dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True),
+                                dict(cp=2), dict(cp=4), dict(cp=2, dp_replicate=2), dict(cp=2, tp=2)])
 def test_first_step_list_is_the_steady_list_less_the_lm_head_regather(raf, kw):
-    m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=32)
+    m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=512)
     lay, fw = _lay(world=8, **kw), _fw(reshard_after_forward=raf)
-    sh = L._sharded(m, lay.tp, lay.dp_shard)
+    ds = lay.dp_shard * lay.cp
+    sh = L._sharded(m, lay.tp, ds)
     first = L._comm(m, lay, fw, sh, steady=False)
-    assert L._first_step(L._comm(m, lay, fw, sh, steady=True), sh, lay.dp_shard) == first
+    assert L._first_step(L._comm(m, lay, fw, sh, steady=True), sh, ds, lay.grid.label_of(("cp", "dp"))) == first
     assert L.place(m, lay, fw).rank_state(0).comm_first == first
 
 
@@ -340,6 +498,34 @@ def test_representatives_cover_every_distinct_state():
         assert {id(pl.rank_state(r)) for r in pl.representatives} == set(every)
         assert len(every) > 1
         assert pl.per_gpu.resident_bytes == max(s.resident_bytes for s in every.values())
+
+
+def test_context_parallel_ledger():
+    """FSDP over dp_shard x cp (dim "cp-dp"), K/V all-gathers / grad reduce-scatters on "cp", the
+    batch mesh without cp and the loss mesh with it; TP sees the rank's seq_len/cp tokens."""
+    m = ModelShape(layers=3, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=512)
+    lay = _lay(world=16, cp=2, dp_replicate=2)  # dp_shard 4
+    pl = L.place(m, lay, _fw())
+    flat = L.place(m, _lay(world=8, dp_replicate=1), _fw())  # FSDP over 8 ranks: the same shards
+    assert {r: pl.rank_state(r).resident_bytes for r in range(16)} ==         {r: flat.rank_state(r % 8).resident_bytes for r in range(16)}
+    comm = {(c.dim, c.kind, c.dtype): c for c in pl.rank_state(0).comm}
+    kv = 512 * 2 * 32 * 2
+    for kind in ("all_gather", "reduce_scatter"):
+        assert (comm["cp", kind, "bf16"].count, comm["cp", kind, "bf16"].buffer_bytes) == (6, 6 * kv)
+    assert comm["cp-dp", "all_gather", "bf16"].count == 3 + 2 + 2 + 3 + 1
+    assert comm["cp-dp", "reduce_scatter", "fp32"].count == comm["dp_replicate", "all_reduce", "fp32"].count
+    assert comm["dp-dp_replicate", "all_reduce", "int64"].count == 1  # valid tokens (batch mesh)
+    assert comm["cp-dp-dp_replicate", "all_reduce", "int64"].count == 1  # ntokens_seen (loss mesh)
+    assert comm["cp-dp-dp_replicate", "all_reduce", "fp32"].count == 2
+    assert not {d for d, _, _ in comm} - {"cp", "cp-dp", "dp_replicate", "dp-dp_replicate", "cp-dp-dp_replicate"}
+    # the shard index is dp * cp + cp: ranks 6 and 7 (dp 3) hold the short last shards
+    assert [pl.rank_state(r).optim_bytes == pl.rank_state(0).optim_bytes for r in range(8)] == [True] * 7 + [False]
+    # TP inside CP: activations of seq_len / cp tokens
+    tpcp = L.place(m, _lay(world=8, cp=2, tp=2, sequence_parallel=True), _fw())
+    tp = {(c.kind, c.dtype): c for c in tpcp.rank_state(0).comm if c.dim == "tp"}
+    assert tp["all_gather", "bf16"].buffer_bytes == 2 * (2 * 3 + 1) * 256 * 256 * 2
+    cpkv = {c.kind: c for c in tpcp.rank_state(0).comm if c.dim == "cp" and c.dtype == "bf16"}
+    assert cpkv["all_gather"].buffer_bytes == 6 * 512 * 1 * 32 * 2  # kv_heads / tp = 1 head
 
 
 def test_cached_block_stands_for_every_layer():

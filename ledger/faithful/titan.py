@@ -2,6 +2,11 @@
 
 Every rule names the source it follows. Shapes are the ModelShape's, built as launchers/titan.py
 builds them (llama3 layers, untied lm_head, separate wq/wk/wv, rope cache sized to seq_len).
+
+Meshes (distributed/parallel_dims.py build_mesh, legacy spmd backend): FSDP shards over "fsdp" =
+dp_shard x cp; the batch mesh is dp_replicate x dp_shard, the loss mesh batch x cp. The grid
+(ledger/grid.py: tp, cp, dp, dp_replicate, pp) is torchtitan's mesh order, so a rank's FSDP shard
+index is dp * cp + cp and a group over cp and dp_shard is dim "cp-dp".
 """
 from __future__ import annotations
 
@@ -114,15 +119,25 @@ def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
                     sum(_padded_full(p, ds) for p in block), tuple(sorted(reps)))
 
 
+# torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE: the CP BlockMask's Q block
+CP_BLOCK = 128
+
+
 def check(model: ModelShape, lay: Layout) -> None:
-    sp_div = lay.tp if lay.sequence_parallel else 1
+    # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
+    sp_div = (lay.tp if lay.sequence_parallel else 1) * (2 * lay.cp if lay.cp > 1 else 1)
     for ok, msg in ((model.norm == "rmsnorm", f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
                     (model.swiglu, "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
                     (not model.bias, "titan: model.bias=true: torchtitan llama3 linears have no bias"),
                     (not model.tied_embeddings, "titan: tied_embeddings=true is not modelled (separate FSDP grouping)"),
-                    # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
-                    (model.seq_len % sp_div == 0, f"titan: sequence_parallel: seq_len={model.seq_len} must be "
-                                                  f"divisible by tp={lay.tp}"),
+                    (model.seq_len % sp_div == 0, f"titan: seq_len={model.seq_len} must be divisible by " + " x ".join(
+                        [f"tp={lay.tp} (sequence_parallel)"] * bool(lay.sequence_parallel)
+                        + [f"2*cp={2 * lay.cp} (context parallel)"] * (lay.cp > 1))),
+                    # torch _context_parallel/_attention.py _create_cp_block_mask: NotImplementedError
+                    # unless Q_LEN % (cp * BLOCK_SIZE) == 0
+                    (lay.cp == 1 or model.seq_len % (lay.cp * CP_BLOCK) == 0,
+                     f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*{CP_BLOCK} "
+                     "(torch's _create_cp_block_mask shards the BlockMask in whole blocks)"),
                     (model.seq_len % 8 == 0, f"titan: seq_len={model.seq_len} must be divisible by "
                                              "ChunkedLossWrapper.num_chunks=8")):
         if not ok:
@@ -136,7 +151,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         if getattr(fw, field) != want:
             raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models {want!r}")
     grid: Grid = lay.grid
-    ds = lay.dp_shard
+    cp = lay.cp
+    ds = lay.dp_shard * cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
     sh = _sharded(model, lay.tp, ds)
     # the collectives are the same on every rank (padded full buffers): computed once, on first use
     memo: dict[bool, list] = {}
@@ -151,7 +167,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # as _comm(steady=False), for a fraction of the work); a search never reads it
     def first_comm():  # shared by the states of every rank, like the steady list
         if False not in memo:
-            memo[False] = _first_step(steady_comm(), sh, ds)
+            memo[False] = _first_step(steady_comm(), sh, ds, grid.label_of(("cp", "dp")))
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
@@ -161,7 +177,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     by_k: dict[int, RankState] = {}
 
     def rank_state(r: int) -> RankState:
-        k = grid.coords(r)["dp"]
+        c = grid.coords(r)
+        k = c["dp"] * cp + c["cp"]  # the rank's index on the fsdp mesh (cp inner)
         if k not in by_k:
             key = tuple(_rows_of(d0, ds, k) for d0, _ in sh.uneven)
             if key not in cache:
@@ -173,9 +190,9 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                    world=lay.world, rank_state=rank_state,
                    # a state depends on the shard rank alone, and only changes where an unevenly
                    # split dim 0 does: one rank per such stretch of shard ranks covers them all
-                   representatives=[grid.rank({"dp": k}) for k in sh.reps])
+                   representatives=[grid.rank({"dp": k // cp, "cp": k % cp}) for k in sh.reps])
     if lay.tp > 1:
-        T = lay.micro_batch_size * model.seq_len
+        T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
         if priced:
             pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
@@ -197,7 +214,8 @@ def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first
     held = sh.even + sum(_rows_of(d0, ds, k) * rest for d0, rest in sh.uneven)
     s.add("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32)
     s.add("optim_bytes", "adam step", sh.n_params * F32)
-    # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x head_dim/2)
+    # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x head_dim/2);
+    # CP shards the positions that index it (prepare_context_parallel_input), not the cache
     s.add("other_bytes", "rope cache buffers", model.layers * model.seq_len * (model.head_dim // 2) * 8)
     return s
 
@@ -212,13 +230,13 @@ def _lm_head_regathers(fw, steady: bool) -> bool:
 _REGATHER = "ChunkedLossWrapper lm_head.unshard"
 
 
-def _first_step(steady: list[Comm], sh: _Sharded, ds: int) -> list[Comm]:
+def _first_step(steady: list[Comm], sh: _Sharded, ds: int, fsdp_dim: str) -> list[Comm]:
     """Step 0's collectives where they differ: steady state less the [norm, lm_head] gather that
     _lm_head_regathers leaves out of the first step (test: equal to _comm(steady=False))."""
     buf = (sh.norm_full + sh.lm_full) * BF16
     out = []
     for c in steady:
-        if (c.dim, c.kind, c.dtype) == ("dp", "all_gather", "bf16"):
+        if (c.dim, c.kind, c.dtype) == (fsdp_dim, "all_gather", "bf16"):
             c = Comm(c.dim, c.kind, c.count - 1, c.buffer_bytes - buf, c.wire_bytes - wire_bytes(c.kind, buf, ds),
                      c.dtype, "; ".join(w for w in c.what.split("; ") if w != _REGATHER))
         out.append(c)
@@ -227,14 +245,17 @@ def _first_step(steady: list[Comm], sh: _Sharded, ds: int) -> list[Comm]:
 
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool) -> list[Comm]:
     cb = CommBuilder()
-    ds, rep, tp = lay.dp_shard, lay.dp_replicate, lay.tp
+    cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
+    ds = lay.dp_shard * cp
+    grid = lay.grid
+    fsdp = grid.label_of(("cp", "dp"))  # the "fsdp" mesh: dp_shard x cp
     head = sh.norm_full + sh.lm_full
 
     def ag(full, what, count=1):  # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit
-        cb.add("dp", "all_gather", full * BF16, ds, "bf16", count=count, what=what)
+        cb.add(fsdp, "all_gather", full * BF16, ds, "bf16", count=count, what=what)
 
     def rs(full, what, count=1):  # foreach_reduce: one fp32 reduce-scatter per call, + HSDP all-reduce
-        cb.add("dp", "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
+        cb.add(fsdp, "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
         cb.add("dp_replicate", "all_reduce", full * F32 // ds, rep, "fp32", count=count, what=f"HSDP {what}")
 
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
@@ -258,14 +279,24 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool) -> lis
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    cb.add("dp", "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
+    cb.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
     cb.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", what="grad-norm (stacked per-param norms)")
-    # trainer.py train_step: global_valid_tokens (int64) on the batch mesh, then the logged
-    # global avg loss (sum), max loss, ntokens_seen (int64) on the loss mesh (= batch mesh here)
-    bdim = "-".join(d for d, n in (("dp", ds), ("dp_replicate", rep)) if n > 1)
-    bsize = ds * rep
-    cb.add(bdim, "all_reduce", 8, bsize, "int64", count=2, what="valid tokens, ntokens_seen")
-    cb.add(bdim, "all_reduce", 4, bsize, "fp32", count=2, what="loss sum, loss max")
+    # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
+    # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
+    # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
+    bsize = lay.dp_shard * rep
+    cb.add(grid.label_of(("dp", "dp_replicate")), "all_reduce", 8, bsize, "int64", what="valid tokens")
+    loss_dim = grid.label_of(("cp", "dp", "dp_replicate"))
+    cb.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", what="ntokens_seen")
+    cb.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", count=2, what="loss sum, loss max")
+    if cp > 1:
+        # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
+        # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
+        # two all_gather_single on the sequence dim); its backward reduce-scatters both grads
+        # (flex_cp_allgather_backward). Local K/V: kv_heads/tp heads (inside TP's local_map)
+        kv = lay.micro_batch_size * model.seq_len * model.kv_heads // tp * model.head_dim * BF16
+        cb.add("cp", "all_gather", kv, cp, "bf16", count=2 * model.layers, what="CP K/V all-gather")
+        cb.add("cp", "reduce_scatter", kv, cp, "bf16", count=2 * model.layers, what="CP K/V grads")
     if tp > 1:
         _tp_comm(cb, model, lay)
     return cb.build()
@@ -275,7 +306,7 @@ def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel)."""
     tp, L, h = lay.tp, model.layers, model.hidden
-    T = lay.micro_batch_size * model.seq_len
+    T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens: CP splits the sequence
     act = T * h * BF16
     sp = bool(lay.sequence_parallel)
     if sp:
