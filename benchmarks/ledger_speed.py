@@ -48,14 +48,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, gbs: int, tps, pps, mbs, **extra) -> list[C]:
+def layouts(world: int, gbs: int, tps, pps, mbs, cp: int = 1, **extra) -> list[C]:
     out = []
     for tp in tps:
         for pp in pps:
-            if world % (tp * pp):
+            if world % (tp * pp * cp):
                 continue
             for mb in mbs:
-                d = dict(tp=tp, pp=pp, dp=world // (tp * pp), dp_replicate=1, cp=1, ep=1, vp=1,
+                d = dict(tp=tp, pp=pp, dp=world // (tp * pp * cp), dp_replicate=1, cp=cp, ep=1, vp=1,
                          sequence_parallel=False, micro_batch_size=mb, global_batch_size=gbs)
                 d.update({k: (v(d) if callable(v) else v) for k, v in extra.items()})
                 out.append(C(d))
@@ -89,14 +89,15 @@ def main() -> None:
     rows = [("megatron", framework("megatron", overlap_grad_reduce=True), layouts(world, gbs, d, d, mbs, **sp)),
             ("megatron vp2", framework("megatron", overlap_grad_reduce=True),
              layouts(world, gbs, d, [p for p in d if p > 1], mbs, vp=2, **sp)),
-            ("deepspeed z1", framework("deepspeed", zero_stage=1, reduce_bucket_size=2_000_000_000), layouts(world, 8 * gbs, [1], [1], mbs)),
-            ("deepspeed z2", framework("deepspeed", zero_stage=2, reduce_bucket_size=2_000_000_000), layouts(world, 8 * gbs, [1], [1], mbs)),
-            ("deepspeed z3", framework("deepspeed", zero_stage=3, reduce_bucket_size=2_000_000_000,
-                                       stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0),
+            ("deepspeed z1", framework("deepspeed", zero_stage=1), layouts(world, 8 * gbs, [1], [1], mbs)),
+            ("deepspeed z2", framework("deepspeed", zero_stage=2), layouts(world, 8 * gbs, [1], [1], mbs)),
+            ("deepspeed z3", framework("deepspeed", zero_stage=3, stage3_prefetch_bucket_size=0,
+                                       stage3_max_reuse_distance=0),
              layouts(world, 8 * gbs, [1], [1], mbs)),
             ("titan", framework("titan"), layouts(world, gbs, d, [1], mbs)),
             ("titan sp", framework("titan"), layouts(world, gbs, d, [1], mbs, **sp)),
-            ("titan hsdp", framework("titan"), layouts(world, gbs, d, [1], mbs, dp_replicate=8))]
+            ("titan hsdp", framework("titan"), layouts(world, gbs, d, [1], mbs, dp_replicate=8)),
+            ("titan cp2", framework("titan"), layouts(world, gbs // 2, d, [1], mbs, cp=2))]
     print(f"llama3_70b on {world:,} GPUs, every (tp, pp, dp, micro_batch) layout predicted once "
           f"(place + per_gpu + by_kind), best of {args.repeat}; target {TARGET:,}/s on one core")
     for name, fw, lays in rows:

@@ -139,8 +139,13 @@ class _Calls(NamedTuple):
 
 def _calls(kind: str, buffers, group: int, times: int = 1) -> _Calls:
     """`times` rounds of one call per buffer (bytes); equal buffers are summed once."""
+    return _counted(kind, Counter(buffers).items(), group, times)
+
+
+def _counted(kind: str, counts, group: int, times: int = 1) -> _Calls:
+    """_calls over (buffer bytes, how many calls) pairs."""
     count = nbytes = wire = 0
-    for b, k in Counter(buffers).items():
+    for b, k in counts:
         count += k
         nbytes += b * k
         wire += wire_bytes(kind, b, group) * k
@@ -238,23 +243,39 @@ def _zero12_memory(model: ModelShape, dp: int, stage: int, precision: str) -> "_
 
 
 @lru_cache(maxsize=64)
-def _flat_items(model: ModelShape, registration: bool) -> tuple[tuple[int, int], ...]:
-    """(numel, offset in the flat group) per parameter, in registration order or in gradient-ready
-    order; the flat group is registration order without per-param padding. Built per block."""
-    e, blk = model.vocab * model.hidden, _block(model)
-    size = sum(n for _, n in blk)
-    rel = [sum(n for _, n in blk[:j]) for j in range(len(blk))]
+def _block_offsets(model: ModelShape) -> tuple[int, tuple[int, ...]]:
+    """A block's numel and its params' offsets within it (registration order)."""
+    blk = _block(model)
+    return sum(n for _, n in blk), tuple(sum(n for _, n in blk[:j]) for j in range(len(blk)))
+
+
+def _flat_offset(model: ModelShape, registration: bool, i: int) -> int:
+    """Offset in the flat group of the i-th parameter of _registration_sizes (registration) or
+    _grad_sizes (gradient-ready order); the flat group is registration order without per-param padding
+    (parameter_alignment off). Arithmetic on the block structure: only extra-large params ask."""
+    e = model.vocab * model.hidden
+    size, rel = _block_offsets(model)
+    nb, layers = len(rel), model.layers
     norms = [numel(sh) for _, sh in model.norm_params("norm")]
-    norm_at = e + model.layers * size
-    if registration:
-        out = [(e, 0)] + [(n, e + i * size + rel[j]) for i in range(model.layers) for j, (_, n) in enumerate(blk)]
-        out += [(n, norm_at + sum(norms[:k])) for k, n in enumerate(norms)]
-        return tuple(out + ([] if model.tied_embeddings else [(e, norm_at + sum(norms))]))
-    out = [] if model.tied_embeddings else [(e, norm_at + sum(norms))]
-    out += [(n, norm_at + sum(norms[:k])) for k, n in enumerate(norms)]
-    perm = _block_perm(model)
-    out += [(blk[j][1], e + i * size + rel[j]) for i in reversed(range(model.layers)) for j in perm]
-    return tuple(out + [(e, 0)])
+    norm_at = e + layers * size
+    out_at = norm_at + sum(norms)  # untied output, after the final norm
+    if registration:  # embedding, blocks, final norm, output
+        if i == 0:
+            return 0
+        j = i - 1
+        if j < layers * nb:
+            return e + (j // nb) * size + rel[j % nb]
+        j -= layers * nb
+        return norm_at + sum(norms[:j]) if j < len(norms) else out_at
+    head = 0 if model.tied_embeddings else 1  # output, final norm, blocks last to first, embedding
+    if i < head:
+        return out_at
+    if i < head + len(norms):
+        return norm_at + sum(norms[:i - head])
+    j = i - head - len(norms)
+    if j >= layers * nb:
+        return 0
+    return e + (layers - 1 - j // nb) * size + rel[_block_perm(model)[j % nb]]
 
 
 @lru_cache(maxsize=256)
@@ -269,17 +290,25 @@ def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[tupl
     Stage 1 without overlap walks bit16_groups (reduce_gradients: registration order); otherwise the grad
     hooks (process_gradients) bucket in gradient-ready order."""
     out, cur = [], 0
-    for n, off in _flat_items(model, registration):
+    for i, n in enumerate(_registration_sizes(model) if registration else _grad_sizes(model)):
         if cur + n > bucket and cur > 0:
             out.append((cur, -1))
             cur = 0
         if n > bucket:
-            out.append((n, off))
+            out.append((n, _flat_offset(model, registration, i)))
         else:
             cur += n
     if cur:
         out.append((cur, -1))
     return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _split12(model: ModelShape, bucket: int, registration: bool):
+    """_buckets12 as (copied-gradient buckets as (elements, how many), extra-large (elements, offset)):
+    the first part is the same for every dp."""
+    bk = _buckets12(model, bucket, registration)
+    return tuple(Counter(b for b, off in bk if off < 0).items()), tuple(x for x in bk if x[1] >= 0)
 
 
 def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
@@ -320,10 +349,12 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
     times = m if stage == 2 else 1
     # average_tensor(reduce_scatter=True, use_multi_rank_bucket_allreduce) -> allreduce_and_scatter:
     # all-reduces (no reduce-scatter at stage 1 or 2), in the model dtype
-    sizes = []
-    for b, off in _buckets12(model, bucket, registration):
-        sizes += [b] if off < 0 else allreduce_chunks(b, off, flat // dp, bucket)
-    ipg = _calls("all_reduce", (w * b for b in sizes), dp).times(times)
+    normal, large = _split12(model, bucket, registration)
+    ipg = _counted("all_reduce", ((w * b, k) for b, k in normal), dp)
+    if large:
+        chunks = [c for b, off in large for c in allreduce_chunks(b, off, flat // dp, bucket)]
+        ipg = ipg.plus(_calls("all_reduce", (w * c for c in chunks), dp))
+    ipg = ipg.times(times)
     out = _Sum().add("all_reduce", precision, ipg, "IPG bucket (average_tensor)")
     # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
     # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
