@@ -284,6 +284,37 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
     return numel, pieces
 
 
+@lru_cache(maxsize=4096)
+def _most_loaded(classes: tuple, dp: int, dist_opt: bool, pb: int, gb: int, w_elem: int, w_piece: int) -> tuple[int, int]:
+    """(stage, DP rank) of the most-loaded rank among stage classes ((stage, buffers) pairs), the
+    lowest stage and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
+    optimizer bytes are w_elem per owned element and w_piece per owned piece). Cached per stage
+    buffers: layouts of a search that differ only by micro-batch or SP share it.
+
+    A class whose upper bound (every DP range full of parameter elements, every parameter a piece)
+    is below a value already found cannot hold the most-loaded rank, so its DP ranks are not searched."""
+    cands = []
+    for st, bufs in classes:
+        fixed = sum(_buffer_bytes(bufs, dist_opt, pb, gb))
+        if dist_opt:
+            full = sum(int(((b.bend - b.bstart) // dp).sum()) for b in bufs)
+            ub = fixed + w_elem * full + w_piece * sum(len(b.starts) for b in bufs)
+        else:  # every rank owns all: exact
+            n_owned, n_pieces = _owned_by(bufs, dist_opt, dp, 0)
+            ub = fixed + w_elem * n_owned + w_piece * n_pieces
+        cands.append((ub, st, bufs, fixed))
+    best = None  # (value, stage, dp rank)
+    for ub, st, bufs, fixed in sorted(cands, key=lambda c: (-c[0], c[1])):
+        if best is not None and ub < best[0]:
+            break
+        d = heaviest_dp_rank(bufs, dp, w_elem, w_piece) if dist_opt else 0
+        n_owned, n_pieces = _owned_by(bufs, dist_opt, dp, d)
+        val = fixed + w_elem * n_owned + w_piece * n_pieces
+        if best is None or val > best[0] or (val == best[0] and st < best[1]):
+            best = (val, st, d)
+    return best[1], best[2]
+
+
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
     """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
     every bucket of `buffers` (cached: layouts of a search that differ only by micro-batch share it)."""
@@ -348,35 +379,48 @@ def _optim_weights(fw) -> tuple[int, int]:
     return (4 if fw.precision == "bf16" else 0) + 8, ADAM_STEP_BYTES
 
 
+def _dtypes(fw) -> tuple[str, str, int, int]:
+    """(param dtype, grad dtype, their bytes): bf16 params with fp32 grads under grad_reduce_in_fp32."""
+    bf16 = fw.precision == "bf16"
+    pdt = "bf16" if bf16 else "fp32"
+    gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
+    return pdt, gdt, _dtype_bytes(pdt), _dtype_bytes(gdt)
+
+
+def _buffer_bytes(buffers, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
+    """(params bytes, grads bytes) of a stage's DDP buffers: distributed/param_and_grad_buffer.py
+    _ParamAndGradBuffer.__init__ allocates param_data only with the distributed optimizer (else the
+    module keeps its own parameters); grad_data always."""
+    numel = sum(b.numel for b in buffers)
+    return pb * (numel if dist_opt else sum(int(b.prefix[-1]) for b in buffers)), gb * numel
+
+
+def _owned_by(buffers, dist_opt: bool, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, param pieces) whose master params and Adam state a DP rank keeps:
+    distrib_optimizer.py _build_model_and_main_param_groups shards them per DP byte range of each
+    bucket of each chunk's buffer (_build_gbuf_range_map per buffer); without the distributed
+    optimizer every rank keeps every parameter."""
+    if dist_opt:
+        return owned_sizes(buffers, dp, dp_rank)
+    return sum(int(b.prefix[-1]) for b in buffers), sum(len(b.starts) for b in buffers)
+
+
 def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> RankState:
     c = grid.coords(rank)
     stage, dp, dp_rank, tp = c["pp"], lay.dp, c["dp"], lay.tp
     bf16 = fw.precision == "bf16"
-    pdt = "bf16" if bf16 else "fp32"
-    gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
-    pb, gb = _dtype_bytes(pdt), _dtype_bytes(gdt)
+    pdt, gdt, pb, gb = _dtypes(fw)
     dist_opt = fw.use_distributed_optimizer
     buffers = stage_buffers(model, lay, fw, stage)
-    n_local = sum(int(b.prefix[-1]) for b in buffers)
-    n_params = sum(len(b.starts) for b in buffers)
-    buf_numel = sum(b.numel for b in buffers)
+    p_bytes, g_bytes = _buffer_bytes(buffers, dist_opt, pb, gb)
+    owned_numel, owned_pieces = _owned_by(buffers, dist_opt, dp, dp_rank)
 
     s = RankState(stage=stage)
-    # params / grads: distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates
-    # param_data only with the distributed optimizer; grad_data always
-    if dist_opt:
-        s.add("params_bytes", f"{pdt} param buffer (param_data)", pb * buf_numel)
-    else:
-        s.add("params_bytes", f"{pdt} module parameters", pb * n_local)
-    s.add("grads_bytes", f"{gdt} grad buffer (grad_data)", gb * buf_numel)
-    # optim: distrib_optimizer.py _build_model_and_main_param_groups (fp32 master shard per
-    # param range for bf16 params; fp32 params are optimized in place through views) or
-    # optimizer.py Float16OptimizerWithFloat16Params (full fp32 masters) / FP32Optimizer;
-    # the DP ranges are per bucket of each chunk's buffer (_build_gbuf_range_map per buffer)
-    if dist_opt:
-        owned_numel, owned_pieces = owned_sizes(buffers, dp, dp_rank)
-    else:
-        owned_numel, owned_pieces = n_local, n_params
+    s.add("params_bytes", f"{pdt} param buffer (param_data)" if dist_opt else f"{pdt} module parameters", p_bytes)
+    s.add("grads_bytes", f"{gdt} grad buffer (grad_data)", g_bytes)
+    # optim: fp32 master shard per param range for bf16 params (fp32 params are optimized in
+    # place through views; optimizer.py Float16OptimizerWithFloat16Params keeps full fp32 masters
+    # without the distributed optimizer), Adam's two moments, one `step` per param piece
     if bf16:
         s.add("optim_bytes", "fp32 master params", 4 * owned_numel)
     s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 8 * owned_numel)
@@ -618,15 +662,11 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return cache[key]
 
     # the most-loaded rank: TP ranks of a stage hold equal shapes, stages between the first and the
-    # last hold equal buffers (the lowest such stage stands for them), and within a stage DP ranks
-    # differ only by the master/Adam bytes of their bucket ranges
-    stages = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
-    w_elem, w_piece = _optim_weights(fw)
-    reps = []
-    for st in stages:
-        d = heaviest_dp_rank(stage_buffers(model, lay, fw, st), lay.dp, w_elem, w_piece) \
-            if fw.use_distributed_optimizer else 0
-        reps.append(grid.rank({"pp": st, "dp": d}))
+    # last hold equal buffers (the lowest such stage stands for them)
+    _, _, pb, gb = _dtypes(fw)
+    classes = tuple((st, tuple(stage_buffers(model, lay, fw, st))) for st in sorted({0, min(1, lay.pp - 1), lay.pp - 1}))
+    st, d = _most_loaded(classes, lay.dp, bool(fw.use_distributed_optimizer), pb, gb, *_optim_weights(fw))
+    reps = [grid.rank({"pp": st, "dp": d})]
     pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
                    layout=lay.to_dict(), world=lay.world, rank_state=state, representatives=reps)
     pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
