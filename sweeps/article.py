@@ -2,7 +2,7 @@
 
   megatron   TP2 x PP2 x DP2, distributed optimizer (ZeRO-1), SP, micro 1, global 16 (m = 8)
   deepspeed  ZeRO-3, DP8, micro 1, 2 accumulation steps (global 16)
-  titan      FSDP4 x TP2, local batch 2 (global 8), reshard after forward
+  titan      FSDP4 x TP2 (+SP, torchtitan's default), local batch 2 (global 8), reshard after forward
 
     python -m sweeps.article [--mode predict|dry|run] [--ledger faithful|textbook] [--out DIR] [OVERRIDE ...]
 
@@ -31,8 +31,11 @@ RUNS = {
     "deepspeed": ["framework=deepspeed", "framework.zero_stage=3", "framework.reduce_bucket_size=50000000",
                   "framework.stage3_prefetch_bucket_size=50000000", "framework.overlap_comm=true",
                   "layout.dp=8", "layout.micro_batch_size=1", "layout.global_batch_size=16"],
-    "titan": ["framework=titan", "layout.tp=2", "layout.dp=4", "layout.micro_batch_size=2",
-              "layout.global_batch_size=8"],
+    # torchtitan's TP runs with sequence parallelism unless told otherwise (config/configs.py
+    # Parallelism.enable_sequence_parallel = True); layout.sequence_parallel defaults to false for all
+    # frameworks, so it is set here
+    "titan": ["framework=titan", "layout.tp=2", "layout.dp=4", "layout.sequence_parallel=true",
+              "layout.micro_batch_size=2", "layout.global_batch_size=8"],
 }
 
 
