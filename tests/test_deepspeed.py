@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3: real runs on local gloo ranks reconciled to the byte, the model/ledger name
 agreement, the faithful ledger's rules, and the dry artifacts checked by DeepSpeed's own parser.
 
-The real matrix (one fixture, four Hydra multiruns, 17 jobs):
+The real matrix (one fixture, six Hydra multiruns, 21 jobs):
 
     # bf16, reduce_bucket_size below the embedding: extra-large parameters reduced on their own
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
@@ -18,6 +18,17 @@ The real matrix (one fixture, four Hydra multiruns, 17 jobs):
     # fp32 (no bf16 section), 4 ranks, 2 micro-batches
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=4 framework.precision=fp32 \\
         framework.reduce_bucket_size=100000 layout.global_batch_size=8 train.steps=4
+    # ZeRO-3 budgets between per-module fetch and one coalesced fetch (the coordinator replay):
+    # prefetch bucket above a layer's largest param, below the model; max live params that binds;
+    # a reuse distance that keeps the output and final norm from forward to backward
+    python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2,4 \\
+        framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=300000 \\
+        framework.stage3_max_live_parameters=600000 framework.stage3_max_reuse_distance=400000 \\
+        layout.global_batch_size=4 train.steps=4
+    python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2 \\
+        framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=100000 \\
+        framework.stage3_max_live_parameters=250000 framework.stage3_max_reuse_distance=150000 \\
+        layout.global_batch_size=4 model.tied_embeddings=false,true train.steps=4
 
 The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
 reduce_bucket_size=500000 fits every parameter and splits the gradients into several IPG buckets;
@@ -52,6 +63,13 @@ KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
           "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true",
           "train.steps=4"]
+_Z3 = ["framework=deepspeed", "framework.zero_stage=3", f"framework.reduce_bucket_size={SMALL_BUCKET}",
+       "layout.global_batch_size=4", "train.steps=4"]
+BUDGETS = _Z3 + ["cluster.ranks=2,4", "framework.stage3_prefetch_bucket_size=300000",
+                 "framework.stage3_max_live_parameters=600000", "framework.stage3_max_reuse_distance=400000"]
+BUDGETS_SMALL = _Z3 + ["cluster.ranks=2", "framework.stage3_prefetch_bucket_size=100000",
+                       "framework.stage3_max_live_parameters=250000", "framework.stage3_max_reuse_distance=150000",
+                       "model.tied_embeddings=false,true"]
 FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
         f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", "train.steps=4"]
 
@@ -203,17 +221,21 @@ def test_fp32_prediction(stage):
 
 
 def test_llama3_70b_with_default_knobs():
-    """The 70B embedding (1.05e9 elements) exceeds the default reduce_bucket_size (5e8): predicted, not refused."""
+    """The 70B embedding (1.05e9 elements) exceeds the default reduce_bucket_size (5e8): predicted, not refused;
+    ZeRO-3 at DeepSpeed's default budgets (a 5e7 prefetch bucket is smaller than one w1): the coordinator
+    replay gathers nearly every param twice per micro-batch (forward and backward)."""
     from ledger.faithful.deepspeed import place
 
     shape = preset("llama3_70b")
     n = shape.num_params()
     for stage in (1, 2, 3):
-        kw = dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0) if stage == 3 else {}
         for dp in (8, 1024):
-            s = place(shape, _lay(dp), _fw(zero_stage=stage, **kw)).rank_state(0)
+            s = place(shape, _lay(dp), _fw(zero_stage=stage)).rank_state(0)
             red = [c for c in s.comm if c.kind in ("all_reduce", "reduce_scatter") and c.dtype == "bf16"]
             assert len(red) == 1 and red[0].buffer_bytes >= 2 * n
+            if stage == 3:
+                ag = next(c for c in s.comm if c.kind == "all_gather")
+                assert 2 * 2 * n * 0.95 < ag.buffer_bytes < 2 * 2 * n * 1.05
 
 
 def test_backward_order_covers_every_parameter_once():
@@ -256,15 +278,11 @@ def test_ledger_refuses_what_it_does_not_model():
         place(shape, _lay(2), _fw(precision="fp16"))
     with pytest.raises(ConfigError, match="contiguous_gradients"):
         place(shape, _lay(2), _fw(contiguous_gradients=False))
-    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
-        place(shape, _lay(2), _fw(zero_stage=3, stage3_prefetch_bucket_size=1000))
-    # a prefetch bucket covering the non-persistent params but not all: one coalesced fetch in steady
-    # state, but not in step 0's first traced forward, which also fetches the persistent params
-    persist = sum(numel(s) for _, s in shape.params() if numel(s) <= 100_000)
-    between = _fw(zero_stage=3, reduce_bucket_size=SMALL_BUCKET, stage3_prefetch_bucket_size=shape.num_params() - persist)
-    place(shape, _lay(2), between)
-    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
-        place(shape, _lay(2, gbs=4), between)
+    # ZeRO-3 budgets of any size are predicted (the coordinator replay), DeepSpeed's defaults included
+    for kw in ({}, dict(stage3_prefetch_bucket_size=1000), dict(stage3_max_live_parameters=1),
+               dict(stage3_prefetch_bucket_size=300_000, stage3_max_reuse_distance=10**6)):
+        for gbs in (2, 4):
+            place(shape, _lay(2, gbs=gbs), _fw(zero_stage=3, reduce_bucket_size=SMALL_BUCKET, **kw)).rank_state(0).comm
 
 
 def test_zero3_3n_versus_2n_prediction():
@@ -310,6 +328,73 @@ def test_zero3_accumulation_prediction(knobs0):
     # params fetched again: the recording pass released them), then _post_step's persistent gathers
     first_traced = 2 * n + 2 * (n - persist) if knobs0 else 2 * n
     assert tot(two.comm_first, "all_gather")[1] == 2 * 2 * n + first_traced + 2 * persist
+
+
+def test_zero3_hook_order():
+    """The coordinator's fetch / release order (dumped from fetch_sub_module / release_sub_module on a real
+    run): forward in pre-order (releases in post-order); backward root, output, norm, blocks last to first,
+    each module fetched when its output's gradient arrives and released once its inputs' gradients are
+    computed; the root's and the embedding's releases left to release_backward_leftovers."""
+    from ledger.faithful.deepspeed import _z3_trace
+
+    shape = preset("tiny", layers=1)
+    tr = _z3_trace(shape, 100_000)
+    names = {}
+    for mo, ps in enumerate(tr.mod_params):
+        names.setdefault(mo, ps)
+    got = [(k, mo) for k, mo in tr.events]
+    assert got[0] == ("F", 0) and got[-1] == ("L", -1)
+    fwd = [k for k, _ in got[:got.index(("B", 0))]]
+    assert fwd.count("F") == fwd.count("f") == 16 and len(tr.order) == 2 * 16
+    # backward of the block: w2, w3, w1 (each fetched then released), feed_forward released, ffn_norm,
+    # attention: wo, wv, wk, wq, attention released, attention_norm, block released; then the embedding
+    p = {ps: mo for mo, ps in enumerate(tr.mod_params) if ps}
+    blk = [shape.params().index((f"layers.0.{n}.weight", s)) for n, s in
+           (("feed_forward.w2", (256, 768)), ("feed_forward.w3", (768, 256)), ("feed_forward.w1", (768, 256)),
+            ("ffn_norm", (256,)), ("attention.wo", (256, 256)), ("attention.wv", (64, 256)),
+            ("attention.wk", (64, 256)), ("attention.wq", (256, 256)), ("attention_norm", (256,)))]
+    bwd = [tr.mod_params[mo][0] for k, mo in got if k == "B" and tr.mod_params[mo]]
+    assert bwd == [len(shape.params()) - 1, len(shape.params()) - 2] + blk + [0]
+    assert [k for k, _ in got[-4:]] == ["b", "b", "B", "L"]  # attention_norm, block, embedding, leftovers
+
+
+def test_zero3_coordinator_replay():
+    """Intermediate budgets (tiny, 2 micro-batches; prefetch 300,000, max live 600,000, reuse 400,000):
+    the first traced pass's all-gathers as dumped from the coordinator: the root's prefetch takes the
+    embedding, attention_norm and wq (the numel reaches 300,000), the embedding's the rest of layer 0's
+    attention and ffn_norm and w1 (up to max live minus what is gathered), the block's w2 and w3; in
+    steady state the reuse distance keeps output and final norm from forward into backward."""
+    from collections import Counter
+
+    from ledger.faithful.deepspeed import _z3_fetches
+
+    shape = preset("tiny")
+    record, rest0, steady = _z3_fetches(shape, 2, 100_000, 300_000, 600_000, 400_000)
+    assert rest0[(256, 65_536, 262_144)] == 1  # root prefetch (persistent attention_norm too: released by recording)
+    assert rest0[(256, 16_384, 16_384, 65_536, 196_608)] == 2  # layers 0 and 1 alike
+    assert rest0[(196_608, 196_608)] >= 1
+    # recording pass: every module with params, forward and backward, all its params
+    mods = Counter((numel(s),) for n, s in shape.params())
+    assert record == Counter({k: 2 * v for k, v in mods.items()})
+    # steady, 2 micro-batches: more than one gather of every non-persistent param per micro-batch (2N),
+    # less than two (3N): the reuse distance keeps some from forward into backward
+    np_ = sum(numel(s) for _, s in shape.params() if numel(s) > 100_000)
+    got = sum(sum(c) * k for c, k in steady.items())
+    assert 2 * np_ < got < 2 * 2 * np_
+
+
+def test_zero3_persistent_embedding_kept_by_leftovers():
+    """Every param persistent (threshold above the embedding), 2 micro-batches: the recording pass
+    releases every param after each use, but the embedding's last fetch (its backward) is released by
+    release_backward_leftovers, which keeps persistent params: micro-batch 1 does not gather it again
+    (dumped from the coordinator)."""
+    from ledger.faithful.deepspeed import _z3_fetches
+
+    shape = preset("tiny")
+    e = shape.vocab * shape.hidden
+    for kw in ((50_000_000, 10**9, 10**9), (0, 10**9, 0)):
+        record, rest0, steady = _z3_fetches(shape, 2, 10**9, *kw)
+        assert not steady and sum(n for c, k in rest0.items() for n in c * k) == shape.num_params() - e
 
 
 def test_place_is_lazy_and_shares_cached_lists():
@@ -386,7 +471,9 @@ def runs(tmp_path_factory):
     _sweep(KNOBS0, root / "knobs0")
     _sweep(GAS2, root / "gas2")
     _sweep(FP32, root / "fp32")
-    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32")}
+    _sweep(BUDGETS, root / "budgets")
+    _sweep(BUDGETS_SMALL, root / "budgets_small")
+    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -419,12 +506,14 @@ def test_matrix_ran_every_rank(runs):
     assert sorted((*_key(r), _tied(r)) for r in recs["gas2"]) == [(2, 2, False), (2, 2, True), (3, 2, False),
                                                                   (3, 2, True)]
     assert sorted(_key(r) for r in recs["fp32"]) == [(1, 4), (2, 4), (3, 4)]
-    for rec in recs["knobs0"] + recs["gas2"]:
+    assert sorted(_key(r) for r in recs["budgets"]) == [(3, 2), (3, 4)]
+    assert sorted((*_key(r), _tied(r)) for r in recs["budgets_small"]) == [(3, 2, False), (3, 2, True)]
+    for rec in recs["knobs0"] + recs["gas2"] + recs["budgets"] + recs["budgets_small"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
     for rec in recs["fp32"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 2
         assert rec["config"]["framework"]["precision"] == "fp32"
-    for rec in recs["matrix"] + recs["knobs0"] + recs["gas2"] + recs["fp32"]:
+    for rec in [r for k in recs for r in recs[k]]:
         assert rec["status"] == "ok", rec["error"]
         ranks = rec["measurement"]["ranks"]
         assert [r["rank"] for r in ranks] == list(range(_key(rec)[1]))
@@ -621,3 +710,26 @@ def test_fp32_runs(runs):
                 assert kinds == {("all_gather", "fp32"), ("reduce_scatter", "fp32"), ("all_reduce", "fp64")}
                 # fp32 ds_tensor partitions + fp32 master copy + Adam moments
                 assert st["state"]["optim_bytes"] == 3 * (st["state"]["grads_bytes"] - 4 * FP32_BUCKET) + 4
+
+
+@pytest.mark.real
+def test_zero3_intermediate_budgets(runs):
+    """Budgets between the two extremes: every micro-batch gathers more than the 2N pattern's one
+    coalesced fetch and fewer bytes than the 3N pattern (some params kept from forward to backward by the
+    reuse distance or the prefetcher's marks), in more calls than 2N (prefetch bucket and max live
+    parameters split the fetches). Every row reconciles (test_every_row_reconciles_to_the_byte)."""
+    recs, tables = runs
+    shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
+    n = shape.num_params()
+    persist = [numel(s) for _, s in shape.params() if numel(s) <= 100_000]
+    np_ = n - sum(persist)
+    for rec in recs["budgets"] + recs["budgets_small"]:
+        m = rec["prediction"]["layout"]["num_microbatches"]
+        for r in rec["measurement"]["ranks"]:
+            count, nbytes = _steady_comm(r, 3)[("all_gather", "bf16")]
+            per_micro = nbytes - 2 * sum(persist)
+            assert m * 2 * np_ < per_micro < m * 2 * 2 * np_, (rec["job"], per_micro)
+            assert count > m + len(persist)
+    for name in ("budgets", "budgets_small"):
+        df = tables[name]
+        assert not df[df.phase == "first"].empty and (df.abs_err == 0).all()

@@ -11,18 +11,22 @@ optimizer only at the accumulation boundary). ZeRO-3's parameter trace
 at the start of the second one, wherever that falls: inside step 0 with two or more micro-batches,
 at the start of step 1 with one.
 
-Known limits (raise ConfigError rather than guess): ZeRO-3 prefetch settings between the two regimes
-modelled (per-module fetch: prefetch 0 and reuse distance 0; one coalesced fetch: prefetch,
-live-parameter and reuse budgets covering the whole model); contiguous_gradients=false (another
-reduction path, buffered_reduce_fallback, and no IPG buffer at stage 3).
+ZeRO-3's parameter fetches are a replay of the coordinator (_Z3Sim) over the module hook order of
+launchers.llama.Llama: any stage3_prefetch_bucket_size / stage3_max_live_parameters /
+stage3_max_reuse_distance, DeepSpeed's defaults included.
+
+Known limits (raise ConfigError rather than guess): contiguous_gradients=false (another reduction
+path, buffered_reduce_fallback, and no IPG buffer at stage 3).
 
 Speed: a layout search calls place() ~20,000 times/s. Everything derived from the model (gradient
 order, per-parameter padding, module maps, IPG buckets, collective sums) is cached per (model, dp,
-knobs); a RankState's steady collectives are computed on first use (comm_fn).
+knobs); a RankState's steady collectives are computed on first use (comm_fn). The coordinator replay
+is per (model, persistence threshold, budgets, micro-batches), in elements, and shared by every dp.
 """
 from __future__ import annotations
 
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -111,14 +115,6 @@ def ipg_buckets(sizes, bucket: int) -> list[int]:
     if cur:
         out.append(cur)
     return out
-
-
-def invoked_modules(model: ModelShape) -> int:
-    """Modules whose forward runs once per forward (ZeRO-3 traces each, forward and backward):
-    root, embedding, per block (block, 2 norms, attention + 4 linears, feed_forward + 2-3 linears),
-    final norm, output. The ModuleList is never called."""
-    per_block = 1 + 2 + 1 + 4 + 1 + (3 if model.swiglu else 2)
-    return 1 + 1 + model.layers * per_block + 1 + 1
 
 
 # -- collective sums -------------------------------------------------------------------------------
@@ -374,29 +370,8 @@ class _Z3Shape(NamedTuple):
     part: int  # ds_tensor elements per rank (sum of padded sizes / dp)
     total: int  # sum of padded sizes
     persist_numel: int  # persistent params, full
-    np_elems: int  # non-persistent params, padded
-    persist: _Calls  # _post_step: one all-gather per persistent param (bf16)
-    module_pass: _Calls  # one fetch per module with params, all its params (one pass, nothing gathered)
-    np_pass: _Calls  # one fetch per module with non-persistent params, those params
-    coalesced_all: _Calls  # one all-gather of every param
-    coalesced_np: _Calls  # one all-gather of every non-persistent param
-    trace_params: int  # parameters summed over the modules of one forward (record_parameters)
+    persist: _Calls  # _post_step: one all-gather per persistent param (model dtype)
     ipg: _Calls  # one backward's IPG reduce-scatters
-
-
-def _modules(model: ModelShape) -> list[tuple[tuple[int, ...], int]]:
-    """Modules with direct params (iter_params(module, recurse=False)) as (their params' numel,
-    how many such modules): per block once, times `layers`; then embedding, final norm, output.
-    Tied embeddings: the output Linear's weight is the embedding's Parameter, so both list it."""
-    by_mod: dict[str, list[int]] = {}
-    for mo, n in _block(model):
-        by_mod.setdefault(mo, []).append(n)
-    e = model.vocab * model.hidden
-    out = [(tuple(ns), model.layers) for ns in by_mod.values()]
-    out.append(((e,), 1))  # tok_embeddings; output (tied or not) has one weight of the same size
-    out.append((tuple(numel(sh) for _, sh in model.norm_params("norm")), 1))
-    out.append(((e,), 1))
-    return out
 
 
 @lru_cache(maxsize=256)
@@ -410,25 +385,9 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     persist = [n for n in sizes if n <= threshold]
     counts = Counter(sizes)
     total = sum(pad(n) * k for n, k in counts.items())
-    np_elems = sum(pad(n) * k for n, k in counts.items() if n > threshold)
-    mods = _modules(model)
-
-    def per_module(keep) -> _Calls:
-        out = _NONE
-        for ns, k in mods:
-            b = sum(pad(n) for n in ns if keep(n))
-            if any(keep(n) for n in ns):
-                out = out.plus(_calls("all_gather", [w * b], dp, times=k))
-        return out
-
     return _Z3Shape(
-        part=total // dp, total=total, persist_numel=sum(persist), np_elems=np_elems,
+        part=total // dp, total=total, persist_numel=sum(persist),
         persist=_calls("all_gather", (w * pad(n) for n in persist), dp),
-        module_pass=per_module(lambda n: True),
-        np_pass=per_module(lambda n: n > threshold),
-        coalesced_all=_calls("all_gather", [w * total], dp),
-        coalesced_np=_calls("all_gather", [w * np_elems], dp) if np_elems else _NONE,
-        trace_params=sum(len(ns) * k for ns, k in mods),
         # stage3.py __avg_scatter_grads -> reduce_scatter_coalesced: one reduce-scatter per IPG bucket
         # (per-param padded to dp). A parameter above reduce_bucket_size is not copied into the IPG
         # buffer (__add_grad_to_ipg_bucket) but is bucketed alike: alone, one reduce-scatter of it
@@ -436,28 +395,12 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     )
 
 
-def _z3_regime(model: ModelShape, lay: Layout, fw, z: _Z3Shape) -> str:
-    """Which fetch pattern fetch_sub_module / release_sub_module produce with a complete trace."""
-    if fw.stage3_prefetch_bucket_size == 0 and fw.stage3_max_reuse_distance == 0:
-        return "3N"
-    # the coalesced prefetch (issued while fetching the root module, which has no direct params) takes
-    # every param not yet available; in steady state those are the non-persistent ones; in the first
-    # traced forward of step 0 (two or more micro-batches) every param, persistent ones included
-    need = z.total if lay.num_microbatches > 1 else z.np_elems
-    if (fw.stage3_prefetch_bucket_size >= need and fw.stage3_max_live_parameters >= z.total
-            and fw.stage3_max_reuse_distance >= z.total):
-        return "2N"
-    raise ConfigError("framework.stage3_prefetch_bucket_size / stage3_max_reuse_distance / "
-                      "stage3_max_live_parameters: only 0/0 or budgets covering the whole model are modelled")
-
-
 def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
-    z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, _DTYPES[prec])
-    regime = _z3_regime(model, lay, fw, z)
-
     s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec).state()
-    key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, regime, prec)
+    key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size,
+           int(fw.stage3_prefetch_bucket_size), int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance),
+           prec)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: _fresh(_zero3_comm(*key)[0])
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
@@ -473,7 +416,8 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     # stage3.py _create_fp16_partitions_with_defragmentation: the ds_tensors of one sub-group live in
     # fp16_partitioned_groups_flat, in the model dtype (sub_group_size 1e9 >> tiny models: one group)
     s.add("params_bytes", f"{precision} partitions (ds_tensor, fp16_partitioned_groups_flat)", w * z.part)
-    # ds_persist params stay gathered after _post_step (full tensors)
+    # ds_persist params stay gathered after _post_step (full tensors); whatever else the coordinator
+    # gathered was released by step()'s _partition_all_parameters (release_and_reset_all)
     s.add("params_bytes", "persistent params (full)", w * z.persist_numel)
     # grad_partitions_flat_buffer (gradient_accumulation_dtype = model dtype) and the IPG bucket of
     # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3), also when a parameter is
@@ -491,9 +435,306 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
     return s
 
+# -- ZeRO-3 parameter coordinator, simulated -----------------------------------------------------
+
+_ROOT = "ROOT"
+
+
+class _Z3Trace(NamedTuple):
+    """The module tree as the coordinator sees it (static; built per model)."""
+    numel: tuple[int, ...]  # per Parameter, ds_id order (= registration: Init numbers params as created)
+    persist: tuple[bool, ...]  # ds_persist (ds_numel <= param_persistence_threshold)
+    mod_params: tuple[tuple[int, ...], ...]  # per module: iter_params(module, recurse=False), sorted by ds_id
+    mod_numel: tuple[int, ...]
+    events: tuple[tuple[str, int], ...]  # one forward + backward: F/f forward fetch/release, B/b backward, L leftovers
+    order: tuple[int, ...]  # __submodule_order: the module of every fetch (F and B events)
+    param_order: tuple[tuple[int, int], ...]  # __param_order: (param, step_id_last_used_at)
+    prefix: tuple[int, ...]  # prefix sums of mod_numel along `order` (reuse-distance walk)
+    occurs: tuple[tuple[int, ...], ...]  # per param: the steps of `order` whose module lists it
+
+
+@lru_cache(maxsize=64)
+def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
+    """The hook order of launchers.llama.Llama under parameter_offload.py's hooks, as dumped from the
+    coordinator (fetch_sub_module / release_sub_module) on a real run:
+
+    forward: _pre_forward_module_hook fetches each module before its forward (pre-order), the
+    forward hook releases it after (post-order): root, embedding, per block (block, attention_norm,
+    attention, wq, wk, wv, wo, ffn_norm, feed_forward, w1, w3, w2), final norm, output.
+    backward: PreBackwardFunctionForModule on a module's outputs fetches it when the output's
+    gradient arrives, PostBackwardFunctionModule on its inputs releases it once the inputs' gradients
+    are computed: root, output, norm, then each block last to first (block, feed_forward, w2, w3, w1
+    [each fetched and released in turn], feed_forward released, ffn_norm, attention, wo, wv, wk, wq,
+    attention released, attention_norm, block released), embedding. The root's and the embedding's
+    inputs (tokens) need no gradient: their post-backward never fires; stage3.py backward_epilogue ->
+    release_backward_leftovers releases them (non-persistent params only)."""
+    names = [n for n, _ in model.params()]
+    numels = [numel(sh) for _, sh in model.params()]
+    index: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        index.setdefault(_module(n), []).append(i)
+    if model.tied_embeddings:  # one Parameter in two modules
+        index["output"] = index["tok_embeddings"]
+    mods: list[str] = []
+    at: dict[str, int] = {}
+
+    def m(name: str) -> int:
+        if name not in at:
+            at[name] = len(mods)
+            mods.append(name)
+        return at[name]
+
+    ffn_fwd = ("w1", "w3", "w2") if model.swiglu else ("w1", "w2")
+    ev: list[tuple[str, int]] = []
+
+    def leaf(kind: str, name: str):
+        ev.append((kind, m(name)))
+        ev.append((kind.lower(), m(name)))
+
+    ev.append(("F", m(_ROOT)))
+    leaf("F", "tok_embeddings")
+    for i in range(model.layers):
+        b = f"layers.{i}"
+        ev.append(("F", m(b)))
+        leaf("F", f"{b}.attention_norm")
+        ev.append(("F", m(f"{b}.attention")))
+        for w in ("wq", "wk", "wv", "wo"):
+            leaf("F", f"{b}.attention.{w}")
+        ev.append(("f", m(f"{b}.attention")))
+        leaf("F", f"{b}.ffn_norm")
+        ev.append(("F", m(f"{b}.feed_forward")))
+        for w in ffn_fwd:
+            leaf("F", f"{b}.feed_forward.{w}")
+        ev.append(("f", m(f"{b}.feed_forward")))
+        ev.append(("f", m(b)))
+    leaf("F", "norm")
+    leaf("F", "output")
+    ev.append(("f", m(_ROOT)))
+    ev.append(("B", m(_ROOT)))
+    leaf("B", "output")
+    leaf("B", "norm")
+    for i in reversed(range(model.layers)):
+        b = f"layers.{i}"
+        ev.append(("B", m(b)))
+        ev.append(("B", m(f"{b}.feed_forward")))
+        for w in reversed(ffn_fwd):
+            leaf("B", f"{b}.feed_forward.{w}")
+        ev.append(("b", m(f"{b}.feed_forward")))
+        leaf("B", f"{b}.ffn_norm")
+        ev.append(("B", m(f"{b}.attention")))
+        for w in ("wo", "wv", "wk", "wq"):
+            leaf("B", f"{b}.attention.{w}")
+        ev.append(("b", m(f"{b}.attention")))
+        leaf("B", f"{b}.attention_norm")
+        ev.append(("b", m(b)))
+    ev.append(("B", m("tok_embeddings")))
+    ev.append(("L", -1))
+    mod_params = tuple(tuple(index.get(n, ())) for n in mods)
+    mod_numel = tuple(sum(numels[p] for p in ps) for ps in mod_params)
+    order = tuple(mo for k, mo in ev if k in "FB")
+    # construct_parameter_trace_from_module_trace / record_parameters: each fetched module's params
+    # (sorted by ds_id) with the step it was fetched at
+    param_order = tuple((p, s) for s, mo in enumerate(order) for p in mod_params[mo])
+    prefix = [0]
+    for mo in order:
+        prefix.append(prefix[-1] + mod_numel[mo])
+    occurs: list[list[int]] = [[] for _ in numels]
+    for s, mo in enumerate(order):
+        for p in mod_params[mo]:
+            occurs[p].append(s)
+    return _Z3Trace(tuple(numels), tuple(n <= threshold for n in numels), mod_params, mod_numel, tuple(ev), order,
+                    param_order, tuple(prefix), tuple(tuple(o) for o in occurs))
+
+
+class _Z3Sim:
+    """partitioned_param_coordinator.py PartitionedParameterCoordinator, replayed over _z3_trace's
+    events. A pass is one forward + backward (reset_step at its start); it returns the all-gather
+    calls it makes (each a tuple of the params gathered together: one all_gather_coalesced) and the
+    params still gathered after it (release_backward_leftovers done)."""
+
+    def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int):
+        self.tr, self.pf, self.ml, self.rd = tr, prefetch, max_live, reuse
+        self.release_cache: dict[tuple[int, int], frozenset] = {}  # __params_to_release's lru_cache
+        self.memo: dict[frozenset, tuple] = {}
+
+    def _to_release(self, mo: int, step: int, recent) -> frozenset:
+        """__params_to_release (lru_cache per (module, step_id): the first complete pass decides): the
+        module's non-persistent params, less those the prefetcher marked as used later
+        (__most_recent_step_id_param_fetched_for > step_id), less those used again by a module within
+        the reuse distance: modules of __submodule_order from step_id on, adding each module's params'
+        numel until the sum reaches max_reuse_distance_in_numel."""
+        key = (mo, step)
+        got = self.release_cache.get(key)
+        if got is not None:
+            return got
+        tr = self.tr
+        out = {p for p in tr.mod_params[mo] if not tr.persist[p] and recent.get(p, -10 ** 10) <= step}
+        if self.rd > 0 and out:
+            end = bisect_left(tr.prefix, tr.prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
+            for p in list(out):
+                occ = tr.occurs[p]
+                k = bisect_left(occ, step)
+                if k < len(occ) and occ[k] < end:
+                    out.discard(p)
+        got = self.release_cache[key] = frozenset(out)
+        return got
+
+    def run(self, start: frozenset, record: bool = False) -> tuple[Counter, frozenset]:
+        """One pass from `start` (params gathered when it begins): its all-gather calls as a Counter of
+        sorted numel tuples, and the params gathered after it."""
+        if not record and start in self.memo and self.release_cache:
+            return self.memo[start]
+        tr, numel_, pf, ml = self.tr, self.tr.numel, self.pf, self.ml
+        avail = set(start)
+        active: dict[int, set] = {}
+        bwd_active: dict[int, None] = {}  # __active_backward_submodules (insertion order)
+        calls: Counter = Counter()
+        queue = deque(tr.param_order)  # reset_step: __param_queue
+        popleft = queue.popleft
+        recent: dict[int, int] = {}  # __most_recent_step_id_param_fetched_for
+        never = -10 ** 10
+        n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
+        step = 0
+        for kind, mo in tr.events:
+            own = tr.mod_params[mo] if mo >= 0 else ()
+            if kind == "F" or kind == "B":
+                if kind == "B":
+                    bwd_active[mo] = None
+                if own:
+                    # _fetch_sub_module_impl: one all_gather_coalesced of the module's unavailable params
+                    need = [p for p in own if p not in avail]
+                    if need:
+                        calls[tuple(sorted(numel_[p] for p in need))] += 1
+                        n_avail += sum(numel_[p] for p in need)
+                        avail.update(need)
+                    for p in own:
+                        a = active.get(p)
+                        if a is None:
+                            active[p] = {mo}
+                        else:
+                            a.add(mo)
+                if not record:
+                    # pop the module's own params off the fetch queue (unless a prefetch already did)
+                    todo = {p for p in own if recent.get(p, never) < step}
+                    if todo:
+                        seen = set()
+                        while queue and len(seen) < len(todo):
+                            p, st = popleft()
+                            recent[p] = st
+                            seen.add(p)
+                        if seen != todo:
+                            raise RuntimeError("ZeRO-3 trace replay diverged")  # the coordinator raises too
+                    if pf > 0:
+                        # prefetch: pop the queue until the numel to gather reaches
+                        # min(max_live - n_available, prefetch_bucket); available params are skipped
+                        cap = min(ml - n_avail, pf)
+                        pre: dict[int, None] = {}
+                        got = 0
+                        while queue and got < cap:
+                            p, st = popleft()
+                            if p not in avail and p not in pre:
+                                pre[p] = None
+                                got += numel_[p]
+                            r = recent.get(p, never)
+                            if st > r:
+                                recent[p] = st
+                        if got:
+                            calls[tuple(sorted(numel_[p] for p in pre))] += 1
+                            n_avail += got
+                            avail.update(pre)
+                step += 1
+            elif kind == "f" or kind == "b":
+                if kind == "b":
+                    bwd_active.pop(mo, None)
+                if not own:
+                    continue
+                # release_sub_module: every own param outside a complete trace (recording: persistent too)
+                rel = own if record else self._to_release(mo, step, recent)
+                for p in own:
+                    a = active[p]
+                    a.discard(mo)
+                    if not a and p in rel and p in avail:  # __release_param
+                        avail.discard(p)
+                        n_avail -= numel_[p]
+            else:  # release_backward_leftovers: drain the backward stack, non-persistent params only
+                while bwd_active:
+                    mo, _ = bwd_active.popitem()
+                    for p in tr.mod_params[mo]:
+                        a = active[p]
+                        a.discard(mo)
+                        if not a and not tr.persist[p] and p in avail:
+                            avail.discard(p)
+                            n_avail -= numel_[p]
+        out = (calls, frozenset(avail))
+        if not record:
+            self.memo[start] = out
+        return out
+
+
+@lru_cache(maxsize=64)
+def _z3_record(model: ModelShape, threshold: int) -> tuple[Counter, frozenset]:
+    """Step 0's recording pass (trace RECORD: no prefetch, every own param released), which starts
+    with nothing gathered (persistent params are first gathered by step 0's _post_step)."""
+    tr = _z3_trace(model, threshold)
+    return _Z3Sim(tr, 0, 0, 0).run(frozenset(), record=True)
+
+
+@lru_cache(maxsize=128)
+def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, accumulate: bool) -> _Z3Sim:
+    """A coordinator whose __params_to_release cache is filled by the first complete pass, as in a real
+    run: with gradient accumulation that pass is step 0's micro-batch 1, which starts with nothing
+    gathered (the recording pass released every param, persistent ones too); with one micro-batch it is
+    step 1's, which starts with the persistent params gathered by step 0's _post_step."""
+    tr = _z3_trace(model, threshold)
+    sim = _Z3Sim(tr, prefetch, max_live, reuse)
+    sim.run(_z3_record(model, threshold)[1] if accumulate else _z3_persistent(tr))
+    return sim
+
+
+def _z3_persistent(tr: _Z3Trace) -> frozenset:
+    return frozenset(p for p, k in enumerate(tr.persist) if k)
+
+
+def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
+    """All-gather calls (as sorted numel tuples) of k consecutive passes inside one optimizer step,
+    the first from `start`: between micro-batches nothing is released besides what the coordinator
+    released (step() is not at the boundary), so each pass starts from what the last one left."""
+    out: Counter = Counter()
+    for i in range(k):
+        calls, end = sim.run(start)
+        left = k - i if end == start else 1  # a fixed point: the remaining passes repeat this one
+        for c, n in calls.items():
+            out[c] += n * left
+        if left > 1:
+            break
+        start = end
+    return out
+
+
+@lru_cache(maxsize=256)
+def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int):
+    """The coordinator's all-gather calls per optimizer step, dp-independent (numel tuples):
+    (recording pass, the rest of step 0 [m > 1], steady step, step 1 [m == 1])."""
+    tr = _z3_trace(model, threshold)
+    record, after_record = _z3_record(model, threshold)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1)
+    steady = _z3_passes(sim, _z3_persistent(tr), m)
+    if m == 1:
+        return record, Counter(), steady
+    return record, _z3_passes(sim, after_record, m - 1), steady
+
+
+def _gathers(calls: Counter, dp: int, w: int) -> _Calls:
+    """all_gather_coalesced: one all-gather per call of the params' padded partitions (w bytes/element)."""
+    by_bytes: Counter = Counter()
+    for key, k in calls.items():
+        by_bytes[w * sum(_ceil_to(n, dp) for n in key)] += k
+    return _counted("all_gather", by_bytes.items(), dp)
+
 
 @lru_cache(maxsize=1024)
-def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, regime: str, precision: str):
+def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
+                reuse: int, precision: str):
     """(steady, step 0, step 1 or None) collectives of one rank.
 
     The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
@@ -503,30 +744,16 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     (fetch_sub_module, no prefetch) and release all of them after its forward and after its backward
     (release_sub_module, trace not complete: persistent params too). The next reset_step checks the
     recorded module list, the parameter list and their step ids (three length + list broadcasts) and
-    marks the trace COMPLETE; from then on fetches follow the regime, and __params_to_release keeps
-    persistent params gathered."""
+    marks the trace COMPLETE; from then on _Z3Sim replays the coordinator (fetch, prefetch, release)
+    for the prefetch bucket, live-parameter and reuse-distance budgets. step() releases everything
+    (_partition_all_parameters) and _post_step gathers the persistent params again."""
     if dp == 1:
         return (), (), (None if m > 1 else ())
-    z = _z3_shape(model, dp, threshold, bucket, _DTYPES[precision])
+    w = _DTYPES[precision]
+    z = _z3_shape(model, dp, threshold, bucket, w)
     t = precision  # the dtype of the param all-gathers and gradient reduce-scatters
-    if regime == "3N":
-        # prefetch 0, reuse distance 0: each module's non-available params gathered before its forward,
-        # released after it, gathered again before its backward and released after it
-        steady_micro = z.np_pass.times(2)
-        steady_what = "per-module fetch, forward + backward"
-        # the first complete forward after the recording one: persistent params were released by the
-        # recording pass, so each module's first fetch takes all its params; its backward only the
-        # non-persistent ones
-        first_complete = z.module_pass.plus(z.np_pass)
-        first_what = "per-module fetch, persistent params not yet gathered"
-    else:
-        # the root module (no direct params) is fetched first; its prefetch takes every non-available
-        # param in one coalesced all-gather; the reuse distance keeps them through the backward, whose
-        # last release frees them (the 2N pattern): once per micro-batch
-        steady_micro = z.coalesced_np
-        steady_what = "coalesced prefetch of all params"
-        first_complete = z.coalesced_all  # persistent params too: released by the recording pass
-        first_what = "coalesced prefetch of all params (persistent included)"
+    record, rest0, steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)
+    steady_what = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
 
     def common(out: _Sum) -> _Sum:
         # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
@@ -539,27 +766,28 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
         out.add("all_gather", t, z.persist, "persistent params (_post_step)")
         return out
 
-    steady = common(_Sum().add("all_gather", t, steady_micro.times(m), steady_what)).build()
+    steady_ag = _gathers(steady_calls, dp, w)
+    steady = common(_Sum().add("all_gather", t, steady_ag, steady_what)).build()
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
-    first = _Sum().add("all_gather", t, z.module_pass.times(2), "untraced per-module fetch, forward + backward")
+    first = _Sum().add("all_gather", t, _gathers(record, dp, w), "untraced per-module fetch, forward + backward")
     first.add("broadcast", "int64", _calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
-    trace = _trace_checks(model, z, dp)
+    trace = _trace_checks(model, threshold, dp)
     if m == 1:
         # step 1 starts with the trace completion, then runs as steady state
-        warmup = _Sum().add("all_gather", t, steady_micro.times(m), steady_what)
+        warmup = _Sum().add("all_gather", t, steady_ag, steady_what)
         warmup.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
         return steady, common(first).build(), common(warmup).build()
-    # micro-batch 1 completes the trace, fetches as the first complete pass; later ones as steady
+    # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
     first.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
-    first.add("all_gather", t, first_complete, first_what)
-    first.add("all_gather", t, steady_micro.times(m - 2), steady_what)
+    first.add("all_gather", t, _gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
     return steady, common(first).build(), None
 
 
-def _trace_checks(model: ModelShape, z: _Z3Shape, dp: int) -> _Calls:
+def _trace_checks(model: ModelShape, threshold: int, dp: int) -> _Calls:
     """reset_step completing the trace: assert_ints_same_as_other_ranks (zero/utils.py: a length
-    broadcast, then the list broadcast) on the module ids, the param ids and their step ids."""
-    n_mod = 2 * invoked_modules(model)  # every invoked module, forward and backward
-    n_par = 2 * z.trace_params  # record_parameters: one entry per param of each fetched module, fwd and bwd
+    broadcast, then the list broadcast) on the module ids (every fetch, forward and backward), the
+    param ids (record_parameters: each fetched module's params) and their step ids."""
+    tr = _z3_trace(model, threshold)
+    n_mod, n_par = len(tr.order), len(tr.param_order)
     return _calls("broadcast", [INT64, INT64 * n_mod, INT64, INT64 * n_par, INT64, INT64 * n_par], dp)
