@@ -549,8 +549,9 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
 class _Z3Sim:
     """partitioned_param_coordinator.py PartitionedParameterCoordinator, replayed over _z3_trace's
     events. A pass is one forward + backward (reset_step at its start); it returns the all-gather
-    calls it makes (each a tuple of the params gathered together: one all_gather_coalesced) and the
-    params still gathered after it (release_backward_leftovers done)."""
+    calls it makes (one all_gather_coalesced per fetch or prefetch with params to gather, keyed by the
+    sorted numel of those params) and the params still gathered after it (release_backward_leftovers
+    done). Passes after the first complete one are memoized per starting state."""
 
     def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int):
         self.tr, self.pf, self.ml, self.rd = tr, prefetch, max_live, reuse
@@ -568,7 +569,7 @@ class _Z3Sim:
         if got is not None:
             return got
         tr = self.tr
-        out = {p for p in tr.mod_params[mo] if not tr.persist[p] and recent.get(p, -10 ** 10) <= step}
+        out = {p for p in tr.mod_params[mo] if not tr.persist[p] and recent[p] <= step}
         if self.rd > 0 and out:
             end = bisect_left(tr.prefix, tr.prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
             for p in list(out):
@@ -584,64 +585,66 @@ class _Z3Sim:
         sorted numel tuples, and the params gathered after it."""
         if not record and start in self.memo and self.release_cache:
             return self.memo[start]
-        tr, numel_, pf, ml = self.tr, self.tr.numel, self.pf, self.ml
-        avail = set(start)
-        active: dict[int, set] = {}
+        tr = self.tr
+        numel_, persist, pf, ml = tr.numel, tr.persist, self.pf, self.ml
+        never = -10 ** 10
+        avail = [False] * len(numel_)
+        for p in start:
+            avail[p] = True
+        # ds_active_sub_modules as a count: a module is fetched once before each release of it
+        active = [0] * len(numel_)
         bwd_active: dict[int, None] = {}  # __active_backward_submodules (insertion order)
         calls: Counter = Counter()
         queue = deque(tr.param_order)  # reset_step: __param_queue
         popleft = queue.popleft
-        recent: dict[int, int] = {}  # __most_recent_step_id_param_fetched_for
-        never = -10 ** 10
+        recent = [never] * len(numel_)  # __most_recent_step_id_param_fetched_for
         n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
         step = 0
+        to_release = self._to_release
         for kind, mo in tr.events:
             own = tr.mod_params[mo] if mo >= 0 else ()
             if kind == "F" or kind == "B":
                 if kind == "B":
                     bwd_active[mo] = None
-                if own:
+                todo = []
+                for p in own:
                     # _fetch_sub_module_impl: one all_gather_coalesced of the module's unavailable params
-                    need = [p for p in own if p not in avail]
-                    if need:
-                        calls[tuple(sorted(numel_[p] for p in need))] += 1
-                        n_avail += sum(numel_[p] for p in need)
-                        avail.update(need)
-                    for p in own:
-                        a = active.get(p)
-                        if a is None:
-                            active[p] = {mo}
-                        else:
-                            a.add(mo)
+                    active[p] += 1
+                    if recent[p] < step:
+                        todo.append(p)
+                need = [p for p in own if not avail[p]]
+                if need:
+                    calls[tuple(sorted(numel_[p] for p in need))] += 1
+                    for p in need:
+                        avail[p] = True
+                        n_avail += numel_[p]
                 if not record:
                     # pop the module's own params off the fetch queue (unless a prefetch already did)
-                    todo = {p for p in own if recent.get(p, never) < step}
                     if todo:
                         seen = set()
                         while queue and len(seen) < len(todo):
                             p, st = popleft()
                             recent[p] = st
                             seen.add(p)
-                        if seen != todo:
+                        if seen != set(todo):
                             raise RuntimeError("ZeRO-3 trace replay diverged")  # the coordinator raises too
                     if pf > 0:
                         # prefetch: pop the queue until the numel to gather reaches
                         # min(max_live - n_available, prefetch_bucket); available params are skipped
                         cap = min(ml - n_avail, pf)
-                        pre: dict[int, None] = {}
+                        pre: list[int] = []
                         got = 0
                         while queue and got < cap:
                             p, st = popleft()
-                            if p not in avail and p not in pre:
-                                pre[p] = None
+                            if not avail[p]:
+                                avail[p] = True  # in flight: not fetched again, nor twice in this call
+                                pre.append(p)
                                 got += numel_[p]
-                            r = recent.get(p, never)
-                            if st > r:
+                            if st > recent[p]:
                                 recent[p] = st
                         if got:
                             calls[tuple(sorted(numel_[p] for p in pre))] += 1
                             n_avail += got
-                            avail.update(pre)
                 step += 1
             elif kind == "f" or kind == "b":
                 if kind == "b":
@@ -649,23 +652,21 @@ class _Z3Sim:
                 if not own:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
-                rel = own if record else self._to_release(mo, step, recent)
+                rel = own if record else to_release(mo, step, recent)
                 for p in own:
-                    a = active[p]
-                    a.discard(mo)
-                    if not a and p in rel and p in avail:  # __release_param
-                        avail.discard(p)
+                    active[p] -= 1
+                    if not active[p] and avail[p] and p in rel:  # __release_param
+                        avail[p] = False
                         n_avail -= numel_[p]
             else:  # release_backward_leftovers: drain the backward stack, non-persistent params only
                 while bwd_active:
                     mo, _ = bwd_active.popitem()
                     for p in tr.mod_params[mo]:
-                        a = active[p]
-                        a.discard(mo)
-                        if not a and not tr.persist[p] and p in avail:
-                            avail.discard(p)
+                        active[p] -= 1
+                        if not active[p] and not persist[p] and avail[p]:
+                            avail[p] = False
                             n_avail -= numel_[p]
-        out = (calls, frozenset(avail))
+        out = (calls, frozenset(p for p, a in enumerate(avail) if a))
         if not record:
             self.memo[start] = out
         return out
