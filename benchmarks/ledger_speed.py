@@ -91,9 +91,9 @@ def main() -> None:
              layouts(world, gbs, d, [p for p in d if p > 1], mbs, vp=2, **sp)),
             ("deepspeed z1", framework("deepspeed", zero_stage=1), layouts(world, 8 * gbs, [1], [1], mbs)),
             ("deepspeed z2", framework("deepspeed", zero_stage=2), layouts(world, 8 * gbs, [1], [1], mbs)),
-            ("deepspeed z3", framework("deepspeed", zero_stage=3, stage3_prefetch_bucket_size=0,
-                                       stage3_max_reuse_distance=0),
-             layouts(world, 8 * gbs, [1], [1], mbs)),
+            ("deepspeed z3", framework("deepspeed", zero_stage=3), layouts(world, 8 * gbs, [1], [1], mbs)),
+            ("deepspeed z3 0/0", framework("deepspeed", zero_stage=3, stage3_prefetch_bucket_size=0,
+                                           stage3_max_reuse_distance=0), layouts(world, 8 * gbs, [1], [1], mbs)),
             ("titan", framework("titan"), layouts(world, gbs, d, [1], mbs)),
             ("titan sp", framework("titan"), layouts(world, gbs, d, [1], mbs, **sp)),
             ("titan hsdp", framework("titan"), layouts(world, gbs, d, [1], mbs, dp_replicate=8)),
@@ -110,7 +110,7 @@ def main() -> None:
             r = valid / dt if valid else 0.0
             # the ratio counts valid layouts only; refused ones (a named rule) cost time but are not
             # counted as predicted
-            print(f"  {name:13s} {mode:9s} {valid:4d} valid + {rejected:3d} refused in {dt:7.4f} s: "
+            print(f"  {name:16s} {mode:9s} {valid:4d} valid + {rejected:3d} refused in {dt:7.4f} s: "
                   f"{(valid + rejected) / dt:8,.0f} evaluated/s, {r:8,.0f} valid/s: ratio to target {r / TARGET:6.3f}")
     m405 = preset("llama3_405b")
     fw = framework("megatron", overlap_grad_reduce=True)

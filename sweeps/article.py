@@ -26,8 +26,8 @@ RUNS = {
     "megatron": ["framework=megatron", "framework.overlap_grad_reduce=true", "layout.tp=2", "layout.pp=2",
                  "layout.dp=2", "layout.sequence_parallel=true", "layout.micro_batch_size=1",
                  "layout.global_batch_size=16"],
-    # as the article's ds_config.json; the faithful DeepSpeed ledger rejects (naming the knob) what it does
-    # not model here: prefetch / live-parameter budgets smaller than the model, two accumulation steps
+    # as the article's ds_config.json (prefetch bucket 5e7, smaller than the model: the faithful ledger
+    # replays DeepSpeed's parameter coordinator for it; two accumulation steps)
     "deepspeed": ["framework=deepspeed", "framework.zero_stage=3", "framework.reduce_bucket_size=50000000",
                   "framework.stage3_prefetch_bucket_size=50000000", "framework.overlap_comm=true",
                   "layout.dp=8", "layout.micro_batch_size=1", "layout.global_batch_size=16"],
