@@ -90,6 +90,15 @@ def _lay(dp: int, mbs: int = 1, gbs: int | None = None) -> Layout:
                   micro_batch_size=mbs, global_batch_size=gbs or mbs * dp)
 
 
+@pytest.mark.parametrize("z", [1, 2, 3])
+def test_rank_stage_is_the_pipeline_stage(z):
+    """RankState.stage is the pipeline stage (tables group ranks by it), not the ZeRO stage."""
+    from ledger.faithful import deepspeed as L
+
+    pl = L.place(preset("tiny"), _lay(2), _fw(zero_stage=z))
+    assert {pl.rank_state(r).stage for r in range(2)} == {0} and pl.to_dict()["per_rank"][1]["stage"] == 0
+
+
 # -- model and ledger agree ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("over", [{}, {"bias": True, "norm": "layernorm"}, {"swiglu": False}, {"tied_embeddings": True}])

@@ -220,7 +220,7 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
 def _zero12_memory(model: ModelShape, dp: int, stage: int, precision: str) -> "_Memory":
     n = model.num_params()
     w = _DTYPES[precision]
-    s = _Memory(stage)
+    s = _Memory()  # stage: the pipeline stage (0; DeepSpeed runs as pure DP here), not the ZeRO stage
     # stage_1_and_2.py __init__: one param group -> one flat buffer in the model dtype, padded to a
     # multiple of dp * nccl_start_alignment_factor (2) (flatten_dense_tensors_aligned; parameter_alignment
     # off: no per-param padding); params are views into it
@@ -412,7 +412,7 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
 def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str) -> "_Memory":
     w = _DTYPES[precision]
     z = _z3_shape(model, dp, threshold, bucket, w)
-    s = _Memory(3)
+    s = _Memory()  # pipeline stage 0
     # stage3.py _create_fp16_partitions_with_defragmentation: the ds_tensors of one sub-group live in
     # fp16_partitioned_groups_flat, in the model dtype (sub_group_size 1e9 >> tiny models: one group)
     s.add("params_bytes", f"{precision} partitions (ds_tensor, fp16_partitioned_groups_flat)", w * z.part)
