@@ -344,7 +344,7 @@ def test_zero3_hook_order():
     run): forward in pre-order (releases in post-order); backward root, output, norm, blocks last to first,
     each module fetched when its output's gradient arrives and released once its inputs' gradients are
     computed; the root's and the embedding's releases left to release_backward_leftovers."""
-    from ledger.faithful.deepspeed import _z3_trace
+    from ledger.faithful.deepspeed_coordinator import _z3_trace
 
     shape = preset("tiny", layers=1)
     tr = _z3_trace(shape, 100_000)
@@ -357,7 +357,6 @@ def test_zero3_hook_order():
     assert fwd.count("F") == fwd.count("f") == 16 and len(tr.order) == 2 * 16
     # backward of the block: w2, w3, w1 (each fetched then released), feed_forward released, ffn_norm,
     # attention: wo, wv, wk, wq, attention released, attention_norm, block released; then the embedding
-    p = {ps: mo for mo, ps in enumerate(tr.mod_params) if ps}
     blk = [shape.params().index((f"layers.0.{n}.weight", s)) for n, s in
            (("feed_forward.w2", (256, 768)), ("feed_forward.w3", (768, 256)), ("feed_forward.w1", (768, 256)),
             ("ffn_norm", (256,)), ("attention.wo", (256, 256)), ("attention.wv", (64, 256)),
@@ -375,7 +374,7 @@ def test_zero3_coordinator_replay():
     steady state the reuse distance keeps output and final norm from forward into backward."""
     from collections import Counter
 
-    from ledger.faithful.deepspeed import _z3_fetches
+    from ledger.faithful.deepspeed_coordinator import _z3_fetches
 
     shape = preset("tiny")
     record, rest0, steady = _z3_fetches(shape, 2, 100_000, 300_000, 600_000, 400_000)
@@ -397,7 +396,7 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
     releases every param after each use, but the embedding's last fetch (its backward) is released by
     release_backward_leftovers, which keeps persistent params: micro-batch 1 does not gather it again
     (dumped from the coordinator)."""
-    from ledger.faithful.deepspeed import _z3_fetches
+    from ledger.faithful.deepspeed_coordinator import _z3_fetches
 
     shape = preset("tiny")
     e = shape.vocab * shape.hidden
