@@ -32,8 +32,19 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     """The torchtitan config module for this job (a function returning Trainer.Config)."""
     m, fw, tr = cfg.model, cfg.framework, cfg.train
     head_dim = m.hidden // m.heads
+    # PP: the rank's local batch (global / dp) is split into pipeline micro-batches of the
+    # layout's micro_batch_size (trainer.py num_pipeline_parallel_microbatches); torchtitan's
+    # default schedule 1F1B (one stage per rank). CUDA graphs refuse PP (trainer.py
+    # _validate_cuda_graphs), so they are disabled, as torchtitan's own PP configs do.
+    pp = getattr(lay, "pp", 1)
+    local_batch = lay.micro_batch_size * (lay.num_microbatches if pp > 1 else 1)
+    pp_training = "\n                    disable_cuda_graphs=True,  # trainer.py: CUDA graphs do not support PP" \
+        if pp > 1 else ""
+    pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
+                   f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"
+                   "\n                    pipeline_parallel_schedule='1F1B',") if pp > 1 else ""
     return textwrap.dedent(f'''\
-        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, tp={lay.tp} cp={lay.cp}
+        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, pp={pp} tp={lay.tp} cp={lay.cp}
         dp_shard={lay.dp_shard} dp_replicate={lay.dp_replicate} (world {lay.world}).
 
         On a GPU cluster, from the torchtitan repo root (this folder on PYTHONPATH):
@@ -92,15 +103,15 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                 optimizer=default_adamw(lr={tr.lr}),
                 lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
                 training=TrainingConfig(
-                    local_batch_size={lay.micro_batch_size},
+                    local_batch_size={local_batch},
                     global_batch_size={lay.global_batch_size},
                     seq_len={m.seq_len},
                     steps={tr.steps},
                     dtype={fw.dtype!r},                                    # fp32 shards = master weights
                     mixed_precision_param={fw.mixed_precision_param!r},    # all-gather / compute dtype
-                    mixed_precision_reduce={fw.mixed_precision_reduce!r},  # reduce-scatter dtype
+                    mixed_precision_reduce={fw.mixed_precision_reduce!r},  # reduce-scatter dtype{pp_training}
                 ),
-                parallelism=ParallelismConfig(
+                parallelism=ParallelismConfig({pp_parallel}
                     data_parallel_shard_degree={lay.dp_shard},
                     data_parallel_replicate_degree={lay.dp_replicate},
                     tensor_parallel_degree={lay.tp},
@@ -209,6 +220,7 @@ def run_rank(cfg, lay, session) -> dict:
         titan_cpu.install()
     else:
         titan_cpu.set_timeout_shim()
+        titan_cpu.pipeline_step_microbatches()
         titan_cpu.eager_cp_block_mask()
         titan_cpu.visible_cp_allgather()
     import torch

@@ -4,7 +4,8 @@ Each redirect names the torchtitan file it serves and counts in REACHED every ti
 work, so a test can tell a redirect that stopped being reached (no longer needed, or no longer
 working) from one that still carries the run. `install()` is called by launchers.titan only
 when cluster.device == "cpu", before torchtitan is imported; nothing here touches a GPU run,
-except `set_timeout` (see there), which torch 2.13 lacks on every device, and
+except `set_timeout` (see there), which torch 2.13 lacks on every device, `pipeline_step_microbatches`
+(see there), torchtitan's call that torch 2.13's pipeline schedules do not take, and
 `eager_cp_block_mask` and `visible_cp_allgather` (see there), which the comm probe needs on
 every device.
 """
@@ -153,6 +154,44 @@ def set_timeout_shim() -> None:
     dist.set_timeout = set_timeout
 
 
+# -- trainer.py pp_forward_backward_step calls pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=,
+#    losses=, loss_kwargs=, return_outputs=) with the micro-batches already split; torch 2.13's
+#    PipelineScheduleSingle.step / PipelineScheduleMulti.step (pipelining/schedules.py) take whole-batch
+#    *args/**kwargs, treat arg_mbs & co as model kwargs, split them again and fail in _check_inputs
+#    ("Expecting 2 arg_mbs but got 1"), on every device. The lists go where torchtitan means them:
+#    the same per-step set-up step() does (has_backward, clear_runtime_states), then the schedule's
+#    own _step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs).
+def pipeline_step_microbatches() -> None:
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if getattr(cls.step, "_ledger_microbatches", False):
+            continue
+        orig = cls.step
+
+        def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, arg_mbs=None,
+                 kwarg_mbs=None, target_mbs=None, _orig=orig, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _orig(self, *args, target=target, losses=losses, return_outputs=return_outputs,
+                             loss_kwargs=loss_kwargs, **kwargs)
+            if args or kwargs or target is not None:
+                raise TypeError("pipeline step: whole-batch inputs and split micro-batches given together")
+            REACHED["pp_step_microbatches"] += 1
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:  # schedules.py step(): "Set the same has_backward flag", "Clean per iteration"
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            if return_outputs:
+                for stage in stages:
+                    if stage.is_last:
+                        return self._merge_outputs(stage.output_chunks)
+            return None
+
+        step._ledger_microbatches = True
+        cls.step = step
+
+
 # -- distributed/context_parallel/api.py cp_shard -> torch's _context_parallel/_attention.py
 #    _create_cp_block_mask builds the CP BlockMask with torch.compile(create_block_mask,
 #    fullgraph=True). Under the comm probe's TorchDispatchMode dynamo skips every frame
@@ -217,6 +256,7 @@ def install() -> None:
     _force_sum()
     _barrier_without_device_ids()
     set_timeout_shim()
+    pipeline_step_microbatches()
     eager_cp_block_mask()
     visible_cp_allgather()
     _installed = True

@@ -324,7 +324,8 @@ for name, fn in (("opaque", flex_cp_allgather), ("visible", api.flex_cp_allgathe
 
 def test_redirects_still_needed_in_a_fresh_process():
     """No accelerator -> torchtitan would pick cuda; torch.cpu lacks the monitor's calls; gloo has no
-    PREMUL_SUM and rejects barrier(device_ids=["cpu"]); torch 2.13 has no dist.set_timeout."""
+    PREMUL_SUM and rejects barrier(device_ids=["cpu"]); torch 2.13 has no dist.set_timeout, and its
+    pipeline schedules' step() takes no pre-split micro-batches."""
     code = r"""
 import os, torch, torch.distributed as dist
 from torch._utils import _get_available_device_type
@@ -339,6 +340,10 @@ try:
     dist.barrier(device_ids=[torch.cpu.current_device()]); print("barrier ok")
 except TypeError: print("barrier fails")
 print("set_timeout", hasattr(dist, "set_timeout"))
+import inspect
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+print("step_mbs", any("arg_mbs" in inspect.signature(c.step).parameters
+                      for c in (PipelineScheduleSingle, PipelineScheduleMulti)))
 """
     from launchers.local import free_port
 
@@ -349,6 +354,7 @@ print("set_timeout", hasattr(dist, "set_timeout"))
     assert "premul fails" in out
     assert "barrier fails" in out
     assert "set_timeout False" in out
+    assert "step_mbs False" in out  # trainer.py's pp_schedule.step(arg_mbs=...) is not torch 2.13's step
 
 
 # -- ledger rules --------------------------------------------------------------------------------
@@ -413,6 +419,52 @@ def test_shape_limits_are_config_errors():
             L.place(m, _lay(world=world, cp=cp), _fw())
         with pytest.raises(ConfigError, match=f"cp={cp}: seq_len={seq} must be divisible by cp\\*128"):
             validate(m, _lay(world=world, cp=cp), "titan")
+
+
+def test_pp_stage_split_is_torchtitans():
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part as split
+
+    for layers in range(1, 20):
+        for pp in range(2, 8):
+            try:
+                ref = split(pp, layers, 1, 1)
+            except ValueError:
+                with pytest.raises(ConfigError, match=f"pp={pp}"):
+                    L.pp_stages(layers, pp)
+                continue
+            got = [["tok_embeddings"] * e + [f"layers.{i}" for i in range(a, a + n)] + ["norm", "lm_head"] * h
+                   for e, a, n, h in L.pp_stages(layers, pp)]
+            assert got == ref, (layers, pp)
+
+
+def test_pp_metadata_pickles_are_torchs():
+    """The step-0 metadata: 167 / 168 bytes for [1, 32, 64] bf16, as the real pp2 run sent them."""
+    assert L._pp_meta_bytes(1, 32, 64) == (167, 168)
+
+
+def test_pipeline_parallel_ledger():
+    m = ModelShape(layers=8, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=32)
+    lay = _lay(world=8, pp=4, global_batch_size=8)  # dp_shard 2, 4 micro-batches
+    pl = L.place(m, lay, _fw())
+    assert [pl.rank_state(r).stage for r in range(0, 8, 2)] == [0, 1, 2, 3]
+    assert [L.pp_stages(8, 4)[s][2] for s in range(4)] == [2, 3, 2, 1]
+    act = 32 * 64 * 2
+    for r, nb in ((0, 1), (2, 2), (4, 2), (6, 1)):
+        s = pl.rank_state(r)
+        p2p = {(c.dim, c.kind, c.dtype): c for c in s.comm}[("pp", "send_recv", "bf16")]
+        assert (p2p.count, p2p.buffer_bytes) == (2 * 4 * nb, 2 * 4 * nb * act)
+        first = {(c.dim, c.kind, c.dtype): c for c in s.comm_first}
+        assert first[("pp", "send_recv", "int32")].count == 2 * nb
+        assert first[("pp", "send_recv", "uint8")].buffer_bytes == nb * (167 + 168)
+    # middle stages: blocks only, each gathered and reduced once per step
+    mid = {(c.dim, c.kind): c for c in pl.rank_state(2).comm}
+    assert mid[("dp", "all_gather")].count == mid[("dp", "reduce_scatter")].count == 3
+    last = {(c.dim, c.kind): c for c in pl.rank_state(6).comm}
+    assert last[("dp", "all_gather")].count == 1 + 1 + 2 * 4
+    assert last[("dp", "reduce_scatter")].count == 1 + 1 + (4 - 1) + 1
+    # the whole model's optimizer state, once over the stages
+    whole = L.place(m, _lay(world=2), _fw())
+    assert sum(pl.rank_state(r).optim_bytes for r in range(0, 8, 2)) == whole.rank_state(0).optim_bytes
 
 
 # -- dry ------------------------------------------------------------------------------------------

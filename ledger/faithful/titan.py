@@ -7,6 +7,11 @@ Meshes (distributed/parallel_dims.py build_mesh, legacy spmd backend): FSDP shar
 dp_shard x cp; the batch mesh is dp_replicate x dp_shard, the loss mesh batch x cp. The grid
 (ledger/grid.py: tp, cp, dp, dp_replicate, pp) is torchtitan's mesh order, so a rank's FSDP shard
 index is dp * cp + cp and a group over cp and dp_shard is dim "cp-dp".
+
+Pipeline parallelism (pp > 1, _place_pp): torchtitan's default 1F1B, one stage per rank, over FSDP
+on dp_shard; each stage holds the modules pipeline_parallel.py gives it, and its collectives are
+the schedule's P2P per micro-batch, FSDP once per step (the last stage's [norm, lm_head] per
+micro-batch), the grad-norm over pp, and in step 0 the schedule's vote and metadata inference.
 """
 from __future__ import annotations
 
@@ -94,11 +99,17 @@ class _Sharded(NamedTuple):
     reps: tuple[int, ...]  # one shard rank per distinct state
 
 
-@lru_cache(maxsize=1024)
 def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
+    return _sharded_part(model, tp, ds, True, model.layers, True)
+
+
+@lru_cache(maxsize=1024)
+def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, has_head: bool) -> _Sharded:
+    """_Sharded of a model part: tok_embeddings (or not), L TransformerBlocks, [norm, lm_head] (or
+    not); the whole model without PP, a pipeline stage's modules with it."""
     emb, block, head = _unit_params(model, tp)
-    L = model.layers
-    counted = [(p, 1) for p in (*emb, *head)] + [(p, L) for p in block]  # (param, how many)
+    counted = ([(p, 1) for p in emb] * has_emb + [(p, 1) for p in head] * has_head
+               + [(p, L) for p in block])  # (param, how many)
     padded = even = 0
     uneven: dict[int, int] = {}
     for p, n in counted:
@@ -150,6 +161,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                         ("mixed_precision_reduce", "float32"), ("spmd_backend", "partial_dtensor")):
         if getattr(fw, field) != want:
             raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models {want!r}")
+    if lay.pp > 1:
+        return _place_pp(model, lay, fw)
     grid: Grid = lay.grid
     cp = lay.cp
     ds = lay.dp_shard * cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
@@ -203,7 +216,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     return pl
 
 
-def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first) -> RankState:
+def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first, layers: int | None = None
+           ) -> RankState:
     s = RankState(comm_fn=comm_fn, comm_first=comm_first)
     # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage
     s.add("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32)
@@ -216,7 +230,8 @@ def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first
     s.add("optim_bytes", "adam step", sh.n_params * F32)
     # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x head_dim/2);
     # CP shards the positions that index it (prepare_context_parallel_input), not the cache
-    s.add("other_bytes", "rope cache buffers", model.layers * model.seq_len * (model.head_dim // 2) * 8)
+    s.add("other_bytes", "rope cache buffers",
+          (model.layers if layers is None else layers) * model.seq_len * (model.head_dim // 2) * 8)
     return s
 
 
@@ -470,3 +485,199 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
         if o != "P":
             undone.append(f"{name} input grad leaves mm as {o}")
     return tuple(out), tuple(undone), priced
+
+
+# -- pipeline parallelism: distributed/pipeline_parallel.py pipeline_llm, torch 2.13 pipelining --------
+#
+# What the ledger models: torchtitan's default schedule 1F1B (one stage per rank, vp=1) over FSDP on
+# dp_shard (layout.validate refuses tp, cp, dp_replicate and reshard_after_forward="always" with PP).
+# The rank's local batch (global_batch_size / dp) is split into num_microbatches pipeline
+# micro-batches of micro_batch_size (parallelism.pipeline_parallel_microbatch_size).
+
+
+@lru_cache(maxsize=256)
+def pp_stages(layers: int, pp: int, input_weight: int = 1, output_weight: int = 1
+              ) -> tuple[tuple[bool, int, int, bool], ...]:
+    """pipeline_parallel.py _generate_llm_fqn_per_model_part(pp, layers, 1, 1) (the default
+    pipeline_parallel_first/last_stage_less_layers = 1): per stage (has tok_embeddings, first
+    layer, number of layers, has [norm, lm_head]). The same ValueErrors, as ConfigErrors."""
+    eff = layers + input_weight + output_weight
+    if pp > eff:
+        raise ConfigError(f"titan: pp={pp}: more stages than effective layers {eff} (layers + 2; "
+                          "pipeline_parallel.py _generate_llm_fqn_per_model_part)")
+    per, extra = divmod(eff, pp)
+    if per == 0 or input_weight > per or output_weight > per:
+        raise ConfigError(f"titan: pp={pp}: layers={layers} give {per} effective layers per stage; "
+                          "tok_embeddings and [norm, lm_head] count as one each and need at least one per stage")
+    out, cur = [], 0
+    for i in range(pp):
+        n = per + (i < extra)
+        if i == 0:
+            n -= input_weight
+        elif i == pp - 1:
+            n -= output_weight
+        n = max(0, min(n, layers - cur))
+        out.append((i == 0, cur, n, i == pp - 1))
+        cur += n
+    return tuple(out)
+
+
+def _pp_meta_bytes(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
+    """Bytes of the pickled metadata a stage sends in the first step (pipelining/stage.py
+    _send_meta -> dist.send_object_list, pickled by distributed_c10d._object_to_tensor):
+    _StageForwardMeta of the stage output and _StageBackwardMeta of the input grad, both one
+    [mbs, seq, hidden] bf16 tensor. Pickled from torch's own classes (imported only here, on the
+    first read of a first-step list, cached)."""
+    return _pp_meta_bytes_cached(mbs, seq, hidden)
+
+
+@lru_cache(maxsize=64)
+def _pp_meta_bytes_cached(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
+    import io
+
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+
+    out = torch.empty(mbs, seq, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    grad = torch.empty(mbs, seq, hidden, dtype=torch.bfloat16, device="meta")
+    sizes = []
+    for obj in (_StageForwardMeta(forward_metas=extract_tensor_metas((out,))),
+                _StageBackwardMeta(backward_metas=extract_tensor_metas((grad,)))):
+        f = io.BytesIO()
+        c10d._pickler(f).dump(obj)
+        sizes.append(len(f.getvalue()))
+    return sizes[0], sizes[1]
+
+
+def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
+    if fw.reshard_after_forward == "always" or lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1 or lay.vp > 1:
+        raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B over FSDP (dp_shard) only, "
+                          "reshard_after_forward default/never (see ledger.layout.validate)")
+    grid: Grid = lay.grid
+    ds, P = lay.dp_shard, lay.pp
+    stages = pp_stages(model.layers, P)
+    shs = [_sharded_part(model, 1, ds, e, n, h) for e, _, n, h in stages]
+    memo: dict = {}
+
+    def comm_of(s: int, first: bool):
+        if (s, first) not in memo:
+            memo[s, first] = _pp_comm(model, lay, shs[s], stages[s], s, first)
+        return memo[s, first]
+
+    cache: dict = {}
+
+    def rank_state(r: int) -> RankState:
+        c = grid.coords(r)
+        s, k = c["pp"], c["dp"]
+        sh = shs[s]
+        key = (s, tuple(_rows_of(d0, ds, k) for d0, _ in sh.uneven))
+        if key not in cache:
+            st = _state(model, sh, k, ds, lambda: comm_of(s, False), lambda: comm_of(s, True), layers=stages[s][2])
+            st.stage = s
+            if stages[s][3] and lay.num_microbatches >= 2:
+                # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
+                # step's first reduce-scatter of a param makes its .grad a view of that output
+                # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
+                # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
+                # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
+                st.add("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
+                       sh.lm_full // ds * F32)
+            cache[key] = st
+        return cache[key]
+
+    # stages with the same modules (most middle stages) hold the same bytes: the first of each kind
+    # stands for them (with its shard ranks where rows differ)
+    kinds: dict = {}
+    for s, (e, _, n, h) in enumerate(stages):
+        kinds.setdefault((e, n, h), s)
+    reps = [grid.rank({"dp": k, "pp": s}) for s in kinds.values() for k in shs[s].reps]
+    return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
+                     world=lay.world, rank_state=rank_state, representatives=reps)
+
+
+def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, int, int, bool], s: int,
+             first: bool) -> list[Comm]:
+    """One optimizer step of pipeline stage s under 1F1B (torch pipelining/schedules.py
+    Schedule1F1B, stage.py), FSDP over dp_shard; first: step 0 (the schedule's one-time set-up)."""
+    cb = CommBuilder()
+    has_emb, _, L, has_head = stage
+    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
+    grid = lay.grid
+    fsdp = grid.label_of(("cp", "dp"))
+    head = sh.norm_full + sh.lm_full
+
+    def ag(full, what, count=1):
+        cb.add(fsdp, "all_gather", full * BF16, ds, "bf16", count=count, what=what)
+
+    def rs(full, what, count=1):
+        cb.add(fsdp, "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
+
+    # fsdp.py get_fsdp_reshard_after_forward_policy: with PP "default" (and "never") is False for
+    # tok_embeddings and the blocks; [norm, lm_head] gets reshard_after_forward == "always" = False.
+    # stage.py backward_maybe_with_nosync sets reshard_after_backward(False) and
+    # requires_gradient_sync(False) on every micro-batch's backward; perform_reduce_grad (after the
+    # last one) runs post_backward on every group: one reduce-scatter per unit, reshard. So each
+    # unit gathers once per step, in its first forward.
+    if has_emb:
+        ag(sh.emb_full, "forward unshard (once per step)")
+    ag(sh.layer_full, "forward unshard (once per step)", L)
+    if has_head:
+        # the last stage runs F0 B0 F1 B1 ...; components/loss.py ChunkedLossWrapper (the stage's
+        # loss_fn) leaves [norm, lm_head] with reshard_after_forward(True) and reshards it after
+        # its chunks: F0's norm gathers it; every micro-batch's loss unshards it again (wrapper)
+        # and its backward through the norm gathers it once more (left unsharded for the next
+        # forward by reshard_after_backward(False))
+        ag(head, "[norm, lm_head]: F0 norm forward")
+        ag(head, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch", n)
+        ag(head, "[norm, lm_head]: norm backward, per micro-batch", n)
+        # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)):
+        # micro-batch 0 reduces lm_head's grad alone, later ones lm_head + the norm grad the previous
+        # backward accumulated; perform_reduce_grad reduces the last norm grad
+        rs(sh.lm_full, "lm_head grad (micro-batch 0, last chunk)")
+        rs(head, "lm_head + accumulated norm grad (later micro-batches, last chunk)", n - 1)
+        rs(sh.norm_full, "norm grad (perform_reduce_grad)")
+    rs(sh.layer_full, "layer grads (perform_reduce_grad)", L)
+    if has_emb:
+        rs(sh.emb_full, "tok_embeddings grad (perform_reduce_grad)")
+    # P2P (stage.py get_fwd_send_ops / get_bwd_send_ops, dist.isend/irecv on the pp group): one
+    # activation forward and one grad backward per micro-batch, each a [mbs, seq, hidden] bf16 tensor
+    act = lay.micro_batch_size * model.seq_len * model.hidden * BF16
+    nb = (s > 0) + (s < P - 1)  # neighbours
+    if s < P - 1:
+        cb.add_p2p("pp", act, act, "bf16", what="activation send / grad recv, per micro-batch", times=n)
+    if s > 0:
+        cb.add_p2p("pp", act, act, "bf16", what="activation recv / grad send, per micro-batch", times=n)
+    if first:
+        # schedules.py _initialize_pp_stages, step 0 only: _warmup_p2p's vote (stage.py
+        # _warmup_forward_vote / _warmup_backward_result: one int32 forward, one back, per neighbour)
+        cb.add_p2p("pp", 4, 4, "int32", what="P2P warm-up vote", times=nb)
+        # ... metadata inference: _StageForwardMeta sent forward, _StageBackwardMeta back
+        # (send_object_list: an int64 size, then the pickle as uint8)
+        fwd, bwd = _pp_meta_bytes(lay.micro_batch_size, model.seq_len, model.hidden)
+        if s < P - 1:
+            cb.add_p2p("pp", 8, 8, "int64", what="metadata sizes")
+            cb.add_p2p("pp", fwd, bwd, "uint8", what="forward / backward metadata")
+        if s > 0:
+            cb.add_p2p("pp", 8, 8, "int64", what="metadata sizes")
+            cb.add_p2p("pp", bwd, fwd, "uint8", what="forward / backward metadata")
+        # the inference runs the stage forward on real tensors: every unit gathers (then
+        # _post_metadata_inference_cleanup reshards); the last stage's backward inference calls the
+        # loss (the wrapper: lm_head's grad reduced at its last chunk, the group resharded) and
+        # autograd.grad through the norm (gathers [norm, lm_head] again)
+        if has_emb:
+            ag(sh.emb_full, "metadata inference forward")
+        ag(sh.layer_full, "metadata inference forward", L)
+        if has_head:
+            ag(head, "metadata inference forward")
+            rs(sh.lm_full, "metadata inference: ChunkedLossWrapper lm_head grad")
+            ag(head, "metadata inference: norm backward")
+    # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
+    # total norm (** norm_type) all-reduced over pp
+    cb.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
+    cb.add("pp", "all_reduce", F32, P, "fp32", what="grad-norm total over pp")
+    # trainer.py train_step: valid tokens on the batch mesh, loss sum / max and ntokens_seen on
+    # the loss mesh (both dp_shard here; pp is in neither)
+    cb.add(fsdp, "all_reduce", 8, ds, "int64", count=2, what="valid tokens, ntokens_seen")
+    cb.add(fsdp, "all_reduce", 4, ds, "fp32", count=2, what="loss sum, loss max")
+    return cb.build()
