@@ -97,7 +97,9 @@ def main() -> None:
             ("titan", framework("titan"), layouts(world, gbs, d, [1], mbs)),
             ("titan sp", framework("titan"), layouts(world, gbs, d, [1], mbs, **sp)),
             ("titan hsdp", framework("titan"), layouts(world, gbs, d, [1], mbs, dp_replicate=8)),
-            ("titan cp2", framework("titan"), layouts(world, gbs // 2, d, [1], mbs, cp=2))]
+            ("titan cp2", framework("titan"), layouts(world, gbs // 2, d, [1], mbs, cp=2)),
+            # PP: the local batch splits into pipeline micro-batches; 1F1B needs at least pp of them
+            ("titan pp", framework("titan"), layouts(world, 2 * gbs, [1], d, mbs))]
     print(f"llama3_70b on {world:,} GPUs, every (tp, pp, dp, micro_batch) layout predicted once "
           f"(place + per_gpu + by_kind), best of {args.repeat}; target {TARGET:,}/s on one core")
     for name, fw, lays in rows:

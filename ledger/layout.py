@@ -113,17 +113,34 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
     elif framework == "megatron":
         need(lay.dp_replicate == 1, lambda: "megatron: dp_replicate (HSDP) is a torchtitan layout")
     elif framework == "titan":
-        need(lay.pp == 1, lambda: f"titan: pp={lay.pp}: pipeline parallelism is not modelled for torchtitan yet")
+        # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
+        # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
+        need(lay.pp == 1 or lay.vp == 1,
+             lambda: f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages per rank) "
+             "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
+        need(lay.pp == 1 or (lay.tp == 1 and lay.cp == 1 and lay.dp_replicate == 1),
+             lambda: f"titan: pp={lay.pp} with tp={lay.tp} cp={lay.cp} dp_replicate={lay.dp_replicate}: pipeline "
+             "parallelism is modelled over FSDP (dp_shard) only; tp, cp and dp_replicate with pp are not modelled")
         # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
         # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
         need(lay.cp == 1 or model.seq_len % (128 * lay.cp) == 0,
              lambda: f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 (FlexAttention's "
              "CP BlockMask is sharded in whole 128-token blocks)")
-        need(lay.num_microbatches == 1,
+        # without PP one local batch per step (no gradient accumulation); with PP the local batch
+        # (global / dp) is split into num_microbatches pipeline micro-batches of micro_batch_size
+        # (parallelism.pipeline_parallel_microbatch_size; trainer.py num_pipeline_parallel_microbatches)
+        need(lay.pp > 1 or lay.num_microbatches == 1,
              lambda: f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
              "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+        # torch pipelining/schedules.py Schedule1F1B.__init__: ValueError unless n_microbatches >= stages
+        need(lay.pp == 1 or lay.num_microbatches >= lay.pp,
+             lambda: f"titan: pp={lay.pp}: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
+             f"pipeline micro-batches per rank; 1F1B needs at least pp={lay.pp} (global >= micro_batch_size*dp*pp)")
         if fw_cfg is not None:
             need(fw_cfg.reshard_after_forward in ("default", "always", "never"),
                  lambda: f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")
+            need(lay.pp == 1 or fw_cfg.reshard_after_forward != "always",
+                 lambda: f"titan: pp={lay.pp} with framework.reshard_after_forward='always' is not modelled (per "
+                 "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")

@@ -5,13 +5,16 @@ dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards ar
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
 tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default); and context parallelism
 at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
-settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4). Every row on
+settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
+parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
+1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides). Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
-rank (the CP ones on the CP jobs).
+rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -43,13 +46,19 @@ SWEEPS = (
     ("w4cp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.dp_replicate=1,2")),
     ("w4tpcp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.tp=2",
                 "layout.sequence_parallel=false,true")),
+    # pipeline parallelism (1F1B): P2P per micro-batch, FSDP once per step per stage, the last
+    # stage's [norm, lm_head] per micro-batch; step 0 adds the schedule's vote and metadata inference
+    ("w2pp", ("cluster.ranks=2", "model.seq_len=32", "layout.pp=2", "layout.global_batch_size=3")),
+    ("w4pp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=8", "layout.pp=2,4")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
-EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp"}
+EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp", "pp2", "pp2·dp2",
+                 "pp4"}
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 CP_REDIRECTS = {"eager_cp_block_mask", "visible_cp_allgather"}  # reached where cp > 1
+PP_REDIRECTS = {"pp_step_microbatches"}  # reached where pp > 1
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +119,8 @@ def test_collectives_cover_fsdp_tp_hsdp(sweep):
         assert needed in q, needed
     # reshard_after_forward=never gathers the blocks once per step, always twice
     for rec in sweep["ok"]:
+        if rec["prediction"]["layout"]["pp"] > 1:
+            continue  # test_pipeline_parallel_* below
         steady = [c for c in rec["measurement"]["ranks"][0]["steps"][-1]["comm"]
                   if c["dim"] == "dp" and c["kind"] == "all_gather"]
         L_ = rec["config"]["model"]["layers"]
@@ -169,7 +180,8 @@ def test_dim0_padding_is_measured_per_rank(sweep):
 @pytest.mark.real
 def test_every_cpu_redirect_reached_on_every_rank(sweep):
     for rec in sweep["ok"]:
-        want = REDIRECTS | (CP_REDIRECTS if rec["prediction"]["layout"]["cp"] > 1 else set())
+        lay = rec["prediction"]["layout"]
+        want = REDIRECTS | (CP_REDIRECTS if lay["cp"] > 1 else set()) | (PP_REDIRECTS if lay["pp"] > 1 else set())
         for m in rec["measurement"]["ranks"]:
             got = m.get("cpu_redirects") or {}
             missing = {k for k in want if got.get(k, 0) < 1}
@@ -180,9 +192,36 @@ def test_every_cpu_redirect_reached_on_every_rank(sweep):
 def test_loss_is_finite_and_shared(sweep):
     for rec in sweep["ok"]:
         losses = {m["rank"]: [s["loss"] for s in m["steps"]] for m in rec["measurement"]["ranks"]}
-        first = losses[0]
+        lay = rec["prediction"]["layout"]
+        if lay["pp"] > 1:
+            # trainer.py pp_forward_backward_step: only the last stage has the loss; the others
+            # return -1.0, summed over the loss mesh (dp_shard) like the real one
+            last = rec["prediction"]["world"] - lay["dp_shard"]  # pp is the outermost grid dim
+            for r, v in losses.items():
+                if r < last:
+                    assert v == [-1.0 * lay["dp_shard"]] * len(v), (r, v)
+            losses = {r: v for r, v in losses.items() if r >= last}
+        first = next(iter(losses.values()))
         assert all(x is not None and 0 < x < 20 for x in first)
         assert all(v == first for v in losses.values())  # global avg loss, reduced on the loss mesh
+
+
+@pytest.mark.real
+def test_pipeline_parallel_p2p_per_microbatch_and_fsdp_once_per_step(sweep):
+    """pp2·dp2 (8 layers, 2 micro-batches): every rank sends/receives one [1, seq, hidden] bf16
+    activation or grad per micro-batch per neighbour; the first stage gathers each FSDP unit once
+    per step (reshard_after_forward False with PP), the last stage's [norm, lm_head] 1 + 2n times."""
+    rec = next(r for r in sweep["ok"] if records.layout_name(r) == "pp2·dp2")
+    m = rec["config"]["model"]
+    act, n = m["seq_len"] * m["hidden"] * 2, 2
+    for rank in rec["measurement"]["ranks"]:
+        comm = {(c["dim"], c["kind"], c["dtype"]): c for c in rank["steps"][-1]["comm"]}
+        p2p = comm[("pp", "send_recv", "bf16")]
+        assert (p2p["count"], p2p["buffer_bytes"]) == (2 * n, 2 * n * act)
+        assert comm[("pp", "all_reduce", "fp32")]["buffer_bytes"] == 4  # the total grad norm
+        assert comm[("dp", "all_gather", "bf16")]["count"] == (1 + 4 if rank["rank"] < 2 else 4 + 1 + 2 * n)
+        first = {(c["dim"], c["kind"], c["dtype"]) for c in rank["steps"][0]["comm"]}
+        assert {("pp", "send_recv", "int32"), ("pp", "send_recv", "uint8")} <= first  # vote, metadata
 
 
 # -- redirects: each still needed ----------------------------------------------------------------
@@ -467,6 +506,20 @@ def test_pipeline_parallel_ledger():
     assert sum(pl.rank_state(r).optim_bytes for r in range(0, 8, 2)) == whole.rank_state(0).optim_bytes
 
 
+@pytest.mark.parametrize("world,kw,fw,needle", [
+    (8, dict(pp=2, tp=2), {}, "pp=2 with tp=2"),
+    (8, dict(pp=2, cp=2), {}, "pp=2 with tp=1 cp=2"),
+    (8, dict(pp=2, dp_replicate=2), {}, "dp_replicate=2"),
+    (8, dict(pp=2, vp=2), {}, "vp=2: looped pipeline schedules"),
+    (2, dict(pp=2, global_batch_size=1), {}, "1F1B needs at least pp=2"),
+    (4, dict(pp=2), dict(reshard_after_forward="always"), "reshard_after_forward='always'"),
+    (2, dict(global_batch_size=4), {}, "one local batch per step"),
+])
+def test_pipeline_parallel_limits_are_config_errors(world, kw, fw, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        validate(preset("tiny"), _lay(world=world, **kw), "titan", _fw(**fw))
+
+
 # -- dry ------------------------------------------------------------------------------------------
 def test_dry_writes_a_module_torchtitan_loads(tmp_path):
     out = tmp_path / "dry"
@@ -484,6 +537,23 @@ def test_dry_writes_a_module_torchtitan_loads(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-7:] == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
+
+
+def test_dry_pp_module_splits_the_local_batch_into_pipeline_microbatches(tmp_path):
+    """pp2 x dp4, micro-batch 2, global 32: local batch 8 in 4 pipeline micro-batches of 2, 1F1B,
+    CUDA graphs off (torchtitan refuses PP with them)."""
+    out = tmp_path / "dry"
+    launch("mode=dry", "framework=titan", "model=llama3_1b", "layout.pp=2", "layout.dp=4", "layout.micro_batch_size=2",
+           "layout.global_batch_size=32", f"hydra.run.dir={out}", check=True)
+    code = (f"import sys; sys.path.insert(0, {str(out)!r})\n"
+            "from torchtitan.config import ConfigManager\n"
+            "c = ConfigManager().parse_args(['--module', 'ledger_titan', '--config', 'ledger_config'])\n"
+            "p, t = c.parallelism, c.training\n"
+            "print(p.pipeline_parallel_degree, p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule,"
+            " p.data_parallel_shard_degree, t.local_batch_size, t.global_batch_size, t.disable_cuda_graphs)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-7:] == ["2", "2", "1F1B", "4", "8", "32", "True"]
 
 
 def test_tp_backward_strategy_follows_dtensor_cost_model():
