@@ -114,49 +114,42 @@ class CommBuilder:
     def __init__(self):
         self._acc: dict[tuple, list] = {}
 
-    def add(self, dim: str, kind: str, buffer_bytes: int, group_size: int, dtype: str = "",
-            count: int = 1, what: str = "") -> None:
-        if group_size <= 1 or count == 0:
-            return  # a group of one sends nothing; the probe ignores such calls too
-        key = (dim, kind, dtype)
-        if key not in self._acc:
-            self._acc[key] = [0, 0, 0, set()]
-        a = self._acc[key]
+    def add_calls(self, dim: str, kind: str, dtype: str, count: int, buffer_bytes: int, wire: int,
+                  what: str = "") -> "CommBuilder":
+        """`count` calls already summed: their buffer bytes and wire bytes (each call's wire floored
+        on its own, placement.wire_bytes). Every other add goes through here."""
+        if count == 0:
+            return self
+        a = self._acc.setdefault((dim, kind, dtype), [0, 0, 0, set()])
         a[0] += count
-        a[1] += buffer_bytes * count
-        a[2] += wire_bytes(kind, buffer_bytes, group_size) * count
+        a[1] += buffer_bytes
+        a[2] += wire
         if what:
             a[3].add(what)
+        return self
+
+    def add(self, dim: str, kind: str, buffer_bytes: int, group_size: int, dtype: str = "",
+            count: int = 1, what: str = "") -> "CommBuilder":
+        if group_size <= 1:
+            return self  # a group of one sends nothing; the probe ignores such calls too
+        return self.add_calls(dim, kind, dtype, count, buffer_bytes * count,
+                              wire_bytes(kind, buffer_bytes, group_size) * count, what)
 
     def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
-                 what: str = "") -> None:
+                 what: str = "") -> "CommBuilder":
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
-        if group_size <= 1 or not buffers:
-            return
-        key = (dim, kind, dtype)
-        if key not in self._acc:
-            self._acc[key] = [0, 0, 0, set()]
-        a = self._acc[key]
-        a[0] += len(buffers)
-        a[1] += sum(buffers)
-        a[2] += sum(wire_bytes(kind, b, group_size) for b in buffers)
-        if what:
-            a[3].add(what)
+        if group_size <= 1:
+            return self
+        return self.add_calls(dim, kind, dtype, len(buffers), sum(buffers),
+                              sum(wire_bytes(kind, b, group_size) for b in buffers), what)
 
     def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "",
-                times: int = 1) -> None:
+                times: int = 1) -> "CommBuilder":
         """`times` exchanges, each sending sent_bytes and receiving received_bytes (0: that side absent)."""
         if times <= 0:
-            return
-        key = (dim, "send_recv", dtype)
-        if key not in self._acc:
-            self._acc[key] = [0, 0, 0, set()]
-        a = self._acc[key]
-        a[0] += ((sent_bytes > 0) + (received_bytes > 0)) * times
-        a[1] += (sent_bytes + received_bytes) * times
-        a[2] += sent_bytes * times
-        if what:
-            a[3].add(what)
+            return self
+        return self.add_calls(dim, "send_recv", dtype, ((sent_bytes > 0) + (received_bytes > 0)) * times,
+                              (sent_bytes + received_bytes) * times, sent_bytes * times, what)
 
     def build(self) -> list[Comm]:
         return [Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]

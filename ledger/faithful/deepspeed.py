@@ -32,7 +32,7 @@ from typing import NamedTuple
 from ledger.faithful.deepspeed_coordinator import _module, _z3_fetches, _z3_trace
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
-from ledger.placement import Comm, Placement, RankState, wire_bytes
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 BF16, FP32, FP64, INT64 = 2, 4, 8, 8
 # engine.get_data_types(): the model dtype is bf16 with a `bf16` section, fp32 without one; ZeRO keeps
@@ -145,26 +145,6 @@ def _counted(kind: str, counts, group: int, times: int = 1) -> _Calls:
 
 
 _NONE = _Calls(0, 0, 0)
-
-
-class _Sum:
-    """CommBuilder over pre-summed calls (dim "dp"): same Comm list, same order, same `what` text."""
-
-    def __init__(self):
-        self._acc: dict[tuple, list] = {}
-
-    def add(self, kind: str, dtype: str, c: _Calls, what: str) -> "_Sum":
-        if c.count == 0:
-            return self
-        a = self._acc.setdefault(("dp", kind, dtype), [0, 0, 0, set()])
-        a[0] += c.count
-        a[1] += c.nbytes
-        a[2] += c.wire
-        a[3].add(what)
-        return self
-
-    def build(self) -> tuple[Comm, ...]:
-        return tuple(Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items()))
 
 
 class _Memory(RankState):
@@ -347,16 +327,16 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
         chunks = [c for b, off in large for c in allreduce_chunks(b, off, flat // dp, bucket)]
         ipg = ipg.plus(_calls("all_reduce", (w * c for c in chunks), dp))
     ipg = ipg.times(times)
-    out = _Sum().add("all_reduce", precision, ipg, "IPG bucket (average_tensor)")
+    out = CommBuilder().add_calls("dp", "all_reduce", precision, *ipg, "IPG bucket (average_tensor)")
     # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
     # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
     # (fp32 SUM)
     if precision == "bf16":
-        out.add("all_reduce", "uint8", _calls("all_reduce", [1], dp), "overflow check")
-    out.add("all_reduce", "fp32", _calls("all_reduce", [FP32], dp), "grad norm")
+        out.add_calls("dp", "all_reduce", "uint8", *_calls("all_reduce", [1], dp), "overflow check")
+    out.add_calls("dp", "all_reduce", "fp32", *_calls("all_reduce", [FP32], dp), "grad norm")
     # utils.all_gather_dp_groups -> all_gather_into_tensor_dp_groups: one call per param group
-    out.add("all_gather", precision, _calls("all_gather", [w * flat], dp), f"updated {precision} partitions")
-    return out.build()
+    out.add_calls("dp", "all_gather", precision, *_calls("all_gather", [w * flat], dp), f"updated {precision} partitions")
+    return tuple(out.build())
 
 
 # -- ZeRO-3 --------------------------------------------------------------------------------------
@@ -462,33 +442,33 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     record, rest0, steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)
     steady_what = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
 
-    def common(out: _Sum) -> _Sum:
+    def common(out: CommBuilder) -> CommBuilder:
         # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
         # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
         # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
-        out.add("reduce_scatter", t, z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+        out.add_calls("dp", "reduce_scatter", t, *z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
         # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (only fp16 has an overflow all-reduce
         # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
-        out.add("all_reduce", "fp64", _calls("all_reduce", [FP64], dp), "grad norm")
-        out.add("all_gather", t, z.persist, "persistent params (_post_step)")
+        out.add_calls("dp", "all_reduce", "fp64", *_calls("all_reduce", [FP64], dp), "grad norm")
+        out.add_calls("dp", "all_gather", t, *z.persist, "persistent params (_post_step)")
         return out
 
     steady_ag = _gathers(steady_calls, dp, w)
-    steady = common(_Sum().add("all_gather", t, steady_ag, steady_what)).build()
+    steady = tuple(common(CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, steady_what)).build())
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
-    first = _Sum().add("all_gather", t, _gathers(record, dp, w), "untraced per-module fetch, forward + backward")
-    first.add("broadcast", "int64", _calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
+    first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
+    first.add_calls("dp", "broadcast", "int64", *_calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
     trace = _trace_checks(model, threshold, dp)
     if m == 1:
         # step 1 starts with the trace completion, then runs as steady state
-        warmup = _Sum().add("all_gather", t, steady_ag, steady_what)
-        warmup.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
-        return steady, common(first).build(), common(warmup).build()
+        warmup = CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, steady_what)
+        warmup.add_calls("dp", "broadcast", "int64", *trace, "trace checks (reset_step completing the trace)")
+        return steady, tuple(common(first).build()), tuple(common(warmup).build())
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
-    first.add("broadcast", "int64", trace, "trace checks (reset_step completing the trace)")
-    first.add("all_gather", t, _gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
-    return steady, common(first).build(), None
+    first.add_calls("dp", "broadcast", "int64", *trace, "trace checks (reset_step completing the trace)")
+    first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
+    return steady, tuple(common(first).build()), None
 
 
 def _trace_checks(model: ModelShape, threshold: int, dp: int) -> _Calls:
