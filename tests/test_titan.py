@@ -528,15 +528,23 @@ def test_dry_writes_a_module_torchtitan_loads(tmp_path):
     assert (out / "ledger_titan.py").exists()
     sh = (out / "run_train.sh").read_text()
     assert "NGPU=8" in sh and "MODULE=ledger_titan" in sh and "CONFIG=ledger_config" in sh
+    p = "c.parallelism"
+    got = _dry_config(out, f"{p}.tensor_parallel_degree", f"{p}.data_parallel_shard_degree",
+                      f"{p}.data_parallel_replicate_degree", "c.training.dtype", "c.training.mixed_precision_param",
+                      "c.model_spec.model.dim", "len(c.model_spec.model.layers)")
+    assert got == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
+
+
+def _dry_config(out, *exprs: str) -> list[str]:
+    """The dry module as torchtitan's own ConfigManager loads it (a fresh process): each expression
+    over the parsed config `c`, as printed."""
     code = (f"import sys; sys.path.insert(0, {str(out)!r})\n"
             "from torchtitan.config import ConfigManager\n"
             "c = ConfigManager().parse_args(['--module', 'ledger_titan', '--config', 'ledger_config'])\n"
-            "p = c.parallelism\n"
-            "print(p.tensor_parallel_degree, p.data_parallel_shard_degree, p.data_parallel_replicate_degree,"
-            " c.training.dtype, c.training.mixed_precision_param, c.model_spec.model.dim, len(c.model_spec.model.layers))")
+            f"print({', '.join(exprs)})")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-7:] == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
+    return r.stdout.split()[-len(exprs):]
 
 
 def test_dry_pp_module_splits_the_local_batch_into_pipeline_microbatches(tmp_path):
@@ -545,15 +553,11 @@ def test_dry_pp_module_splits_the_local_batch_into_pipeline_microbatches(tmp_pat
     out = tmp_path / "dry"
     launch("mode=dry", "framework=titan", "model=llama3_1b", "layout.pp=2", "layout.dp=4", "layout.micro_batch_size=2",
            "layout.global_batch_size=32", f"hydra.run.dir={out}", check=True)
-    code = (f"import sys; sys.path.insert(0, {str(out)!r})\n"
-            "from torchtitan.config import ConfigManager\n"
-            "c = ConfigManager().parse_args(['--module', 'ledger_titan', '--config', 'ledger_config'])\n"
-            "p, t = c.parallelism, c.training\n"
-            "print(p.pipeline_parallel_degree, p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule,"
-            " p.data_parallel_shard_degree, t.local_batch_size, t.global_batch_size, t.disable_cuda_graphs)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-7:] == ["2", "2", "1F1B", "4", "8", "32", "True"]
+    p, t = "c.parallelism", "c.training"
+    got = _dry_config(out, f"{p}.pipeline_parallel_degree", f"{p}.pipeline_parallel_microbatch_size",
+                      f"{p}.pipeline_parallel_schedule", f"{p}.data_parallel_shard_degree", f"{t}.local_batch_size",
+                      f"{t}.global_batch_size", f"{t}.disable_cuda_graphs")
+    assert got == ["2", "2", "1F1B", "4", "8", "32", "True"]
 
 
 def test_tp_backward_strategy_follows_dtensor_cost_model():
