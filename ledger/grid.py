@@ -31,7 +31,7 @@ class Grid:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in DIMS)
+        return (self.tp, self.cp, self.dp, self.dp_replicate, self.pp)  # DIMS order
 
     @property
     def world(self) -> int:
@@ -41,18 +41,14 @@ class Grid:
         return n
 
     def coords(self, rank: int) -> dict[str, int]:
-        out = {}
-        for d, s in zip(DIMS, self.sizes):
-            out[d] = rank % s
-            rank //= s
-        return out
+        tp, cp, dp, dpr = self.tp, self.cp, self.dp, self.dp_replicate
+        return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp,
+                "dp_replicate": rank // (tp * cp * dp) % dpr, "pp": rank // (tp * cp * dp * dpr) % self.pp}
 
     def rank(self, coords: dict[str, int]) -> int:
-        r, stride = 0, 1
-        for d, s in zip(DIMS, self.sizes):
-            r += coords.get(d, 0) * stride
-            stride *= s
-        return r
+        g = coords.get
+        tp, cp, dp, dpr = self.tp, self.cp, self.dp, self.dp_replicate
+        return g("tp", 0) + tp * (g("cp", 0) + cp * (g("dp", 0) + dp * (g("dp_replicate", 0) + dpr * g("pp", 0))))
 
     def group(self, rank: int, dims: tuple[str, ...] | str) -> list[int]:
         """Ranks of `rank`'s group that varies over `dims` (others fixed)."""

@@ -75,72 +75,94 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
 
 def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world: int | None = None) -> None:
     """Raise ConfigError naming the field and the rule; checked before anything is dispatched."""
-    def need(ok: bool, msg):  # msg: the text, or a lambda making it (formatted only on failure)
-        if not ok:
-            raise ConfigError(msg() if callable(msg) else msg)
-
-    need(model.hidden % model.heads == 0, lambda: f"model.heads={model.heads} does not divide model.hidden={model.hidden}")
-    need(model.heads % model.kv_heads == 0,
-         lambda: f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads}")
-    need(model.heads % lay.tp == 0, lambda: f"tp={lay.tp} does not divide num_heads={model.heads}")
-    need(model.kv_heads % lay.tp == 0, lambda: f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
-    need(model.ffn_hidden % lay.tp == 0, lambda: f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    need(model.vocab % lay.tp == 0, lambda: f"tp={lay.tp} does not divide vocab={model.vocab}")
-    need(model.layers % (lay.pp * lay.vp) == 0,
-         lambda: f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
-    need(lay.vp == 1 or lay.pp > 1, lambda: f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
-    need(lay.dp % lay.dp_replicate == 0, lambda: f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
-    need(lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0,
-         lambda: f"global_batch_size={lay.global_batch_size} is not divisible by micro_batch_size*dp="
-         f"{lay.micro_batch_size}*{lay.dp}")
-    need(model.seq_len % (lay.tp if lay.sequence_parallel else 1) == 0,
-         lambda: f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
-    need(model.seq_len % (2 * lay.cp) == 0 or lay.cp == 1,
-         lambda: f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
-    need(lay.ep == 1, lambda: f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
-    need(not lay.sequence_parallel or lay.tp > 1, lambda: "sequence_parallel=true needs tp > 1")
+    # each rule: `if not (rule): raise` (a search validates thousands of layouts; the message is
+    # formatted only on failure)
+    if not (model.hidden % model.heads == 0):
+        raise ConfigError(f"model.heads={model.heads} does not divide model.hidden={model.hidden}")
+    if not (model.heads % model.kv_heads == 0):
+        raise ConfigError(f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads}")
+    if not (model.heads % lay.tp == 0):
+        raise ConfigError(f"tp={lay.tp} does not divide num_heads={model.heads}")
+    if not (model.kv_heads % lay.tp == 0):
+        raise ConfigError(f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
+    if not (model.ffn_hidden % lay.tp == 0):
+        raise ConfigError(f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
+    if not (model.vocab % lay.tp == 0):
+        raise ConfigError(f"tp={lay.tp} does not divide vocab={model.vocab}")
+    if not (model.layers % (lay.pp * lay.vp) == 0):
+        raise ConfigError(f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
+    if not (lay.vp == 1 or lay.pp > 1):
+        raise ConfigError(f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
+    if not (lay.dp % lay.dp_replicate == 0):
+        raise ConfigError(f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
+    if not (lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0):
+        raise ConfigError(f"global_batch_size={lay.global_batch_size} is not divisible by micro_batch_size*dp="
+                          f"{lay.micro_batch_size}*{lay.dp}")
+    if not (model.seq_len % (lay.tp if lay.sequence_parallel else 1) == 0):
+        raise ConfigError(f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
+    if not (model.seq_len % (2 * lay.cp) == 0 or lay.cp == 1):
+        raise ConfigError(f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
+    if not (lay.ep == 1):
+        raise ConfigError(f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
+    if not (not lay.sequence_parallel or lay.tp > 1):
+        raise ConfigError("sequence_parallel=true needs tp > 1")
     if world is not None:
-        need(lay.world == world, lambda: f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
-                                 f"!= cluster size {world} (cluster.nodes x cluster.ranks, on Slurm nodes x tasks_per_node)")
+        if not (lay.world == world):
+            raise ConfigError(f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
+                              f"!= cluster size {world} (cluster.nodes x cluster.ranks, on Slurm nodes x "
+                              "tasks_per_node)")
     # framework limits
     if framework == "deepspeed":
         stage = fw_cfg.zero_stage if fw_cfg is not None else 1
-        need(stage in (0, 1, 2, 3), lambda: f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
-        need(lay.tp == 1 and lay.pp == 1 and lay.cp == 1,
-             lambda: f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed ZeRO as pure data "
-             "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
-        need(lay.dp_replicate == 1, lambda: "deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+        if not (stage in (0, 1, 2, 3)):
+            raise ConfigError(f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
+        if not (lay.tp == 1 and lay.pp == 1 and lay.cp == 1):
+            raise ConfigError(f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed "
+                              "ZeRO as pure data "
+                              "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
+        if not (lay.dp_replicate == 1):
+            raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
     elif framework == "megatron":
-        need(lay.dp_replicate == 1, lambda: "megatron: dp_replicate (HSDP) is a torchtitan layout")
+        if not (lay.dp_replicate == 1):
+            raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
     elif framework == "titan":
         # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
         # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
-        need(lay.pp == 1 or lay.vp == 1,
-             lambda: f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages per rank) "
-             "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
-        need(lay.pp == 1 or (lay.tp == 1 and lay.cp == 1 and lay.dp_replicate == 1),
-             lambda: f"titan: pp={lay.pp} with tp={lay.tp} cp={lay.cp} dp_replicate={lay.dp_replicate}: pipeline "
-             "parallelism is modelled over FSDP (dp_shard) only; tp, cp and dp_replicate with pp are not modelled")
+        if not (lay.pp == 1 or lay.vp == 1):
+            raise ConfigError(f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages "
+                              "per rank) "
+                              "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
+        if not (lay.pp == 1 or (lay.tp == 1 and lay.cp == 1 and lay.dp_replicate == 1)):
+            raise ConfigError(f"titan: pp={lay.pp} with tp={lay.tp} cp={lay.cp} "
+                              f"dp_replicate={lay.dp_replicate}: pipeline "
+                              "parallelism is modelled over FSDP (dp_shard) only; tp, cp and dp_replicate with "
+                              "pp are not modelled")
         # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
         # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
-        need(lay.cp == 1 or model.seq_len % (128 * lay.cp) == 0,
-             lambda: f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 (FlexAttention's "
-             "CP BlockMask is sharded in whole 128-token blocks)")
+        if not (lay.cp == 1 or model.seq_len % (128 * lay.cp) == 0):
+            raise ConfigError(f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 "
+                              "(FlexAttention's "
+                              "CP BlockMask is sharded in whole 128-token blocks)")
         # without PP one local batch per step (no gradient accumulation); with PP the local batch
         # (global / dp) is split into num_microbatches pipeline micro-batches of micro_batch_size
         # (parallelism.pipeline_parallel_microbatch_size; trainer.py num_pipeline_parallel_microbatches)
-        need(lay.pp > 1 or lay.num_microbatches == 1,
-             lambda: f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} micro-batches; "
-             "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+        if not (lay.pp > 1 or lay.num_microbatches == 1):
+            raise ConfigError(f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
+                              "micro-batches; "
+                              "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
         # torch pipelining/schedules.py Schedule1F1B.__init__: ValueError unless n_microbatches >= stages
-        need(lay.pp == 1 or lay.num_microbatches >= lay.pp,
-             lambda: f"titan: pp={lay.pp}: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
-             f"pipeline micro-batches per rank; 1F1B needs at least pp={lay.pp} (global >= micro_batch_size*dp*pp)")
+        if not (lay.pp == 1 or lay.num_microbatches >= lay.pp):
+            raise ConfigError(f"titan: pp={lay.pp}: global_batch_size={lay.global_batch_size} gives "
+                              f"{lay.num_microbatches} "
+                              f"pipeline micro-batches per rank; 1F1B needs at least pp={lay.pp} (global >= "
+                              "micro_batch_size*dp*pp)")
         if fw_cfg is not None:
-            need(fw_cfg.reshard_after_forward in ("default", "always", "never"),
-                 lambda: f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be default|always|never")
-            need(lay.pp == 1 or fw_cfg.reshard_after_forward != "always",
-                 lambda: f"titan: pp={lay.pp} with framework.reshard_after_forward='always' is not modelled (per "
-                 "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
+            if not (fw_cfg.reshard_after_forward in ("default", "always", "never")):
+                raise ConfigError(f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be "
+                                  "default|always|never")
+            if not (lay.pp == 1 or fw_cfg.reshard_after_forward != "always"):
+                raise ConfigError(f"titan: pp={lay.pp} with framework.reshard_after_forward='always' is not "
+                                  "modelled (per "
+                                  "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")

@@ -62,7 +62,7 @@ class ModelShape:
         return list(_params(self))
 
     def _params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        out = [("tok_embeddings.weight", (self.vocab, self.hidden))]
+        out = [_embedding(self)]
         for i in range(self.layers):
             out += self.layer_params(i)
         out += self.norm_params("norm")
@@ -85,7 +85,15 @@ def _params(model: ModelShape):
 
 @lru_cache(maxsize=64)
 def _num_params(model: ModelShape) -> int:
-    return sum(numel(s) for _, s in _params(model))
+    # _params' sum without listing every layer (identical layers; a 126-layer list costs a search ms)
+    emb = numel(_embedding(model)[1])
+    rest = sum(numel(s) for _, s in model.norm_params("norm"))
+    return emb * (1 if model.tied_embeddings else 2) + rest + model.layers * model.layer_num_params()
+
+
+def _embedding(model: ModelShape) -> tuple[str, tuple[int, int]]:
+    """The token embedding (and, untied, the output projection's shape)."""
+    return "tok_embeddings.weight", (model.vocab, model.hidden)
 
 
 def numel(shape) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 
 from ledger.layout import Layout, resolve, validate
 from ledger.memory import StateBytes, state_bytes
@@ -41,7 +42,12 @@ def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: S
         return textbook.place(model, state or state_bytes(model, fw.precision, "adam", grad_dtype(fw)), lay, fw)
     if mode != "faithful":
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
-    return importlib.import_module(FAITHFUL[fw.name]).place(model, lay, fw)
+    return _faithful(fw.name).place(model, lay, fw)
+
+
+@lru_cache(maxsize=None)
+def _faithful(name: str):
+    return importlib.import_module(FAITHFUL[name])
 
 
 def report(model: ModelShape, cfg, world: int | None = None) -> str:

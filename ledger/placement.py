@@ -151,6 +151,12 @@ class CommBuilder:
         return self.add_calls(dim, "send_recv", dtype, ((sent_bytes > 0) + (received_bytes > 0)) * times,
                               (sent_bytes + received_bytes) * times, sent_bytes * times, what)
 
+    def copy(self) -> "CommBuilder":
+        """An independent builder holding the same calls (a cached part extended per layout)."""
+        out = CommBuilder()
+        out._acc = {key: [c, b, w, set(s)] for key, (c, b, w, s) in self._acc.items()}
+        return out
+
     def build(self) -> list[Comm]:
         return [Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
 

@@ -38,6 +38,26 @@ from ledger.placement import CommBuilder, Placement, RankState
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """The framework fields this ledger reads, read once per layout (a DictConfig read costs
+    microseconds) and hashable: per-structure results are cached on them."""
+    precision: str
+    grad_reduce_in_fp32: bool
+    use_distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    bucket_size: int | None
+    clip_grad: float
+
+
+def knobs(fw) -> Knobs:
+    if isinstance(fw, Knobs):
+        return fw
+    return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
+                 bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad)
+
+
 # -- the parameters of one pipeline stage -----------------------------------------------------------
 @lru_cache(maxsize=256)
 def _pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
@@ -134,6 +154,7 @@ class Buffer:
     bend: np.ndarray
     first: np.ndarray  # index (in buffer order) of each bucket's first param
     prefix: np.ndarray  # prefix[i] = elements of params before i (buffer order)
+    n: np.ndarray  # each param's elements (ends - starts)
 
     @property
     def numel(self) -> int:
@@ -170,12 +191,23 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     puts in a bucket of its own, even without bucketing (bucket_size None): the bucket before it
     closes (padded) and it closes its own."""
     n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
-    a = -(-n // 64) * 64 if dist_opt else n
-    cum = np.zeros(len(n) + 1, np.int64)
-    np.cumsum(a, out=cum[1:])
-    reach = cum[:-1] + n  # bucket-relative end of param i, plus the bucket's cum offset
+    a = (n + 63) & -64 if dist_opt else n  # each start 64-aligned: the aligned sizes
     div = math.lcm(dp, 128)
     P = len(n)
+    prefix = np.zeros(P + 1, np.int64)
+    np.cumsum(n, out=prefix[1:])
+    if bucket_size is None and not (shared_first or shared_last) and P:
+        # one bucket (the common case: every stage but the first, or no overlap_grad_reduce): the
+        # loop below in a few array operations
+        cum = np.cumsum(a)
+        starts = cum - a
+        pend = int(cum[-1] - a[-1] + n[-1])
+        end = -(-pend // div) * div if dist_opt else pend
+        return Buffer(starts=starts, ends=starts + n, bstart=_ZERO, bend=np.array([end], np.int64), first=_ZERO,
+                      prefix=prefix, n=n)
+    cum = np.zeros(P + 1, np.int64)
+    np.cumsum(a, out=cum[1:])
+    reach = cum[:-1] + n  # bucket-relative end of param i, plus the bucket's cum offset
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     reach_l, cum_l = reach.tolist(), cum.tolist()  # scalar bisection is faster on lists
@@ -198,10 +230,12 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     bstart = np.array(bstarts, np.int64)
     counts = np.diff(np.append(first, P))
     starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
-    prefix = np.zeros(P + 1, np.int64)
-    np.cumsum(n, out=prefix[1:])
     return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=np.array(bends, np.int64), first=first,
-                  prefix=prefix)
+                  prefix=prefix, n=n)
+
+
+_ZERO = np.zeros(1, np.int64)
+_ZERO.flags.writeable = False
 
 
 @dataclass
@@ -255,7 +289,7 @@ def _covered(buf: Buffer, x: np.ndarray) -> np.ndarray:
     """Param elements of the buffer below position x (x an array)."""
     k = np.searchsorted(buf.starts, x, "right") - 1
     kk = np.maximum(k, 0)
-    return np.where(k >= 0, buf.prefix[kk] + np.minimum(x - buf.starts[kk], buf.ends[kk] - buf.starts[kk]), 0)
+    return np.where(k >= 0, buf.prefix[kk] + np.minimum(x - buf.starts[kk], buf.n[kk]), 0)
 
 
 def _owned(buf: Buffer, bucket: np.ndarray, rank: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -285,11 +319,13 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
 
 
 @lru_cache(maxsize=4096)
-def _most_loaded(classes: tuple, dp: int, dist_opt: bool, pb: int, gb: int, w_elem: int, w_piece: int) -> tuple[int, int]:
-    """(stage, DP rank) of the most-loaded rank among stage classes ((stage, buffers) pairs), the
-    lowest stage and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
-    optimizer bytes are w_elem per owned element and w_piece per owned piece). Cached per stage
-    buffers: layouts of a search that differ only by micro-batch or SP share it.
+def _most_loaded(classes: tuple, dp: int, dist_opt: bool, pb: int, gb: int, w_elem: int,
+                 w_piece: int) -> tuple[int, int, int, int]:
+    """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
+    classes ((stage, buffers) pairs), the lowest stage and DP rank on ties, comparing only what
+    differs between them (_buffer_bytes, _owned_by; optimizer bytes are w_elem per owned element and
+    w_piece per owned piece). Cached per stage buffers: layouts of a search that differ only by
+    micro-batch or SP share it.
 
     A class whose upper bound (every DP range full of parameter elements, every parameter a piece)
     is below a value already found cannot hold the most-loaded rank, so its DP ranks are not searched."""
@@ -303,22 +339,55 @@ def _most_loaded(classes: tuple, dp: int, dist_opt: bool, pb: int, gb: int, w_el
             n_owned, n_pieces = _owned_by(bufs, dist_opt, dp, 0)
             ub = fixed + w_elem * n_owned + w_piece * n_pieces
         cands.append((ub, st, bufs, fixed))
-    best = None  # (value, stage, dp rank)
+    best = None  # (value, stage, dp rank, owned elements, owned pieces)
     for ub, st, bufs, fixed in sorted(cands, key=lambda c: (-c[0], c[1])):
         if best is not None and ub < best[0]:
             break
-        d = heaviest_dp_rank(bufs, dp, w_elem, w_piece) if dist_opt else 0
-        n_owned, n_pieces = _owned_by(bufs, dist_opt, dp, d)
+        if dist_opt:
+            d, n_owned, n_pieces = _best_rank(bufs, dp, w_elem, w_piece)
+        else:
+            d, (n_owned, n_pieces) = 0, _owned_by(bufs, dist_opt, dp, 0)
         val = fixed + w_elem * n_owned + w_piece * n_pieces
         if best is None or val > best[0] or (val == best[0] and st < best[1]):
-            best = (val, st, d)
-    return best[1], best[2]
+            best = (val, st, d, n_owned, n_pieces)
+    return best[1:]
 
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
     """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
     every bucket of `buffers` (cached: layouts of a search that differ only by micro-batch share it)."""
-    return _heaviest(tuple(buffers), dp, per_elem, per_piece)
+    return _best_rank(tuple(buffers), dp, per_elem, per_piece)[0]
+
+
+_DIRECT_PAIRS = 2048  # up to this many (bucket, rank) pairs, evaluating them all costs fewer numpy calls
+
+
+@lru_cache(maxsize=4096)
+def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> tuple[int, int, int]:
+    """(heaviest DP rank, its owned elements, its owned pieces): every (bucket, rank) pair evaluated
+    when there are few (_all_ranks), else the sparse search (_heaviest)."""
+    if dp > 1 and sum(len(b.bstart) for b in buffers) * dp <= _DIRECT_PAIRS:
+        e = np.zeros(dp, np.int64)
+        p = np.zeros(dp, np.int64)
+        for buf in buffers:
+            be, bp = _all_ranks(buf, dp)
+            e += be
+            p += bp
+        d = int(np.argmax(per_elem * e + per_piece * p))
+        return d, int(e[d]), int(p[d])
+    d = _heaviest(buffers, dp, per_elem, per_piece)
+    return (d, *_owned_sizes(buffers, dp, d))
+
+
+def _all_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) each DP rank owns of the buffer, summed over its buckets: the DP
+    ranges of every bucket as one (buckets, dp + 1) array of bounds (shard_ranges, counted)."""
+    x = buf.bstart[:, None] + np.arange(dp + 1) * ((buf.bend - buf.bstart) // dp)[:, None]
+    k = np.searchsorted(buf.starts, x, "right") - 1  # >= 0: the buffer's first param starts at 0
+    covered = buf.prefix[k] + np.minimum(x - buf.starts[k], buf.n[k])
+    lo, hi = x[:, :-1], x[:, 1:]
+    pieces = np.searchsorted(buf.starts, hi, "left") - np.searchsorted(buf.ends, lo, "right")
+    return np.diff(covered, axis=1).sum(0), pieces.sum(0)
 
 
 @lru_cache(maxsize=4096)
@@ -368,9 +437,29 @@ def _dtype_bytes(dtype: str) -> int:
 def stage_buffers(model: ModelShape, lay: Layout, fw, stage: int) -> list[Buffer]:
     """One DDP (so one buffer per (param, grad) dtype) per model chunk: vp of them with interleaving,
     chunk 0 first."""
-    return [_buffer(model, lay.tp, *_stage_shape(model, lay.pp, stage, lay.vp, ch),
-                    effective_bucket_size(fw, lay.dp, stage, ch), lay.dp, bool(fw.use_distributed_optimizer))
-            for ch in range(lay.vp)]
+    return list(_stage_buffers(model, lay.tp, lay.pp, lay.dp, lay.vp, knobs(fw), stage))
+
+
+@lru_cache(maxsize=4096)
+def _stage_buffers(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> tuple[Buffer, ...]:
+    return tuple(_buffer(model, tp, *_stage_shape(model, pp, stage, vp, ch), effective_bucket_size(k, dp, stage, ch),
+                         dp, k.use_distributed_optimizer) for ch in range(vp))
+
+
+def _stage_class(pp: int, stage: int) -> int:
+    """The lowest stage with the same buffers: stages between the first and the last hold equal
+    layers (_stage_shape), and only stage 0 is bucketed (effective_bucket_size)."""
+    return stage if stage == 0 or stage == pp - 1 else 1
+
+
+@lru_cache(maxsize=1024)
+def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs) -> tuple[int, int, int, int]:
+    """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank: TP ranks of a stage hold equal shapes, stages between
+    the first and the last hold equal buffers (the lowest such stage stands for them). Layouts of a
+    search that differ only by micro-batch or SP share it."""
+    _, _, pb, gb = _dtypes(k)
+    classes = tuple((st, _stage_buffers(model, tp, pp, dp, vp, k, st)) for st in sorted({0, min(1, pp - 1), pp - 1}))
+    return _most_loaded(classes, dp, k.use_distributed_optimizer, pb, gb, *_optim_weights(k))
 
 
 def _optim_weights(fw) -> tuple[int, int]:
@@ -407,13 +496,41 @@ def _owned_by(buffers, dist_opt: bool, dp: int, dp_rank: int) -> tuple[int, int]
 
 def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> RankState:
     c = grid.coords(rank)
-    stage, dp, dp_rank, tp = c["pp"], lay.dp, c["dp"], lay.tp
-    bf16 = fw.precision == "bf16"
-    pdt, gdt, pb, gb = _dtypes(fw)
-    dist_opt = fw.use_distributed_optimizer
-    buffers = stage_buffers(model, lay, fw, stage)
+    k = knobs(fw)
+    stage = c["pp"]
+    base = _fixed_state(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), c["dp"])
+    s = RankState(stage=stage, params_bytes=base.params_bytes, grads_bytes=base.grads_bytes,
+                  optim_bytes=base.optim_bytes, other_bytes=base.other_bytes, detail=dict(base.detail))
+    # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
+    # transformer/dot_product_attention.py (scores [b*heads/tp, s, s]) and, with SP, of the
+    # all-gathers in tensor_parallel/layers.py / mappings.py ([s, b, h])
+    act = 2 if k.precision == "bf16" else 4
+    b, sq = lay.micro_batch_size, model.seq_len
+    mpu = max(b * model.heads // lay.tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
+    s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
+    s.comm_fn = lambda: _comm(model, lay, k, grid, stage)
+    if k.overlap_param_gather and lay.dp > 1:
+        # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
+        # first iteration, see _fixed_comm): steady state less its DP all-gathers (the param gathers,
+        # the only DP all-gathers); both built on first read
+        s.comm_first = lambda: [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
+    return s
+
+
+@lru_cache(maxsize=4096)
+def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, dp_rank: int) -> RankState:
+    """What a rank keeps that no micro-batch setting changes (rank_state copies it; cached: layouts of a
+    search that differ only by micro-batch or SP share it)."""
+    bf16 = k.precision == "bf16"
+    pdt, gdt, pb, gb = _dtypes(k)
+    dist_opt = k.use_distributed_optimizer
+    buffers = _stage_buffers(model, tp, pp, dp, vp, k, stage)
     p_bytes, g_bytes = _buffer_bytes(buffers, dist_opt, pb, gb)
-    owned_numel, owned_pieces = _owned_by(buffers, dist_opt, dp, dp_rank)
+    h = _heaviest_rank(model, tp, pp, dp, vp, k)
+    if (h[0], h[1]) == (stage, dp_rank):  # found with the most-loaded rank
+        owned_numel, owned_pieces = h[2], h[3]
+    else:
+        owned_numel, owned_pieces = _owned_by(buffers, dist_opt, dp, dp_rank)
 
     s = RankState(stage=stage)
     s.add("params_bytes", f"{pdt} param buffer (param_data)" if dist_opt else f"{pdt} module parameters", p_bytes)
@@ -433,44 +550,31 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     # @lru_cache on forward keeps alive (keyed by self: one per model chunk); every stage
     # computes it (gpt_model.py _preprocess)
     half = -(-model.head_dim // 2)
-    s.add("other_bytes", "rope inv_freq", 4 * half * lay.vp)
-    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half * lay.vp)
-    # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
-    # transformer/dot_product_attention.py (scores [b*heads/tp, s, s]) and, with SP, of the
-    # all-gathers in tensor_parallel/layers.py / mappings.py ([s, b, h])
-    act = 2 if bf16 else 4
-    b, sq = lay.micro_batch_size, model.seq_len
-    mpu = max(b * model.heads // tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
-    s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
-    s.comm_fn = lambda: _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt)
-    if fw.overlap_param_gather and dp > 1:
-        # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
-        # first iteration, see _comm): steady state less its DP all-gathers (the param gathers, the
-        # only DP all-gathers); both built on first read
-        s.comm_first = lambda: [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
+    s.add("other_bytes", "rope inv_freq", 4 * half * vp)
+    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half * vp)
     return s
 
 
-def _norm_numel(model: ModelShape, lay: Layout, stage: int) -> int:
+@lru_cache(maxsize=4096)
+def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int:
     """Elements of a stage's norm weights (the `sequence_parallel` params with SP)."""
-    _, layer, head = _pieces(model, lay.tp)
+    _, layer, head = _pieces(model, tp)
     per_layer = sum(k for name, k in layer if "layernorm" in name)
     out = 0
-    for ch in range(lay.vp):
-        n, _, last = _stage_shape(model, lay.pp, stage, lay.vp, ch)
+    for ch in range(vp):
+        n, _, last = _stage_shape(model, pp, stage, vp, ch)
         out += n * per_layer + (sum(k for name, k in head if "layernorm" in name) if last else 0)
     return out
 
 
-def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
-    """Collectives of one steady-state optimizer step of this stage."""
+@lru_cache(maxsize=4096)
+def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, grid: Grid, stage: int) -> CommBuilder:
+    """The collectives of one steady-state step that no micro-batch setting changes: DP buckets,
+    tied-embedding grads, grad norm (_comm copies them; cached per structure and stage class)."""
     cb = CommBuilder()
-    tp, pp, dp, m = lay.tp, lay.pp, lay.dp, lay.num_microbatches
+    pdt, gdt, pb, gb = _dtypes(k)
+    buffers = _stage_buffers(model, tp, pp, dp, vp, k, stage)
     first, last = stage == 0, stage == pp - 1
-    layers = model.layers // pp
-    sp = lay.sequence_parallel
-    act = 2 if fw.precision == "bf16" else 4
-    sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
     # DP: distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync, one
     # bucket per group (partition_buckets without fp8): reduce-scatter of the whole padded
     # bucket grad_data (distributed optimizer) or all-reduce; start_param_sync: all-gather of the
@@ -488,13 +592,40 @@ def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
     # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
     # chunk has several buckets only around a tied model's shared embedding (build_buffer)
     numels = list(buffers[0].bucket_numels) + [b.numel for b in buffers[1:]]
-    if fw.use_distributed_optimizer:
+    if k.use_distributed_optimizer:
         cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
-                if fw.overlap_param_gather else "param bucket (start_param_sync)")
+                if k.overlap_param_gather else "param bucket (start_param_sync)")
         cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what=what)
     else:
         cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+    if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
+        # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
+        # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
+        # grad_reduce_in_fp32), all-reduced over the embedding group (parallel_state.py
+        # default_embedding_ranks: the first and last PP rank, a pp group of 2) after finish_grad_sync
+        cb.add(grid.label_of(("pp",)), "all_reduce", gb * (model.vocab // tp) * model.hidden, 2, gdt,
+               what="tied word-embedding grads (finalize_model_grads)")
+    # grad norm: optimizer/clip_grads.py get_grad_norm_fp32, one fp32 all-reduce over
+    # grad_stats_parallel_group: the whole world with the distributed optimizer
+    # (optimizer/__init__.py: intra_dist_opt_group), else the model-parallel group
+    dims = ("tp", "cp", "dp", "dp_replicate", "pp") if k.use_distributed_optimizer else ("tp", "pp")
+    size = grid.size_of(dims)
+    if k.clip_grad > 0 and size > 1:
+        cb.add(grid.label_of(dims), "all_reduce", 4, size, "fp32", what="grad norm (clip_grads.py)")
+    return cb
+
+
+def _comm(model: ModelShape, lay: Layout, k: Knobs, grid: Grid, stage: int) -> list:
+    """Collectives of one steady-state optimizer step of this stage."""
+    tp, pp, m = lay.tp, lay.pp, lay.num_microbatches
+    cb = _fixed_comm(model, tp, pp, lay.dp, lay.vp, k, grid, _stage_class(pp, stage)).copy()
+    pdt, gdt, pb, gb = _dtypes(k)
+    first, last = stage == 0, stage == pp - 1
+    layers = model.layers // pp
+    sp = lay.sequence_parallel
+    act = 2 if k.precision == "bf16" else 4
+    sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
     # linear_qkv / linear_fc1 copy_to_tensor_model_parallel_region (all-reduce in backward),
     # linear_proj / linear_fc2 reduce_from_tensor_model_parallel_region (all-reduce in forward).
@@ -517,17 +648,10 @@ def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
         # predicted logits, sum of exp, each fp32 [s, b]
         cb.add("tp", "all_reduce", model.seq_len * lay.micro_batch_size * 4, tp, "fp32", count=3 * m,
                what="vocab-parallel cross-entropy")
-    if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
-        # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
-        # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
-        # grad_reduce_in_fp32), all-reduced over the embedding group (parallel_state.py
-        # default_embedding_ranks: the first and last PP rank, a pp group of 2) after finish_grad_sync
-        cb.add(grid.label_of(("pp",)), "all_reduce", gb * (model.vocab // tp) * model.hidden, 2, gdt,
-               what="tied word-embedding grads (finalize_model_grads)")
     if sp:
         # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
         # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
-        cb.add("tp", "all_reduce", gb * _norm_numel(model, lay, stage), tp, gdt,
+        cb.add("tp", "all_reduce", gb * _norm_numel(model, tp, pp, lay.vp, stage), tp, gdt,
                what="SP norm grads (finalize_model_grads)")
     # PP: pipeline_parallel/schedules.py forward_backward_pipelining_without_interleaving +
     # p2p_communication.py: per micro-batch activations forward, their grads backward; with SP
@@ -544,13 +668,6 @@ def _comm(model, lay, fw, grid, stage, buffers, pb, gb, gdt, pdt):
         # recv_backward with the next stage, recv_forward + send_backward with the previous
         cb.add_p2p("pp", sent_bytes=shard, received_bytes=shard, dtype=pdt,
                    what="activations / activation grads (p2p_communication.py)", times=((not last) + (not first)) * m)
-    # grad norm: optimizer/clip_grads.py get_grad_norm_fp32, one fp32 all-reduce over
-    # grad_stats_parallel_group: the whole world with the distributed optimizer
-    # (optimizer/__init__.py: intra_dist_opt_group), else the model-parallel group
-    dims = ("tp", "cp", "dp", "dp_replicate", "pp") if fw.use_distributed_optimizer else ("tp", "pp")
-    size = grid.size_of(dims)
-    if fw.clip_grad > 0 and size > 1:
-        cb.add(grid.label_of(dims), "all_reduce", 4, size, "fp32", what="grad norm (clip_grads.py)")
     return cb.build()
 
 
@@ -649,7 +766,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         # here has, so no run could confirm a rule; textbook mode predicts it
         raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only (Megatron's CP needs "
                           "TransformerEngine attention, which no CPU run can confirm; use ledger.mode=textbook)")
-    check_framework(fw)
+    k = knobs(fw)
+    check_framework(k)
     check_interleaving(lay)
     grid = lay.grid
     cache: dict[tuple, RankState] = {}
@@ -658,14 +776,10 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         c = grid.coords(rank)
         key = (c["pp"], c["dp"])  # TP ranks of a stage hold equal shapes
         if key not in cache:
-            cache[key] = rank_state(model, lay, fw, grid, rank)
+            cache[key] = rank_state(model, lay, k, grid, rank)
         return cache[key]
 
-    # the most-loaded rank: TP ranks of a stage hold equal shapes, stages between the first and the
-    # last hold equal buffers (the lowest such stage stands for them)
-    _, _, pb, gb = _dtypes(fw)
-    classes = tuple((st, tuple(stage_buffers(model, lay, fw, st))) for st in sorted({0, min(1, lay.pp - 1), lay.pp - 1}))
-    st, d = _most_loaded(classes, lay.dp, bool(fw.use_distributed_optimizer), pb, gb, *_optim_weights(fw))
+    st, d, _, _ = _heaviest_rank(model, lay.tp, lay.pp, lay.dp, lay.vp, k)
     reps = [grid.rank({"pp": st, "dp": d})]
     pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
                    layout=lay.to_dict(), world=lay.world, rank_state=state, representatives=reps)
