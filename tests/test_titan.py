@@ -13,6 +13,7 @@ rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -660,3 +661,57 @@ def test_cached_block_stands_for_every_layer():
         us = L.units(m, tp)
         blocks = [tuple(p.shape for p in u) for n, u in us if n.startswith("layers.")]
         assert len(blocks) == m.layers and set(blocks) == {tuple(p.shape for p in L._unit_params(m, tp)[1])}
+
+
+# -- fast paths against their references ----------------------------------------------------------
+def test_mm_fast_is_mm():
+    """_mm_fast skips pricing where a strategy takes the inputs as they are: the same choice,
+    collectives and 'priced' as _mm's full minimum-cost search, for every input placement pair."""
+    places = ("R", "P", "S0", "S1", "Pavg")
+    for pa in places:
+        for pb in places:
+            for na, nb in ((64, 64), (1 << 20, 4096), (4096, 1 << 20), (3, 1 << 30)):
+                for n in (2, 4, 8, 64):
+                    assert L._mm_fast((pa, na), (pb, nb), n) == L._mm((pa, na), (pb, nb), n), (pa, pb, na, nb, n)
+
+
+def _sharded_reference(m, tp, ds, has_emb, first, n_layers, has_head):
+    """_Sharded's sums over every param of the model part, listed by units() (each layer its own)."""
+    us = dict(L.units(m, tp))
+    params = ([*us["tok_embeddings"]] * has_emb + [p for i in range(first, first + n_layers)
+                                                      for p in us[f"layers.{i}"]] + [*us["norm+lm_head"]] * has_head)
+    rest = lambda p: math.prod(p.shape[1:])
+    chunk = lambda p: -(-p.shape[0] // ds)
+    uneven: dict[int, int] = {}
+    for p in params:
+        if p.shape[0] % ds:
+            uneven[p.shape[0]] = uneven.get(p.shape[0], 0) + rest(p)
+    full = lambda ps: sum(chunk(p) * ds * rest(p) for p in ps)
+    (emb,), (norm, lm) = us["tok_embeddings"], us["norm+lm_head"]
+    return dict(n_params=len(params), padded=sum(chunk(p) * rest(p) for p in params),
+                even=sum(p.shape[0] // ds * rest(p) for p in params if p.shape[0] % ds == 0),
+                uneven=tuple(sorted(uneven.items())), emb_full=full([emb]), norm_full=full([norm]),
+                lm_full=full([lm]), layer_full=full(us["layers.0"]),
+                held=[sum(L._rows_of(p.shape[0], ds, k) * rest(p) for p in params) for k in range(ds)])
+
+
+def test_sharded_part_is_the_sum_over_every_param():
+    """_sharded_part (per-group sums, one block times L) equals the sums over units()' every param,
+    for whole models and pipeline stages, even and uneven dim-0 splits; each shard rank's held
+    elements (_state's optimizer rows) and the representatives' coverage of the distinct states."""
+    shapes = (preset("tiny"), ModelShape(layers=3, hidden=64, ffn_hidden=96, heads=4, kv_heads=2, vocab=1030),
+              ModelShape(layers=5, hidden=96, ffn_hidden=200, heads=6, kv_heads=3, vocab=1001, norm="layernorm"))
+    for m in shapes:
+        stages = [(True, 0, m.layers, True), (True, 0, 1, False), (False, 1, m.layers - 2, False),
+                  (False, m.layers - 1, 1, True)]
+        for tp in (1, 2):
+            for ds in (1, 2, 3, 7, 8, 64):
+                for e, first, n, h in stages:
+                    sh = L._sharded_part(m, tp, ds, e, n, h)
+                    ref = _sharded_reference(m, tp, ds, e, first, n, h)
+                    held = ref.pop("held")
+                    assert {f: getattr(sh, f) for f in ref} == ref, (m, tp, ds, e, n, h)
+                    assert held == [sh.even + sum(L._rows_of(d0, ds, k) * r for d0, r in sh.uneven)
+                                    for k in range(ds)]
+                    rows = lambda k: tuple(L._rows_of(d0, ds, k) for d0, _ in sh.uneven)
+                    assert 0 in sh.reps and {rows(k) for k in sh.reps} == {rows(k) for k in range(ds)}

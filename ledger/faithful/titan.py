@@ -15,9 +15,8 @@ micro-batch), the grad-norm over pp, and in step 0 the schedule's vote and metad
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
@@ -27,21 +26,28 @@ from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 F32, BF16 = 4, 2
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
     name: str
     shape: tuple[int, ...]  # the TP-local shape FSDP shards (dim 0)
 
 
-def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+def _tp_dim(name: str, shape: tuple[int, ...]) -> int | None:
     """TP placement of models/common/decoder_sharding.py: colwise (wq wk wv w1 w3), the
-    vocab-sharded tok_embeddings and lm_head are Shard(0); rowwise (wo w2) Shard(1); norms replicate."""
-    leaf = name.rsplit(".", 2)[-2]
-    if tp == 1 or len(shape) == 1:
+    vocab-sharded tok_embeddings and lm_head are Shard(0); rowwise (wo w2) Shard(1); norms replicate
+    (None)."""
+    if len(shape) == 1:
+        return None
+    return 1 if name.rsplit(".", 2)[-2] in ("wo", "w2") else 0
+
+
+def _shard_tp(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    if tp == 1 or dim is None:
         return shape
-    if leaf in ("wo", "w2"):
-        return (shape[0], shape[1] // tp)
-    return (shape[0] // tp, *shape[1:])
+    return (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+
+
+def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    return _shard_tp(shape, _tp_dim(name, shape), tp)
 
 
 def _ps(items, tp: int) -> tuple[Param, ...]:
@@ -57,33 +63,40 @@ def units(model: ModelShape, tp: int) -> list[tuple[str, tuple[Param, ...]]]:
             ("norm+lm_head", head)]
 
 
+@lru_cache(maxsize=64)
+def _unit_items(model: ModelShape) -> tuple[tuple, tuple, tuple]:
+    """The unsharded (name, shape) of units()' tok_embeddings, one TransformerBlock, [norm,
+    lm_head]: a model's, whatever its tp (a search asks for many tp)."""
+    return ((("tok_embeddings.weight", (model.vocab, model.hidden)),), tuple(model.layer_params(0)),
+            (("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))))
+
+
 @lru_cache(maxsize=256)
 def _unit_params(model: ModelShape, tp: int) -> tuple[tuple[Param, ...], tuple[Param, ...], tuple[Param, ...]]:
     """units() as the ledger uses them: tok_embeddings, one TransformerBlock (ModelShape's blocks
     are alike: layer_params(i) differs from layer 0 by names only), [norm, lm_head]. Cached per
     (model, tp): a layout search asks for them many times."""
-    return (_ps([("tok_embeddings.weight", (model.vocab, model.hidden))], tp), _ps(model.layer_params(0), tp),
-            _ps([("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))], tp))
+    emb, block, head = _unit_items(model)
+    return _ps(emb, tp), _ps(block, tp), _ps(head, tp)
 
 
-def _rest(p: Param) -> int:
-    return numel(p.shape[1:])
-
-
-def _chunk_rows(p: Param, ds: int) -> int:
-    """Rows of FSDP2's padded dim-0 shard (_fsdp_param.py _init_sharded_param: torch.chunk size)."""
-    return -(-p.shape[0] // ds)
+def _chunk_rows(d0: int, ds: int) -> int:
+    """Rows of FSDP2's padded dim-0 shard of a dim 0 of d0 rows (_fsdp_param.py
+    _init_sharded_param: torch.chunk size)."""
+    return -(-d0 // ds)
 
 
 def _rows_of(d0: int, ds: int, k: int) -> int:
     """Rows shard rank k really holds of a dim 0 of d0 rows (_chunk_with_empty: the last chunks may
     be short or empty)."""
-    c = -(-d0 // ds)
+    c = _chunk_rows(d0, ds)
     return max(0, min(d0 - k * c, c))
 
 
-def _padded_full(p: Param, ds: int) -> int:
-    return _chunk_rows(p, ds) * ds * _rest(p)
+def _padded_full(d0: int, rest: int, ds: int) -> int:
+    """Elements of the padded full tensor of a (d0, rest) param: what its unit's all-gather and
+    reduce-scatter move."""
+    return _chunk_rows(d0, ds) * ds * rest
 
 
 class _Sharded(NamedTuple):
@@ -103,31 +116,68 @@ def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
     return _sharded_part(model, tp, ds, True, model.layers, True)
 
 
+@lru_cache(maxsize=64)
+def _unit_dims(model: ModelShape) -> tuple[tuple[tuple[tuple[int, ...], int | None], ...], ...]:
+    """_unit_items as (shape, the dim TP divides): what _dims needs, per model (names parsed once)."""
+    return tuple(tuple((s, _tp_dim(n, s)) for n, s in g) for g in _unit_items(model))
+
+
+@lru_cache(maxsize=256)
+def _dims(model: ModelShape, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(dim 0, rest) of every param's TP-local shape (_tp_local) in _unit_params' three groups:
+    all _sharded_part needs (no Param built)."""
+    return tuple(tuple((t[0], numel(t[1:])) for t in (_shard_tp(s, dim, tp) for s, dim in g))
+                 for g in _unit_dims(model))
+
+
+class _Group(NamedTuple):
+    """Sums over one of _dims' groups (tok_embeddings, one TransformerBlock, [norm, lm_head]) at
+    one shard degree, in elements: what _Sharded adds up, per group."""
+    n_params: int
+    padded: int
+    even: int
+    uneven: tuple[tuple[int, int], ...]  # (dim 0, summed rest) of the params it splits unevenly
+    full: int  # padded full numel of the group's params (a TransformerBlock's all-gather)
+    fulls: tuple[int, ...]  # the same per param
+
+
+@lru_cache(maxsize=256)
+def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
+    out = []
+    for g in _dims(model, tp):
+        padded = even = 0
+        uneven: dict[int, int] = {}
+        for d0, rest in g:
+            padded += _chunk_rows(d0, ds) * rest
+            if d0 % ds:
+                uneven[d0] = uneven.get(d0, 0) + rest
+            else:
+                even += d0 // ds * rest
+        fulls = tuple(_padded_full(d0, rest, ds) for d0, rest in g)
+        out.append(_Group(len(g), padded, even, tuple(uneven.items()), sum(fulls), fulls))
+    return tuple(out)
+
+
 @lru_cache(maxsize=1024)
 def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, has_head: bool) -> _Sharded:
     """_Sharded of a model part: tok_embeddings (or not), L TransformerBlocks, [norm, lm_head] (or
-    not); the whole model without PP, a pipeline stage's modules with it."""
-    emb, block, head = _unit_params(model, tp)
-    counted = ([(p, 1) for p in emb] * has_emb + [(p, 1) for p in head] * has_head
-               + [(p, L) for p in block])  # (param, how many)
-    padded = even = 0
+    not); the whole model without PP, a pipeline stage's modules with it. Sums of _groups, the
+    block's times L (blocks are alike; test: equal to the sums over units()' every param)."""
+    emb, block, head = _groups(model, tp, ds)
+    counted = [(g, n) for g, n, there in ((emb, 1, has_emb), (block, L, True), (head, 1, has_head)) if there]
     uneven: dict[int, int] = {}
-    for p, n in counted:
-        padded += n * _chunk_rows(p, ds) * _rest(p)
-        if p.shape[0] % ds:
-            uneven[p.shape[0]] = uneven.get(p.shape[0], 0) + n * _rest(p)
-        else:
-            even += n * p.shape[0] // ds * _rest(p)
-    (emb_p,), (norm, lm) = emb, head
+    for g, n in counted:
+        for d0, rest in g.uneven:
+            uneven[d0] = uneven.get(d0, 0) + n * rest
     # a rank's rows of a dim 0 of d0 rows are c (= ceil(d0/ds)) up to shard rank d0 // c, the rest
     # there, none after: the state is constant between these shard ranks
     reps = {0}
     for d0 in uneven:
-        j = d0 // -(-d0 // ds)
+        j = d0 // _chunk_rows(d0, ds)
         reps.update(x for x in (j, j + 1) if x < ds)
-    return _Sharded(sum(n for _, n in counted), padded, even, tuple(sorted(uneven.items())),
-                    _padded_full(emb_p, ds), _padded_full(norm, ds), _padded_full(lm, ds),
-                    sum(_padded_full(p, ds) for p in block), tuple(sorted(reps)))
+    return _Sharded(sum(g.n_params * n for g, n in counted), sum(g.padded * n for g, n in counted),
+                    sum(g.even * n for g, n in counted), tuple(sorted(uneven.items())),
+                    emb.full, head.fulls[0], head.fulls[1], block.full, tuple(sorted(reps)))
 
 
 # torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE: the CP BlockMask's Q block
@@ -135,24 +185,26 @@ CP_BLOCK = 128
 
 
 def check(model: ModelShape, lay: Layout) -> None:
+    # each message is made only when its rule fails (a search checks many layouts that pass)
     # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
     sp_div = (lay.tp if lay.sequence_parallel else 1) * (2 * lay.cp if lay.cp > 1 else 1)
-    for ok, msg in ((model.norm == "rmsnorm", f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
-                    (model.swiglu, "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
-                    (not model.bias, "titan: model.bias=true: torchtitan llama3 linears have no bias"),
-                    (not model.tied_embeddings, "titan: tied_embeddings=true is not modelled (separate FSDP grouping)"),
-                    (model.seq_len % sp_div == 0, f"titan: seq_len={model.seq_len} must be divisible by " + " x ".join(
-                        [f"tp={lay.tp} (sequence_parallel)"] * bool(lay.sequence_parallel)
-                        + [f"2*cp={2 * lay.cp} (context parallel)"] * (lay.cp > 1))),
+    for ok, msg in ((model.norm == "rmsnorm", lambda: f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
+                    (model.swiglu, lambda: "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
+                    (not model.bias, lambda: "titan: model.bias=true: torchtitan llama3 linears have no bias"),
+                    (not model.tied_embeddings,
+                     lambda: "titan: tied_embeddings=true is not modelled (separate FSDP grouping)"),
+                    (model.seq_len % sp_div == 0, lambda: f"titan: seq_len={model.seq_len} must be divisible by "
+                     + " x ".join([f"tp={lay.tp} (sequence_parallel)"] * bool(lay.sequence_parallel)
+                                  + [f"2*cp={2 * lay.cp} (context parallel)"] * (lay.cp > 1))),
                     # torch _context_parallel/_attention.py _create_cp_block_mask: NotImplementedError
                     # unless Q_LEN % (cp * BLOCK_SIZE) == 0
                     (lay.cp == 1 or model.seq_len % (lay.cp * CP_BLOCK) == 0,
-                     f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*{CP_BLOCK} "
+                     lambda: f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*{CP_BLOCK} "
                      "(torch's _create_cp_block_mask shards the BlockMask in whole blocks)"),
-                    (model.seq_len % 8 == 0, f"titan: seq_len={model.seq_len} must be divisible by "
-                                             "ChunkedLossWrapper.num_chunks=8")):
+                    (model.seq_len % 8 == 0, lambda: f"titan: seq_len={model.seq_len} must be divisible by "
+                                                     "ChunkedLossWrapper.num_chunks=8")):
         if not ok:
-            raise ConfigError(msg)
+            raise ConfigError(msg())
 
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
@@ -172,7 +224,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
 
     def steady_comm():
         if True not in memo:
-            memo[True] = _comm(model, lay, fw, sh, steady=True)
+            memo[True] = _comm(model, lay, fw, sh, steady=True, grid=grid)
         return memo[True]
 
     # the first step differs from steady state only where the loss wrapper's lm_head unshard does
@@ -184,26 +236,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    # ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does not
-    # split evenly give different ranks different rows: they alone key the shared states
-    cache: dict = {}
-    by_k: dict[int, RankState] = {}
-
-    def rank_state(r: int) -> RankState:
-        c = grid.coords(r)
-        k = c["dp"] * cp + c["cp"]  # the rank's index on the fsdp mesh (cp inner)
-        if k not in by_k:
-            key = tuple(_rows_of(d0, ds, k) for d0, _ in sh.uneven)
-            if key not in cache:
-                cache[key] = _state(model, sh, k, ds, steady_comm, first)
-            by_k[k] = cache[key]
-        return by_k[k]
-
-    pl = Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
-                   world=lay.world, rank_state=rank_state,
-                   # a state depends on the shard rank alone, and only changes where an unevenly
-                   # split dim 0 does: one rank per such stretch of shard ranks covers them all
-                   representatives=[grid.rank({"dp": k // cp, "cp": k % cp}) for k in sh.reps])
+    pl = _placement(model, lay, grid, [sh], [0], lambda s, k: _state(model, sh, k, ds, steady_comm, first))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
@@ -214,6 +247,37 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         for gap in gaps:
             pl.notes.append(f"titan tp: {gap}; collectives past that point are not predicted")
     return pl
+
+
+def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], kinds: list[int],
+               state: Callable[[int, int], RankState]) -> Placement:
+    """The Placement of place and _place_pp: a rank's state depends on its pipeline stage s (0
+    without PP; shs[s] its modules' _Sharded) and its FSDP shard rank k alone (state(s, k) makes
+    it); ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does
+    not split evenly give different shard ranks different rows: (s, those rows) key the shared
+    states. kinds: one stage per distinct set of modules (others hold the same bytes)."""
+    cp = lay.cp
+    ds = lay.dp_shard * cp
+    cache: dict = {}
+    by_sk: dict[tuple[int, int], RankState] = {}
+
+    def rank_state(r: int) -> RankState:
+        c = grid.coords(r)
+        sk = c["pp"], c["dp"] * cp + c["cp"]  # the stage, the rank's index on the fsdp mesh (cp inner)
+        if sk not in by_sk:
+            s, k = sk
+            key = (s, *(_rows_of(d0, ds, k) for d0, _ in shs[s].uneven))
+            if key not in cache:
+                cache[key] = state(s, k)
+            by_sk[sk] = cache[key]
+        return by_sk[sk]
+
+    return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
+                     world=lay.world, rank_state=rank_state,
+                     # a state only changes where an unevenly split dim 0 does: one rank per such
+                     # stretch of shard ranks of each kind of stage covers them all
+                     representatives=[grid.rank({"dp": k // cp, "cp": k % cp, "pp": s})
+                                      for s in kinds for k in shs[s].reps])
 
 
 def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first, layers: int | None = None
@@ -258,11 +322,11 @@ def _first_step(steady: list[Comm], sh: _Sharded, ds: int, fsdp_dim: str) -> lis
     return out
 
 
-def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool) -> list[Comm]:
+def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
     cb = CommBuilder()
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
-    grid = lay.grid
+    grid = grid or lay.grid  # lay.grid, passed where the caller has it
     fsdp = grid.label_of(("cp", "dp"))  # the "fsdp" mesh: dp_shard x cp
     head = sh.norm_full + sh.lm_full
 
@@ -396,6 +460,7 @@ def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
 # mk,kn->mn strategies over one mesh dim, (out, mat1, mat2), in the order the propagator sees them
 _MM = (("R", "R", "R"), ("P", "S1", "S0"), ("S0", "S0", "R"), ("S1", "R", "S1"),
        ("P", "P", "R"), ("P", "R", "P"), ("Pavg", "Pavg", "R"), ("Pavg", "R", "Pavg"))
+_MM_MAT1, _MM_MAT2 = (tuple(dict.fromkeys(st[i] for st in _MM)) for i in (1, 2))
 # _collective_utils.py MeshTopoInfo.build_from_mesh: 87.7 GB/s and 0.6 us per hop within a host; a
 # mesh dim with more devices than num_devices_per_host (torch.<device>.device_count(): 1 for cpu)
 # gets 0.22x the bandwidth and 2.7 us. The ledger is checked against CPU/gloo runs: one per host.
@@ -431,16 +496,30 @@ def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple
     whether the choice was priced (no strategy took the inputs as they are).
     _sharding_prop.py _select_min_cost_strategy: a strategy needing no redistribution first, then
     the first zero-cost one, else the first of minimal summed cost."""
+    # each input's move to each placement a strategy asks of it, priced once
+    move_a = {p: _move(a[0], p, a[1], n) for p in _MM_MAT1}
+    move_b = {p: _move(b[0], p, b[1], n) for p in _MM_MAT2}
     best = None
     for out, pa, pb in _MM:
-        (ca, ka), (cb_, kb) = _move(a[0], pa, a[1], n), _move(b[0], pb, b[1], n)
+        (ca, ka), (cb_, kb) = move_a[pa], move_b[pb]
         cost = ca + cb_
         if (pa, pb) == (a[0], b[0]):
             cost = -1.0  # no redistribution at all: taken before any other
-        moves = [(k, numel) for k, numel in ((ka, a[1]), (kb, b[1])) if k]
         if best is None or cost < best[0]:
-            best = (cost, out, moves)
-    return best[1], best[2], best[0] >= 0
+            best = (cost, out, ka, kb)
+    cost, out, ka, kb = best
+    return out, [(k, numel) for k, numel in ((ka, a[1]), (kb, b[1])) if k], cost >= 0
+
+
+# (mat1, mat2) placements of each _MM strategy -> its output (the pairs are distinct)
+_MM_AS_IS = {(pa, pb): out for out, pa, pb in _MM}
+
+
+def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
+    """_mm without pricing where a strategy takes the inputs as they are: its cost -1.0 is below
+    every priced one (>= 0), so _mm keeps it; no collective, not priced (test: equal to _mm)."""
+    out = _MM_AS_IS.get((a[0], b[0]))
+    return (out, [], False) if out is not None else _mm(a, b, n)
 
 
 @lru_cache(maxsize=1024)
@@ -456,14 +535,14 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
     priced = False
     g_row = "R" if sp else "P"  # the grad reaching a rowwise output (placements above _MM)
     for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h], x2d [T,k] S1, W [h,k] S1
-        o, m, pr = _mm((g_row, h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
+        o, m, pr = _mm_fast((g_row, h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
         out += m
         priced |= pr
         if o == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
             out.append(("reduce_scatter", h * k))
         elif o not in ("S1", "R"):
             undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m, pr = _mm((g_row, T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
+        o, m, pr = _mm_fast((g_row, T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
         out += m
         priced |= pr
         if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
@@ -472,14 +551,14 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
     for name, k in (("wq", q), ("wk", kv), ("wv", kv), ("w1", f), ("w3", f)):  # colwise: g [T,k] S1
-        o, m, pr = _mm(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
+        o, m, pr = _mm_fast(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
         out += m
         priced |= pr
         if o == "P":
             out.append(("reduce_scatter", k * h))
         elif o not in ("S0", "R"):
             undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m, pr = _mm(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
+        o, m, pr = _mm_fast(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
         out += m
         priced |= pr
         if o != "P":
@@ -557,53 +636,45 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
     grid: Grid = lay.grid
     ds, P = lay.dp_shard, lay.pp
     stages = pp_stages(model.layers, P)
-    shs = [_sharded_part(model, 1, ds, e, n, h) for e, _, n, h in stages]
+    # stages with the same modules (most middle stages) hold the same bytes: the first of each kind
+    # stands for them
+    kinds: dict = {}
+    for s, (e, _, n, h) in enumerate(stages):
+        kinds.setdefault((e, n, h), s)
+    by_kind = {kind: _sharded_part(model, 1, ds, *kind) for kind in kinds}
+    shs = [by_kind[e, n, h] for e, _, n, h in stages]
     memo: dict = {}
 
     def comm_of(s: int, first: bool):
         if (s, first) not in memo:
-            memo[s, first] = _pp_comm(model, lay, shs[s], stages[s], s, first)
+            memo[s, first] = _pp_comm(model, lay, shs[s], stages[s], s, first, grid)
         return memo[s, first]
 
-    cache: dict = {}
-
-    def rank_state(r: int) -> RankState:
-        c = grid.coords(r)
-        s, k = c["pp"], c["dp"]
+    def state(s: int, k: int) -> RankState:
         sh = shs[s]
-        key = (s, tuple(_rows_of(d0, ds, k) for d0, _ in sh.uneven))
-        if key not in cache:
-            st = _state(model, sh, k, ds, lambda: comm_of(s, False), lambda: comm_of(s, True), layers=stages[s][2])
-            st.stage = s
-            if stages[s][3] and lay.num_microbatches >= 2:
-                # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
-                # step's first reduce-scatter of a param makes its .grad a view of that output
-                # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
-                # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
-                # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
-                st.add("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
-                       sh.lm_full // ds * F32)
-            cache[key] = st
-        return cache[key]
+        st = _state(model, sh, k, ds, lambda: comm_of(s, False), lambda: comm_of(s, True), layers=stages[s][2])
+        st.stage = s
+        if stages[s][3] and lay.num_microbatches >= 2:
+            # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
+            # step's first reduce-scatter of a param makes its .grad a view of that output
+            # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
+            # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
+            # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
+            st.add("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
+                   sh.lm_full // ds * F32)
+        return st
 
-    # stages with the same modules (most middle stages) hold the same bytes: the first of each kind
-    # stands for them (with its shard ranks where rows differ)
-    kinds: dict = {}
-    for s, (e, _, n, h) in enumerate(stages):
-        kinds.setdefault((e, n, h), s)
-    reps = [grid.rank({"dp": k, "pp": s}) for s in kinds.values() for k in shs[s].reps]
-    return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
-                     world=lay.world, rank_state=rank_state, representatives=reps)
+    return _placement(model, lay, grid, shs, list(kinds.values()), state)
 
 
 def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, int, int, bool], s: int,
-             first: bool) -> list[Comm]:
+             first: bool, grid: Grid | None = None) -> list[Comm]:
     """One optimizer step of pipeline stage s under 1F1B (torch pipelining/schedules.py
     Schedule1F1B, stage.py), FSDP over dp_shard; first: step 0 (the schedule's one-time set-up)."""
     cb = CommBuilder()
     has_emb, _, L, has_head = stage
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
-    grid = lay.grid
+    grid = grid or lay.grid
     fsdp = grid.label_of(("cp", "dp"))
     head = sh.norm_full + sh.lm_full
 
