@@ -7,9 +7,11 @@ ledger.faithful.deepspeed for ZeRO-3's collectives; each rule names the DeepSpee
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
+
+import numpy as np
 
 from ledger.model import ModelShape, numel
 
@@ -18,20 +20,59 @@ def _module(param_name: str) -> str:
     """The module a parameter belongs to: its name less the last component."""
     return param_name.rsplit(".", 1)[0]
 
-_ROOT = "ROOT"
+_INF = float("inf")  # exact against ints
+
+
+class _Period(NamedTuple):
+    """One direction's run of identical decoder blocks in the event sequence (forward: layers 0..L-1,
+    backward: L-1..0). The r-th block of the run starts at event e0 + r*E, step e0's step0 + r*S and
+    __param_queue position q0 + r*Q; its modules are block 0's plus r*dM, its params (nb of them,
+    contiguous in ds_id order) start at p_lo + r*dP."""
+    e0: int
+    E: int
+    step0: int
+    S: int
+    q0: int
+    Q: int
+    dM: int
+    dP: int
+    p_lo: int
+    releases: tuple[tuple[int, int], ...]  # block 0's release_sub_module calls of modules with params: (module, step)
 
 
 class _Z3Trace(NamedTuple):
     """The module tree as the coordinator sees it (static; built per model)."""
-    numel: tuple[int, ...]  # per Parameter, ds_id order (= registration: Init numbers params as created)
-    persist: tuple[bool, ...]  # ds_persist (ds_numel <= param_persistence_threshold)
-    mod_params: tuple[tuple[int, ...], ...]  # per module: iter_params(module, recurse=False), sorted by ds_id
-    mod_numel: tuple[int, ...]
-    events: tuple[tuple[str, int], ...]  # one forward + backward: F/f forward fetch/release, B/b backward, L leftovers
-    order: tuple[int, ...]  # __submodule_order: the module of every fetch (F and B events)
-    param_order: tuple[tuple[int, int], ...]  # __param_order: (param, step_id_last_used_at)
-    prefix: tuple[int, ...]  # prefix sums of mod_numel along `order` (reuse-distance walk)
-    occurs: tuple[tuple[int, ...], ...]  # per param: the steps of `order` whose module lists it
+    numel: list[int]  # per Parameter, ds_id order (= registration: Init numbers params as created)
+    persist: list[bool]  # ds_persist (ds_numel <= param_persistence_threshold)
+    persistent: frozenset  # the ds_persist params
+    mod_params: list  # per module: iter_params(module, recurse=False), sorted by ds_id (tuple or list)
+    mod_numel: list[int]
+    kinds: str  # one forward + backward, per event: F/f forward fetch/release, B/b backward, L leftovers
+    mods: list[int]  # per event: its module (-1 for L)
+    order: list[int]  # __submodule_order: the module of every fetch (F and B events)
+    qp: list[int]  # __param_order: the params (qs: step_id_last_used_at of each)
+    qs: list[int]
+    prefix: list[int]  # prefix sums of mod_numel along `order` (reuse-distance walk)
+    layers: int
+    nb: int  # params per block
+    periods: tuple[_Period, _Period]  # forward and backward runs of blocks
+
+    @property
+    def events(self) -> list[tuple[str, int]]:
+        return list(zip(self.kinds, self.mods))
+
+    @property
+    def param_order(self) -> list[tuple[int, int]]:
+        return list(zip(self.qp, self.qs))
+
+
+def _tile(tmpl, n: int, stride: int, first: int, base: int = 0) -> list[int]:
+    """tmpl repeated for blocks first, first+1.. (n of them; stride < 0: first, first-1..), each copy
+    plus base + block * stride."""
+    if not tmpl or not n:
+        return []
+    blocks = np.arange(n) if stride >= 0 else -np.arange(n)
+    return (base + (first + blocks)[:, None] * abs(stride) + np.asarray(tmpl)[None, :]).ravel().tolist()
 
 
 @lru_cache(maxsize=64)
@@ -48,83 +89,135 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     [each fetched and released in turn], feed_forward released, ffn_norm, attention, wo, wv, wk, wq,
     attention released, attention_norm, block released), embedding. The root's and the embedding's
     inputs (tokens) need no gradient: their post-backward never fires; stage3.py backward_epilogue ->
-    release_backward_leftovers releases them (non-persistent params only)."""
-    names = [n for n, _ in model.params()]
-    numels = [numel(sh) for _, sh in model.params()]
-    index: dict[str, list[int]] = {}
-    for i, n in enumerate(names):
-        index.setdefault(_module(n), []).append(i)
-    if model.tied_embeddings:  # one Parameter in two modules
-        index["output"] = index["tok_embeddings"]
-    mods: list[str] = []
-    at: dict[str, int] = {}
+    release_backward_leftovers releases them (non-persistent params only).
+
+    Modules are numbered as first fetched, params in registration order (embedding, blocks, final
+    norm, output); every block is the same, so one block's events are built by name and the others
+    are the same events offset by the block's module and param numbers."""
+    L, e = model.layers, model.vocab * model.hidden
+    blk = model.layer_params(0)
+    pre = "layers.0."
+    blk_mod = [_module(n)[len(pre):] for n, _ in blk]
+    blk_numel = [numel(sh) for _, sh in blk]
+    nb = len(blk)
+    norms = [numel(sh) for _, sh in model.norm_params("norm")]
+    numels = [e] + blk_numel * L + norms + ([] if model.tied_embeddings else [e])
+    p_norm = 1 + L * nb
+    # one block's modules, numbered as first fetched ("" is the block itself)
+    local: dict[str, int] = {}
 
     def m(name: str) -> int:
-        if name not in at:
-            at[name] = len(mods)
-            mods.append(name)
-        return at[name]
+        return local.setdefault(name, len(local))
 
     ffn_fwd = ("w1", "w3", "w2") if model.swiglu else ("w1", "w2")
-    ev: list[tuple[str, int]] = []
+    fwd: list[tuple[str, int]] = []
+    bwd: list[tuple[str, int]] = []
 
-    def leaf(kind: str, name: str):
+    def leaf(ev, kind: str, name: str):
         ev.append((kind, m(name)))
         ev.append((kind.lower(), m(name)))
 
-    ev.append(("F", m(_ROOT)))
-    leaf("F", "tok_embeddings")
-    for i in range(model.layers):
-        b = f"layers.{i}"
-        ev.append(("F", m(b)))
-        leaf("F", f"{b}.attention_norm")
-        ev.append(("F", m(f"{b}.attention")))
-        for w in ("wq", "wk", "wv", "wo"):
-            leaf("F", f"{b}.attention.{w}")
-        ev.append(("f", m(f"{b}.attention")))
-        leaf("F", f"{b}.ffn_norm")
-        ev.append(("F", m(f"{b}.feed_forward")))
-        for w in ffn_fwd:
-            leaf("F", f"{b}.feed_forward.{w}")
-        ev.append(("f", m(f"{b}.feed_forward")))
-        ev.append(("f", m(b)))
-    leaf("F", "norm")
-    leaf("F", "output")
-    ev.append(("f", m(_ROOT)))
-    ev.append(("B", m(_ROOT)))
-    leaf("B", "output")
-    leaf("B", "norm")
-    for i in reversed(range(model.layers)):
-        b = f"layers.{i}"
-        ev.append(("B", m(b)))
-        ev.append(("B", m(f"{b}.feed_forward")))
-        for w in reversed(ffn_fwd):
-            leaf("B", f"{b}.feed_forward.{w}")
-        ev.append(("b", m(f"{b}.feed_forward")))
-        leaf("B", f"{b}.ffn_norm")
-        ev.append(("B", m(f"{b}.attention")))
-        for w in ("wo", "wv", "wk", "wq"):
-            leaf("B", f"{b}.attention.{w}")
-        ev.append(("b", m(f"{b}.attention")))
-        leaf("B", f"{b}.attention_norm")
-        ev.append(("b", m(b)))
-    ev.append(("B", m("tok_embeddings")))
-    ev.append(("L", -1))
-    mod_params = tuple(tuple(index.get(n, ())) for n in mods)
-    mod_numel = tuple(sum(numels[p] for p in ps) for ps in mod_params)
-    order = tuple(mo for k, mo in ev if k in "FB")
+    fwd.append(("F", m("")))
+    leaf(fwd, "F", "attention_norm")
+    fwd.append(("F", m("attention")))
+    for w in ("wq", "wk", "wv", "wo"):
+        leaf(fwd, "F", f"attention.{w}")
+    fwd.append(("f", m("attention")))
+    leaf(fwd, "F", "ffn_norm")
+    fwd.append(("F", m("feed_forward")))
+    for w in ffn_fwd:
+        leaf(fwd, "F", f"feed_forward.{w}")
+    fwd.append(("f", m("feed_forward")))
+    fwd.append(("f", m("")))
+    bwd.append(("B", m("")))
+    bwd.append(("B", m("feed_forward")))
+    for w in reversed(ffn_fwd):
+        leaf(bwd, "B", f"feed_forward.{w}")
+    bwd.append(("b", m("feed_forward")))
+    leaf(bwd, "B", "ffn_norm")
+    bwd.append(("B", m("attention")))
+    for w in ("wo", "wv", "wk", "wq"):
+        leaf(bwd, "B", f"attention.{w}")
+    bwd.append(("b", m("attention")))
+    leaf(bwd, "B", "attention_norm")
+    bwd.append(("b", m("")))
+    M = len(local)
+    local_params = [tuple(j for j, mo in enumerate(blk_mod) if mo == name) for name in local]
+    # modules: ROOT 0, tok_embeddings 1, block i's 2 + i*M + j, final norm, output
+    ROOT, EMB, NORM, OUT = 0, 1, 2 + L * M, 3 + L * M
+    mod_params: list = [()] * (4 + L * M)
+    mod_numel = [0] * (4 + L * M)
+    mod_params[EMB], mod_numel[EMB] = (0,), e
+    for j, ps in enumerate(local_params):
+        if ps:
+            mod_params[2 + j:NORM:M] = (1 + nb * np.arange(L)[:, None] + np.asarray(ps)[None, :]).tolist()
+            mod_numel[2 + j:NORM:M] = [sum(blk_numel[q] for q in ps)] * L
+    mod_params[NORM], mod_numel[NORM] = tuple(range(p_norm, p_norm + len(norms))), sum(norms)
+    mod_params[OUT] = (0,) if model.tied_embeddings else (p_norm + len(norms),)  # tied: one Parameter in two modules
+    mod_numel[OUT] = e
+    # the events in five parts: head, L forward blocks, the middle, L backward blocks (last first), tail
+    head = [("F", ROOT), ("F", EMB), ("f", EMB)]
+    mid = [("F", NORM), ("f", NORM), ("F", OUT), ("f", OUT), ("f", ROOT), ("B", ROOT), ("B", OUT), ("b", OUT),
+           ("B", NORM), ("b", NORM)]
+    tail = [("B", EMB), ("L", -1)]
+
+    def fetched(evs):
+        return [mo for k, mo in evs if k == "F" or k == "B"]
+
+    def plain(evs):  # a non-repeated part's __param_order
+        ps = [(p, s) for s, mo in enumerate(fetched(evs)) for p in mod_params[mo]]
+        return [p for p, _ in ps], [s for _, s in ps]
+
+    def block(tmpl, first: int, stride: int):  # L blocks' events, order and __param_order
+        fo = fetched(tmpl)
+        tq = [(q, s) for s, j in enumerate(fo) for q in local_params[j]]
+        return (_tile([j for _, j in tmpl], L, stride, first, 2), _tile(fo, L, stride, first, 2),
+                _tile([q for q, _ in tq], L, stride // M * nb, first, 1), _tile([s for _, s in tq], L, len(fo), 0),
+                len(fo), len(tq))
+
+    kinds = "".join(k for k, _ in head) + "".join(k for k, _ in fwd) * L + "".join(k for k, _ in mid) + \
+        "".join(k for k, _ in bwd) * L + "".join(k for k, _ in tail)
+    f_mods, f_order, f_qp, f_qs, S_f, Q_f = block(fwd, 0, M)
+    b_mods, b_order, b_qp, b_qs, S_b, Q_b = block(bwd, L - 1, -M)
+    mods = [mo for _, mo in head] + f_mods + [mo for _, mo in mid] + b_mods + [mo for _, mo in tail]
+    order = fetched(head) + f_order + fetched(mid) + b_order + fetched(tail)
     # construct_parameter_trace_from_module_trace / record_parameters: each fetched module's params
     # (sorted by ds_id) with the step it was fetched at
-    param_order = tuple((p, s) for s, mo in enumerate(order) for p in mod_params[mo])
-    prefix = [0]
-    for mo in order:
-        prefix.append(prefix[-1] + mod_numel[mo])
-    occurs: list[list[int]] = [[] for _ in numels]
-    for s, mo in enumerate(order):
-        for p in mod_params[mo]:
-            occurs[p].append(s)
-    return _Z3Trace(tuple(numels), tuple(n <= threshold for n in numels), mod_params, mod_numel, tuple(ev), order,
-                    param_order, tuple(prefix), tuple(tuple(o) for o in occurs))
+    qp, qs = [], []
+    step = 0
+    for part, extra in ((head, None), (None, (f_qp, f_qs, S_f * L)), (mid, None), (None, (b_qp, b_qs, S_b * L)),
+                        (tail, None)):
+        if part is not None:
+            p_, s_ = plain(part)
+            n = len(fetched(part))
+        else:
+            p_, s_, n = extra
+        qp += p_
+        qs += [s + step for s in s_]
+        step += n
+    prefix = [0] + np.cumsum(np.asarray(mod_numel, dtype=np.int64)[order]).tolist()
+
+    def period(e0: int, tmpl, first: int, dM: int, dP: int, step0: int, q0: int, S: int, Q: int) -> _Period:
+        rel, s = [], step0
+        for k, j in tmpl:
+            if k in "FB":
+                s += 1
+            elif local_params[j]:
+                rel.append((2 + first * M + j, s))
+        return _Period(e0, len(tmpl), step0, S, q0, Q, dM, dP, 1 + first * nb, tuple(rel))
+
+    n_head, n_mid = len(fetched(head)), len(fetched(mid))
+    q_head = len(plain(head)[0])
+    q_mid = len(plain(mid)[0])
+    periods = (period(len(head), fwd, 0, M, nb, n_head, q_head, S_f, Q_f),
+               period(len(head) + L * len(fwd) + len(mid), bwd, L - 1, -M, -nb, n_head + L * S_f + n_mid,
+                      q_head + L * Q_f + q_mid, S_b, Q_b))
+    blk_persist = [n <= threshold for n in blk_numel]
+    persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
+    persistent = frozenset(([0] if persist[0] else []) + _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1) +
+                           [p for p in range(p_norm, len(numels)) if persist[p]])
+    return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, order, qp, qs, prefix, L, nb,
+                    periods)
 
 
 class _Z3Sim:
@@ -132,12 +225,20 @@ class _Z3Sim:
     events. A pass is one forward + backward (reset_step at its start); it returns the all-gather
     calls it makes (one all_gather_coalesced per fetch or prefetch with params to gather, keyed by the
     sorted numel of those params) and the params still gathered after it (release_backward_leftovers
-    done). Passes after the first complete one are memoized per starting state."""
+    done). Passes after the first complete one are memoized per starting state.
 
-    def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int):
+    periodic: skip whole blocks once the replay repeats itself (_skip); False replays every event
+    (the reference the fast path is tested against)."""
+
+    def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int, periodic: bool = True):
         self.tr, self.pf, self.ml, self.rd = tr, prefetch, max_live, reuse
+        self.periodic = periodic
         self.release_cache: dict[tuple[int, int], frozenset] = {}  # __params_to_release's lru_cache
+        # the cache of blocks the first pass skipped, kept as a rule: (run, r0, r1): blocks r0+1..r1's
+        # entries are block r0's shifted (_cached)
+        self.rules: list[tuple[int, int, int]] = []
         self.memo: dict[frozenset, tuple] = {}
+        self.end_hi = 0  # the furthest step a reuse-distance walk examined (the fast path's horizon)
 
     def _to_release(self, mo: int, step: int, recent) -> frozenset:
         """__params_to_release (lru_cache per (module, step_id): the first complete pass decides): the
@@ -147,27 +248,52 @@ class _Z3Sim:
         numel until the sum reaches max_reuse_distance_in_numel."""
         key = (mo, step)
         got = self.release_cache.get(key)
-        if got is not None:
+        if got is not None or self.rules and (got := self._cached(key)) is not None:
             return got
         tr = self.tr
         out = {p for p in tr.mod_params[mo] if not tr.persist[p] and recent[p] <= step}
         if self.rd > 0 and out:
             end = bisect_left(tr.prefix, tr.prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
-            for p in list(out):
-                occ = tr.occurs[p]
-                k = bisect_left(occ, step)
-                if k < len(occ) and occ[k] < end:
-                    out.discard(p)
+            if end > self.end_hi:
+                self.end_hi = end
+            # the params of modules step..end-1: a run of __param_order (its steps ascend)
+            used = tr.qp[bisect_left(tr.qs, step):bisect_left(tr.qs, end)]
+            out = {p for p in out if p not in used}
         got = self.release_cache[key] = frozenset(out)
         return got
+
+    @staticmethod
+    def _shift(fs, by: int) -> frozenset | None:
+        return None if fs is None else frozenset(p + by for p in fs)
+
+    def _cached(self, key: tuple[int, int]) -> frozenset | None:
+        """release_cache[key], or by a rule: block r1's entry is block r0's shifted."""
+        got = self.release_cache.get(key)
+        if got is not None:
+            return got
+        mo, step = key
+        for d, r0, r1 in self.rules:
+            pr = self.tr.periods[d]
+            rr = (step - pr.step0) // pr.S
+            for r in (rr, rr - 1):  # a block's last release may come at the next block's first step
+                if r0 < r <= r1 and (mo - r * pr.dM, step - r * pr.S) in pr.releases:
+                    got = self._shift(self.release_cache.get((mo - (r - r0) * pr.dM, step - (r - r0) * pr.S)),
+                                      (r - r0) * pr.dP)
+                    if got is not None:
+                        self.release_cache[key] = got
+                    return got
+        return None
 
     def run(self, start: frozenset, record: bool = False) -> tuple[Counter, frozenset]:
         """One pass from `start` (params gathered when it begins): its all-gather calls as a Counter of
         sorted numel tuples, and the params gathered after it."""
         if not record and start in self.memo and self.release_cache:
             return self.memo[start]
+        fill = not record and not self.release_cache  # this pass decides __params_to_release
         tr = self.tr
         numel_, persist, pf, ml = tr.numel, tr.persist, self.pf, self.ml
+        mod_params, kinds, mods, qp, qs = tr.mod_params, tr.kinds, tr.mods, tr.qp, tr.qs
+        nq = len(qp)
         never = -10 ** 10
         avail = [False] * len(numel_)
         for p in start:
@@ -175,16 +301,50 @@ class _Z3Sim:
         # ds_active_sub_modules as a count: a module is fetched once before each release of it
         active = [0] * len(numel_)
         bwd_active: dict[int, None] = {}  # __active_backward_submodules (insertion order)
-        calls: Counter = Counter()
-        queue = deque(tr.param_order)  # reset_step: __param_queue
-        popleft = queue.popleft
+        calls: list[tuple[int, ...]] = []  # one entry per all_gather_coalesced
+        skipped: Counter = Counter()  # calls of skipped blocks
+        q = 0  # reset_step: __param_queue is param_order[q:]
         recent = [never] * len(numel_)  # __most_recent_step_id_param_fetched_for
         n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
         step = 0
         to_release = self._to_release
-        for kind, mo in tr.events:
-            own = tr.mod_params[mo] if mo >= 0 else ()
+        # the fast path: block starts of both runs (event index -> (run, r)), the last block start's state
+        marks = {}
+        if self.periodic:
+            for d, pr in enumerate(tr.periods):
+                for r in range(tr.layers):
+                    marks[pr.e0 + r * pr.E] = (d, r)
+        snap = None
+        # this block's prefetches by their cap: the most n_avail of those capped at the prefetch bucket, the
+        # least of those capped at nothing (max_live reached), whether one was capped in between
+        full_hi, none_lo, mid = -_INF, _INF, False
+        e, n_ev = 0, len(kinds)
+        while e < n_ev:
+            if e in marks:
+                d, r = marks[e]
+                cur = (d, r, step, q, n_avail, len(calls), avail[:], active[:], tuple(bwd_active), self.end_hi,
+                       full_hi, none_lo, mid)
+                full_hi, none_lo, mid = -_INF, _INF, False
+                jump = self._skip(snap, cur, calls, skipped, fill, record) if snap is not None and snap[0] == d else 0
+                if jump:
+                    pr = tr.periods[d]
+                    for x in range(r, tr.layers):  # no more skips in this run
+                        del marks[pr.e0 + x * pr.E]
+                    avail[:] = self._avail
+                    n_avail += jump * (n_avail - snap[4])
+                    if not record:
+                        for p, st in zip(qp[q:q + jump * pr.Q], qs[q:q + jump * pr.Q]):  # the skipped pops
+                            recent[p] = st  # (recent: the last one's step)
+                        q += jump * pr.Q
+                    step += jump * pr.S
+                    e += jump * pr.E
+                    snap = None
+                    continue
+                snap = cur
+            kind, mo = kinds[e], mods[e]
+            e += 1
             if kind == "F" or kind == "B":
+                own = mod_params[mo]
                 if kind == "B":
                     bwd_active[mo] = None
                 todo = []
@@ -195,7 +355,7 @@ class _Z3Sim:
                         todo.append(p)
                 need = [p for p in own if not avail[p]]
                 if need:
-                    calls[tuple(sorted(numel_[p] for p in need))] += 1
+                    calls.append(tuple(sorted([numel_[p] for p in need])))
                     for p in need:
                         avail[p] = True
                         n_avail += numel_[p]
@@ -203,9 +363,10 @@ class _Z3Sim:
                     # pop the module's own params off the fetch queue (unless a prefetch already did)
                     if todo:
                         seen = set()
-                        while queue and len(seen) < len(todo):
-                            p, st = popleft()
-                            recent[p] = st
+                        while q < nq and len(seen) < len(todo):
+                            p = qp[q]
+                            recent[p] = qs[q]
+                            q += 1
                             seen.add(p)
                         if seen != set(todo):
                             raise RuntimeError("ZeRO-3 trace replay diverged")  # the coordinator raises too
@@ -213,10 +374,19 @@ class _Z3Sim:
                         # prefetch: pop the queue until the numel to gather reaches
                         # min(max_live - n_available, prefetch_bucket); available params are skipped
                         cap = min(ml - n_avail, pf)
+                        if cap == pf:
+                            if n_avail > full_hi:
+                                full_hi = n_avail
+                        elif cap <= 0:
+                            if n_avail < none_lo:
+                                none_lo = n_avail
+                        else:
+                            mid = True
                         pre: list[int] = []
                         got = 0
-                        while queue and got < cap:
-                            p, st = popleft()
+                        while q < nq and got < cap:
+                            p, st = qp[q], qs[q]
+                            q += 1
                             if not avail[p]:
                                 avail[p] = True  # in flight: not fetched again, nor twice in this call
                                 pre.append(p)
@@ -224,12 +394,13 @@ class _Z3Sim:
                             if st > recent[p]:
                                 recent[p] = st
                         if got:
-                            calls[tuple(sorted(numel_[p] for p in pre))] += 1
+                            calls.append(tuple(sorted([numel_[p] for p in pre])))
                             n_avail += got
                 step += 1
             elif kind == "f" or kind == "b":
                 if kind == "b":
                     bwd_active.pop(mo, None)
+                own = mod_params[mo]
                 if not own:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
@@ -242,39 +413,131 @@ class _Z3Sim:
             else:  # release_backward_leftovers: drain the backward stack, non-persistent params only
                 while bwd_active:
                     mo, _ = bwd_active.popitem()
-                    for p in tr.mod_params[mo]:
+                    for p in mod_params[mo]:
                         active[p] -= 1
                         if not active[p] and not persist[p] and avail[p]:
                             avail[p] = False
                             n_avail -= numel_[p]
-        out = (calls, frozenset(p for p, a in enumerate(avail) if a))
+        out_calls = Counter(calls)
+        out_calls.update(skipped)
+        out = (out_calls, frozenset(p for p, a in enumerate(avail) if a))
         if not record:
             self.memo[start] = out
         return out
 
+    def _skip(self, b, c, calls, skipped, fill: bool, record: bool) -> int:
+        """How many blocks the replay may skip at block start c (state tuples as run() takes them), b
+        being the previous block start of the same run; 0: none. When it skips k, it adds k times the
+        calls of block b, fills the release cache of the skipped blocks (fill) and leaves in self._avail
+        the avail list after them.
+
+        Why this is exact. Block r's replay (from its start to the next block's) reads and writes: the
+        scalars n_avail, q (recent is a function of q: every pop sets the popped param's recent to its
+        step, popped in step order), avail and active of block r's own params and of the params it pops
+        off the queue (blocks r..r+h), and the release cache at block r's (module, step) keys; the
+        static trace it reads (events, numels, the queue entries popped, the reuse-distance window) is
+        the same block for block inside the run. So when block b's and block c = b+1's starts agree on
+        the scalars (q relative to the block), on bwd_active and on avail/active of blocks b..b+h
+        (c..c+h, h from block b's pops), block c replays block b, shifted by one block; so does
+        every next block c+j as long as the untouched block c+h+j still looks like block c+h did, the
+        pops and the reuse window stay inside the run and (a pass reading the cache) the cache at
+        block c+j's keys is block b's shifted. After k such blocks: blocks c..c+k-1 are left as block
+        b was at c (block c-1 at c), blocks c+k..c+k+h-1 as blocks c..c+h-1 at c, the rest as at c."""
+        tr = self.tr
+        d, rb, step_b, q_b, na_b, nc_b, avail_b, active_b, bwd_b, end_b = b[:10]
+        _, rc, step_c, q_c, na_c, nc_c, avail_c, active_c, bwd_c, end_c, full_hi, none_lo, mid = c
+        pr = tr.periods[d]
+        L, nb, dP = tr.layers, tr.nb, pr.dP
+        if bwd_b != bwd_c:
+            return 0
+        # n_avail only sets the prefetch's cap, min(max_live - n_avail, prefetch_bucket): a block may
+        # end with n_avail moved by `drift` (persistent params gathered for good) as long as every cap
+        # stays what it was (the prefetch bucket, or nothing) in the blocks skipped
+        drift = na_c - na_b
+        if drift and mid:
+            return 0
+        if record:
+            h = 0
+        else:
+            qr_b, qr_c = q_b - (pr.q0 + rb * pr.Q), q_c - (pr.q0 + rc * pr.Q)
+            if qr_b != qr_c or qr_b < 0 or q_c > pr.q0 + L * pr.Q:
+                return 0
+            h = (q_c - 1 - pr.q0) // pr.Q - rb if q_c > q_b else 0
+        if rc + h > L - 1:
+            return 0
+
+        def blocks(lst, r0, r1):  # params of the run's blocks r0..r1 (inclusive), registration order
+            lo, hi = sorted((pr.p_lo + r0 * dP, pr.p_lo + r1 * dP))
+            return lst[lo:hi + nb]
+
+        if blocks(avail_b, rb, rb + h) != blocks(avail_c, rc, rc + h) or \
+                any(blocks(active_b, rb, rb + h)) or any(blocks(active_c, rc, rc + h)):
+            return 0
+        # blocks c+h+1.. like block c+h (untouched so far, so as at the pass's start); k-1 of them needed
+        far = blocks(avail_c, rc + h, rc + h)
+        n = L - 1 - rc - h  # blocks after c+h
+        if n and not (blocks(avail_c, rc + h + 1, L - 1) == far * n and not any(blocks(active_c, rc + h + 1, L - 1))):
+            n = 0
+            while rc + h + n + 1 <= L - 1 and blocks(avail_c, rc + h + n + 1, rc + h + n + 1) == far and \
+                    not any(blocks(active_c, rc + h + n + 1, rc + h + n + 1)):
+                n += 1
+        k = n + 1  # also keeps block c+k-1's pops inside the run
+        if drift > 0 and full_hi > -_INF:
+            k = min(k, (self.ml - self.pf - full_hi) // drift)
+        if drift < 0 and none_lo < _INF:
+            k = min(k, (none_lo - self.ml) // -drift)
+        if fill and self.rd > 0:  # block c+k-1's reuse-distance walks end inside the run
+            k = min(k, (pr.step0 + L * pr.S - end_c) // pr.S)
+        elif not record and not fill:
+            # blocks the first pass skipped from the same block on are block b's shifted by construction
+            ok = max([r1 - rb for dd, r0, r1 in self.rules if dd == d and r0 <= rb <= r1] + [0])
+            while ok < k and all(self._cached((mo + (rc + ok) * pr.dM, s + (rc + ok) * pr.S)) ==
+                                 self._shift(self._cached((mo + rb * pr.dM, s + rb * pr.S)), (ok + 1) * dP)
+                                 for mo, s in pr.releases):
+                ok += 1
+            k = min(k, ok)
+        if k < 1:
+            return 0
+        if fill:
+            self.rules.append((d, rb, rb + k))
+        for key in calls[nc_b:nc_c]:
+            skipped[key] += k
+        # avail after the skip: blocks c..c+k-1 as block c-1 at c, c+k..c+k+h-1 as c..c+h-1 at c
+        new = avail_c[:]
+        behind = blocks(avail_c, rc - 1, rc - 1)
+        for j in range(k):
+            lo = pr.p_lo + (rc + j) * dP
+            new[lo:lo + nb] = behind
+        for j in range(h):
+            lo = pr.p_lo + (rc + k + j) * dP
+            new[lo:lo + nb] = blocks(avail_c, rc + j, rc + j)
+        self._avail = new
+        return k
+
 
 @lru_cache(maxsize=64)
-def _z3_record(model: ModelShape, threshold: int) -> tuple[Counter, frozenset]:
+def _z3_record(model: ModelShape, threshold: int, periodic: bool = True) -> tuple[Counter, frozenset]:
     """Step 0's recording pass (trace RECORD: no prefetch, every own param released), which starts
     with nothing gathered (persistent params are first gathered by step 0's _post_step)."""
     tr = _z3_trace(model, threshold)
-    return _Z3Sim(tr, 0, 0, 0).run(frozenset(), record=True)
+    return _Z3Sim(tr, 0, 0, 0, periodic).run(frozenset(), record=True)
 
 
 @lru_cache(maxsize=128)
-def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, accumulate: bool) -> _Z3Sim:
+def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, accumulate: bool,
+            periodic: bool = True) -> _Z3Sim:
     """A coordinator whose __params_to_release cache is filled by the first complete pass, as in a real
     run: with gradient accumulation that pass is step 0's micro-batch 1, which starts with nothing
     gathered (the recording pass released every param, persistent ones too); with one micro-batch it is
     step 1's, which starts with the persistent params gathered by step 0's _post_step."""
     tr = _z3_trace(model, threshold)
-    sim = _Z3Sim(tr, prefetch, max_live, reuse)
-    sim.run(_z3_record(model, threshold)[1] if accumulate else _z3_persistent(tr))
+    sim = _Z3Sim(tr, prefetch, max_live, reuse, periodic)
+    sim.run(_z3_record(model, threshold, periodic)[1] if accumulate else _z3_persistent(tr))
     return sim
 
 
 def _z3_persistent(tr: _Z3Trace) -> frozenset:
-    return frozenset(p for p, k in enumerate(tr.persist) if k)
+    return tr.persistent
 
 
 def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
@@ -294,12 +557,14 @@ def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
 
 
 @lru_cache(maxsize=256)
-def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int):
+def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+                periodic: bool = True):
     """The coordinator's all-gather calls per optimizer step, dp-independent (numel tuples):
-    (recording pass, the rest of step 0 [m > 1], steady step, step 1 [m == 1])."""
+    (recording pass, the rest of step 0 [m > 1], steady step, step 1 [m == 1]). periodic=False: the
+    event-by-event replay (the reference)."""
     tr = _z3_trace(model, threshold)
-    record, after_record = _z3_record(model, threshold)
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1)
+    record, after_record = _z3_record(model, threshold, periodic)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic)
     steady = _z3_passes(sim, _z3_persistent(tr), m)
     if m == 1:
         return record, Counter(), steady
