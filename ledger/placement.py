@@ -120,7 +120,10 @@ class CommBuilder:
         on its own, placement.wire_bytes). Every other add goes through here."""
         if count == 0:
             return self
-        a = self._acc.setdefault((dim, kind, dtype), [0, 0, 0, set()])
+        a = self._acc.get((dim, kind, dtype))
+        if a is None:
+            self._acc[(dim, kind, dtype)] = [count, buffer_bytes, wire, {what} if what else set()]
+            return self
         a[0] += count
         a[1] += buffer_bytes
         a[2] += wire
@@ -158,7 +161,8 @@ class CommBuilder:
         return out
 
     def build(self) -> list[Comm]:
-        return [Comm(d, k, c, b, w, t, "; ".join(sorted(s))) for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
+        return [Comm(d, k, c, b, w, t, "; ".join(sorted(s)) if len(s) > 1 else "".join(s))
+                for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
 
 
 @dataclass

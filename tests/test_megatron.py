@@ -459,3 +459,55 @@ def test_per_gpu_is_the_most_loaded_of_every_rank(kw):
             best = max(s.resident_bytes for s in every)
             assert pl.per_gpu.resident_bytes == best
             assert pl.per_gpu is next(s for s in every if s.resident_bytes == best)  # the first on ties
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_build_buffer_period_copies_the_searched_buckets(name):
+    """build_buffer with `period` (bucket runs copied across identical layers) gives the buffer the
+    plain bucket search gives, for bucket sizes from one param per bucket to buckets spanning layers."""
+    import dataclasses
+
+    for tied in (False, True):
+        model = dataclasses.replace(preset(name), tied_embeddings=tied)
+        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 64), (2, 1, 1000)):
+            if model.layers % pp:
+                continue
+            for bucket in (1, per_layer // 7, per_layer // 2 + 1, per_layer, 3 * per_layer + 5, None):
+                for stage in sorted({0, pp - 1}):
+                    n, first, last = L._stage_shape(model, pp, stage, 1, 0)
+                    shared = model.tied_embeddings and not (first and last)
+                    args = (L._sizes(model, tp, n, first, last), bucket, dp, True, shared and first, shared and last)
+                    plain = L.build_buffer(*args)
+                    fast = L._buffer(model, tp, n, first, last, bucket, dp, True)
+                    for f in ("starts", "ends", "bstart", "bend", "first", "prefix", "n"):
+                        assert np.array_equal(getattr(plain, f), getattr(fast, f)), (tied, tp, pp, dp, bucket, stage, f)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_contiguous_ranks_equal_owned_sizes_of_every_rank(name):
+    """The closed form for buffers without alignment padding (_contiguous_ranks) gives every DP rank
+    the elements and pieces the bisection over its ranges (owned_sizes) gives, for one bucket and
+    many, DP ranges inside one param or spanning many, and buckets that leave ranks empty."""
+    import dataclasses
+
+    for tied in (False, True):
+        model = dataclasses.replace(preset(name), tied_embeddings=tied)
+        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 96), (2, 1, 1000), (1, 2, 1)):
+            if model.layers % pp:
+                continue
+            for bucket in (1, per_layer // 7, per_layer + 5, None):
+                for stage in sorted({0, pp - 1}):
+                    n, first, last = L._stage_shape(model, pp, stage, 1, 0)
+                    buf = L._buffer(model, tp, n, first, last, bucket, dp, True)
+                    assert buf.contiguous
+                    e, p = L._contiguous_ranks(buf, dp)
+                    want = [L._owned_sizes.__wrapped__((buf,), dp, r) for r in range(dp)]
+                    assert list(zip(e.tolist(), p.tolist())) == want, (tied, tp, pp, dp, bucket, stage)
+
+
+def test_alignment_padding_makes_a_buffer_non_contiguous():
+    shape = ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    assert not L._buffer(shape, 1, 2, True, True, None, 4, True).contiguous
+    assert L._buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt

@@ -46,3 +46,18 @@ def test_cli_single_run_exits_nonzero_naming_tp_and_heads(run_launch, tmp_path):
                    f"hydra.run.dir={tmp_path}")
     assert p.returncode != 0
     assert "tp=3 does not divide num_heads=32" in p.stderr
+
+
+def test_layout_to_dict_has_every_field():
+    """Layout.to_dict is spelled out for speed: it must still carry every field (and the derived
+    counts), with the layout's values."""
+    from dataclasses import fields
+
+    from ledger.layout import Layout
+
+    lay = Layout(tp=2, pp=3, dp=4, dp_replicate=2, cp=5, ep=1, vp=2, sequence_parallel=True, micro_batch_size=3,
+                 global_batch_size=48)
+    d = lay.to_dict()
+    assert {f.name: getattr(lay, f.name) for f in fields(Layout)} == {k: d[k] for k in (f.name for f in fields(Layout))}
+    assert (d["world"], d["dp_shard"], d["num_microbatches"]) == (lay.world, lay.dp_shard, lay.num_microbatches)
+    assert len(d) == len(fields(Layout)) + 3

@@ -134,13 +134,18 @@ def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, c
 @lru_cache(maxsize=1024)
 def _sizes(model: ModelShape, tp: int, layers: int, first: bool, last: bool) -> np.ndarray:
     """stage_params' numels as an array (read-only; one per distinct stage shape)."""
-    emb, layer, _ = _pieces(model, tp)
-    parts = ([np.array([k for _, k in emb], np.int64)] if first else []) + \
-        [np.tile(np.array([k for _, k in layer], np.int64), layers)] + \
-        ([np.array([k for _, k in _head(model, tp, first)], np.int64)] if last else [])
-    a = np.concatenate(parts)
+    emb, layer, head = _piece_sizes(model, tp, first)
+    a = np.concatenate(([emb] if first else []) + [np.tile(layer, layers)] + ([head] if last else []))
     a.flags.writeable = False
     return a
+
+
+@lru_cache(maxsize=256)
+def _piece_sizes(model: ModelShape, tp: int, first: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_pieces' numels as arrays (embedding, one layer, the head of a chunk that holds the embedding
+    or not): shared by the stage shapes of one tp."""
+    emb, layer, _ = _pieces(model, tp)
+    return tuple(np.array([k for _, k in part], np.int64) for part in (emb, layer, _head(model, tp, first)))
 
 
 # -- DDP buffer layout ---------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class Buffer:
     first: np.ndarray  # index (in buffer order) of each bucket's first param
     prefix: np.ndarray  # prefix[i] = elements of params before i (buffer order)
     n: np.ndarray  # each param's elements (ends - starts)
+    contiguous: bool = False  # each bucket's params tile it from its start (no alignment padding between)
 
     @property
     def numel(self) -> int:
@@ -171,12 +177,15 @@ def _buffer(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bu
     # a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
     # pp > 1 holds a `shared_embedding` param (shared_embedding()); pp = 1 holds both, marks none
     shared = dist_opt and model.tied_embeddings and not (first and last)
+    # in backprop order the head's params come first, then `layers` reversed copies of one layer
+    period = (len(_head(model, tp, first)) if last else 0, len(_pieces(model, tp)[1]), layers)
     return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt,
-                        shared_first=shared and first, shared_last=shared and last)
+                        shared_first=shared and first, shared_last=shared and last, period=period)
 
 
 def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool,
-                 shared_first: bool = False, shared_last: bool = False) -> Buffer:
+                 shared_first: bool = False, shared_last: bool = False,
+                 period: tuple[int, int, int] | None = None) -> Buffer:
     """Params in reverse (backprop) order into buckets.
 
     Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
@@ -189,7 +198,12 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     shared_first / shared_last: the first / last param of `sizes` (stage order) is a
     `shared_embedding` param, which _compute_per_buffer_param_layout (_does_param_require_new_bucket)
     puts in a bucket of its own, even without bucketing (bucket_size None): the bucket before it
-    closes (padded) and it closes its own."""
+    closes (padded) and it closes its own.
+    period (start, k, repeats): params [start, start + k*repeats) of backprop order repeat one
+    k-param pattern (identical layers). Where a bucket starts at the same place in the pattern as an
+    earlier one, the buckets between repeat (a bucket's end depends only on the sizes from its start,
+    and every bucket start is a multiple of the padding unit), so whole periods are copied instead of
+    searched (the same buckets as without `period`; tested)."""
     n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
     a = (n + 63) & -64 if dist_opt else n  # each start 64-aligned: the aligned sizes
     div = math.lcm(dp, 128)
@@ -204,14 +218,31 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
         pend = int(cum[-1] - a[-1] + n[-1])
         end = -(-pend // div) * div if dist_opt else pend
         return Buffer(starts=starts, ends=starts + n, bstart=_ZERO, bend=np.array([end], np.int64), first=_ZERO,
-                      prefix=prefix, n=n)
+                      prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
     cum = np.zeros(P + 1, np.int64)
     np.cumsum(a, out=cum[1:])
     reach = cum[:-1] + n  # bucket-relative end of param i, plus the bucket's cum offset
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     reach_l, cum_l = reach.tolist(), cum.tolist()  # scalar bisection is faster on lists
+    seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
     while j < P:
+        if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
+            at = (j - period[0]) % period[1]
+            if at not in seen:
+                seen[at] = (len(firsts), j, b0)
+            else:  # buckets [b, now) cover params [pj, j): copy them while whole periods fit
+                b, pj, pb0 = seen[at]
+                dj, dpos = j - pj, b0 - pb0
+                q = (period[0] + period[1] * period[2] - j) // dj
+                pf, ps, pe = firsts[b:], bstarts[b:], bends[b:]
+                for t in range(1, q + 1):
+                    firsts += [f + t * dj for f in pf]
+                    bstarts += [x + t * dpos for x in ps]
+                    bends += [x + t * dpos for x in pe]
+                j, b0 = j + q * dj, b0 + q * dpos
+                seen = None
+                continue
         if shared_last and j == 0:  # the output weight, first in backprop order
             i = 0
         elif bucket_size is None:
@@ -231,7 +262,7 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     counts = np.diff(np.append(first, P))
     starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
     return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=np.array(bends, np.int64), first=first,
-                  prefix=prefix, n=n)
+                  prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
 
 
 _ZERO = np.zeros(1, np.int64)
@@ -366,6 +397,15 @@ _DIRECT_PAIRS = 2048  # up to this many (bucket, rank) pairs, evaluating them al
 def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> tuple[int, int, int]:
     """(heaviest DP rank, its owned elements, its owned pieces): every (bucket, rank) pair evaluated
     when there are few (_all_ranks), else the sparse search (_heaviest)."""
+    if all(b.contiguous for b in buffers):
+        e = np.zeros(dp, np.int64)
+        p = np.zeros(dp, np.int64)
+        for buf in buffers:
+            be, bp = _contiguous_ranks(buf, dp)
+            e += be
+            p += bp
+        d = int(np.argmax(per_elem * e + per_piece * p))
+        return d, int(e[d]), int(p[d])
     if dp > 1 and sum(len(b.bstart) for b in buffers) * dp <= _DIRECT_PAIRS:
         e = np.zeros(dp, np.int64)
         p = np.zeros(dp, np.int64)
@@ -377,6 +417,40 @@ def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: i
         return d, int(e[d]), int(p[d])
     d = _heaviest(buffers, dp, per_elem, per_piece)
     return (d, *_owned_sizes(buffers, dp, d))
+
+
+def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """_all_ranks for a contiguous buffer in O(params + buckets + dp): bucket b's params tile
+    [bstart, bstart + real) and its DP ranges have S = numel / dp elements, so rank r owns S elements
+    while (r + 1) * S <= real, the remainder at r = real // S, none after; its pieces are the param
+    starts in its range, plus the param its range starts inside of (none where it starts on a param
+    start or past the params)."""
+    nb = len(buf.bstart)
+    size = (buf.bend - buf.bstart) // dp
+    if nb == 1:  # the common case, in scalars where possible (bstart is 0)
+        real, s = int(buf.prefix[-1]), int(size[0])
+        full, rem = divmod(real, s)
+        e = np.zeros(dp, np.int64)
+        e[:full] = s
+        if full < dp:
+            e[full] = rem
+        rank, at = np.divmod(buf.starts, s)
+        p = np.bincount(rank, minlength=dp)
+        p[:-(-real // s)] += 1
+        p -= np.bincount(rank[at == 0], minlength=dp)
+        return e, p
+    lims = np.append(buf.first, len(buf.n))
+    real = buf.prefix[lims[1:]] - buf.prefix[lims[:-1]]
+    full, rem = np.divmod(real, size)
+    # weights make float64 bincounts: exact, the sums stay far below 2**53
+    e = np.bincount(full, weights=size, minlength=dp + 1)[::-1].cumsum()[::-1][1:] + \
+        np.bincount(full, weights=rem, minlength=dp + 1)[:dp]
+    bid = np.repeat(np.arange(nb), np.diff(lims))
+    rank, at = np.divmod(buf.starts - buf.bstart[bid], size[bid])
+    p = np.bincount(rank, minlength=dp)
+    p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
+    p -= np.bincount(rank[at == 0], minlength=dp)
+    return e.astype(np.int64), p
 
 
 def _all_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
