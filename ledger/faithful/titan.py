@@ -16,6 +16,7 @@ micro-batch), the grad-norm over pp, and in step 0 the schedule's vote and metad
 from __future__ import annotations
 
 from functools import lru_cache
+from math import prod
 from typing import Callable, NamedTuple
 
 from ledger.grid import Grid
@@ -126,8 +127,11 @@ def _unit_dims(model: ModelShape) -> tuple[tuple[tuple[tuple[int, ...], int | No
 def _dims(model: ModelShape, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """(dim 0, rest) of every param's TP-local shape (_tp_local) in _unit_params' three groups:
     all _sharded_part needs (no Param built)."""
-    return tuple(tuple((t[0], numel(t[1:])) for t in (_shard_tp(s, dim, tp) for s, dim in g))
-                 for g in _unit_dims(model))
+    out = []
+    for g in _unit_dims(model):
+        local = [_shard_tp(s, dim, tp) for s, dim in g]
+        out.append(tuple([(t[0], prod(t[1:])) for t in local]))  # prod: numel, in C
+    return tuple(out)
 
 
 class _Group(NamedTuple):
@@ -145,15 +149,15 @@ class _Group(NamedTuple):
 def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
     out = []
     for g in _dims(model, tp):
+        fulls = tuple([_padded_full(d0, rest, ds) for d0, rest in g])
         padded = even = 0
         uneven: dict[int, int] = {}
-        for d0, rest in g:
-            padded += _chunk_rows(d0, ds) * rest
+        for (d0, rest), full in zip(g, fulls):
+            padded += full // ds  # the local shard: chunk rows x rest
             if d0 % ds:
                 uneven[d0] = uneven.get(d0, 0) + rest
             else:
-                even += d0 // ds * rest
-        fulls = tuple(_padded_full(d0, rest, ds) for d0, rest in g)
+                even += full // ds  # all its chunk rows are real ones
         out.append(_Group(len(g), padded, even, tuple(uneven.items()), sum(fulls), fulls))
     return tuple(out)
 
@@ -164,20 +168,23 @@ def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, ha
     not); the whole model without PP, a pipeline stage's modules with it. Sums of _groups, the
     block's times L (blocks are alike; test: equal to the sums over units()' every param)."""
     emb, block, head = _groups(model, tp, ds)
-    counted = [(g, n) for g, n, there in ((emb, 1, has_emb), (block, L, True), (head, 1, has_head)) if there]
+    n_params = padded = even = 0
     uneven: dict[int, int] = {}
-    for g, n in counted:
-        for d0, rest in g.uneven:
-            uneven[d0] = uneven.get(d0, 0) + n * rest
+    for g, n in ((emb, 1 if has_emb else None), (block, L), (head, 1 if has_head else None)):
+        if n is not None:  # the blocks count even at L = 0: their uneven dims still key the states
+            n_params += g.n_params * n
+            padded += g.padded * n
+            even += g.even * n
+            for d0, rest in g.uneven:
+                uneven[d0] = uneven.get(d0, 0) + n * rest
     # a rank's rows of a dim 0 of d0 rows are c (= ceil(d0/ds)) up to shard rank d0 // c, the rest
     # there, none after: the state is constant between these shard ranks
     reps = {0}
     for d0 in uneven:
         j = d0 // _chunk_rows(d0, ds)
         reps.update(x for x in (j, j + 1) if x < ds)
-    return _Sharded(sum(g.n_params * n for g, n in counted), sum(g.padded * n for g, n in counted),
-                    sum(g.even * n for g, n in counted), tuple(sorted(uneven.items())),
-                    emb.full, head.fulls[0], head.fulls[1], block.full, tuple(sorted(reps)))
+    return _Sharded(n_params, padded, even, tuple(sorted(uneven.items())), emb.full, head.fulls[0], head.fulls[1],
+                    block.full, tuple(sorted(reps)))
 
 
 # torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE: the CP BlockMask's Q block
@@ -188,7 +195,8 @@ def check(model: ModelShape, lay: Layout) -> None:
     # each message is made only when its rule fails (a search checks many layouts that pass)
     # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
     sp_div = (lay.tp if lay.sequence_parallel else 1) * (2 * lay.cp if lay.cp > 1 else 1)
-    for ok, msg in ((model.norm == "rmsnorm", lambda: f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
+    for ok, msg in ((model.norm == "rmsnorm",
+                     lambda: f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
                     (model.swiglu, lambda: "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
                     (not model.bias, lambda: "titan: model.bias=true: torchtitan llama3 linears have no bias"),
                     (not model.tied_embeddings,
@@ -266,7 +274,7 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], 
         sk = c["pp"], c["dp"] * cp + c["cp"]  # the stage, the rank's index on the fsdp mesh (cp inner)
         if sk not in by_sk:
             s, k = sk
-            key = (s, *(_rows_of(d0, ds, k) for d0, _ in shs[s].uneven))
+            key = (s, *[_rows_of(d0, ds, k) for d0, _ in shs[s].uneven])
             if key not in cache:
                 cache[key] = state(s, k)
             by_sk[sk] = cache[key]
@@ -491,14 +499,19 @@ def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | Non
     return float("inf"), None  # Shard -> Partial, Partial -> another Partial: banned
 
 
+@lru_cache(maxsize=1024)
+def _moves(cur: str, numel_full: int, n: int, targets: tuple[str, ...]) -> dict[str, tuple[float, str | None]]:
+    """_move of one input to each placement the strategies ask of it, priced once (a layer's
+    backward hands several mm's the same gradient); read only (cached)."""
+    return {t: _move(cur, t, numel_full, n) for t in targets}
+
+
 def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
     """aten.mm on DTensors (placement, full numel) a @ b: the output placement, the collectives, and
     whether the choice was priced (no strategy took the inputs as they are).
     _sharding_prop.py _select_min_cost_strategy: a strategy needing no redistribution first, then
     the first zero-cost one, else the first of minimal summed cost."""
-    # each input's move to each placement a strategy asks of it, priced once
-    move_a = {p: _move(a[0], p, a[1], n) for p in _MM_MAT1}
-    move_b = {p: _move(b[0], p, b[1], n) for p in _MM_MAT2}
+    move_a, move_b = _moves(*a, n, _MM_MAT1), _moves(*b, n, _MM_MAT2)
     best = None
     for out, pa, pb in _MM:
         (ca, ka), (cb_, kb) = move_a[pa], move_b[pb]
