@@ -343,7 +343,8 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
 
     def rs(full, what, count=1):  # foreach_reduce: one fp32 reduce-scatter per call, + HSDP all-reduce
         cb.add(fsdp, "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
-        cb.add("dp_replicate", "all_reduce", full * F32 // ds, rep, "fp32", count=count, what=f"HSDP {what}")
+        if rep > 1:  # (CommBuilder.add drops a group of one: its label is not made)
+            cb.add("dp_replicate", "all_reduce", full * F32 // ds, rep, "fp32", count=count, what=f"HSDP {what}")
 
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
     reshard = fw.reshard_after_forward in ("default", "always")
