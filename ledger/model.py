@@ -20,6 +20,18 @@ class ModelShape:
     bias: bool = False
     name: str = "custom"
 
+    def __hash__(self) -> int:
+        # computed once per object: a layout search hashes the shape in every cache lookup. Kept out
+        # of pickles (__getstate__): str hashes differ between processes
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(self.__dict__[f] for f in _SHAPE_FIELDS))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -75,6 +87,9 @@ class ModelShape:
 
     def layer_num_params(self) -> int:
         return sum(numel(s) for _, s in self.layer_params(0))
+
+
+_SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))
 
 
 # shapes are frozen (hashable): a sweep over thousands of layouts lists a model's parameters once

@@ -9,6 +9,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all", "broadcast")
 STATES = ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")
 
@@ -143,8 +145,8 @@ class CommBuilder:
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
         if group_size <= 1:
             return self
-        return self.add_calls(dim, kind, dtype, len(buffers), sum(buffers),
-                              sum(wire_bytes(kind, b, group_size) for b in buffers), what)
+        b = np.asarray(buffers, np.int64)  # wire_bytes' integer arithmetic, elementwise
+        return self.add_calls(dim, kind, dtype, len(b), int(b.sum()), int(wire_bytes(kind, b, group_size).sum()), what)
 
     def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "",
                 times: int = 1) -> "CommBuilder":

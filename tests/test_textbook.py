@@ -89,3 +89,18 @@ def test_interleaving_multiplies_pp_crossings():
     one = place(preset("llama3_1b"), None, cfg(MEGATRON, **base))
     two = place(preset("llama3_1b"), None, cfg(MEGATRON, **base, vp=2))
     assert two.by_dim()["pp"] == 2 * one.by_dim()["pp"]
+
+
+def test_model_shape_hash_is_cached_but_not_pickled():
+    """ModelShape caches its hash (searches hash it in every cache lookup) and leaves the cache out of
+    pickles: str hashes differ between processes, so a carried hash would break dict lookups there."""
+    import dataclasses
+    import pickle
+
+    m = preset("llama3_70b")
+    h = hash(m)
+    assert m.__dict__["_hash"] == h == hash(tuple(getattr(m, f.name) for f in dataclasses.fields(m)))
+    back = pickle.loads(pickle.dumps(m))
+    assert "_hash" not in back.__dict__ and back == m and hash(back) == h
+    assert "_hash" not in dataclasses.asdict(m)
+    assert hash(dataclasses.replace(m, layers=2)) != h

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -226,6 +226,7 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     j, b0 = 0, 0
     reach_l, cum_l = reach.tolist(), cum.tolist()  # scalar bisection is faster on lists
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
+    blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
     while j < P:
         if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
             at = (j - period[0]) % period[1]
@@ -235,11 +236,11 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
                 b, pj, pb0 = seen[at]
                 dj, dpos = j - pj, b0 - pb0
                 q = (period[0] + period[1] * period[2] - j) // dj
-                pf, ps, pe = firsts[b:], bstarts[b:], bends[b:]
-                for t in range(1, q + 1):
-                    firsts += [f + t * dj for f in pf]
-                    bstarts += [x + t * dpos for x in ps]
-                    bends += [x + t * dpos for x in pe]
+                block = np.array((firsts[b:], bstarts[b:], bends[b:]), np.int64)
+                shift = np.array((dj, dpos, dpos), np.int64)[:, None, None] * np.arange(1, q + 1)[None, :, None]
+                blocks += [np.array((firsts, bstarts, bends), np.int64).reshape(3, -1),
+                           (block[:, None, :] + shift).reshape(3, -1)]
+                firsts, bstarts, bends = [], [], []
                 j, b0 = j + q * dj, b0 + q * dpos
                 seen = None
                 continue
@@ -257,11 +258,11 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
         bstarts.append(b0)
         bends.append(end)
         j, b0 = i + 1, end
-    first = np.array(firsts, np.int64)
-    bstart = np.array(bstarts, np.int64)
+    tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
+    first, bstart, bend = np.concatenate(blocks + [tail], axis=1) if blocks else tail
     counts = np.diff(np.append(first, P))
     starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
-    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=np.array(bends, np.int64), first=first,
+    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=bend, first=first,
                   prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
 
 
@@ -349,39 +350,74 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
     return numel, pieces
 
 
-@lru_cache(maxsize=4096)
-def _most_loaded(classes: tuple, dp: int, dist_opt: bool, pb: int, gb: int, w_elem: int,
-                 w_piece: int) -> tuple[int, int, int, int]:
+def _most_loaded(classes: list, dp: int, dist_opt: bool, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
     """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
-    classes ((stage, buffers) pairs), the lowest stage and DP rank on ties, comparing only what
-    differs between them (_buffer_bytes, _owned_by; optimizer bytes are w_elem per owned element and
-    w_piece per owned piece). Cached per stage buffers: layouts of a search that differ only by
-    micro-batch or SP share it.
+    classes ((stage, fixed bytes, upper bound, buffers thunk)), the lowest stage and DP rank on ties,
+    comparing only what differs between them (_buffer_bytes, _owned_by; optimizer bytes are w_elem per
+    owned element and w_piece per owned piece).
 
     A class whose upper bound (every DP range full of parameter elements, every parameter a piece)
-    is below a value already found cannot hold the most-loaded rank, so its DP ranks are not searched."""
-    cands = []
-    for st, bufs in classes:
-        fixed = sum(_buffer_bytes(bufs, dist_opt, pb, gb))
-        if dist_opt:
-            full = sum(int(((b.bend - b.bstart) // dp).sum()) for b in bufs)
-            ub = fixed + w_elem * full + w_piece * sum(len(b.starts) for b in bufs)
-        else:  # every rank owns all: exact
-            n_owned, n_pieces = _owned_by(bufs, dist_opt, dp, 0)
-            ub = fixed + w_elem * n_owned + w_piece * n_pieces
-        cands.append((ub, st, bufs, fixed))
+    is below a value already found cannot hold the most-loaded rank: its DP ranks are not searched
+    and, where its bound came from _chunk_summary, its buffers are not built."""
     best = None  # (value, stage, dp rank, owned elements, owned pieces)
-    for ub, st, bufs, fixed in sorted(cands, key=lambda c: (-c[0], c[1])):
+    for st, fixed, ub, bufs in sorted(classes, key=lambda c: (-c[2], c[0])):
         if best is not None and ub < best[0]:
             break
         if dist_opt:
-            d, n_owned, n_pieces = _best_rank(bufs, dp, w_elem, w_piece)
+            d, n_owned, n_pieces = _best_rank(bufs(), dp, w_elem, w_piece)
         else:
-            d, (n_owned, n_pieces) = 0, _owned_by(bufs, dist_opt, dp, 0)
+            d, (n_owned, n_pieces) = 0, _owned_by(bufs(), dist_opt, dp, 0)
         val = fixed + w_elem * n_owned + w_piece * n_pieces
         if best is None or val > best[0] or (val == best[0] and st < best[1]):
             best = (val, st, d, n_owned, n_pieces)
     return best[1:]
+
+
+def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb: int, gb: int, w_elem: int,
+                 w_piece: int) -> tuple[int, int]:
+    """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
+    elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
+    elements and every parameter a piece (exact without the distributed optimizer: every rank owns all)."""
+    numel = sum(x[0] for x in summaries)
+    real = sum(x[1] for x in summaries)
+    params = sum(x[2] for x in summaries)
+    fixed = pb * (numel if dist_opt else real) + gb * numel
+    return fixed, fixed + w_elem * (sum(x[3] for x in summaries) if dist_opt else real) + w_piece * params
+
+
+def _buffer_summary(buf: Buffer, dp: int) -> tuple[int, int, int, int]:
+    return buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum())
+
+
+def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                   dist_opt: bool) -> tuple[int, int, int, int] | None:
+    """_buffer_summary of _buffer(...) without building it, for a one-bucket chunk (no bucketing, no
+    shared embedding: build_buffer's one-bucket path): params 64-aligned with the distributed optimizer,
+    the bucket ending at the last param's end padded to lcm(dp, 128). None for other chunks."""
+    if bucket_size is not None or (dist_opt and model.tied_embeddings and not (first and last)):
+        return None
+    emb, layer, head = _piece_sums(model, tp, first, dist_opt)
+    parts = ([emb] if first else []) + [(layers * layer[0], layers * layer[1], layers * layer[2], layer[3], layer[4])] + \
+        ([head] if last else [])
+    real = sum(x[0] for x in parts)
+    aligned = sum(x[1] for x in parts)
+    params = sum(x[2] for x in parts)
+    # the last param in backprop order is the chunk's first: its own end, not its aligned end
+    pend = aligned - parts[0][4] + parts[0][3]
+    div = math.lcm(dp, 128)
+    numel = -(-pend // div) * div if dist_opt else pend
+    return numel, real, params, numel // dp
+
+
+@lru_cache(maxsize=256)
+def _piece_sums(model: ModelShape, tp: int, first: bool, dist_opt: bool) -> tuple[tuple, tuple, tuple]:
+    """Per piece of _piece_sizes (embedding, one layer, head): (elements, 64-aligned elements with the
+    distributed optimizer, params, first param's elements, its aligned elements)."""
+    def sums(arr):
+        n = [int(x) for x in arr]
+        al = [-(-x // 64) * 64 if dist_opt else x for x in n]
+        return sum(n), sum(al), len(n), n[0] if n else 0, al[0] if al else 0
+    return tuple(sums(part) for part in _piece_sizes(model, tp, first))
 
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
@@ -532,8 +568,17 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     the first and the last hold equal buffers (the lowest such stage stands for them). Layouts of a
     search that differ only by micro-batch or SP share it."""
     _, _, pb, gb = _dtypes(k)
-    classes = tuple((st, _stage_buffers(model, tp, pp, dp, vp, k, st)) for st in sorted({0, min(1, pp - 1), pp - 1}))
-    return _most_loaded(classes, dp, k.use_distributed_optimizer, pb, gb, *_optim_weights(k))
+    dist_opt = k.use_distributed_optimizer
+    w = _optim_weights(k)
+    classes = []
+    for st in sorted({0, min(1, pp - 1), pp - 1}):
+        bufs = partial(_stage_buffers, model, tp, pp, dp, vp, k, st)
+        sums = [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
+                               dp, dist_opt) for ch in range(vp)]
+        if None in sums:
+            sums = [_buffer_summary(b, dp) for b in bufs()]
+        classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), bufs))
+    return _most_loaded(classes, dp, dist_opt, *w)
 
 
 def _optim_weights(fw) -> tuple[int, int]:
@@ -665,14 +710,14 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     # with disable_bucketing (training.py get_model: model chunks after the first) whose buckets
     # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
     # chunk has several buckets only around a tied model's shared embedding (build_buffer)
-    numels = list(buffers[0].bucket_numels) + [b.numel for b in buffers[1:]]
+    numels = np.append(buffers[0].bend - buffers[0].bstart, [b.numel for b in buffers[1:]])
     if k.use_distributed_optimizer:
-        cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+        cb.add_each("dp", "reduce_scatter", gb * numels, dp, gdt, what="grad bucket (start_grad_sync)")
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
                 if k.overlap_param_gather else "param bucket (start_param_sync)")
-        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what=what)
+        cb.add_each("dp", "all_gather", pb * numels, dp, pdt, what=what)
     else:
-        cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+        cb.add_each("dp", "all_reduce", gb * numels, dp, gdt, what="grad bucket (start_grad_sync)")
     if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
         # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
         # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
