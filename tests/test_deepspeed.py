@@ -45,6 +45,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -432,6 +433,34 @@ def test_zero3_block_skipping_is_the_event_replay():
     for m in (1, 2, 8):
         assert _z3_fetches(big, m, 100_000, 5 * 10**7, 10**9, 10**9, True) == \
             _z3_fetches(big, m, 100_000, 5 * 10**7, 10**9, 10**9, False)
+
+
+def test_block_counted_buckets_are_the_walk():
+    """IPG buckets counted a block at a time (_split12, _ipg_counts through _by_blocks) against the
+    walk over every gradient (_buckets12, ipg_buckets), over models, bucket sizes around the params'
+    sizes, both orders and ZeRO-3's per-dp padding."""
+    import dataclasses
+
+    from ledger.faithful.deepspeed import (_buckets12, _grad_sizes, _ipg_counts, _registration_sizes, _size_parts,
+                                           _split12, ipg_buckets)
+
+    tiny = preset("tiny", layers=12)
+    models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
+              dataclasses.replace(tiny, swiglu=False), preset("llama3_1b"), preset("llama3_70b")]
+    for shape in models:
+        sizes = sorted(set(_registration_sizes(shape)))
+        buckets = {1, 1000, 65_536, 100_000, 300_000, 10**6, 3 * 10**6, 5 * 10**8, 10**12} | \
+            {n + d for n in sizes for d in (-1, 0, 1)} | {2 * n + 7 for n in sizes}
+        for bucket in sorted(buckets):
+            for registration in (True, False):
+                bk = _buckets12(shape, bucket, registration)
+                normal, large = _split12(shape, bucket, registration)
+                assert Counter(dict(normal)) == Counter(b for b, off in bk if off < 0), (shape, bucket, registration)
+                assert sorted(large) == sorted(x for x in bk if x[1] >= 0)
+            for dp in (1, 3, 64):
+                parts = [tuple(-(-n // dp) * dp for n in part) for part in _size_parts(shape, False)]
+                assert _ipg_counts(parts, bucket, shape.layers) == \
+                    Counter(ipg_buckets([-(-n // dp) * dp for n in _grad_sizes(shape)], bucket)), (shape, bucket, dp)
 
 def test_place_is_lazy_and_shares_cached_lists():
     """place() computes steady collectives on first use; model-derived lists are computed once per

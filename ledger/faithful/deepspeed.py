@@ -82,35 +82,101 @@ def backward_order(model: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @lru_cache(maxsize=64)
+def _size_parts(model: ModelShape, registration: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """numel of _registration_sizes (registration) or _grad_sizes as (before the blocks, one block,
+    after the blocks): every block is the same."""
+    e = model.vocab * model.hidden
+    norms = [numel(sh) for _, sh in model.norm_params("norm")]
+    out = [] if model.tied_embeddings else [e]
+    blk = _block(model)
+    if registration:  # embedding, blocks, final norm, output
+        return (e,), tuple(n for _, n in blk), tuple(norms + out)
+    # output, final norm, blocks last to first (backward_order), embedding
+    return tuple(out + norms), tuple(blk[j][1] for j in _block_perm(model)), (e,)
+
+
+@lru_cache(maxsize=64)
 def _grad_sizes(model: ModelShape) -> tuple[int, ...]:
     """numel of backward_order(model), built per block."""
-    e = model.vocab * model.hidden
-    blk = _block(model)
-    head = ([] if model.tied_embeddings else [e]) + [numel(sh) for _, sh in model.norm_params("norm")]
-    return tuple(head + [blk[j][1] for j in _block_perm(model)] * model.layers + [e])
+    head, blk, tail = _size_parts(model, False)
+    return head + blk * model.layers + tail
 
 
 @lru_cache(maxsize=64)
 def _registration_sizes(model: ModelShape) -> tuple[int, ...]:
     """numel of model.params() (registration order), built per block."""
-    e = model.vocab * model.hidden
-    tail = [numel(sh) for _, sh in model.norm_params("norm")] + ([] if model.tied_embeddings else [e])
-    return tuple([e] + [n for _, n in _block(model)] * model.layers + tail)
+    head, blk, tail = _size_parts(model, True)
+    return head + blk * model.layers + tail
+
+
+def _by_blocks(fill, cur: int, layers: int, out: Counter) -> int:
+    """`fill` (the bucket open when a block starts -> the bucket it leaves open, the buckets it
+    closes) over `layers` identical blocks, counting the closed buckets into `out`; returns the bucket
+    left open. What a block closes and leaves open depends only on the bucket open at its start: once
+    that repeats, the blocks in between repeat, and the rest are counted whole periods at a time."""
+    seen: dict | None = {}
+    i = 0
+    while i < layers:
+        if seen is not None:
+            if cur in seen:
+                j, before = seen[cur]
+                reps = (layers - i) // (i - j)
+                for b, k in (out - before).items():
+                    out[b] += k * reps
+                i += reps * (i - j)
+                seen = None
+                continue
+            if i < 16:
+                seen[cur] = (i, out.copy())
+            else:  # no repeat soon (a bucket above a block): walk on
+                seen = None
+        cur, closed = fill(cur)
+        out.update(closed)
+        i += 1
+    return cur
 
 
 def ipg_buckets(sizes, bucket: int) -> list[int]:
     """Elements per IPG bucket: a gradient that would overflow the bucket flushes it first
     (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads; stage3.py
     __reduce_and_partition_ipg_grads via reduce_partition_and_remove_grads: the same rule)."""
-    out, cur = [], 0
+    out: list[int] = []
+    cur = _ipg_fill(sizes, bucket, 0, out)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _ipg_fill(sizes, bucket: int, cur: int, out: list) -> int:
+    """ipg_buckets' rule from a bucket holding `cur` elements: closed buckets appended to out; returns
+    the open bucket's elements."""
     for n in sizes:
         if cur + n > bucket and cur > 0:
             out.append(cur)
             cur = 0
         cur += n
+    return cur
+
+
+def _ipg_counts(parts, bucket: int, layers: int) -> Counter:
+    """Counter(ipg_buckets(head + block * layers + tail, bucket)) for parts = (head, block, tail),
+    the blocks counted by _by_blocks."""
+    head, blk, tail = parts
+    out: list[int] = []
+    cur = _ipg_fill(head, bucket, 0, out)
+    counts = Counter(out)
+
+    def fill(c):
+        closed: list[int] = []
+        return _ipg_fill(blk, bucket, c, closed), closed
+
+    cur = _by_blocks(fill, cur, layers, counts)
+    out = []
+    cur = _ipg_fill(tail, bucket, cur, out)
+    counts.update(out)
     if cur:
-        out.append(cur)
-    return out
+        counts[cur] += 1
+    return counts
 
 
 # -- collective sums -------------------------------------------------------------------------------
@@ -253,7 +319,19 @@ def _flat_offset(model: ModelShape, registration: bool, i: int) -> int:
 @lru_cache(maxsize=256)
 def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[tuple[int, int], ...]:
     """IPG buckets as (elements, offset): offset -1 for a bucket of gradients copied into the IPG
-    buffer, the flat offset of the parameter for an extra-large one.
+    buffer, the flat offset of the parameter for an extra-large one (_fill12)."""
+    out: list[tuple[int, int]] = []
+    cur = _fill12(model, _registration_sizes(model) if registration else _grad_sizes(model), 0, bucket, registration,
+                  0, out)
+    if cur:
+        out.append((cur, -1))
+    return tuple(out)
+
+
+def _fill12(model: ModelShape, sizes, first: int, bucket: int, registration: bool, cur: int, out: list) -> int:
+    """IPG buckets of the gradients `sizes` (the first is the first-th of the order) from a bucket
+    holding `cur` elements: closed buckets appended to out as _buckets12 has them; returns the open
+    bucket's elements.
 
     stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads: a gradient that would overflow
     the bucket flushes it first (reduce_ipg_grads; an empty bucket makes no call); a parameter with more
@@ -261,8 +339,7 @@ def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[tupl
     extra_large_param_to_reduce, alone in its bucket: the next gradient (or the epilogue) flushes it.
     Stage 1 without overlap walks bit16_groups (reduce_gradients: registration order); otherwise the grad
     hooks (process_gradients) bucket in gradient-ready order."""
-    out, cur = [], 0
-    for i, n in enumerate(_registration_sizes(model) if registration else _grad_sizes(model)):
+    for i, n in enumerate(sizes, first):
         if cur + n > bucket and cur > 0:
             out.append((cur, -1))
             cur = 0
@@ -270,17 +347,35 @@ def _buckets12(model: ModelShape, bucket: int, registration: bool) -> tuple[tupl
             out.append((n, _flat_offset(model, registration, i)))
         else:
             cur += n
-    if cur:
-        out.append((cur, -1))
-    return tuple(out)
+    return cur
 
 
 @lru_cache(maxsize=256)
 def _split12(model: ModelShape, bucket: int, registration: bool):
     """_buckets12 as (copied-gradient buckets as (elements, how many), extra-large (elements, offset)):
-    the first part is the same for every dp."""
-    bk = _buckets12(model, bucket, registration)
-    return tuple(Counter(b for b, off in bk if off < 0).items()), tuple(x for x in bk if x[1] >= 0)
+    the first part is the same for every dp. Blocks without an extra-large parameter are counted by
+    _by_blocks (an extra-large one has another offset in every block: then _buckets12 whole)."""
+    head, blk, tail = _size_parts(model, registration)
+    if max(blk, default=0) > bucket:
+        bk = _buckets12(model, bucket, registration)
+        return tuple(Counter(b for b, off in bk if off < 0).items()), tuple(x for x in bk if x[1] >= 0)
+    out: list[tuple[int, int]] = []
+    cur = _fill12(model, head, 0, bucket, registration, 0, out)
+    counts = Counter(b for b, off in out if off < 0)
+
+    def fill(c):
+        closed: list[tuple[int, int]] = []
+        c = _fill12(model, blk, 0, bucket, registration, c, closed)  # no extra-large: no offsets asked
+        return c, [b for b, _ in closed]
+
+    cur = _by_blocks(fill, cur, model.layers, counts)
+    large = [x for x in out if x[1] >= 0]
+    out = []
+    cur = _fill12(model, tail, len(head) + len(blk) * model.layers, bucket, registration, cur, out)
+    counts.update(b for b, off in out if off < 0)
+    if cur:
+        counts[cur] += 1
+    return tuple(counts.items()), tuple(large + [x for x in out if x[1] >= 0])
 
 
 def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
@@ -306,6 +401,21 @@ def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
     return out
 
 
+@lru_cache(maxsize=256)
+def _zero12_ipg(model: ModelShape, dp: int, bucket: int, registration: bool, precision: str) -> _Calls:
+    """One round of IPG all-reduces (every gradient once): average_tensor(reduce_scatter=True,
+    use_multi_rank_bucket_allreduce) -> allreduce_and_scatter: all-reduces (no reduce-scatter at stage
+    1 or 2), in the model dtype."""
+    w = _DTYPES[precision]
+    flat = _ceil_to(model.num_params(), 2 * dp)
+    normal, large = _split12(model, bucket, registration)
+    ipg = _counted("all_reduce", ((w * b, k) for b, k in normal), dp)
+    if large:
+        chunks = [c for b, off in large for c in allreduce_chunks(b, off, flat // dp, bucket)]
+        ipg = ipg.plus(_calls("all_reduce", (w * c for c in chunks), dp))
+    return ipg
+
+
 @lru_cache(maxsize=1024)
 def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, m: int,
                  precision: str) -> tuple[Comm, ...]:
@@ -319,14 +429,7 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
     # (reduce_ready_partitions_and_remove_grads: partition_gradients)
     registration = stage == 1 and not overlap
     times = m if stage == 2 else 1
-    # average_tensor(reduce_scatter=True, use_multi_rank_bucket_allreduce) -> allreduce_and_scatter:
-    # all-reduces (no reduce-scatter at stage 1 or 2), in the model dtype
-    normal, large = _split12(model, bucket, registration)
-    ipg = _counted("all_reduce", ((w * b, k) for b, k in normal), dp)
-    if large:
-        chunks = [c for b, off in large for c in allreduce_chunks(b, off, flat // dp, bucket)]
-        ipg = ipg.plus(_calls("all_reduce", (w * c for c in chunks), dp))
-    ipg = ipg.times(times)
+    ipg = _zero12_ipg(model, dp, bucket, registration, precision).times(times)
     out = CommBuilder().add_calls("dp", "all_reduce", precision, *ipg, "IPG bucket (average_tensor)")
     # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
     # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
@@ -356,18 +459,18 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
     # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
     # stage3_model_persistence_threshold is left at its default, sys.maxsize)
-    sizes = _registration_sizes(model)  # every Parameter once
-    pad = {n: _ceil_to(n, dp) for n in set(sizes)}.__getitem__  # few distinct sizes
-    persist = [n for n in sizes if n <= threshold]
-    counts = Counter(sizes)
+    counts = Counter(_registration_sizes(model))  # every Parameter once: few distinct sizes
+    pad = {n: _ceil_to(n, dp) for n in counts}.__getitem__
+    persist = [(n, k) for n, k in counts.items() if n <= threshold]
     total = sum(pad(n) * k for n, k in counts.items())
     return _Z3Shape(
-        part=total // dp, total=total, persist_numel=sum(persist),
-        persist=_calls("all_gather", (w * pad(n) for n in persist), dp),
+        part=total // dp, total=total, persist_numel=sum(n * k for n, k in persist),
+        persist=_counted("all_gather", ((w * pad(n), k) for n, k in persist), dp),
         # stage3.py __avg_scatter_grads -> reduce_scatter_coalesced: one reduce-scatter per IPG bucket
         # (per-param padded to dp). A parameter above reduce_bucket_size is not copied into the IPG
         # buffer (__add_grad_to_ipg_bucket) but is bucketed alike: alone, one reduce-scatter of it
-        ipg=_calls("reduce_scatter", (w * b for b in ipg_buckets([pad(n) for n in _grad_sizes(model)], bucket)), dp),
+        ipg=_counted("reduce_scatter", ((w * b, k) for b, k in _ipg_counts(
+            [tuple(pad(n) for n in part) for part in _size_parts(model, False)], bucket, model.layers).items()), dp),
     )
 
 

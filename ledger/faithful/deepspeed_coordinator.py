@@ -7,8 +7,9 @@ ledger.faithful.deepspeed for ZeRO-3's collectives; each rule names the DeepSpee
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, deque
 from functools import lru_cache
+from itertools import accumulate, compress
 from typing import NamedTuple
 
 import numpy as np
@@ -56,6 +57,7 @@ class _Z3Trace(NamedTuple):
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
+    marks: tuple[tuple[int, int, int], ...]  # block starts: (event index, run, r), in event order
 
     @property
     def events(self) -> list[tuple[str, int]]:
@@ -161,63 +163,64 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
            ("B", NORM), ("b", NORM)]
     tail = [("B", EMB), ("L", -1)]
 
-    def fetched(evs):
-        return [mo for k, mo in evs if k == "F" or k == "B"]
+    blk_mod_numel = [sum(blk_numel[q] for q in ps) for ps in local_params]
+    kinds: list[str] = []
+    mods: list[int] = []
+    order: list[int] = []
+    qp: list[int] = []
+    qs: list[int] = []
+    prefix = [0]
+    periods: list[_Period] = []
+    at = [0, 0]  # steps and numel fetched so far
 
-    def plain(evs):  # a non-repeated part's __param_order
-        ps = [(p, s) for s, mo in enumerate(fetched(evs)) for p in mod_params[mo]]
-        return [p for p, _ in ps], [s for _, s in ps]
+    def plain(evs):  # a part of the events that does not repeat
+        for k, mo in evs:
+            kinds.append(k)
+            mods.append(mo)
+            if k == "F" or k == "B":
+                order.append(mo)
+                # construct_parameter_trace_from_module_trace / record_parameters: each fetched
+                # module's params (sorted by ds_id) with the step it was fetched at
+                qp.extend(mod_params[mo])
+                qs.extend([at[0]] * len(mod_params[mo]))
+                at[0] += 1
+                at[1] += mod_numel[mo]
+                prefix.append(at[1])
 
-    def block(tmpl, first: int, stride: int):  # L blocks' events, order and __param_order
-        fo = fetched(tmpl)
+    def blocks(tmpl, first: int, sign: int):  # L blocks, from `first` on (sign -1: downwards)
+        fo = [j for k, j in tmpl if k == "F" or k == "B"]
         tq = [(q, s) for s, j in enumerate(fo) for q in local_params[j]]
-        return (_tile([j for _, j in tmpl], L, stride, first, 2), _tile(fo, L, stride, first, 2),
-                _tile([q for q, _ in tq], L, stride // M * nb, first, 1), _tile([s for _, s in tq], L, len(fo), 0),
-                len(fo), len(tq))
-
-    kinds = "".join(k for k, _ in head) + "".join(k for k, _ in fwd) * L + "".join(k for k, _ in mid) + \
-        "".join(k for k, _ in bwd) * L + "".join(k for k, _ in tail)
-    f_mods, f_order, f_qp, f_qs, S_f, Q_f = block(fwd, 0, M)
-    b_mods, b_order, b_qp, b_qs, S_b, Q_b = block(bwd, L - 1, -M)
-    mods = [mo for _, mo in head] + f_mods + [mo for _, mo in mid] + b_mods + [mo for _, mo in tail]
-    order = fetched(head) + f_order + fetched(mid) + b_order + fetched(tail)
-    # construct_parameter_trace_from_module_trace / record_parameters: each fetched module's params
-    # (sorted by ds_id) with the step it was fetched at
-    qp, qs = [], []
-    step = 0
-    for part, extra in ((head, None), (None, (f_qp, f_qs, S_f * L)), (mid, None), (None, (b_qp, b_qs, S_b * L)),
-                        (tail, None)):
-        if part is not None:
-            p_, s_ = plain(part)
-            n = len(fetched(part))
-        else:
-            p_, s_, n = extra
-        qp += p_
-        qs += [s + step for s in s_]
-        step += n
-    prefix = [0] + np.cumsum(np.asarray(mod_numel, dtype=np.int64)[order]).tolist()
-
-    def period(e0: int, tmpl, first: int, dM: int, dP: int, step0: int, q0: int, S: int, Q: int) -> _Period:
-        rel, s = [], step0
-        for k, j in tmpl:
-            if k in "FB":
+        cum = list(accumulate(blk_mod_numel[j] for j in fo))
+        rel, s = [], at[0]
+        for k, j in tmpl:  # block `first`'s releases of modules with params
+            if k == "F" or k == "B":
                 s += 1
             elif local_params[j]:
                 rel.append((2 + first * M + j, s))
-        return _Period(e0, len(tmpl), step0, S, q0, Q, dM, dP, 1 + first * nb, tuple(rel))
+        periods.append(_Period(len(mods), len(tmpl), at[0], len(fo), len(qp), len(tq), sign * M, sign * nb,
+                               1 + first * nb, tuple(rel)))
+        kinds.append("".join(k for k, _ in tmpl) * L)
+        mods.extend(_tile([j for _, j in tmpl], L, sign * M, first, 2))
+        order.extend(_tile(fo, L, sign * M, first, 2))
+        qp.extend(_tile([q for q, _ in tq], L, sign * nb, first, 1))
+        qs.extend(_tile([s for _, s in tq], L, len(fo), 0, at[0]))
+        prefix.extend(_tile(cum, L, cum[-1], 0, at[1]))
+        at[0] += L * len(fo)
+        at[1] += L * cum[-1]
 
-    n_head, n_mid = len(fetched(head)), len(fetched(mid))
-    q_head = len(plain(head)[0])
-    q_mid = len(plain(mid)[0])
-    periods = (period(len(head), fwd, 0, M, nb, n_head, q_head, S_f, Q_f),
-               period(len(head) + L * len(fwd) + len(mid), bwd, L - 1, -M, -nb, n_head + L * S_f + n_mid,
-                      q_head + L * Q_f + q_mid, S_b, Q_b))
+    plain(head)
+    blocks(fwd, 0, 1)
+    plain(mid)
+    blocks(bwd, L - 1, -1)
+    plain(tail)
+    kinds = "".join(kinds)
     blk_persist = [n <= threshold for n in blk_numel]
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
     persistent = frozenset(([0] if persist[0] else []) + _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1) +
                            [p for p in range(p_norm, len(numels)) if persist[p]])
+    marks = tuple((pr.e0 + r * pr.E, d, r) for d, pr in enumerate(periods) for r in range(L))
     return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, order, qp, qs, prefix, L, nb,
-                    periods)
+                    tuple(periods), marks)
 
 
 class _Z3Sim:
@@ -274,6 +277,8 @@ class _Z3Sim:
         mo, step = key
         for d, r0, r1 in self.rules:
             pr = self.tr.periods[d]
+            if not pr.step0 + (r0 + 1) * pr.S < step <= pr.step0 + (r1 + 1) * pr.S:  # block r's releases come
+                continue  # at steps step0 + r*S + 1 .. step0 + (r+1)*S
             rr = (step - pr.step0) // pr.S
             for r in (rr, rr - 1):  # a block's last release may come at the next block's first step
                 if r0 < r <= r1 and (mo - r * pr.dM, step - r * pr.S) in pr.releases:
@@ -307,37 +312,38 @@ class _Z3Sim:
         recent = [never] * len(numel_)  # __most_recent_step_id_param_fetched_for
         n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
         step = 0
-        to_release = self._to_release
+        to_release, cache = self._to_release, self.release_cache
         # the fast path: block starts of both runs (event index -> (run, r)), the last block start's state
-        marks = {}
-        if self.periodic:
-            for d, pr in enumerate(tr.periods):
-                for r in range(tr.layers):
-                    marks[pr.e0 + r * pr.E] = (d, r)
+        marks = tr.marks if self.periodic else ()
+        nxt_i = 0
+        nxt = marks[0][0] if marks else -1  # the next block start's event index
         snap = None
         # this block's prefetches by their cap: the most n_avail of those capped at the prefetch bucket, the
         # least of those capped at nothing (max_live reached), whether one was capped in between
         full_hi, none_lo, mid = -_INF, _INF, False
         e, n_ev = 0, len(kinds)
         while e < n_ev:
-            if e in marks:
-                d, r = marks[e]
+            if e == nxt:
+                _, d, r = marks[nxt_i]
+                nxt_i += 1
+                nxt = marks[nxt_i][0] if nxt_i < len(marks) else -1
                 cur = (d, r, step, q, n_avail, len(calls), avail[:], active[:], tuple(bwd_active), self.end_hi,
                        full_hi, none_lo, mid)
                 full_hi, none_lo, mid = -_INF, _INF, False
                 jump = self._skip(snap, cur, calls, skipped, fill, record) if snap is not None and snap[0] == d else 0
                 if jump:
                     pr = tr.periods[d]
-                    for x in range(r, tr.layers):  # no more skips in this run
-                        del marks[pr.e0 + x * pr.E]
                     avail[:] = self._avail
                     n_avail += jump * (n_avail - snap[4])
                     if not record:
-                        for p, st in zip(qp[q:q + jump * pr.Q], qs[q:q + jump * pr.Q]):  # the skipped pops
-                            recent[p] = st  # (recent: the last one's step)
+                        # the skipped pops, in order (recent: the last one's step)
+                        deque(map(recent.__setitem__, qp[q:q + jump * pr.Q], qs[q:q + jump * pr.Q]), maxlen=0)
                         q += jump * pr.Q
                     step += jump * pr.S
                     e += jump * pr.E
+                    while nxt_i < len(marks) and marks[nxt_i][1] == d:  # no more skips in this run
+                        nxt_i += 1
+                    nxt = marks[nxt_i][0] if nxt_i < len(marks) else -1
                     snap = None
                     continue
                 snap = cur
@@ -404,7 +410,7 @@ class _Z3Sim:
                 if not own:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
-                rel = own if record else to_release(mo, step, recent)
+                rel = own if record else cache.get((mo, step)) or to_release(mo, step, recent)
                 for p in own:
                     active[p] -= 1
                     if not active[p] and avail[p] and p in rel:  # __release_param
@@ -420,7 +426,7 @@ class _Z3Sim:
                             n_avail -= numel_[p]
         out_calls = Counter(calls)
         out_calls.update(skipped)
-        out = (out_calls, frozenset(p for p, a in enumerate(avail) if a))
+        out = (out_calls, frozenset(compress(range(len(avail)), avail)))
         if not record:
             self.memo[start] = out
         return out
@@ -504,10 +510,8 @@ class _Z3Sim:
             skipped[key] += k
         # avail after the skip: blocks c..c+k-1 as block c-1 at c, c+k..c+k+h-1 as c..c+h-1 at c
         new = avail_c[:]
-        behind = blocks(avail_c, rc - 1, rc - 1)
-        for j in range(k):
-            lo = pr.p_lo + (rc + j) * dP
-            new[lo:lo + nb] = behind
+        lo = pr.p_lo + min(rc * dP, (rc + k - 1) * dP)
+        new[lo:lo + k * nb] = blocks(avail_c, rc - 1, rc - 1) * k
         for j in range(h):
             lo = pr.p_lo + (rc + k + j) * dP
             new[lo:lo + nb] = blocks(avail_c, rc + j, rc + j)
