@@ -655,8 +655,8 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
     kinds: dict = {}
     for s, (e, _, n, h) in enumerate(stages):
         kinds.setdefault((e, n, h), s)
-    by_kind = {kind: _sharded_part(model, 1, ds, *kind) for kind in kinds}
-    shs = [by_kind[e, n, h] for e, _, n, h in stages]
+    part = {kind: _sharded_part(model, 1, ds, *kind) for kind in kinds}  # once per kind of stage
+    shs = [part[e, n, h] for e, _, n, h in stages]
     memo: dict = {}
 
     def comm_of(s: int, first: bool):
