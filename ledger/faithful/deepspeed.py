@@ -252,8 +252,11 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
 
 def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
     s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
-    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, lay.num_microbatches,
-           fw.precision)
+    # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
+    # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
+    # (reduce_ready_partitions_and_remove_grads: partition_gradients)
+    rounds = lay.num_microbatches if fw.zero_stage == 2 else 1
+    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, rounds, fw.precision)
     s.comm_fn = lambda: _fresh(_zero12_comm(*key))
     return s
 
@@ -417,19 +420,17 @@ def _zero12_ipg(model: ModelShape, dp: int, bucket: int, registration: bool, pre
 
 
 @lru_cache(maxsize=1024)
-def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, m: int,
+def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, rounds: int,
                  precision: str) -> tuple[Comm, ...]:
+    """rounds: IPG reductions per optimizer step (_zero12)."""
     if dp == 1:
         return ()
     n = model.num_params()
     w = _DTYPES[precision]
     flat = _ceil_to(n, 2 * dp)
-    # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
-    # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
-    # (reduce_ready_partitions_and_remove_grads: partition_gradients)
+    # stage 1 without overlap_comm walks bit16_groups (registration order), else the grad hooks
     registration = stage == 1 and not overlap
-    times = m if stage == 2 else 1
-    ipg = _zero12_ipg(model, dp, bucket, registration, precision).times(times)
+    ipg = _zero12_ipg(model, dp, bucket, registration, precision).times(rounds)
     out = CommBuilder().add_calls("dp", "all_reduce", precision, *ipg, "IPG bucket (average_tensor)")
     # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
     # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
