@@ -511,3 +511,22 @@ def test_alignment_padding_makes_a_buffer_non_contiguous():
     shape = ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
     assert not L._buffer(shape, 1, 2, True, True, None, 4, True).contiguous
     assert L._buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
+    """_chunk_summary (the bucket walk over a chunk's pattern, no per-param arrays) gives the numel,
+    elements, params and DP-range elements of the buffer build_buffer makes: tied or not, bucketed
+    or one bucket, with or without the distributed optimizer's padding, odd shapes included."""
+    import dataclasses
+
+    odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd):
+        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        for tp, dp in ((1, 8), (2, 3), (1, 1000)):
+            for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
+                for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
+                    for dist_opt in (True, False):
+                        buf = L._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        got = L._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        assert got == L._buffer_summary(buf, dp), (model.name, tp, dp, layers, first, last, bucket)

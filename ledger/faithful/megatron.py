@@ -211,8 +211,8 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     prefix = np.zeros(P + 1, np.int64)
     np.cumsum(n, out=prefix[1:])
     if bucket_size is None and not (shared_first or shared_last) and P:
-        # one bucket (the common case: every stage but the first, or no overlap_grad_reduce): the
-        # loop below in a few array operations
+        # one bucket (the common case: every stage but the first, or no overlap_grad_reduce):
+        # _walk_buckets' one step in a few array operations
         cum = np.cumsum(a)
         starts = cum - a
         pend = int(cum[-1] - a[-1] + n[-1])
@@ -221,10 +221,23 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
                       prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
     cum = np.zeros(P + 1, np.int64)
     np.cumsum(a, out=cum[1:])
-    reach = cum[:-1] + n  # bucket-relative end of param i, plus the bucket's cum offset
+    reach_l, cum_l = (cum[:-1] + n).tolist(), cum.tolist()  # scalar bisection is faster on lists
+    first, bstart, bend = _walk_buckets(P, cum_l.__getitem__, reach_l.__getitem__, partial(bisect_left, reach_l),
+                                        bucket_size, div, dist_opt, shared_first, shared_last, period)
+    counts = np.diff(np.append(first, P))
+    starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
+    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=bend, first=first,
+                  prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
+
+
+def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, div: int, dist_opt: bool,
+                  shared_first: bool, shared_last: bool, period) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
+    end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
+    elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
+    that a chunk's bounds can be walked without its per-param arrays (_chunk_summary)."""
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
-    reach_l, cum_l = reach.tolist(), cum.tolist()  # scalar bisection is faster on lists
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
     blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
     while j < P:
@@ -249,21 +262,17 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
         elif bucket_size is None:
             i = P - 1
         else:
-            i = min(bisect_left(reach_l, cum_l[j] + bucket_size), P - 1)
+            i = min(first_reaching(cum(j) + bucket_size), P - 1)
         if shared_first and i == P - 1 and j < P - 1:  # the embedding, last in backprop order
             i = P - 2
-        pend = b0 + reach_l[i] - cum_l[j]
+        pend = b0 + reach(i) - cum(j)
         end = -(-pend // div) * div if dist_opt else pend
         firsts.append(j)
         bstarts.append(b0)
         bends.append(end)
         j, b0 = i + 1, end
     tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
-    first, bstart, bend = np.concatenate(blocks + [tail], axis=1) if blocks else tail
-    counts = np.diff(np.append(first, P))
-    starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
-    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=bend, first=first,
-                  prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
+    return np.concatenate(blocks + [tail], axis=1) if blocks else tail
 
 
 _ZERO = np.zeros(1, np.int64)
@@ -390,34 +399,63 @@ def _buffer_summary(buf: Buffer, dp: int) -> tuple[int, int, int, int]:
 
 
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
-                   dist_opt: bool) -> tuple[int, int, int, int] | None:
-    """_buffer_summary of _buffer(...) without building it, for a one-bucket chunk (no bucketing, no
-    shared embedding: build_buffer's one-bucket path): params 64-aligned with the distributed optimizer,
-    the bucket ending at the last param's end padded to lcm(dp, 128). None for other chunks."""
-    if bucket_size is not None or (dist_opt and model.tied_embeddings and not (first and last)):
-        return None
-    emb, layer, head = _piece_sums(model, tp, first, dist_opt)
-    parts = ([emb] if first else []) + [(layers * layer[0], layers * layer[1], layers * layer[2], layer[3], layer[4])] + \
-        ([head] if last else [])
-    real = sum(x[0] for x in parts)
-    aligned = sum(x[1] for x in parts)
-    params = sum(x[2] for x in parts)
-    # the last param in backprop order is the chunk's first: its own end, not its aligned end
-    pend = aligned - parts[0][4] + parts[0][3]
-    div = math.lcm(dp, 128)
-    numel = -(-pend // div) * div if dist_opt else pend
-    return numel, real, params, numel // dp
+                   dist_opt: bool) -> tuple[int, int, int, int]:
+    """_buffer_summary of _buffer(...) without its per-param arrays: _walk_buckets over the chunk's
+    pattern (head, `layers` copies of one layer, embedding; _pattern), whose positions are sums of
+    per-piece sums."""
+    shared = dist_opt and model.tied_embeddings and not (first and last)
+    (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
+    h, k, t = len(hn), len(ln), len(tn)
+    A, lbase = lc[k], hc[h]
+    tbase = lbase + layers * A
+    P = h + layers * k + t
+
+    def cum(g):
+        if g < h:
+            return hc[g]
+        if g < h + layers * k:
+            q, m = divmod(g - h, k)
+            return lbase + q * A + lc[m]
+        return tbase + tc[g - h - layers * k]
+
+    def reach(g):
+        if g < h:
+            return hr[g]
+        if g < h + layers * k:
+            q, m = divmod(g - h, k)
+            return lbase + q * A + lr[m]
+        return tbase + tr[g - h - layers * k]
+
+    def first_reaching(x):  # reach is non-decreasing: the head, then the layers, then the tail
+        i = bisect_left(hr, x)
+        if i < h:
+            return i
+        if layers:
+            q = max(0, -(-(x - lbase - lr[-1]) // A))  # the first layer whose last param reaches x
+            if q < layers:
+                return h + q * k + bisect_left(lr, x - lbase - q * A)
+        return h + layers * k + bisect_left(tr, x - tbase)
+
+    _, bstart, bend = _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
+                                    shared and first, shared and last, (h, k, layers))
+    real = sum(hn) + layers * sum(ln) + sum(tn)
+    return int(bend[-1]), real, P, int(((bend - bstart) // dp).sum())
 
 
-@lru_cache(maxsize=256)
-def _piece_sums(model: ModelShape, tp: int, first: bool, dist_opt: bool) -> tuple[tuple, tuple, tuple]:
-    """Per piece of _piece_sizes (embedding, one layer, head): (elements, 64-aligned elements with the
-    distributed optimizer, params, first param's elements, its aligned elements)."""
-    def sums(arr):
-        n = [int(x) for x in arr]
-        al = [-(-x // 64) * 64 if dist_opt else x for x in n]
-        return sum(n), sum(al), len(n), n[0] if n else 0, al[0] if al else 0
-    return tuple(sums(part) for part in _piece_sizes(model, tp, first))
+@lru_cache(maxsize=1024)
+def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool) -> tuple:
+    """A chunk's params in backprop order as three runs, the head (final norm, output layer: last
+    chunk), one layer (repeated), the tail (embedding: first chunk), each (elements, aligned elements
+    before each (cumulative, one longer), aligned elements before each plus its own)."""
+    emb, layer, head = _piece_sizes(model, tp, first)
+    out = []
+    for part, held in ((head, last), (layer, True), (emb, first)):
+        n = [int(x) for x in part[::-1]] if held else []
+        c = [0]
+        for x in n:
+            c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
+        out.append((n, c, [c[i] + x for i, x in enumerate(n)]))
+    return tuple(out)
 
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
@@ -575,8 +613,6 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
         bufs = partial(_stage_buffers, model, tp, pp, dp, vp, k, st)
         sums = [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
                                dp, dist_opt) for ch in range(vp)]
-        if None in sums:
-            sums = [_buffer_summary(b, dp) for b in bufs()]
         classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), bufs))
     return _most_loaded(classes, dp, dist_opt, *w)
 
