@@ -580,5 +580,5 @@ def _trace_checks(model: ModelShape, threshold: int, dp: int) -> _Calls:
     broadcast, then the list broadcast) on the module ids (every fetch, forward and backward), the
     param ids (record_parameters: each fetched module's params) and their step ids."""
     tr = _z3_trace(model, threshold)
-    n_mod, n_par = len(tr.order), len(tr.qp)
+    n_mod, n_par = tr.steps, len(tr.qp)
     return _calls("broadcast", [INT64, INT64 * n_mod, INT64, INT64 * n_par, INT64, INT64 * n_par], dp)

@@ -46,18 +46,22 @@ class _Z3Trace(NamedTuple):
     numel: list[int]  # per Parameter, ds_id order (= registration: Init numbers params as created)
     persist: list[bool]  # ds_persist (ds_numel <= param_persistence_threshold)
     persistent: frozenset  # the ds_persist params
-    mod_params: list  # per module: iter_params(module, recurse=False), sorted by ds_id (tuple or list)
+    mod_params: list  # per module: iter_params(module, recurse=False), sorted by ds_id
     mod_numel: list[int]
     kinds: str  # one forward + backward, per event: F/f forward fetch/release, B/b backward, L leftovers
     mods: list[int]  # per event: its module (-1 for L)
-    order: list[int]  # __submodule_order: the module of every fetch (F and B events)
+    steps: int  # fetches (F and B events) per pass: the length of __submodule_order
     qp: list[int]  # __param_order: the params (qs: step_id_last_used_at of each)
     qs: list[int]
     prefix: list[int]  # prefix sums of mod_numel along `order` (reuse-distance walk)
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
-    marks: tuple[tuple[int, int, int], ...]  # block starts: (event index, run, r), in event order
+
+    @property
+    def order(self) -> list[int]:
+        """__submodule_order: the module of every fetch."""
+        return [mo for k, mo in zip(self.kinds, self.mods) if k == "F" or k == "B"]
 
     @property
     def events(self) -> list[tuple[str, int]]:
@@ -152,7 +156,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     mod_params[EMB], mod_numel[EMB] = (0,), e
     for j, ps in enumerate(local_params):
         if ps:
-            mod_params[2 + j:NORM:M] = (1 + nb * np.arange(L)[:, None] + np.asarray(ps)[None, :]).tolist()
+            mod_params[2 + j:NORM:M] = list(zip(*(range(1 + q, 1 + q + L * nb, nb) for q in ps)))
             mod_numel[2 + j:NORM:M] = [sum(blk_numel[q] for q in ps)] * L
     mod_params[NORM], mod_numel[NORM] = tuple(range(p_norm, p_norm + len(norms))), sum(norms)
     mod_params[OUT] = (0,) if model.tied_embeddings else (p_norm + len(norms),)  # tied: one Parameter in two modules
@@ -166,7 +170,6 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     blk_mod_numel = [sum(blk_numel[q] for q in ps) for ps in local_params]
     kinds: list[str] = []
     mods: list[int] = []
-    order: list[int] = []
     qp: list[int] = []
     qs: list[int] = []
     prefix = [0]
@@ -178,7 +181,6 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
             kinds.append(k)
             mods.append(mo)
             if k == "F" or k == "B":
-                order.append(mo)
                 # construct_parameter_trace_from_module_trace / record_parameters: each fetched
                 # module's params (sorted by ds_id) with the step it was fetched at
                 qp.extend(mod_params[mo])
@@ -201,7 +203,6 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
                                1 + first * nb, tuple(rel)))
         kinds.append("".join(k for k, _ in tmpl) * L)
         mods.extend(_tile([j for _, j in tmpl], L, sign * M, first, 2))
-        order.extend(_tile(fo, L, sign * M, first, 2))
         qp.extend(_tile([q for q, _ in tq], L, sign * nb, first, 1))
         qs.extend(_tile([s for _, s in tq], L, len(fo), 0, at[0]))
         prefix.extend(_tile(cum, L, cum[-1], 0, at[1]))
@@ -218,9 +219,8 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
     persistent = frozenset(([0] if persist[0] else []) + _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1) +
                            [p for p in range(p_norm, len(numels)) if persist[p]])
-    marks = tuple((pr.e0 + r * pr.E, d, r) for d, pr in enumerate(periods) for r in range(L))
-    return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, order, qp, qs, prefix, L, nb,
-                    tuple(periods), marks)
+    return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, at[0], qp, qs, prefix, L, nb,
+                    tuple(periods))
 
 
 class _Z3Sim:
@@ -314,9 +314,10 @@ class _Z3Sim:
         step = 0
         to_release, cache = self._to_release, self.release_cache
         # the fast path: block starts of both runs (event index -> (run, r)), the last block start's state
-        marks = tr.marks if self.periodic else ()
-        nxt_i = 0
-        nxt = marks[0][0] if marks else -1  # the next block start's event index
+        # the next block start: block r of run d at event nxt (-1: none left, or not periodic)
+        periods = tr.periods
+        d = r = 0
+        nxt = periods[0].e0 if self.periodic else -1
         snap = None
         # this block's prefetches by their cap: the most n_avail of those capped at the prefetch bucket, the
         # least of those capped at nothing (max_live reached), whether one was capped in between
@@ -324,9 +325,10 @@ class _Z3Sim:
         e, n_ev = 0, len(kinds)
         while e < n_ev:
             if e == nxt:
-                _, d, r = marks[nxt_i]
-                nxt_i += 1
-                nxt = marks[nxt_i][0] if nxt_i < len(marks) else -1
+                if r + 1 < tr.layers:
+                    nxt += periods[d].E
+                else:
+                    nxt = periods[1].e0 if d == 0 else -1
                 cur = (d, r, step, q, n_avail, len(calls), avail[:], active[:], tuple(bwd_active), self.end_hi,
                        full_hi, none_lo, mid)
                 full_hi, none_lo, mid = -_INF, _INF, False
@@ -341,30 +343,32 @@ class _Z3Sim:
                         q += jump * pr.Q
                     step += jump * pr.S
                     e += jump * pr.E
-                    while nxt_i < len(marks) and marks[nxt_i][1] == d:  # no more skips in this run
-                        nxt_i += 1
-                    nxt = marks[nxt_i][0] if nxt_i < len(marks) else -1
+                    nxt = periods[1].e0 if d == 0 else -1  # no more skips in this run
+                    d, r = d + 1, 0
                     snap = None
                     continue
                 snap = cur
+                d, r = (d, r + 1) if r + 1 < tr.layers else (d + 1, 0)
             kind, mo = kinds[e], mods[e]
             e += 1
             if kind == "F" or kind == "B":
                 own = mod_params[mo]
                 if kind == "B":
                     bwd_active[mo] = None
-                todo = []
-                for p in own:
-                    # _fetch_sub_module_impl: one all_gather_coalesced of the module's unavailable params
-                    active[p] += 1
-                    if recent[p] < step:
-                        todo.append(p)
-                need = [p for p in own if not avail[p]]
-                if need:
-                    calls.append(tuple(sorted([numel_[p] for p in need])))
-                    for p in need:
-                        avail[p] = True
-                        n_avail += numel_[p]
+                todo = ()
+                if own:
+                    todo = []
+                    for p in own:
+                        # _fetch_sub_module_impl: one all_gather_coalesced of the module's unavailable params
+                        active[p] += 1
+                        if recent[p] < step:
+                            todo.append(p)
+                    need = [p for p in own if not avail[p]]
+                    if need:
+                        calls.append(tuple(sorted([numel_[p] for p in need])))
+                        for p in need:
+                            avail[p] = True
+                            n_avail += numel_[p]
                 if not record:
                     # pop the module's own params off the fetch queue (unless a prefetch already did)
                     if todo:
@@ -379,8 +383,9 @@ class _Z3Sim:
                     if pf > 0:
                         # prefetch: pop the queue until the numel to gather reaches
                         # min(max_live - n_available, prefetch_bucket); available params are skipped
-                        cap = min(ml - n_avail, pf)
-                        if cap == pf:
+                        cap = ml - n_avail
+                        if cap >= pf:
+                            cap = pf
                             if n_avail > full_hi:
                                 full_hi = n_avail
                         elif cap <= 0:
