@@ -21,12 +21,13 @@ def _module(param_name: str) -> str:
     """The module a parameter belongs to: its name less the last component."""
     return param_name.rsplit(".", 1)[0]
 
+
 _INF = float("inf")  # exact against ints
 
 
 class _Period(NamedTuple):
     """One direction's run of identical decoder blocks in the event sequence (forward: layers 0..L-1,
-    backward: L-1..0). The r-th block of the run starts at event e0 + r*E, step e0's step0 + r*S and
+    backward: L-1..0). The r-th block of the run starts at event e0 + r*E, step step0 + r*S and
     __param_queue position q0 + r*Q; its modules are block 0's plus r*dM, its params (nb of them,
     contiguous in ds_id order) start at p_lo + r*dP."""
     e0: int
@@ -313,8 +314,8 @@ class _Z3Sim:
         n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
         step = 0
         to_release, cache = self._to_release, self.release_cache
-        # the fast path: block starts of both runs (event index -> (run, r)), the last block start's state
-        # the next block start: block r of run d at event nxt (-1: none left, or not periodic)
+        # the fast path: the next block start is block r of run d, at event nxt (-1: none left, or not
+        # periodic); snap: the state at the last block start (_skip)
         periods = tr.periods
         d = r = 0
         nxt = periods[0].e0 if self.periodic else -1
