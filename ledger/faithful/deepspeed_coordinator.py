@@ -366,7 +366,7 @@ class _Z3Sim:
                             todo.append(p)
                     need = [p for p in own if not avail[p]]
                     if need:
-                        calls.append(tuple(sorted([numel_[p] for p in need])))
+                        calls.append(tuple(sorted([numel_[p] for p in need])) if len(need) > 1 else (numel_[need[0]],))
                         for p in need:
                             avail[p] = True
                             n_avail += numel_[p]
@@ -406,7 +406,7 @@ class _Z3Sim:
                             if st > recent[p]:
                                 recent[p] = st
                         if got:
-                            calls.append(tuple(sorted([numel_[p] for p in pre])))
+                            calls.append(tuple(sorted([numel_[p] for p in pre])) if len(pre) > 1 else (got,))
                             n_avail += got
                 step += 1
             elif kind == "f" or kind == "b":
