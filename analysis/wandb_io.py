@@ -122,7 +122,27 @@ def _log(cfg, record: dict) -> dict:
         t1 = time.perf_counter()
         run.finish()
     info["finish_s"] = round(time.perf_counter() - t1, 3)
+    if wc.mode == "offline":
+        _wait_written(info["run_dir"], info)
     return info
+
+
+def _wait_written(run_dir: str, info: dict, timeout_s: float = 60.0) -> None:
+    """Wait until the offline run file holds its exit record: run.finish() can return before the
+    W&B service has written the file's tail (seen on a loaded 2-core machine: a read right after
+    finish found no summary), and a job's W&B record must be readable once log_job returns."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            if read_run(run_dir)["exit_code"] is not None:
+                break
+        except (FileNotFoundError, ValueError):
+            pass
+        if time.perf_counter() - t0 > timeout_s:
+            info["error"] = f"offline run file {run_dir} has no exit record {timeout_s:.0f} s after finish()"
+            break
+        time.sleep(0.05)
+    info["written_s"] = round(time.perf_counter() - t0, 3)
 
 
 def _for_summary(key: str, value):

@@ -258,3 +258,11 @@ def test_invalid_job_is_logged_and_read_back(tmp_path):
     assert "error" not in rec["wandb"], rec["wandb"]
     (back,) = read_records(str(tmp_path))
     assert (back["status"], back["error"]) == (rec["status"], rec["error"])
+
+
+def test_wait_written_reports_a_run_file_without_its_exit_record(tmp_path):
+    """log_job waits for the offline run file's exit record (finish() may return before the W&B
+    service wrote the tail); a file that never gets it is reported, not waited on forever."""
+    info = {}
+    W._wait_written(str(tmp_path), info, timeout_s=0.2)
+    assert "no exit record" in info["error"] and info["written_s"] >= 0.2
