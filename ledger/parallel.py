@@ -27,8 +27,9 @@ def place(model: ModelShape, state: StateBytes | None, cfg, world: int | None = 
 
     cfg: a JobConfig (or anything with .framework, .layout, .ledger.mode). world fills layout.dp=-1.
     """
-    fw = cfg.framework
-    lay: Layout = cfg.layout if isinstance(cfg.layout, Layout) else resolve(cfg.layout, world)
+    fw, lay = cfg.framework, cfg.layout  # each read once: a config read costs µs in a search
+    if not isinstance(lay, Layout):
+        lay = resolve(lay, world)
     validate(model, lay, fw.name, fw)
     return predict(model, lay, fw, cfg.ledger.mode if "ledger" in cfg else "faithful", state)
 

@@ -61,3 +61,19 @@ def test_layout_to_dict_has_every_field():
     assert {f.name: getattr(lay, f.name) for f in fields(Layout)} == {k: d[k] for k in (f.name for f in fields(Layout))}
     assert (d["world"], d["dp_shard"], d["num_microbatches"]) == (lay.world, lay.dp_shard, lay.num_microbatches)
     assert len(d) == len(fields(Layout)) + 3
+
+
+def test_layout_init_sets_every_field():
+    """Layout's hand-written __init__ (speed) sets each field from its own argument, by keyword and
+    by position, and the layout stays frozen."""
+    import dataclasses
+    from dataclasses import fields
+
+    from ledger.layout import Layout
+
+    names = [f.name for f in fields(Layout)]
+    values = list(range(2, 2 + len(names)))
+    assert [getattr(Layout(**dict(zip(names, values))), n) for n in names] == values
+    assert [getattr(Layout(*values), n) for n in names] == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Layout(*values).tp = 1

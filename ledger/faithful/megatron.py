@@ -27,6 +27,7 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,8 +39,7 @@ from ledger.placement import CommBuilder, Placement, RankState
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
 
-@dataclass(frozen=True)
-class Knobs:
+class Knobs(NamedTuple):
     """The framework fields this ledger reads, read once per layout (a DictConfig read costs
     microseconds) and hashable: per-structure results are cached on them."""
     precision: str
@@ -231,15 +231,17 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
 
 
 def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, div: int, dist_opt: bool,
-                  shared_first: bool, shared_last: bool, period) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  shared_first: bool, shared_last: bool, period, dp: int | None = None):
     """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
     end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
-    that a chunk's bounds can be walked without its per-param arrays (_chunk_summary)."""
+    that a chunk's bounds can be walked without its per-param arrays (_chunk_summary). With `dp`,
+    only (numel, the buckets' DP range elements summed) is returned."""
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
     blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
+    skipped = 0  # with dp: DP range elements of the copied buckets
     while j < P:
         if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
             at = (j - period[0]) % period[1]
@@ -249,6 +251,11 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
                 b, pj, pb0 = seen[at]
                 dj, dpos = j - pj, b0 - pb0
                 q = (period[0] + period[1] * period[2] - j) // dj
+                if dp is not None:
+                    skipped += q * sum((e - x) // dp for x, e in zip(bstarts[b:], bends[b:]))
+                    j, b0 = j + q * dj, b0 + q * dpos
+                    seen = None
+                    continue
                 block = np.array((firsts[b:], bstarts[b:], bends[b:]), np.int64)
                 shift = np.array((dj, dpos, dpos), np.int64)[:, None, None] * np.arange(1, q + 1)[None, :, None]
                 blocks += [np.array((firsts, bstarts, bends), np.int64).reshape(3, -1),
@@ -271,6 +278,8 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
         bstarts.append(b0)
         bends.append(end)
         j, b0 = i + 1, end
+    if dp is not None:
+        return b0, skipped + sum((e - x) // dp for x, e in zip(bstarts, bends))
     tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
     return np.concatenate(blocks + [tail], axis=1) if blocks else tail
 
@@ -436,10 +445,9 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
                 return h + q * k + bisect_left(lr, x - lbase - q * A)
         return h + layers * k + bisect_left(tr, x - tbase)
 
-    _, bstart, bend = _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
-                                    shared and first, shared and last, (h, k, layers))
-    real = sum(hn) + layers * sum(ln) + sum(tn)
-    return int(bend[-1]), real, P, int(((bend - bstart) // dp).sum())
+    numel, full = _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
+                                shared and first, shared and last, (h, k, layers), dp)
+    return numel, sum(hn) + layers * sum(ln) + sum(tn), P, full
 
 
 @lru_cache(maxsize=1024)
@@ -578,8 +586,11 @@ def _heaviest(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: in
 
 
 # -- one rank ------------------------------------------------------------------------------------
+_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
 def _dtype_bytes(dtype: str) -> int:
-    return {"bf16": 2, "fp32": 4}[dtype]
+    return _DTYPE_BYTES[dtype]
 
 
 def stage_buffers(model: ModelShape, lay: Layout, fw, stage: int) -> list[Buffer]:
@@ -663,7 +674,7 @@ def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> Ran
     b, sq = lay.micro_batch_size, model.seq_len
     mpu = max(b * model.heads // lay.tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
     s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
-    s.comm_fn = lambda: _comm(model, lay, k, grid, stage)
+    s.comm_fn = lambda: _comm(model, lay, k, stage)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
         # first iteration, see _fixed_comm): steady state less its DP all-gathers (the param gathers,
@@ -723,9 +734,10 @@ def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int
 
 
 @lru_cache(maxsize=4096)
-def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, grid: Grid, stage: int) -> CommBuilder:
+def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> CommBuilder:
     """The collectives of one steady-state step that no micro-batch setting changes: DP buckets,
     tied-embedding grads, grad norm (_comm copies them; cached per structure and stage class)."""
+    grid = Grid(tp=tp, dp=dp, pp=pp)  # Layout.grid of a Megatron layout (cp = dp_replicate = 1: place)
     cb = CommBuilder()
     pdt, gdt, pb, gb = _dtypes(k)
     buffers = _stage_buffers(model, tp, pp, dp, vp, k, stage)
@@ -771,10 +783,10 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     return cb
 
 
-def _comm(model: ModelShape, lay: Layout, k: Knobs, grid: Grid, stage: int) -> list:
+def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list:
     """Collectives of one steady-state optimizer step of this stage."""
     tp, pp, m = lay.tp, lay.pp, lay.num_microbatches
-    cb = _fixed_comm(model, tp, pp, lay.dp, lay.vp, k, grid, _stage_class(pp, stage)).copy()
+    cb = _fixed_comm(model, tp, pp, lay.dp, lay.vp, k, _stage_class(pp, stage)).copy()
     pdt, gdt, pb, gb = _dtypes(k)
     first, last = stage == 0, stage == pp - 1
     layers = model.layers // pp
@@ -921,6 +933,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         # here has, so no run could confirm a rule; textbook mode predicts it
         raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only (Megatron's CP needs "
                           "TransformerEngine attention, which no CPU run can confirm; use ledger.mode=textbook)")
+    if lay.dp_replicate > 1:
+        raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
     k = knobs(fw)
     check_framework(k)
     check_interleaving(lay)
