@@ -482,7 +482,7 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
            int(fw.stage3_prefetch_bucket_size), int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance),
            prec)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
-    s.comm_fn = lambda: _fresh(_zero3_comm(*key)[0])
+    s.comm_fn = lambda: _fresh(_zero3_steady(*key))
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
     s.comm_warmup = [_fresh(_zero3_comm(*key)[2])] if m == 1 else None
     return s
@@ -523,6 +523,36 @@ def _gathers(calls: Counter, dp: int, w: int) -> _Calls:
     return _counted("all_gather", by_bytes.items(), dp)
 
 
+_STEADY_WHAT = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
+
+
+def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
+                  precision: str) -> CommBuilder:
+    """What every optimizer step adds besides the parameter fetches."""
+    z = _z3_shape(model, dp, threshold, bucket, _DTYPES[precision])
+    # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
+    # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
+    # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
+    out.add_calls("dp", "reduce_scatter", precision, *z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+    # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (only fp16 has an overflow all-reduce
+    # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
+    out.add_calls("dp", "all_reduce", "fp64", *_calls("all_reduce", [FP64], dp), "grad norm")
+    out.add_calls("dp", "all_gather", precision, *z.persist, "persistent params (_post_step)")
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
+                  reuse: int, precision: str) -> tuple[Comm, ...]:
+    """_zero3_comm's steady step alone (a search reads no other)."""
+    if dp == 1:
+        return ()
+    steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)[2]
+    out = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
+                                  _STEADY_WHAT)
+    return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision).build())
+
+
 @lru_cache(maxsize=1024)
 def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
                 reuse: int, precision: str):
@@ -541,24 +571,14 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     if dp == 1:
         return (), (), (None if m > 1 else ())
     w = _DTYPES[precision]
-    z = _z3_shape(model, dp, threshold, bucket, w)
     t = precision  # the dtype of the param all-gathers and gradient reduce-scatters
     record, rest0, steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)
-    steady_what = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
 
     def common(out: CommBuilder) -> CommBuilder:
-        # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
-        # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
-        # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
-        out.add_calls("dp", "reduce_scatter", t, *z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
-        # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (only fp16 has an overflow all-reduce
-        # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
-        out.add_calls("dp", "all_reduce", "fp64", *_calls("all_reduce", [FP64], dp), "grad norm")
-        out.add_calls("dp", "all_gather", t, *z.persist, "persistent params (_post_step)")
-        return out
+        return _zero3_common(out, model, dp, m, threshold, bucket, precision)
 
     steady_ag = _gathers(steady_calls, dp, w)
-    steady = tuple(common(CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, steady_what)).build())
+    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision)
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
     first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
@@ -566,7 +586,7 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     trace = _trace_checks(model, threshold, dp)
     if m == 1:
         # step 1 starts with the trace completion, then runs as steady state
-        warmup = CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, steady_what)
+        warmup = CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, _STEADY_WHAT)
         warmup.add_calls("dp", "broadcast", "int64", *trace, "trace checks (reset_step completing the trace)")
         return steady, tuple(common(first).build()), tuple(common(warmup).build())
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
