@@ -22,6 +22,9 @@ Speed: a layout search calls place() ~20,000 times/s. Everything derived from th
 order, per-parameter padding, module maps, IPG buckets, collective sums) is cached per (model, dp,
 knobs); a RankState's steady collectives are computed on first use (comm_fn). The coordinator replay
 is per (model, persistence threshold, budgets, micro-batches), in elements, and shared by every dp.
+Every decoder block is the same: IPG buckets are counted a block at a time until the bucket open at a
+block start repeats (_by_blocks), and the replay skips whole blocks once its state repeats
+(deepspeed_coordinator._Z3Sim._skip); both are tested against the walk over every parameter / event.
 """
 from __future__ import annotations
 
