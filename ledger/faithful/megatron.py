@@ -17,9 +17,13 @@ embedding-group all-reduce) and overlap_param_gather (the param all-gathers in t
 forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,
 shared_embedding, build_buffer, _comm, rank_state.
 
-Speed: a layout search predicts thousands of layouts, so a stage's buffer is computed once per
-parameter-size sequence (middle PP stages share one) with numpy, and the most-loaded DP rank of a
-stage is found without building every rank's state (`heaviest_dp_rank`).
+Speed: a layout search predicts thousands of layouts. What no micro-batch setting changes is
+computed once per structure (model, tp, pp, dp, vp, knobs) and cached: the most-loaded rank
+(_heaviest_rank), its fixed state (_fixed_state) and its DP / embedding / grad-norm collectives
+(_fixed_comm). A stage is bounded from its chunks' summaries (_chunk_summary: the bucket walk over
+one layer's pattern, no per-param arrays) and built only when its bound can beat the best rank found;
+bucket runs repeat across identical layers (_walk_buckets copies them); and a buffer without
+alignment padding gives every DP rank's ownership in closed form (_contiguous_ranks).
 """
 from __future__ import annotations
 
@@ -165,10 +169,6 @@ class Buffer:
     @property
     def numel(self) -> int:
         return int(self.bend[-1]) if len(self.bend) else 0
-
-    @property
-    def bucket_numels(self) -> list[int]:
-        return (self.bend - self.bstart).tolist()
 
 
 @lru_cache(maxsize=1024)
@@ -403,15 +403,11 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
     return fixed, fixed + w_elem * (sum(x[3] for x in summaries) if dist_opt else real) + w_piece * params
 
 
-def _buffer_summary(buf: Buffer, dp: int) -> tuple[int, int, int, int]:
-    return buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum())
-
-
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int]:
-    """_buffer_summary of _buffer(...) without its per-param arrays: _walk_buckets over the chunk's
-    pattern (head, `layers` copies of one layer, embedding; _pattern), whose positions are sums of
-    per-piece sums."""
+    """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
+    without its per-param arrays: _walk_buckets over the chunk's pattern (head, `layers` copies of
+    one layer, embedding; _pattern), whose positions are sums of per-piece sums."""
     shared = dist_opt and model.tied_embeddings and not (first and last)
     (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
     h, k, t = len(hn), len(ln), len(tn)
@@ -613,9 +609,9 @@ def _stage_class(pp: int, stage: int) -> int:
 
 @lru_cache(maxsize=1024)
 def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs) -> tuple[int, int, int, int]:
-    """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank: TP ranks of a stage hold equal shapes, stages between
-    the first and the last hold equal buffers (the lowest such stage stands for them). Layouts of a
-    search that differ only by micro-batch or SP share it."""
+    """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank: TP ranks of a
+    stage hold equal shapes, stages between the first and the last hold equal buffers (the lowest
+    such stage stands for them). Layouts of a search that differ only by micro-batch or SP share it."""
     _, _, pb, gb = _dtypes(k)
     dist_opt = k.use_distributed_optimizer
     w = _optim_weights(k)
@@ -859,6 +855,7 @@ def _schedule_table(m: int, vp: int, group: int) -> list[tuple[int, int]]:
     return out
 
 
+@lru_cache(maxsize=4096)  # layouts of a search with equal (pp, m) share it
 def interleaved_p2p(pp: int, stage: int, vp: int, m: int) -> tuple[int, int]:
     """(tensors sent, tensors received) by one stage in one forward_backward_pipelining_with_interleaving
     call, replaying its control flow with overlap_p2p_comm and overlap_p2p_comm_warmup_flush off
