@@ -255,14 +255,17 @@ class _Z3Sim:
         if got is not None or self.rules and (got := self._cached(key)) is not None:
             return got
         tr = self.tr
-        out = {p for p in tr.mod_params[mo] if not tr.persist[p] and recent[p] <= step}
-        if self.rd > 0 and out:
-            end = bisect_left(tr.prefix, tr.prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
+        persist = tr.persist
+        out = [p for p in tr.mod_params[mo] if not persist[p] and recent[p] <= step]
+        if out and self.rd > 0:
+            prefix, qs = tr.prefix, tr.qs
+            end = bisect_left(prefix, prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
             if end > self.end_hi:
                 self.end_hi = end
             # the params of modules step..end-1: a run of __param_order (its steps ascend)
-            used = tr.qp[bisect_left(tr.qs, step):bisect_left(tr.qs, end)]
-            out = {p for p in out if p not in used}
+            lo = bisect_left(qs, step)
+            used = tr.qp[lo:bisect_left(qs, end, lo)]
+            out = [p for p in out if p not in used]
         got = self.release_cache[key] = frozenset(out)
         return got
 
