@@ -463,7 +463,10 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
     # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
     # stage3_model_persistence_threshold is left at its default, sys.maxsize)
-    counts = Counter(_registration_sizes(model))  # every Parameter once: few distinct sizes
+    head, blk, tail = _size_parts(model, True)  # every Parameter once: few distinct sizes
+    counts = Counter(head + tail)
+    for n, k in Counter(blk).items():
+        counts[n] += k * model.layers
     pad = {n: _ceil_to(n, dp) for n in counts}.__getitem__
     persist = [(n, k) for n, k in counts.items() if n <= threshold]
     total = sum(pad(n) * k for n, k in counts.items())
