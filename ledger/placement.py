@@ -13,6 +13,7 @@ import numpy as np
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all", "broadcast")
 STATES = ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")
+_DETAIL_PREFIX = {s: s[:-len("_bytes")] + "/" for s in STATES}  # RankState.detail keys: "optim/adam step"
 
 
 def wire_bytes(kind: str, buffer_bytes: int, group_size: int) -> int:
@@ -105,8 +106,8 @@ class RankState:
         return self.params_bytes + self.grads_bytes + self.optim_bytes + self.other_bytes
 
     def add(self, state: str, name: str, nbytes: int) -> None:
-        setattr(self, state, getattr(self, state) + nbytes)
-        key = f"{state[:-6]}/{name}"
+        self.__dict__[state] += nbytes  # one of STATES (a plain field: no setattr machinery needed)
+        key = _DETAIL_PREFIX[state] + name
         self.detail[key] = self.detail.get(key, 0) + nbytes
 
 

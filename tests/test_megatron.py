@@ -531,3 +531,21 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
                         got = L._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
                         want = (buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum()))
                         assert got == want, (model.name, tp, dp, layers, first, last, bucket)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_stage_best_from_the_pattern_is_the_buffers_best(name):
+    """_stage_best (one-bucket contiguous stages from their pattern's param starts, no buffer built)
+    finds the DP rank, elements and pieces _best_rank finds on the built buffers."""
+    import dataclasses
+
+    for tied in (False, True):
+        model = dataclasses.replace(preset(name), tied_embeddings=tied)
+        for tp, pp, dp, vp in ((1, 2, 8, 1), (2, 4, 3, 1), (1, 2, 96, 1), (1, 4, 1000, 1), (1, 2, 4, 2)):
+            if model.layers % (pp * vp):
+                continue
+            for fw in (_fw(), _fw(overlap_grad_reduce=True, bucket_size=50_000)):
+                k = L.knobs(fw)
+                for st in range(pp):
+                    want = L._best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *L._optim_weights(k))
+                    assert L._stage_best(model, tp, pp, dp, vp, k, st) == want, (tied, tp, pp, dp, vp, st)

@@ -370,21 +370,18 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
 
 def _most_loaded(classes: list, dp: int, dist_opt: bool, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
     """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
-    classes ((stage, fixed bytes, upper bound, buffers thunk)), the lowest stage and DP rank on ties,
-    comparing only what differs between them (_buffer_bytes, _owned_by; optimizer bytes are w_elem per
-    owned element and w_piece per owned piece).
+    classes ((stage, fixed bytes, upper bound, thunk giving its heaviest DP rank's (rank, elements,
+    pieces))), the lowest stage and DP rank on ties, comparing only what differs between them
+    (_buffer_bytes, _owned_by; optimizer bytes are w_elem per owned element and w_piece per owned piece).
 
     A class whose upper bound (every DP range full of parameter elements, every parameter a piece)
     is below a value already found cannot hold the most-loaded rank: its DP ranks are not searched
     and, where its bound came from _chunk_summary, its buffers are not built."""
     best = None  # (value, stage, dp rank, owned elements, owned pieces)
-    for st, fixed, ub, bufs in sorted(classes, key=lambda c: (-c[2], c[0])):
+    for st, fixed, ub, stage_best in sorted(classes, key=lambda c: (-c[2], c[0])):
         if best is not None and ub < best[0]:
             break
-        if dist_opt:
-            d, n_owned, n_pieces = _best_rank(bufs(), dp, w_elem, w_piece)
-        else:
-            d, (n_owned, n_pieces) = 0, _owned_by(bufs(), dist_opt, dp, 0)
+        d, n_owned, n_pieces = stage_best()
         val = fixed + w_elem * n_owned + w_piece * n_pieces
         if best is None or val > best[0] or (val == best[0] and st < best[1]):
             best = (val, st, d, n_owned, n_pieces)
@@ -403,6 +400,7 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
     return fixed, fixed + w_elem * (sum(x[3] for x in summaries) if dist_opt else real) + w_piece * params
 
 
+@lru_cache(maxsize=4096)
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int]:
     """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
@@ -462,6 +460,19 @@ def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool
     return tuple(out)
 
 
+def _pattern_contiguous(parts) -> bool:
+    """No alignment padding between the params of a _pattern (Buffer.contiguous)."""
+    return all(c[i + 1] - c[i] == x for n, c, _ in parts for i, x in enumerate(n))
+
+
+def _pattern_starts(parts, layers: int) -> np.ndarray:
+    """Buffer.starts of a one-bucket chunk from its _pattern: the head's, `layers` layers', the tail's."""
+    (hn, hc, _), (ln, lc, _), (tn, tc, _) = parts
+    lbase = hc[-1]
+    rows = lbase + lc[-1] * np.arange(layers, dtype=np.int64)[:, None] + np.array(lc[:-1], np.int64)
+    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.array(tc[:-1], np.int64) + lbase + layers * lc[-1]))
+
+
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
     """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
     every bucket of `buffers` (cached: layouts of a search that differ only by micro-batch share it)."""
@@ -504,19 +515,9 @@ def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
     starts in its range, plus the param its range starts inside of (none where it starts on a param
     start or past the params)."""
     nb = len(buf.bstart)
+    if nb == 1:  # the common case (bstart is 0)
+        return _one_bucket_ranks(buf.starts, int(buf.prefix[-1]), buf.numel, dp)
     size = (buf.bend - buf.bstart) // dp
-    if nb == 1:  # the common case, in scalars where possible (bstart is 0)
-        real, s = int(buf.prefix[-1]), int(size[0])
-        full, rem = divmod(real, s)
-        e = np.zeros(dp, np.int64)
-        e[:full] = s
-        if full < dp:
-            e[full] = rem
-        rank, at = np.divmod(buf.starts, s)
-        p = np.bincount(rank, minlength=dp)
-        p[:-(-real // s)] += 1
-        p -= np.bincount(rank[at == 0], minlength=dp)
-        return e, p
     lims = np.append(buf.first, len(buf.n))
     real = buf.prefix[lims[1:]] - buf.prefix[lims[:-1]]
     full, rem = np.divmod(real, size)
@@ -529,6 +530,22 @@ def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
     p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
     p -= np.bincount(rank[at == 0], minlength=dp)
     return e.astype(np.int64), p
+
+
+def _one_bucket_ranks(starts: np.ndarray, real: int, numel: int, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """_contiguous_ranks of one bucket [0, numel) whose params (starting at `starts`) tile [0, real),
+    in scalars where possible."""
+    s = numel // dp
+    full, rem = divmod(real, s)
+    e = np.zeros(dp, np.int64)
+    e[:full] = s
+    if full < dp:
+        e[full] = rem
+    rank, at = np.divmod(starts, s)
+    p = np.bincount(rank, minlength=dp)
+    p[:-(-real // s)] += 1
+    p -= np.bincount(rank[at == 0], minlength=dp)
+    return e, p
 
 
 def _all_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -617,11 +634,42 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     w = _optim_weights(k)
     classes = []
     for st in sorted({0, min(1, pp - 1), pp - 1}):
-        bufs = partial(_stage_buffers, model, tp, pp, dp, vp, k, st)
-        sums = [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
-                               dp, dist_opt) for ch in range(vp)]
-        classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), bufs))
+        sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
+        # without the distributed optimizer every DP rank owns every param (_owned_by): rank 0 stands for all
+        best = (partial(_stage_best, model, tp, pp, dp, vp, k, st) if dist_opt else
+                partial(tuple, (0, sum(x[1] for x in sums), sum(x[2] for x in sums))))
+        classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), best))
     return _most_loaded(classes, dp, dist_opt, *w)
+
+
+def _one_bucket(model: ModelShape, k: Knobs, dp: int, pp: int, stage: int, vp: int, ch: int) -> bool:
+    """build_buffer makes the chunk one bucket: no bucketing (effective_bucket_size) and no
+    `shared_embedding` param of its own (_buffer)."""
+    _, first, last = _stage_shape(model, pp, stage, vp, ch)
+    shared = k.use_distributed_optimizer and model.tied_embeddings and not (first and last)
+    return effective_bucket_size(k, dp, stage, ch) is None and not (shared and (first or last))
+
+
+def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> list[tuple]:
+    """_chunk_summary of each of a stage's chunks."""
+    return [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch), dp,
+                           k.use_distributed_optimizer) for ch in range(vp)]
+
+
+def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
+    """(heaviest DP rank, its owned elements, its owned pieces) of a stage (dist-opt): a one-bucket
+    contiguous chunk from its pattern's param starts (_one_bucket_ranks), without building the
+    buffer; otherwise from the buffers (_best_rank)."""
+    w = _optim_weights(k)
+    if vp == 1 and _one_bucket(model, k, dp, pp, st, vp, 0):
+        layers, first, last = _stage_shape(model, pp, st, vp, 0)
+        parts = _pattern(model, tp, first, last, True)
+        if _pattern_contiguous(parts):
+            numel, real, _, _ = _chunk_summary(model, tp, layers, first, last, None, dp, True)
+            e, p = _one_bucket_ranks(_pattern_starts(parts, layers), real, numel, dp)
+            d = int(np.argmax(w[0] * e + w[1] * p))
+            return d, int(e[d]), int(p[d])
+    return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
 
 
 def _optim_weights(fw) -> tuple[int, int]:
@@ -686,13 +734,15 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     bf16 = k.precision == "bf16"
     pdt, gdt, pb, gb = _dtypes(k)
     dist_opt = k.use_distributed_optimizer
-    buffers = _stage_buffers(model, tp, pp, dp, vp, k, stage)
-    p_bytes, g_bytes = _buffer_bytes(buffers, dist_opt, pb, gb)
+    # _buffer_bytes of the stage's buffers, from their summaries (no buffer built for the most-loaded rank)
+    sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
+    numel = sum(x[0] for x in sums)
+    p_bytes, g_bytes = pb * (numel if dist_opt else sum(x[1] for x in sums)), gb * numel
     h = _heaviest_rank(model, tp, pp, dp, vp, k)
     if (h[0], h[1]) == (stage, dp_rank):  # found with the most-loaded rank
         owned_numel, owned_pieces = h[2], h[3]
     else:
-        owned_numel, owned_pieces = _owned_by(buffers, dist_opt, dp, dp_rank)
+        owned_numel, owned_pieces = _owned_by(_stage_buffers(model, tp, pp, dp, vp, k, stage), dist_opt, dp, dp_rank)
 
     s = RankState(stage=stage)
     s.add("params_bytes", f"{pdt} param buffer (param_data)" if dist_opt else f"{pdt} module parameters", p_bytes)
@@ -736,7 +786,6 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     grid = Grid(tp=tp, dp=dp, pp=pp)  # Layout.grid of a Megatron layout (cp = dp_replicate = 1: place)
     cb = CommBuilder()
     pdt, gdt, pb, gb = _dtypes(k)
-    buffers = _stage_buffers(model, tp, pp, dp, vp, k, stage)
     first, last = stage == 0, stage == pp - 1
     # DP: distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync, one
     # bucket per group (partition_buckets without fp8): reduce-scatter of the whole padded
@@ -754,7 +803,12 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     # with disable_bucketing (training.py get_model: model chunks after the first) whose buckets
     # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
     # chunk has several buckets only around a tied model's shared embedding (build_buffer)
-    numels = np.append(buffers[0].bend - buffers[0].bstart, [b.numel for b in buffers[1:]])
+    sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
+    if _one_bucket(model, k, dp, pp, stage, vp, 0):
+        numels = np.array([x[0] for x in sums], np.int64)  # no buffer built
+    else:
+        b0 = _stage_buffers(model, tp, pp, dp, vp, k, stage)[0]
+        numels = np.append(b0.bend - b0.bstart, [x[0] for x in sums[1:]])
     if k.use_distributed_optimizer:
         cb.add_each("dp", "reduce_scatter", gb * numels, dp, gdt, what="grad bucket (start_grad_sync)")
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
