@@ -798,3 +798,31 @@ def test_zero3_intermediate_budgets(runs):
     for name in ("budgets", "budgets_small"):
         df = tables[name]
         assert not df[df.phase == "first"].empty and (df.abs_err == 0).all()
+
+
+def test_zero3_step1_pass_from_the_accumulation_coordinator():
+    """With one micro-batch, step 1's pass is taken from the gradient-accumulation coordinator's pass
+    from the same start when that pass read only cache entries a fresh coordinator's first pass would
+    compute (_Z3Sim.as_first): against the event-by-event replay of a fresh coordinator, over the
+    models, thresholds and budgets of the block-skipping test, the accumulation coordinator built
+    first (m = 2) as a search does; the shortcut is taken in most of them."""
+    import dataclasses
+    import itertools
+
+    from ledger.faithful.deepspeed_coordinator import _z3_fetches, _z3_persistent, _z3_sim, _z3_trace
+
+    tiny = preset("tiny", layers=12)
+    models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
+              dataclasses.replace(tiny, swiglu=False)]
+    budgets = [(0, 10**9, 0), (1000, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000),
+               (50_000, 20_000, 10**7), (200_000, 10**9, 300_000), (5 * 10**7, 10**9, 10**9), (400_000, 500_000, 10**6),
+               (20_000, 10**9, 50_000), (0, 10**9, 10**9)]
+    taken = refused = 0
+    for shape, th, (pf, ml, rd) in itertools.product(models + [preset("llama3_70b")], (0, 20_000, 100_000), budgets):
+        for m in (2, 1):
+            assert _z3_fetches(shape, m, th, pf, ml, rd, True) == _z3_fetches(shape, m, th, pf, ml, rd, False), \
+                (shape, th, pf, ml, rd, m)
+        first = _z3_sim(shape, th, pf, ml, rd, True, True).as_first[_z3_persistent(_z3_trace(shape, th))]
+        taken += first
+        refused += not first
+    assert taken > 100 and refused > 0, (taken, refused)

@@ -238,6 +238,12 @@ class _Z3Sim:
         self.tr, self.pf, self.ml, self.rd = tr, prefetch, max_live, reuse
         self.periodic = periodic
         self.release_cache: dict[tuple[int, int], frozenset] = {}  # __params_to_release's lru_cache
+        # per release_cache key: the module's params the prefetcher had not marked as used later, the
+        # one input of the cached value a pass's state decides (the reuse window is the key's own)
+        self.unmarked: dict[tuple[int, int], frozenset] = {}
+        # per memo key: whether that pass is the pass a fresh coordinator's first complete pass from the
+        # same start would make (every cache entry it read is what that pass would compute: run, _skip)
+        self.as_first: dict[frozenset, bool] = {}
         # the cache of blocks the first pass skipped, kept as a rule: (run, r0, r1): blocks r0+1..r1's
         # entries are block r0's shifted (_cached)
         self.rules: list[tuple[int, int, int]] = []
@@ -257,6 +263,7 @@ class _Z3Sim:
         tr = self.tr
         persist = tr.persist
         out = [p for p in tr.mod_params[mo] if not persist[p] and recent[p] <= step]
+        self.unmarked[key] = frozenset(out)
         if out and self.rd > 0:
             prefix, qs = tr.prefix, tr.qs
             end = bisect_left(prefix, prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
@@ -273,9 +280,12 @@ class _Z3Sim:
     def _shift(fs, by: int) -> frozenset | None:
         return None if fs is None else frozenset(p + by for p in fs)
 
-    def _cached(self, key: tuple[int, int]) -> frozenset | None:
-        """release_cache[key], or by a rule: block r1's entry is block r0's shifted."""
-        got = self.release_cache.get(key)
+    def _cached(self, key: tuple[int, int], table: dict | None = None) -> frozenset | None:
+        """release_cache[key] (or table[key], table: unmarked), or by a rule: block r1's entry is block
+        r0's shifted (the skipped blocks replayed block r0 shifted: so did their unmarked params)."""
+        if table is None:
+            table = self.release_cache
+        got = table.get(key)
         if got is not None:
             return got
         mo, step = key
@@ -286,10 +296,9 @@ class _Z3Sim:
             rr = (step - pr.step0) // pr.S
             for r in (rr, rr - 1):  # a block's last release may come at the next block's first step
                 if r0 < r <= r1 and (mo - r * pr.dM, step - r * pr.S) in pr.releases:
-                    got = self._shift(self.release_cache.get((mo - (r - r0) * pr.dM, step - (r - r0) * pr.S)),
-                                      (r - r0) * pr.dP)
+                    got = self._shift(table.get((mo - (r - r0) * pr.dM, step - (r - r0) * pr.S)), (r - r0) * pr.dP)
                     if got is not None:
-                        self.release_cache[key] = got
+                        table[key] = got
                     return got
         return None
 
@@ -317,6 +326,11 @@ class _Z3Sim:
         n_avail = 0  # __n_available_params (reset_step zeroes it, whatever is still gathered)
         step = 0
         to_release, cache = self._to_release, self.release_cache
+        # a pass reading the cache is the first complete pass from its start while every entry it reads
+        # is what that pass would compute: cached entries are unmarked params less the key's reuse
+        # window, so while the unmarked params it finds are the entry's (here, and in _skip's blocks)
+        self._now_first = not fill and not record
+        unmarked = self.unmarked
         # the fast path: the next block start is block r of run d, at event nxt (-1: none left, or not
         # periodic); snap: the state at the last block start (_skip)
         periods = tr.periods
@@ -420,6 +434,9 @@ class _Z3Sim:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
                 rel = own if record else cache.get((mo, step)) or to_release(mo, step, recent)
+                if self._now_first and (unmarked.get((mo, step)) or self._cached((mo, step), unmarked)) != \
+                        frozenset([p for p in own if not persist[p] and recent[p] <= step]):
+                    self._now_first = False
                 for p in own:
                     active[p] -= 1
                     if not active[p] and avail[p] and p in rel:  # __release_param
@@ -438,6 +455,7 @@ class _Z3Sim:
         out = (out_calls, frozenset(compress(range(len(avail)), avail)))
         if not record:
             self.memo[start] = out
+            self.as_first[start] = fill or self._now_first
         return out
 
     def _skip(self, b, c, calls, skipped, fill: bool, record: bool) -> int:
@@ -509,6 +527,13 @@ class _Z3Sim:
             while ok < k and all(self._cached((mo + (rc + ok) * pr.dM, s + (rc + ok) * pr.S)) ==
                                  self._shift(self._cached((mo + rb * pr.dM, s + rb * pr.S)), (ok + 1) * dP)
                                  for mo, s in pr.releases):
+                # block rc+ok finds block b's unmarked params shifted (it replays block b): its entries
+                # are a first pass's when theirs are too
+                if self._now_first and not all(
+                        self._cached((mo + (rc + ok) * pr.dM, s + (rc + ok) * pr.S), self.unmarked) ==
+                        self._shift(self._cached((mo + rb * pr.dM, s + rb * pr.S), self.unmarked), (ok + 1) * dP)
+                        for mo, s in pr.releases):
+                    self._now_first = False
                 ok += 1
             k = min(k, ok)
         if k < 1:
@@ -537,15 +562,23 @@ def _z3_record(model: ModelShape, threshold: int, periodic: bool = True) -> tupl
 
 
 @lru_cache(maxsize=128)
+def _z3_sims(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, periodic: bool) -> dict:
+    """The coordinators of one budget setting by `accumulate` (_z3_sim), built on first use."""
+    return {}
+
+
 def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, accumulate: bool,
             periodic: bool = True) -> _Z3Sim:
     """A coordinator whose __params_to_release cache is filled by the first complete pass, as in a real
     run: with gradient accumulation that pass is step 0's micro-batch 1, which starts with nothing
     gathered (the recording pass released every param, persistent ones too); with one micro-batch it is
     step 1's, which starts with the persistent params gathered by step 0's _post_step."""
-    tr = _z3_trace(model, threshold)
-    sim = _Z3Sim(tr, prefetch, max_live, reuse, periodic)
-    sim.run(_z3_record(model, threshold, periodic)[1] if accumulate else _z3_persistent(tr))
+    sims = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic)
+    sim = sims.get(accumulate)
+    if sim is None:
+        tr = _z3_trace(model, threshold)
+        sim = sims[accumulate] = _Z3Sim(tr, prefetch, max_live, reuse, periodic)
+        sim.run(_z3_record(model, threshold, periodic)[1] if accumulate else _z3_persistent(tr))
     return sim
 
 
@@ -577,6 +610,15 @@ def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_li
     event-by-event replay (the reference)."""
     tr = _z3_trace(model, threshold)
     record, after_record = _z3_record(model, threshold, periodic)
+    if m == 1 and periodic:
+        # step 1's pass is a fresh coordinator's first complete pass from the persistent params: the
+        # coordinator of gradient accumulation, if built, makes that very pass when it reads only
+        # entries that pass would compute (_Z3Sim.as_first)
+        acc = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic).get(True)
+        if acc is not None:
+            calls, _ = acc.run(_z3_persistent(tr))
+            if acc.as_first[_z3_persistent(tr)]:
+                return record, Counter(), Counter(calls)
     sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic)
     steady = _z3_passes(sim, _z3_persistent(tr), m)
     if m == 1:
