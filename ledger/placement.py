@@ -146,8 +146,12 @@ class CommBuilder:
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
         if group_size <= 1:
             return self
-        b = np.asarray(buffers, np.int64)  # wire_bytes' integer arithmetic, elementwise
-        return self.add_calls(dim, kind, dtype, len(b), int(b.sum()), int(wire_bytes(kind, b, group_size).sum()), what)
+        if len(buffers) > 32:  # many buckets: wire_bytes' integer arithmetic over an array
+            b = np.asarray(buffers, np.int64)
+            return self.add_calls(dim, kind, dtype, len(b), int(b.sum()), int(wire_bytes(kind, b, group_size).sum()),
+                                  what)
+        return self.add_calls(dim, kind, dtype, len(buffers), int(sum(buffers)),
+                              int(sum(wire_bytes(kind, int(b), group_size) for b in buffers)), what)
 
     def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "",
                 times: int = 1) -> "CommBuilder":

@@ -535,8 +535,9 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
 
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
 def test_stage_best_from_the_pattern_is_the_buffers_best(name):
-    """_stage_best (one-bucket contiguous stages from their pattern's param starts, no buffer built)
-    finds the DP rank, elements and pieces _best_rank finds on the built buffers."""
+    """_stage_best (contiguous stages from their pattern's offsets and bucket walk, no buffer built)
+    finds the DP rank, elements and pieces _best_rank finds on the built buffers: bucketed or not,
+    tied (shared-embedding buckets) or not."""
     import dataclasses
 
     for tied in (False, True):

@@ -404,8 +404,24 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int]:
     """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
-    without its per-param arrays: _walk_buckets over the chunk's pattern (head, `layers` copies of
-    one layer, embedding; _pattern), whose positions are sums of per-piece sums."""
+    without its per-param arrays: _pattern_walk."""
+    numel, full = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
+    (hn, _, _), (ln, _, _), (tn, _, _) = _pattern(model, tp, first, last, dist_opt)
+    return numel, sum(hn) + layers * sum(ln) + sum(tn), len(hn) + layers * len(ln) + len(tn), full
+
+
+@lru_cache(maxsize=4096)
+def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                   dist_opt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk."""
+    return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, False)
+
+
+def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                  dist_opt: bool, summary: bool):
+    """_walk_buckets over a chunk's pattern (head, `layers` copies of one layer, embedding; _pattern),
+    whose positions are sums of per-piece sums: the buckets of _buffer(...) (summary: only (numel, DP
+    range elements summed))."""
     shared = dist_opt and model.tied_embeddings and not (first and last)
     (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
     h, k, t = len(hn), len(ln), len(tn)
@@ -439,9 +455,8 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
                 return h + q * k + bisect_left(lr, x - lbase - q * A)
         return h + layers * k + bisect_left(tr, x - tbase)
 
-    numel, full = _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
-                                shared and first, shared and last, (h, k, layers), dp)
-    return numel, sum(hn) + layers * sum(ln) + sum(tn), P, full
+    return _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
+                         shared and first, shared and last, (h, k, layers), dp if summary else None)
 
 
 @lru_cache(maxsize=1024)
@@ -465,12 +480,13 @@ def _pattern_contiguous(parts) -> bool:
     return all(c[i + 1] - c[i] == x for n, c, _ in parts for i, x in enumerate(n))
 
 
-def _pattern_starts(parts, layers: int) -> np.ndarray:
-    """Buffer.starts of a one-bucket chunk from its _pattern: the head's, `layers` layers', the tail's."""
+def _pattern_cum(parts, layers: int) -> np.ndarray:
+    """Aligned elements before each param of a chunk from its _pattern, one longer (Buffer.prefix of
+    a contiguous chunk): the head's, `layers` layers', the tail's."""
     (hn, hc, _), (ln, lc, _), (tn, tc, _) = parts
     lbase = hc[-1]
     rows = lbase + lc[-1] * np.arange(layers, dtype=np.int64)[:, None] + np.array(lc[:-1], np.int64)
-    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.array(tc[:-1], np.int64) + lbase + layers * lc[-1]))
+    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.array(tc, np.int64) + lbase + layers * lc[-1]))
 
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
@@ -509,43 +525,45 @@ def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: i
 
 
 def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
-    """_all_ranks for a contiguous buffer in O(params + buckets + dp): bucket b's params tile
-    [bstart, bstart + real) and its DP ranges have S = numel / dp elements, so rank r owns S elements
-    while (r + 1) * S <= real, the remainder at r = real // S, none after; its pieces are the param
-    starts in its range, plus the param its range starts inside of (none where it starts on a param
-    start or past the params)."""
-    nb = len(buf.bstart)
-    if nb == 1:  # the common case (bstart is 0)
-        return _one_bucket_ranks(buf.starts, int(buf.prefix[-1]), buf.numel, dp)
-    size = (buf.bend - buf.bstart) // dp
-    lims = np.append(buf.first, len(buf.n))
-    real = buf.prefix[lims[1:]] - buf.prefix[lims[:-1]]
+    """_all_ranks for a contiguous buffer: _tiled_ranks (a contiguous buffer's params tile each
+    bucket from its start, so the param-element prefix gives every offset in a bucket)."""
+    return _tiled_ranks(buf.prefix, buf.first, buf.bstart, buf.bend, dp)
+
+
+def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np.ndarray,
+                 dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) each DP rank owns, in O(params + buckets + dp), for buckets whose
+    params tile them from their start (cum: elements before each param, one longer; first: each
+    bucket's first param): bucket b's params tile [bstart, bstart + real) and its DP ranges have
+    S = numel / dp elements, so rank r owns S elements while (r + 1) * S <= real, the remainder at
+    r = real // S, none after; its pieces are the param starts in its range, plus the param its range
+    starts inside of (none where it starts on a param start or past the params)."""
+    nb = len(first)
+    if nb == 1:  # the common case, in scalars where possible
+        real, s = int(cum[-1]), int(bend[0] - bstart[0]) // dp
+        full, rem = divmod(real, s)
+        e = np.zeros(dp, np.int64)
+        e[:full] = s
+        if full < dp:
+            e[full] = rem
+        rank, at = np.divmod(cum[:-1], s)
+        p = np.bincount(rank, minlength=dp)
+        p[:-(-real // s)] += 1
+        p -= np.bincount(rank[at == 0], minlength=dp)
+        return e, p
+    size = (bend - bstart) // dp
+    lims = np.append(first, len(cum) - 1)
+    real = cum[lims[1:]] - cum[lims[:-1]]
     full, rem = np.divmod(real, size)
     # weights make float64 bincounts: exact, the sums stay far below 2**53
     e = np.bincount(full, weights=size, minlength=dp + 1)[::-1].cumsum()[::-1][1:] + \
         np.bincount(full, weights=rem, minlength=dp + 1)[:dp]
     bid = np.repeat(np.arange(nb), np.diff(lims))
-    rank, at = np.divmod(buf.starts - buf.bstart[bid], size[bid])
+    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
     p = np.bincount(rank, minlength=dp)
     p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
     p -= np.bincount(rank[at == 0], minlength=dp)
     return e.astype(np.int64), p
-
-
-def _one_bucket_ranks(starts: np.ndarray, real: int, numel: int, dp: int) -> tuple[np.ndarray, np.ndarray]:
-    """_contiguous_ranks of one bucket [0, numel) whose params (starting at `starts`) tile [0, real),
-    in scalars where possible."""
-    s = numel // dp
-    full, rem = divmod(real, s)
-    e = np.zeros(dp, np.int64)
-    e[:full] = s
-    if full < dp:
-        e[full] = rem
-    rank, at = np.divmod(starts, s)
-    p = np.bincount(rank, minlength=dp)
-    p[:-(-real // s)] += 1
-    p -= np.bincount(rank[at == 0], minlength=dp)
-    return e, p
 
 
 def _all_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -642,14 +660,6 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     return _most_loaded(classes, dp, dist_opt, *w)
 
 
-def _one_bucket(model: ModelShape, k: Knobs, dp: int, pp: int, stage: int, vp: int, ch: int) -> bool:
-    """build_buffer makes the chunk one bucket: no bucketing (effective_bucket_size) and no
-    `shared_embedding` param of its own (_buffer)."""
-    _, first, last = _stage_shape(model, pp, stage, vp, ch)
-    shared = k.use_distributed_optimizer and model.tied_embeddings and not (first and last)
-    return effective_bucket_size(k, dp, stage, ch) is None and not (shared and (first or last))
-
-
 def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> list[tuple]:
     """_chunk_summary of each of a stage's chunks."""
     return [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch), dp,
@@ -657,16 +667,17 @@ def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: K
 
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
-    """(heaviest DP rank, its owned elements, its owned pieces) of a stage (dist-opt): a one-bucket
-    contiguous chunk from its pattern's param starts (_one_bucket_ranks), without building the
+    """(heaviest DP rank, its owned elements, its owned pieces) of a stage (dist-opt): a contiguous
+    chunk from its pattern's param offsets and bucket walk (_tiled_ranks), without building the
     buffer; otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
-    if vp == 1 and _one_bucket(model, k, dp, pp, st, vp, 0):
+    if vp == 1:
         layers, first, last = _stage_shape(model, pp, st, vp, 0)
         parts = _pattern(model, tp, first, last, True)
         if _pattern_contiguous(parts):
-            numel, real, _, _ = _chunk_summary(model, tp, layers, first, last, None, dp, True)
-            e, p = _one_bucket_ranks(_pattern_starts(parts, layers), real, numel, dp)
+            cum = _pattern_cum(parts, layers)
+            e, p = _tiled_ranks(cum, *_chunk_buckets(model, tp, layers, first, last, effective_bucket_size(k, dp, st, 0),
+                                                     dp, True), dp)
             d = int(np.argmax(w[0] * e + w[1] * p))
             return d, int(e[d]), int(p[d])
     return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
@@ -804,18 +815,16 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
     # chunk has several buckets only around a tied model's shared embedding (build_buffer)
     sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
-    if _one_bucket(model, k, dp, pp, stage, vp, 0):
-        numels = np.array([x[0] for x in sums], np.int64)  # no buffer built
-    else:
-        b0 = _stage_buffers(model, tp, pp, dp, vp, k, stage)[0]
-        numels = np.append(b0.bend - b0.bstart, [x[0] for x in sums[1:]])
+    _, bstart, bend = _chunk_buckets(model, tp, *_stage_shape(model, pp, stage, vp, 0),
+                                     effective_bucket_size(k, dp, stage, 0), dp, k.use_distributed_optimizer)
+    numels = (bend - bstart).tolist() + [x[0] for x in sums[1:]]  # no buffer built
     if k.use_distributed_optimizer:
-        cb.add_each("dp", "reduce_scatter", gb * numels, dp, gdt, what="grad bucket (start_grad_sync)")
+        cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
                 if k.overlap_param_gather else "param bucket (start_param_sync)")
-        cb.add_each("dp", "all_gather", pb * numels, dp, pdt, what=what)
+        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what=what)
     else:
-        cb.add_each("dp", "all_reduce", gb * numels, dp, gdt, what="grad bucket (start_grad_sync)")
+        cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
     if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
         # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
         # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
