@@ -689,7 +689,8 @@ def _optim_weights(fw) -> tuple[int, int]:
     return (4 if fw.precision == "bf16" else 0) + 8, ADAM_STEP_BYTES
 
 
-def _dtypes(fw) -> tuple[str, str, int, int]:
+@lru_cache(maxsize=64)
+def _dtypes(fw: Knobs) -> tuple[str, str, int, int]:
     """(param dtype, grad dtype, their bytes): bf16 params with fp32 grads under grad_reduce_in_fp32."""
     bf16 = fw.precision == "bf16"
     pdt = "bf16" if bf16 else "fp32"
@@ -715,11 +716,9 @@ def _owned_by(buffers, dist_opt: bool, dp: int, dp_rank: int) -> tuple[int, int]
     return sum(int(b.prefix[-1]) for b in buffers), sum(len(b.starts) for b in buffers)
 
 
-def rank_state(model: ModelShape, lay: Layout, fw, grid: Grid, rank: int) -> RankState:
-    c = grid.coords(rank)
-    k = knobs(fw)
-    stage = c["pp"]
-    base = _fixed_state(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), c["dp"])
+def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: int) -> RankState:
+    """The state of the ranks of one (pipeline stage, DP rank): their TP ranks hold equal shapes."""
+    base = _fixed_state(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), dp_rank)
     s = RankState(stage=stage, params_bytes=base.params_bytes, grads_bytes=base.grads_bytes,
                   optim_bytes=base.optim_bytes, other_bytes=base.other_bytes, detail=dict(base.detail))
     # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
@@ -998,22 +997,23 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     k = knobs(fw)
     check_framework(k)
     check_interleaving(lay)
-    grid = lay.grid
+    tp, dp = lay.tp, lay.dp
     cache: dict[tuple, RankState] = {}
 
     def state(rank: int) -> RankState:
-        c = grid.coords(rank)
-        key = (c["pp"], c["dp"])  # TP ranks of a stage hold equal shapes
-        if key not in cache:
-            cache[key] = rank_state(model, lay, k, grid, rank)
-        return cache[key]
+        # Layout.grid order tp, cp, dp, dp_replicate, pp with cp = dp_replicate = 1 (refused above)
+        key = (rank // (tp * dp), rank // tp % dp)  # (stage, DP rank)
+        s = cache.get(key)
+        if s is None:
+            s = cache[key] = rank_state(model, lay, k, *key)
+        return s
 
-    st, d, _, _ = _heaviest_rank(model, lay.tp, lay.pp, lay.dp, lay.vp, k)
-    reps = [grid.rank({"pp": st, "dp": d})]
-    pl = Placement(framework="megatron", mode="faithful", model=model_dict(model),
-                   layout=lay.to_dict(), world=lay.world, rank_state=state, representatives=reps)
-    pl.notes.append("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py "
-                    "_compute_per_buffer_param_layout; master/Adam per DP byte range")
-    pl.notes.append("other: the local (non-TransformerEngine) spec's DotProductAttention keeps a "
-                    "[b*heads/tp, s, s] score buffer in GlobalMemoryBuffer; TE's fused attention (run.sh) does not")
-    return pl
+    st, d, _, _ = _heaviest_rank(model, tp, lay.pp, dp, lay.vp, k)
+    return Placement(framework="megatron", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
+                     world=lay.world, rank_state=state, representatives=[(st * dp + d) * tp], notes=list(_NOTES))
+
+
+_NOTES = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "
+          "master/Adam per DP byte range",
+          "other: the local (non-TransformerEngine) spec's DotProductAttention keeps a [b*heads/tp, s, s] score "
+          "buffer in GlobalMemoryBuffer; TE's fused attention (run.sh) does not")
