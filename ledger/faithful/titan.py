@@ -110,7 +110,6 @@ class _Sharded(NamedTuple):
     norm_full: int
     lm_full: int
     layer_full: int  # the same for one TransformerBlock (every block alike)
-    reps: tuple[int, ...]  # one shard rank per distinct state
 
 
 def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
@@ -177,14 +176,8 @@ def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, ha
             even += g.even * n
             for d0, rest in g.uneven:
                 uneven[d0] = uneven.get(d0, 0) + n * rest
-    # a rank's rows of a dim 0 of d0 rows are c (= ceil(d0/ds)) up to shard rank d0 // c, the rest
-    # there, none after: the state is constant between these shard ranks
-    reps = {0}
-    for d0 in uneven:
-        j = d0 // _chunk_rows(d0, ds)
-        reps.update(x for x in (j, j + 1) if x < ds)
     return _Sharded(n_params, padded, even, tuple(sorted(uneven.items())), emb.full, head.fulls[0], head.fulls[1],
-                    block.full, tuple(sorted(reps)))
+                    block.full)
 
 
 # torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE: the CP BlockMask's Q block
@@ -282,10 +275,11 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], 
 
     return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                      world=lay.world, rank_state=rank_state,
-                     # a state only changes where an unevenly split dim 0 does: one rank per such
-                     # stretch of shard ranks of each kind of stage covers them all
-                     representatives=[grid.rank({"dp": k // cp, "cp": k % cp, "pp": s})
-                                      for s in kinds for k in shs[s].reps])
+                     # shard rank 0 holds a full chunk (_rows_of: ceil(d0/ds) rows) of every dim 0, as
+                     # many as any shard rank, and its stage's other bytes are its stage's: the first
+                     # stage of each kind, at shard rank 0 (its first rank), is as loaded as any rank
+                     # of that kind and comes first (test: per_gpu is the walk over every rank's)
+                     representatives=[grid.rank({"dp": 0, "cp": 0, "pp": s}) for s in kinds])
 
 
 def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first, layers: int | None = None
