@@ -428,6 +428,14 @@ def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bo
     A, lbase = lc[k], hc[h]
     tbase = lbase + layers * A
     P = h + layers * k + t
+    if bucket_size is None and not (shared and (first or last)):
+        # one bucket: _walk_buckets' single step (i = P - 1, j = 0) in arithmetic
+        pend = tbase + tr[-1] if t else lbase + (layers - 1) * A + lr[-1]
+        div = math.lcm(dp, 128)
+        numel = -(-pend // div) * div if dist_opt else pend
+        if summary:
+            return numel, numel // dp
+        return _ZERO, _ZERO, np.array([numel], np.int64)
 
     def cum(g):
         if g < h:
