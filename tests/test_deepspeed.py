@@ -407,28 +407,37 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
 
 
 
-def test_zero3_block_skipping_is_the_event_replay():
-    """The coordinator replay's fast path (whole decoder blocks skipped once the replay repeats itself)
+def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
+    """The coordinator replay's fast path (whole decoder blocks skipped once the replay repeats itself;
+    a pass's backward taken from the first complete pass's when their states agree where it starts)
     against the event-by-event replay, over models (tied, layernorm with biases, no SwiGLU), persistence
     thresholds, prefetch / max live / reuse-distance budgets (per-module fetch, budgets that bind, the
-    defaults' scale) and micro-batches: every pass's all-gathers and end state equal; the fast path
-    does skip blocks."""
+    defaults' scale; (100_000, 200_000, 10**6) at threshold 20_000 fails if the backward is taken
+    whatever n_avail's drift does to the caps) and micro-batches: every pass's all-gathers and end state
+    equal; the fast path does skip blocks and take backwards."""
     import dataclasses
     import itertools
 
+    from ledger.faithful import deepspeed_coordinator
     from ledger.faithful.deepspeed_coordinator import _z3_fetches, _z3_sim
+
+    taken = []
+    same = deepspeed_coordinator._Caps.same
+    monkeypatch.setattr(deepspeed_coordinator._Caps, "same", lambda *a: taken.append(same(*a)) or taken[-1])
 
     tiny = preset("tiny", layers=12)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
               dataclasses.replace(tiny, swiglu=False)]
     budgets = [(0, 10**9, 0), (1000, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000),
-               (50_000, 20_000, 10**7), (200_000, 10**9, 300_000), (5 * 10**7, 10**9, 10**9), (400_000, 500_000, 10**6)]
+               (50_000, 20_000, 10**7), (200_000, 10**9, 300_000), (5 * 10**7, 10**9, 10**9), (400_000, 500_000, 10**6),
+               (100_000, 200_000, 10**6)]
     n = 0
     for shape, th, (pf, ml, rd), m in itertools.product(models, (0, 20_000, 100_000), budgets, (1, 2, 3)):
         fast = _z3_fetches(shape, m, th, pf, ml, rd, True)
         assert fast == _z3_fetches(shape, m, th, pf, ml, rd, False), (shape, th, pf, ml, rd, m)
         n += bool(_z3_sim(shape, th, pf, ml, rd, m > 1, True).rules)
     assert n > 100  # most configurations skip
+    assert sum(taken) > 20 and not all(taken), (sum(taken), len(taken))  # backwards taken, some refused (caps)
     big = preset("llama3_70b")
     for m in (1, 2, 8):
         assert _z3_fetches(big, m, 100_000, 5 * 10**7, 10**9, 10**9, True) == \

@@ -224,6 +224,28 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
                     tuple(periods))
 
 
+class _Caps:
+    """The caps of a stretch of prefetches, min(max_live - n_avail, prefetch_bucket): the most n_avail of
+    those capped at the prefetch bucket, the least of those capped at nothing (max_live reached),
+    whether one was capped in between (its cap then moves with n_avail)."""
+
+    def __init__(self):
+        self.full_hi, self.none_lo, self.mid = -_INF, _INF, False
+
+    def add(self, full_hi, none_lo, mid: bool, drift: int = 0, k: int = 1):
+        """A block's (full_hi, none_lo, mid), repeated k times with n_avail moved by drift, 2*drift ..
+        k*drift (k = 1, drift = 0: the block itself)."""
+        lo, hi = sorted((drift, k * drift))
+        self.full_hi = max(self.full_hi, full_hi + hi)
+        self.none_lo = min(self.none_lo, none_lo + lo)
+        self.mid = self.mid or mid
+
+    def same(self, drift: int, prefetch: int, max_live: int) -> bool:
+        """Whether every cap stays what it was with n_avail moved by drift."""
+        return not drift or not self.mid and self.full_hi + drift <= max_live - prefetch and \
+            self.none_lo + drift >= max_live
+
+
 class _Z3Sim:
     """partitioned_param_coordinator.py PartitionedParameterCoordinator, replayed over _z3_trace's
     events. A pass is one forward + backward (reset_step at its start); it returns the all-gather
@@ -248,6 +270,10 @@ class _Z3Sim:
         # entries are block r0's shifted (_cached)
         self.rules: list[tuple[int, int, int]] = []
         self.memo: dict[frozenset, tuple] = {}
+        # the first complete pass's backward, by its state where the backward run starts (q, avail: run):
+        # its all-gather calls from there on, the params gathered at its end, n_avail there and its
+        # prefetches' caps from there on (_Caps)
+        self.backward: dict[tuple, tuple[Counter, frozenset, int, _Caps]] = {}
         self.end_hi = 0  # the furthest step a reuse-distance walk examined (the fast path's horizon)
 
     def _to_release(self, mo: int, step: int, recent) -> frozenset:
@@ -341,8 +367,32 @@ class _Z3Sim:
         # least of those capped at nothing (max_live reached), whether one was capped in between
         full_hi, none_lo, mid = -_INF, _INF, False
         e, n_ev = 0, len(kinds)
+        # the first complete pass where the backward run starts: (its state, n_avail, calls and skipped
+        # calls so far); caps: its prefetches' caps from there on
+        half, caps = None, _Caps()
         while e < n_ev:
             if e == nxt:
+                if half is not None:
+                    caps.add(full_hi, none_lo, mid)
+                if d == 1 and r == 0 and not record:
+                    # the backward run starts: the state is (q, avail, n_avail), as active, bwd_active and
+                    # step follow from the event and recent from q (every pop sets the popped param's recent
+                    # to its step, popped in step order), and n_avail only sets the prefetches' caps. A pass
+                    # reading the cache from the first complete pass's state here, or with n_avail moved
+                    # by a drift that leaves every cap what it was, makes the rest of that pass: it reads
+                    # the entries that pass computed from the same state (so they are also what a first
+                    # pass would compute)
+                    at = (q, bytes(avail))
+                    if fill:
+                        half = (at, n_avail, len(calls), skipped.copy())
+                    elif (rest := self.backward.get(at)) is not None and \
+                            rest[3].same(n_avail - rest[2], self.pf, self.ml):
+                        out_calls = Counter(calls)
+                        out_calls.update(skipped)
+                        out_calls.update(rest[0])
+                        out = self.memo[start] = (out_calls, rest[1])
+                        self.as_first[start] = self._now_first
+                        return out
                 if r + 1 < tr.layers:
                     nxt += periods[d].E
                 else:
@@ -353,6 +403,9 @@ class _Z3Sim:
                 jump = self._skip(snap, cur, calls, skipped, fill, record) if snap is not None and snap[0] == d else 0
                 if jump:
                     pr = tr.periods[d]
+                    if half is not None:  # the skipped blocks' caps: block b's, n_avail moved by 1..jump drifts
+                        drift = n_avail - snap[4]
+                        caps.add(cur[10], cur[11], cur[12], drift, jump)
                     avail[:] = self._avail
                     n_avail += jump * (n_avail - snap[4])
                     if not record:
@@ -453,6 +506,11 @@ class _Z3Sim:
         out_calls = Counter(calls)
         out_calls.update(skipped)
         out = (out_calls, frozenset(compress(range(len(avail)), avail)))
+        if half is not None:
+            caps.add(full_hi, none_lo, mid)
+            rest = Counter(calls[half[2]:])
+            rest.update(skipped - half[3])
+            self.backward[half[0]] = (rest, out[1], half[1], caps)
         if not record:
             self.memo[start] = out
             self.as_first[start] = fill or self._now_first
