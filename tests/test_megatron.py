@@ -339,20 +339,96 @@ def test_faithful_ledger_refuses_what_it_does_not_model():
     L.place(model, _lay(tp=2, pp=2, dp=1, sequence_parallel=True), _fw())
 
 
-@pytest.mark.parametrize("pp,vp,m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (3, 4, 3)])
-def test_interleaved_p2p_pairs_every_send_with_a_receive(pp, vp, m):
-    """Replaying the interleaved schedule: each of the pp*vp-1 virtual-stage boundaries carries one
-    activation forward and one grad backward per micro-batch, each a send on one stage and a
-    receive on its neighbour; the first stage receives no activation for chunk 0, the last sends none
-    from its last chunk."""
-    per_stage = [L.interleaved_p2p(pp, s, vp, m) for s in range(pp)]
-    crossings = 2 * (pp * vp - 1) * m
-    assert sum(x for x, _ in per_stage) == crossings
-    assert sum(y for _, y in per_stage) == crossings
-    # inner stages send and receive vp boundaries each way; the ends one fewer
-    for s, (sent, received) in enumerate(per_stage):
-        ends = (s == 0) + (s == pp - 1)
-        assert sent == received == 2 * m * vp - ends * m, (s, sent, received)
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16])
+def test_interleaved_p2p_pairs_every_send_with_a_receive(pp):
+    """Replaying the interleaved schedule (interleaved_p2p below, schedules.py's control flow): each of
+    the pp*vp-1 virtual-stage boundaries carries one activation forward and one grad backward per
+    micro-batch, each a send on one stage and a receive on its neighbour; the first stage receives no
+    activation for chunk 0, the last sends none from its last chunk. These are the counts the ledger
+    uses (_comm), checked on the pp stages' collectives of a predicted layout too."""
+    for vp in (2, 3, 4):
+        for m in range(pp, 8 * pp + 1, pp):  # check_interleaving: m a multiple of pp
+            per_stage = [interleaved_p2p(pp, s, vp, m) for s in range(pp)]
+            crossings = 2 * (pp * vp - 1) * m
+            assert sum(x for x, _ in per_stage) == crossings
+            assert sum(y for _, y in per_stage) == crossings
+            # inner stages send and receive vp boundaries each way; the ends one fewer
+            for s, (sent, received) in enumerate(per_stage):
+                ends = (s == 0) + (s == pp - 1)
+                assert sent == received == 2 * m * vp - ends * m, (s, sent, received)
+    model = ModelShape(layers=4 * pp, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128, seq_len=16)
+    lay = _lay(pp=pp, vp=2, dp=1, global_batch_size=2 * pp)
+    pl = L.place(model, lay, _fw())
+    for s in range(pp):
+        (c,) = [c for c in pl.rank_state(lay.grid.rank({"pp": s})).comm if c.dim == "pp" and c.kind == "send_recv"]
+        assert c.count == sum(interleaved_p2p(pp, s, 2, 2 * pp))
+
+
+def _schedule_table(m: int, vp: int, group: int) -> list[tuple[int, int]]:
+    """schedules.py get_schedule_table: (microbatch id, model chunk id) per virtual micro-batch."""
+    out = []
+    for lo in range(0, m, group):
+        hi = m if lo + group >= m else lo + group
+        out += [(mb, ch) for ch in range(vp) for mb in range(lo, hi)]
+    return out
+
+
+def interleaved_p2p(pp: int, stage: int, vp: int, m: int) -> tuple[int, int]:
+    """(tensors sent, tensors received) by one stage in one forward_backward_pipelining_with_interleaving
+    call, replaying its control flow with overlap_p2p_comm and overlap_p2p_comm_warmup_flush off
+    (the launcher's config): get_pp_rank_microbatches (warm-up length), recv_tensor_from_previous_stage
+    (the leading stage receives nothing for its first pp-1 virtual micro-batches and nothing for the
+    last chunk's), the first stage's first chunk sends no input grad, the last stage's last chunk no
+    output; p2p_communication.py _communicate posts one isend / irecv per non-None tensor / recv flag."""
+    group = pp  # microbatch_group_size_per_vp_stage
+    total = m * vp
+    table = _schedule_table(m, vp, group)
+    first, last = stage == 0, stage == pp - 1
+    warm = (pp - stage - 1) * 2 + (vp - 1) * group
+    all_warm = warm >= total
+    warm = min(warm, total)
+    remaining = total - warm
+
+    def chunk(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else vp - 1 - c
+
+    def recv_from_prev(k: int, forward: bool) -> bool:
+        leading = first if forward else last
+        if not leading:
+            return True
+        end_chunk = vp - 1 if forward else 0
+        nxt = chunk(k + 1, forward) if k < pp - 1 else chunk(k - (pp - 1), forward)
+        return k >= pp - 1 and nxt != end_chunk
+
+    sent = received = 0
+    received += not first  # recv_forward for chunk 0 (none on the first stage)
+    for k in range(warm):
+        recv_prev = recv_from_prev(k, True) and k != total - 1
+        out = not (chunk(k, True) == vp - 1 and last)
+        sent += out
+        received += recv_prev
+        if k == warm - 1 and not all_warm:  # send_forward_backward_recv_forward_backward
+            received += not last
+    for k in range(remaining):
+        fk = k + warm
+        out = not (chunk(fk, True) == vp - 1 and last)
+        grad = not (chunk(k, False) == 0 and first)
+        recv_prev = recv_from_prev(fk, True) and k != remaining - 1
+        recv_next = recv_from_prev(k, False)
+        sent += out + grad
+        received += recv_prev + recv_next
+    if all_warm:
+        received += not last  # recv_backward for the last chunk
+    for k in range(remaining, total):
+        grad = not (chunk(k, False) == 0 and first)
+        recv_next = recv_from_prev(k, False) and k != total - 1
+        sent += grad
+        received += recv_next
+    return sent, received
+
+
+
 
 
 def test_interleaved_buffers_one_per_chunk():

@@ -679,16 +679,17 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     chunk from its pattern's param offsets and bucket walk (_tiled_ranks), without building the
     buffer; otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
-    if vp == 1:
-        layers, first, last = _stage_shape(model, pp, st, vp, 0)
-        parts = _pattern(model, tp, first, last, True)
-        if _pattern_contiguous(parts):
-            cum = _pattern_cum(parts, layers)
-            e, p = _tiled_ranks(cum, *_chunk_buckets(model, tp, layers, first, last, effective_bucket_size(k, dp, st, 0),
-                                                     dp, True), dp)
-            d = int(np.argmax(w[0] * e + w[1] * p))
-            return d, int(e[d]), int(p[d])
-    return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
+    shapes = [_stage_shape(model, pp, st, vp, ch) for ch in range(vp)]
+    parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
+    if not all(_pattern_contiguous(x) for x in parts):
+        return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
+    e = p = 0
+    for ch, ((layers, first, last), part) in enumerate(zip(shapes, parts)):  # one buffer per chunk
+        ce, cp = _tiled_ranks(_pattern_cum(part, layers), *_chunk_buckets(
+            model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True), dp)
+        e, p = e + ce, p + cp
+    d = int(np.argmax(w[0] * e + w[1] * p))
+    return d, int(e[d]), int(p[d])
 
 
 def _optim_weights(fw) -> tuple[int, int]:
@@ -891,7 +892,13 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list:
     # the sequence-sharded tensor [s/tp, b, h]
     if pp > 1 and lay.vp > 1:
         shard = sbh // (tp if sp else 1)
-        sent, received = interleaved_p2p(pp, stage, lay.vp, m)
+        # forward_backward_pipelining_with_interleaving (overlap_p2p_comm and
+        # overlap_p2p_comm_warmup_flush off, the launcher's config): every virtual micro-batch sends its
+        # activations to the next stage except out of the last stage's last chunk, and its grads to the
+        # previous stage except from the first stage's first chunk; each is received by that
+        # neighbour. test_megatron.py replays the schedule's control flow (get_schedule_table,
+        # recv_tensor_from_previous_stage, ...) and checks these counts against it
+        sent = received = 2 * m * lay.vp - m * first - m * last
         what = "activations / activation grads, interleaved (schedules.py, p2p_communication.py)"
         cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt, what=what, times=sent)
         cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt, what=what, times=received)
@@ -914,71 +921,6 @@ def check_interleaving(lay: Layout) -> None:
         raise ConfigError(f"megatron: vp={lay.vp}: layout.global_batch_size={lay.global_batch_size} gives "
                           f"num_microbatches={m} (global_batch_size / (micro_batch_size*dp)), which must be a "
                           f"multiple of pp={lay.pp} for the interleaved schedule")
-
-
-def _schedule_table(m: int, vp: int, group: int) -> list[tuple[int, int]]:
-    """schedules.py get_schedule_table: (microbatch id, model chunk id) per virtual micro-batch."""
-    out = []
-    for lo in range(0, m, group):
-        hi = m if lo + group >= m else lo + group
-        out += [(mb, ch) for ch in range(vp) for mb in range(lo, hi)]
-    return out
-
-
-@lru_cache(maxsize=4096)  # layouts of a search with equal (pp, m) share it
-def interleaved_p2p(pp: int, stage: int, vp: int, m: int) -> tuple[int, int]:
-    """(tensors sent, tensors received) by one stage in one forward_backward_pipelining_with_interleaving
-    call, replaying its control flow with overlap_p2p_comm and overlap_p2p_comm_warmup_flush off
-    (the launcher's config): get_pp_rank_microbatches (warm-up length), recv_tensor_from_previous_stage
-    (the leading stage receives nothing for its first pp-1 virtual micro-batches and nothing for the
-    last chunk's), the first stage's first chunk sends no input grad, the last stage's last chunk no
-    output; p2p_communication.py _communicate posts one isend / irecv per non-None tensor / recv flag."""
-    group = pp  # microbatch_group_size_per_vp_stage
-    total = m * vp
-    table = _schedule_table(m, vp, group)
-    first, last = stage == 0, stage == pp - 1
-    warm = (pp - stage - 1) * 2 + (vp - 1) * group
-    all_warm = warm >= total
-    warm = min(warm, total)
-    remaining = total - warm
-
-    def chunk(k: int, forward: bool) -> int:
-        c = table[k % total][1]
-        return c if forward else vp - 1 - c
-
-    def recv_from_prev(k: int, forward: bool) -> bool:
-        leading = first if forward else last
-        if not leading:
-            return True
-        end_chunk = vp - 1 if forward else 0
-        nxt = chunk(k + 1, forward) if k < pp - 1 else chunk(k - (pp - 1), forward)
-        return k >= pp - 1 and nxt != end_chunk
-
-    sent = received = 0
-    received += not first  # recv_forward for chunk 0 (none on the first stage)
-    for k in range(warm):
-        recv_prev = recv_from_prev(k, True) and k != total - 1
-        out = not (chunk(k, True) == vp - 1 and last)
-        sent += out
-        received += recv_prev
-        if k == warm - 1 and not all_warm:  # send_forward_backward_recv_forward_backward
-            received += not last
-    for k in range(remaining):
-        fk = k + warm
-        out = not (chunk(fk, True) == vp - 1 and last)
-        grad = not (chunk(k, False) == 0 and first)
-        recv_prev = recv_from_prev(fk, True) and k != remaining - 1
-        recv_next = recv_from_prev(k, False)
-        sent += out + grad
-        received += recv_prev + recv_next
-    if all_warm:
-        received += not last  # recv_backward for the last chunk
-    for k in range(remaining, total):
-        grad = not (chunk(k, False) == 0 and first)
-        recv_next = recv_from_prev(k, False) and k != total - 1
-        sent += grad
-        received += recv_next
-    return sent, received
 
 
 def check_framework(fw) -> None:
