@@ -400,7 +400,6 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
     return fixed, fixed + w_elem * (sum(x[3] for x in summaries) if dist_opt else real) + w_piece * params
 
 
-@lru_cache(maxsize=4096)
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int]:
     """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
@@ -668,10 +667,11 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     return _most_loaded(classes, dp, dist_opt, *w)
 
 
-def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> list[tuple]:
+@lru_cache(maxsize=4096)
+def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[tuple, ...]:
     """_chunk_summary of each of a stage's chunks."""
-    return [_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch), dp,
-                           k.use_distributed_optimizer) for ch in range(vp)]
+    return tuple(_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch), dp,
+                           k.use_distributed_optimizer) for ch in range(vp))
 
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
