@@ -393,11 +393,11 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
     """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
     elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
     elements and every parameter a piece (exact without the distributed optimizer: every rank owns all)."""
-    numel = sum(x[0] for x in summaries)
-    real = sum(x[1] for x in summaries)
-    params = sum(x[2] for x in summaries)
+    numel = real = params = full = 0
+    for x in summaries:
+        numel, real, params, full = numel + x[0], real + x[1], params + x[2], full + x[3]
     fixed = pb * (numel if dist_opt else real) + gb * numel
-    return fixed, fixed + w_elem * (sum(x[3] for x in summaries) if dist_opt else real) + w_piece * params
+    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * params
 
 
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
@@ -405,8 +405,14 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
     """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
     without its per-param arrays: _pattern_walk."""
     numel, full = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
-    (hn, _, _), (ln, _, _), (tn, _, _) = _pattern(model, tp, first, last, dist_opt)
-    return numel, sum(hn) + layers * sum(ln) + sum(tn), len(hn) + layers * len(ln) + len(tn), full
+    (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
+    return numel, hreal + layers * lreal + treal, hn + layers * ln + tn, full
+
+
+@lru_cache(maxsize=1024)
+def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
+    """(elements, params) of each run of _pattern."""
+    return tuple((sum(n), len(n)) for n, _, _ in _pattern(model, tp, first, last, False))
 
 
 @lru_cache(maxsize=4096)
