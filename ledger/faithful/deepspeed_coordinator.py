@@ -376,8 +376,9 @@ class _Z3Sim:
                     caps.add(full_hi, none_lo, mid)
                 if d == 1 and r == 0 and not record:
                     # the backward run starts: the state is (q, avail, n_avail), as active, bwd_active and
-                    # step follow from the event and recent from q (every pop sets the popped param's recent
-                    # to its step, popped in step order), and n_avail only sets the prefetches' caps. A pass
+                    # step follow from the event and recent from q as far as the backward reads it (every
+                    # pop sets the popped param's recent to its step, popped in step order; the backward
+                    # tells a forward step from `never` nowhere), and n_avail only sets the prefetches' caps. A pass
                     # reading the cache from the first complete pass's state here, or with n_avail moved
                     # by a drift that leaves every cap what it was, makes the rest of that pass: it reads
                     # the entries that pass computed from the same state (so they are also what a first
@@ -409,9 +410,14 @@ class _Z3Sim:
                     avail[:] = self._avail
                     n_avail += jump * (n_avail - snap[4])
                     if not record:
-                        # the skipped pops, in order (recent: the last one's step)
-                        deque(map(recent.__setitem__, qp[q:q + jump * pr.Q], qs[q:q + jump * pr.Q]), maxlen=0)
-                        q += jump * pr.Q
+                        # the skipped pops, in order (recent: the last one's step), of the blocks after the
+                        # skipped ones (the prefetch ran ahead into them): a skipped block's params are not
+                        # read again in this run, and the backward (or the next pass) compares their recent
+                        # only with its later steps, where a forward step reads as `never`
+                        lo, hi = max(q, pr.q0 + (r + jump) * pr.Q), q + jump * pr.Q
+                        if lo < hi:
+                            deque(map(recent.__setitem__, qp[lo:hi], qs[lo:hi]), maxlen=0)
+                        q = hi
                     step += jump * pr.S
                     e += jump * pr.E
                     nxt = periods[1].e0 if d == 0 else -1  # no more skips in this run
