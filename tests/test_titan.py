@@ -726,3 +726,15 @@ def test_sharded_part_is_the_sum_over_every_param():
                     assert {f: getattr(sh, f) for f in ref} == ref, (m, tp, ds, e, n, h)
                     assert held == [sh.even + sum(L._rows_of(d0, ds, k) * r for d0, r in sh.uneven)
                                     for k in range(ds)]
+
+
+def test_mesh_labels_are_the_grids():
+    """_mesh_labels (cached per which of cp, dp, dp_replicate exceed 1) equals Grid.label_of."""
+    from itertools import product
+
+    from ledger.grid import Grid
+
+    for tp, cp, dp, rep, pp in product((1, 2), (1, 2, 4), (1, 3), (1, 2), (1, 2)):
+        g = Grid(tp=tp, cp=cp, dp=dp, dp_replicate=rep, pp=pp)
+        assert L._mesh_labels(g) == (g.label_of(("cp", "dp")), g.label_of(("dp", "dp_replicate")),
+                                     g.label_of(("cp", "dp", "dp_replicate"))), g

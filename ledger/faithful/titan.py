@@ -149,15 +149,13 @@ def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
     out = []
     for g in _dims(model, tp):
         fulls = tuple([_padded_full(d0, rest, ds) for d0, rest in g])
-        padded = even = 0
+        full = even = sum(fulls)  # each a multiple of ds: its local shard (chunk rows x rest) is full // ds
         uneven: dict[int, int] = {}
-        for (d0, rest), full in zip(g, fulls):
-            padded += full // ds  # the local shard: chunk rows x rest
-            if d0 % ds:
-                uneven[d0] = uneven.get(d0, 0) + rest
-            else:
-                even += full // ds  # all its chunk rows are real ones
-        out.append(_Group(len(g), padded, even, tuple(uneven.items()), sum(fulls), fulls))
+        for i in [i for i, (d0, _) in enumerate(g) if d0 % ds]:
+            d0, rest = g[i]
+            uneven[d0] = uneven.get(d0, 0) + rest
+            even -= fulls[i]  # even: all its chunk rows are real ones
+        out.append(_Group(len(g), full // ds, even // ds, tuple(uneven.items()), full, fulls))
     return tuple(out)
 
 
@@ -233,7 +231,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # as _comm(steady=False), for a fraction of the work); a search never reads it
     def first_comm():  # shared by the states of every rank, like the steady list
         if False not in memo:
-            memo[False] = _first_step(steady_comm(), sh, ds, grid.label_of(("cp", "dp")))
+            memo[False] = _first_step(steady_comm(), sh, ds, _mesh_labels(grid)[0])
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
@@ -324,12 +322,25 @@ def _first_step(steady: list[Comm], sh: _Sharded, ds: int, fsdp_dim: str) -> lis
     return out
 
 
+@lru_cache(maxsize=8)
+def _labels_of(cp: bool, dp: bool, dp_replicate: bool) -> tuple[str, str, str]:
+    g = Grid(cp=1 + cp, dp=1 + dp, dp_replicate=1 + dp_replicate)
+    return g.label_of(("cp", "dp")), g.label_of(("dp", "dp_replicate")), g.label_of(("cp", "dp", "dp_replicate"))
+
+
+def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
+    """Grid.label_of of the fsdp (cp, dp), batch (dp, dp_replicate) and loss (cp, dp, dp_replicate)
+    meshes. A label names the dims of size > 1: one Grid per which of cp, dp, dp_replicate are
+    makes them (cached; test: equal to grid.label_of)."""
+    return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
+
+
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
     cb = CommBuilder()
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
     grid = grid or lay.grid  # lay.grid, passed where the caller has it
-    fsdp = grid.label_of(("cp", "dp"))  # the "fsdp" mesh: dp_shard x cp
+    fsdp, batch_dim, loss_dim = _mesh_labels(grid)  # the "fsdp" mesh: dp_shard x cp
     head = sh.norm_full + sh.lm_full
 
     def ag(full, what, count=1):  # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit
@@ -367,8 +378,7 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
     # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
     bsize = lay.dp_shard * rep
-    cb.add(grid.label_of(("dp", "dp_replicate")), "all_reduce", 8, bsize, "int64", what="valid tokens")
-    loss_dim = grid.label_of(("cp", "dp", "dp_replicate"))
+    cb.add(batch_dim, "all_reduce", 8, bsize, "int64", what="valid tokens")
     cb.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", what="ntokens_seen")
     cb.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", count=2, what="loss sum, loss max")
     if cp > 1:
@@ -524,10 +534,17 @@ _MM_AS_IS = {(pa, pb): out for out, pa, pb in _MM}
 
 
 def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
-    """_mm without pricing where a strategy takes the inputs as they are: its cost -1.0 is below
-    every priced one (>= 0), so _mm keeps it; no collective, not priced (test: equal to _mm)."""
+    """_mm without its loop: where a strategy takes the inputs as they are, its cost -1.0 is below
+    every priced one (>= 0), so _mm keeps it (no collective, not priced); else every strategy is
+    priced and _mm keeps the first of minimal summed cost, which min and index find (test: equal
+    to _mm)."""
     out = _MM_AS_IS.get((a[0], b[0]))
-    return (out, [], False) if out is not None else _mm(a, b, n)
+    if out is not None:
+        return out, [], False
+    move_a, move_b = _moves(*a, n, _MM_MAT1), _moves(*b, n, _MM_MAT2)
+    total = [move_a[pa][0] + move_b[pb][0] for _, pa, pb in _MM]
+    out, pa, pb = _MM[total.index(min(total))]
+    return out, [(k, numel) for k, numel in ((move_a[pa][1], a[1]), (move_b[pb][1], b[1])) if k], True
 
 
 @lru_cache(maxsize=1024)
@@ -683,7 +700,7 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
     has_emb, _, L, has_head = stage
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
     grid = grid or lay.grid
-    fsdp = grid.label_of(("cp", "dp"))
+    fsdp = _mesh_labels(grid)[0]
     head = sh.norm_full + sh.lm_full
 
     def ag(full, what, count=1):
