@@ -490,7 +490,7 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: _fresh(_zero3_steady(*key))
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
-    s.comm_warmup = [_fresh(_zero3_comm(*key)[2])] if m == 1 else None
+    s.comm_warmup = [_fresh(_zero3_warmup(*key))] if m == 1 else None
     return s
 
 
@@ -578,27 +578,39 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
         return (), (), (None if m > 1 else ())
     w = _DTYPES[precision]
     t = precision  # the dtype of the param all-gathers and gradient reduce-scatters
-    record, rest0, steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)
+    record, rest0, _ = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)
 
     def common(out: CommBuilder) -> CommBuilder:
         return _zero3_common(out, model, dp, m, threshold, bucket, precision)
 
-    steady_ag = _gathers(steady_calls, dp, w)
     steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision)
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
     first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
     first.add_calls("dp", "broadcast", "int64", *_calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
-    trace = _trace_checks(model, threshold, dp)
     if m == 1:
-        # step 1 starts with the trace completion, then runs as steady state
-        warmup = CommBuilder().add_calls("dp", "all_gather", t, *steady_ag, _STEADY_WHAT)
-        warmup.add_calls("dp", "broadcast", "int64", *trace, "trace checks (reset_step completing the trace)")
-        return steady, tuple(common(first).build()), tuple(common(warmup).build())
+        return steady, tuple(common(first).build()), _zero3_warmup(model, dp, m, threshold, bucket, prefetch, max_live,
+                                                                   reuse, precision)
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
-    first.add_calls("dp", "broadcast", "int64", *trace, "trace checks (reset_step completing the trace)")
+    first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp),
+                    "trace checks (reset_step completing the trace)")
     first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
     return steady, tuple(common(first).build()), None
+
+
+@lru_cache(maxsize=1024)
+def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
+                  reuse: int, precision: str) -> tuple[Comm, ...]:
+    """_zero3_comm's step 1 (one micro-batch; built apart: a RankState holds it from the start): it
+    starts with the trace completion, then runs as steady state."""
+    if dp == 1:
+        return ()
+    steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)[2]
+    warmup = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
+                                     _STEADY_WHAT)
+    warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp),
+                     "trace checks (reset_step completing the trace)")
+    return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision).build())
 
 
 def _trace_checks(model: ModelShape, threshold: int, dp: int) -> _Calls:
