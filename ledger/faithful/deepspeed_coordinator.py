@@ -448,7 +448,12 @@ class _Z3Sim:
                             n_avail += numel_[p]
                 if not record:
                     # pop the module's own params off the fetch queue (unless a prefetch already did)
-                    if todo:
+                    if len(todo) == 1:  # the loop below, for one param
+                        if q >= nq or qp[q] != todo[0]:
+                            raise RuntimeError("ZeRO-3 trace replay diverged")
+                        recent[todo[0]] = qs[q]
+                        q += 1
+                    elif todo:
                         seen = set()
                         while q < nq and len(seen) < len(todo):
                             p = qp[q]
@@ -567,16 +572,20 @@ class _Z3Sim:
             lo, hi = sorted((pr.p_lo + r0 * dP, pr.p_lo + r1 * dP))
             return lst[lo:hi + nb]
 
+        def busy(lst, r0, r1):  # any(blocks(...)) of a list of ints, at C speed
+            got = blocks(lst, r0, r1)
+            return got.count(0) != len(got)
+
         if blocks(avail_b, rb, rb + h) != blocks(avail_c, rc, rc + h) or \
-                any(blocks(active_b, rb, rb + h)) or any(blocks(active_c, rc, rc + h)):
+                busy(active_b, rb, rb + h) or busy(active_c, rc, rc + h):
             return 0
         # blocks c+h+1.. like block c+h (untouched so far, so as at the pass's start); k-1 of them needed
         far = blocks(avail_c, rc + h, rc + h)
         n = L - 1 - rc - h  # blocks after c+h
-        if n and not (blocks(avail_c, rc + h + 1, L - 1) == far * n and not any(blocks(active_c, rc + h + 1, L - 1))):
+        if n and not (blocks(avail_c, rc + h + 1, L - 1) == far * n and not busy(active_c, rc + h + 1, L - 1)):
             n = 0
             while rc + h + n + 1 <= L - 1 and blocks(avail_c, rc + h + n + 1, rc + h + n + 1) == far and \
-                    not any(blocks(active_c, rc + h + n + 1, rc + h + n + 1)):
+                    not busy(active_c, rc + h + n + 1, rc + h + n + 1):
                 n += 1
         k = n + 1  # also keeps block c+k-1's pops inside the run
         if drift > 0 and full_hi > -_INF:
