@@ -25,6 +25,10 @@ is per (model, persistence threshold, budgets, micro-batches), in elements, and 
 Every decoder block is the same: IPG buckets are counted a block at a time until the bucket open at a
 block start repeats (_by_blocks), and the replay skips whole blocks once its state repeats
 (deepspeed_coordinator._Z3Sim._skip); both are tested against the walk over every parameter / event.
+Passes are shared where provably the same: a pass's backward is the first complete pass's when their
+states agree where it starts, and with one micro-batch step 1's pass is the gradient-accumulation
+coordinator's pass from the same start when every cached release it read is what a fresh coordinator
+would compute (_Z3Sim.as_first); both are tested against the event replay too.
 """
 from __future__ import annotations
 

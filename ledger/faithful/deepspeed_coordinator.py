@@ -253,7 +253,8 @@ class _Z3Sim:
     sorted numel of those params) and the params still gathered after it (release_backward_leftovers
     done). Passes after the first complete one are memoized per starting state.
 
-    periodic: skip whole blocks once the replay repeats itself (_skip); False replays every event
+    periodic: skip whole blocks once the replay repeats itself (_skip), and take a later pass's
+    backward from the first complete pass's where their states agree (run); False replays every event
     (the reference the fast path is tested against)."""
 
     def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int, periodic: bool = True):
