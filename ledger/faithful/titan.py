@@ -235,7 +235,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    pl = _placement(model, lay, grid, [sh], [0], lambda s, k: _state(model, sh, k, ds, steady_comm, first))
+    pl = _placement(model, lay, grid, [sh], 0, lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
@@ -248,13 +248,13 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     return pl
 
 
-def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], kinds: list[int],
+def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], heaviest: int,
                state: Callable[[int, int], RankState]) -> Placement:
     """The Placement of place and _place_pp: a rank's state depends on its pipeline stage s (0
     without PP; shs[s] its modules' _Sharded) and its FSDP shard rank k alone (state(s, k) makes
     it); ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does
     not split evenly give different shard ranks different rows: (s, those rows) key the shared
-    states. kinds: one stage per distinct set of modules (others hold the same bytes)."""
+    states. heaviest: the first stage of the most-loaded kind (0 without PP)."""
     cp = lay.cp
     ds = lay.dp_shard * cp
     cache: dict = {}
@@ -274,28 +274,35 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], 
     return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
                      world=lay.world, rank_state=rank_state,
                      # shard rank 0 holds a full chunk (_rows_of: ceil(d0/ds) rows) of every dim 0, as
-                     # many as any shard rank, and its stage's other bytes are its stage's: the first
-                     # stage of each kind, at shard rank 0 (its first rank), is as loaded as any rank
-                     # of that kind and comes first (test: per_gpu is the walk over every rank's)
-                     representatives=[grid.rank({"dp": 0, "cp": 0, "pp": s}) for s in kinds])
+                     # many as any shard rank, and its stage's other bytes are its stage's: the
+                     # heaviest stage's shard rank 0 (its first rank) is as loaded as any rank and
+                     # comes first (test: per_gpu is the walk over every rank's)
+                     representatives=[grid.rank({"dp": 0, "cp": 0, "pp": heaviest})])
 
 
-def _state(model: ModelShape, sh: _Sharded, k: int, ds: int, comm_fn, comm_first, layers: int | None = None
-           ) -> RankState:
-    s = RankState(comm_fn=comm_fn, comm_first=comm_first)
-    # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage
-    s.add("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32)
-    # _fsdp_collectives.py foreach_reduce: .grad views the padded reduce-scatter output; trainer
-    # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
-    s.add("grads_bytes", "fp32 grad shards (dim-0 padded)", sh.padded * F32)
+def _state_parts(model: ModelShape, sh: _Sharded, k: int, ds: int, layers: int | None = None
+                 ) -> list[tuple[str, str, int]]:
+    """(state, name, bytes) of shard rank k's resident state, in _state's order: a stage's load is
+    their sum, without a RankState."""
     # torch.optim.AdamW: exp_avg / exp_avg_sq like the unpadded local shard, 4-byte fp32 step
-    held = sh.even + sum(_rows_of(d0, ds, k) * rest for d0, rest in sh.uneven)
-    s.add("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32)
-    s.add("optim_bytes", "adam step", sh.n_params * F32)
-    # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x head_dim/2);
-    # CP shards the positions that index it (prepare_context_parallel_input), not the cache
-    s.add("other_bytes", "rope cache buffers",
-          (model.layers if layers is None else layers) * model.seq_len * (model.head_dim // 2) * 8)
+    held = sh.even + sum([_rows_of(d0, ds, k) * rest for d0, rest in sh.uneven])
+    # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage;
+    # _fsdp_collectives.py foreach_reduce: .grad views the padded reduce-scatter output, trainer
+    # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
+    return [("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32),
+            ("grads_bytes", "fp32 grad shards (dim-0 padded)", sh.padded * F32),
+            ("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32),
+            ("optim_bytes", "adam step", sh.n_params * F32),
+            # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x
+            # head_dim/2); CP shards the positions that index it (prepare_context_parallel_input)
+            ("other_bytes", "rope cache buffers",
+             (model.layers if layers is None else layers) * model.seq_len * (model.head_dim // 2) * 8)]
+
+
+def _state(parts: list[tuple[str, str, int]], comm_fn, comm_first) -> RankState:
+    s = RankState(comm_fn=comm_fn, comm_first=comm_first)
+    for state, name, nbytes in parts:
+        s.add(state, name, nbytes)
     return s
 
 
@@ -675,21 +682,27 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
             memo[s, first] = _pp_comm(model, lay, shs[s], stages[s], s, first, grid)
         return memo[s, first]
 
-    def state(s: int, k: int) -> RankState:
+    def parts(s: int, k: int) -> list[tuple[str, str, int]]:
         sh = shs[s]
-        st = _state(model, sh, k, ds, lambda: comm_of(s, False), lambda: comm_of(s, True), layers=stages[s][2])
-        st.stage = s
+        out = _state_parts(model, sh, k, ds, layers=stages[s][2])
         if stages[s][3] and lay.num_microbatches >= 2:
             # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
             # step's first reduce-scatter of a param makes its .grad a view of that output
             # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
             # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
             # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
-            st.add("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
-                   sh.lm_full // ds * F32)
+            out.append(("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
+                        sh.lm_full // ds * F32))
+        return out
+
+    def state(s: int, k: int) -> RankState:
+        st = _state(parts(s, k), lambda: comm_of(s, False), lambda: comm_of(s, True))
+        st.stage = s
         return st
 
-    return _placement(model, lay, grid, shs, list(kinds.values()), state)
+    # the most-loaded kind of stage, summed from its shard rank 0's parts (max: the first stage on ties)
+    load = {s: sum([b for _, _, b in parts(s, 0)]) for s in kinds.values()}
+    return _placement(model, lay, grid, shs, max(load, key=load.get), state)
 
 
 def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, int, int, bool], s: int,
