@@ -294,7 +294,8 @@ def _state_parts(model: ModelShape, sh: _Sharded, k: int, ds: int, layers: int |
             ("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32),
             ("optim_bytes", "adam step", sh.n_params * F32),
             # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x
-            # head_dim/2); CP shards the positions that index it (prepare_context_parallel_input)
+            # head_dim/2); CP shards the positions that index it (prepare_context_parallel_input),
+            # not the cache
             ("other_bytes", "rope cache buffers",
              (model.layers if layers is None else layers) * model.seq_len * (model.head_dim // 2) * 8)]
 
