@@ -87,7 +87,8 @@ class RankState:
     comm_first: Optional[list[Comm]] = _Lazy()
     # steps 1..k when a framework's warm-up spans more than one optimizer step (DeepSpeed ZeRO-3
     # completes its trace in the second forward); these steps are reported as phase "first" too
-    comm_warmup: Optional[list[list[Comm]]] = None
+    # (may be given as a callable, like comm_first)
+    comm_warmup: Optional[list[list[Comm]]] = _Lazy()
     detail: dict[str, int] = field(default_factory=dict)  # named parts of the four states
 
     @property

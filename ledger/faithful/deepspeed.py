@@ -494,7 +494,7 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: _fresh(_zero3_steady(*key))
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
-    s.comm_warmup = [_fresh(_zero3_warmup(*key))] if m == 1 else None
+    s.comm_warmup = (lambda: [_fresh(_zero3_warmup(*key))]) if m == 1 else None  # built on first read
     return s
 
 
