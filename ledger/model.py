@@ -136,9 +136,8 @@ def preset(name: str, **overrides) -> ModelShape:
 
 @lru_cache(maxsize=64)
 def _model_dict(model: ModelShape) -> tuple:
-    from dataclasses import asdict
-
-    return tuple({**asdict(model), "num_params": model.num_params()}.items())
+    # the fields (all scalars: asdict()'s deep copy is not needed) and the parameter count
+    return tuple((f, getattr(model, f)) for f in _SHAPE_FIELDS) + (("num_params", model.num_params()),)
 
 
 def model_dict(model: ModelShape) -> dict:
