@@ -210,20 +210,12 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     P = len(n)
     prefix = np.zeros(P + 1, np.int64)
     np.cumsum(n, out=prefix[1:])
-    if bucket_size is None and not (shared_first or shared_last) and P:
-        # one bucket (the common case: every stage but the first, or no overlap_grad_reduce):
-        # _walk_buckets' one step in a few array operations
-        cum = np.cumsum(a)
-        starts = cum - a
-        pend = int(cum[-1] - a[-1] + n[-1])
-        end = -(-pend // div) * div if dist_opt else pend
-        return Buffer(starts=starts, ends=starts + n, bstart=_ZERO, bend=np.array([end], np.int64), first=_ZERO,
-                      prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
     cum = np.zeros(P + 1, np.int64)
     np.cumsum(a, out=cum[1:])
-    reach_l, cum_l = (cum[:-1] + n).tolist(), cum.tolist()  # scalar bisection is faster on lists
-    first, bstart, bend = _walk_buckets(P, cum_l.__getitem__, reach_l.__getitem__, partial(bisect_left, reach_l),
-                                        bucket_size, div, dist_opt, shared_first, shared_last, period)
+    reach = cum[:-1] + n
+    first, bstart, bend = _walk_buckets(P, lambda j: int(cum[j]), lambda i: int(reach[i]),
+                                        lambda x: int(np.searchsorted(reach, x)), bucket_size, div, dist_opt,
+                                        shared_first, shared_last, period)
     counts = np.diff(np.append(first, P))
     starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
     return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=bend, first=first,
@@ -237,6 +229,12 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
     that a chunk's bounds can be walked without its per-param arrays (_chunk_summary). With `dp`,
     only (numel, the buckets' DP range elements summed) is returned."""
+    if P and bucket_size is None and not (shared_first or shared_last):
+        # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
+        # (j = 0, i = P - 1) without its bookkeeping
+        pend = reach(P - 1) - cum(0)
+        end = -(-pend // div) * div if dist_opt else pend
+        return (end, end // dp) if dp is not None else (_ZERO, _ZERO, np.array([end], np.int64))
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
@@ -393,11 +391,10 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
     """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
     elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
     elements and every parameter a piece (exact without the distributed optimizer: every rank owns all)."""
-    numel = real = params = full = 0
-    for x in summaries:
-        numel, real, params, full = numel + x[0], real + x[1], params + x[2], full + x[3]
-    fixed = pb * (numel if dist_opt else real) + gb * numel
-    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * params
+    fixed = sum(_buffer_bytes(summaries, dist_opt, pb, gb))
+    real = sum(x[1] for x in summaries)
+    full = sum(x[3] for x in summaries)
+    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * sum(x[2] for x in summaries)
 
 
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
@@ -433,14 +430,6 @@ def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bo
     A, lbase = lc[k], hc[h]
     tbase = lbase + layers * A
     P = h + layers * k + t
-    if bucket_size is None and not (shared and (first or last)):
-        # one bucket: _walk_buckets' single step (i = P - 1, j = 0) in arithmetic
-        pend = tbase + tr[-1] if t else lbase + (layers - 1) * A + lr[-1]
-        div = math.lcm(dp, 128)
-        numel = -(-pend // div) * div if dist_opt else pend
-        if summary:
-            return numel, numel // dp
-        return _ZERO, _ZERO, np.array([numel], np.int64)
 
     def cum(g):
         if g < h:
@@ -513,28 +502,22 @@ _DIRECT_PAIRS = 2048  # up to this many (bucket, rank) pairs, evaluating them al
 
 @lru_cache(maxsize=4096)
 def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> tuple[int, int, int]:
-    """(heaviest DP rank, its owned elements, its owned pieces): every (bucket, rank) pair evaluated
-    when there are few (_all_ranks), else the sparse search (_heaviest)."""
+    """(heaviest DP rank, its owned elements, its owned pieces): every rank evaluated in closed form
+    for contiguous buffers (_contiguous_ranks), or every (bucket, rank) pair when there are few
+    (_all_ranks), else the sparse search (_heaviest)."""
     if all(b.contiguous for b in buffers):
-        e = np.zeros(dp, np.int64)
-        p = np.zeros(dp, np.int64)
-        for buf in buffers:
-            be, bp = _contiguous_ranks(buf, dp)
-            e += be
-            p += bp
-        d = int(np.argmax(per_elem * e + per_piece * p))
-        return d, int(e[d]), int(p[d])
-    if dp > 1 and sum(len(b.bstart) for b in buffers) * dp <= _DIRECT_PAIRS:
-        e = np.zeros(dp, np.int64)
-        p = np.zeros(dp, np.int64)
-        for buf in buffers:
-            be, bp = _all_ranks(buf, dp)
-            e += be
-            p += bp
-        d = int(np.argmax(per_elem * e + per_piece * p))
-        return d, int(e[d]), int(p[d])
-    d = _heaviest(buffers, dp, per_elem, per_piece)
-    return (d, *_owned_sizes(buffers, dp, d))
+        ranks = _contiguous_ranks
+    elif dp > 1 and sum(len(b.bstart) for b in buffers) * dp <= _DIRECT_PAIRS:
+        ranks = _all_ranks
+    else:
+        d = _heaviest(buffers, dp, per_elem, per_piece)
+        return (d, *_owned_sizes(buffers, dp, d))
+    e = p = 0
+    for buf in buffers:
+        be, bp = ranks(buf, dp)
+        e, p = e + be, p + bp
+    d = int(np.argmax(per_elem * e + per_piece * p))
+    return d, int(e[d]), int(p[d])
 
 
 def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -666,9 +649,11 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     classes = []
     for st in sorted({0, min(1, pp - 1), pp - 1}):
         sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
-        # without the distributed optimizer every DP rank owns every param (_owned_by): rank 0 stands for all
-        best = (partial(_stage_best, model, tp, pp, dp, vp, k, st) if dist_opt else
-                partial(tuple, (0, sum(x[1] for x in sums), sum(x[2] for x in sums))))
+        if dist_opt:
+            best = partial(_stage_best, model, tp, pp, dp, vp, k, st)
+        else:  # every DP rank owns every param (_owned_by): rank 0 stands for all
+            owned = (0, sum(x[1] for x in sums), sum(x[2] for x in sums))
+            best = partial(lambda owned: owned, owned)
         classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), best))
     return _most_loaded(classes, dp, dist_opt, *w)
 
@@ -713,12 +698,13 @@ def _dtypes(fw: Knobs) -> tuple[str, str, int, int]:
     return pdt, gdt, _dtype_bytes(pdt), _dtype_bytes(gdt)
 
 
-def _buffer_bytes(buffers, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
-    """(params bytes, grads bytes) of a stage's DDP buffers: distributed/param_and_grad_buffer.py
-    _ParamAndGradBuffer.__init__ allocates param_data only with the distributed optimizer (else the
-    module keeps its own parameters); grad_data always."""
-    numel = sum(b.numel for b in buffers)
-    return pb * (numel if dist_opt else sum(int(b.prefix[-1]) for b in buffers)), gb * numel
+def _buffer_bytes(summaries, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
+    """(params bytes, grads bytes) of a stage's DDP buffers from their summaries (_chunk_summary):
+    distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates param_data (numel,
+    padded) only with the distributed optimizer (else the module keeps its own parameters: their
+    elements); grad_data always."""
+    numel = sum(x[0] for x in summaries)
+    return pb * (numel if dist_opt else sum(x[1] for x in summaries)), gb * numel
 
 
 def _owned_by(buffers, dist_opt: bool, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -759,10 +745,8 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     bf16 = k.precision == "bf16"
     pdt, gdt, pb, gb = _dtypes(k)
     dist_opt = k.use_distributed_optimizer
-    # _buffer_bytes of the stage's buffers, from their summaries (no buffer built for the most-loaded rank)
-    sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
-    numel = sum(x[0] for x in sums)
-    p_bytes, g_bytes = pb * (numel if dist_opt else sum(x[1] for x in sums)), gb * numel
+    # from the buffers' summaries: no buffer built for the most-loaded rank
+    p_bytes, g_bytes = _buffer_bytes(_stage_summaries(model, tp, pp, dp, vp, k, stage), dist_opt, pb, gb)
     h = _heaviest_rank(model, tp, pp, dp, vp, k)
     if (h[0], h[1]) == (stage, dp_rank):  # found with the most-loaded rank
         owned_numel, owned_pieces = h[2], h[3]
