@@ -118,36 +118,26 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
 
     ffn_fwd = ("w1", "w3", "w2") if model.swiglu else ("w1", "w2")
     fwd: list[tuple[str, int]] = []
-    bwd: list[tuple[str, int]] = []
 
-    def leaf(ev, kind: str, name: str):
-        ev.append((kind, m(name)))
-        ev.append((kind.lower(), m(name)))
+    def leaf(name: str):  # a module without children: its pre-forward (F) and forward (f) hooks
+        fwd.append(("F", m(name)))
+        fwd.append(("f", m(name)))
 
     fwd.append(("F", m("")))
-    leaf(fwd, "F", "attention_norm")
+    leaf("attention_norm")
     fwd.append(("F", m("attention")))
     for w in ("wq", "wk", "wv", "wo"):
-        leaf(fwd, "F", f"attention.{w}")
+        leaf(f"attention.{w}")
     fwd.append(("f", m("attention")))
-    leaf(fwd, "F", "ffn_norm")
+    leaf("ffn_norm")
     fwd.append(("F", m("feed_forward")))
     for w in ffn_fwd:
-        leaf(fwd, "F", f"feed_forward.{w}")
+        leaf(f"feed_forward.{w}")
     fwd.append(("f", m("feed_forward")))
     fwd.append(("f", m("")))
-    bwd.append(("B", m("")))
-    bwd.append(("B", m("feed_forward")))
-    for w in reversed(ffn_fwd):
-        leaf(bwd, "B", f"feed_forward.{w}")
-    bwd.append(("b", m("feed_forward")))
-    leaf(bwd, "B", "ffn_norm")
-    bwd.append(("B", m("attention")))
-    for w in ("wo", "wv", "wk", "wq"):
-        leaf(bwd, "B", f"attention.{w}")
-    bwd.append(("b", m("attention")))
-    leaf(bwd, "B", "attention_norm")
-    bwd.append(("b", m("")))
+    # backward hooks fire in the reverse order of the forward ones: each module's pre-backward (B)
+    # where its forward ended (f), its post-backward (b) where its forward began (F)
+    bwd = [({"F": "b", "f": "B"}[kind], mod) for kind, mod in reversed(fwd)]
     M = len(local)
     local_params = [tuple(j for j, mo in enumerate(blk_mod) if mo == name) for name in local]
     # modules: ROOT 0, tok_embeddings 1, block i's 2 + i*M + j, final norm, output
