@@ -407,6 +407,23 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
 
 
 
+def test_zero3_recording_pass_end_without_replay():
+    """What the recording pass leaves gathered (_z3_after_record, the start of step 0's micro-batch 1)
+    is its event replay's end, over models (tied too) and thresholds below and above the embedding."""
+    import dataclasses
+
+    from ledger.faithful.deepspeed_coordinator import _z3_after_record, _z3_record, _z3_trace
+
+    tiny = preset("tiny", layers=3)
+    ends = set()
+    for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True)):
+        for th in (0, 20_000, 100_000, 10**9):
+            got = _z3_after_record(_z3_trace(shape, th))
+            assert got == _z3_record(shape, th, False)[1], (shape, th)
+            ends.add(got)
+    assert ends == {frozenset(), frozenset([0])}
+
+
 def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
     """The coordinator replay's fast path (whole decoder blocks skipped once the replay repeats itself;
     a pass's backward taken from the first complete pass's when their states agree where it starts)

@@ -36,7 +36,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
-from ledger.faithful.deepspeed_coordinator import _module, _z3_fetches, _z3_trace
+from ledger.faithful.deepspeed_coordinator import _module, _z3_fetches, _z3_steady, _z3_trace
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
@@ -557,7 +557,7 @@ def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: in
     """_zero3_comm's steady step alone (a search reads no other)."""
     if dp == 1:
         return ()
-    steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)[2]
+    steady_calls = _z3_steady(model, m, threshold, prefetch, max_live, reuse)
     out = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
                                   _STEADY_WHAT)
     return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision).build())
@@ -609,7 +609,7 @@ def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: in
     starts with the trace completion, then runs as steady state."""
     if dp == 1:
         return ()
-    steady_calls = _z3_fetches(model, m, threshold, prefetch, max_live, reuse)[2]
+    steady_calls = _z3_steady(model, m, threshold, prefetch, max_live, reuse)
     warmup = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
                                      _STEADY_WHAT)
     warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp),

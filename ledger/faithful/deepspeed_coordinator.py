@@ -6,10 +6,11 @@ ledger.faithful.deepspeed for ZeRO-3's collectives; each rule names the DeepSpee
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import Counter, deque
 from functools import lru_cache
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress
 from typing import NamedTuple
 
 import numpy as np
@@ -50,11 +51,11 @@ class _Z3Trace(NamedTuple):
     mod_params: list  # per module: iter_params(module, recurse=False), sorted by ds_id
     mod_numel: list[int]
     kinds: str  # one forward + backward, per event: F/f forward fetch/release, B/b backward, L leftovers
-    mods: list[int]  # per event: its module (-1 for L)
+    mods: array  # int64 (as qp, qs, prefix; _tile), per event: its module (-1 for L)
     steps: int  # fetches (F and B events) per pass: the length of __submodule_order
-    qp: list[int]  # __param_order: the params (qs: step_id_last_used_at of each)
-    qs: list[int]
-    prefix: list[int]  # prefix sums of mod_numel along `order` (reuse-distance walk)
+    qp: array  # __param_order: the params (qs: step_id_last_used_at of each)
+    qs: array
+    prefix: array  # prefix sums of mod_numel along `order` (reuse-distance walk)
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
@@ -73,13 +74,14 @@ class _Z3Trace(NamedTuple):
         return list(zip(self.qp, self.qs))
 
 
-def _tile(tmpl, n: int, stride: int, first: int, base: int = 0) -> list[int]:
+def _tile(tmpl, n: int, stride: int, first: int, base: int = 0) -> array:
     """tmpl repeated for blocks first, first+1.. (n of them; stride < 0: first, first-1..), each copy
-    plus base + block * stride."""
+    plus base + block * stride. An int64 array: copied from numpy's buffer (a list would cost a Python
+    int per element, most of the trace's build time)."""
     if not tmpl or not n:
-        return []
-    blocks = np.arange(n) if stride >= 0 else -np.arange(n)
-    return (base + (first + blocks)[:, None] * abs(stride) + np.asarray(tmpl)[None, :]).ravel().tolist()
+        return array("q")
+    rows = base + first * abs(stride) + stride * np.arange(n, dtype=np.int64)
+    return array("q", np.add.outer(rows, tmpl).tobytes())
 
 
 @lru_cache(maxsize=64)
@@ -160,10 +162,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
 
     blk_mod_numel = [sum(blk_numel[q] for q in ps) for ps in local_params]
     kinds: list[str] = []
-    mods: list[int] = []
-    qp: list[int] = []
-    qs: list[int] = []
-    prefix = [0]
+    mods, qp, qs, prefix = array("q"), array("q"), array("q"), array("q", [0])
     periods: list[_Period] = []
     at = [0, 0]  # steps and numel fetched so far
 
@@ -208,8 +207,8 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     kinds = "".join(kinds)
     blk_persist = [n <= threshold for n in blk_numel]
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
-    persistent = frozenset(([0] if persist[0] else []) + _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1) +
-                           [p for p in range(p_norm, len(numels)) if persist[p]])
+    persistent = frozenset(chain([0] if persist[0] else [], _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
+                                 [p for p in range(p_norm, len(numels)) if persist[p]]))
     return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, at[0], qp, qs, prefix, L, nb,
                     tuple(periods))
 
@@ -642,8 +641,19 @@ def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reu
     if sim is None:
         tr = _z3_trace(model, threshold)
         sim = sims[accumulate] = _Z3Sim(tr, prefetch, max_live, reuse, periodic)
-        sim.run(_z3_record(model, threshold, periodic)[1] if accumulate else _z3_persistent(tr))
+        if not accumulate:
+            sim.run(_z3_persistent(tr))
+        else:  # the reference takes the recording pass's end from its replay
+            sim.run(_z3_after_record(tr) if periodic else _z3_record(model, threshold, periodic)[1])
     return sim
+
+
+def _z3_after_record(tr: _Z3Trace) -> frozenset:
+    """The params the recording pass leaves gathered (_z3_record's end), without replaying it: it
+    releases every fetched param, persistent ones too, when the module's forward or backward ends,
+    except the root's and the embedding's backward fetches, left to release_backward_leftovers, which
+    keeps persistent params; the root has none: the embedding's (module 1), when persistent."""
+    return frozenset(p for p in tr.mod_params[1] if tr.persist[p])
 
 
 def _z3_persistent(tr: _Z3Trace) -> frozenset:
@@ -667,13 +677,12 @@ def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
 
 
 @lru_cache(maxsize=256)
-def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
-                periodic: bool = True):
-    """The coordinator's all-gather calls per optimizer step, dp-independent (numel tuples):
-    (recording pass, the rest of step 0 [m > 1], steady step, step 1 [m == 1]). periodic=False: the
-    event-by-event replay (the reference)."""
+def _z3_steady(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+               periodic: bool = True) -> Counter:
+    """The coordinator's all-gather calls of a steady optimizer step (numel tuples, dp-independent): m
+    passes from the persistent params _post_step gathered. periodic=False: the event-by-event replay
+    (the reference)."""
     tr = _z3_trace(model, threshold)
-    record, after_record = _z3_record(model, threshold, periodic)
     if m == 1 and periodic:
         # step 1's pass is a fresh coordinator's first complete pass from the persistent params: the
         # coordinator of gradient accumulation, if built, makes that very pass when it reads only
@@ -682,9 +691,20 @@ def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_li
         if acc is not None:
             calls, _ = acc.run(_z3_persistent(tr))
             if acc.as_first[_z3_persistent(tr)]:
-                return record, Counter(), Counter(calls)
+                return Counter(calls)
     sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic)
-    steady = _z3_passes(sim, _z3_persistent(tr), m)
+    return _z3_passes(sim, _z3_persistent(tr), m)
+
+
+@lru_cache(maxsize=256)
+def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+                periodic: bool = True):
+    """The coordinator's all-gather calls per optimizer step, dp-independent (numel tuples):
+    (recording pass, the rest of step 0 [m > 1], steady step [_z3_steady]). periodic=False: the
+    event-by-event replay (the reference)."""
+    record, after_record = _z3_record(model, threshold, periodic)
+    steady = _z3_steady(model, m, threshold, prefetch, max_live, reuse, periodic)
     if m == 1:
         return record, Counter(), steady
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic)
     return record, _z3_passes(sim, after_record, m - 1), steady
