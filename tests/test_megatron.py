@@ -626,3 +626,58 @@ def test_stage_best_from_the_pattern_is_the_buffers_best(name):
                 for st in range(pp):
                     want = L._best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *L._optim_weights(k))
                     assert L._stage_best(model, tp, pp, dp, vp, k, st) == want, (tied, tp, pp, dp, vp, st)
+
+
+def _comm_by_builder(model, lay, k, stage):
+    """The collectives of a stage's step as _comm computed them before its plan: every call added to a
+    CommBuilder per layout (CommBuilder.add / add_p2p), the reference _comm_plan is checked against."""
+    from ledger.placement import CommBuilder
+
+    tp, pp, m, vp = lay.tp, lay.pp, lay.num_microbatches, lay.vp
+    cb = CommBuilder()
+    L._fixed_comm(cb, model, tp, pp, lay.dp, vp, k, L._stage_class(pp, stage))
+    pdt, gdt, _, gb = L._dtypes(k)
+    first, last = stage == 0, stage == pp - 1
+    layers, sp = model.layers // pp, lay.sequence_parallel
+    sbh = model.seq_len * lay.micro_batch_size * model.hidden * (2 if k.precision == "bf16" else 4)
+    if sp:
+        ag, rs = 6 * layers + first + 2 * last, 4 * layers + first + last
+        cb.add("tp", "all_gather", sbh, tp, pdt, count=ag * m, what="SP all-gather (layers.py/mappings.py)")
+        cb.add("tp", "reduce_scatter", sbh, tp, pdt, count=rs * m, what="SP reduce-scatter (layers.py/mappings.py)")
+    else:
+        cb.add("tp", "all_reduce", sbh, tp, pdt, count=(4 * layers + first + last) * m, what="TP all-reduce (mappings.py)")
+    if last:
+        cb.add("tp", "all_reduce", model.seq_len * lay.micro_batch_size * 4, tp, "fp32", count=3 * m,
+               what="vocab-parallel cross-entropy")
+    if sp:
+        cb.add("tp", "all_reduce", gb * L._norm_numel(model, tp, pp, vp, stage), tp, gdt,
+               what="SP norm grads (finalize_model_grads)")
+    shard = sbh // (tp if sp else 1)
+    if pp > 1 and vp > 1:
+        n = 2 * m * vp - m * first - m * last
+        what = "activations / activation grads, interleaved (schedules.py, p2p_communication.py)"
+        cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt, what=what, times=n)
+        cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt, what=what, times=n)
+    elif pp > 1:
+        cb.add_p2p("pp", sent_bytes=shard, received_bytes=shard, dtype=pdt,
+                   what="activations / activation grads (p2p_communication.py)", times=((not last) + (not first)) * m)
+    return cb.build()
+
+
+def test_comm_plan_counts_what_a_builder_per_layout_counts():
+    """_comm (the stage's cached plan, its per-micro-batch calls counted per layout) equals every call
+    added to a CommBuilder per layout: records merged by (dim, kind, dtype) with their names, bytes
+    floored per call (SP shards, odd shapes), no micro-batch at all (global batch 0)."""
+    odd = ModelShape(layers=8, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=24, name="odd")
+    for model in (preset("tiny"), dataclasses.replace(preset("tiny"), tied_embeddings=True), odd):
+        for fw in (_fw(), _fw(precision="fp32"), _fw(grad_reduce_in_fp32=False, use_distributed_optimizer=False),
+                   _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000), _fw(clip_grad=0.0)):
+            k = L.knobs(fw)
+            for tp, pp, dp, vp in ((1, 1, 1, 1), (2, 1, 3, 1), (1, 2, 1, 1), (2, 4, 2, 1), (2, 2, 1, 2), (1, 4, 3, 2)):
+                for sp, mbs, gbs in ((False, 1, -1), (tp > 1, 3, 12 * dp * pp), (tp > 1, 2, 0)):
+                    lay = _lay(tp=tp, pp=pp, dp=dp, vp=vp, sequence_parallel=sp, micro_batch_size=mbs,
+                               global_batch_size=gbs)
+                    for stage in range(pp):
+                        got = [c.to_dict() for c in L._comm(model, lay, k, stage)]
+                        want = [c.to_dict() for c in _comm_by_builder(model, lay, k, stage)]
+                        assert got == want, (model.name, fw, lay, stage)

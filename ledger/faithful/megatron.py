@@ -19,8 +19,8 @@ shared_embedding, build_buffer, _comm, rank_state.
 
 Speed: a layout search predicts thousands of layouts. What no micro-batch setting changes is
 computed once per structure (model, tp, pp, dp, vp, knobs) and cached: the most-loaded rank
-(_heaviest_rank), its fixed state (_fixed_state) and its DP / embedding / grad-norm collectives
-(_fixed_comm). A stage is bounded from its chunks' summaries (_chunk_summary: the bucket walk over
+(_heaviest_rank), its fixed state (_fixed_state) and its step's collectives (_comm_plan: the DP /
+embedding / grad-norm calls, and the TP / PP calls per micro-batch, which _comm counts per layout). A stage is bounded from its chunks' summaries (_chunk_summary: the bucket walk over
 one layer's pattern, no per-param arrays) and built only when its bound can beat the best rank found;
 bucket runs repeat across identical layers (_walk_buckets copies them); and a buffer without
 alignment padding gives every DP rank's ownership in closed form (_contiguous_ranks).
@@ -38,7 +38,7 @@ import numpy as np
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import CommBuilder, Placement, RankState
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
@@ -788,12 +788,10 @@ def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int
     return out
 
 
-@lru_cache(maxsize=4096)
-def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> CommBuilder:
-    """The collectives of one steady-state step that no micro-batch setting changes: DP buckets,
-    tied-embedding grads, grad norm (_comm copies them; cached per structure and stage class)."""
+def _fixed_comm(cb: CommBuilder, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> None:
+    """Adds to cb the collectives of one steady-state step that no micro-batch setting changes: DP
+    buckets, tied-embedding grads, grad norm."""
     grid = Grid(tp=tp, dp=dp, pp=pp)  # Layout.grid of a Megatron layout (cp = dp_replicate = 1: place)
-    cb = CommBuilder()
     pdt, gdt, pb, gb = _dtypes(k)
     first, last = stage == 0, stage == pp - 1
     # DP: distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync, one
@@ -837,19 +835,66 @@ def _fixed_comm(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     size = grid.size_of(dims)
     if k.clip_grad > 0 and size > 1:
         cb.add(grid.label_of(dims), "all_reduce", 4, size, "fp32", what="grad norm (clip_grads.py)")
-    return cb
 
 
-def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list:
-    """Collectives of one steady-state optimizer step of this stage."""
-    tp, pp, m = lay.tp, lay.pp, lay.num_microbatches
-    cb = _fixed_comm(model, tp, pp, lay.dp, lay.vp, k, _stage_class(pp, stage)).copy()
+class _PerMicroBatch(NamedTuple):
+    """Calls one stage makes every micro-batch (_comm_plan): `calls` calls per micro-batch, each
+    handing micro_batch_size * unit // div bytes, `wires` of them sending (wire_bytes over `group`
+    ranks; a send_recv pair is two calls, one sending)."""
+    calls: int
+    wires: int
+    unit: int
+    div: int
+    group: int
+
+
+def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
+    """Collectives of one steady-state optimizer step of this stage: its plan (_comm_plan, cached per
+    structure) with the per-micro-batch calls counted for this micro-batch size and count."""
+    fixed, rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage),
+                             lay.sequence_parallel)
+    m, b = lay.num_microbatches, lay.micro_batch_size
+    if not m:  # no micro-batch, no per-micro-batch calls (CommBuilder drops calls counted 0)
+        return fixed.build()
+    out = []
+    for dim, kind, dtype, what, count, buf, wire, per_mb in rows:
+        for calls, wires, unit, div, group in per_mb:
+            x = b * unit // div
+            count += calls * m
+            buf += calls * m * x
+            wire += wires * m * wire_bytes(kind, x, group)
+        out.append(Comm(dim, kind, count, buf, wire, dtype, what))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int,
+               sp: bool) -> tuple[CommBuilder, tuple]:
+    """(the calls no micro-batch setting changes, every record of the step) of one stage class:
+    _fixed_comm, the SP norm grads and the calls repeated every micro-batch (TP, cross-entropy, PP);
+    each record (dim, kind, what, the fixed calls' count, buffer and wire bytes, its _PerMicroBatch
+    calls), in CommBuilder.build's order."""
+    cb = CommBuilder()
+    _fixed_comm(cb, model, tp, pp, dp, vp, k, stage)
     pdt, gdt, pb, gb = _dtypes(k)
     first, last = stage == 0, stage == pp - 1
     layers = model.layers // pp
-    sp = lay.sequence_parallel
     act = 2 if k.precision == "bf16" else 4
-    sbh = model.seq_len * lay.micro_batch_size * model.hidden * act
+    sbh = model.seq_len * model.hidden * act  # bytes of one sequence's [s, h] activations
+    if sp:
+        # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
+        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
+        cb.add("tp", "all_reduce", gb * _norm_numel(model, tp, pp, vp, stage), tp, gdt,
+               what="SP norm grads (finalize_model_grads)")
+    named = cb.copy()  # cb's calls and, added once each at 0 bytes, the per-micro-batch ones: their names
+    per_mb: dict[tuple, list] = {}  # (dim, kind, dtype) -> [_PerMicroBatch]
+
+    def each(dim, kind, dtype, what, calls, unit, div=1, group=tp, wires=None):
+        if calls > 0 and group > 1:  # what CommBuilder.add / add_p2p drop
+            named.add_calls(dim, kind, dtype, 1, 0, 0, what)
+            per_mb.setdefault((dim, kind, dtype), []).append(
+                _PerMicroBatch(calls, calls if wires is None else wires, unit, div, group))
+
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
     # linear_qkv / linear_fc1 copy_to_tensor_model_parallel_region (all-reduce in backward),
     # linear_proj / linear_fc2 reduce_from_tensor_model_parallel_region (all-reduce in forward).
@@ -862,43 +907,40 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list:
             ag, rs = ag + 1, rs + 1
         if last:  # output_layer (column-parallel): all-gather fwd + bwd, reduce-scatter of dgrad
             ag, rs = ag + 2, rs + 1
-        cb.add("tp", "all_gather", sbh, tp, pdt, count=ag * m, what="SP all-gather (layers.py/mappings.py)")
-        cb.add("tp", "reduce_scatter", sbh, tp, pdt, count=rs * m, what="SP reduce-scatter (layers.py/mappings.py)")
+        each("tp", "all_gather", pdt, "SP all-gather (layers.py/mappings.py)", ag, sbh)
+        each("tp", "reduce_scatter", pdt, "SP reduce-scatter (layers.py/mappings.py)", rs, sbh)
     else:
         ar = 4 * layers + first + last  # embedding forward, output_layer input grad
-        cb.add("tp", "all_reduce", sbh, tp, pdt, count=ar * m, what="TP all-reduce (mappings.py)")
+        each("tp", "all_reduce", pdt, "TP all-reduce (mappings.py)", ar, sbh)
     if last:
         # tensor_parallel/cross_entropy.py VocabParallelCrossEntropy.forward: logits max,
         # predicted logits, sum of exp, each fp32 [s, b]
-        cb.add("tp", "all_reduce", model.seq_len * lay.micro_batch_size * 4, tp, "fp32", count=3 * m,
-               what="vocab-parallel cross-entropy")
-    if sp:
-        # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
-        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
-        cb.add("tp", "all_reduce", gb * _norm_numel(model, tp, pp, lay.vp, stage), tp, gdt,
-               what="SP norm grads (finalize_model_grads)")
-    # PP: pipeline_parallel/schedules.py forward_backward_pipelining_without_interleaving +
-    # p2p_communication.py: per micro-batch activations forward, their grads backward; with SP
-    # the sequence-sharded tensor [s/tp, b, h]
-    if pp > 1 and lay.vp > 1:
-        shard = sbh // (tp if sp else 1)
+        each("tp", "all_reduce", "fp32", "vocab-parallel cross-entropy", 3, model.seq_len * 4)
+    # PP: pipeline_parallel/schedules.py + p2p_communication.py: per micro-batch activations forward,
+    # their grads backward, each sent by one stage and received by its neighbour (a send_recv pair:
+    # the sent tensor on the wire); with SP the sequence-sharded tensor [s/tp, b, h]
+    if vp > 1:
         # forward_backward_pipelining_with_interleaving (overlap_p2p_comm and
         # overlap_p2p_comm_warmup_flush off, the launcher's config): every virtual micro-batch sends its
         # activations to the next stage except out of the last stage's last chunk, and its grads to the
         # previous stage except from the first stage's first chunk; each is received by that
         # neighbour. test_megatron.py replays the schedule's control flow (get_schedule_table,
         # recv_tensor_from_previous_stage, ...) and checks these counts against it
-        sent = received = 2 * m * lay.vp - m * first - m * last
+        pairs = 2 * vp - first - last
         what = "activations / activation grads, interleaved (schedules.py, p2p_communication.py)"
-        cb.add_p2p("pp", sent_bytes=shard, received_bytes=0, dtype=pdt, what=what, times=sent)
-        cb.add_p2p("pp", sent_bytes=0, received_bytes=shard, dtype=pdt, what=what, times=received)
-    elif pp > 1:
-        shard = sbh // (tp if sp else 1)
-        # per micro-batch and neighbour one tensor sent and one received: send_forward +
-        # recv_backward with the next stage, recv_forward + send_backward with the previous
-        cb.add_p2p("pp", sent_bytes=shard, received_bytes=shard, dtype=pdt,
-                   what="activations / activation grads (p2p_communication.py)", times=((not last) + (not first)) * m)
-    return cb.build()
+    else:
+        # forward_backward_pipelining_without_interleaving: per micro-batch and neighbour one tensor
+        # sent and one received: send_forward + recv_backward with the next stage, recv_forward +
+        # send_backward with the previous
+        pairs = (not last) + (not first)
+        what = "activations / activation grads (p2p_communication.py)"
+    each("pp", "send_recv", pdt, what, 2 * pairs, sbh, tp if sp else 1, group=pp, wires=pairs)
+    rows = []
+    for c in named.build():
+        terms = tuple(per_mb.get((c.dim, c.kind, c.dtype), ()))
+        # the per-micro-batch calls were counted once each, at 0 bytes
+        rows.append((c.dim, c.kind, c.dtype, c.what, c.count - len(terms), c.buffer_bytes, c.wire_bytes, terms))
+    return cb, tuple(rows)
 
 
 # -- the interleaved schedule (vp > 1) -----------------------------------------------------------
