@@ -738,3 +738,25 @@ def test_mesh_labels_are_the_grids():
         g = Grid(tp=tp, cp=cp, dp=dp, dp_replicate=rep, pp=pp)
         assert L._mesh_labels(g) == (g.label_of(("cp", "dp")), g.label_of(("dp", "dp_replicate")),
                                      g.label_of(("cp", "dp", "dp_replicate"))), g
+
+
+def test_rows_build_what_comm_builder_builds():
+    """_add + _built (rows summed per call site, merged by a cached plan) give CommBuilder's list for
+    the same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call."""
+    import random
+
+    from ledger.placement import CommBuilder
+
+    rng = random.Random(0)
+    for _ in range(300):
+        cb, rows = CommBuilder(), []
+        for _ in range(rng.randint(1, 8)):
+            dim, kind = rng.choice(["dp", "tp", "cp-dp"]), rng.choice(["all_gather", "all_reduce", "reduce_scatter"])
+            dtype, n = rng.choice(["bf16", "fp32"]), rng.choice([1, 2, 3, 7, 8])
+            calls = [(rng.randint(1, 10 ** 6), rng.choice([0, 1, 2, 80]), rng.choice(["a", "b", "c d"]))
+                     for _ in range(rng.randint(1, 4))]
+            for b, c, what in calls:
+                if c:
+                    cb.add(dim, kind, b, n, dtype, count=c, what=what)
+            L._add(rows, dim, kind, dtype, n, calls)
+        assert L._built(rows) == cb.build()

@@ -94,12 +94,6 @@ def _rows_of(d0: int, ds: int, k: int) -> int:
     return max(0, min(d0 - k * c, c))
 
 
-def _padded_full(d0: int, rest: int, ds: int) -> int:
-    """Elements of the padded full tensor of a (d0, rest) param: what its unit's all-gather and
-    reduce-scatter move."""
-    return _chunk_rows(d0, ds) * ds * rest
-
-
 class _Sharded(NamedTuple):
     """What the state and the FSDP collectives of one (model, tp, dp_shard) need, in elements."""
     n_params: int
@@ -117,45 +111,55 @@ def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
 
 
 @lru_cache(maxsize=64)
-def _unit_dims(model: ModelShape) -> tuple[tuple[tuple[tuple[int, ...], int | None], ...], ...]:
-    """_unit_items as (shape, the dim TP divides): what _dims needs, per model (names parsed once)."""
-    return tuple(tuple((s, _tp_dim(n, s)) for n, s in g) for g in _unit_items(model))
-
-
-@lru_cache(maxsize=256)
-def _dims(model: ModelShape, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """(dim 0, rest) of every param's TP-local shape (_tp_local) in _unit_params' three groups:
-    all _sharded_part needs (no Param built)."""
+def _unit_dims(model: ModelShape) -> tuple[tuple[tuple[int, int, int | None, int], ...], ...]:
+    """_unit_items' three groups as (dim 0, rest, the dim TP divides, how many params): what _groups
+    needs, per model (names parsed once). A group's params of one shape and TP dim are one entry (a
+    block's two norms, wk and wv, w1 and w3); ModelShape's params have at most two dims, so a TP
+    dim 1 divides the rest."""
     out = []
-    for g in _unit_dims(model):
-        local = [_shard_tp(s, dim, tp) for s, dim in g]
-        out.append(tuple([(t[0], prod(t[1:])) for t in local]))  # prod: numel, in C
+    for g in _unit_items(model):
+        kinds: dict[tuple[int, int, int | None], int] = {}
+        for n, s in g:
+            key = (s[0], prod(s[1:]), _tp_dim(n, s))
+            kinds[key] = kinds.get(key, 0) + 1
+        out.append(tuple([(*key, count) for key, count in kinds.items()]))
     return tuple(out)
 
 
 class _Group(NamedTuple):
-    """Sums over one of _dims' groups (tok_embeddings, one TransformerBlock, [norm, lm_head]) at
-    one shard degree, in elements: what _Sharded adds up, per group."""
+    """Sums over one of _unit_params' groups (tok_embeddings, one TransformerBlock, [norm,
+    lm_head]) at one (tp, shard degree), in elements: what _Sharded adds up, per group."""
     n_params: int
     padded: int
     even: int
     uneven: tuple[tuple[int, int], ...]  # (dim 0, summed rest) of the params it splits unevenly
     full: int  # padded full numel of the group's params (a TransformerBlock's all-gather)
-    fulls: tuple[int, ...]  # the same per param
+    fulls: tuple[int, ...]  # the same per _unit_dims entry ([norm, lm_head]: one each)
 
 
 @lru_cache(maxsize=256)
 def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
     out = []
-    for g in _dims(model, tp):
-        fulls = tuple([_padded_full(d0, rest, ds) for d0, rest in g])
-        full = even = sum(fulls)  # each a multiple of ds: its local shard (chunk rows x rest) is full // ds
+    for g in _unit_dims(model):
+        n_params = full = even = 0
+        fulls = []
         uneven: dict[int, int] = {}
-        for i in [i for i, (d0, _) in enumerate(g) if d0 % ds]:
-            d0, rest = g[i]
-            uneven[d0] = uneven.get(d0, 0) + rest
-            even -= fulls[i]  # even: all its chunk rows are real ones
-        out.append(_Group(len(g), full // ds, even // ds, tuple(uneven.items()), full, fulls))
+        for d0, rest, dim, count in g:
+            if dim == 0:  # the TP-local shape (_tp_local)
+                d0 //= tp
+            elif dim == 1:
+                rest //= tp
+            # the padded full tensor, what its unit's all-gather and reduce-scatter move: a
+            # multiple of ds, its local shard (chunk rows x rest) is f // ds
+            f = _chunk_rows(d0, ds) * ds * rest
+            fulls.append(f)
+            n_params += count
+            full += count * f
+            if d0 % ds:
+                uneven[d0] = uneven.get(d0, 0) + count * rest
+            else:  # even: all its chunk rows are real ones
+                even += count * f
+        out.append(_Group(n_params, full // ds, even // ds, tuple(uneven.items()), full, tuple(fulls)))
     return tuple(out)
 
 
@@ -343,112 +347,155 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
+def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls) -> None:
+    """Calls of one (dim, kind, dtype) over groups of n ranks, each (buffer bytes, how many times,
+    what), summed into one row of _built as CommBuilder.add sums them: a group of one or a call
+    made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes)."""
+    if n <= 1:
+        return
+    count = buf = wire = 0
+    whats = []
+    for b, c, what in calls:
+        if c:
+            count += c
+            buf += b * c
+            wire += wire_bytes(kind, b, n) * c
+            whats.append(what)
+    if count:
+        rows.append(((dim, kind, dtype, tuple(whats)), count, buf, wire))
+
+
+def _built(rows: list) -> list[Comm]:
+    """The Comm list CommBuilder.build makes of the same calls (test: equal): rows merged by (dim,
+    kind, dtype) in sorted order (_merge_plan), each record's numbers the sums of its rows'."""
+    out = []
+    for dim, kind, dtype, what, ix in _merge_plan(tuple([r[0] for r in rows])):
+        if len(ix) == 1:
+            _, count, buf, wire = rows[ix[0]]
+        else:
+            count = buf = wire = 0
+            for i in ix:
+                _, c, b, w = rows[i]
+                count += c
+                buf += b
+                wire += w
+        out.append(Comm(dim, kind, count, buf, wire, dtype, what))
+    return out
+
+
+@lru_cache(maxsize=256)
+def _merge_plan(keys: tuple[tuple[str, str, str, tuple[str, ...]], ...]
+                ) -> tuple[tuple[str, str, str, str, tuple[int, ...]], ...]:
+    """How _built merges rows of these (dim, kind, dtype, whats), as CommBuilder.build does: per
+    (dim, kind, dtype) in sorted order, the rows it sums and its what (the distinct names sorted,
+    joined). Layouts of one structure share it (cached): a step's numbers change, not its names."""
+    acc: dict[tuple[str, str, str], tuple[list[int], set[str]]] = {}
+    for i, (dim, kind, dtype, whats) in enumerate(keys):
+        ix, names = acc.setdefault((dim, kind, dtype), ([], set()))
+        ix.append(i)
+        names.update(whats)
+    return tuple((d, k, t, "; ".join(sorted(names)), tuple(ix)) for (d, k, t), (ix, names) in sorted(acc.items()))
+
+
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
-    cb = CommBuilder()
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
-    grid = grid or lay.grid  # lay.grid, passed where the caller has it
-    fsdp, batch_dim, loss_dim = _mesh_labels(grid)  # the "fsdp" mesh: dp_shard x cp
-    head = sh.norm_full + sh.lm_full
-
-    def ag(full, what, count=1):  # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit
-        cb.add(fsdp, "all_gather", full * BF16, ds, "bf16", count=count, what=what)
-
-    def rs(full, what, count=1):  # foreach_reduce: one fp32 reduce-scatter per call, + HSDP all-reduce
-        cb.add(fsdp, "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
-        if rep > 1:  # (CommBuilder.add drops a group of one: its label is not made)
-            cb.add("dp_replicate", "all_reduce", full * F32 // ds, rep, "fp32", count=count, what=f"HSDP {what}")
-
+    fsdp, batch_dim, loss_dim = _mesh_labels(grid or lay.grid)  # the "fsdp" mesh: dp_shard x cp
+    L = model.layers
+    emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
     reshard = fw.reshard_after_forward in ("default", "always")
-    # forward: every unit gathers once
-    ag(sh.emb_full, "forward unshard")
-    ag(sh.layer_full, "forward unshard", model.layers)
-    ag(head, "forward unshard (norm)")
-    if _lm_head_regathers(fw, steady):
-        ag(head, _REGATHER)
-    # ... and ends with lm_head.reshard(): the norm's backward gathers the group again
-    ag(head, "backward unshard (norm)")
-    if reshard:
-        ag(sh.layer_full, "backward unshard", model.layers)
-        ag(sh.emb_full, "backward unshard")
-    # reduce-scatters: lm_head at the last chunk (gradient sync off before), norm after its backward
-    rs(sh.lm_full, "lm_head grad (last chunk)")
-    rs(sh.norm_full, "norm grad")
-    rs(sh.layer_full, "layer grads", model.layers)
-    rs(sh.emb_full, "tok_embeddings grad")
+    rows: list = []
+    # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
+    # once ([norm, lm_head] again where the loss wrapper unshards it: _lm_head_regathers), and ends
+    # with lm_head.reshard(): the norm's backward gathers the group again
+    _add(rows, fsdp, "all_gather", "bf16", ds,
+         ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
+          (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
+          (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
+          (emb * BF16, reshard, "backward unshard")))
+    # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
+    # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
+    # shard is all-reduced over dp_replicate
+    scatters = ((sh.lm_full, 1, "lm_head grad (last chunk)"), (sh.norm_full, 1, "norm grad"),
+                (layer, L, "layer grads"), (emb, 1, "tok_embeddings grad"))
+    _add(rows, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
+    if rep > 1:
+        _add(rows, "dp_replicate", "all_reduce", "fp32", rep, [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    cb.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
-    cb.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", what="grad-norm (stacked per-param norms)")
+    norms = ((sh.n_params * F32, 1, "grad-norm (stacked per-param norms)"),)
+    _add(rows, fsdp, "all_reduce", "fp32", ds, norms)
+    _add(rows, "tp", "all_reduce", "fp32", tp, norms)
     # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
     # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
     # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
     bsize = lay.dp_shard * rep
-    cb.add(batch_dim, "all_reduce", 8, bsize, "int64", what="valid tokens")
-    cb.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", what="ntokens_seen")
-    cb.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", count=2, what="loss sum, loss max")
+    _add(rows, batch_dim, "all_reduce", "int64", bsize, ((8, 1, "valid tokens"),))
+    _add(rows, loss_dim, "all_reduce", "int64", bsize * cp, ((8, 1, "ntokens_seen"),))
+    _add(rows, loss_dim, "all_reduce", "fp32", bsize * cp, ((4, 2, "loss sum, loss max"),))
     if cp > 1:
         # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
         # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
         # two all_gather_single on the sequence dim); its backward reduce-scatters both grads
         # (flex_cp_allgather_backward). Local K/V: kv_heads/tp heads (inside TP's local_map)
         kv = lay.micro_batch_size * model.seq_len * model.kv_heads // tp * model.head_dim * BF16
-        cb.add("cp", "all_gather", kv, cp, "bf16", count=2 * model.layers, what="CP K/V all-gather")
-        cb.add("cp", "reduce_scatter", kv, cp, "bf16", count=2 * model.layers, what="CP K/V grads")
+        _add(rows, "cp", "all_gather", "bf16", cp, ((kv, 2 * L, "CP K/V all-gather"),))
+        _add(rows, "cp", "reduce_scatter", "bf16", cp, ((kv, 2 * L, "CP K/V grads"),))
     if tp > 1:
-        _tp_comm(cb, model, lay)
-    return cb.build()
+        _tp_comm(rows, model, lay)
+    return _built(rows)
 
 
-def _tp_comm(cb: CommBuilder, model: ModelShape, lay: Layout) -> None:
+def _tp_comm(rows: list, model: ModelShape, lay: Layout) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel)."""
     tp, L, h = lay.tp, model.layers, model.hidden
     T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens: CP splits the sequence
     act = T * h * BF16
     sp = bool(lay.sequence_parallel)
+    blocks = 2 * L + 1  # every block's two sub-layers and one more (embedding or root norm)
     if sp:
         # SP: the residual stream is sequence-sharded, Shard(1) (dense_sequence_parallel_placement).
         # forward: tok_embeddings' output (set_decoder_sharding_config: out_src Partial, out_dst SP) and
-        # rowwise wo, w2 (rowwise_config(output_sp=True)) go Partial -> Shard(1): reduce-scatter
-        cb.add("tp", "reduce_scatter", act, tp, "bf16", count=2 * L + 1,
-               what="SP: embedding + rowwise outputs Partial -> Shard(1)")
-        # forward: attention's x_BLD and feed_forward's x (set_gqa_attention_sharding /
-        # set_dense_ffn_sharding in_dst Replicate) and the root norm's output (pre_lm_head_norm_config
-        # out_dst Replicate) go Shard(1) -> Replicate: all-gather
-        cb.add("tp", "all_gather", act, tp, "bf16", count=2 * L + 1,
-               what="SP: attention/ffn inputs + root norm output Shard(1) -> Replicate")
+        # rowwise wo, w2 (rowwise_config(output_sp=True)) go Partial -> Shard(1): reduce-scatter;
+        # attention's x_BLD and feed_forward's x (set_gqa_attention_sharding / set_dense_ffn_sharding
+        # in_dst Replicate) and the root norm's output (pre_lm_head_norm_config out_dst Replicate)
+        # go Shard(1) -> Replicate: all-gather.
         # backward: _redistribute.py _redistribute_backward runs each of these in reverse. A
         # Partial -> Shard(1) becomes Shard(1) -> Replicate ("for backward shard -> partial, we just
         # do shard -> replicate"): all-gather. A Shard(1) -> Replicate gets the Partial grad (the
         # colwise input grads, derivation above _MM; the loss wrapper's hidden grad) and takes it
         # back to Shard(1): reduce-scatter
-        cb.add("tp", "all_gather", act, tp, "bf16", count=2 * L + 1,
-               what="SP backward: grads of the Partial -> Shard(1) outputs gathered")
-        cb.add("tp", "reduce_scatter", act, tp, "bf16", count=2 * L + 1,
-               what="SP backward: Partial grads of the gathered inputs scattered")
+        _add(rows, "tp", "reduce_scatter", "bf16", tp,
+             ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
+              (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
+        _add(rows, "tp", "all_gather", "bf16", tp,
+             ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
+              (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
     else:
-        # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs
-        cb.add("tp", "all_reduce", act, tp, "bf16", count=2 * L + 1, what="embedding + rowwise outputs")
-        # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py GradAccumulator.result);
-        # it stays Partial down the residual stream (derivation above _MM) and is reduced once, at
-        # tok_embeddings' local_map output (Partial -> Replicate)
-        cb.add("tp", "all_reduce", act, tp, "bf16", what="residual-stream grad at tok_embeddings")
+        # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs;
+        # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py
+        # GradAccumulator.result); it stays Partial down the residual stream (derivation above _MM)
+        # and is reduced once, at tok_embeddings' local_map output (Partial -> Replicate)
+        _add(rows, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
+                                                    (act, 1, "residual-stream grad at tok_embeddings")))
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
     # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
-    cb.add("tp", "all_reduce", h * BF16, tp, "bf16", count=2 * L + 1, what="norm weight grads")
+    _add(rows, "tp", "all_reduce", "bf16", tp, ((h * BF16, blocks, "norm weight grads"),))
     # components/loss.py ChunkedLossWrapper -> loss-parallel cross-entropy on vocab-sharded logits:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
-    cb.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", count=3 * chunks, what="loss-parallel CE")
+    _add(rows, "tp", "all_reduce", "fp32", tp, ((T // chunks * F32, 3 * chunks, "loss-parallel CE"),))
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
-    bwd, _, _ = _layer_backward_comm(model, T, tp, sp)
-    for kind, full in bwd:
-        cb.add("tp", kind, full * BF16, tp, "bf16", count=L, what="DTensor mm backward redistribution")
+    bwd: dict[str, list] = {}
+    for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
+        bwd.setdefault(kind, []).append((full * BF16, L, "DTensor mm backward redistribution"))
+    for kind, calls in bwd.items():
+        _add(rows, "tp", kind, "bf16", tp, calls)
 
 
 # -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
