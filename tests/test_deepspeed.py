@@ -461,6 +461,34 @@ def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
             _z3_fetches(big, m, 100_000, 5 * 10**7, 10**9, 10**9, False)
 
 
+def test_zero3_first_pass_asks_no_skipped_block(monkeypatch):
+    """The first complete pass computes each release entry it asks for without looking at the rules of
+    the blocks it skipped (_to_release(skipped=False)): it never asks for one of those (_cached finds
+    nothing for any key it asks), over the models, thresholds and budgets of the block-skipping test."""
+    import dataclasses
+    import itertools
+
+    from ledger.faithful import deepspeed_coordinator
+    from ledger.faithful.deepspeed_coordinator import _z3_fetches
+
+    found = []
+    ask = deepspeed_coordinator._Z3Sim._to_release
+
+    def spy(self, mo, step, recent, skipped=True):
+        if not skipped and (mo, step) not in self.release_cache:
+            found.append((bool(self.rules), bool(self.rules) and self._cached((mo, step)) is not None))
+        return ask(self, mo, step, recent, skipped)
+
+    monkeypatch.setattr(deepspeed_coordinator._Z3Sim, "_to_release", spy)
+    tiny = preset("tiny", layers=12)
+    models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, swiglu=False)]
+    budgets = [(0, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000), (50_000, 20_000, 10**7),
+               (5 * 10**7, 10**9, 10**9), (100_000, 200_000, 10**6)]
+    for shape, th, (pf, ml, rd), m in itertools.product(models, (0, 100_000), budgets, (1, 2)):
+        _z3_fetches(shape, m, th, pf, ml, rd, True)
+    assert sum(after_skip for after_skip, _ in found) > 1000 and not any(hit for _, hit in found)
+
+
 def test_block_counted_buckets_are_the_walk():
     """IPG buckets counted a block at a time (_split12, _ipg_counts through _by_blocks) against the
     walk over every gradient (_buckets12, ipg_buckets), over models, bucket sizes around the params'

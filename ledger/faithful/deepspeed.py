@@ -203,8 +203,8 @@ class _Calls(NamedTuple):
 
 
 def _calls(kind: str, buffers, group: int, times: int = 1) -> _Calls:
-    """`times` rounds of one call per buffer (bytes); equal buffers are summed once."""
-    return _counted(kind, Counter(buffers).items(), group, times)
+    """`times` rounds of one call per buffer (bytes)."""
+    return _counted(kind, ((b, 1) for b in buffers), group, times)
 
 
 def _counted(kind: str, counts, group: int, times: int = 1) -> _Calls:
@@ -525,12 +525,10 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
     return s
 
+
 def _gathers(calls: Counter, dp: int, w: int) -> _Calls:
     """all_gather_coalesced: one all-gather per call of the params' padded partitions (w bytes/element)."""
-    by_bytes: Counter = Counter()
-    for key, k in calls.items():
-        by_bytes[w * sum(_ceil_to(n, dp) for n in key)] += k
-    return _counted("all_gather", by_bytes.items(), dp)
+    return _counted("all_gather", ((w * sum([_ceil_to(n, dp) for n in key]), k) for key, k in calls.items()), dp)
 
 
 _STEADY_WHAT = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"

@@ -266,15 +266,17 @@ class _Z3Sim:
         self.backward: dict[tuple, tuple[Counter, frozenset, int, _Caps]] = {}
         self.end_hi = 0  # the furthest step a reuse-distance walk examined (the fast path's horizon)
 
-    def _to_release(self, mo: int, step: int, recent) -> frozenset:
+    def _to_release(self, mo: int, step: int, recent, skipped: bool = True) -> frozenset:
         """__params_to_release (lru_cache per (module, step_id): the first complete pass decides): the
         module's non-persistent params, less those the prefetcher marked as used later
         (__most_recent_step_id_param_fetched_for > step_id), less those used again by a module within
         the reuse distance: modules of __submodule_order from step_id on, adding each module's params'
-        numel until the sum reaches max_reuse_distance_in_numel."""
+        numel until the sum reaches max_reuse_distance_in_numel. skipped: whether the key may be a
+        block the first pass skipped (its rules then hold it); the first pass itself never asks for
+        one (the blocks it skips it does not walk again)."""
         key = (mo, step)
         got = self.release_cache.get(key)
-        if got is not None or self.rules and (got := self._cached(key)) is not None:
+        if got is not None or skipped and self.rules and (got := self._cached(key)) is not None:
             return got
         tr = self.tr
         persist = tr.persist
@@ -487,7 +489,7 @@ class _Z3Sim:
                 if not own:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
-                rel = own if record else cache.get((mo, step)) or to_release(mo, step, recent)
+                rel = own if record else cache.get((mo, step)) or to_release(mo, step, recent, not fill)
                 if self._now_first and (unmarked.get((mo, step)) or self._cached((mo, step), unmarked)) != \
                         frozenset([p for p in own if not persist[p] and recent[p] <= step]):
                     self._now_first = False
