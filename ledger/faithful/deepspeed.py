@@ -28,7 +28,9 @@ block start repeats (_by_blocks), and the replay skips whole blocks once its sta
 Passes are shared where provably the same: a pass's backward is the first complete pass's when their
 states agree where it starts, and with one micro-batch step 1's pass is the gradient-accumulation
 coordinator's pass from the same start when every cached release it read is what a fresh coordinator
-would compute (_Z3Sim.as_first); both are tested against the event replay too.
+would compute (_Z3Sim.as_first); both are tested against the event replay too. A search reads the
+steady step only (_z3_steady): no recording pass is replayed, its end (where step 0's micro-batch 1
+starts) is known in closed form (deepspeed_coordinator._z3_after_record, tested against the replay).
 """
 from __future__ import annotations
 
