@@ -409,7 +409,7 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
 @lru_cache(maxsize=1024)
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
     """(elements, params) of each run of _pattern."""
-    return tuple((sum(n), len(n)) for n, _, _ in _pattern(model, tp, first, last, False))
+    return tuple((sum(n), len(n)) for n in _pattern_runs(model, tp, first, last))
 
 
 @lru_cache(maxsize=4096)
@@ -466,10 +466,8 @@ def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool
     """A chunk's params in backprop order as three runs, the head (final norm, output layer: last
     chunk), one layer (repeated), the tail (embedding: first chunk), each (elements, aligned elements
     before each (cumulative, one longer), aligned elements before each plus its own)."""
-    emb, layer, head = _piece_sizes(model, tp, first)
     out = []
-    for part, held in ((head, last), (layer, True), (emb, first)):
-        n = [int(x) for x in part[::-1]] if held else []
+    for n in _pattern_runs(model, tp, first, last):
         c = [0]
         for x in n:
             c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
@@ -477,18 +475,27 @@ def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool
     return tuple(out)
 
 
+@lru_cache(maxsize=1024)
+def _pattern_runs(model: ModelShape, tp: int, first: bool, last: bool) -> tuple[tuple[int, ...], ...]:
+    """_pattern's runs' elements: stage_params' numels (_pieces) reversed."""
+    emb, layer, _ = _pieces(model, tp)
+    return tuple(tuple(k for _, k in reversed(part)) if held else ()
+                 for part, held in ((_head(model, tp, first), last), (layer, True), (emb, first)))
+
+
 def _pattern_contiguous(parts) -> bool:
-    """No alignment padding between the params of a _pattern (Buffer.contiguous)."""
-    return all(c[i + 1] - c[i] == x for n, c, _ in parts for i, x in enumerate(n))
+    """No alignment padding between the params of a _pattern (Buffer.contiguous): each run's aligned
+    elements are its elements."""
+    return all(c[-1] == sum(n) for n, c, _ in parts)
 
 
 def _pattern_cum(parts, layers: int) -> np.ndarray:
     """Aligned elements before each param of a chunk from its _pattern, one longer (Buffer.prefix of
     a contiguous chunk): the head's, `layers` layers', the tail's."""
     (hn, hc, _), (ln, lc, _), (tn, tc, _) = parts
-    lbase = hc[-1]
-    rows = lbase + lc[-1] * np.arange(layers, dtype=np.int64)[:, None] + np.array(lc[:-1], np.int64)
-    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.array(tc, np.int64) + lbase + layers * lc[-1]))
+    lbase, width = hc[-1], lc[-1]
+    rows = np.add.outer(np.arange(lbase, lbase + layers * width, width, dtype=np.int64), lc[:-1])
+    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.add(tc, lbase + layers * width)))
 
 
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
@@ -532,8 +539,8 @@ def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: n
     params tile them from their start (cum: elements before each param, one longer; first: each
     bucket's first param): bucket b's params tile [bstart, bstart + real) and its DP ranges have
     S = numel / dp elements, so rank r owns S elements while (r + 1) * S <= real, the remainder at
-    r = real // S, none after; its pieces are the param starts in its range, plus the param its range
-    starts inside of (none where it starts on a param start or past the params)."""
+    r = real // S, none after; a range holding params has one piece starting at or holding its first
+    element plus one per param starting strictly inside it."""
     nb = len(first)
     if nb == 1:  # the common case, in scalars where possible
         real, s = int(cum[-1]), int(bend[0] - bstart[0]) // dp
@@ -543,9 +550,8 @@ def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: n
         if full < dp:
             e[full] = rem
         rank, at = np.divmod(cum[:-1], s)
-        p = np.bincount(rank, minlength=dp)
+        p = np.bincount(rank[at != 0], minlength=dp)
         p[:-(-real // s)] += 1
-        p -= np.bincount(rank[at == 0], minlength=dp)
         return e, p
     size = (bend - bstart) // dp
     lims = np.append(first, len(cum) - 1)
@@ -556,9 +562,8 @@ def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: n
         np.bincount(full, weights=rem, minlength=dp + 1)[:dp]
     bid = np.repeat(np.arange(nb), np.diff(lims))
     rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
-    p = np.bincount(rank, minlength=dp)
+    p = np.bincount(rank[at != 0], minlength=dp)
     p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
-    p -= np.bincount(rank[at == 0], minlength=dp)
     return e.astype(np.int64), p
 
 
