@@ -570,6 +570,12 @@ def test_tp_backward_strategy_follows_dtensor_cost_model():
     assert kinds(32).count("all_reduce") == 1 and kinds(32).count("reduce_scatter") == 3
     assert kinds(16).count("all_reduce") == 2 and kinds(256).count("all_reduce") == 2
     assert not L._layer_backward_comm(m(32), 32, 2)[1]  # every path derived at these shapes
+    # the colwise linears' backward mm's take their inputs as they come, whatever the shapes
+    # (_layer_backward_comm leaves them out): W's Shard(0) grad, the Partial residual grad
+    for na, nb in ((64, 64), (1 << 20, 4096), (4096, 1 << 20)):
+        for n in (2, 8):
+            assert L._mm(("S0", na), ("R", nb), n) == ("S0", [], False)
+            assert L._mm(("S1", na), ("S0", nb), n) == ("P", [], False)
     # the device topology enters the cost: one device per host (cpu) prices collectives inter-host
     assert L._coll_cost("all_reduce", 1 << 20, 2) > L._coll_cost("all_gather", 1 << 20, 2)
 

@@ -609,7 +609,7 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
     paths this derivation does not cover (named in the Placement's notes), and whether any mm's
     strategy was chosen by DTensor's cost model (else every mm took its inputs as they came)."""
     h, f = model.hidden, model.ffn_hidden
-    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    q = model.heads * model.head_dim
     out: list[tuple[str, int]] = []
     undone: list[str] = []
     priced = False
@@ -630,19 +630,9 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
-    for name, k in (("wq", q), ("wk", kv), ("wv", kv), ("w1", f), ("w3", f)):  # colwise: g [T,k] S1
-        o, m, pr = _mm_fast(("S0", k * T), ("R", T * h), tp)  # grad W: mm(g.t(), x2d), [k,h] vs W's Shard(0)
-        out += m
-        priced |= pr
-        if o == "P":
-            out.append(("reduce_scatter", k * h))
-        elif o not in ("S0", "R"):
-            undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m, pr = _mm_fast(("S1", T * k), ("S0", k * h), tp)  # grad x2d: mm(g, W) -> Partial residual grad
-        out += m
-        priced |= pr
-        if o != "P":
-            undone.append(f"{name} input grad leaves mm as {o}")
+    # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
+    # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
+    # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
     return tuple(out), tuple(undone), priced
 
 
