@@ -187,27 +187,34 @@ CP_BLOCK = 128
 
 
 def check(model: ModelShape, lay: Layout) -> None:
-    # each message is made only when its rule fails (a search checks many layouts that pass)
+    _check_model(model)
     # trainer.py Trainer.__init__: "validate dense activation sequence length evenness"
-    sp_div = (lay.tp if lay.sequence_parallel else 1) * (2 * lay.cp if lay.cp > 1 else 1)
-    for ok, msg in ((model.norm == "rmsnorm",
-                     lambda: f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm"),
-                    (model.swiglu, lambda: "titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU"),
-                    (not model.bias, lambda: "titan: model.bias=true: torchtitan llama3 linears have no bias"),
-                    (not model.tied_embeddings,
-                     lambda: "titan: tied_embeddings=true is not modelled (separate FSDP grouping)"),
-                    (model.seq_len % sp_div == 0, lambda: f"titan: seq_len={model.seq_len} must be divisible by "
-                     + " x ".join([f"tp={lay.tp} (sequence_parallel)"] * bool(lay.sequence_parallel)
-                                  + [f"2*cp={2 * lay.cp} (context parallel)"] * (lay.cp > 1))),
-                    # torch _context_parallel/_attention.py _create_cp_block_mask: NotImplementedError
-                    # unless Q_LEN % (cp * BLOCK_SIZE) == 0
-                    (lay.cp == 1 or model.seq_len % (lay.cp * CP_BLOCK) == 0,
-                     lambda: f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*{CP_BLOCK} "
-                     "(torch's _create_cp_block_mask shards the BlockMask in whole blocks)"),
-                    (model.seq_len % 8 == 0, lambda: f"titan: seq_len={model.seq_len} must be divisible by "
-                                                     "ChunkedLossWrapper.num_chunks=8")):
-        if not ok:
-            raise ConfigError(msg())
+    sp, cp = lay.sequence_parallel, lay.cp
+    if model.seq_len % ((lay.tp if sp else 1) * (2 * cp if cp > 1 else 1)):
+        raise ConfigError(f"titan: seq_len={model.seq_len} must be divisible by "
+                          + " x ".join([f"tp={lay.tp} (sequence_parallel)"] * bool(sp)
+                                       + [f"2*cp={2 * cp} (context parallel)"] * (cp > 1)))
+    # torch _context_parallel/_attention.py _create_cp_block_mask: NotImplementedError unless
+    # Q_LEN % (cp * BLOCK_SIZE) == 0
+    if cp > 1 and model.seq_len % (cp * CP_BLOCK):
+        raise ConfigError(f"titan: cp={cp}: seq_len={model.seq_len} must be divisible by cp*{CP_BLOCK} "
+                          "(torch's _create_cp_block_mask shards the BlockMask in whole blocks)")
+    if model.seq_len % 8:
+        raise ConfigError(f"titan: seq_len={model.seq_len} must be divisible by ChunkedLossWrapper.num_chunks=8")
+
+
+@lru_cache(maxsize=64)
+def _check_model(model: ModelShape) -> None:
+    """check's rules on the model alone, checked once per model (a refusal is raised again: errors
+    are not cached)."""
+    if model.norm != "rmsnorm":
+        raise ConfigError(f"titan: model.norm={model.norm!r}: torchtitan llama3 uses rmsnorm")
+    if not model.swiglu:
+        raise ConfigError("titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU")
+    if model.bias:
+        raise ConfigError("titan: model.bias=true: torchtitan llama3 linears have no bias")
+    if model.tied_embeddings:
+        raise ConfigError("titan: tied_embeddings=true is not modelled (separate FSDP grouping)")
 
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
