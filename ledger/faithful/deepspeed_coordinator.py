@@ -678,12 +678,41 @@ def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
     return out
 
 
+@lru_cache(maxsize=64)
+def _z3_fetch_on_use(model: ModelShape, threshold: int) -> Counter:
+    """A complete pass's all-gathers without prefetch or reuse distance (stage3_prefetch_bucket_size = 0,
+    stage3_max_reuse_distance = 0, any stage3_max_live_parameters: it only caps prefetches), from the
+    persistent params, where every steady pass starts. Each module with params is fetched once in the
+    forward and once in the backward (_z3_trace's hook order); nothing prefetched marks its params as
+    used later (__most_recent_step_id_param_fetched_for is its own fetch's step) and no reuse window
+    keeps them, so __params_to_release is all its non-persistent params, released when its forward or
+    backward ends (the root's and the embedding's backward by release_backward_leftovers), while the
+    persistent ones stay gathered. So every fetch all-gathers the module's non-persistent params
+    (fetch_sub_module: one all_gather_coalesced), and the pass ends where it started. Tested against
+    the event replay."""
+    block: dict[str, list[int]] = {}
+    for name, sh in model.layer_params(0):
+        block.setdefault(_module(name), []).append(numel(sh))
+    e = model.vocab * model.hidden
+    # the blocks' modules; the embedding, the final norm and the output (tied: the embedding's Parameter)
+    mods = [(ns, model.layers) for ns in block.values()]
+    mods += [([e], 1), ([numel(sh) for _, sh in model.norm_params("norm")], 1), ([e], 1)]
+    out: Counter = Counter()
+    for ns, k in mods:
+        key = tuple(sorted(n for n in ns if n > threshold))  # ds_persist: ds_numel <= threshold
+        if key:
+            out[key] += 2 * k
+    return out
+
+
 @lru_cache(maxsize=256)
 def _z3_steady(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
                periodic: bool = True) -> Counter:
     """The coordinator's all-gather calls of a steady optimizer step (numel tuples, dp-independent): m
     passes from the persistent params _post_step gathered. periodic=False: the event-by-event replay
     (the reference)."""
+    if periodic and prefetch == 0 and reuse == 0:  # every pass the same, known without a replay
+        return Counter({key: k * m for key, k in _z3_fetch_on_use(model, threshold).items()})
     tr = _z3_trace(model, threshold)
     if m == 1 and periodic:
         # step 1's pass is a fresh coordinator's first complete pass from the persistent params: the
