@@ -761,8 +761,11 @@ def test_rows_build_what_comm_builder_builds():
             dtype, n = rng.choice(["bf16", "fp32"]), rng.choice([1, 2, 3, 7, 8])
             calls = [(rng.randint(1, 10 ** 6), rng.choice([0, 1, 2, 80]), rng.choice(["a", "b", "c d"]))
                      for _ in range(rng.randint(1, 4))]
+            padded = rng.random() < 0.5  # FSDP's padded buffers: multiples of the group
+            if padded:
+                calls = [(b * n, c, what) for b, c, what in calls]
             for b, c, what in calls:
                 if c:
                     cb.add(dim, kind, b, n, dtype, count=c, what=what)
-            L._add(rows, dim, kind, dtype, n, calls)
+            L._add(rows, dim, kind, dtype, n, calls, padded=padded)
         assert L._built(rows) == cb.build()

@@ -354,10 +354,12 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls) -> None:
+def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
     """Calls of one (dim, kind, dtype) over groups of n ranks, each (buffer bytes, how many times,
     what), summed into one row of _built as CommBuilder.add sums them: a group of one or a call
-    made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes)."""
+    made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes).
+    padded: every buffer is a multiple of n bytes (FSDP's padded full tensors), so no call's wire
+    bytes are floored and those of the sum are the sum of theirs (test)."""
     if n <= 1:
         return
     count = buf = wire = 0
@@ -366,10 +368,11 @@ def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls) -> None:
         if c:
             count += c
             buf += b * c
-            wire += wire_bytes(kind, b, n) * c
+            if not padded:
+                wire += wire_bytes(kind, b, n) * c
             whats.append(what)
     if count:
-        rows.append(((dim, kind, dtype, tuple(whats)), count, buf, wire))
+        rows.append(((dim, kind, dtype, tuple(whats)), count, buf, wire_bytes(kind, buf, n) if padded else wire))
 
 
 def _built(rows: list) -> list[Comm]:
@@ -420,13 +423,13 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
          ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
           (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
           (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
-          (emb * BF16, reshard, "backward unshard")))
+          (emb * BF16, reshard, "backward unshard")), padded=True)
     # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
     # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
     # shard is all-reduced over dp_replicate
     scatters = ((sh.lm_full, 1, "lm_head grad (last chunk)"), (sh.norm_full, 1, "norm grad"),
                 (layer, L, "layer grads"), (emb, 1, "tok_embeddings grad"))
-    _add(rows, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
+    _add(rows, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     if rep > 1:
         _add(rows, "dp_replicate", "all_reduce", "fp32", rep, [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
 
