@@ -38,7 +38,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
-from ledger.faithful.deepspeed_coordinator import _module, _z3_fetches, _z3_steady, _z3_trace
+from ledger.faithful.deepspeed_coordinator import _block, _z3_fetches, _z3_steady, _z3_trace
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
@@ -57,13 +57,6 @@ def _ceil_to(n: int, k: int) -> int:
 # a block's modules in the order their gradients become ready (autograd on launchers.llama.Block)
 _BLOCK_BACKWARD = ("feed_forward.w2", "feed_forward.w3", "feed_forward.w1", "ffn_norm", "attention.wo", "attention.wv",
                    "attention.wk", "attention.wq", "attention_norm")
-
-
-@lru_cache(maxsize=64)
-def _block(model: ModelShape) -> tuple[tuple[str, int], ...]:
-    """One block's params as (module within the block, numel), registration order; every block is the
-    same, so per-block sums times `layers` replace walks over all parameters."""
-    return tuple((_module(n).split(".", 2)[2], numel(sh)) for n, sh in model.layer_params(0))
 
 
 @lru_cache(maxsize=64)
@@ -123,24 +116,28 @@ def _by_blocks(fill, cur: int, layers: int, out: Counter) -> int:
     closes) over `layers` identical blocks, counting the closed buckets into `out`; returns the bucket
     left open. What a block closes and leaves open depends only on the bucket open at its start: once
     that repeats, the blocks in between repeat, and the rest are counted whole periods at a time."""
-    seen: dict | None = {}
+    seen: dict | None = {}  # the bucket open at a block start -> that block
+    walked: list = []  # each walked block's closed buckets
     i = 0
     while i < layers:
         if seen is not None:
             if cur in seen:
-                j, before = seen[cur]
+                j = seen[cur]
                 reps = (layers - i) // (i - j)
-                for b, k in (out - before).items():
-                    out[b] += k * reps
+                for closed in walked[j:i]:
+                    for b in closed:
+                        out[b] += reps
                 i += reps * (i - j)
                 seen = None
                 continue
             if i < 16:
-                seen[cur] = (i, out.copy())
+                seen[cur] = i
             else:  # no repeat soon (a bucket above a block): walk on
                 seen = None
         cur, closed = fill(cur)
         out.update(closed)
+        if seen is not None:
+            walked.append(closed)
         i += 1
     return cur
 

@@ -23,6 +23,13 @@ def _module(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0]
 
 
+@lru_cache(maxsize=64)
+def _block(model: ModelShape) -> tuple[tuple[str, int], ...]:
+    """One block's params as (module within the block, numel), registration order; every block is the
+    same, so per-block sums times `layers` replace walks over all parameters."""
+    return tuple((_module(n).split(".", 2)[2], numel(sh)) for n, sh in model.layer_params(0))
+
+
 _INF = float("inf")  # exact against ints
 
 
@@ -104,10 +111,9 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     norm, output); every block is the same, so one block's events are built by name and the others
     are the same events offset by the block's module and param numbers."""
     L, e = model.layers, model.vocab * model.hidden
-    blk = model.layer_params(0)
-    pre = "layers.0."
-    blk_mod = [_module(n)[len(pre):] for n, _ in blk]
-    blk_numel = [numel(sh) for _, sh in blk]
+    blk = _block(model)
+    blk_mod = [mo for mo, _ in blk]
+    blk_numel = [n for _, n in blk]
     nb = len(blk)
     norms = [numel(sh) for _, sh in model.norm_params("norm")]
     numels = [e] + blk_numel * L + norms + ([] if model.tied_embeddings else [e])
@@ -691,18 +697,18 @@ def _z3_fetch_on_use(model: ModelShape, threshold: int) -> Counter:
     (fetch_sub_module: one all_gather_coalesced), and the pass ends where it started. Tested against
     the event replay."""
     block: dict[str, list[int]] = {}
-    for name, sh in model.layer_params(0):
-        block.setdefault(_module(name), []).append(numel(sh))
+    for mo, n in _block(model):
+        block.setdefault(mo, []).append(n)
     e = model.vocab * model.hidden
     # the blocks' modules; the embedding, the final norm and the output (tied: the embedding's Parameter)
     mods = [(ns, model.layers) for ns in block.values()]
     mods += [([e], 1), ([numel(sh) for _, sh in model.norm_params("norm")], 1), ([e], 1)]
-    out: Counter = Counter()
+    out: dict[tuple[int, ...], int] = {}
     for ns, k in mods:
-        key = tuple(sorted(n for n in ns if n > threshold))  # ds_persist: ds_numel <= threshold
+        key = tuple(sorted([n for n in ns if n > threshold]))  # ds_persist: ds_numel <= threshold
         if key:
-            out[key] += 2 * k
-    return out
+            out[key] = out.get(key, 0) + 2 * k
+    return Counter(out)
 
 
 @lru_cache(maxsize=256)
