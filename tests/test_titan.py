@@ -747,15 +747,15 @@ def test_mesh_labels_are_the_grids():
 
 
 def test_rows_build_what_comm_builder_builds():
-    """_add + _built (rows summed per call site, merged by a cached plan) give CommBuilder's list for
-    the same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call."""
+    """_add + _built (calls summed per call site into records) give CommBuilder's list for the same
+    calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call."""
     import random
 
     from ledger.placement import CommBuilder
 
     rng = random.Random(0)
     for _ in range(300):
-        cb, rows = CommBuilder(), []
+        cb, acc = CommBuilder(), {}
         for _ in range(rng.randint(1, 8)):
             dim, kind = rng.choice(["dp", "tp", "cp-dp"]), rng.choice(["all_gather", "all_reduce", "reduce_scatter"])
             dtype, n = rng.choice(["bf16", "fp32"]), rng.choice([1, 2, 3, 7, 8])
@@ -767,5 +767,5 @@ def test_rows_build_what_comm_builder_builds():
             for b, c, what in calls:
                 if c:
                     cb.add(dim, kind, b, n, dtype, count=c, what=what)
-            L._add(rows, dim, kind, dtype, n, calls, padded=padded)
-        assert L._built(rows) == cb.build()
+            L._add(acc, dim, kind, dtype, n, calls, padded=padded)
+        assert L._built(acc) == cb.build()

@@ -354,10 +354,10 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
+def _add(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
     """Calls of one (dim, kind, dtype) over groups of n ranks, each (buffer bytes, how many times,
-    what), summed into one row of _built as CommBuilder.add sums them: a group of one or a call
-    made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes).
+    what), summed into acc's record of that key as CommBuilder.add sums them: a group of one or a
+    call made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes).
     padded: every buffer is a multiple of n bytes (FSDP's padded full tensors), so no call's wire
     bytes are floored and those of the sum are the sum of theirs (test)."""
     if n <= 1:
@@ -372,39 +372,30 @@ def _add(rows: list, dim: str, kind: str, dtype: str, n: int, calls, padded: boo
                 wire += wire_bytes(kind, b, n) * c
             whats.append(what)
     if count:
-        rows.append(((dim, kind, dtype, tuple(whats)), count, buf, wire_bytes(kind, buf, n) if padded else wire))
-
-
-def _built(rows: list) -> list[Comm]:
-    """The Comm list CommBuilder.build makes of the same calls (test: equal): rows merged by (dim,
-    kind, dtype) in sorted order (_merge_plan), each record's numbers the sums of its rows'."""
-    out = []
-    for dim, kind, dtype, what, ix in _merge_plan(tuple([r[0] for r in rows])):
-        if len(ix) == 1:
-            _, count, buf, wire = rows[ix[0]]
+        if padded:
+            wire = wire_bytes(kind, buf, n)
+        a = acc.get((dim, kind, dtype))
+        if a is None:
+            acc[dim, kind, dtype] = [count, buf, wire, whats]
         else:
-            count = buf = wire = 0
-            for i in ix:
-                _, c, b, w = rows[i]
-                count += c
-                buf += b
-                wire += w
-        out.append(Comm(dim, kind, count, buf, wire, dtype, what))
-    return out
+            a[0] += count
+            a[1] += buf
+            a[2] += wire
+            a[3] += whats
+
+
+def _built(acc: dict) -> list[Comm]:
+    """The Comm list CommBuilder.build makes of the same calls (test: equal): _add's records in
+    sorted order, each what the distinct names of its calls sorted and joined."""
+    return [Comm(d, k, c, b, w, t, s[0] if len(s) == 1 else _joined(tuple(s)))
+            for (d, k, t), (c, b, w, s) in sorted(acc.items())]
 
 
 @lru_cache(maxsize=256)
-def _merge_plan(keys: tuple[tuple[str, str, str, tuple[str, ...]], ...]
-                ) -> tuple[tuple[str, str, str, str, tuple[int, ...]], ...]:
-    """How _built merges rows of these (dim, kind, dtype, whats), as CommBuilder.build does: per
-    (dim, kind, dtype) in sorted order, the rows it sums and its what (the distinct names sorted,
-    joined). Layouts of one structure share it (cached): a step's numbers change, not its names."""
-    acc: dict[tuple[str, str, str], tuple[list[int], set[str]]] = {}
-    for i, (dim, kind, dtype, whats) in enumerate(keys):
-        ix, names = acc.setdefault((dim, kind, dtype), ([], set()))
-        ix.append(i)
-        names.update(whats)
-    return tuple((d, k, t, "; ".join(sorted(names)), tuple(ix)) for (d, k, t), (ix, names) in sorted(acc.items()))
+def _joined(whats: tuple[str, ...]) -> str:
+    """A record's what: its calls' distinct names sorted and joined (cached: layouts of one
+    structure name the same calls)."""
+    return "; ".join(sorted(set(whats)))
 
 
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
@@ -415,11 +406,11 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
     reshard = fw.reshard_after_forward in ("default", "always")
-    rows: list = []
+    acc: dict = {}
     # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
     # once ([norm, lm_head] again where the loss wrapper unshards it: _lm_head_regathers), and ends
     # with lm_head.reshard(): the norm's backward gathers the group again
-    _add(rows, fsdp, "all_gather", "bf16", ds,
+    _add(acc, fsdp, "all_gather", "bf16", ds,
          ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
           (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
           (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
@@ -429,36 +420,36 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     # shard is all-reduced over dp_replicate
     scatters = ((sh.lm_full, 1, "lm_head grad (last chunk)"), (sh.norm_full, 1, "norm grad"),
                 (layer, L, "layer grads"), (emb, 1, "tok_embeddings grad"))
-    _add(rows, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
+    _add(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     if rep > 1:
-        _add(rows, "dp_replicate", "all_reduce", "fp32", rep, [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
+        _add(acc, "dp_replicate", "all_reduce", "fp32", rep, [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
     norms = ((sh.n_params * F32, 1, "grad-norm (stacked per-param norms)"),)
-    _add(rows, fsdp, "all_reduce", "fp32", ds, norms)
-    _add(rows, "tp", "all_reduce", "fp32", tp, norms)
+    _add(acc, fsdp, "all_reduce", "fp32", ds, norms)
+    _add(acc, "tp", "all_reduce", "fp32", tp, norms)
     # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
     # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
     # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
     bsize = lay.dp_shard * rep
-    _add(rows, batch_dim, "all_reduce", "int64", bsize, ((8, 1, "valid tokens"),))
-    _add(rows, loss_dim, "all_reduce", "int64", bsize * cp, ((8, 1, "ntokens_seen"),))
-    _add(rows, loss_dim, "all_reduce", "fp32", bsize * cp, ((4, 2, "loss sum, loss max"),))
+    _add(acc, batch_dim, "all_reduce", "int64", bsize, ((8, 1, "valid tokens"),))
+    _add(acc, loss_dim, "all_reduce", "int64", bsize * cp, ((8, 1, "ntokens_seen"),))
+    _add(acc, loss_dim, "all_reduce", "fp32", bsize * cp, ((4, 2, "loss sum, loss max"),))
     if cp > 1:
         # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
         # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
         # two all_gather_single on the sequence dim); its backward reduce-scatters both grads
         # (flex_cp_allgather_backward). Local K/V: kv_heads/tp heads (inside TP's local_map)
         kv = lay.micro_batch_size * model.seq_len * model.kv_heads // tp * model.head_dim * BF16
-        _add(rows, "cp", "all_gather", "bf16", cp, ((kv, 2 * L, "CP K/V all-gather"),))
-        _add(rows, "cp", "reduce_scatter", "bf16", cp, ((kv, 2 * L, "CP K/V grads"),))
+        _add(acc, "cp", "all_gather", "bf16", cp, ((kv, 2 * L, "CP K/V all-gather"),))
+        _add(acc, "cp", "reduce_scatter", "bf16", cp, ((kv, 2 * L, "CP K/V grads"),))
     if tp > 1:
-        _tp_comm(rows, model, lay)
-    return _built(rows)
+        _tp_comm(acc, model, lay)
+    return _built(acc)
 
 
-def _tp_comm(rows: list, model: ModelShape, lay: Layout) -> None:
+def _tp_comm(acc: dict, model: ModelShape, lay: Layout) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel)."""
     tp, L, h = lay.tp, model.layers, model.hidden
@@ -478,10 +469,10 @@ def _tp_comm(rows: list, model: ModelShape, lay: Layout) -> None:
         # do shard -> replicate"): all-gather. A Shard(1) -> Replicate gets the Partial grad (the
         # colwise input grads, derivation above _MM; the loss wrapper's hidden grad) and takes it
         # back to Shard(1): reduce-scatter
-        _add(rows, "tp", "reduce_scatter", "bf16", tp,
+        _add(acc, "tp", "reduce_scatter", "bf16", tp,
              ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
               (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
-        _add(rows, "tp", "all_gather", "bf16", tp,
+        _add(acc, "tp", "all_gather", "bf16", tp,
              ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
               (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
     else:
@@ -489,23 +480,20 @@ def _tp_comm(rows: list, model: ModelShape, lay: Layout) -> None:
         # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py
         # GradAccumulator.result); it stays Partial down the residual stream (derivation above _MM)
         # and is reduced once, at tok_embeddings' local_map output (Partial -> Replicate)
-        _add(rows, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
+        _add(acc, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
                                                     (act, 1, "residual-stream grad at tok_embeddings")))
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
     # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
-    _add(rows, "tp", "all_reduce", "bf16", tp, ((h * BF16, blocks, "norm weight grads"),))
+    _add(acc, "tp", "all_reduce", "bf16", tp, ((h * BF16, blocks, "norm weight grads"),))
     # components/loss.py ChunkedLossWrapper -> loss-parallel cross-entropy on vocab-sharded logits:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
-    _add(rows, "tp", "all_reduce", "fp32", tp, ((T // chunks * F32, 3 * chunks, "loss-parallel CE"),))
+    _add(acc, "tp", "all_reduce", "fp32", tp, ((T // chunks * F32, 3 * chunks, "loss-parallel CE"),))
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
-    bwd: dict[str, list] = {}
     for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
-        bwd.setdefault(kind, []).append((full * BF16, L, "DTensor mm backward redistribution"))
-    for kind, calls in bwd.items():
-        _add(rows, "tp", kind, "bf16", tp, calls)
+        _add(acc, "tp", kind, "bf16", tp, ((full * BF16, L, "DTensor mm backward redistribution"),))
 
 
 # -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
