@@ -31,6 +31,8 @@ coordinator's pass from the same start when every cached release it read is what
 would compute (_Z3Sim.as_first); both are tested against the event replay too. A search reads the
 steady step only (_z3_steady): no recording pass is replayed, its end (where step 0's micro-batch 1
 starts) is known in closed form (deepspeed_coordinator._z3_after_record, tested against the replay).
+Without prefetch and reuse distance no coordinator is replayed at all: every fetch gathers the
+module's non-persistent params (_z3_fetch_on_use, tested against the replay).
 """
 from __future__ import annotations
 
