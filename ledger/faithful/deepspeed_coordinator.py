@@ -56,13 +56,12 @@ class _Z3Trace(NamedTuple):
     persist: list[bool]  # ds_persist (ds_numel <= param_persistence_threshold)
     persistent: frozenset  # the ds_persist params
     mod_params: list  # per module: iter_params(module, recurse=False), sorted by ds_id
-    mod_numel: list[int]
     kinds: str  # one forward + backward, per event: F/f forward fetch/release, B/b backward, L leftovers
     mods: array  # int64 (as qp, qs, prefix; _tile), per event: its module (-1 for L)
     steps: int  # fetches (F and B events) per pass: the length of __submodule_order
     qp: array  # __param_order: the params (qs: step_id_last_used_at of each)
     qs: array
-    prefix: array  # prefix sums of mod_numel along `order` (reuse-distance walk)
+    prefix: array  # prefix sums of the fetched modules' numel along `order` (reuse-distance walk)
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
@@ -151,15 +150,13 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     # modules: ROOT 0, tok_embeddings 1, block i's 2 + i*M + j, final norm, output
     ROOT, EMB, NORM, OUT = 0, 1, 2 + L * M, 3 + L * M
     mod_params: list = [()] * (4 + L * M)
-    mod_numel = [0] * (4 + L * M)
-    mod_params[EMB], mod_numel[EMB] = (0,), e
+    mod_params[EMB] = (0,)
     for j, ps in enumerate(local_params):
         if ps:
             mod_params[2 + j:NORM:M] = list(zip(*(range(1 + q, 1 + q + L * nb, nb) for q in ps)))
-            mod_numel[2 + j:NORM:M] = [sum(blk_numel[q] for q in ps)] * L
-    mod_params[NORM], mod_numel[NORM] = tuple(range(p_norm, p_norm + len(norms))), sum(norms)
+    mod_params[NORM] = tuple(range(p_norm, p_norm + len(norms)))
     mod_params[OUT] = (0,) if model.tied_embeddings else (p_norm + len(norms),)  # tied: one Parameter in two modules
-    mod_numel[OUT] = e
+    mod_numel = {ROOT: 0, EMB: e, NORM: sum(norms), OUT: e}  # the modules outside the blocks
     # the events in five parts: head, L forward blocks, the middle, L backward blocks (last first), tail
     head = [("F", ROOT), ("F", EMB), ("f", EMB)]
     mid = [("F", NORM), ("f", NORM), ("F", OUT), ("f", OUT), ("f", ROOT), ("B", ROOT), ("B", OUT), ("b", OUT),
@@ -215,7 +212,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
     persistent = frozenset(chain([0] if persist[0] else [], _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
                                  [p for p in range(p_norm, len(numels)) if persist[p]]))
-    return _Z3Trace(numels, persist, persistent, mod_params, mod_numel, kinds, mods, at[0], qp, qs, prefix, L, nb,
+    return _Z3Trace(numels, persist, persistent, mod_params, kinds, mods, at[0], qp, qs, prefix, L, nb,
                     tuple(periods))
 
 
