@@ -630,15 +630,17 @@ def test_stage_best_from_the_pattern_is_the_buffers_best(name):
 
 def _comm_by_builder(model, lay, k, stage):
     """The collectives of a stage's step as _comm computed them before its plan: every call added to a
-    CommBuilder per layout (CommBuilder.add / add_p2p), the reference _comm_plan is checked against."""
+    CommBuilder per layout (CommBuilder.add_each / add / add_p2p), the reference _comm_plan is checked
+    against."""
     from ledger.placement import CommBuilder
 
     tp, pp, m, vp = lay.tp, lay.pp, lay.num_microbatches, lay.vp
     cb = CommBuilder()
-    L._fixed_comm(cb, model, tp, pp, lay.dp, vp, k, L._stage_class(pp, stage))
-    pdt, gdt, _, gb = L._dtypes(k)
-    first, last = stage == 0, stage == pp - 1
     layers, sp = model.layers // pp, lay.sequence_parallel
+    L._fixed_comm(lambda dim, kind, dtype, what, group, buffers: cb.add_each(dim, kind, buffers, group, dtype, what),
+                  model, tp, pp, lay.dp, vp, k, L._stage_class(pp, stage), sp)
+    pdt = L._dtypes(k)[0]
+    first, last = stage == 0, stage == pp - 1
     sbh = model.seq_len * lay.micro_batch_size * model.hidden * (2 if k.precision == "bf16" else 4)
     if sp:
         ag, rs = 6 * layers + first + 2 * last, 4 * layers + first + last
@@ -649,9 +651,6 @@ def _comm_by_builder(model, lay, k, stage):
     if last:
         cb.add("tp", "all_reduce", model.seq_len * lay.micro_batch_size * 4, tp, "fp32", count=3 * m,
                what="vocab-parallel cross-entropy")
-    if sp:
-        cb.add("tp", "all_reduce", gb * L._norm_numel(model, tp, pp, vp, stage), tp, gdt,
-               what="SP norm grads (finalize_model_grads)")
     shard = sbh // (tp if sp else 1)
     if pp > 1 and vp > 1:
         n = 2 * m * vp - m * first - m * last
@@ -681,3 +680,34 @@ def test_comm_plan_counts_what_a_builder_per_layout_counts():
                         got = [c.to_dict() for c in L._comm(model, lay, k, stage)]
                         want = [c.to_dict() for c in _comm_by_builder(model, lay, k, stage)]
                         assert got == want, (model.name, fw, lay, stage)
+
+
+def test_one_bucket_best_is_the_argmax_over_every_rank():
+    """_one_bucket_best (a one-bucket stage's heaviest DP rank without per-rank arrays) picks the rank,
+    elements and pieces the argmax over _tiled_ranks' arrays picks: params smaller and larger than a
+    DP range, ranges starting on param starts, a remainder rank heavier or lighter than the full ones,
+    ties (the lowest rank), a bucket with no params."""
+    rng = np.random.default_rng(0)
+    cases = [[0], [0, 64], [0, 128, 4096], [0, 64, 128, 192, 256, 4096], [0, 128, 130, 140, 254]]  # last: a tie at dp 2
+    cases += [np.cumsum([0] + list(rng.integers(1, 40, n) * 64)).tolist() for n in (1, 3, 17, 90) for _ in range(5)]
+    for cum in cases:
+        cum = np.array(cum, np.int64)
+        for dp in (1, 2, 3, 8, 64, 1000):
+            div = np.lcm(dp, 128)
+            for extra in (0, 1, 5):
+                numel = int(-(-max(int(cum[-1]), 1) // div) * div) + extra * div
+                for w in ((12, 4), (8, 4), (1, 1000), (1, 1)):
+                    e, p = L._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
+                    d = int(np.argmax(w[0] * e + w[1] * p))
+                    assert L._one_bucket_best(cum, numel, dp, *w) == (d, int(e[d]), int(p[d])), (cum, dp, numel, w)
+
+
+def test_wire_sum_floors_each_call():
+    """_wire_sum: placement.wire_bytes of each call summed, few calls or many (numpy)."""
+    from ledger.placement import wire_bytes
+
+    for n in (1, 5, 33, 100):
+        buffers = [7 * i + 3 for i in range(n)]
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            for group in (2, 3, 7):
+                assert L._wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)

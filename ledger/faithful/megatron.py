@@ -38,7 +38,7 @@ import numpy as np
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
+from ledger.placement import Comm, Placement, RankState, wire_bytes
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
@@ -672,20 +672,42 @@ def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: K
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
     """(heaviest DP rank, its owned elements, its owned pieces) of a stage (dist-opt): a contiguous
-    chunk from its pattern's param offsets and bucket walk (_tiled_ranks), without building the
-    buffer; otherwise from the buffers (_best_rank)."""
+    chunk from its pattern's param offsets and bucket walk (_tiled_ranks; _one_bucket_best for a
+    stage of one bucket), without building the buffer; otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
     shapes = [_stage_shape(model, pp, st, vp, ch) for ch in range(vp)]
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     if not all(_pattern_contiguous(x) for x in parts):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
+    cums = [_pattern_cum(part, layers) for (layers, _, _), part in zip(shapes, parts)]
+    buckets = [_chunk_buckets(model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True)
+               for ch, (layers, first, last) in enumerate(shapes)]  # one buffer per chunk
+    if vp == 1 and len(buckets[0][0]) == 1:
+        return _one_bucket_best(cums[0], int(buckets[0][2][0]), dp, *w)
     e = p = 0
-    for ch, ((layers, first, last), part) in enumerate(zip(shapes, parts)):  # one buffer per chunk
-        ce, cp = _tiled_ranks(_pattern_cum(part, layers), *_chunk_buckets(
-            model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True), dp)
+    for cum, chunk_buckets in zip(cums, buckets):
+        ce, cp = _tiled_ranks(cum, *chunk_buckets, dp)
         e, p = e + ce, p + cp
     d = int(np.argmax(w[0] * e + w[1] * p))
     return d, int(e[d]), int(p[d])
+
+
+def _one_bucket_best(cum: np.ndarray, numel: int, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
+    """_tiled_ranks' heaviest DP rank, its elements and pieces, for a stage of one bucket (one chunk),
+    without the per-rank arrays: the ranks below real // S own S elements each and differ only by
+    their pieces (one plus the param starts strictly inside the range), so the lowest with the most
+    starts inside wins among them; the next rank owns the remainder, the ones after nothing."""
+    real, s = int(cum[-1]), numel // dp
+    full, rem = divmod(real, s)
+    rank, at = np.divmod(cum[:-1], s)
+    inner = np.bincount(rank[at != 0], minlength=full + 1)
+    best = (0, 0, 0, 0)  # (bytes, rank, elements, pieces): no params, rank 0 owns nothing
+    if full:
+        d = int(np.argmax(inner[:full]))
+        best = (w_elem * s + w_piece * (1 + int(inner[d])), d, s, 1 + int(inner[d]))
+    if rem and w_elem * rem + w_piece * (1 + int(inner[full])) > best[0]:
+        best = (0, full, rem, 1 + int(inner[full]))
+    return best[1:]
 
 
 def _optim_weights(fw) -> tuple[int, int]:
@@ -793,9 +815,10 @@ def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int
     return out
 
 
-def _fixed_comm(cb: CommBuilder, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> None:
-    """Adds to cb the collectives of one steady-state step that no micro-batch setting changes: DP
-    buckets, tied-embedding grads, grad norm."""
+def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:
+    """The collectives of one steady-state step that no micro-batch setting changes (DP buckets,
+    tied-embedding grads, grad norm, SP norm grads), each given to calls(dim, kind, dtype, what,
+    group size, [buffer bytes of each call])."""
     grid = Grid(tp=tp, dp=dp, pp=pp)  # Layout.grid of a Megatron layout (cp = dp_replicate = 1: place)
     pdt, gdt, pb, gb = _dtypes(k)
     first, last = stage == 0, stage == pp - 1
@@ -820,26 +843,31 @@ def _fixed_comm(cb: CommBuilder, model: ModelShape, tp: int, pp: int, dp: int, v
                                      effective_bucket_size(k, dp, stage, 0), dp, k.use_distributed_optimizer)
     numels = (bend - bstart).tolist() + [x[0] for x in sums[1:]]  # no buffer built
     if k.use_distributed_optimizer:
-        cb.add_each("dp", "reduce_scatter", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+        calls("dp", "reduce_scatter", gdt, "grad bucket (start_grad_sync)", dp, [gb * n for n in numels])
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
                 if k.overlap_param_gather else "param bucket (start_param_sync)")
-        cb.add_each("dp", "all_gather", [pb * n for n in numels], dp, pdt, what=what)
+        calls("dp", "all_gather", pdt, what, dp, [pb * n for n in numels])
     else:
-        cb.add_each("dp", "all_reduce", [gb * n for n in numels], dp, gdt, what="grad bucket (start_grad_sync)")
+        calls("dp", "all_reduce", gdt, "grad bucket (start_grad_sync)", dp, [gb * n for n in numels])
     if model.tied_embeddings and pp > 1 and (first or last):  # a chunk with a shared_embedding param
         # distributed/finalize_model_grads.py _allreduce_word_embedding_grads: the first stage's
         # word-embedding main_grad and the last stage's copy (fp32 grad_data views with
         # grad_reduce_in_fp32), all-reduced over the embedding group (parallel_state.py
         # default_embedding_ranks: the first and last PP rank, a pp group of 2) after finish_grad_sync
-        cb.add(grid.label_of(("pp",)), "all_reduce", gb * (model.vocab // tp) * model.hidden, 2, gdt,
-               what="tied word-embedding grads (finalize_model_grads)")
+        calls(grid.label_of(("pp",)), "all_reduce", gdt, "tied word-embedding grads (finalize_model_grads)", 2,
+              [gb * (model.vocab // tp) * model.hidden])
     # grad norm: optimizer/clip_grads.py get_grad_norm_fp32, one fp32 all-reduce over
     # grad_stats_parallel_group: the whole world with the distributed optimizer
     # (optimizer/__init__.py: intra_dist_opt_group), else the model-parallel group
     dims = ("tp", "cp", "dp", "dp_replicate", "pp") if k.use_distributed_optimizer else ("tp", "pp")
     size = grid.size_of(dims)
     if k.clip_grad > 0 and size > 1:
-        cb.add(grid.label_of(dims), "all_reduce", 4, size, "fp32", what="grad norm (clip_grads.py)")
+        calls(grid.label_of(dims), "all_reduce", "fp32", "grad norm (clip_grads.py)", size, [4])
+    if sp:
+        # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
+        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
+        calls("tp", "all_reduce", gdt, "SP norm grads (finalize_model_grads)", tp,
+              [gb * _norm_numel(model, tp, pp, vp, stage)])
 
 
 class _PerMicroBatch(NamedTuple):
@@ -856,13 +884,13 @@ class _PerMicroBatch(NamedTuple):
 def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
     """Collectives of one steady-state optimizer step of this stage: its plan (_comm_plan, cached per
     structure) with the per-micro-batch calls counted for this micro-batch size and count."""
-    fixed, rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage),
-                             lay.sequence_parallel)
+    rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), lay.sequence_parallel)
     m, b = lay.num_microbatches, lay.micro_batch_size
-    if not m:  # no micro-batch, no per-micro-batch calls (CommBuilder drops calls counted 0)
-        return fixed.build()
+    if not m:  # no micro-batch: the fixed calls alone (a call made 0 times is none)
+        return [Comm(dim, kind, count, buf, wire, dtype, what) for dim, kind, dtype, _, what, count, buf, wire, _ in rows
+                if count]
     out = []
-    for dim, kind, dtype, what, count, buf, wire, per_mb in rows:
+    for dim, kind, dtype, what, _, count, buf, wire, per_mb in rows:
         for calls, wires, unit, div, group in per_mb:
             x = b * unit // div
             count += calls * m
@@ -873,33 +901,51 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
 
 
 @lru_cache(maxsize=4096)
-def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int,
-               sp: bool) -> tuple[CommBuilder, tuple]:
-    """(the calls no micro-batch setting changes, every record of the step) of one stage class:
-    _fixed_comm, the SP norm grads and the calls repeated every micro-batch (TP, cross-entropy, PP);
-    each record (dim, kind, what, the fixed calls' count, buffer and wire bytes, its _PerMicroBatch
-    calls), in CommBuilder.build's order."""
-    cb = CommBuilder()
-    _fixed_comm(cb, model, tp, pp, dp, vp, k, stage)
-    pdt, gdt, pb, gb = _dtypes(k)
+def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> tuple:
+    """Every collective record of one stage class's step as CommBuilder.build would give it (by
+    (dim, kind, dtype) in sorted order, the distinct names sorted and joined), each (dim, kind,
+    dtype, what, what of its fixed calls alone, their count, buffer and wire bytes, its
+    _PerMicroBatch calls): the calls no micro-batch setting changes (_fixed_comm) and those repeated
+    every micro-batch (_micro_batch_comm)."""
+    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, fixed names, names, per-micro-batch]
+
+    def fixed(dim, kind, dtype, what, group, buffers):
+        if group > 1 and buffers:  # a group of one sends nothing (CommBuilder.add)
+            a = acc.setdefault((dim, kind, dtype), [0, 0, 0, set(), set(), []])
+            a[0] += len(buffers)
+            a[1] += sum(buffers)
+            a[2] += _wire_sum(kind, buffers, group)
+            a[3].add(what)
+            a[4].add(what)
+
+    def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
+        if calls > 0 and group > 1:
+            a = acc.setdefault((dim, kind, dtype), [0, 0, 0, set(), set(), []])
+            a[4].add(what)
+            a[5].append(_PerMicroBatch(calls, wires, unit, div, group))
+
+    _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
+    _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
+    return tuple((*key, "; ".join(sorted(names)), "; ".join(sorted(fixed_names)), count, buf, wire, tuple(per_mb))
+                 for key, (count, buf, wire, fixed_names, names, per_mb) in sorted(acc.items()))
+
+
+def _wire_sum(kind: str, buffers: list[int], group: int) -> int:
+    """wire_bytes of one call per buffer, summed (each floored on its own; numpy's integer arithmetic
+    over many)."""
+    if len(buffers) > 32:
+        return int(wire_bytes(kind, np.array(buffers, np.int64), group).sum())
+    return sum(wire_bytes(kind, x, group) for x in buffers)
+
+
+def _micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:
+    """The collectives one stage makes every micro-batch (TP, cross-entropy, PP), each given to
+    calls(dim, kind, dtype, what, calls per micro-batch, bytes per sequence, divisor, group size,
+    calls that send): each call hands micro_batch_size * bytes per sequence // divisor bytes."""
+    pdt = _dtypes(k)[0]
     first, last = stage == 0, stage == pp - 1
     layers = model.layers // pp
-    act = 2 if k.precision == "bf16" else 4
-    sbh = model.seq_len * model.hidden * act  # bytes of one sequence's [s, h] activations
-    if sp:
-        # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
-        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
-        cb.add("tp", "all_reduce", gb * _norm_numel(model, tp, pp, vp, stage), tp, gdt,
-               what="SP norm grads (finalize_model_grads)")
-    named = cb.copy()  # cb's calls and, added once each at 0 bytes, the per-micro-batch ones: their names
-    per_mb: dict[tuple, list] = {}  # (dim, kind, dtype) -> [_PerMicroBatch]
-
-    def each(dim, kind, dtype, what, calls, unit, div=1, group=tp, wires=None):
-        if calls > 0 and group > 1:  # what CommBuilder.add / add_p2p drop
-            named.add_calls(dim, kind, dtype, 1, 0, 0, what)
-            per_mb.setdefault((dim, kind, dtype), []).append(
-                _PerMicroBatch(calls, calls if wires is None else wires, unit, div, group))
-
+    sbh = model.seq_len * model.hidden * (2 if k.precision == "bf16" else 4)  # one sequence's [s, h] activations
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
     # linear_qkv / linear_fc1 copy_to_tensor_model_parallel_region (all-reduce in backward),
     # linear_proj / linear_fc2 reduce_from_tensor_model_parallel_region (all-reduce in forward).
@@ -912,15 +958,15 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
             ag, rs = ag + 1, rs + 1
         if last:  # output_layer (column-parallel): all-gather fwd + bwd, reduce-scatter of dgrad
             ag, rs = ag + 2, rs + 1
-        each("tp", "all_gather", pdt, "SP all-gather (layers.py/mappings.py)", ag, sbh)
-        each("tp", "reduce_scatter", pdt, "SP reduce-scatter (layers.py/mappings.py)", rs, sbh)
+        calls("tp", "all_gather", pdt, "SP all-gather (layers.py/mappings.py)", ag, sbh, 1, tp, ag)
+        calls("tp", "reduce_scatter", pdt, "SP reduce-scatter (layers.py/mappings.py)", rs, sbh, 1, tp, rs)
     else:
         ar = 4 * layers + first + last  # embedding forward, output_layer input grad
-        each("tp", "all_reduce", pdt, "TP all-reduce (mappings.py)", ar, sbh)
+        calls("tp", "all_reduce", pdt, "TP all-reduce (mappings.py)", ar, sbh, 1, tp, ar)
     if last:
         # tensor_parallel/cross_entropy.py VocabParallelCrossEntropy.forward: logits max,
         # predicted logits, sum of exp, each fp32 [s, b]
-        each("tp", "all_reduce", "fp32", "vocab-parallel cross-entropy", 3, model.seq_len * 4)
+        calls("tp", "all_reduce", "fp32", "vocab-parallel cross-entropy", 3, model.seq_len * 4, 1, tp, 3)
     # PP: pipeline_parallel/schedules.py + p2p_communication.py: per micro-batch activations forward,
     # their grads backward, each sent by one stage and received by its neighbour (a send_recv pair:
     # the sent tensor on the wire); with SP the sequence-sharded tensor [s/tp, b, h]
@@ -939,13 +985,7 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
         # send_backward with the previous
         pairs = (not last) + (not first)
         what = "activations / activation grads (p2p_communication.py)"
-    each("pp", "send_recv", pdt, what, 2 * pairs, sbh, tp if sp else 1, group=pp, wires=pairs)
-    rows = []
-    for c in named.build():
-        terms = tuple(per_mb.get((c.dim, c.kind, c.dtype), ()))
-        # the per-micro-batch calls were counted once each, at 0 bytes
-        rows.append((c.dim, c.kind, c.dtype, c.what, c.count - len(terms), c.buffer_bytes, c.wire_bytes, terms))
-    return cb, tuple(rows)
+    calls("pp", "send_recv", pdt, what, 2 * pairs, sbh, tp if sp else 1, pp, pairs)
 
 
 # -- the interleaved schedule (vp > 1) -----------------------------------------------------------
