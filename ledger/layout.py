@@ -26,11 +26,20 @@ class Layout:
 
     def __init__(self, tp: int, pp: int, dp: int, dp_replicate: int, cp: int, ep: int, vp: int,
                  sequence_parallel: bool, micro_batch_size: int, global_batch_size: int):
-        # the fields in one dict update: the generated frozen __init__ sets them one by one through
-        # object.__setattr__, twice as slow in a search (test_layout_init_sets_every_field)
-        self.__dict__.update(tp=tp, pp=pp, dp=dp, dp_replicate=dp_replicate, cp=cp, ep=ep, vp=vp,
-                             sequence_parallel=sequence_parallel, micro_batch_size=micro_batch_size,
-                             global_batch_size=global_batch_size)
+        # the fields stored straight into __dict__: the generated frozen __init__ sets them one by one
+        # through object.__setattr__ (2x slower), a keyword update() builds a dict first (~25% slower)
+        # (test_layout_init_sets_every_field)
+        d = self.__dict__
+        d["tp"] = tp
+        d["pp"] = pp
+        d["dp"] = dp
+        d["dp_replicate"] = dp_replicate
+        d["cp"] = cp
+        d["ep"] = ep
+        d["vp"] = vp
+        d["sequence_parallel"] = sequence_parallel
+        d["micro_batch_size"] = micro_batch_size
+        d["global_batch_size"] = global_batch_size
 
     @property
     def dp_shard(self) -> int:
@@ -63,7 +72,7 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
     # each field read once (a DictConfig read costs µs; a search resolves thousands of layouts)
     tp, pp, cp, ep, vp, dpr, mbs = (lc["tp"], lc["pp"], lc["cp"], lc["ep"], lc["vp"], lc["dp_replicate"],
                                      lc["micro_batch_size"])
-    if min(tp, pp, cp, ep, vp, dpr, mbs) < 1:
+    if tp < 1 or pp < 1 or cp < 1 or ep < 1 or vp < 1 or dpr < 1 or mbs < 1:  # (min() of a tuple is slower)
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("vp", vp), ("dp_replicate", dpr),
                         ("micro_batch_size", mbs)):
             if v < 1:
