@@ -444,8 +444,9 @@ def test_unmodelled_framework_settings_are_config_errors(field, value):
 
 def test_shape_limits_are_config_errors():
     m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128, seq_len=32, bias=True)
-    with pytest.raises(ConfigError, match="bias"):
-        L.place(m, _lay(world=2), _fw())
+    for _ in range(2):  # the model's rules are checked once per model (_check_model): refused every time
+        with pytest.raises(ConfigError, match="bias"):
+            L.place(m, _lay(world=2), _fw())
     # trainer.py: with SP the sequence is split over tp
     with pytest.raises(ConfigError, match=r"seq_len=128 must be divisible by tp=3 \(sequence_parallel\)"):
         L.place(preset("tiny"), _lay(world=3, tp=3, sequence_parallel=True), _fw())
