@@ -592,7 +592,7 @@ def test_alignment_padding_makes_a_buffer_non_contiguous():
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
 def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
     """_chunk_summary (the bucket walk over a chunk's pattern, no per-param arrays) gives the numel,
-    elements, params and DP-range elements of the buffer build_buffer makes: tied or not, bucketed
+    elements, params, DP-range elements and buckets of the buffer build_buffer makes: tied or not, bucketed
     or one bucket, with or without the distributed optimizer's padding, odd shapes included."""
     import dataclasses
 
@@ -605,7 +605,8 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
                     for dist_opt in (True, False):
                         buf = L._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
                         got = L._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
-                        want = (buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum()))
+                        want = (buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum()),
+                                len(buf.bstart))
                         assert got == want, (model.name, tp, dp, layers, first, last, bucket)
 
 

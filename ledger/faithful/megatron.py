@@ -228,18 +228,18 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
     that a chunk's bounds can be walked without its per-param arrays (_chunk_summary). With `dp`,
-    only (numel, the buckets' DP range elements summed) is returned."""
+    only (numel, the buckets' DP range elements summed, buckets) is returned."""
     if P and bucket_size is None and not (shared_first or shared_last):
         # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
         # (j = 0, i = P - 1) without its bookkeeping
         pend = reach(P - 1) - cum(0)
         end = -(-pend // div) * div if dist_opt else pend
-        return (end, end // dp) if dp is not None else (_ZERO, _ZERO, np.array([end], np.int64))
+        return (end, end // dp, 1) if dp is not None else (_ZERO, _ZERO, np.array([end], np.int64))
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
     blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
-    skipped = 0  # with dp: DP range elements of the copied buckets
+    skipped = copied = 0  # with dp: DP range elements of the copied buckets, their number
     while j < P:
         if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
             at = (j - period[0]) % period[1]
@@ -251,6 +251,7 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
                 q = (period[0] + period[1] * period[2] - j) // dj
                 if dp is not None:
                     skipped += q * sum((e - x) // dp for x, e in zip(bstarts[b:], bends[b:]))
+                    copied += q * (len(bstarts) - b)
                     j, b0 = j + q * dj, b0 + q * dpos
                     seen = None
                     continue
@@ -277,7 +278,7 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
         bends.append(end)
         j, b0 = i + 1, end
     if dp is not None:
-        return b0, skipped + sum((e - x) // dp for x, e in zip(bstarts, bends))
+        return b0, skipped + sum((e - x) // dp for x, e in zip(bstarts, bends)), copied + len(bstarts)
     tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
     return np.concatenate(blocks + [tail], axis=1) if blocks else tail
 
@@ -386,7 +387,7 @@ def _most_loaded(classes: list, dp: int, dist_opt: bool, w_elem: int, w_piece: i
     return best[1:]
 
 
-def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb: int, gb: int, w_elem: int,
+def _class_bound(summaries: list[tuple[int, ...]], dist_opt: bool, pb: int, gb: int, w_elem: int,
                  w_piece: int) -> tuple[int, int]:
     """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
     elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
@@ -398,12 +399,12 @@ def _class_bound(summaries: list[tuple[int, int, int, int]], dist_opt: bool, pb:
 
 
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
-                   dist_opt: bool) -> tuple[int, int, int, int]:
-    """(numel, param elements, params, DP range elements summed over buckets) of _buffer(...)
+                   dist_opt: bool) -> tuple[int, int, int, int, int]:
+    """(numel, param elements, params, DP range elements summed over buckets, buckets) of _buffer(...)
     without its per-param arrays: _pattern_walk."""
-    numel, full = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
+    numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
     (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
-    return numel, hreal + layers * lreal + treal, hn + layers * ln + tn, full
+    return numel, hreal + layers * lreal + treal, hn + layers * ln + tn, full, buckets
 
 
 @lru_cache(maxsize=1024)
@@ -415,7 +416,8 @@ def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tupl
 @lru_cache(maxsize=4096)
 def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk."""
+    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk
+    (a chunk of one bucket is its summary's numel: _bucket_numels, _stage_best)."""
     return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, False)
 
 
@@ -680,10 +682,11 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     if not all(_pattern_contiguous(x) for x in parts):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
     cums = [_pattern_cum(part, layers) for (layers, _, _), part in zip(shapes, parts)]
+    numel, *_, n_buckets = _stage_summaries(model, tp, pp, dp, vp, k, st)[0]
+    if vp == 1 and n_buckets == 1:
+        return _one_bucket_best(cums[0], numel, dp, *w)
     buckets = [_chunk_buckets(model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True)
                for ch, (layers, first, last) in enumerate(shapes)]  # one buffer per chunk
-    if vp == 1 and len(buckets[0][0]) == 1:
-        return _one_bucket_best(cums[0], int(buckets[0][2][0]), dp, *w)
     e = p = 0
     for cum, chunk_buckets in zip(cums, buckets):
         ce, cp = _tiled_ranks(cum, *chunk_buckets, dp)
@@ -838,10 +841,7 @@ def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k:
     # with disable_bucketing (training.py get_model: model chunks after the first) whose buckets
     # form one group, issued as one coalesced call (_coalescing_manager) over all of them; such a
     # chunk has several buckets only around a tied model's shared embedding (build_buffer)
-    sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
-    _, bstart, bend = _chunk_buckets(model, tp, *_stage_shape(model, pp, stage, vp, 0),
-                                     effective_bucket_size(k, dp, stage, 0), dp, k.use_distributed_optimizer)
-    numels = (bend - bstart).tolist() + [x[0] for x in sums[1:]]  # no buffer built
+    numels = _bucket_numels(model, tp, pp, dp, vp, k, stage)
     if k.use_distributed_optimizer:
         calls("dp", "reduce_scatter", gdt, "grad bucket (start_grad_sync)", dp, [gb * n for n in numels])
         what = ("param bucket (next step's forward: pre-hook finish_param_sync / param_sync_func)"
@@ -868,6 +868,19 @@ def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k:
         # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
         calls("tp", "all_reduce", gdt, "SP norm grads (finalize_model_grads)", tp,
               [gb * _norm_numel(model, tp, pp, vp, stage)])
+
+
+def _bucket_numels(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> list[int]:
+    """Elements of each DP bucket group of a stage, no buffer built: chunk 0's buckets (one, its
+    summary's numel, or those of its bucket walk), then each later chunk's buffer as one group."""
+    sums = _stage_summaries(model, tp, pp, dp, vp, k, stage)
+    if sums[0][4] == 1:
+        first = [sums[0][0]]
+    else:
+        _, bstart, bend = _chunk_buckets(model, tp, *_stage_shape(model, pp, stage, vp, 0),
+                                         effective_bucket_size(k, dp, stage, 0), dp, k.use_distributed_optimizer)
+        first = (bend - bstart).tolist()
+    return first + [x[0] for x in sums[1:]]
 
 
 class _PerMicroBatch(NamedTuple):
