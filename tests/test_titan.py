@@ -748,8 +748,9 @@ def test_mesh_labels_are_the_grids():
 
 
 def test_rows_build_what_comm_builder_builds():
-    """_add + _built (calls summed per call site into records) give CommBuilder's list for the same
-    calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call."""
+    """_add, _p2p + _built (calls summed per call site into records) give CommBuilder's list for the
+    same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call,
+    P2P exchanges with one side absent."""
     import random
 
     from ledger.placement import CommBuilder
@@ -769,4 +770,11 @@ def test_rows_build_what_comm_builder_builds():
                 if c:
                     cb.add(dim, kind, b, n, dtype, count=c, what=what)
             L._add(acc, dim, kind, dtype, n, calls, padded=padded)
+            # P2P exchanges (sent, received, times): a send and a receive call each, the sent bytes on
+            # the wire
+            exchanges = [(rng.choice([0, 4, 1000]), rng.choice([0, 8, 999]), rng.choice([-1, 0, 1, 3]),
+                          rng.choice(["a", "e"])) for _ in range(rng.randint(0, 3))]
+            for sent, received, times, what in exchanges:
+                cb.add_p2p(dim, sent, received, dtype, what=what, times=times)
+            L._p2p(acc, dim, dtype, exchanges)
         assert L._built(acc) == cb.build()

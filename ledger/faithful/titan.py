@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
-from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
+from ledger.placement import Comm, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
 
@@ -372,21 +372,40 @@ def _add(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: bool
                 wire += wire_bytes(kind, b, n) * c
             whats.append(what)
     if count:
-        if padded:
-            wire = wire_bytes(kind, buf, n)
-        a = acc.get((dim, kind, dtype))
-        if a is None:
-            acc[dim, kind, dtype] = [count, buf, wire, whats]
-        else:
-            a[0] += count
-            a[1] += buf
-            a[2] += wire
-            a[3] += whats
+        _put(acc, (dim, kind, dtype), count, buf, wire_bytes(kind, buf, n) if padded else wire, whats)
+
+
+def _p2p(acc: dict, dim: str, dtype: str, exchanges) -> None:
+    """Exchanges on one (dim, dtype), each (sent bytes, received bytes, how many times, what), summed
+    as CommBuilder.add_p2p sums them: an exchange is a send and a receive call (one absent at 0
+    bytes), the sent tensor on the wire (test)."""
+    count = buf = wire = 0
+    whats = []
+    for sent, received, times, what in exchanges:
+        if times > 0 and (sent > 0 or received > 0):
+            count += ((sent > 0) + (received > 0)) * times
+            buf += (sent + received) * times
+            wire += sent * times
+            whats.append(what)
+    if count:
+        _put(acc, (dim, "send_recv", dtype), count, buf, wire, whats)
+
+
+def _put(acc: dict, key: tuple[str, str, str], count: int, buf: int, wire: int, whats: list[str]) -> None:
+    """One call site's sums into acc's record of its (dim, kind, dtype), as CommBuilder merges them."""
+    a = acc.get(key)
+    if a is None:
+        acc[key] = [count, buf, wire, whats]
+    else:
+        a[0] += count
+        a[1] += buf
+        a[2] += wire
+        a[3] += whats
 
 
 def _built(acc: dict) -> list[Comm]:
-    """The Comm list CommBuilder.build makes of the same calls (test: equal): _add's records in
-    sorted order, each what the distinct names of its calls sorted and joined."""
+    """The Comm list CommBuilder.build makes of the same calls (test: equal): acc's records (_add,
+    _p2p) in sorted order, each what the distinct names of its calls sorted and joined."""
     return [Comm(d, k, c, b, w, t, s[0] if len(s) == 1 else _joined(tuple(s)))
             for (d, k, t), (c, b, w, s) in sorted(acc.items())]
 
@@ -745,84 +764,67 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
              first: bool, grid: Grid | None = None) -> list[Comm]:
     """One optimizer step of pipeline stage s under 1F1B (torch pipelining/schedules.py
     Schedule1F1B, stage.py), FSDP over dp_shard; first: step 0 (the schedule's one-time set-up)."""
-    cb = CommBuilder()
     has_emb, _, L, has_head = stage
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
-    grid = grid or lay.grid
-    fsdp = _mesh_labels(grid)[0]
-    head = sh.norm_full + sh.lm_full
-
-    def ag(full, what, count=1):
-        cb.add(fsdp, "all_gather", full * BF16, ds, "bf16", count=count, what=what)
-
-    def rs(full, what, count=1):
-        cb.add(fsdp, "reduce_scatter", full * F32, ds, "fp32", count=count, what=what)
-
+    fsdp = _mesh_labels(grid or lay.grid)[0]
+    emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
+    acc: dict = {}
     # fsdp.py get_fsdp_reshard_after_forward_policy: with PP "default" (and "never") is False for
     # tok_embeddings and the blocks; [norm, lm_head] gets reshard_after_forward == "always" = False.
     # stage.py backward_maybe_with_nosync sets reshard_after_backward(False) and
     # requires_gradient_sync(False) on every micro-batch's backward; perform_reduce_grad (after the
     # last one) runs post_backward on every group: one reduce-scatter per unit, reshard. So each
-    # unit gathers once per step, in its first forward.
-    if has_emb:
-        ag(sh.emb_full, "forward unshard (once per step)")
-    ag(sh.layer_full, "forward unshard (once per step)", L)
+    # unit gathers once per step, in its first forward. (full numel, calls, what)
+    gathers = [(emb, has_emb, "forward unshard (once per step)"), (layer, L, "forward unshard (once per step)")]
+    scatters = [(layer, L, "layer grads (perform_reduce_grad)"),
+                (emb, has_emb, "tok_embeddings grad (perform_reduce_grad)")]
     if has_head:
         # the last stage runs F0 B0 F1 B1 ...; components/loss.py ChunkedLossWrapper (the stage's
         # loss_fn) leaves [norm, lm_head] with reshard_after_forward(True) and reshards it after
         # its chunks: F0's norm gathers it; every micro-batch's loss unshards it again (wrapper)
         # and its backward through the norm gathers it once more (left unsharded for the next
         # forward by reshard_after_backward(False))
-        ag(head, "[norm, lm_head]: F0 norm forward")
-        ag(head, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch", n)
-        ag(head, "[norm, lm_head]: norm backward, per micro-batch", n)
+        gathers += [(head, 1, "[norm, lm_head]: F0 norm forward"),
+                    (head, n, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch"),
+                    (head, n, "[norm, lm_head]: norm backward, per micro-batch")]
         # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)):
         # micro-batch 0 reduces lm_head's grad alone, later ones lm_head + the norm grad the previous
         # backward accumulated; perform_reduce_grad reduces the last norm grad
-        rs(sh.lm_full, "lm_head grad (micro-batch 0, last chunk)")
-        rs(head, "lm_head + accumulated norm grad (later micro-batches, last chunk)", n - 1)
-        rs(sh.norm_full, "norm grad (perform_reduce_grad)")
-    rs(sh.layer_full, "layer grads (perform_reduce_grad)", L)
-    if has_emb:
-        rs(sh.emb_full, "tok_embeddings grad (perform_reduce_grad)")
+        scatters += [(sh.lm_full, 1, "lm_head grad (micro-batch 0, last chunk)"),
+                     (head, n - 1, "lm_head + accumulated norm grad (later micro-batches, last chunk)"),
+                     (sh.norm_full, 1, "norm grad (perform_reduce_grad)")]
     # P2P (stage.py get_fwd_send_ops / get_bwd_send_ops, dist.isend/irecv on the pp group): one
     # activation forward and one grad backward per micro-batch, each a [mbs, seq, hidden] bf16 tensor
     act = lay.micro_batch_size * model.seq_len * model.hidden * BF16
-    nb = (s > 0) + (s < P - 1)  # neighbours
-    if s < P - 1:
-        cb.add_p2p("pp", act, act, "bf16", what="activation send / grad recv, per micro-batch", times=n)
-    if s > 0:
-        cb.add_p2p("pp", act, act, "bf16", what="activation recv / grad send, per micro-batch", times=n)
+    after, before = s < P - 1, s > 0  # a next stage, a previous one
+    _p2p(acc, "pp", "bf16", ((act, act, n * after, "activation send / grad recv, per micro-batch"),
+                             (act, act, n * before, "activation recv / grad send, per micro-batch")))
     if first:
         # schedules.py _initialize_pp_stages, step 0 only: _warmup_p2p's vote (stage.py
         # _warmup_forward_vote / _warmup_backward_result: one int32 forward, one back, per neighbour)
-        cb.add_p2p("pp", 4, 4, "int32", what="P2P warm-up vote", times=nb)
+        _p2p(acc, "pp", "int32", ((4, 4, after + before, "P2P warm-up vote"),))
         # ... metadata inference: _StageForwardMeta sent forward, _StageBackwardMeta back
         # (send_object_list: an int64 size, then the pickle as uint8)
         fwd, bwd = _pp_meta_bytes(lay.micro_batch_size, model.seq_len, model.hidden)
-        if s < P - 1:
-            cb.add_p2p("pp", 8, 8, "int64", what="metadata sizes")
-            cb.add_p2p("pp", fwd, bwd, "uint8", what="forward / backward metadata")
-        if s > 0:
-            cb.add_p2p("pp", 8, 8, "int64", what="metadata sizes")
-            cb.add_p2p("pp", bwd, fwd, "uint8", what="forward / backward metadata")
+        _p2p(acc, "pp", "int64", ((8, 8, after + before, "metadata sizes"),))
+        _p2p(acc, "pp", "uint8", ((fwd, bwd, after, "forward / backward metadata"),
+                                  (bwd, fwd, before, "forward / backward metadata")))
         # the inference runs the stage forward on real tensors: every unit gathers (then
         # _post_metadata_inference_cleanup reshards); the last stage's backward inference calls the
         # loss (the wrapper: lm_head's grad reduced at its last chunk, the group resharded) and
         # autograd.grad through the norm (gathers [norm, lm_head] again)
-        if has_emb:
-            ag(sh.emb_full, "metadata inference forward")
-        ag(sh.layer_full, "metadata inference forward", L)
+        gathers += [(emb, has_emb, "metadata inference forward"), (layer, L, "metadata inference forward")]
         if has_head:
-            ag(head, "metadata inference forward")
-            rs(sh.lm_full, "metadata inference: ChunkedLossWrapper lm_head grad")
-            ag(head, "metadata inference: norm backward")
+            gathers += [(head, 1, "metadata inference forward"), (head, 1, "metadata inference: norm backward")]
+            scatters.append((sh.lm_full, 1, "metadata inference: ChunkedLossWrapper lm_head grad"))
+    _add(acc, fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers], padded=True)
+    _add(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
     # total norm (** norm_type) all-reduced over pp
-    cb.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", what="grad-norm (stacked per-param norms)")
-    cb.add("pp", "all_reduce", F32, P, "fp32", what="grad-norm total over pp")
+    _add(acc, fsdp, "all_reduce", "fp32", ds, ((sh.n_params * F32, 1, "grad-norm (stacked per-param norms)"),))
+    _add(acc, "pp", "all_reduce", "fp32", P, ((F32, 1, "grad-norm total over pp"),))
     # trainer.py train_step: valid tokens on the batch mesh, loss sum / max and ntokens_seen on
     # the loss mesh (both dp_shard here; pp is in neither)
-    cb.add(fsdp, "all_reduce", 8, ds, "int64", count=2, what="valid tokens, ntokens_seen")
-    cb.add(fsdp, "all_reduce", 4, ds, "fp32", count=2, what="loss sum, loss max")
-    return cb.build()
+    _add(acc, fsdp, "all_reduce", "int64", ds, ((8, 2, "valid tokens, ntokens_seen"),))
+    _add(acc, fsdp, "all_reduce", "fp32", ds, ((4, 2, "loss sum, loss max"),))
+    return _built(acc)
