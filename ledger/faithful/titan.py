@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
-from ledger.model import ModelShape, model_dict, numel
+from ledger.model import ModelShape, model_dict
 from ledger.placement import Comm, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
