@@ -559,28 +559,39 @@ def _coll_cost(kind: str, nbytes: float, n: int) -> float:
     return 6.6 + hops * lat + (nbytes / 1024 ** 3 * hops / n) / bw * 1e6
 
 
-def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | None]:
-    """_collective_utils.py redistribute_cost / _compute_placement_transition_cost on one mesh dim
-    (bf16 tensors): cost and the collective redistribute_local_tensor then runs."""
-    full = numel_full * BF16
+def _transition(cur: str, tgt: str) -> tuple[str | None, bool, str | None] | None:
+    """_collective_utils.py _compute_placement_transition_cost on one mesh dim, by placements alone:
+    (the collective it is priced as, priced on the 1/n local shard plus a 1.0 penalty, the
+    collective redistribute_local_tensor then runs); (None, False, None) free, None banned."""
     if cur == tgt or cur == "R":  # Replicate -> Shard / Partial: a local chunk or view
-        return 0.0, None
+        return None, False, None
     if cur[0] == "S" and tgt == "R":
-        return _coll_cost("all_gather", full, n), "all_gather"
+        return "all_gather", False, "all_gather"
     if cur[0] == "S" and tgt[0] == "S":  # all-to-all priced as a local all-gather + 1.0 penalty
-        return _coll_cost("all_gather", full / n, n) + 1.0, "all_to_all"
+        return "all_gather", True, "all_to_all"
     if cur == "P" and tgt == "R":
-        return _coll_cost("all_reduce", full, n), "all_reduce"
+        return "all_reduce", False, "all_reduce"
     if cur == "P" and tgt[0] == "S":
-        return _coll_cost("reduce_scatter", full, n), "reduce_scatter"
-    return float("inf"), None  # Shard -> Partial, Partial -> another Partial: banned
+        return "reduce_scatter", False, "reduce_scatter"
+    return None  # Shard -> Partial, Partial -> another Partial: banned
 
 
-@lru_cache(maxsize=1024)
-def _moves(cur: str, numel_full: int, n: int, targets: tuple[str, ...]) -> dict[str, tuple[float, str | None]]:
-    """_move of one input to each placement the strategies ask of it, priced once (a layer's
-    backward hands several mm's the same gradient); read only (cached)."""
-    return {t: _move(cur, t, numel_full, n) for t in targets}
+def _transition_cost(t: tuple[str | None, bool, str | None], numel_full: int, n: int) -> float:
+    """_collective_utils.py redistribute_cost of an allowed _transition of a bf16 tensor."""
+    priced, local, _ = t
+    if priced is None:
+        return 0.0
+    full = numel_full * BF16
+    return _coll_cost(priced, full / n, n) + 1.0 if local else _coll_cost(priced, full, n)
+
+
+def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | None]:
+    """redistribute_cost on one mesh dim (bf16 tensors): cost and the collective
+    redistribute_local_tensor then runs (inf where the transition is banned)."""
+    t = _transition(cur, tgt)
+    if t is None:
+        return float("inf"), None
+    return _transition_cost(t, numel_full, n), t[2]
 
 
 def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
@@ -588,7 +599,8 @@ def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple
     whether the choice was priced (no strategy took the inputs as they are).
     _sharding_prop.py _select_min_cost_strategy: a strategy needing no redistribution first, then
     the first zero-cost one, else the first of minimal summed cost."""
-    move_a, move_b = _moves(*a, n, _MM_MAT1), _moves(*b, n, _MM_MAT2)
+    move_a = {t: _move(a[0], t, a[1], n) for t in _MM_MAT1}  # each input to what the strategies ask
+    move_b = {t: _move(b[0], t, b[1], n) for t in _MM_MAT2}
     best = None
     for out, pa, pb in _MM:
         (ca, ka), (cb_, kb) = move_a[pa], move_b[pb]
@@ -605,18 +617,48 @@ def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple
 _MM_AS_IS = {(pa, pb): out for out, pa, pb in _MM}
 
 
+@lru_cache(maxsize=64)
+def _mm_plan(pa: str, pb: str) -> tuple[tuple, tuple, tuple[tuple[int, int, int], ...]]:
+    """Pricing an mm whose inputs are placed (pa, pb), by placements alone: each input's distinct
+    transitions (_transition) to what the strategies ask of it, and the strategies with no banned
+    move (the others cost inf) in _MM's order, as (strategy, mat1 transition, mat2 transition)
+    indices."""
+    ta: list = []
+    tb: list = []
+    allowed = []
+    for s, (_, a, b) in enumerate(_MM):
+        t_a, t_b = _transition(pa, a), _transition(pb, b)
+        if t_a is not None and t_b is not None:
+            for ts, t in ((ta, t_a), (tb, t_b)):
+                if t not in ts:
+                    ts.append(t)
+            allowed.append((s, ta.index(t_a), tb.index(t_b)))
+    return tuple(ta), tuple(tb), tuple(allowed)
+
+
+@lru_cache(maxsize=1024)
+def _costs(transitions: tuple, numel_full: int, n: int) -> tuple[float, ...]:
+    """_transition_cost of one input for each of its transitions, priced once (a layer's backward
+    hands several mm's the same gradient: cached)."""
+    return tuple([_transition_cost(t, numel_full, n) for t in transitions])
+
+
 def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
     """_mm without its loop: where a strategy takes the inputs as they are, its cost -1.0 is below
-    every priced one (>= 0), so _mm keeps it (no collective, not priced); else every strategy is
-    priced and _mm keeps the first of minimal summed cost, which min and index find (test: equal
-    to _mm)."""
+    every priced one (>= 0), so _mm keeps it (no collective, not priced); else _mm keeps the first
+    strategy of minimal summed cost, which min and index find among those with no banned move
+    (_mm_plan: an inf total is never the minimum unless all are, and then _mm's own loop decides).
+    Test: equal to _mm."""
     out = _MM_AS_IS.get((a[0], b[0]))
     if out is not None:
         return out, [], False
-    move_a, move_b = _moves(*a, n, _MM_MAT1), _moves(*b, n, _MM_MAT2)
-    total = [move_a[pa][0] + move_b[pb][0] for _, pa, pb in _MM]
-    out, pa, pb = _MM[total.index(min(total))]
-    return out, [(k, numel) for k, numel in ((move_a[pa][1], a[1]), (move_b[pb][1], b[1])) if k], True
+    ta, tb, allowed = _mm_plan(a[0], b[0])
+    if not allowed:
+        return _mm(a, b, n)
+    ca, cb = _costs(ta, a[1], n), _costs(tb, b[1], n)
+    total = [ca[i] + cb[j] for _, i, j in allowed]
+    s, i, j = allowed[total.index(min(total))]
+    return _MM[s][0], [(k, numel) for k, numel in ((ta[i][2], a[1]), (tb[j][2], b[1])) if k], True
 
 
 @lru_cache(maxsize=1024)
