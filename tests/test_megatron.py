@@ -712,3 +712,24 @@ def test_wire_sum_floors_each_call():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             for group in (2, 3, 7):
                 assert L._wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_chunk_bound_bounds_the_summary(name):
+    """_chunk_bound (no bucket walk) is an upper bound of _chunk_summary's numel and DP range elements,
+    with its elements and params exact (numel too without the distributed optimizer): tied or not,
+    bucketed or one bucket, padding, buckets smaller than a param; a bound below the summary breaks
+    the most-loaded search (_most_loaded would skip a stage that can hold the heaviest rank)."""
+    odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd):
+        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        for tp, dp in ((1, 8), (2, 3), (1, 1000)):
+            for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
+                for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
+                    for dist_opt in (True, False):
+                        numel, real, params, full, _ = L._chunk_summary(model, tp, layers, first, last, bucket, dp,
+                                                                        dist_opt)
+                        b = L._chunk_bound(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        assert b[0] >= numel and b[1:3] == (real, params) and b[3] >= full, (model.name, tp, dp, bucket)
+                        if not dist_opt:
+                            assert b[0] == numel

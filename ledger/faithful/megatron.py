@@ -20,13 +20,17 @@ shared_embedding, build_buffer, _comm, rank_state.
 Speed: a layout search predicts thousands of layouts. What no micro-batch setting changes is
 computed once per structure (model, tp, pp, dp, vp, knobs) and cached: the most-loaded rank
 (_heaviest_rank), its fixed state (_fixed_state) and its step's collectives (_comm_plan: the DP /
-embedding / grad-norm calls, and the TP / PP calls per micro-batch, which _comm counts per layout). A stage is bounded from its chunks' summaries (_chunk_summary: the bucket walk over
-one layer's pattern, no per-param arrays) and built only when its bound can beat the best rank found;
-bucket runs repeat across identical layers (_walk_buckets copies them); and a buffer without
-alignment padding gives every DP rank's ownership in closed form (_contiguous_ranks).
+embedding / grad-norm calls, and the TP / PP calls per micro-batch, which _comm counts per layout).
+Stages are searched best first (_most_loaded): the bucketed first stage is bounded before its bucket
+walk (_chunk_bound), a stage from its chunks' summaries (_chunk_summary: the bucket walk over one
+layer's pattern, no per-param arrays), and a stage's DP ranks are searched only when its bound can
+beat the best rank found; bucket runs repeat across identical layers (_walk_buckets copies them); and
+a buffer without alignment padding gives every DP rank's ownership in closed form (_contiguous_ranks,
+_one_bucket_best).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -367,19 +371,26 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
     return numel, pieces
 
 
-def _most_loaded(classes: list, dp: int, dist_opt: bool, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
+def _most_loaded(classes: list, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
     """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
-    classes ((stage, fixed bytes, upper bound, thunk giving its heaviest DP rank's (rank, elements,
-    pieces))), the lowest stage and DP rank on ties, comparing only what differs between them
-    (_buffer_bytes, _owned_by; optimizer bytes are w_elem per owned element and w_piece per owned piece).
+    classes ((stage, upper bound, fixed bytes or None, thunk giving (fixed bytes, upper bound) from
+    its summaries, thunk giving its heaviest DP rank's (rank, elements, pieces))), the lowest stage
+    and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
+    optimizer bytes are w_elem per owned element and w_piece per owned piece).
 
-    A class whose upper bound (every DP range full of parameter elements, every parameter a piece)
-    is below a value already found cannot hold the most-loaded rank: its DP ranks are not searched
-    and, where its bound came from _chunk_summary, its buffers are not built."""
+    Best first: the class of the highest bound comes next; a bound without fixed bytes (_chunk_bound,
+    no bucket walk) is replaced by its summaries' (_class_bound) before its DP ranks are searched. A
+    class whose bound is below a value already found cannot hold the most-loaded rank: its DP ranks
+    are not searched and, where its bound came from _chunk_bound, its buckets not walked."""
+    heap = [(-ub, st, fixed, exact, stage_best) for st, ub, fixed, exact, stage_best in classes]
+    heapq.heapify(heap)
     best = None  # (value, stage, dp rank, owned elements, owned pieces)
-    for st, fixed, ub, stage_best in sorted(classes, key=lambda c: (-c[2], c[0])):
-        if best is not None and ub < best[0]:
-            break
+    while heap and (best is None or -heap[0][0] >= best[0]):
+        _, st, fixed, exact, stage_best = heapq.heappop(heap)
+        if fixed is None:
+            fixed, ub = exact()
+            heapq.heappush(heap, (-ub, st, fixed, exact, stage_best))
+            continue
         d, n_owned, n_pieces = stage_best()
         val = fixed + w_elem * n_owned + w_piece * n_pieces
         if best is None or val > best[0] or (val == best[0] and st < best[1]):
@@ -405,6 +416,27 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
     numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
     (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
     return numel, hreal + layers * lreal + treal, hn + layers * ln + tn, full, buckets
+
+
+def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                 dist_opt: bool) -> tuple[int, int, int, int]:
+    """_chunk_summary's first four without the bucket walk, numel and DP range elements as upper
+    bounds: a bucket's end is padded by less than div = lcm(dp, 128) past its params' aligned
+    elements (build_buffer), and every bucket spans at least bucket_size of them but the last and those
+    a shared_embedding param closes, so at most aligned // bucket_size + 1 buckets plus one per
+    shared_embedding param (at most one per param). Exact without the distributed optimizer (no
+    padding)."""
+    (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
+    real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
+    if not dist_opt:
+        return real, real, params, real // dp
+    (_, hc, _), (_, lc, _), (_, tc, _) = _pattern(model, tp, first, last, True)
+    aligned = hc[-1] + layers * lc[-1] + tc[-1]
+    buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
+    if model.tied_embeddings and not (first and last):  # a shared_embedding param (_buffer)
+        buckets += first + last
+    numel = aligned + buckets * (math.lcm(dp, 128) - 1)
+    return numel, real, params, numel // dp
 
 
 @lru_cache(maxsize=1024)
@@ -655,14 +687,27 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     w = _optim_weights(k)
     classes = []
     for st in sorted({0, min(1, pp - 1), pp - 1}):
-        sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
+        exact = partial(_summaries_bound, model, tp, pp, dp, vp, k, st)
+        if st == 0 and pp > 1:  # the bucketed stage (effective_bucket_size): bounded before its walk
+            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
+                                   effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
+            fixed, ub = None, _class_bound(bounds, dist_opt, pb, gb, *w)[1]
+        else:
+            fixed, ub = exact()
         if dist_opt:
             best = partial(_stage_best, model, tp, pp, dp, vp, k, st)
         else:  # every DP rank owns every param (_owned_by): rank 0 stands for all
-            owned = (0, sum(x[1] for x in sums), sum(x[2] for x in sums))
-            best = partial(lambda owned: owned, owned)
-        classes.append((st, *_class_bound(sums, dist_opt, pb, gb, *w), best))
-    return _most_loaded(classes, dp, dist_opt, *w)
+            sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
+            best = partial(lambda owned: owned, (0, sum(x[1] for x in sums), sum(x[2] for x in sums)))
+        classes.append((st, ub, fixed, exact, best))
+    return _most_loaded(classes, *w)
+
+
+def _summaries_bound(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int]:
+    """_class_bound of a stage from its chunks' summaries (exact fixed bytes)."""
+    _, _, pb, gb = _dtypes(k)
+    return _class_bound(_stage_summaries(model, tp, pp, dp, vp, k, st), k.use_distributed_optimizer, pb, gb,
+                        *_optim_weights(k))
 
 
 @lru_cache(maxsize=4096)
