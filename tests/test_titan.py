@@ -748,8 +748,8 @@ def test_mesh_labels_are_the_grids():
 
 
 def test_rows_build_what_comm_builder_builds():
-    """_add, _p2p + _built (calls summed per call site into records) give CommBuilder's list for the
-    same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call,
+    """_add, _add_all, _p2p + _built (calls summed per call site into records) give CommBuilder's
+    list for the same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call,
     P2P exchanges with one side absent."""
     import random
 
@@ -769,7 +769,11 @@ def test_rows_build_what_comm_builder_builds():
             for b, c, what in calls:
                 if c:
                     cb.add(dim, kind, b, n, dtype, count=c, what=what)
-            L._add(acc, dim, kind, dtype, n, calls, padded=padded)
+            if rng.random() < 0.5:
+                L._add_all(acc, dim, kind, dtype, n, calls, padded=padded)
+            else:
+                for b, c, what in calls:
+                    L._add(acc, dim, kind, dtype, n, b, c, what)
             # P2P exchanges (sent, received, times): a send and a receive call each, the sent bytes on
             # the wire
             exchanges = [(rng.choice([0, 4, 1000]), rng.choice([0, 8, 999]), rng.choice([-1, 0, 1, 3]),

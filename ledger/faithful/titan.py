@@ -354,12 +354,18 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def _add(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
-    """Calls of one (dim, kind, dtype) over groups of n ranks, each (buffer bytes, how many times,
-    what), summed into acc's record of that key as CommBuilder.add sums them: a group of one or a
-    call made 0 times adds nothing, each call's wire bytes are floored on their own (wire_bytes).
-    padded: every buffer is a multiple of n bytes (FSDP's padded full tensors), so no call's wire
-    bytes are floored and those of the sum are the sum of theirs (test)."""
+def _add(acc: dict, dim: str, kind: str, dtype: str, n: int, buffer: int, count: int, what: str) -> None:
+    """count calls each handing buffer bytes to one collective over groups of n ranks, added to
+    acc's record of (dim, kind, dtype) as CommBuilder.add adds them: a group of one or no call adds
+    nothing, each call's wire bytes floored (wire_bytes)."""
+    if n > 1 and count:
+        _put(acc, (dim, kind, dtype), count, buffer * count, wire_bytes(kind, buffer, n) * count, [what])
+
+
+def _add_all(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
+    """_add of several calls of one (dim, kind, dtype), each (buffer bytes, how many times, what),
+    summed before they meet acc. padded: every buffer is a multiple of n bytes (FSDP's padded full
+    tensors), so no call's wire bytes are floored and those of the sum are the sum of theirs (test)."""
     if n <= 1:
         return
     count = buf = wire = 0
@@ -405,7 +411,7 @@ def _put(acc: dict, key: tuple[str, str, str], count: int, buf: int, wire: int, 
 
 def _built(acc: dict) -> list[Comm]:
     """The Comm list CommBuilder.build makes of the same calls (test: equal): acc's records (_add,
-    _p2p) in sorted order, each what the distinct names of its calls sorted and joined."""
+    _add_all, _p2p) in sorted order, each what the distinct names of its calls sorted and joined."""
     return [Comm(d, k, c, b, w, t, s[0] if len(s) == 1 else _joined(tuple(s)))
             for (d, k, t), (c, b, w, s) in sorted(acc.items())]
 
@@ -429,40 +435,40 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
     # once ([norm, lm_head] again where the loss wrapper unshards it: _lm_head_regathers), and ends
     # with lm_head.reshard(): the norm's backward gathers the group again
-    _add(acc, fsdp, "all_gather", "bf16", ds,
-         ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
-          (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
-          (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
-          (emb * BF16, reshard, "backward unshard")), padded=True)
+    _add_all(acc, fsdp, "all_gather", "bf16", ds,
+             ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
+              (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
+              (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
+              (emb * BF16, reshard, "backward unshard")), padded=True)
     # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
     # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
     # shard is all-reduced over dp_replicate
     scatters = ((sh.lm_full, 1, "lm_head grad (last chunk)"), (sh.norm_full, 1, "norm grad"),
                 (layer, L, "layer grads"), (emb, 1, "tok_embeddings grad"))
-    _add(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
+    _add_all(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     if rep > 1:
-        _add(acc, "dp_replicate", "all_reduce", "fp32", rep, [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
+        _add_all(acc, "dp_replicate", "all_reduce", "fp32", rep,
+                 [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    norms = ((sh.n_params * F32, 1, "grad-norm (stacked per-param norms)"),)
-    _add(acc, fsdp, "all_reduce", "fp32", ds, norms)
-    _add(acc, "tp", "all_reduce", "fp32", tp, norms)
+    _add(acc, fsdp, "all_reduce", "fp32", ds, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
+    _add(acc, "tp", "all_reduce", "fp32", tp, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
     # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
     # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
     # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
     bsize = lay.dp_shard * rep
-    _add(acc, batch_dim, "all_reduce", "int64", bsize, ((8, 1, "valid tokens"),))
-    _add(acc, loss_dim, "all_reduce", "int64", bsize * cp, ((8, 1, "ntokens_seen"),))
-    _add(acc, loss_dim, "all_reduce", "fp32", bsize * cp, ((4, 2, "loss sum, loss max"),))
+    _add(acc, batch_dim, "all_reduce", "int64", bsize, 8, 1, "valid tokens")
+    _add(acc, loss_dim, "all_reduce", "int64", bsize * cp, 8, 1, "ntokens_seen")
+    _add(acc, loss_dim, "all_reduce", "fp32", bsize * cp, 4, 2, "loss sum, loss max")
     if cp > 1:
         # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
         # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
         # two all_gather_single on the sequence dim); its backward reduce-scatters both grads
         # (flex_cp_allgather_backward). Local K/V: kv_heads/tp heads (inside TP's local_map)
         kv = lay.micro_batch_size * model.seq_len * model.kv_heads // tp * model.head_dim * BF16
-        _add(acc, "cp", "all_gather", "bf16", cp, ((kv, 2 * L, "CP K/V all-gather"),))
-        _add(acc, "cp", "reduce_scatter", "bf16", cp, ((kv, 2 * L, "CP K/V grads"),))
+        _add(acc, "cp", "all_gather", "bf16", cp, kv, 2 * L, "CP K/V all-gather")
+        _add(acc, "cp", "reduce_scatter", "bf16", cp, kv, 2 * L, "CP K/V grads")
     if tp > 1:
         _tp_comm(acc, model, lay)
     return _built(acc)
@@ -488,31 +494,31 @@ def _tp_comm(acc: dict, model: ModelShape, lay: Layout) -> None:
         # do shard -> replicate"): all-gather. A Shard(1) -> Replicate gets the Partial grad (the
         # colwise input grads, derivation above _MM; the loss wrapper's hidden grad) and takes it
         # back to Shard(1): reduce-scatter
-        _add(acc, "tp", "reduce_scatter", "bf16", tp,
-             ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
-              (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
-        _add(acc, "tp", "all_gather", "bf16", tp,
-             ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
-              (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
+        _add_all(acc, "tp", "reduce_scatter", "bf16", tp,
+                 ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
+                  (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
+        _add_all(acc, "tp", "all_gather", "bf16", tp,
+                 ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
+                  (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
     else:
         # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs;
         # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py
         # GradAccumulator.result); it stays Partial down the residual stream (derivation above _MM)
         # and is reduced once, at tok_embeddings' local_map output (Partial -> Replicate)
-        _add(acc, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
-                                                    (act, 1, "residual-stream grad at tok_embeddings")))
+        _add_all(acc, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
+                                                        (act, 1, "residual-stream grad at tok_embeddings")))
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
     # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
-    _add(acc, "tp", "all_reduce", "bf16", tp, ((h * BF16, blocks, "norm weight grads"),))
+    _add(acc, "tp", "all_reduce", "bf16", tp, h * BF16, blocks, "norm weight grads")
     # components/loss.py ChunkedLossWrapper -> loss-parallel cross-entropy on vocab-sharded logits:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
-    _add(acc, "tp", "all_reduce", "fp32", tp, ((T // chunks * F32, 3 * chunks, "loss-parallel CE"),))
+    _add(acc, "tp", "all_reduce", "fp32", tp, T // chunks * F32, 3 * chunks, "loss-parallel CE")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
     for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
-        _add(acc, "tp", kind, "bf16", tp, ((full * BF16, L, "DTensor mm backward redistribution"),))
+        _add(acc, "tp", kind, "bf16", tp, full * BF16, L, "DTensor mm backward redistribution")
 
 
 # -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
@@ -859,14 +865,14 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
         if has_head:
             gathers += [(head, 1, "metadata inference forward"), (head, 1, "metadata inference: norm backward")]
             scatters.append((sh.lm_full, 1, "metadata inference: ChunkedLossWrapper lm_head grad"))
-    _add(acc, fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers], padded=True)
-    _add(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
+    _add_all(acc, fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers], padded=True)
+    _add_all(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
     # total norm (** norm_type) all-reduced over pp
-    _add(acc, fsdp, "all_reduce", "fp32", ds, ((sh.n_params * F32, 1, "grad-norm (stacked per-param norms)"),))
-    _add(acc, "pp", "all_reduce", "fp32", P, ((F32, 1, "grad-norm total over pp"),))
+    _add(acc, fsdp, "all_reduce", "fp32", ds, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
+    _add(acc, "pp", "all_reduce", "fp32", P, F32, 1, "grad-norm total over pp")
     # trainer.py train_step: valid tokens on the batch mesh, loss sum / max and ntokens_seen on
     # the loss mesh (both dp_shard here; pp is in neither)
-    _add(acc, fsdp, "all_reduce", "int64", ds, ((8, 2, "valid tokens, ntokens_seen"),))
-    _add(acc, fsdp, "all_reduce", "fp32", ds, ((4, 2, "loss sum, loss max"),))
+    _add(acc, fsdp, "all_reduce", "int64", ds, 8, 2, "valid tokens, ntokens_seen")
+    _add(acc, fsdp, "all_reduce", "fp32", ds, 4, 2, "loss sum, loss max")
     return _built(acc)
