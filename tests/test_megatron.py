@@ -683,16 +683,33 @@ def test_comm_plan_counts_what_a_builder_per_layout_counts():
                         assert got == want, (model.name, fw, lay, stage)
 
 
+def _runs(*sizes):
+    """A _pattern of runs (head, layer, tail) of these contiguous param sizes."""
+    out = []
+    for n in sizes:
+        c = np.concatenate(([0], np.cumsum(n, dtype=np.int64))).tolist()
+        out.append((tuple(n), c, [c[i] + x for i, x in enumerate(n)]))
+    return tuple(out)
+
+
 def test_one_bucket_best_is_the_argmax_over_every_rank():
-    """_one_bucket_best (a one-bucket stage's heaviest DP rank without per-rank arrays) picks the rank,
-    elements and pieces the argmax over _tiled_ranks' arrays picks: params smaller and larger than a
-    DP range, ranges starting on param starts, a remainder rank heavier or lighter than the full ones,
-    ties (the lowest rank), a bucket with no params."""
+    """_one_bucket_best (a one-bucket stage's heaviest DP rank from its pattern, no per-rank arrays)
+    picks the rank, elements and pieces the argmax over _tiled_ranks' arrays picks: params smaller and
+    larger than a DP range, ranges starting on param starts, head and tail params, a remainder rank
+    heavier or lighter than the full ones, ties (the lowest rank), no params."""
     rng = np.random.default_rng(0)
-    cases = [[0], [0, 64], [0, 128, 4096], [0, 64, 128, 192, 256, 4096], [0, 128, 130, 140, 254]]  # last: a tie at dp 2
-    cases += [np.cumsum([0] + list(rng.integers(1, 40, n) * 64)).tolist() for n in (1, 3, 17, 90) for _ in range(5)]
-    for cum in cases:
-        cum = np.array(cum, np.int64)
+    cases = [(_runs((), (64,), ()), 1), (_runs((128,), (3968,), ()), 1), (_runs((), (64, 64, 64, 64), (3840,)), 1),
+             (_runs((), (128, 2, 10), (114,)), 1),  # a tie at dp 2 (weights 1, 1)
+             (_runs((), (64,), ()), 0)]
+    for layers in (1, 3, 17):
+        for _ in range(4):
+            head, layer, tail = (tuple(int(x) for x in rng.integers(1, 40, n) * 64) for n in (2, 6, 1))
+            cases += [(_runs(head, layer, tail), layers), (_runs((), layer, tail), layers), (_runs(head, layer, ()), layers)]
+    model = preset("llama3_70b")
+    cases += [(L._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
+              for layers in (5, 40)]
+    for parts, layers in cases:
+        cum = L._pattern_cum(parts, layers)
         for dp in (1, 2, 3, 8, 64, 1000):
             div = np.lcm(dp, 128)
             for extra in (0, 1, 5):
@@ -700,7 +717,8 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
                 for w in ((12, 4), (8, 4), (1, 1000), (1, 1)):
                     e, p = L._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
                     d = int(np.argmax(w[0] * e + w[1] * p))
-                    assert L._one_bucket_best(cum, numel, dp, *w) == (d, int(e[d]), int(p[d])), (cum, dp, numel, w)
+                    got = L._one_bucket_best(parts, layers, numel, dp, *w)
+                    assert got == (d, int(e[d]), int(p[d])), (parts, layers, dp, numel, w)
 
 
 def test_wire_sum_floors_each_call():

@@ -726,29 +726,36 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     if not all(_pattern_contiguous(x) for x in parts):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
-    cums = [_pattern_cum(part, layers) for (layers, _, _), part in zip(shapes, parts)]
     numel, *_, n_buckets = _stage_summaries(model, tp, pp, dp, vp, k, st)[0]
     if vp == 1 and n_buckets == 1:
-        return _one_bucket_best(cums[0], numel, dp, *w)
-    buckets = [_chunk_buckets(model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True)
-               for ch, (layers, first, last) in enumerate(shapes)]  # one buffer per chunk
+        return _one_bucket_best(parts[0], shapes[0][0], numel, dp, *w)
     e = p = 0
-    for cum, chunk_buckets in zip(cums, buckets):
-        ce, cp = _tiled_ranks(cum, *chunk_buckets, dp)
+    for ch, ((layers, first, last), part) in enumerate(zip(shapes, parts)):  # one buffer per chunk
+        ce, cp = _tiled_ranks(_pattern_cum(part, layers), *_chunk_buckets(
+            model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True), dp)
         e, p = e + ce, p + cp
     d = int(np.argmax(w[0] * e + w[1] * p))
     return d, int(e[d]), int(p[d])
 
 
-def _one_bucket_best(cum: np.ndarray, numel: int, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
-    """_tiled_ranks' heaviest DP rank, its elements and pieces, for a stage of one bucket (one chunk),
-    without the per-rank arrays: the ranks below real // S own S elements each and differ only by
-    their pieces (one plus the param starts strictly inside the range), so the lowest with the most
-    starts inside wins among them; the next rank owns the remainder, the ones after nothing."""
-    real, s = int(cum[-1]), numel // dp
+def _one_bucket_best(parts, layers: int, numel: int, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
+    """_tiled_ranks' heaviest DP rank, its elements and pieces, for a contiguous stage of one bucket
+    (one chunk) from its _pattern, without the per-rank arrays: the ranks below real // S own S
+    elements each and differ only by their pieces (one plus the param starts strictly inside the
+    range), so the lowest with the most starts inside wins among them; the next rank owns the
+    remainder, the ones after nothing. The layers' starts as one array (_pattern_cum's rows), the
+    head's and tail's few one by one."""
+    (_, hc, _), (_, lc, _), (_, tc, _) = parts
+    lbase, width = hc[-1], lc[-1]
+    tbase = lbase + layers * width
+    real, s = tbase + tc[-1], numel // dp
     full, rem = divmod(real, s)
-    rank, at = np.divmod(cum[:-1], s)
+    rank, at = np.divmod(np.add.outer(np.arange(lbase, tbase, width, dtype=np.int64), lc[:-1]), s)
     inner = np.bincount(rank[at != 0], minlength=full + 1)
+    for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
+        r, a = divmod(start, s)
+        if a:
+            inner[r] += 1
     best = (0, 0, 0, 0)  # (bytes, rank, elements, pieces): no params, rank 0 owns nothing
     if full:
         d = int(np.argmax(inner[:full]))
@@ -851,16 +858,21 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     return s
 
 
-@lru_cache(maxsize=4096)
 def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int:
     """Elements of a stage's norm weights (the `sequence_parallel` params with SP)."""
-    _, layer, head = _pieces(model, tp)
-    per_layer = sum(k for name, k in layer if "layernorm" in name)
+    per_layer, head = _norms(model, tp)
     out = 0
     for ch in range(vp):
         n, _, last = _stage_shape(model, pp, stage, vp, ch)
-        out += n * per_layer + (sum(k for name, k in head if "layernorm" in name) if last else 0)
+        out += n * per_layer + (head if last else 0)
     return out
+
+
+@lru_cache(maxsize=256)
+def _norms(model: ModelShape, tp: int) -> tuple[int, int]:
+    """Elements of the norm weights of one decoder layer and of the head (_pieces)."""
+    _, layer, head = _pieces(model, tp)
+    return tuple(sum(k for name, k in part if "layernorm" in name) for part in (layer, head))
 
 
 def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:
