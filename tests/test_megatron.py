@@ -751,3 +751,28 @@ def test_chunk_bound_bounds_the_summary(name):
                         assert b[0] >= numel and b[1:3] == (real, params) and b[3] >= full, (model.name, tp, dp, bucket)
                         if not dist_opt:
                             assert b[0] == numel
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
+def test_tiled_best_is_the_argmax_over_every_rank(name):
+    """_tiled_best (a bucketed buffer's heaviest DP rank without per-rank arrays where every rank but
+    the last owns full ranges) picks the rank, elements and pieces the argmax over _tiled_ranks'
+    arrays picks: many buckets or few, ranges past the params (the arrays' way), dp 1, tied buckets."""
+    checked = 0
+    for tied in (False, True):
+        model = dataclasses.replace(preset(name), tied_embeddings=tied)
+        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        for tp, layers, first, last in ((1, 2, True, True), (1, 2, True, False), (2, 2, False, True), (1, 1, False, False)):
+            parts = L._pattern(model, tp, first, last, True)
+            if not L._pattern_contiguous(parts):
+                continue
+            cum = L._pattern_cum(parts, layers)
+            for bucket in (per_layer // 7, per_layer // 2, per_layer + 5, None):
+                for dp in (1, 2, 3, 8, 64, 1000):
+                    buckets = L._chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
+                    for w in ((12, 4), (1, 1000), (1, 1)):
+                        e, p = L._tiled_ranks(cum, *buckets, dp)
+                        d = int(np.argmax(w[0] * e + w[1] * p))
+                        assert L._tiled_best(cum, *buckets, dp, *w) == (d, int(e[d]), int(p[d])), (tied, tp, bucket, dp, w)
+                        checked += 1
+    assert checked

@@ -729,6 +729,10 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     numel, *_, n_buckets = _stage_summaries(model, tp, pp, dp, vp, k, st)[0]
     if vp == 1 and n_buckets == 1:
         return _one_bucket_best(parts[0], shapes[0][0], numel, dp, *w)
+    if vp == 1:
+        (layers, first, last), = shapes
+        return _tiled_best(_pattern_cum(parts[0], layers), *_chunk_buckets(
+            model, tp, layers, first, last, effective_bucket_size(k, dp, st, 0), dp, True), dp, *w)
     e = p = 0
     for ch, ((layers, first, last), part) in enumerate(zip(shapes, parts)):  # one buffer per chunk
         ce, cp = _tiled_ranks(_pattern_cum(part, layers), *_chunk_buckets(
@@ -762,6 +766,36 @@ def _one_bucket_best(parts, layers: int, numel: int, dp: int, w_elem: int, w_pie
         best = (w_elem * s + w_piece * (1 + int(inner[d])), d, s, 1 + int(inner[d]))
     if rem and w_elem * rem + w_piece * (1 + int(inner[full])) > best[0]:
         best = (0, full, rem, 1 + int(inner[full]))
+    return best[1:]
+
+
+def _tiled_best(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np.ndarray, dp: int, w_elem: int,
+                w_piece: int) -> tuple[int, int, int]:
+    """The argmax over _tiled_ranks' ranks (rank, elements, pieces) for one buffer, without the
+    per-rank arrays where every rank but the last owns a full DP range of every bucket (the ranks
+    below each bucket's real // S): those own the same elements and differ only by their pieces (one
+    per bucket plus the param starts strictly inside their ranges), so the lowest with the most
+    starts inside wins among them; the last rank's share is evaluated on its own. Otherwise from
+    _tiled_ranks' arrays."""
+    nb = len(first)
+    size = (bend - bstart) // dp
+    lims = np.append(first, len(cum) - 1)
+    real = cum[lims[1:]] - cum[lims[:-1]]
+    if not nb or int((real // size).min()) < dp - 1:
+        e, p = _tiled_ranks(cum, first, bstart, bend, dp)
+        d = int(np.argmax(w_elem * e + w_piece * p))
+        return d, int(e[d]), int(p[d])
+    bid = np.repeat(np.arange(nb), np.diff(lims))
+    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
+    inner = np.bincount(rank[at != 0], minlength=dp)
+    best = None  # (bytes, rank, elements, pieces)
+    if dp > 1:
+        d, n = int(np.argmax(inner[:dp - 1])), int(size.sum())
+        best = (w_elem * n + w_piece * (nb + int(inner[d])), d, n, nb + int(inner[d]))
+    left = real - (dp - 1) * size  # the last rank's elements of each bucket (0 to its range)
+    n, pieces = int(left.sum()), int((left > 0).sum()) + int(inner[dp - 1])
+    if best is None or w_elem * n + w_piece * pieces > best[0]:
+        best = (0, dp - 1, n, pieces)
     return best[1:]
 
 
@@ -996,8 +1030,13 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    return tuple((*key, "; ".join(sorted(names)), "; ".join(sorted(fixed_names)), count, buf, wire, tuple(per_mb))
+    return tuple((*key, _joined(names), _joined(fixed_names), count, buf, wire, tuple(per_mb))
                  for key, (count, buf, wire, fixed_names, names, per_mb) in sorted(acc.items()))
+
+
+def _joined(names: set[str]) -> str:
+    """A record's `what`: its distinct names sorted and joined (CommBuilder.build)."""
+    return "; ".join(sorted(names)) if len(names) > 1 else "".join(names)
 
 
 def _wire_sum(kind: str, buffers: list[int], group: int) -> int:
