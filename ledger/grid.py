@@ -15,13 +15,23 @@ from itertools import product
 DIMS = ("tp", "cp", "dp", "dp_replicate", "pp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Grid:
     tp: int = 1
     cp: int = 1
     dp: int = 1  # the shard part of data parallelism (dp_shard)
     dp_replicate: int = 1
     pp: int = 1
+
+    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, dp_replicate: int = 1, pp: int = 1):
+        # stored straight into __dict__ (as Layout): the generated frozen __init__'s object.__setattr__
+        # per field costs more than the rest of a grid's use in a search (test_grid_init_sets_every_field)
+        d = self.__dict__
+        d["tp"] = tp
+        d["cp"] = cp
+        d["dp"] = dp
+        d["dp_replicate"] = dp_replicate
+        d["pp"] = pp
 
     @classmethod
     def from_layout(cls, layout, world: int | None = None) -> "Grid":

@@ -173,12 +173,14 @@ class CommBuilder:
                 for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Placement:
     framework: str
     mode: str
-    model: dict
-    layout: dict
+    # the shape's and the layout's records (model_dict, Layout.to_dict), each may be given as a
+    # zero-argument callable: a search reads neither, and building both costs ~1 µs per layout
+    model: dict = _Lazy()
+    layout: dict = _Lazy()
     world: int
     rank_state: Callable[[int], RankState]  # rank -> its (possibly shared) state
     notes: list[str] = field(default_factory=list)

@@ -80,7 +80,7 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add_p2p("cp", kv, kv, what="ring attention K/V (+ dK/dV in backward)",
                    times=3 * (lay.cp - 1) * layers_local * m)
     s.comm = cb.build()
-    pl = Placement(framework=name, mode="textbook", model=model_dict(model), layout=lay.to_dict(),
+    pl = Placement(framework=name, mode="textbook", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
     if lay.cp > 1:

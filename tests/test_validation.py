@@ -77,3 +77,38 @@ def test_layout_init_sets_every_field():
     assert [getattr(Layout(*values), n) for n in names] == values
     with pytest.raises(dataclasses.FrozenInstanceError):
         Layout(*values).tp = 1
+
+
+def test_grid_init_sets_every_field():
+    """Grid's hand-written __init__ (speed) sets each field from its own argument (by keyword, by
+    position, defaults 1), and the grid stays frozen and hashable as the dataclass's."""
+    import dataclasses
+    from dataclasses import fields
+
+    from ledger.grid import Grid
+
+    names = [f.name for f in fields(Grid)]
+    values = list(range(2, 2 + len(names)))
+    assert [getattr(Grid(**dict(zip(names, values))), n) for n in names] == values
+    assert [getattr(Grid(*values), n) for n in names] == values
+    assert [getattr(Grid(), n) for n in names] == [f.default for f in fields(Grid)] == [1] * len(names)
+    assert Grid(*values) == Grid(*values) and hash(Grid(*values)) == hash(Grid(*values)) != hash(Grid())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Grid(*values).tp = 1
+
+
+def test_placement_records_may_be_lazy():
+    """Placement.model / .layout given as callables are built on first read, once; given as dicts they
+    are kept as they are (a search builds neither)."""
+    from ledger.placement import Placement
+
+    calls = []
+
+    def model():
+        calls.append(1)
+        return {"name": "x"}
+
+    pl = Placement(framework="f", mode="m", model=model, layout={"tp": 1}, world=1, rank_state=None)
+    assert calls == []
+    assert pl.model == {"name": "x"} and pl.model is pl.model and calls == [1]
+    assert pl.layout == {"tp": 1}

@@ -282,7 +282,7 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], 
             by_sk[sk] = cache[key]
         return by_sk[sk]
 
-    return Placement(framework="titan", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
+    return Placement(framework="titan", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=rank_state,
                      # shard rank 0 holds a full chunk (_rows_of: ceil(d0/ds) rows) of every dim 0, as
                      # many as any shard rank, and its stage's other bytes are its stage's: the
