@@ -421,21 +421,26 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
 def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                  dist_opt: bool) -> tuple[int, int, int, int]:
     """_chunk_summary's first four without the bucket walk, numel and DP range elements as upper
-    bounds: a bucket's end is padded by less than div = lcm(dp, 128) past its params' aligned
-    elements (build_buffer), and every bucket spans at least bucket_size of them but the last and those
-    a shared_embedding param closes, so at most aligned // bucket_size + 1 buckets plus one per
+    bounds. build_buffer pads a bucket's end to a multiple of div = lcm(dp, 128) from a start that
+    is one, past params spanning whole aligned sizes and the last one's elements: a multiple of g, the
+    gcd of the chunk's sizes and aligned sizes, so by at most div - gcd(div, g) (none where g is a
+    multiple of div). Every bucket spans at least bucket_size aligned elements but the last and those
+    a shared_embedding param closes: at most aligned // bucket_size + 1 buckets plus one per
     shared_embedding param (at most one per param). Exact without the distributed optimizer (no
     padding)."""
     (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
     real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
     if not dist_opt:
         return real, real, params, real // dp
-    (_, hc, _), (_, lc, _), (_, tc, _) = _pattern(model, tp, first, last, True)
+    runs = _pattern(model, tp, first, last, True)
+    (_, hc, _), (_, lc, _), (_, tc, _) = runs
     aligned = hc[-1] + layers * lc[-1] + tc[-1]
     buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
     if model.tied_embeddings and not (first and last):  # a shared_embedding param (_buffer)
         buckets += first + last
-    numel = aligned + buckets * (math.lcm(dp, 128) - 1)
+    g = math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
+    div = math.lcm(dp, 128)
+    numel = aligned + buckets * (div - math.gcd(div, g))
     return numel, real, params, numel // dp
 
 
