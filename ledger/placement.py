@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Optional
 
 import numpy as np
@@ -113,7 +114,8 @@ class RankState:
 
 
 class CommBuilder:
-    """Accumulates collectives by (dim, kind, dtype)."""
+    """Accumulates collectives by (dim, kind, dtype): the one merge rule of the ledgers' records
+    (counts, buffer bytes and wire bytes summed; `what` the calls' distinct names, what_of)."""
 
     def __init__(self):
         self._acc: dict[tuple, list] = {}
@@ -121,26 +123,31 @@ class CommBuilder:
     def add_calls(self, dim: str, kind: str, dtype: str, count: int, buffer_bytes: int, wire: int,
                   what: str = "") -> "CommBuilder":
         """`count` calls already summed: their buffer bytes and wire bytes (each call's wire floored
-        on its own, placement.wire_bytes). Every other add goes through here."""
+        on its own, placement.wire_bytes). Every other add goes through here or add_sums."""
         if count == 0:
             return self
-        a = self._acc.get((dim, kind, dtype))
+        return self.add_sums((dim, kind, dtype), count, buffer_bytes, wire, [what] if what else [])
+
+    def add_sums(self, key: tuple[str, str, str], count: int, buffer_bytes: int, wire: int,
+                 whats: list[str]) -> "CommBuilder":
+        """Several call sites' sums at once, into the record of key = (dim, kind, dtype); whats: their
+        names (repeats allowed), a list the builder keeps and extends."""
+        a = self._acc.get(key)
         if a is None:
-            self._acc[(dim, kind, dtype)] = [count, buffer_bytes, wire, {what} if what else set()]
-            return self
-        a[0] += count
-        a[1] += buffer_bytes
-        a[2] += wire
-        if what:
-            a[3].add(what)
+            self._acc[key] = [count, buffer_bytes, wire, whats]
+        else:
+            a[0] += count
+            a[1] += buffer_bytes
+            a[2] += wire
+            a[3] += whats
         return self
 
     def add(self, dim: str, kind: str, buffer_bytes: int, group_size: int, dtype: str = "",
             count: int = 1, what: str = "") -> "CommBuilder":
-        if group_size <= 1:
+        if group_size <= 1 or count == 0:
             return self  # a group of one sends nothing; the probe ignores such calls too
-        return self.add_calls(dim, kind, dtype, count, buffer_bytes * count,
-                              wire_bytes(kind, buffer_bytes, group_size) * count, what)
+        return self.add_sums((dim, kind, dtype), count, buffer_bytes * count,
+                             wire_bytes(kind, buffer_bytes, group_size) * count, [what] if what else [])
 
     def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
                  what: str = "") -> "CommBuilder":
@@ -165,12 +172,23 @@ class CommBuilder:
     def copy(self) -> "CommBuilder":
         """An independent builder holding the same calls (a cached part extended per layout)."""
         out = CommBuilder()
-        out._acc = {key: [c, b, w, set(s)] for key, (c, b, w, s) in self._acc.items()}
+        out._acc = {key: [c, b, w, list(s)] for key, (c, b, w, s) in self._acc.items()}
         return out
 
     def build(self) -> list[Comm]:
-        return [Comm(d, k, c, b, w, t, "; ".join(sorted(s)) if len(s) > 1 else "".join(s))
+        return [Comm(d, k, c, b, w, t, s[0] if len(s) == 1 else what_of(s))
                 for (d, k, t), (c, b, w, s) in sorted(self._acc.items())]
+
+
+def what_of(names) -> str:
+    """A record's `what`: the distinct names of its calls, sorted and joined ("" for none)."""
+    return _what_of(tuple(names))
+
+
+@lru_cache(maxsize=1024)
+def _what_of(names: tuple[str, ...]) -> str:
+    # cached: the layouts of one structure name the same calls
+    return "; ".join(sorted(set(names)))
 
 
 @dataclass(kw_only=True)

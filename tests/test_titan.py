@@ -747,17 +747,17 @@ def test_mesh_labels_are_the_grids():
                                      g.label_of(("cp", "dp", "dp_replicate"))), g
 
 
-def test_rows_build_what_comm_builder_builds():
-    """_add, _add_all, _p2p + _built (calls summed per call site into records) give CommBuilder's
-    list for the same calls: merged keys, calls made 0 times, groups of one, repeated names, floors per call,
-    P2P exchanges with one side absent."""
+def test_call_site_sums_are_comm_builder_calls():
+    """_add_all and _p2p (a call site's calls summed before they meet the builder, CommBuilder.add_sums)
+    give the list CommBuilder builds of the same calls added one by one: merged keys, calls made 0 times,
+    groups of one, repeated names, floors per call, P2P exchanges with one side absent."""
     import random
 
     from ledger.placement import CommBuilder
 
     rng = random.Random(0)
     for _ in range(300):
-        cb, acc = CommBuilder(), {}
+        cb, acc = CommBuilder(), CommBuilder()
         for _ in range(rng.randint(1, 8)):
             dim, kind = rng.choice(["dp", "tp", "cp-dp"]), rng.choice(["all_gather", "all_reduce", "reduce_scatter"])
             dtype, n = rng.choice(["bf16", "fp32"]), rng.choice([1, 2, 3, 7, 8])
@@ -773,7 +773,7 @@ def test_rows_build_what_comm_builder_builds():
                 L._add_all(acc, dim, kind, dtype, n, calls, padded=padded)
             else:
                 for b, c, what in calls:
-                    L._add(acc, dim, kind, dtype, n, b, c, what)
+                    acc.add(dim, kind, b, n, dtype, count=c, what=what)
             # P2P exchanges (sent, received, times): a send and a receive call each, the sent bytes on
             # the wire
             exchanges = [(rng.choice([0, 4, 1000]), rng.choice([0, 8, 999]), rng.choice([-1, 0, 1, 3]),
@@ -781,4 +781,4 @@ def test_rows_build_what_comm_builder_builds():
             for sent, received, times, what in exchanges:
                 cb.add_p2p(dim, sent, received, dtype, what=what, times=times)
             L._p2p(acc, dim, dtype, exchanges)
-        assert L._built(acc) == cb.build()
+        assert acc.build() == cb.build()

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import Comm, Placement, RankState, wire_bytes
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
 
@@ -354,15 +354,7 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def _add(acc: dict, dim: str, kind: str, dtype: str, n: int, buffer: int, count: int, what: str) -> None:
-    """count calls each handing buffer bytes to one collective over groups of n ranks, added to
-    acc's record of (dim, kind, dtype) as CommBuilder.add adds them: a group of one or no call adds
-    nothing, each call's wire bytes floored (wire_bytes)."""
-    if n > 1 and count:
-        _put(acc, (dim, kind, dtype), count, buffer * count, wire_bytes(kind, buffer, n) * count, [what])
-
-
-def _add_all(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
+def _add_all(acc: CommBuilder, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
     """_add of several calls of one (dim, kind, dtype), each (buffer bytes, how many times, what),
     summed before they meet acc. padded: every buffer is a multiple of n bytes (FSDP's padded full
     tensors), so no call's wire bytes are floored and those of the sum are the sum of theirs (test)."""
@@ -378,10 +370,10 @@ def _add_all(acc: dict, dim: str, kind: str, dtype: str, n: int, calls, padded: 
                 wire += wire_bytes(kind, b, n) * c
             whats.append(what)
     if count:
-        _put(acc, (dim, kind, dtype), count, buf, wire_bytes(kind, buf, n) if padded else wire, whats)
+        acc.add_sums((dim, kind, dtype), count, buf, wire_bytes(kind, buf, n) if padded else wire, whats)
 
 
-def _p2p(acc: dict, dim: str, dtype: str, exchanges) -> None:
+def _p2p(acc: CommBuilder, dim: str, dtype: str, exchanges) -> None:
     """Exchanges on one (dim, dtype), each (sent bytes, received bytes, how many times, what), summed
     as CommBuilder.add_p2p sums them: an exchange is a send and a receive call (one absent at 0
     bytes), the sent tensor on the wire (test)."""
@@ -394,33 +386,7 @@ def _p2p(acc: dict, dim: str, dtype: str, exchanges) -> None:
             wire += sent * times
             whats.append(what)
     if count:
-        _put(acc, (dim, "send_recv", dtype), count, buf, wire, whats)
-
-
-def _put(acc: dict, key: tuple[str, str, str], count: int, buf: int, wire: int, whats: list[str]) -> None:
-    """One call site's sums into acc's record of its (dim, kind, dtype), as CommBuilder merges them."""
-    a = acc.get(key)
-    if a is None:
-        acc[key] = [count, buf, wire, whats]
-    else:
-        a[0] += count
-        a[1] += buf
-        a[2] += wire
-        a[3] += whats
-
-
-def _built(acc: dict) -> list[Comm]:
-    """The Comm list CommBuilder.build makes of the same calls (test: equal): acc's records (_add,
-    _add_all, _p2p) in sorted order, each what the distinct names of its calls sorted and joined."""
-    return [Comm(d, k, c, b, w, t, s[0] if len(s) == 1 else _joined(tuple(s)))
-            for (d, k, t), (c, b, w, s) in sorted(acc.items())]
-
-
-@lru_cache(maxsize=256)
-def _joined(whats: tuple[str, ...]) -> str:
-    """A record's what: its calls' distinct names sorted and joined (cached: layouts of one
-    structure name the same calls)."""
-    return "; ".join(sorted(set(whats)))
+        acc.add_sums((dim, "send_recv", dtype), count, buf, wire, whats)
 
 
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
@@ -431,7 +397,7 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
     reshard = fw.reshard_after_forward in ("default", "always")
-    acc: dict = {}
+    acc = CommBuilder()
     # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
     # once ([norm, lm_head] again where the loss wrapper unshards it: _lm_head_regathers), and ends
     # with lm_head.reshard(): the norm's backward gathers the group again
@@ -452,29 +418,29 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    _add(acc, fsdp, "all_reduce", "fp32", ds, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
-    _add(acc, "tp", "all_reduce", "fp32", tp, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
+    acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", 1, "grad-norm (stacked per-param norms)")
     # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
     # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
     # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
     bsize = lay.dp_shard * rep
-    _add(acc, batch_dim, "all_reduce", "int64", bsize, 8, 1, "valid tokens")
-    _add(acc, loss_dim, "all_reduce", "int64", bsize * cp, 8, 1, "ntokens_seen")
-    _add(acc, loss_dim, "all_reduce", "fp32", bsize * cp, 4, 2, "loss sum, loss max")
+    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
+    acc.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", 1, "ntokens_seen")
+    acc.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", 2, "loss sum, loss max")
     if cp > 1:
         # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
         # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
         # two all_gather_single on the sequence dim); its backward reduce-scatters both grads
         # (flex_cp_allgather_backward). Local K/V: kv_heads/tp heads (inside TP's local_map)
         kv = lay.micro_batch_size * model.seq_len * model.kv_heads // tp * model.head_dim * BF16
-        _add(acc, "cp", "all_gather", "bf16", cp, kv, 2 * L, "CP K/V all-gather")
-        _add(acc, "cp", "reduce_scatter", "bf16", cp, kv, 2 * L, "CP K/V grads")
+        acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L, "CP K/V all-gather")
+        acc.add("cp", "reduce_scatter", kv, cp, "bf16", 2 * L, "CP K/V grads")
     if tp > 1:
         _tp_comm(acc, model, lay)
-    return _built(acc)
+    return acc.build()
 
 
-def _tp_comm(acc: dict, model: ModelShape, lay: Layout) -> None:
+def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel)."""
     tp, L, h = lay.tp, model.layers, model.hidden
@@ -510,15 +476,15 @@ def _tp_comm(acc: dict, model: ModelShape, lay: Layout) -> None:
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
     # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
-    _add(acc, "tp", "all_reduce", "bf16", tp, h * BF16, blocks, "norm weight grads")
+    acc.add("tp", "all_reduce", h * BF16, tp, "bf16", blocks, "norm weight grads")
     # components/loss.py ChunkedLossWrapper -> loss-parallel cross-entropy on vocab-sharded logits:
     # max, sum-exp and target-logit all-reduces per chunk (num_chunks = 8)
     chunks = 8
-    _add(acc, "tp", "all_reduce", "fp32", tp, T // chunks * F32, 3 * chunks, "loss-parallel CE")
+    acc.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", 3 * chunks, "loss-parallel CE")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
     for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
-        _add(acc, "tp", kind, "bf16", tp, full * BF16, L, "DTensor mm backward redistribution")
+        acc.add("tp", kind, full * BF16, tp, "bf16", L, "DTensor mm backward redistribution")
 
 
 # -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
@@ -816,7 +782,7 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
     fsdp = _mesh_labels(grid or lay.grid)[0]
     emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
-    acc: dict = {}
+    acc = CommBuilder()
     # fsdp.py get_fsdp_reshard_after_forward_policy: with PP "default" (and "never") is False for
     # tok_embeddings and the blocks; [norm, lm_head] gets reshard_after_forward == "always" = False.
     # stage.py backward_maybe_with_nosync sets reshard_after_backward(False) and
@@ -869,10 +835,10 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
     _add_all(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
     # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
     # total norm (** norm_type) all-reduced over pp
-    _add(acc, fsdp, "all_reduce", "fp32", ds, sh.n_params * F32, 1, "grad-norm (stacked per-param norms)")
-    _add(acc, "pp", "all_reduce", "fp32", P, F32, 1, "grad-norm total over pp")
+    acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("pp", "all_reduce", F32, P, "fp32", 1, "grad-norm total over pp")
     # trainer.py train_step: valid tokens on the batch mesh, loss sum / max and ntokens_seen on
     # the loss mesh (both dp_shard here; pp is in neither)
-    _add(acc, fsdp, "all_reduce", "int64", ds, 8, 2, "valid tokens, ntokens_seen")
-    _add(acc, fsdp, "all_reduce", "fp32", ds, 4, 2, "loss sum, loss max")
-    return _built(acc)
+    acc.add(fsdp, "all_reduce", 8, ds, "int64", 2, "valid tokens, ntokens_seen")
+    acc.add(fsdp, "all_reduce", 4, ds, "fp32", 2, "loss sum, loss max")
+    return acc.build()
