@@ -178,13 +178,18 @@ class Buffer:
 @lru_cache(maxsize=1024)
 def _buffer(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
             dist_opt: bool) -> Buffer:
-    # a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
-    # pp > 1 holds a `shared_embedding` param (shared_embedding()); pp = 1 holds both, marks none
-    shared = dist_opt and model.tied_embeddings and not (first and last)
+    shared = _shared(model, first, last, dist_opt)
     # in backprop order the head's params come first, then `layers` reversed copies of one layer
     period = (len(_head(model, tp, first)) if last else 0, len(_pieces(model, tp)[1]), layers)
     return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt,
                         shared_first=shared and first, shared_last=shared and last, period=period)
+
+
+def _shared(model: ModelShape, first: bool, last: bool, dist_opt: bool) -> bool:
+    """Whether a chunk's buffer holds a `shared_embedding` param in a bucket of its own (build_buffer):
+    a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
+    pp > 1 (shared_embedding()); pp = 1 holds both, marks none."""
+    return dist_opt and model.tied_embeddings and not (first and last)
 
 
 def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool,
@@ -231,8 +236,8 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
     end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
-    that a chunk's bounds can be walked without its per-param arrays (_chunk_summary). With `dp`,
-    only (numel, the buckets' DP range elements summed, buckets) is returned."""
+    that a chunk's buckets can be walked without its per-param arrays (_pattern_walk). With `dp`, a
+    chunk of one bucket (the first branch): (numel, its DP range elements, 1)."""
     if P and bucket_size is None and not (shared_first or shared_last):
         # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
         # (j = 0, i = P - 1) without its bookkeeping
@@ -243,7 +248,6 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     j, b0 = 0, 0
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
     blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
-    skipped = copied = 0  # with dp: DP range elements of the copied buckets, their number
     while j < P:
         if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
             at = (j - period[0]) % period[1]
@@ -253,12 +257,6 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
                 b, pj, pb0 = seen[at]
                 dj, dpos = j - pj, b0 - pb0
                 q = (period[0] + period[1] * period[2] - j) // dj
-                if dp is not None:
-                    skipped += q * sum((e - x) // dp for x, e in zip(bstarts[b:], bends[b:]))
-                    copied += q * (len(bstarts) - b)
-                    j, b0 = j + q * dj, b0 + q * dpos
-                    seen = None
-                    continue
                 block = np.array((firsts[b:], bstarts[b:], bends[b:]), np.int64)
                 shift = np.array((dj, dpos, dpos), np.int64)[:, None, None] * np.arange(1, q + 1)[None, :, None]
                 blocks += [np.array((firsts, bstarts, bends), np.int64).reshape(3, -1),
@@ -281,8 +279,6 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
         bstarts.append(b0)
         bends.append(end)
         j, b0 = i + 1, end
-    if dp is not None:
-        return b0, skipped + sum((e - x) // dp for x, e in zip(bstarts, bends)), copied + len(bstarts)
     tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
     return np.concatenate(blocks + [tail], axis=1) if blocks else tail
 
@@ -412,10 +408,16 @@ def _class_bound(summaries: list[tuple[int, ...]], dist_opt: bool, pb: int, gb: 
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int, int]:
     """(numel, param elements, params, DP range elements summed over buckets, buckets) of _buffer(...)
-    without its per-param arrays: _pattern_walk."""
-    numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
+    without its per-param arrays: _pattern_walk's one step for a chunk of one bucket, else its
+    buckets (_chunk_buckets, which a bucketed chunk's DP calls and heaviest rank read too)."""
     (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
-    return numel, hreal + layers * lreal + treal, hn + layers * ln + tn, full, buckets
+    params = hn + layers * ln + tn
+    if params and bucket_size is None and not _shared(model, first, last, dist_opt):
+        numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
+    else:
+        _, bstart, bend = _chunk_buckets(model, tp, layers, first, last, bucket_size, dp, dist_opt)
+        numel, full, buckets = int(bend[-1]) if len(bend) else 0, int(((bend - bstart) // dp).sum()), len(bend)
+    return numel, hreal + layers * lreal + treal, params, full, buckets
 
 
 def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
@@ -432,16 +434,21 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
     real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
     if not dist_opt:
         return real, real, params, real // dp
-    runs = _pattern(model, tp, first, last, True)
-    (_, hc, _), (_, lc, _), (_, tc, _) = runs
+    (_, hc, _), (_, lc, _), (_, tc, _) = _pattern(model, tp, first, last, True)
     aligned = hc[-1] + layers * lc[-1] + tc[-1]
     buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
-    if model.tied_embeddings and not (first and last):  # a shared_embedding param (_buffer)
+    if _shared(model, first, last, dist_opt):
         buckets += first + last
-    g = math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
     div = math.lcm(dp, 128)
-    numel = aligned + buckets * (div - math.gcd(div, g))
+    numel = aligned + buckets * (div - math.gcd(div, _pattern_gcd(model, tp, first, last)))
     return numel, real, params, numel // dp
+
+
+@lru_cache(maxsize=1024)
+def _pattern_gcd(model: ModelShape, tp: int, first: bool, last: bool) -> int:
+    """The gcd of a chunk's param sizes and aligned sizes (_pattern)."""
+    return math.gcd(*(x for n, c, _ in _pattern(model, tp, first, last, True)
+                      for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
 
 
 @lru_cache(maxsize=1024)
@@ -461,9 +468,9 @@ def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: b
 def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                   dist_opt: bool, summary: bool):
     """_walk_buckets over a chunk's pattern (head, `layers` copies of one layer, embedding; _pattern),
-    whose positions are sums of per-piece sums: the buckets of _buffer(...) (summary: only (numel, DP
-    range elements summed))."""
-    shared = dist_opt and model.tied_embeddings and not (first and last)
+    whose positions are sums of per-piece sums: the buckets of _buffer(...) (summary: a chunk of one
+    bucket's (numel, DP range elements, 1))."""
+    shared = _shared(model, first, last, dist_opt)
     (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
     h, k, t = len(hn), len(ln), len(tn)
     A, lbase = lc[k], hc[h]
