@@ -986,17 +986,6 @@ def _bucket_numels(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     return first + [x[0] for x in sums[1:]]
 
 
-class _PerMicroBatch(NamedTuple):
-    """Calls one stage makes every micro-batch (_comm_plan): `calls` calls per micro-batch, each
-    handing micro_batch_size * unit // div bytes, `wires` of them sending (wire_bytes over `group`
-    ranks; a send_recv pair is two calls, one sending)."""
-    calls: int
-    wires: int
-    unit: int
-    div: int
-    group: int
-
-
 def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
     """Collectives of one steady-state optimizer step of this stage: its plan (_comm_plan, cached per
     structure) with the per-micro-batch calls counted for this micro-batch size and count."""
@@ -1021,8 +1010,11 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
     """Every collective record of one stage class's step as CommBuilder.build would give it (by
     (dim, kind, dtype) in sorted order, the distinct names sorted and joined), each (dim, kind,
     dtype, what, what of its fixed calls alone, their count, buffer and wire bytes, its
-    _PerMicroBatch calls): the calls no micro-batch setting changes (_fixed_comm) and those repeated
-    every micro-batch (_micro_batch_comm)."""
+    calls per micro-batch): the calls no micro-batch setting changes (_fixed_comm) and those repeated
+    every micro-batch (_micro_batch_comm), each (calls per micro-batch, the calls among them that
+    send, bytes per sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor
+    bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two calls, one
+    sending)."""
     acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, fixed names, names, per-micro-batch]
 
     def fixed(dim, kind, dtype, what, group, buffers):
@@ -1038,7 +1030,7 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
         if calls > 0 and group > 1:
             a = acc.setdefault((dim, kind, dtype), [0, 0, 0, set(), set(), []])
             a[4].add(what)
-            a[5].append(_PerMicroBatch(calls, wires, unit, div, group))
+            a[5].append((calls, wires, unit, div, group))
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
