@@ -21,10 +21,10 @@ Speed: a layout search predicts thousands of layouts. What no micro-batch settin
 computed once per structure (model, tp, pp, dp, vp, knobs) and cached: the most-loaded rank
 (_heaviest_rank), its fixed state (_fixed_state) and its step's collectives (_comm_plan: the DP /
 embedding / grad-norm calls, and the TP / PP calls per micro-batch, which _comm counts per layout).
-Stages are searched best first (_most_loaded): the bucketed first stage is bounded before its bucket
-walk (_chunk_bound), a stage from its chunks' summaries (_chunk_summary: the bucket walk over one
-layer's pattern, no per-param arrays), and a stage's DP ranks are searched only when its bound can
-beat the best rank found; bucket runs repeat across identical layers (_walk_buckets copies them); and
+Stages are searched best first (_most_loaded): every stage but the last is bounded before its
+summary (_chunk_bound, no bucket walk), then from its chunks' summaries (_chunk_summary: the bucket
+walk over one layer's pattern, no per-param arrays), and a stage's DP ranks are searched only when
+its bound can beat the best rank found; bucket runs repeat across identical layers (_walk_buckets copies them); and
 a buffer without alignment padding gives every DP rank's ownership in closed form (_contiguous_ranks,
 _one_bucket_best).
 """
@@ -700,7 +700,9 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     classes = []
     for st in sorted({0, min(1, pp - 1), pp - 1}):
         exact = partial(_summaries_bound, model, tp, pp, dp, vp, k, st)
-        if st == 0 and pp > 1:  # the bucketed stage (effective_bucket_size): bounded before its walk
+        # every stage but the last bounded before its summary (the first's is a bucket walk); the
+        # last, which adds the output layer, is the usual heaviest and its summary read then anyway
+        if st < pp - 1:
             bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
                                    effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
             fixed, ub = None, _class_bound(bounds, dist_opt, pb, gb, *w)[1]
@@ -1015,27 +1017,36 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
     send, bytes per sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor
     bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two calls, one
     sending)."""
-    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, fixed names, names, per-micro-batch]
+    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, fixed names, other names, per-micro-batch]
+
+    def record(key):
+        a = acc.get(key)
+        if a is None:
+            a = acc[key] = [0, 0, 0, set(), set(), []]
+        return a
 
     def fixed(dim, kind, dtype, what, group, buffers):
         if group > 1 and buffers:  # a group of one sends nothing (CommBuilder.add)
-            a = acc.setdefault((dim, kind, dtype), [0, 0, 0, set(), set(), []])
+            a = record((dim, kind, dtype))
             a[0] += len(buffers)
             a[1] += sum(buffers)
             a[2] += _wire_sum(kind, buffers, group)
             a[3].add(what)
-            a[4].add(what)
 
     def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
         if calls > 0 and group > 1:
-            a = acc.setdefault((dim, kind, dtype), [0, 0, 0, set(), set(), []])
+            a = record((dim, kind, dtype))
             a[4].add(what)
             a[5].append((calls, wires, unit, div, group))
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    return tuple((*key, _joined(names), _joined(fixed_names), count, buf, wire, tuple(per_mb))
-                 for key, (count, buf, wire, fixed_names, names, per_mb) in sorted(acc.items()))
+    rows = []
+    for key, (count, buf, wire, fixed_names, names, per_mb) in sorted(acc.items()):
+        fixed_what = _joined(fixed_names)
+        rows.append((*key, _joined(fixed_names | names) if names else fixed_what, fixed_what, count, buf, wire,
+                     tuple(per_mb)))
+    return tuple(rows)
 
 
 def _joined(names: set[str]) -> str:
