@@ -703,16 +703,16 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
         # every stage but the last bounded before its summary (the first's is a bucket walk); the
         # last, which adds the output layer, is the usual heaviest and its summary read then anyway
         if st < pp - 1:
-            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
+            chunks = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
                                    effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
-            fixed, ub = None, _class_bound(bounds, dist_opt, pb, gb, *w)[1]
+            fixed, ub = None, _class_bound(chunks, dist_opt, pb, gb, *w)[1]
         else:
+            chunks = _stage_summaries(model, tp, pp, dp, vp, k, st)
             fixed, ub = exact()
         if dist_opt:
             best = partial(_stage_best, model, tp, pp, dp, vp, k, st)
-        else:  # every DP rank owns every param (_owned_by): rank 0 stands for all
-            sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
-            best = partial(lambda owned: owned, (0, sum(x[1] for x in sums), sum(x[2] for x in sums)))
+        else:  # every DP rank owns every param (_owned_by): rank 0 stands for all (bounds count them exactly)
+            best = partial(lambda owned: owned, (0, sum(x[1] for x in chunks), sum(x[2] for x in chunks)))
         classes.append((st, ub, fixed, exact, best))
     return _most_loaded(classes, *w)
 
