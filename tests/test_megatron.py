@@ -737,10 +737,11 @@ def test_chunk_bound_bounds_the_summary(name):
     """_chunk_bound (no bucket walk) is an upper bound of _chunk_summary's numel and DP range elements,
     with its elements and params exact (numel too without the distributed optimizer): tied or not,
     bucketed or one bucket, padding, sizes whose gcd does not divide the 64-element alignment, buckets
-    smaller than a param; a bound below the summary breaks
-    the most-loaded search (_most_loaded would skip a stage that can hold the heaviest rank)."""
+    smaller than a param; a bound below the summary breaks the most-loaded search (_most_loaded would
+    skip a stage that can hold the heaviest rank)."""
     odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
-    threes = ModelShape(layers=6, hidden=96, ffn_hidden=288, heads=3, kv_heads=1, vocab=999, seq_len=24)  # gcd 3 | no 64
+    # sizes all multiples of 3, whose gcd does not divide the 64-element alignment
+    threes = ModelShape(layers=6, hidden=96, ffn_hidden=288, heads=3, kv_heads=1, vocab=999, seq_len=24)
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd, threes):
         per_layer = sum(n for _, n in L._pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
