@@ -410,7 +410,7 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
     """(numel, param elements, params, DP range elements summed over buckets, buckets) of _buffer(...)
     without its per-param arrays: _pattern_walk's one step for a chunk of one bucket, else its
     buckets (_chunk_buckets, which a bucketed chunk's DP calls and heaviest rank read too)."""
-    (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
+    (hreal, hn, _), (lreal, ln, _), (treal, tn, _), _ = _pattern_totals(model, tp, first, last)
     params = hn + layers * ln + tn
     if params and bucket_size is None and not _shared(model, first, last, dist_opt):
         numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
@@ -430,31 +430,26 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
     a shared_embedding param closes: at most aligned // bucket_size + 1 buckets plus one per
     shared_embedding param (at most one per param). Exact without the distributed optimizer (no
     padding)."""
-    (hreal, hn), (lreal, ln), (treal, tn) = _pattern_totals(model, tp, first, last)
+    (hreal, hn, ha), (lreal, ln, la), (treal, tn, ta), g = _pattern_totals(model, tp, first, last)
     real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
     if not dist_opt:
         return real, real, params, real // dp
-    (_, hc, _), (_, lc, _), (_, tc, _) = _pattern(model, tp, first, last, True)
-    aligned = hc[-1] + layers * lc[-1] + tc[-1]
+    aligned = ha + layers * la + ta
     buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
     if _shared(model, first, last, dist_opt):
         buckets += first + last
     div = math.lcm(dp, 128)
-    numel = aligned + buckets * (div - math.gcd(div, _pattern_gcd(model, tp, first, last)))
+    numel = aligned + buckets * (div - math.gcd(div, g))
     return numel, real, params, numel // dp
 
 
 @lru_cache(maxsize=1024)
-def _pattern_gcd(model: ModelShape, tp: int, first: bool, last: bool) -> int:
-    """The gcd of a chunk's param sizes and aligned sizes (_pattern)."""
-    return math.gcd(*(x for n, c, _ in _pattern(model, tp, first, last, True)
-                      for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
-
-
-@lru_cache(maxsize=1024)
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
-    """(elements, params) of each run of _pattern."""
-    return tuple((sum(n), len(n)) for n in _pattern_runs(model, tp, first, last))
+    """(elements, params, aligned elements) of each run of _pattern (distributed optimizer's
+    alignment), then the gcd of all its sizes and aligned sizes."""
+    runs = _pattern(model, tp, first, last, True)
+    g = math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
+    return (*((sum(n), len(n), c[-1]) for n, c, _ in runs), g)
 
 
 @lru_cache(maxsize=4096)
