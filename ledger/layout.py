@@ -90,6 +90,8 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
     gbs = lc["global_batch_size"]
     if gbs == -1:
         gbs = mbs * dp * pp
+    elif gbs < 1:
+        raise ConfigError(f"layout.global_batch_size={gbs} must be >= 1 or -1 (auto: micro_batch_size*dp*pp)")
     return Layout(tp, pp, dp, dpr, cp, ep, vp, bool(lc["sequence_parallel"]), mbs, gbs)
 
 
@@ -133,6 +135,8 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                               "tasks_per_node)")
     # framework limits
     if framework == "deepspeed":
+        if fw_cfg is not None:
+            _check_knobs(fw_cfg, _DEEPSPEED_KNOBS)
         stage = fw_cfg.zero_stage if fw_cfg is not None else 1
         if not (stage in (0, 1, 2, 3)):
             raise ConfigError(f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
@@ -143,6 +147,8 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         if not (lay.dp_replicate == 1):
             raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
     elif framework == "megatron":
+        if fw_cfg is not None:
+            _check_knobs(fw_cfg, _MEGATRON_KNOBS)
         if not (lay.dp_replicate == 1):
             raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
     elif framework == "titan":
@@ -186,3 +192,25 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                                   "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")
+
+
+# sizes and budgets a framework takes in elements: (field, least value, what it is). A bucket of 0
+# elements would put every parameter in a bucket of its own in one framework and loop in another
+# (the bucket walk never advances); a negative budget means nothing. None: the framework's default.
+_MEGATRON_KNOBS = (("bucket_size", 1, "elements per DDP bucket; null: Megatron's default max(40M, 1M*dp)"),)
+_DEEPSPEED_KNOBS = (("reduce_bucket_size", 1, "elements per gradient bucket"),
+                    ("allgather_bucket_size", 1, "elements per ZeRO-1/2 all-gather bucket"),
+                    ("stage3_prefetch_bucket_size", 0, "elements prefetched ahead; 0: no prefetch"),
+                    ("stage3_max_live_parameters", 0, "elements gathered at once"),
+                    ("stage3_max_reuse_distance", 0, "elements of reuse window; 0: release after use"),
+                    ("stage3_param_persistence_threshold", 0, "params of at most this many elements stay gathered"))
+
+
+def _check_knobs(fw_cfg, rules) -> None:
+    for name, least, what in rules:
+        try:
+            v = getattr(fw_cfg, name)
+        except (AttributeError, KeyError):  # a config without the knob (textbook mode needs none)
+            continue
+        if v is not None and v < least:
+            raise ConfigError(f"framework.{name}={v} must be >= {least} ({what})")

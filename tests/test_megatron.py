@@ -674,7 +674,7 @@ def test_comm_plan_counts_what_a_builder_per_layout_counts():
                    _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000), _fw(clip_grad=0.0)):
             k = L.knobs(fw)
             for tp, pp, dp, vp in ((1, 1, 1, 1), (2, 1, 3, 1), (1, 2, 1, 1), (2, 4, 2, 1), (2, 2, 1, 2), (1, 4, 3, 2)):
-                for sp, mbs, gbs in ((False, 1, -1), (tp > 1, 3, 12 * dp * pp), (tp > 1, 2, 0)):
+                for sp, mbs, gbs in ((False, 1, -1), (tp > 1, 3, 12 * dp * pp), (tp > 1, 2, 2 * dp)):
                     lay = _lay(tp=tp, pp=pp, dp=dp, vp=vp, sequence_parallel=sp, micro_batch_size=mbs,
                                global_batch_size=gbs)
                     for stage in range(pp):

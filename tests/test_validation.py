@@ -31,6 +31,36 @@ def test_rejections_name_field_and_rule(model, kw, fw, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("framework,knob,value", [
+    ("megatron", "bucket_size", 0), ("megatron", "bucket_size", -1),
+    ("deepspeed", "reduce_bucket_size", 0), ("deepspeed", "allgather_bucket_size", 0),
+    ("deepspeed", "stage3_prefetch_bucket_size", -5), ("deepspeed", "stage3_max_live_parameters", -1),
+    ("deepspeed", "stage3_max_reuse_distance", -1), ("deepspeed", "stage3_param_persistence_threshold", -1),
+])
+def test_framework_sizes_are_checked(framework, knob, value):
+    """Bucket sizes and ZeRO-3 budgets out of range are refused naming the knob (a Megatron bucket of 0
+    elements used to hang the ledger's bucket walk); the schema's defaults and the edge values pass."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import FRAMEWORK_SCHEMAS
+
+    fw = OmegaConf.structured(FRAMEWORK_SCHEMAS[framework])
+    validate(preset("tiny"), resolve(lay(dp=2)), framework, fw)
+    fw[knob] = value
+    with pytest.raises(ConfigError, match=f"framework.{knob}={value} must be >= "):
+        validate(preset("tiny"), resolve(lay(dp=2)), framework, fw)
+    fw[knob] = value + 1 if value >= 0 else 0  # the least value allowed
+    if knob in ("bucket_size", "reduce_bucket_size", "allgather_bucket_size"):
+        fw[knob] = 1
+    validate(preset("tiny"), resolve(lay(dp=2)), framework, fw)
+
+
+@pytest.mark.parametrize("gbs", [0, -2])
+def test_global_batch_size_must_be_positive_or_auto(gbs):
+    with pytest.raises(ConfigError, match=f"layout.global_batch_size={gbs} must be >= 1 or -1"):
+        resolve(lay(dp=2, global_batch_size=gbs))
+
+
 def test_world_must_match_cluster():
     with pytest.raises(ConfigError, match="world size"):
         validate(preset("tiny"), resolve(lay(dp=2, tp=2)), "megatron", world=2)

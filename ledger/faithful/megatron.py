@@ -42,7 +42,7 @@ import numpy as np
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import Comm, Placement, RankState, wire_bytes
+from ledger.placement import Comm, Placement, RankState, what_of, wire_bytes
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
@@ -987,12 +987,9 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
     """Collectives of one steady-state optimizer step of this stage: its plan (_comm_plan, cached per
     structure) with the per-micro-batch calls counted for this micro-batch size and count."""
     rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), lay.sequence_parallel)
-    m, b = lay.num_microbatches, lay.micro_batch_size
-    if not m:  # no micro-batch: the fixed calls alone (a call made 0 times is none)
-        return [Comm(dim, kind, count, buf, wire, dtype, what) for dim, kind, dtype, _, what, count, buf, wire, _ in rows
-                if count]
+    m, b = lay.num_microbatches, lay.micro_batch_size  # m >= 1 (resolve, validate)
     out = []
-    for dim, kind, dtype, what, _, count, buf, wire, per_mb in rows:
+    for dim, kind, dtype, what, count, buf, wire, per_mb in rows:
         for calls, wires, unit, div, group in per_mb:
             x = b * unit // div
             count += calls * m
@@ -1005,19 +1002,18 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
 @lru_cache(maxsize=4096)
 def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> tuple:
     """Every collective record of one stage class's step as CommBuilder.build would give it (by
-    (dim, kind, dtype) in sorted order, the distinct names sorted and joined), each (dim, kind,
-    dtype, what, what of its fixed calls alone, their count, buffer and wire bytes, its
-    calls per micro-batch): the calls no micro-batch setting changes (_fixed_comm) and those repeated
-    every micro-batch (_micro_batch_comm), each (calls per micro-batch, the calls among them that
-    send, bytes per sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor
-    bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two calls, one
-    sending)."""
-    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, fixed names, other names, per-micro-batch]
+    (dim, kind, dtype) in sorted order, what_of its calls' names), each (dim, kind, dtype, what, the
+    count, buffer and wire bytes of its fixed calls, its calls per micro-batch): the calls no
+    micro-batch setting changes (_fixed_comm) and those repeated every micro-batch
+    (_micro_batch_comm), each (calls per micro-batch, the calls among them that send, bytes per
+    sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor bytes per call,
+    wire_bytes over the group for each sending one (a send_recv pair: two calls, one sending)."""
+    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, names, per-micro-batch]
 
     def record(key):
         a = acc.get(key)
         if a is None:
-            a = acc[key] = [0, 0, 0, set(), set(), []]
+            a = acc[key] = [0, 0, 0, [], []]
         return a
 
     def fixed(dim, kind, dtype, what, group, buffers):
@@ -1026,27 +1022,18 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
             a[0] += len(buffers)
             a[1] += sum(buffers)
             a[2] += _wire_sum(kind, buffers, group)
-            a[3].add(what)
+            a[3].append(what)
 
     def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
         if calls > 0 and group > 1:
             a = record((dim, kind, dtype))
-            a[4].add(what)
-            a[5].append((calls, wires, unit, div, group))
+            a[3].append(what)
+            a[4].append((calls, wires, unit, div, group))
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    rows = []
-    for key, (count, buf, wire, fixed_names, names, per_mb) in sorted(acc.items()):
-        fixed_what = _joined(fixed_names)
-        rows.append((*key, _joined(fixed_names | names) if names else fixed_what, fixed_what, count, buf, wire,
-                     tuple(per_mb)))
-    return tuple(rows)
-
-
-def _joined(names: set[str]) -> str:
-    """A record's `what`: its distinct names sorted and joined (CommBuilder.build)."""
-    return "; ".join(sorted(names)) if len(names) > 1 else "".join(names)
+    return tuple((*key, what_of(names), count, buf, wire, tuple(per_mb))
+                 for key, (count, buf, wire, names, per_mb) in sorted(acc.items()))
 
 
 def _wire_sum(kind: str, buffers: list[int], group: int) -> int:
@@ -1155,7 +1142,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return s
 
     st, d, _, _ = _heaviest_rank(model, tp, lay.pp, dp, lay.vp, k)
-    return Placement(framework="megatron", mode="faithful", model=model_dict(model), layout=lay.to_dict(),
+    return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, representatives=[(st * dp + d) * tp], notes=list(_NOTES))
 
 
