@@ -23,6 +23,7 @@ import torch
 
 from analysis import reconcile, records
 from ledger.faithful import megatron as L
+from ledger.faithful import megatron_buffers as B
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
 from tests.conftest import launch, run_sweeps
@@ -121,7 +122,7 @@ def test_sweep_exercises_padding_buckets_and_every_collective(sweep):
         pr = rec["prediction"]["per_rank"]
         lay = rec["prediction"]["layout"]
         shape = ModelShape.from_config(rec["config"]["model"])
-        n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in L.stage_params(shape, lay["tp"], lay["pp"], s,
+        n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in B.stage_params(shape, lay["tp"], lay["pp"], s,
                                                                                    lay["vp"], ch))
                    for s in {p["stage"] for p in pr}}
         padded |= any(p["grads_bytes"] > 4 * n_local[p["stage"]] for p in pr)
@@ -195,15 +196,15 @@ def _megatron_layout(params, shared, bucket, dp):
 @pytest.mark.parametrize("dp,bucket", [(1, None), (2, None), (2, 100_000), (4, 70_000), (3, 50_000)])
 def test_buffer_layout_matches_megatron(dp, bucket):
     model = preset("tiny")
-    params = L.stage_params(model, tp=2, pp=1, stage=0)
+    params = B.stage_params(model, tp=2, pp=1, stage=0)
     fake, ref = _megatron_layout(params, (False, False), bucket, dp)
-    ours = L.buffer_layout(params, bucket, dp, dist_opt=True)
+    ours = B.buffer_layout(params, bucket, dp, dist_opt=True)
     assert [(b.start, b.end) for b in ours] == ref.bucket_indices
     got = {name: (s, e) for b in ours for name, s, e in b.params}
     for (name, _), p in zip(params, fake):
         assert got[name] == ref.param_index_map[p][:2], name
     # the DP shards cover every parameter element exactly once
-    total = sum(n for r in range(dp) for _, n in L.shard_ranges(ours, dp, r))
+    total = sum(n for r in range(dp) for _, n in B.shard_ranges(ours, dp, r))
     assert total == sum(n for _, n in params)
 
 
@@ -218,17 +219,17 @@ def test_tied_shared_embedding_buckets_match_megatron(dp, bucket, pp, vp):
                        tied_embeddings=True)
     for stage in range(pp):
         for ch in range(vp):
-            params = L.stage_params(shape, 2, pp, stage, vp, ch)
-            shared = L.shared_embedding(shape, pp, stage, vp, ch)
-            _, n_first, n_last = L._stage_shape(shape, pp, stage, vp, ch)
+            params = B.stage_params(shape, 2, pp, stage, vp, ch)
+            shared = B.shared_embedding(shape, pp, stage, vp, ch)
+            _, n_first, n_last = B._stage_shape(shape, pp, stage, vp, ch)
             assert shared == (n_first, n_last)
             fake, ref = _megatron_layout(params, shared, bucket, dp)
-            ours = L.buffer_layout(params, bucket, dp, True, *shared)
+            ours = B.buffer_layout(params, bucket, dp, True, *shared)
             assert [(b.start, b.end) for b in ours] == ref.bucket_indices, (stage, ch)
             got = {name: (s, e) for b in ours for name, s, e in b.params}
             for (name, _), p in zip(params, fake):
                 assert got[name] == ref.param_index_map[p][:2], name
-            buf = L._buffer(shape, 2, *L._stage_shape(shape, pp, stage, vp, ch), bucket, dp, True)
+            buf = B._buffer(shape, 2, *B._stage_shape(shape, pp, stage, vp, ch), bucket, dp, True)
             assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == ref.bucket_indices
             if any(shared):  # the shared param alone in its bucket
                 name = params[0][0] if shared[0] else params[-1][0]
@@ -242,15 +243,15 @@ def test_tied_embeddings_params_and_collectives():
     word-embedding grad (fp32 main_grad, vocab/tp x h) over the embedding group once per step."""
     model = dataclasses.replace(preset("tiny"), tied_embeddings=True)
     untied = preset("tiny")
-    names = [n for n, _ in L.stage_params(model, 2, 1, 0)]
+    names = [n for n, _ in B.stage_params(model, 2, 1, 0)]
     assert "output_layer.weight" not in names and "embedding.word_embeddings.weight" in names
-    assert len(names) == len(L.stage_params(untied, 2, 1, 0)) - 1
-    assert L.shared_embedding(model, 1, 0, 1, 0) == (False, False)
+    assert len(names) == len(B.stage_params(untied, 2, 1, 0)) - 1
+    assert B.shared_embedding(model, 1, 0, 1, 0) == (False, False)
     pl = L.place(model, _lay(tp=2, dp=2), _fw())
     s = pl.rank_state(0)
     assert not any(c.dim == "pp" for c in s.comm)
-    assert s.grads_bytes == 4 * L.build_buffer(L._sizes(model, 2, 4, True, True), None, 2, True).numel
-    assert L.stage_params(model, 2, 2, 1) == L.stage_params(untied, 2, 2, 1)  # the last stage's copy
+    assert s.grads_bytes == 4 * B.build_buffer(B._sizes(model, 2, 4, True, True), None, 2, True).numel
+    assert B.stage_params(model, 2, 2, 1) == B.stage_params(untied, 2, 2, 1)  # the last stage's copy
     lay = _lay(tp=2, pp=2, dp=1)
     pl = L.place(model, lay, _fw())
     emb = 4 * (model.vocab // 2) * model.hidden
@@ -437,16 +438,16 @@ def test_interleaved_buffers_one_per_chunk():
     model = preset("tiny")
     fw = _fw(overlap_grad_reduce=True, bucket_size=100_000)
     lay = _lay(pp=2, vp=2, dp=2, global_batch_size=4)
-    assert [L.effective_bucket_size(fw, 2, st, ch) for st in range(2) for ch in range(2)] == [100_000, None, None, None]
+    assert [B.effective_bucket_size(fw, 2, st, ch) for st in range(2) for ch in range(2)] == [100_000, None, None, None]
     pl = L.place(model, lay, fw)
     for st in range(2):
-        layouts = [L.buffer_layout(L.stage_params(model, 1, 2, st, 2, ch), L.effective_bucket_size(fw, 2, st, ch), 2,
+        layouts = [B.buffer_layout(B.stage_params(model, 1, 2, st, 2, ch), B.effective_bucket_size(fw, 2, st, ch), 2,
                                    True) for ch in range(2)]
         numel = sum(b.numel for bs in layouts for b in bs)
         s = pl.rank_state(lay.grid.rank({"pp": st, "dp": 0}))
         assert s.grads_bytes == 4 * numel and s.params_bytes == 2 * numel
     # the embedding sits in stage 0 chunk 0, the output layer in stage 1 chunk 1 only
-    names = {(st, ch): {n for n, _ in L.stage_params(model, 1, 2, st, 2, ch)} for st in range(2) for ch in range(2)}
+    names = {(st, ch): {n for n, _ in B.stage_params(model, 1, 2, st, 2, ch)} for st in range(2) for ch in range(2)}
     assert [("embedding.word_embeddings.weight" in names[k], "output_layer.weight" in names[k])
             for k in sorted(names)] == [(True, False), (False, False), (False, False), (False, True)]
 
@@ -493,13 +494,13 @@ def test_owned_sizes_by_bisection_equal_the_range_walk(dp, bucket):
     shape = preset("llama3_1b") if dp == 16 else ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8,
                                                               kv_heads=2, vocab=1030, seq_len=32)
     for stage in range(2):
-        params = L.stage_params(shape, 2, 2, stage)
-        buckets = L.buffer_layout(params, bucket, dp, True)
-        buf = L.build_buffer(np.array([n for _, n in params]), bucket, dp, True)
+        params = B.stage_params(shape, 2, 2, stage)
+        buckets = B.buffer_layout(params, bucket, dp, True)
+        buf = B.build_buffer(np.array([n for _, n in params]), bucket, dp, True)
         assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == [(b.start, b.end) for b in buckets]
         for r in range(dp):
-            walk = L.shard_ranges(buckets, dp, r)
-            assert L.owned_sizes([buf], dp, r) == (sum(n for _, n in walk), len(walk))
+            walk = B.shard_ranges(buckets, dp, r)
+            assert B.owned_sizes([buf], dp, r) == (sum(n for _, n in walk), len(walk))
 
 
 @pytest.mark.parametrize("dp,bucket,tp", [(2, None, 1), (3, 1_000, 2), (4, 40_000, 1), (16, 3_000, 2), (64, 20_000, 1),
@@ -513,12 +514,12 @@ def test_heaviest_dp_rank_is_the_max_over_every_rank(dp, bucket, tp):
         for stage, vp in ((0, 1), (1, 1), (0, 2)):
             pp = 2 if vp == 1 else 1
             # tied: the shared-embedding buckets of pp = 2 (none with pp = 1)
-            bufs = [L.build_buffer(np.array([n for _, n in L.stage_params(shape, tp, pp, stage, vp, ch)]),
-                                   bucket if ch == 0 else None, dp, True, *L.shared_embedding(shape, pp, stage, vp, ch))
+            bufs = [B.build_buffer(np.array([n for _, n in B.stage_params(shape, tp, pp, stage, vp, ch)]),
+                                   bucket if ch == 0 else None, dp, True, *B.shared_embedding(shape, pp, stage, vp, ch))
                     for ch in range(vp)]
             for w in ((12, 4), (8, 4), (0, 1)):
-                scores = [w[0] * e + w[1] * k for e, k in (L.owned_sizes(bufs, dp, r) for r in range(dp))]
-                assert L.heaviest_dp_rank(bufs, dp, *w) == scores.index(max(scores)), (tied, stage, vp, w)
+                scores = [w[0] * e + w[1] * k for e, k in (B.owned_sizes(bufs, dp, r) for r in range(dp))]
+                assert B.heaviest_dp_rank(bufs, dp, *w) == scores.index(max(scores)), (tied, stage, vp, w)
 
 
 @pytest.mark.parametrize("kw", [dict(pp=1, dp=8), dict(pp=2, dp=4), dict(pp=4, dp=2, global_batch_size=8),
@@ -545,17 +546,17 @@ def test_build_buffer_period_copies_the_searched_buckets(name):
 
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 64), (2, 1, 1000)):
             if model.layers % pp:
                 continue
             for bucket in (1, per_layer // 7, per_layer // 2 + 1, per_layer, 3 * per_layer + 5, None):
                 for stage in sorted({0, pp - 1}):
-                    n, first, last = L._stage_shape(model, pp, stage, 1, 0)
+                    n, first, last = B._stage_shape(model, pp, stage, 1, 0)
                     shared = model.tied_embeddings and not (first and last)
-                    args = (L._sizes(model, tp, n, first, last), bucket, dp, True, shared and first, shared and last)
-                    plain = L.build_buffer(*args)
-                    fast = L._buffer(model, tp, n, first, last, bucket, dp, True)
+                    args = (B._sizes(model, tp, n, first, last), bucket, dp, True, shared and first, shared and last)
+                    plain = B.build_buffer(*args)
+                    fast = B._buffer(model, tp, n, first, last, bucket, dp, True)
                     for f in ("starts", "ends", "bstart", "bend", "first", "prefix", "n"):
                         assert np.array_equal(getattr(plain, f), getattr(fast, f)), (tied, tp, pp, dp, bucket, stage, f)
 
@@ -569,24 +570,24 @@ def test_contiguous_ranks_equal_owned_sizes_of_every_rank(name):
 
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 96), (2, 1, 1000), (1, 2, 1)):
             if model.layers % pp:
                 continue
             for bucket in (1, per_layer // 7, per_layer + 5, None):
                 for stage in sorted({0, pp - 1}):
-                    n, first, last = L._stage_shape(model, pp, stage, 1, 0)
-                    buf = L._buffer(model, tp, n, first, last, bucket, dp, True)
+                    n, first, last = B._stage_shape(model, pp, stage, 1, 0)
+                    buf = B._buffer(model, tp, n, first, last, bucket, dp, True)
                     assert buf.contiguous
-                    e, p = L._contiguous_ranks(buf, dp)
-                    want = [L._owned_sizes.__wrapped__((buf,), dp, r) for r in range(dp)]
+                    e, p = B._contiguous_ranks(buf, dp)
+                    want = [B._owned_sizes.__wrapped__((buf,), dp, r) for r in range(dp)]
                     assert list(zip(e.tolist(), p.tolist())) == want, (tied, tp, pp, dp, bucket, stage)
 
 
 def test_alignment_padding_makes_a_buffer_non_contiguous():
     shape = ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
-    assert not L._buffer(shape, 1, 2, True, True, None, 4, True).contiguous
-    assert L._buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt
+    assert not B._buffer(shape, 1, 2, True, True, None, 4, True).contiguous
+    assert B._buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
@@ -598,13 +599,13 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
 
     odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd):
-        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
             for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
                 for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
                     for dist_opt in (True, False):
-                        buf = L._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
-                        got = L._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        buf = B._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        got = B._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
                         want = (buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum()),
                                 len(buf.bstart))
                         assert got == want, (model.name, tp, dp, layers, first, last, bucket)
@@ -625,7 +626,7 @@ def test_stage_best_from_the_pattern_is_the_buffers_best(name):
             for fw in (_fw(), _fw(overlap_grad_reduce=True, bucket_size=50_000)):
                 k = L.knobs(fw)
                 for st in range(pp):
-                    want = L._best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *L._optim_weights(k))
+                    want = B._best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *L._optim_weights(k))
                     assert L._stage_best(model, tp, pp, dp, vp, k, st) == want, (tied, tp, pp, dp, vp, st)
 
 
@@ -706,16 +707,16 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
             head, layer, tail = (tuple(int(x) for x in rng.integers(1, 40, n) * 64) for n in (2, 6, 1))
             cases += [(_runs(head, layer, tail), layers), (_runs((), layer, tail), layers), (_runs(head, layer, ()), layers)]
     model = preset("llama3_70b")
-    cases += [(L._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
+    cases += [(B._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
               for layers in (5, 40)]
     for parts, layers in cases:
-        cum = L._pattern_cum(parts, layers)
+        cum = B._pattern_cum(parts, layers)
         for dp in (1, 2, 3, 8, 64, 1000):
             div = np.lcm(dp, 128)
             for extra in (0, 1, 5):
                 numel = int(-(-max(int(cum[-1]), 1) // div) * div) + extra * div
                 for w in ((12, 4), (8, 4), (1, 1000), (1, 1)):
-                    e, p = L._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
+                    e, p = B._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
                     d = int(np.argmax(w[0] * e + w[1] * p))
                     got = L._one_bucket_best(parts, layers, numel, dp, *w)
                     assert got == (d, int(e[d]), int(p[d])), (parts, layers, dp, numel, w)
@@ -743,14 +744,14 @@ def test_chunk_bound_bounds_the_summary(name):
     # sizes all multiples of 3, whose gcd does not divide the 64-element alignment
     threes = ModelShape(layers=6, hidden=96, ffn_hidden=288, heads=3, kv_heads=1, vocab=999, seq_len=24)
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd, threes):
-        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
             for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
                 for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
                     for dist_opt in (True, False):
-                        numel, real, params, full, _ = L._chunk_summary(model, tp, layers, first, last, bucket, dp,
+                        numel, real, params, full, _ = B._chunk_summary(model, tp, layers, first, last, bucket, dp,
                                                                         dist_opt)
-                        b = L._chunk_bound(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        b = B._chunk_bound(model, tp, layers, first, last, bucket, dp, dist_opt)
                         assert b[0] >= numel and b[1:3] == (real, params) and b[3] >= full, (model.name, tp, dp, bucket)
                         if not dist_opt:
                             assert b[0] == numel
@@ -764,17 +765,17 @@ def test_tiled_best_is_the_argmax_over_every_rank(name):
     checked = 0
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in L._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, layers, first, last in ((1, 2, True, True), (1, 2, True, False), (2, 2, False, True), (1, 1, False, False)):
-            parts = L._pattern(model, tp, first, last, True)
-            if not L._pattern_contiguous(parts):
+            parts = B._pattern(model, tp, first, last, True)
+            if not B._pattern_contiguous(parts):
                 continue
-            cum = L._pattern_cum(parts, layers)
+            cum = B._pattern_cum(parts, layers)
             for bucket in (per_layer // 7, per_layer // 2, per_layer + 5, None):
                 for dp in (1, 2, 3, 8, 64, 1000):
-                    buckets = L._chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
+                    buckets = B._chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
                     for w in ((12, 4), (1, 1000), (1, 1)):
-                        e, p = L._tiled_ranks(cum, *buckets, dp)
+                        e, p = B._tiled_ranks(cum, *buckets, dp)
                         d = int(np.argmax(w[0] * e + w[1] * p))
                         assert L._tiled_best(cum, *buckets, dp, *w) == (d, int(e[d]), int(p[d])), (tied, tp, bucket, dp, w)
                         checked += 1

@@ -1,0 +1,620 @@
+"""A Megatron Core 0.18.0 pipeline stage's parameters and its DDP buffers (ledger.faithful.megatron's
+first half): which parameters a stage (model chunk) holds in GPTModel order, how
+distributed/param_and_grad_buffer.py lays them out in padded buckets, which byte ranges each DP rank
+owns under the distributed optimizer, and which DP rank owns the most. Each rule names the megatron
+source it follows (paths under megatron/core/ unless said otherwise).
+
+Speed (a layout search predicts thousands of layouts): a chunk's summary (_chunk_summary) is the
+bucket walk over one layer's parameter pattern, no per-param arrays; bucket runs repeat across
+identical layers (_walk_buckets copies them); a stage is bounded without its bucket walk
+(_chunk_bound); a buffer without alignment padding gives every DP rank's ownership in closed form
+(_contiguous_ranks, _tiled_ranks), else _best_rank evaluates them.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ledger.model import ModelShape
+
+
+# -- the parameters of one pipeline stage -----------------------------------------------------------
+@lru_cache(maxsize=256)
+def _pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
+    """(embedding, one decoder layer, final norm + output) as (name, local numel) in
+    GPTModel.named_parameters() order; layer names are suffixes of decoder.layers.<i>.
+
+    models/gpt/gpt_model.py GPTModel.__init__: embedding (pre_process), decoder, output_layer
+    (post_process, untied); transformer/transformer_layer.py registers input_layernorm,
+    self_attention, pre_mlp_layernorm, mlp; transformer/attention.py: Attention.__init__ builds
+    linear_proj before SelfAttention.__init__ builds linear_qkv; transformer/mlp.py: linear_fc1
+    (2*ffn when gated) then linear_fc2. Column-parallel weights split dim 0, row-parallel dim 1;
+    a row-parallel bias is not split (tensor_parallel/layers.py RowParallelLinear)."""
+    h, hd = model.hidden, model.head_dim
+
+    def norm(name):  # a LayerNorm is two tensors (weight, bias) of h each
+        return [(f"{name}.weight", h), (f"{name}.bias", h)] if model.norm == "layernorm" else [(f"{name}.weight", h)]
+
+    def lin(name, out_f, in_f, bias_len):
+        return [(f"{name}.weight", out_f * in_f)] + ([(f"{name}.bias", bias_len)] if model.bias else [])
+
+    qkv = (model.heads + 2 * model.kv_heads) * hd // tp
+    fc1 = (2 if model.swiglu else 1) * model.ffn_hidden // tp
+    layer = (norm("input_layernorm") + lin("self_attention.linear_proj", h, model.heads * hd // tp, h)
+             + lin("self_attention.linear_qkv", qkv, h, qkv) + norm("pre_mlp_layernorm")
+             + lin("mlp.linear_fc1", fc1, h, fc1) + lin("mlp.linear_fc2", h, model.ffn_hidden // tp, h))
+    emb = [("embedding.word_embeddings.weight", model.vocab // tp * h)]
+    head = norm("decoder.final_layernorm") + [("output_layer.weight", model.vocab // tp * h)]
+    return tuple(emb), tuple(layer), tuple(head)
+
+
+def _stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) -> tuple[int, bool, bool]:
+    """(layers, holds the embedding, holds the output) of one model chunk of one stage.
+
+    training/training.py get_model: with vp > 1 each stage builds vp GPTModels of layers/(pp*vp)
+    layers; pre_process (embedding) only on chunk 0 of stage 0, post_process (final norm, output
+    layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py is_vp_first_stage /
+    is_vp_last_stage)."""
+    return model.layers // (pp * vp), stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
+
+
+def _head(model: ModelShape, tp: int, first: bool) -> tuple:
+    """The final norm and output layer of the chunk holding post_process.
+
+    Tied embeddings (share_embeddings_and_output_weights): models/gpt/gpt_model.py builds
+    output_layer with skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+    so the chunk that also holds the embedding (pp=1) has no output_layer.weight (the output
+    projection uses embedding.word_embeddings.weight); a last stage without the embedding
+    (pp > 1) allocates its own copy (models/common/language_module/language_module.py
+    setup_embeddings_and_output_layer: zeroed, then all-reduced with the first stage at init)."""
+    head = _pieces(model, tp)[2]
+    return head[:-1] if model.tied_embeddings and first else head
+
+
+def shared_embedding(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) -> tuple[bool, bool]:
+    """(the embedding weight, the output weight) of this chunk marked `shared_embedding`:
+    language_module.py setup_embeddings_and_output_layer, tied embeddings with pp > 1 only (the
+    first stage's word embeddings, the last stage's duplicated output weight)."""
+    if not model.tied_embeddings or pp == 1:
+        return False, False
+    _, first, last = _stage_shape(model, pp, stage, vp, chunk)
+    return first, last
+
+
+def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
+    """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
+    of vp with interleaving) and TP rank."""
+    n, first, last = _stage_shape(model, pp, stage, vp, chunk)
+    emb, layer, _ = _pieces(model, tp)
+    out = list(emb) if first else []
+    out += [(f"decoder.layers.{i}.{name}", k) for i in range(n) for name, k in layer]
+    return out + (list(_head(model, tp, first)) if last else [])
+
+
+@lru_cache(maxsize=1024)
+def _sizes(model: ModelShape, tp: int, layers: int, first: bool, last: bool) -> np.ndarray:
+    """stage_params' numels as an array (read-only; one per distinct stage shape)."""
+    emb, layer, head = _piece_sizes(model, tp, first)
+    a = np.concatenate(([emb] if first else []) + [np.tile(layer, layers)] + ([head] if last else []))
+    a.flags.writeable = False
+    return a
+
+
+@lru_cache(maxsize=256)
+def _piece_sizes(model: ModelShape, tp: int, first: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_pieces' numels as arrays (embedding, one layer, the head of a chunk that holds the embedding
+    or not): shared by the stage shapes of one tp."""
+    emb, layer, _ = _pieces(model, tp)
+    return tuple(np.array([k for _, k in part], np.int64) for part in (emb, layer, _head(model, tp, first)))
+
+
+# -- DDP buffer layout ---------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """One DDP buffer: params in reverse (backprop) order at [starts, ends) of the (padded) buffer,
+    bucket b spanning [bstart[b], bend[b]); `params` holds the indices of stage_params order."""
+    starts: np.ndarray
+    ends: np.ndarray
+    bstart: np.ndarray
+    bend: np.ndarray
+    first: np.ndarray  # index (in buffer order) of each bucket's first param
+    prefix: np.ndarray  # prefix[i] = elements of params before i (buffer order)
+    n: np.ndarray  # each param's elements (ends - starts)
+    contiguous: bool = False  # each bucket's params tile it from its start (no alignment padding between)
+
+    @property
+    def numel(self) -> int:
+        return int(self.bend[-1]) if len(self.bend) else 0
+
+
+@lru_cache(maxsize=1024)
+def _buffer(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+            dist_opt: bool) -> Buffer:
+    shared = _shared(model, first, last, dist_opt)
+    # in backprop order the head's params come first, then `layers` reversed copies of one layer
+    period = (len(_head(model, tp, first)) if last else 0, len(_pieces(model, tp)[1]), layers)
+    return build_buffer(_sizes(model, tp, layers, first, last), bucket_size, dp, dist_opt,
+                        shared_first=shared and first, shared_last=shared and last, period=period)
+
+
+def _shared(model: ModelShape, first: bool, last: bool, dist_opt: bool) -> bool:
+    """Whether a chunk's buffer holds a `shared_embedding` param in a bucket of its own (build_buffer):
+    a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
+    pp > 1 (shared_embedding()); pp = 1 holds both, marks none."""
+    return dist_opt and model.tied_embeddings and not (first and last)
+
+
+def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool,
+                 shared_first: bool = False, shared_last: bool = False,
+                 period: tuple[int, int, int] | None = None) -> Buffer:
+    """Params in reverse (backprop) order into buckets.
+
+    Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
+    optimizer/param_layout.py pad_param_start (64 elements) and pad_bucket_end (lcm(dp, 128),
+    pad_buckets_for_high_nccl_busbw off); a bucket closes at the first param whose end reaches
+    bucket_size elements past the bucket start. Otherwise distributed/param_and_grad_buffer.py
+    _compute_default_per_buffer_param_layout: no padding.
+    Every param start is 64-aligned and so is every bucket start (lcm(dp, 128)), hence a param
+    starts at its bucket's start plus the aligned sizes of the params before it in the bucket.
+    shared_first / shared_last: the first / last param of `sizes` (stage order) is a
+    `shared_embedding` param, which _compute_per_buffer_param_layout (_does_param_require_new_bucket)
+    puts in a bucket of its own, even without bucketing (bucket_size None): the bucket before it
+    closes (padded) and it closes its own.
+    period (start, k, repeats): params [start, start + k*repeats) of backprop order repeat one
+    k-param pattern (identical layers). Where a bucket starts at the same place in the pattern as an
+    earlier one, the buckets between repeat (a bucket's end depends only on the sizes from its start,
+    and every bucket start is a multiple of the padding unit), so whole periods are copied instead of
+    searched (the same buckets as without `period`; tested)."""
+    n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
+    a = (n + 63) & -64 if dist_opt else n  # each start 64-aligned: the aligned sizes
+    div = math.lcm(dp, 128)
+    P = len(n)
+    prefix = np.zeros(P + 1, np.int64)
+    np.cumsum(n, out=prefix[1:])
+    cum = np.zeros(P + 1, np.int64)
+    np.cumsum(a, out=cum[1:])
+    reach = cum[:-1] + n
+    first, bstart, bend = _walk_buckets(P, lambda j: int(cum[j]), lambda i: int(reach[i]),
+                                        lambda x: int(np.searchsorted(reach, x)), bucket_size, div, dist_opt,
+                                        shared_first, shared_last, period)
+    counts = np.diff(np.append(first, P))
+    starts = np.repeat(bstart - cum[first], counts) + cum[:-1]
+    return Buffer(starts=starts, ends=starts + n, bstart=bstart, bend=bend, first=first,
+                  prefix=prefix, n=n, contiguous=not dist_opt or bool((a == n).all()))
+
+
+def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, div: int, dist_opt: bool,
+                  shared_first: bool, shared_last: bool, period, dp: int | None = None):
+    """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
+    end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
+    elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
+    that a chunk's buckets can be walked without its per-param arrays (_pattern_walk). With `dp`, a
+    chunk of one bucket (the first branch): (numel, its DP range elements, 1)."""
+    if P and bucket_size is None and not (shared_first or shared_last):
+        # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
+        # (j = 0, i = P - 1) without its bookkeeping
+        pend = reach(P - 1) - cum(0)
+        end = -(-pend // div) * div if dist_opt else pend
+        return (end, end // dp, 1) if dp is not None else (_ZERO, _ZERO, np.array([end], np.int64))
+    firsts, bstarts, bends = [], [], []
+    j, b0 = 0, 0
+    seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
+    blocks = []  # (first, bstart, bend) rows of the buckets before the lists, in order
+    while j < P:
+        if seen is not None and period[0] <= j < period[0] + period[1] * period[2]:
+            at = (j - period[0]) % period[1]
+            if at not in seen:
+                seen[at] = (len(firsts), j, b0)
+            else:  # buckets [b, now) cover params [pj, j): copy them while whole periods fit
+                b, pj, pb0 = seen[at]
+                dj, dpos = j - pj, b0 - pb0
+                q = (period[0] + period[1] * period[2] - j) // dj
+                block = np.array((firsts[b:], bstarts[b:], bends[b:]), np.int64)
+                shift = np.array((dj, dpos, dpos), np.int64)[:, None, None] * np.arange(1, q + 1)[None, :, None]
+                blocks += [np.array((firsts, bstarts, bends), np.int64).reshape(3, -1),
+                           (block[:, None, :] + shift).reshape(3, -1)]
+                firsts, bstarts, bends = [], [], []
+                j, b0 = j + q * dj, b0 + q * dpos
+                seen = None
+                continue
+        if shared_last and j == 0:  # the output weight, first in backprop order
+            i = 0
+        elif bucket_size is None:
+            i = P - 1
+        else:
+            i = min(first_reaching(cum(j) + bucket_size), P - 1)
+        if shared_first and i == P - 1 and j < P - 1:  # the embedding, last in backprop order
+            i = P - 2
+        pend = b0 + reach(i) - cum(j)
+        end = -(-pend // div) * div if dist_opt else pend
+        firsts.append(j)
+        bstarts.append(b0)
+        bends.append(end)
+        j, b0 = i + 1, end
+    tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
+    return np.concatenate(blocks + [tail], axis=1) if blocks else tail
+
+
+_ZERO = np.zeros(1, np.int64)
+_ZERO.flags.writeable = False
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int  # padded end
+    params: list[tuple[str, int, int]]  # (name, start, end) in buffer coordinates
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: int, dist_opt: bool,
+                  shared_first: bool = False, shared_last: bool = False) -> list[Bucket]:
+    """build_buffer with names: the buckets and (name, start, end) of their params."""
+    buf = build_buffer(np.array([k for _, k in params], np.int64), bucket_size, dp, dist_opt, shared_first,
+                       shared_last)
+    names = [name for name, _ in reversed(params)]
+    st, en = buf.starts.tolist(), buf.ends.tolist()
+    lims = buf.first.tolist() + [len(names)]
+    return [Bucket(int(buf.bstart[b]), int(buf.bend[b]), [(names[i], st[i], en[i]) for i in range(lims[b], lims[b + 1])])
+            for b in range(len(lims) - 1)]
+
+
+def effective_bucket_size(fw, dp: int, stage: int, chunk: int = 0) -> int | None:
+    """distributed/distributed_data_parallel.py DistributedDataParallel.__init__: default
+    max(40M, 1M*dp); None (one bucket) without overlap_grad_reduce or on PP stages after the first;
+    training/training.py get_model: disable_bucketing for model chunks after the first (vp > 1)."""
+    if not fw.overlap_grad_reduce or stage > 0 or chunk > 0:
+        return None
+    return fw.bucket_size if fw.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
+
+
+def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int) -> list[tuple[str, int]]:
+    """(param name, elements) this DP rank owns: optimizer/distrib_optimizer.py
+    _build_model_gbuf_range splits each (padded) bucket into dp equal ranges;
+    _build_model_gbuf_param_range_map keeps each param's non-empty intersection."""
+    out = []
+    for b in buckets:
+        size = b.numel // dp
+        lo, hi = b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+        for name, s, e in b.params:
+            k = min(e, hi) - max(s, lo)
+            if k > 0:
+                out.append((name, k))
+    return out
+
+
+def _covered(buf: Buffer, x: np.ndarray) -> np.ndarray:
+    """Param elements of the buffer below position x (x an array)."""
+    k = np.searchsorted(buf.starts, x, "right") - 1
+    kk = np.maximum(k, 0)
+    return np.where(k >= 0, buf.prefix[kk] + np.minimum(x - buf.starts[kk], buf.n[kk]), 0)
+
+
+def _owned(buf: Buffer, bucket: np.ndarray, rank: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) DP rank rank[j] owns of bucket bucket[j] (shard_ranges, counted)."""
+    size = (buf.bend[bucket] - buf.bstart[bucket]) // dp
+    lo = buf.bstart[bucket] + rank * size
+    hi = lo + size
+    numel = _covered(buf, hi) - _covered(buf, lo)
+    pieces = np.searchsorted(buf.starts, hi, "left") - np.searchsorted(buf.ends, lo, "right")
+    return numel, pieces
+
+
+def owned_sizes(buffers, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, param pieces) of shard_ranges over every bucket of `buffers` for one DP rank."""
+    return _owned_sizes(tuple(buffers), dp, dp_rank)
+
+
+@lru_cache(maxsize=4096)
+def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[int, int]:
+    numel = pieces = 0
+    for buf in buffers:
+        nb = len(buf.bstart)
+        e, p = _owned(buf, np.arange(nb), np.full(nb, dp_rank, np.int64), dp)
+        numel += int(e.sum())
+        pieces += int(p.sum())
+    return numel, pieces
+
+
+def _most_loaded(classes: list, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
+    """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
+    classes ((stage, upper bound, fixed bytes or None, thunk giving (fixed bytes, upper bound) from
+    its summaries, thunk giving its heaviest DP rank's (rank, elements, pieces))), the lowest stage
+    and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
+    optimizer bytes are w_elem per owned element and w_piece per owned piece).
+
+    Best first: the class of the highest bound comes next; a bound without fixed bytes (_chunk_bound,
+    no bucket walk) is replaced by its summaries' (_class_bound) before its DP ranks are searched. A
+    class whose bound is below a value already found cannot hold the most-loaded rank: its DP ranks
+    are not searched and, where its bound came from _chunk_bound, its buckets not walked."""
+    heap = [(-ub, st, fixed, exact, stage_best) for st, ub, fixed, exact, stage_best in classes]
+    heapq.heapify(heap)
+    best = None  # (value, stage, dp rank, owned elements, owned pieces)
+    while heap and (best is None or -heap[0][0] >= best[0]):
+        _, st, fixed, exact, stage_best = heapq.heappop(heap)
+        if fixed is None:
+            fixed, ub = exact()
+            heapq.heappush(heap, (-ub, st, fixed, exact, stage_best))
+            continue
+        d, n_owned, n_pieces = stage_best()
+        val = fixed + w_elem * n_owned + w_piece * n_pieces
+        if best is None or val > best[0] or (val == best[0] and st < best[1]):
+            best = (val, st, d, n_owned, n_pieces)
+    return best[1:]
+
+
+def _class_bound(summaries: list[tuple[int, ...]], dist_opt: bool, pb: int, gb: int, w_elem: int,
+                 w_piece: int) -> tuple[int, int]:
+    """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
+    elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
+    elements and every parameter a piece (exact without the distributed optimizer: every rank owns all)."""
+    fixed = sum(_buffer_bytes(summaries, dist_opt, pb, gb))
+    real = sum(x[1] for x in summaries)
+    full = sum(x[3] for x in summaries)
+    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * sum(x[2] for x in summaries)
+
+
+def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                   dist_opt: bool) -> tuple[int, int, int, int, int]:
+    """(numel, param elements, params, DP range elements summed over buckets, buckets) of _buffer(...)
+    without its per-param arrays: _pattern_walk's one step for a chunk of one bucket, else its
+    buckets (_chunk_buckets, which a bucketed chunk's DP calls and heaviest rank read too)."""
+    (hreal, hn, _), (lreal, ln, _), (treal, tn, _), _ = _pattern_totals(model, tp, first, last)
+    params = hn + layers * ln + tn
+    if params and bucket_size is None and not _shared(model, first, last, dist_opt):
+        numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
+    else:
+        _, bstart, bend = _chunk_buckets(model, tp, layers, first, last, bucket_size, dp, dist_opt)
+        numel, full, buckets = int(bend[-1]) if len(bend) else 0, int(((bend - bstart) // dp).sum()), len(bend)
+    return numel, hreal + layers * lreal + treal, params, full, buckets
+
+
+def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                 dist_opt: bool) -> tuple[int, int, int, int]:
+    """_chunk_summary's first four without the bucket walk, numel and DP range elements as upper
+    bounds. build_buffer pads a bucket's end to a multiple of div = lcm(dp, 128) from a start that
+    is one, past params spanning whole aligned sizes and the last one's elements: a multiple of g, the
+    gcd of the chunk's sizes and aligned sizes, so by at most div - gcd(div, g) (none where g is a
+    multiple of div). Every bucket spans at least bucket_size aligned elements but the last and those
+    a shared_embedding param closes: at most aligned // bucket_size + 1 buckets plus one per
+    shared_embedding param (at most one per param). Exact without the distributed optimizer (no
+    padding)."""
+    (hreal, hn, ha), (lreal, ln, la), (treal, tn, ta), g = _pattern_totals(model, tp, first, last)
+    real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
+    if not dist_opt:
+        return real, real, params, real // dp
+    aligned = ha + layers * la + ta
+    buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
+    if _shared(model, first, last, dist_opt):
+        buckets += first + last
+    div = math.lcm(dp, 128)
+    numel = aligned + buckets * (div - math.gcd(div, g))
+    return numel, real, params, numel // dp
+
+
+@lru_cache(maxsize=1024)
+def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
+    """(elements, params, aligned elements) of each run of _pattern (distributed optimizer's
+    alignment), then the gcd of all its sizes and aligned sizes."""
+    runs = _pattern(model, tp, first, last, True)
+    g = math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
+    return (*((sum(n), len(n), c[-1]) for n, c, _ in runs), g)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                   dist_opt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk
+    (a chunk of one bucket is its summary's numel: _bucket_numels, _stage_best)."""
+    return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, False)
+
+
+def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
+                  dist_opt: bool, summary: bool):
+    """_walk_buckets over a chunk's pattern (head, `layers` copies of one layer, embedding; _pattern),
+    whose positions are sums of per-piece sums: the buckets of _buffer(...) (summary: a chunk of one
+    bucket's (numel, DP range elements, 1))."""
+    shared = _shared(model, first, last, dist_opt)
+    (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
+    h, k, t = len(hn), len(ln), len(tn)
+    A, lbase = lc[k], hc[h]
+    tbase = lbase + layers * A
+    P = h + layers * k + t
+
+    def accessor(head, layer, tail):  # param g's value, from the head's, one layer's or the tail's
+        def at(g):
+            if g < h:
+                return head[g]
+            if g < h + layers * k:
+                q, m = divmod(g - h, k)
+                return lbase + q * A + layer[m]
+            return tbase + tail[g - h - layers * k]
+        return at
+
+    cum, reach = accessor(hc, lc, tc), accessor(hr, lr, tr)
+
+    def first_reaching(x):  # reach is non-decreasing: the head, then the layers, then the tail
+        i = bisect_left(hr, x)
+        if i < h:
+            return i
+        if layers:
+            q = max(0, -(-(x - lbase - lr[-1]) // A))  # the first layer whose last param reaches x
+            if q < layers:
+                return h + q * k + bisect_left(lr, x - lbase - q * A)
+        return h + layers * k + bisect_left(tr, x - tbase)
+
+    return _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
+                         shared and first, shared and last, (h, k, layers), dp if summary else None)
+
+
+@lru_cache(maxsize=1024)
+def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool) -> tuple:
+    """A chunk's params in backprop order as three runs, the head (final norm, output layer: last
+    chunk), one layer (repeated), the tail (embedding: first chunk), each (elements, aligned elements
+    before each (cumulative, one longer), aligned elements before each plus its own)."""
+    out = []
+    for n in _pattern_runs(model, tp, first, last):
+        c = [0]
+        for x in n:
+            c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
+        out.append((n, c, [c[i] + x for i, x in enumerate(n)]))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _pattern_runs(model: ModelShape, tp: int, first: bool, last: bool) -> tuple[tuple[int, ...], ...]:
+    """_pattern's runs' elements: stage_params' numels (_pieces) reversed."""
+    emb, layer, _ = _pieces(model, tp)
+    return tuple(tuple(k for _, k in reversed(part)) if held else ()
+                 for part, held in ((_head(model, tp, first), last), (layer, True), (emb, first)))
+
+
+def _pattern_contiguous(parts) -> bool:
+    """No alignment padding between the params of a _pattern (Buffer.contiguous): each run's aligned
+    elements are its elements."""
+    return all(c[-1] == sum(n) for n, c, _ in parts)
+
+
+def _pattern_cum(parts, layers: int) -> np.ndarray:
+    """Aligned elements before each param of a chunk from its _pattern, one longer (Buffer.prefix of
+    a contiguous chunk): the head's, `layers` layers', the tail's."""
+    (hn, hc, _), (ln, lc, _), (tn, tc, _) = parts
+    lbase, width = hc[-1], lc[-1]
+    rows = np.add.outer(np.arange(lbase, lbase + layers * width, width, dtype=np.int64), lc[:-1])
+    return np.concatenate((np.array(hc[:-1], np.int64), rows.ravel(), np.add(tc, lbase + layers * width)))
+
+
+def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
+    """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over
+    every bucket of `buffers` (cached: layouts of a search that differ only by micro-batch share it)."""
+    return _best_rank(tuple(buffers), dp, per_elem, per_piece)[0]
+
+
+_DIRECT_PAIRS = 2048  # up to this many (bucket, rank) pairs, evaluating them all costs fewer numpy calls
+
+
+@lru_cache(maxsize=4096)
+def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> tuple[int, int, int]:
+    """(heaviest DP rank, its owned elements, its owned pieces): every rank evaluated in closed form
+    for contiguous buffers (_contiguous_ranks), or every (bucket, rank) pair when there are few
+    (_all_ranks), else the sparse search (_heaviest)."""
+    if all(b.contiguous for b in buffers):
+        ranks = _contiguous_ranks
+    elif dp > 1 and sum(len(b.bstart) for b in buffers) * dp <= _DIRECT_PAIRS:
+        ranks = _all_ranks
+    else:
+        d = _heaviest(buffers, dp, per_elem, per_piece)
+        return (d, *_owned_sizes(buffers, dp, d))
+    e = p = 0
+    for buf in buffers:
+        be, bp = ranks(buf, dp)
+        e, p = e + be, p + bp
+    d = int(np.argmax(per_elem * e + per_piece * p))
+    return d, int(e[d]), int(p[d])
+
+
+def _contiguous_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """_all_ranks for a contiguous buffer: _tiled_ranks (a contiguous buffer's params tile each
+    bucket from its start, so the param-element prefix gives every offset in a bucket)."""
+    return _tiled_ranks(buf.prefix, buf.first, buf.bstart, buf.bend, dp)
+
+
+def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np.ndarray,
+                 dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) each DP rank owns, in O(params + buckets + dp), for buckets whose
+    params tile them from their start (cum: elements before each param, one longer; first: each
+    bucket's first param): bucket b's params tile [bstart, bstart + real) and its DP ranges have
+    S = numel / dp elements, so rank r owns S elements while (r + 1) * S <= real, the remainder at
+    r = real // S, none after; a range holding params has one piece starting at or holding its first
+    element plus one per param starting strictly inside it."""
+    nb = len(first)
+    if nb == 1:  # the common case, in scalars where possible
+        real, s = int(cum[-1]), int(bend[0] - bstart[0]) // dp
+        full, rem = divmod(real, s)
+        e = np.zeros(dp, np.int64)
+        e[:full] = s
+        if full < dp:
+            e[full] = rem
+        rank, at = np.divmod(cum[:-1], s)
+        p = np.bincount(rank[at != 0], minlength=dp)
+        p[:-(-real // s)] += 1
+        return e, p
+    size = (bend - bstart) // dp
+    lims = np.append(first, len(cum) - 1)
+    real = cum[lims[1:]] - cum[lims[:-1]]
+    full, rem = np.divmod(real, size)
+    # weights make float64 bincounts: exact, the sums stay far below 2**53
+    e = np.bincount(full, weights=size, minlength=dp + 1)[::-1].cumsum()[::-1][1:] + \
+        np.bincount(full, weights=rem, minlength=dp + 1)[:dp]
+    bid = np.repeat(np.arange(nb), np.diff(lims))
+    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
+    p = np.bincount(rank[at != 0], minlength=dp)
+    p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
+    return e.astype(np.int64), p
+
+
+def _all_ranks(buf: Buffer, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) each DP rank owns of the buffer, summed over its buckets: the DP
+    ranges of every bucket as one (buckets, dp + 1) array of bounds (shard_ranges, counted)."""
+    x = buf.bstart[:, None] + np.arange(dp + 1) * ((buf.bend - buf.bstart) // dp)[:, None]
+    k = np.searchsorted(buf.starts, x, "right") - 1  # >= 0: the buffer's first param starts at 0
+    covered = buf.prefix[k] + np.minimum(x - buf.starts[k], buf.n[k])
+    lo, hi = x[:, :-1], x[:, 1:]
+    pieces = np.searchsorted(buf.starts, hi, "left") - np.searchsorted(buf.ends, lo, "right")
+    return np.diff(covered, axis=1).sum(0), pieces.sum(0)
+
+
+@lru_cache(maxsize=4096)
+def _heaviest(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: int) -> int:
+    """heaviest_dp_rank without evaluating every (bucket, rank) pair: a rank whose range
+    lies inside one param owns the whole range as one piece; only the ranks around param bounds
+    and padding (at most a few per param) differ, so only those are evaluated."""
+    if dp == 1:
+        return 0
+    delta = np.zeros(dp, np.float64)  # exact: integers far below 2**53
+    for buf in buffers:
+        nb = len(buf.bstart)
+        if nb == 0:
+            continue
+        counts = np.diff(np.append(buf.first, len(buf.starts)))
+        bid = np.repeat(np.arange(nb), counts)
+        b0 = buf.bstart[bid]
+        size = ((buf.bend - buf.bstart) // dp)[bid]
+        inner_lo = -((b0 - buf.starts) // size)  # first rank whose range starts inside param i
+        inner_end = np.maximum(inner_lo, (buf.ends - b0) // size)  # past the last one ending inside it
+        # ranks not inside any param: before each param's inner ranks (after the previous one's), and
+        # after the bucket's last param
+        prev = np.concatenate(([0], inner_end[:-1]))
+        prev[buf.first] = 0
+        last = np.append(buf.first[1:], len(buf.starts)) - 1
+        lo_r = np.concatenate((prev, inner_end[last]))
+        hi_r = np.concatenate((inner_lo, np.full(nb, dp, np.int64)))
+        gb = np.concatenate((bid, np.arange(nb)))
+        lens = np.maximum(hi_r - lo_r, 0)
+        total = int(lens.sum())
+        if total == 0:
+            continue
+        ranks = np.repeat(lo_r - np.cumsum(lens) + lens, lens) + np.arange(total)
+        bks = np.repeat(gb, lens)
+        e, p = _owned(buf, bks, ranks, dp)
+        full = (buf.bend - buf.bstart)[bks] // dp
+        delta += np.bincount(ranks, weights=(per_elem * (e - full) + per_piece * (p - 1)).astype(np.float64),
+                             minlength=dp)
+    return int(np.argmax(delta))
+
+
+def _buffer_bytes(summaries, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
+    """(params bytes, grads bytes) of a stage's DDP buffers from their summaries (_chunk_summary):
+    distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates param_data (numel,
+    padded) only with the distributed optimizer (else the module keeps its own parameters: their
+    elements); grad_data always."""
+    numel = sum(x[0] for x in summaries)
+    return pb * (numel if dist_opt else sum(x[1] for x in summaries)), gb * numel
