@@ -694,10 +694,12 @@ def _runs(*sizes):
 
 
 def test_one_bucket_best_is_the_argmax_over_every_rank():
-    """_one_bucket_best (a one-bucket stage's heaviest DP rank from its pattern, no per-rank arrays)
-    picks the rank, elements and pieces the argmax over _tiled_ranks' arrays picks: params smaller and
-    larger than a DP range, ranges starting on param starts, head and tail params, a remainder rank
-    heavier or lighter than the full ones, ties (the lowest rank), no params."""
+    """_one_bucket_best (a stage of one-bucket chunks: its heaviest DP rank from their patterns, no
+    per-rank arrays) picks the rank, elements and pieces the argmax over _tiled_ranks' arrays summed
+    over the chunks picks: params smaller and larger than a DP range, ranges starting on param starts,
+    head and tail params, a remainder rank heavier or lighter than the full ones, ties (the lowest
+    rank), no params; two and three chunks whose remainders fall on different ranks (one chunk
+    padded past several DP ranges)."""
     rng = np.random.default_rng(0)
     cases = [(_runs((), (64,), ()), 1), (_runs((128,), (3968,), ()), 1), (_runs((), (64, 64, 64, 64), (3840,)), 1),
              (_runs((), (128, 2, 10), (114,)), 1),  # a tie at dp 2 (weights 1, 1)
@@ -709,17 +711,23 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
     model = preset("llama3_70b")
     cases += [(B._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
               for layers in (5, 40)]
-    for parts, layers in cases:
-        cum = B._pattern_cum(parts, layers)
+    stages = [[c] for c in cases] + [[cases[i], cases[j]] for i, j in rng.integers(0, len(cases), (20, 2))] + \
+             [[cases[i], cases[j], cases[k]] for i, j, k in rng.integers(0, len(cases), (10, 3))]
+    for stage in stages:
+        cums = [B._pattern_cum(parts, layers) for parts, layers in stage]
         for dp in (1, 2, 3, 8, 64, 1000):
             div = np.lcm(dp, 128)
-            for extra in (0, 1, 5):
-                numel = int(-(-max(int(cum[-1]), 1) // div) * div) + extra * div
+            for extra in ((0,), (1,), (5,), (0, 3), (2, 0, 1)):
+                numels = [int(-(-max(int(cum[-1]), 1) // div) * div) + x * div for cum, x in zip(cums, extra * 3)]
                 for w in ((12, 4), (8, 4), (1, 1000), (1, 1)):
-                    e, p = B._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
+                    e = p = 0
+                    for cum, numel in zip(cums, numels):
+                        ce, cp = B._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
+                        e, p = e + ce, p + cp
                     d = int(np.argmax(w[0] * e + w[1] * p))
-                    got = L._one_bucket_best(parts, layers, numel, dp, *w)
-                    assert got == (d, int(e[d]), int(p[d])), (parts, layers, dp, numel, w)
+                    chunks = [(parts, layers, numel) for (parts, layers), numel in zip(stage, numels)]
+                    got = L._one_bucket_best(chunks, dp, *w)
+                    assert got == (d, int(e[d]), int(p[d])), (stage, dp, numels, w)
 
 
 def test_wire_sum_floors_each_call():

@@ -135,16 +135,17 @@ def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: K
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
     """(heaviest DP rank, its owned elements, its owned pieces) of a stage (dist-opt): a contiguous
-    chunk from its pattern's param offsets and bucket walk (_tiled_ranks; _one_bucket_best for a
-    stage of one bucket), without building the buffer; otherwise from the buffers (_best_rank)."""
+    stage from its chunks' patterns (_one_bucket_best where every chunk is one bucket, else their
+    param offsets and bucket walks: _tiled_best, _tiled_ranks), without building the buffers;
+    otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
     shapes = [_stage_shape(model, pp, st, vp, ch) for ch in range(vp)]
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     if not all(_pattern_contiguous(x) for x in parts):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
-    numel, *_, n_buckets = _stage_summaries(model, tp, pp, dp, vp, k, st)[0]
-    if vp == 1 and n_buckets == 1:
-        return _one_bucket_best(parts[0], shapes[0][0], numel, dp, *w)
+    sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
+    if all(x[4] == 1 for x in sums):
+        return _one_bucket_best([(part, layers, x[0]) for part, (layers, _, _), x in zip(parts, shapes, sums)], dp, *w)
     if vp == 1:
         (layers, first, last), = shapes
         return _tiled_best(_pattern_cum(parts[0], layers), *_chunk_buckets(
@@ -158,30 +159,45 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     return d, int(e[d]), int(p[d])
 
 
-def _one_bucket_best(parts, layers: int, numel: int, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
-    """_tiled_ranks' heaviest DP rank, its elements and pieces, for a contiguous stage of one bucket
-    (one chunk) from its _pattern, without the per-rank arrays: the ranks below real // S own S
-    elements each and differ only by their pieces (one plus the param starts strictly inside the
-    range), so the lowest with the most starts inside wins among them; the next rank owns the
-    remainder, the ones after nothing. The layers' starts as one array (_pattern_cum's rows), the
-    head's and tail's few one by one."""
-    (_, hc, _), (_, lc, _), (_, tc, _) = parts
-    lbase, width = hc[-1], lc[-1]
-    tbase = lbase + layers * width
-    real, s = tbase + tc[-1], numel // dp
-    full, rem = divmod(real, s)
-    rank, at = np.divmod(np.add.outer(np.arange(lbase, tbase, width, dtype=np.int64), lc[:-1]), s)
-    inner = np.bincount(rank[at != 0], minlength=full + 1)
-    for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
-        r, a = divmod(start, s)
-        if a:
-            inner[r] += 1
-    best = (0, 0, 0, 0)  # (bytes, rank, elements, pieces): no params, rank 0 owns nothing
-    if full:
-        d = int(np.argmax(inner[:full]))
-        best = (w_elem * s + w_piece * (1 + int(inner[d])), d, s, 1 + int(inner[d]))
-    if rem and w_elem * rem + w_piece * (1 + int(inner[full])) > best[0]:
-        best = (0, full, rem, 1 + int(inner[full]))
+def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
+    """_tiled_ranks' heaviest DP rank, its elements and pieces summed over a contiguous stage's
+    chunks ((_pattern, layers, numel) each) when every chunk is one bucket, without the per-rank
+    arrays of each: in a chunk of S = numel / dp elements per rank, the ranks below real // S own S
+    elements, the next the remainder, the ones after nothing; a rank owning some holds one piece plus
+    one per param start strictly inside its range. So between consecutive chunk limits (real // S
+    and the rank after) every rank owns the same elements and pieces but its starts inside, and the
+    lowest with the most starts inside wins there. The layers' starts as one array per chunk
+    (_pattern_cum's rows), the head's and tail's few one by one."""
+    inner = None  # param starts strictly inside each rank's range, over the chunks
+    shares = []  # (S, real // S, real % S) of each chunk
+    cuts = {0, dp}
+    for ((_, hc, _), (_, lc, _), (_, tc, _)), layers, numel in chunks:
+        lbase, width = hc[-1], lc[-1]
+        tbase = lbase + layers * width
+        s = numel // dp
+        full, rem = divmod(tbase + tc[-1], s)
+        shares.append((s, full, rem))
+        cuts.update((min(full, dp), min(full + 1, dp)))
+        rank, at = np.divmod(np.add.outer(np.arange(lbase, tbase, width, dtype=np.int64), lc[:-1]), s)
+        counts = np.bincount(rank[at != 0], minlength=dp)
+        inner = counts if inner is None else inner + counts
+        for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
+            r, a = divmod(start, s)
+            if a:
+                inner[r] += 1
+    cuts = sorted(cuts)
+    best = None  # (bytes, rank, elements, pieces)
+    for lo, hi in zip(cuts, cuts[1:]):
+        n = owners = 0
+        for s, full, rem in shares:
+            x = s if lo < full else rem if lo == full else 0
+            n, owners = n + x, owners + (x > 0)
+        if best is not None and not owners:
+            break  # no rank from here on owns an element (nor a param start)
+        d = lo if hi - lo == 1 else lo + int(np.argmax(inner[lo:hi]))
+        pieces = owners + int(inner[d])
+        if best is None or w_elem * n + w_piece * pieces > best[0]:
+            best = (w_elem * n + w_piece * pieces, d, n, pieces)
     return best[1:]
 
 
