@@ -403,10 +403,17 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
 @lru_cache(maxsize=1024)
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
     """(elements, params, aligned elements) of each run of _pattern (distributed optimizer's
-    alignment), then the gcd of all its sizes and aligned sizes."""
-    runs = _pattern(model, tp, first, last, True)
-    g = math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:])))))
-    return (*((sum(n), len(n), c[-1]) for n, c, _ in runs), g)
+    alignment), then the gcd of all its sizes and aligned sizes (_run_totals)."""
+    runs = [_run_totals(model, tp, part, part == _HEAD and first) if held else (0, 0, 0, 0)
+            for part, held in ((_HEAD, last), (_LAYER, True), (_EMB, first))]
+    return (*(x[:3] for x in runs), math.gcd(*(x[3] for x in runs)))
+
+
+@lru_cache(maxsize=1024)
+def _run_totals(model: ModelShape, tp: int, part: int, first: bool) -> tuple[int, int, int, int]:
+    """(elements, params, aligned elements, gcd of its sizes and aligned sizes) of one _run (aligned)."""
+    n, c, _ = _run(model, tp, part, first, True)
+    return sum(n), len(n), c[-1], math.gcd(*n, *(b - a for a, b in zip(c, c[1:])))
 
 
 @lru_cache(maxsize=4096)
@@ -459,22 +466,26 @@ def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bo
 def _pattern(model: ModelShape, tp: int, first: bool, last: bool, dist_opt: bool) -> tuple:
     """A chunk's params in backprop order as three runs, the head (final norm, output layer: last
     chunk), one layer (repeated), the tail (embedding: first chunk), each (elements, aligned elements
-    before each (cumulative, one longer), aligned elements before each plus its own)."""
-    out = []
-    for n in _pattern_runs(model, tp, first, last):
-        c = [0]
-        for x in n:
-            c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
-        out.append((n, c, [c[i] + x for i, x in enumerate(n)]))
-    return tuple(out)
+    before each (cumulative, one longer), aligned elements before each plus its own): _run each."""
+    return tuple(_run(model, tp, part, part == _HEAD and first, dist_opt) if held else _NO_RUN
+                 for part, held in ((_HEAD, last), (_LAYER, True), (_EMB, first)))
+
+
+_HEAD, _LAYER, _EMB = range(3)  # _run's parts
+_NO_RUN = ((), (0,), ())  # a run a chunk does not hold
 
 
 @lru_cache(maxsize=1024)
-def _pattern_runs(model: ModelShape, tp: int, first: bool, last: bool) -> tuple[tuple[int, ...], ...]:
-    """_pattern's runs' elements: stage_params' numels (_pieces) reversed."""
+def _run(model: ModelShape, tp: int, part: int, first: bool, dist_opt: bool) -> tuple:
+    """One run of _pattern (first: the head of a chunk that also holds the embedding, _head; False for
+    the other parts): stage_params' numels (_pieces) reversed, their cumulative aligned elements and
+    each one's reach; shared by the chunk shapes of one tp."""
     emb, layer, _ = _pieces(model, tp)
-    return tuple(tuple(k for _, k in reversed(part)) if held else ()
-                 for part, held in ((_head(model, tp, first), last), (layer, True), (emb, first)))
+    n = tuple(k for _, k in reversed((_head(model, tp, first), layer, emb)[part]))
+    c = [0]
+    for x in n:
+        c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
+    return n, c, [c[i] + x for i, x in enumerate(n)]
 
 
 def _pattern_contiguous(parts) -> bool:
