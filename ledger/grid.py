@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
+from ledger.frozen import direct_init
+
 DIMS = ("tp", "cp", "dp", "dp_replicate", "pp")
 
 
+@direct_init  # ledger/frozen.py: fields stored straight into __dict__ (speed)
 @dataclass(frozen=True, init=False)
 class Grid:
     tp: int = 1
@@ -22,16 +25,6 @@ class Grid:
     dp: int = 1  # the shard part of data parallelism (dp_shard)
     dp_replicate: int = 1
     pp: int = 1
-
-    def __init__(self, tp: int = 1, cp: int = 1, dp: int = 1, dp_replicate: int = 1, pp: int = 1):
-        # stored straight into __dict__ (as Layout): the generated frozen __init__'s object.__setattr__
-        # per field costs more than the rest of a grid's use in a search (test_grid_init_sets_every_field)
-        d = self.__dict__
-        d["tp"] = tp
-        d["cp"] = cp
-        d["dp"] = dp
-        d["dp_replicate"] = dp_replicate
-        d["pp"] = pp
 
     @classmethod
     def from_layout(cls, layout, world: int | None = None) -> "Grid":

@@ -93,38 +93,30 @@ def test_layout_to_dict_has_every_field():
     assert len(d) == len(fields(Layout)) + 3
 
 
-def test_layout_init_sets_every_field():
-    """Layout's hand-written __init__ (speed) sets each field from its own argument, by keyword and
-    by position, and the layout stays frozen."""
-    import dataclasses
-    from dataclasses import fields
-
-    from ledger.layout import Layout
-
-    names = [f.name for f in fields(Layout)]
-    values = list(range(2, 2 + len(names)))
-    assert [getattr(Layout(**dict(zip(names, values))), n) for n in names] == values
-    assert [getattr(Layout(*values), n) for n in names] == values
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        Layout(*values).tp = 1
-
-
-def test_grid_init_sets_every_field():
-    """Grid's hand-written __init__ (speed) sets each field from its own argument (by keyword, by
-    position, defaults 1), and the grid stays frozen and hashable as the dataclass's."""
+@pytest.mark.parametrize("cls", ["Layout", "Grid"])
+def test_direct_init_sets_every_field(cls):
+    """Layout's and Grid's __init__ (ledger/frozen.py direct_init, for speed) sets each field from its own
+    argument, by keyword and by position (Grid: defaults 1), and the object stays frozen and hashable
+    as the dataclass's."""
     import dataclasses
     from dataclasses import fields
 
     from ledger.grid import Grid
+    from ledger.layout import Layout
 
-    names = [f.name for f in fields(Grid)]
+    C = {"Layout": Layout, "Grid": Grid}[cls]
+    names = [f.name for f in fields(C)]
     values = list(range(2, 2 + len(names)))
-    assert [getattr(Grid(**dict(zip(names, values))), n) for n in names] == values
-    assert [getattr(Grid(*values), n) for n in names] == values
-    assert [getattr(Grid(), n) for n in names] == [f.default for f in fields(Grid)] == [1] * len(names)
-    assert Grid(*values) == Grid(*values) and hash(Grid(*values)) == hash(Grid(*values)) != hash(Grid())
+    assert [getattr(C(**dict(zip(names, values))), n) for n in names] == values
+    assert [getattr(C(*values), n) for n in names] == values
+    if C is Grid:
+        assert [getattr(Grid(), n) for n in names] == [f.default for f in fields(Grid)] == [1] * len(names)
+        assert hash(Grid(*values)) != hash(Grid())
+    assert C(*values) == C(*values) and hash(C(*values)) == hash(C(*values))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Grid(*values).tp = 1
+        C(*values).tp = 1
+    with pytest.raises(TypeError):
+        C(*values, 1)  # one argument too many
 
 
 def test_placement_records_may_be_lazy():
