@@ -113,6 +113,14 @@ class RankState:
         self.detail[key] = self.detail.get(key, 0) + nbytes
 
 
+def wire_sum(kind: str, buffers, group_size: int) -> int:
+    """wire_bytes of one call per buffer, summed (each call floored on its own); many buffers (DDP
+    buckets) through numpy's integer arithmetic."""
+    if len(buffers) > 32:
+        return int(wire_bytes(kind, np.asarray(buffers, np.int64), group_size).sum())
+    return sum(wire_bytes(kind, int(b), group_size) for b in buffers)
+
+
 class CommBuilder:
     """Accumulates collectives by (dim, kind, dtype): the one merge rule of the ledgers' records
     (counts, buffer bytes and wire bytes summed; `what` the calls' distinct names, what_of)."""
@@ -154,12 +162,8 @@ class CommBuilder:
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
         if group_size <= 1:
             return self
-        if len(buffers) > 32:  # many buckets: wire_bytes' integer arithmetic over an array
-            b = np.asarray(buffers, np.int64)
-            return self.add_calls(dim, kind, dtype, len(b), int(b.sum()), int(wire_bytes(kind, b, group_size).sum()),
-                                  what)
-        return self.add_calls(dim, kind, dtype, len(buffers), int(sum(buffers)),
-                              int(sum(wire_bytes(kind, int(b), group_size) for b in buffers)), what)
+        return self.add_calls(dim, kind, dtype, len(buffers), int(sum(buffers)), wire_sum(kind, buffers, group_size),
+                              what)
 
     def add_p2p(self, dim: str, sent_bytes: int, received_bytes: int, dtype: str = "", what: str = "",
                 times: int = 1) -> "CommBuilder":

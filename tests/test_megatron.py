@@ -731,14 +731,15 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
 
 
 def test_wire_sum_floors_each_call():
-    """_wire_sum: placement.wire_bytes of each call summed, few calls or many (numpy)."""
-    from ledger.placement import wire_bytes
+    """placement.wire_sum (DDP buckets' calls, CommBuilder.add_each): wire_bytes of each call summed,
+    few calls or many (numpy)."""
+    from ledger.placement import wire_bytes, wire_sum
 
     for n in (1, 5, 33, 100):
         buffers = [7 * i + 3 for i in range(n)]
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             for group in (2, 3, 7):
-                assert L._wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)
+                assert wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])

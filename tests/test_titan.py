@@ -748,9 +748,9 @@ def test_mesh_labels_are_the_grids():
 
 
 def test_call_site_sums_are_comm_builder_calls():
-    """_add_all and _p2p (a call site's calls summed before they meet the builder, CommBuilder.add_sums)
-    give the list CommBuilder builds of the same calls added one by one: merged keys, calls made 0 times,
-    groups of one, repeated names, floors per call, P2P exchanges with one side absent."""
+    """_add_all (a call site's calls summed before they meet the builder, CommBuilder.add_sums) gives the
+    list CommBuilder builds of the same calls added one by one: merged keys, calls made 0 times, groups
+    of one, repeated names, floors per call."""
     import random
 
     from ledger.placement import CommBuilder
@@ -774,11 +774,4 @@ def test_call_site_sums_are_comm_builder_calls():
             else:
                 for b, c, what in calls:
                     acc.add(dim, kind, b, n, dtype, count=c, what=what)
-            # P2P exchanges (sent, received, times): a send and a receive call each, the sent bytes on
-            # the wire
-            exchanges = [(rng.choice([0, 4, 1000]), rng.choice([0, 8, 999]), rng.choice([-1, 0, 1, 3]),
-                          rng.choice(["a", "e"])) for _ in range(rng.randint(0, 3))]
-            for sent, received, times, what in exchanges:
-                cb.add_p2p(dim, sent, received, dtype, what=what, times=times)
-            L._p2p(acc, dim, dtype, exchanges)
         assert acc.build() == cb.build()

@@ -36,12 +36,12 @@ import numpy as np
 
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_summary, _class_bound,
-    _most_loaded, _pattern, _pattern_contiguous, _pattern_cum, _pieces, _stage_shape, _tiled_ranks,
+    _most_loaded, _pattern, _pattern_contiguous, _pattern_cum, _pieces, _stage_shape, _tiled_ranks, argmax_rank,
     effective_bucket_size, owned_sizes)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import Comm, Placement, RankState, what_of, wire_bytes
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes, wire_sum
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
@@ -155,8 +155,7 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
         ce, cp = _tiled_ranks(_pattern_cum(part, layers), *_chunk_buckets(
             model, tp, layers, first, last, effective_bucket_size(k, dp, st, ch), dp, True), dp)
         e, p = e + ce, p + cp
-    d = int(np.argmax(w[0] * e + w[1] * p))
-    return d, int(e[d]), int(p[d])
+    return argmax_rank(e, p, *w)
 
 
 def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
@@ -214,9 +213,7 @@ def _tiled_best(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np
     lims = np.append(first, len(cum) - 1)
     real = cum[lims[1:]] - cum[lims[:-1]]
     if not nb or int((real // size).min()) < dp - 1:
-        e, p = _tiled_ranks(cum, first, bstart, bend, dp)
-        d = int(np.argmax(w_elem * e + w_piece * p))
-        return d, int(e[d]), int(p[d])
+        return argmax_rank(*_tiled_ranks(cum, first, bstart, bend, dp), w_elem, w_piece)
     bid = np.repeat(np.arange(nb), np.diff(lims))
     rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
     inner = np.bincount(rank[at != 0], minlength=dp)
@@ -403,59 +400,44 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
     rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), lay.sequence_parallel)
     m, b = lay.num_microbatches, lay.micro_batch_size  # m >= 1 (resolve, validate)
     out = []
-    for dim, kind, dtype, what, count, buf, wire, per_mb in rows:
+    for c, per_mb in rows:
+        if not per_mb:
+            out.append(c)  # shared across layouts: Comm records are read, never changed
+            continue
+        count, buf, wire = c.count, c.buffer_bytes, c.wire_bytes
         for calls, wires, unit, div, group in per_mb:
             x = b * unit // div
             count += calls * m
             buf += calls * m * x
-            wire += wires * m * wire_bytes(kind, x, group)
-        out.append(Comm(dim, kind, count, buf, wire, dtype, what))
+            wire += wires * m * wire_bytes(c.kind, x, group)
+        out.append(Comm(c.dim, c.kind, count, buf, wire, c.dtype, c.what))
     return out
 
 
 @lru_cache(maxsize=4096)
 def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> tuple:
-    """Every collective record of one stage class's step as CommBuilder.build would give it (by
-    (dim, kind, dtype) in sorted order, what_of its calls' names), each (dim, kind, dtype, what, the
-    count, buffer and wire bytes of its fixed calls, its calls per micro-batch): the calls no
-    micro-batch setting changes (_fixed_comm) and those repeated every micro-batch
-    (_micro_batch_comm), each (calls per micro-batch, the calls among them that send, bytes per
-    sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor bytes per call,
-    wire_bytes over the group for each sending one (a send_recv pair: two calls, one sending)."""
-    acc: dict[tuple, list] = {}  # (dim, kind, dtype) -> [count, buffer, wire, names, per-micro-batch]
-
-    def record(key):
-        a = acc.get(key)
-        if a is None:
-            a = acc[key] = [0, 0, 0, [], []]
-        return a
+    """Every collective record of one stage class's step, each (its fixed calls as a Comm: what
+    CommBuilder.build gives of every call, the fixed ones counted, the per-micro-batch ones named;
+    its calls per micro-batch): the calls no micro-batch setting changes (_fixed_comm) and those
+    repeated every micro-batch (_micro_batch_comm), each (calls per micro-batch, the calls among them
+    that send, bytes per sequence, divisor, group size): micro_batch_size * bytes per sequence //
+    divisor bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two
+    calls, one sending)."""
+    cb = CommBuilder()
+    per_mb: dict[tuple, list] = {}
 
     def fixed(dim, kind, dtype, what, group, buffers):
         if group > 1 and buffers:  # a group of one sends nothing (CommBuilder.add)
-            a = record((dim, kind, dtype))
-            a[0] += len(buffers)
-            a[1] += sum(buffers)
-            a[2] += _wire_sum(kind, buffers, group)
-            a[3].append(what)
+            cb.add_sums((dim, kind, dtype), len(buffers), sum(buffers), wire_sum(kind, buffers, group), [what])
 
     def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
         if calls > 0 and group > 1:
-            a = record((dim, kind, dtype))
-            a[3].append(what)
-            a[4].append((calls, wires, unit, div, group))
+            cb.add_sums((dim, kind, dtype), 0, 0, 0, [what])  # counted per layout (_comm)
+            per_mb.setdefault((dim, kind, dtype), []).append((calls, wires, unit, div, group))
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    return tuple((*key, what_of(names), count, buf, wire, tuple(per_mb))
-                 for key, (count, buf, wire, names, per_mb) in sorted(acc.items()))
-
-
-def _wire_sum(kind: str, buffers: list[int], group: int) -> int:
-    """wire_bytes of one call per buffer, summed (each floored on its own; numpy's integer arithmetic
-    over many)."""
-    if len(buffers) > 32:
-        return int(wire_bytes(kind, np.array(buffers, np.int64), group).sum())
-    return sum(wire_bytes(kind, x, group) for x in buffers)
+    return tuple((c, tuple(per_mb.get((c.dim, c.kind, c.dtype), ()))) for c in cb.build())
 
 
 def _micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:

@@ -114,6 +114,22 @@ def _piece_sizes(model: ModelShape, tp: int, first: bool) -> tuple[np.ndarray, n
 
 
 # -- DDP buffer layout ---------------------------------------------------------------------------
+# optimizer/param_layout.py, the distributed optimizer's padding: pad_param_start aligns every param
+# start to 64 elements, pad_bucket_end pads every bucket end to lcm(dp, 128) elements
+# (pad_buckets_for_high_nccl_busbw off)
+PARAM_ALIGN = 64
+
+
+def _aligned(n):
+    """n elements (an int or an array) rounded up to the next param start (PARAM_ALIGN)."""
+    return -(-n // PARAM_ALIGN) * PARAM_ALIGN
+
+
+def _bucket_unit(dp: int) -> int:
+    """The multiple every bucket end is padded to (pad_bucket_end)."""
+    return math.lcm(dp, 128)
+
+
 @dataclass(frozen=True, eq=False)
 class Buffer:
     """One DDP buffer: params in reverse (backprop) order at [starts, ends) of the (padded) buffer,
@@ -155,8 +171,7 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     """Params in reverse (backprop) order into buckets.
 
     Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
-    optimizer/param_layout.py pad_param_start (64 elements) and pad_bucket_end (lcm(dp, 128),
-    pad_buckets_for_high_nccl_busbw off); a bucket closes at the first param whose end reaches
+    optimizer/param_layout.py pad_param_start and pad_bucket_end (PARAM_ALIGN, _bucket_unit); a bucket closes at the first param whose end reaches
     bucket_size elements past the bucket start. Otherwise distributed/param_and_grad_buffer.py
     _compute_default_per_buffer_param_layout: no padding.
     Every param start is 64-aligned and so is every bucket start (lcm(dp, 128)), hence a param
@@ -171,8 +186,8 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     and every bucket start is a multiple of the padding unit), so whole periods are copied instead of
     searched (the same buckets as without `period`; tested)."""
     n = np.ascontiguousarray(sizes[::-1], dtype=np.int64)
-    a = (n + 63) & -64 if dist_opt else n  # each start 64-aligned: the aligned sizes
-    div = math.lcm(dp, 128)
+    a = _aligned(n) if dist_opt else n  # each start aligned: the aligned sizes
+    div = _bucket_unit(dp)
     P = len(n)
     prefix = np.zeros(P + 1, np.int64)
     np.cumsum(n, out=prefix[1:])
@@ -395,7 +410,7 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
     buckets = 1 if bucket_size is None else min(params, aligned // bucket_size + 1)
     if _shared(model, first, last, dist_opt):
         buckets += first + last
-    div = math.lcm(dp, 128)
+    div = _bucket_unit(dp)
     numel = aligned + buckets * (div - math.gcd(div, g))
     return numel, real, params, numel // dp
 
@@ -458,7 +473,7 @@ def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bo
                 return h + q * k + bisect_left(lr, x - lbase - q * A)
         return h + layers * k + bisect_left(tr, x - tbase)
 
-    return _walk_buckets(P, cum, reach, first_reaching, bucket_size, math.lcm(dp, 128), dist_opt,
+    return _walk_buckets(P, cum, reach, first_reaching, bucket_size, _bucket_unit(dp), dist_opt,
                          shared and first, shared and last, (h, k, layers), dp if summary else None)
 
 
@@ -484,7 +499,7 @@ def _run(model: ModelShape, tp: int, part: int, first: bool, dist_opt: bool) -> 
     n = tuple(k for _, k in reversed((_head(model, tp, first), layer, emb)[part]))
     c = [0]
     for x in n:
-        c.append(c[-1] + (-(-x // 64) * 64 if dist_opt else x))
+        c.append(c[-1] + (_aligned(x) if dist_opt else x))
     return n, c, [c[i] + x for i, x in enumerate(n)]
 
 
@@ -528,6 +543,12 @@ def _best_rank(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: i
     for buf in buffers:
         be, bp = ranks(buf, dp)
         e, p = e + be, p + bp
+    return argmax_rank(e, p, per_elem, per_piece)
+
+
+def argmax_rank(e: np.ndarray, p: np.ndarray, per_elem: int, per_piece: int) -> tuple[int, int, int]:
+    """(rank, elements, pieces) of the rank (lowest on ties) maximising per_elem * e + per_piece * p over
+    per-rank arrays of owned elements and pieces."""
     d = int(np.argmax(per_elem * e + per_piece * p))
     return d, int(e[d]), int(p[d])
 

@@ -373,22 +373,6 @@ def _add_all(acc: CommBuilder, dim: str, kind: str, dtype: str, n: int, calls, p
         acc.add_sums((dim, kind, dtype), count, buf, wire_bytes(kind, buf, n) if padded else wire, whats)
 
 
-def _p2p(acc: CommBuilder, dim: str, dtype: str, exchanges) -> None:
-    """Exchanges on one (dim, dtype), each (sent bytes, received bytes, how many times, what), summed
-    as CommBuilder.add_p2p sums them: an exchange is a send and a receive call (one absent at 0
-    bytes), the sent tensor on the wire (test)."""
-    count = buf = wire = 0
-    whats = []
-    for sent, received, times, what in exchanges:
-        if times > 0 and (sent > 0 or received > 0):
-            count += ((sent > 0) + (received > 0)) * times
-            buf += (sent + received) * times
-            wire += sent * times
-            whats.append(what)
-    if count:
-        acc.add_sums((dim, "send_recv", dtype), count, buf, wire, whats)
-
-
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
@@ -811,18 +795,18 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
     # activation forward and one grad backward per micro-batch, each a [mbs, seq, hidden] bf16 tensor
     act = lay.micro_batch_size * model.seq_len * model.hidden * BF16
     after, before = s < P - 1, s > 0  # a next stage, a previous one
-    _p2p(acc, "pp", "bf16", ((act, act, n * after, "activation send / grad recv, per micro-batch"),
-                             (act, act, n * before, "activation recv / grad send, per micro-batch")))
+    acc.add_p2p("pp", act, act, "bf16", "activation send / grad recv, per micro-batch", n * after)
+    acc.add_p2p("pp", act, act, "bf16", "activation recv / grad send, per micro-batch", n * before)
     if first:
         # schedules.py _initialize_pp_stages, step 0 only: _warmup_p2p's vote (stage.py
         # _warmup_forward_vote / _warmup_backward_result: one int32 forward, one back, per neighbour)
-        _p2p(acc, "pp", "int32", ((4, 4, after + before, "P2P warm-up vote"),))
+        acc.add_p2p("pp", 4, 4, "int32", "P2P warm-up vote", after + before)
         # ... metadata inference: _StageForwardMeta sent forward, _StageBackwardMeta back
         # (send_object_list: an int64 size, then the pickle as uint8)
         fwd, bwd = _pp_meta_bytes(lay.micro_batch_size, model.seq_len, model.hidden)
-        _p2p(acc, "pp", "int64", ((8, 8, after + before, "metadata sizes"),))
-        _p2p(acc, "pp", "uint8", ((fwd, bwd, after, "forward / backward metadata"),
-                                  (bwd, fwd, before, "forward / backward metadata")))
+        acc.add_p2p("pp", 8, 8, "int64", "metadata sizes", after + before)
+        acc.add_p2p("pp", fwd, bwd, "uint8", "forward / backward metadata", after)
+        acc.add_p2p("pp", bwd, fwd, "uint8", "forward / backward metadata", before)
         # the inference runs the stage forward on real tensors: every unit gathers (then
         # _post_metadata_inference_cleanup reshards); the last stage's backward inference calls the
         # loss (the wrapper: lm_head's grad reduced at its last chunk, the group resharded) and
