@@ -62,6 +62,7 @@ class _Z3Trace(NamedTuple):
     qp: array  # __param_order: the params (qs: step_id_last_used_at of each)
     qs: array
     prefix: array  # prefix sums of the fetched modules' numel along `order` (reuse-distance walk)
+    qstart: array  # per step (and two past the last): where its params start in __param_order
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
@@ -165,7 +166,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
 
     blk_mod_numel = [sum(blk_numel[q] for q in ps) for ps in local_params]
     kinds: list[str] = []
-    mods, qp, qs, prefix = array("q"), array("q"), array("q"), array("q", [0])
+    mods, qp, qs, prefix, qstart = array("q"), array("q"), array("q"), array("q", [0]), array("q")
     periods: list[_Period] = []
     at = [0, 0]  # steps and numel fetched so far
 
@@ -176,6 +177,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
             if k == "F" or k == "B":
                 # construct_parameter_trace_from_module_trace / record_parameters: each fetched
                 # module's params (sorted by ds_id) with the step it was fetched at
+                qstart.append(len(qp))
                 qp.extend(mod_params[mo])
                 qs.extend([at[0]] * len(mod_params[mo]))
                 at[0] += 1
@@ -199,6 +201,8 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
         qp.extend(_tile([q for q, _ in tq], L, sign * nb, first, 1))
         qs.extend(_tile([s for _, s in tq], L, len(fo), 0, at[0]))
         prefix.extend(_tile(cum, L, cum[-1], 0, at[1]))
+        qstart.extend(_tile(list(accumulate((len(local_params[j]) for j in fo[:-1]), initial=0)), L, len(tq), 0,
+                            len(qp) - L * len(tq)))
         at[0] += L * len(fo)
         at[1] += L * cum[-1]
 
@@ -207,12 +211,13 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     plain(mid)
     blocks(bwd, L - 1, -1)
     plain(tail)
+    qstart.extend([len(qp), len(qp)])  # a reuse-distance walk may end past the last step
     kinds = "".join(kinds)
     blk_persist = [n <= threshold for n in blk_numel]
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
     persistent = frozenset(chain([0] if persist[0] else [], _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
                                  [p for p in range(p_norm, len(numels)) if persist[p]]))
-    return _Z3Trace(numels, persist, persistent, mod_params, kinds, mods, at[0], qp, qs, prefix, L, nb,
+    return _Z3Trace(numels, persist, persistent, mod_params, kinds, mods, at[0], qp, qs, prefix, qstart, L, nb,
                     tuple(periods))
 
 
@@ -284,17 +289,18 @@ class _Z3Sim:
         tr = self.tr
         persist = tr.persist
         out = [p for p in tr.mod_params[mo] if not persist[p] and recent[p] <= step]
-        self.unmarked[key] = frozenset(out)
+        got = self.unmarked[key] = frozenset(out)
         if out and self.rd > 0:
-            prefix, qs = tr.prefix, tr.qs
+            prefix = tr.prefix
             end = bisect_left(prefix, prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
             if end > self.end_hi:
                 self.end_hi = end
             # the params of modules step..end-1: a run of __param_order (its steps ascend)
-            lo = bisect_left(qs, step)
-            used = tr.qp[lo:bisect_left(qs, end, lo)]
-            out = [p for p in out if p not in used]
-        got = self.release_cache[key] = frozenset(out)
+            used = tr.qp[tr.qstart[step]:tr.qstart[end]]
+            kept = [p for p in out if p not in used]
+            if len(kept) < len(out):
+                got = frozenset(kept)
+        self.release_cache[key] = got
         return got
 
     @staticmethod
