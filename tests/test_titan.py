@@ -591,7 +591,7 @@ def test_sequence_parallel_tp_collectives():
     assert (tp["all_gather", "bf16"].count, tp["all_gather", "bf16"].buffer_bytes) == (n, n * act)
     assert (tp["reduce_scatter", "bf16"].count, tp["reduce_scatter", "bf16"].buffer_bytes) == (n, n * act)
     assert tp["all_reduce", "bf16"].buffer_bytes == 7 * 256 * 2  # norm weight grads only
-    assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False)
+    assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False, ())
     assert not pl.notes
     assert L._layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
     assert any("cost model" in n for n in L.place(m, _lay(world=4, tp=2), _fw()).notes)
@@ -775,3 +775,44 @@ def test_call_site_sums_are_comm_builder_calls():
                 for b, c, what in calls:
                     acc.add(dim, kind, b, n, dtype, count=c, what=what)
         assert acc.build() == cb.build()
+
+
+def test_layer_backward_sums_are_comm_builder_adds():
+    """_layer_backward_comm's per-kind sums, added once per kind (_tp_comm), give the list
+    CommBuilder builds from each collective added on its own (one call per layer, wire floored per
+    call), for priced and as-is shapes, with and without SP."""
+    from ledger.placement import CommBuilder
+
+    for m in (preset("tiny"), ModelShape(layers=3, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024,
+                                         seq_len=32), preset("llama3_70b")):
+        for T in (16, 32, 256, 8192, 65536):
+            for tp in (2, 4, 8):
+                for sp in (False, True):
+                    out, _, _, sums = L._layer_backward_comm(m, T, tp, sp)
+                    ref, acc = CommBuilder(), CommBuilder()
+                    for kind, full in out:
+                        ref.add("tp", kind, full * L.BF16, tp, "bf16", m.layers, L._MM_BACKWARD)
+                    for kind, calls, nbytes, wire in sums:
+                        acc.add_sums(("tp", kind, "bf16"), calls * m.layers, nbytes * m.layers, wire * m.layers,
+                                     [L._MM_BACKWARD] * calls)
+                    assert acc.build() == ref.build(), (m.name, T, tp, sp)
+
+
+def test_stage_kinds_group_pp_stages():
+    """_stage_kinds: each stage's kind is its (has tok_embeddings, layers, has [norm, lm_head]), the
+    first stage of each kind stands for it; _heaviest_stage is the first most-loaded stage of a walk
+    over every stage."""
+    m = ModelShape(layers=8, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=256)
+    for layers in (1, 2, 5, 8, 80, 126):
+        for pp in (2, 3, 4, 7, 8, 16):
+            try:
+                stages = L.pp_stages(layers, pp)
+            except ConfigError:
+                continue
+            kinds, firsts, kind_of = L._stage_kinds(layers, pp)
+            assert [kinds[i] for i in kind_of] == [(e, n, h) for e, _, n, h in stages]
+            assert list(firsts) == [kind_of.index(i) for i in range(len(kinds))]
+    for pp, ds in ((2, 3), (4, 2), (8, 1)):
+        for views in (False, True):
+            loads = [sum(b for _, _, b in L._pp_parts(m, ds, pp, s, 0, views)) for s in range(pp)]
+            assert L._heaviest_stage(m, ds, pp, views) == loads.index(max(loads))

@@ -151,7 +151,7 @@ def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
                 rest //= tp
             # the padded full tensor, what its unit's all-gather and reduce-scatter move: a
             # multiple of ds, its local shard (chunk rows x rest) is f // ds
-            f = _chunk_rows(d0, ds) * ds * rest
+            f = -(-d0 // ds) * ds * rest  # _chunk_rows(d0, ds) * ds * rest
             fulls.append(f)
             n_params += count
             full += count * f
@@ -169,15 +169,16 @@ def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, ha
     not); the whole model without PP, a pipeline stage's modules with it. Sums of _groups, the
     block's times L (blocks are alike; test: equal to the sums over units()' every param)."""
     emb, block, head = _groups(model, tp, ds)
-    n_params = padded = even = 0
-    uneven: dict[int, int] = {}
-    for g, n in ((emb, 1 if has_emb else None), (block, L), (head, 1 if has_head else None)):
-        if n is not None:  # the blocks count even at L = 0: their uneven dims still key the states
-            n_params += g.n_params * n
-            padded += g.padded * n
-            even += g.even * n
+    # the blocks count even at L = 0: their uneven dims still key the states
+    n_params, padded, even = block.n_params * L, block.padded * L, block.even * L
+    uneven = {d0: L * rest for d0, rest in block.uneven}
+    for g, on in ((emb, has_emb), (head, has_head)):
+        if on:
+            n_params += g.n_params
+            padded += g.padded
+            even += g.even
             for d0, rest in g.uneven:
-                uneven[d0] = uneven.get(d0, 0) + n * rest
+                uneven[d0] = uneven.get(d0, 0) + rest
     return _Sharded(n_params, padded, even, tuple(sorted(uneven.items())), emb.full, head.fulls[0], head.fulls[1],
                     block.full)
 
@@ -217,12 +218,19 @@ def _check_model(model: ModelShape) -> None:
         raise ConfigError("titan: tied_embeddings=true is not modelled (separate FSDP grouping)")
 
 
+# the framework settings the faithful ledger models (the field, its one modelled value): read in
+# place() as one tuple
+_MODELLED = ("dtype", "mixed_precision_param", "mixed_precision_reduce", "spmd_backend")
+_MODELLED_VALUES = ("float32", "bfloat16", "float32", "partial_dtensor")
+
+
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check(model, lay)
-    for field, want in (("dtype", "float32"), ("mixed_precision_param", "bfloat16"),
-                        ("mixed_precision_reduce", "float32"), ("spmd_backend", "partial_dtensor")):
-        if getattr(fw, field) != want:
-            raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models {want!r}")
+    if (fw.dtype, fw.mixed_precision_param, fw.mixed_precision_reduce, fw.spmd_backend) != _MODELLED_VALUES:
+        for field, want in zip(_MODELLED, _MODELLED_VALUES):
+            if getattr(fw, field) != want:
+                raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models "
+                                  f"{want!r}")
     if lay.pp > 1:
         return _place_pp(model, lay, fw)
     grid: Grid = lay.grid
@@ -246,10 +254,10 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    pl = _placement(model, lay, grid, [sh], 0, lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
+    pl = _placement(model, lay, grid, lambda s: sh, 0, lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
-        _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
+        _, gaps, priced, _ = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
         if priced:
             pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
                             "per host (cpu); on cuda with tp <= GPUs per host its intra-host numbers apply and a "
@@ -259,10 +267,10 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     return pl
 
 
-def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], heaviest: int,
+def _placement(model: ModelShape, lay: Layout, grid: Grid, sh_of: Callable[[int], _Sharded], heaviest: int,
                state: Callable[[int, int], RankState]) -> Placement:
     """The Placement of place and _place_pp: a rank's state depends on its pipeline stage s (0
-    without PP; shs[s] its modules' _Sharded) and its FSDP shard rank k alone (state(s, k) makes
+    without PP; sh_of(s) its modules' _Sharded) and its FSDP shard rank k alone (state(s, k) makes
     it); ranks differ only by the rows their dim-0 shards hold, and only params whose dim 0 does
     not split evenly give different shard ranks different rows: (s, those rows) key the shared
     states. heaviest: the first stage of the most-loaded kind (0 without PP)."""
@@ -276,7 +284,7 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, shs: list[_Sharded], 
         sk = c["pp"], c["dp"] * cp + c["cp"]  # the stage, the rank's index on the fsdp mesh (cp inner)
         if sk not in by_sk:
             s, k = sk
-            key = (s, *[_rows_of(d0, ds, k) for d0, _ in shs[s].uneven])
+            key = (s, *[_rows_of(d0, ds, k) for d0, _ in sh_of(s).uneven])
             if key not in cache:
                 cache[key] = state(s, k)
             by_sk[sk] = cache[key]
@@ -467,8 +475,12 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout) -> None:
     acc.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", 3 * chunks, "loss-parallel CE")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
-    for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
-        acc.add("tp", kind, full * BF16, tp, "bf16", L, "DTensor mm backward redistribution")
+    if L:
+        for kind, calls, nbytes, wire in _layer_backward_comm(model, T, tp, sp)[3]:
+            acc.add_sums(("tp", kind, "bf16"), calls * L, nbytes * L, wire * L, [_MM_BACKWARD] * calls)
+
+
+_MM_BACKWARD = "DTensor mm backward redistribution"
 
 
 # -- DTensor backward of the TP linears (torch 2.13, partial_dtensor: activations stay DTensors on
@@ -532,13 +544,11 @@ def _transition(cur: str, tgt: str) -> tuple[str | None, bool, str | None] | Non
     return None  # Shard -> Partial, Partial -> another Partial: banned
 
 
-def _transition_cost(t: tuple[str | None, bool, str | None], numel_full: int, n: int) -> float:
-    """_collective_utils.py redistribute_cost of an allowed _transition of a bf16 tensor."""
-    priced, local, _ = t
-    if priced is None:
-        return 0.0
+def _transition_costs(transitions: tuple, numel_full: int, n: int) -> tuple[float, ...]:
+    """_collective_utils.py redistribute_cost of each allowed _transition of one bf16 tensor."""
     full = numel_full * BF16
-    return _coll_cost(priced, full / n, n) + 1.0 if local else _coll_cost(priced, full, n)
+    return tuple([0.0 if priced is None else _coll_cost(priced, full / n, n) + 1.0 if local
+                  else _coll_cost(priced, full, n) for priced, local, _ in transitions])
 
 
 def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | None]:
@@ -547,7 +557,7 @@ def _move(cur: str, tgt: str, numel_full: int, n: int) -> tuple[float, str | Non
     t = _transition(cur, tgt)
     if t is None:
         return float("inf"), None
-    return _transition_cost(t, numel_full, n), t[2]
+    return _transition_costs((t,), numel_full, n)[0], t[2]
 
 
 def _mm(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
@@ -594,9 +604,9 @@ def _mm_plan(pa: str, pb: str) -> tuple[tuple, tuple, tuple[tuple[int, int, int]
 
 @lru_cache(maxsize=1024)
 def _costs(transitions: tuple, numel_full: int, n: int) -> tuple[float, ...]:
-    """_transition_cost of one input for each of its transitions, priced once (a layer's backward
-    hands several mm's the same gradient: cached)."""
-    return tuple([_transition_cost(t, numel_full, n) for t in transitions])
+    """_transition_costs of one input, priced once (a layer's backward hands several mm's the same
+    gradient: cached)."""
+    return _transition_costs(transitions, numel_full, n)
 
 
 def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
@@ -619,10 +629,12 @@ def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[
 
 @lru_cache(maxsize=1024)
 def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
-                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
+                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool, tuple[tuple[str, int, int, int], ...]]:
     """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the
-    paths this derivation does not cover (named in the Placement's notes), and whether any mm's
-    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came)."""
+    paths this derivation does not cover (named in the Placement's notes), whether any mm's
+    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came), and
+    the collectives summed per kind as _tp_comm adds them, (kind, calls, bf16 buffer bytes, wire
+    bytes over tp), each call's wire floored on its own (CommBuilder.add of each; test)."""
     h, f = model.hidden, model.ffn_hidden
     q = model.heads * model.head_dim
     out: list[tuple[str, int]] = []
@@ -648,7 +660,14 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
     # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
     # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
     # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
-    return tuple(out), tuple(undone), priced
+    by_kind: dict[str, list[int]] = {}
+    for kind, full in out:
+        nbytes = full * BF16
+        s = by_kind.setdefault(kind, [0, 0, 0])
+        s[0] += 1
+        s[1] += nbytes
+        s[2] += wire_bytes(kind, nbytes, tp)
+    return tuple(out), tuple(undone), priced, tuple([(kind, *s) for kind, s in by_kind.items()])
 
 
 # -- pipeline parallelism: distributed/pipeline_parallel.py pipeline_llm, torch 2.13 pipelining --------
@@ -714,6 +733,22 @@ def _pp_meta_bytes_cached(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
+@lru_cache(maxsize=256)
+def _stage_kinds(layers: int, pp: int) -> tuple[tuple[tuple[bool, int, bool], ...], tuple[int, ...], tuple[int, ...]]:
+    """pp_stages' stages by the modules they hold, (has tok_embeddings, layers, has [norm,
+    lm_head]): stages of one kind (most middle stages) hold the same bytes. The kinds in stage
+    order, the first stage of each (it stands for them), each stage's kind (an index)."""
+    index: dict = {}
+    firsts = []
+    kind_of = []
+    for s, (e, _, n, h) in enumerate(pp_stages(layers, pp)):
+        if (e, n, h) not in index:
+            index[e, n, h] = len(firsts)
+            firsts.append(s)
+        kind_of.append(index[e, n, h])
+    return tuple(index), tuple(firsts), tuple(kind_of)
+
+
 def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
     if fw.reshard_after_forward == "always" or lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1 or lay.vp > 1:
         raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B over FSDP (dp_shard) only, "
@@ -721,41 +756,52 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
     grid: Grid = lay.grid
     ds, P = lay.dp_shard, lay.pp
     stages = pp_stages(model.layers, P)
-    # stages with the same modules (most middle stages) hold the same bytes: the first of each kind
-    # stands for them
-    kinds: dict = {}
-    for s, (e, _, n, h) in enumerate(stages):
-        kinds.setdefault((e, n, h), s)
-    part = {kind: _sharded_part(model, 1, ds, *kind) for kind in kinds}  # once per kind of stage
-    shs = [part[e, n, h] for e, _, n, h in stages]
+    views = lay.num_microbatches >= 2
     memo: dict = {}
 
     def comm_of(s: int, first: bool):
         if (s, first) not in memo:
-            memo[s, first] = _pp_comm(model, lay, shs[s], stages[s], s, first, grid)
+            memo[s, first] = _pp_comm(model, lay, _stage_sharded(model, ds, P, s), stages[s], s, first, grid)
         return memo[s, first]
 
-    def parts(s: int, k: int) -> list[tuple[str, str, int]]:
-        sh = shs[s]
-        out = _state_parts(model, sh, k, ds, layers=stages[s][2])
-        if stages[s][3] and lay.num_microbatches >= 2:
-            # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
-            # step's first reduce-scatter of a param makes its .grad a view of that output
-            # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
-            # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
-            # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
-            out.append(("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
-                        sh.lm_full // ds * F32))
-        return out
-
     def state(s: int, k: int) -> RankState:
-        st = _state(parts(s, k), lambda: comm_of(s, False), lambda: comm_of(s, True))
+        st = _state(_pp_parts(model, ds, P, s, k, views), lambda: comm_of(s, False), lambda: comm_of(s, True))
         st.stage = s
         return st
 
-    # the most-loaded kind of stage, summed from its shard rank 0's parts (max: the first stage on ties)
-    load = {s: sum([b for _, _, b in parts(s, 0)]) for s in kinds.values()}
-    return _placement(model, lay, grid, shs, max(load, key=load.get), state)
+    return _placement(model, lay, grid, lambda s: _stage_sharded(model, ds, P, s), _heaviest_stage(model, ds, P, views),
+                      state)
+
+
+def _stage_sharded(model: ModelShape, ds: int, P: int, s: int) -> _Sharded:
+    """_Sharded of stage s's modules (_sharded_part of its kind: cached, once per kind)."""
+    kinds, _, kind_of = _stage_kinds(model.layers, P)
+    return _sharded_part(model, 1, ds, *kinds[kind_of[s]])
+
+
+def _pp_parts(model: ModelShape, ds: int, P: int, s: int, k: int, views_norm_rs: bool) -> list[tuple[str, str, int]]:
+    """_state_parts of stage s's shard rank k; views_norm_rs: num_microbatches >= 2."""
+    stage = pp_stages(model.layers, P)[s]
+    sh = _stage_sharded(model, ds, P, s)
+    out = _state_parts(model, sh, k, ds, layers=stage[2])
+    if stage[3] and views_norm_rs:
+        # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
+        # step's first reduce-scatter of a param makes its .grad a view of that output
+        # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
+        # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
+        # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
+        out.append(("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
+                    sh.lm_full // ds * F32))
+    return out
+
+
+@lru_cache(maxsize=256)
+def _heaviest_stage(model: ModelShape, ds: int, P: int, views_norm_rs: bool) -> int:
+    """The first stage of the most-loaded kind, summed from its shard rank 0's parts (max: the first
+    stage on ties). Cached: the layouts of one (dp_shard, pp) share it, whatever their micro-batches."""
+    load = {s: sum([b for _, _, b in _pp_parts(model, ds, P, s, 0, views_norm_rs)])
+            for s in _stage_kinds(model.layers, P)[1]}
+    return max(load, key=load.get)
 
 
 def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, int, int, bool], s: int,
