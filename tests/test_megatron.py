@@ -789,3 +789,17 @@ def test_tiled_best_is_the_argmax_over_every_rank(name):
                         assert L._tiled_best(cum, *buckets, dp, *w) == (d, int(e[d]), int(p[d])), (tied, tp, bucket, dp, w)
                         checked += 1
     assert checked
+
+
+def test_chunk_contiguous_is_the_patterns_contiguity():
+    """_chunk_contiguous (from the pattern's totals) says what _pattern_contiguous says of the aligned
+    pattern: shapes with and without alignment padding, every chunk kind."""
+    odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    seen = set()
+    for model in (preset("tiny"), preset("llama3_70b"), dataclasses.replace(preset("llama3_70b"), tied_embeddings=True), odd):
+        for tp in (1, 2, 8):
+            for first, last in ((True, True), (True, False), (False, True), (False, False)):
+                want = B._pattern_contiguous(B._pattern(model, tp, first, last, True))
+                assert B._chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
+                seen.add(want)
+    assert seen == {True, False}

@@ -29,14 +29,14 @@ _one_bucket_best; megatron_buffers says how its parts are fast).
 """
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_summary, _class_bound,
-    _most_loaded, _pattern, _pattern_contiguous, _pattern_cum, _pieces, _stage_shape, _tiled_ranks, argmax_rank,
+    _chunk_contiguous, _most_loaded, _pattern, _stage_totals, _pattern_cum, _pieces, _stage_shape, _tiled_ranks, argmax_rank,
     effective_bucket_size, owned_sizes)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
@@ -99,31 +99,28 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     _, _, pb, gb = _dtypes(k)
     dist_opt = k.use_distributed_optimizer
     w = _optim_weights(k)
+
+    def exact(st):  # _class_bound of a stage from its chunks' summaries (exact fixed bytes)
+        return _class_bound(_stage_totals(_stage_summaries(model, tp, pp, dp, vp, k, st)), dist_opt, pb, gb, *w)
+
+    def best(st):
+        if dist_opt:
+            return _stage_best(model, tp, pp, dp, vp, k, st)
+        # every DP rank owns every param (_owned_by): rank 0 stands for all (bounds count them exactly)
+        return (0, *_stage_totals(_stage_summaries(model, tp, pp, dp, vp, k, st))[1:3])
+
     classes = []
     for st in sorted({0, min(1, pp - 1), pp - 1}):
-        exact = partial(_summaries_bound, model, tp, pp, dp, vp, k, st)
         # every stage but the last bounded before its summary (the first's is a bucket walk); the
         # last, which adds the output layer, is the usual heaviest and its summary read then anyway
         if st < pp - 1:
-            chunks = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
-                                   effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
-            fixed, ub = None, _class_bound(chunks, dist_opt, pb, gb, *w)[1]
+            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
+                                   dp, dist_opt) for ch in range(vp)]
+            classes.append((st, _class_bound(_stage_totals(bounds), dist_opt, pb, gb, *w)[1], None))
         else:
-            chunks = _stage_summaries(model, tp, pp, dp, vp, k, st)
-            fixed, ub = exact()
-        if dist_opt:
-            best = partial(_stage_best, model, tp, pp, dp, vp, k, st)
-        else:  # every DP rank owns every param (_owned_by): rank 0 stands for all (bounds count them exactly)
-            best = partial(lambda owned: owned, (0, sum(x[1] for x in chunks), sum(x[2] for x in chunks)))
-        classes.append((st, ub, fixed, exact, best))
-    return _most_loaded(classes, *w)
-
-
-def _summaries_bound(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int]:
-    """_class_bound of a stage from its chunks' summaries (exact fixed bytes)."""
-    _, _, pb, gb = _dtypes(k)
-    return _class_bound(_stage_summaries(model, tp, pp, dp, vp, k, st), k.use_distributed_optimizer, pb, gb,
-                        *_optim_weights(k))
+            fixed, ub = exact(st)
+            classes.append((st, ub, fixed))
+    return _most_loaded(classes, exact, best, *w)
 
 
 @lru_cache(maxsize=4096)
@@ -140,9 +137,9 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
     shapes = [_stage_shape(model, pp, st, vp, ch) for ch in range(vp)]
-    parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
-    if not all(_pattern_contiguous(x) for x in parts):
+    if not all(_chunk_contiguous(model, tp, first, last) for _, first, last in shapes):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
+    parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
     if all(x[4] == 1 for x in sums):
         return _one_bucket_best([(part, layers, x[0]) for part, (layers, _, _), x in zip(parts, shapes, sums)], dp, *w)
@@ -165,25 +162,32 @@ def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, i
     elements, the next the remainder, the ones after nothing; a rank owning some holds one piece plus
     one per param start strictly inside its range. So between consecutive chunk limits (real // S
     and the rank after) every rank owns the same elements and pieces but its starts inside, and the
-    lowest with the most starts inside wins there. The layers' starts as one array per chunk
-    (_pattern_cum's rows), the head's and tail's few one by one."""
-    inner = None  # param starts strictly inside each rank's range, over the chunks
+    lowest with the most starts inside wins there. The layers' starts of the chunks that repeat the
+    same layer (a stage's chunks do) as one array (_layer_ranks), the head's and tail's few one by one."""
     shares = []  # (S, real // S, real % S) of each chunk
     cuts = {0, dp}
+    layer_runs = {}  # (layers, one layer's aligned offsets) -> ([first layer's start], [[S]]) of its chunks
+    few = []  # the ranks with a head or tail param start strictly inside
     for ((_, hc, _), (_, lc, _), (_, tc, _)), layers, numel in chunks:
-        lbase, width = hc[-1], lc[-1]
-        tbase = lbase + layers * width
+        lbase = hc[-1]
+        tbase = lbase + layers * lc[-1]
         s = numel // dp
         full, rem = divmod(tbase + tc[-1], s)
         shares.append((s, full, rem))
         cuts.update((min(full, dp), min(full + 1, dp)))
-        rank, at = np.divmod(np.add.outer(np.arange(lbase, tbase, width, dtype=np.int64), lc[:-1]), s)
-        counts = np.bincount(rank[at != 0], minlength=dp)
-        inner = counts if inner is None else inner + counts
+        bases, ss = layer_runs.setdefault((layers, tuple(lc)), ([], []))
+        bases.append(lbase)
+        ss.append([s])
         for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
             r, a = divmod(start, s)
             if a:
-                inner[r] += 1
+                few.append(r)
+    inner = None  # param starts strictly inside each rank's range, over the chunks
+    for (layers, lc), (bases, ss) in layer_runs.items():
+        counts = _layer_ranks(layers, lc, bases, ss, dp)
+        inner = counts if inner is None else inner + counts
+    for r in few:
+        inner[r] += 1
     cuts = sorted(cuts)
     best = None  # (bytes, rank, elements, pieces)
     for lo, hi in zip(cuts, cuts[1:]):
@@ -198,6 +202,16 @@ def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, i
         if best is None or w_elem * n + w_piece * pieces > best[0]:
             best = (w_elem * n + w_piece * pieces, d, n, pieces)
     return best[1:]
+
+
+def _layer_ranks(layers: int, lc: tuple, bases: list[int], shares: list[list[int]], dp: int) -> np.ndarray:
+    """Per DP rank, the layer param starts strictly inside its range over chunks that each hold
+    `layers` copies of one layer (lc: its params' aligned offsets, one longer) from bases[i], in DP
+    ranges of shares[i][0] elements: one (chunks, starts) array, so one pass whatever the chunks."""
+    width = lc[-1]
+    offsets = np.add.outer(np.arange(0, layers * width, width, dtype=np.int64), lc[:-1]).ravel()
+    rank, at = np.divmod(np.add.outer(bases, offsets), shares)
+    return np.bincount(rank[at != 0], minlength=dp)
 
 
 def _tiled_best(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np.ndarray, dp: int, w_elem: int,
@@ -282,7 +296,8 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     pdt, gdt, pb, gb = _dtypes(k)
     dist_opt = k.use_distributed_optimizer
     # from the buffers' summaries: no buffer built for the most-loaded rank
-    p_bytes, g_bytes = _buffer_bytes(_stage_summaries(model, tp, pp, dp, vp, k, stage), dist_opt, pb, gb)
+    numel, real = _stage_totals(_stage_summaries(model, tp, pp, dp, vp, k, stage))[:2]
+    p_bytes, g_bytes = _buffer_bytes(numel, real, dist_opt, pb, gb)
     h = _heaviest_rank(model, tp, pp, dp, vp, k)
     if (h[0], h[1]) == (stage, dp_rank):  # found with the most-loaded rank
         owned_numel, owned_pieces = h[2], h[3]

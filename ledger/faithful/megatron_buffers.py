@@ -204,18 +204,16 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
 
 
 def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, div: int, dist_opt: bool,
-                  shared_first: bool, shared_last: bool, period, dp: int | None = None):
+                  shared_first: bool, shared_last: bool, period):
     """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
     end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
-    that a chunk's buckets can be walked without its per-param arrays (_pattern_walk). With `dp`, a
-    chunk of one bucket (the first branch): (numel, its DP range elements, 1)."""
+    that a chunk's buckets can be walked without its per-param arrays (_pattern_walk)."""
     if P and bucket_size is None and not (shared_first or shared_last):
         # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
         # (j = 0, i = P - 1) without its bookkeeping
-        pend = reach(P - 1) - cum(0)
-        end = -(-pend // div) * div if dist_opt else pend
-        return (end, end // dp, 1) if dp is not None else (_ZERO, _ZERO, np.array([end], np.int64))
+        end = _one_bucket_end(reach(P - 1) - cum(0), div, dist_opt)
+        return _ZERO, _ZERO, np.array([end], np.int64)
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
     seen = {} if period is not None and bucket_size is not None else None  # place in the pattern -> bucket
@@ -253,6 +251,12 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
         j, b0 = i + 1, end
     tail = np.array((firsts, bstarts, bends), np.int64).reshape(3, -1)
     return np.concatenate(blocks + [tail], axis=1) if blocks else tail
+
+
+def _one_bucket_end(span: int, div: int, dist_opt: bool) -> int:
+    """The padded end of a chunk's one bucket whose params span `span` elements from its start (0):
+    pad_bucket_end (distributed optimizer; none otherwise)."""
+    return -(-span // div) * div if dist_opt else span
 
 
 _ZERO = np.zeros(1, np.int64)
@@ -339,59 +343,72 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
     return numel, pieces
 
 
-def _most_loaded(classes: list, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
+def _most_loaded(classes: list, exact, stage_best, w_elem: int, w_piece: int) -> tuple[int, int, int, int]:
     """(stage, DP rank, its owned elements, its owned pieces) of the most-loaded rank among stage
-    classes ((stage, upper bound, fixed bytes or None, thunk giving (fixed bytes, upper bound) from
-    its summaries, thunk giving its heaviest DP rank's (rank, elements, pieces))), the lowest stage
-    and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
+    classes ((stage, upper bound, fixed bytes or None) each; exact(stage): (fixed bytes, upper bound)
+    from its summaries; stage_best(stage): its heaviest DP rank's (rank, elements, pieces)), the lowest
+    stage and DP rank on ties, comparing only what differs between them (_buffer_bytes, _owned_by;
     optimizer bytes are w_elem per owned element and w_piece per owned piece).
 
     Best first: the class of the highest bound comes next; a bound without fixed bytes (_chunk_bound,
     no bucket walk) is replaced by its summaries' (_class_bound) before its DP ranks are searched. A
     class whose bound is below a value already found cannot hold the most-loaded rank: its DP ranks
     are not searched and, where its bound came from _chunk_bound, its buckets not walked."""
-    heap = [(-ub, st, fixed, exact, stage_best) for st, ub, fixed, exact, stage_best in classes]
+    heap = [(-ub, st, fixed) for st, ub, fixed in classes]
     heapq.heapify(heap)
     best = None  # (value, stage, dp rank, owned elements, owned pieces)
     while heap and (best is None or -heap[0][0] >= best[0]):
-        _, st, fixed, exact, stage_best = heapq.heappop(heap)
+        _, st, fixed = heapq.heappop(heap)
         if fixed is None:
-            fixed, ub = exact()
-            heapq.heappush(heap, (-ub, st, fixed, exact, stage_best))
+            fixed, ub = exact(st)
+            heapq.heappush(heap, (-ub, st, fixed))
             continue
-        d, n_owned, n_pieces = stage_best()
+        d, n_owned, n_pieces = stage_best(st)
         val = fixed + w_elem * n_owned + w_piece * n_pieces
         if best is None or val > best[0] or (val == best[0] and st < best[1]):
             best = (val, st, d, n_owned, n_pieces)
     return best[1:]
 
 
-def _class_bound(summaries: list[tuple[int, ...]], dist_opt: bool, pb: int, gb: int, w_elem: int,
+def _class_bound(totals: tuple[int, ...], dist_opt: bool, pb: int, gb: int, w_elem: int,
                  w_piece: int) -> tuple[int, int]:
     """(fixed bytes, upper bound) of a stage from its chunks' (numel, param elements, params, DP range
-    elements) summaries: _buffer_bytes, plus optimizer bytes with every DP range full of parameter
-    elements and every parameter a piece (exact without the distributed optimizer: every rank owns all)."""
-    fixed = sum(_buffer_bytes(summaries, dist_opt, pb, gb))
-    real = sum(x[1] for x in summaries)
-    full = sum(x[3] for x in summaries)
-    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * sum(x[2] for x in summaries)
+    elements) summed (_stage_totals): _buffer_bytes, plus optimizer bytes with every DP range full of
+    parameter elements and every parameter a piece (exact without the distributed optimizer: every
+    rank owns all)."""
+    numel, real, params, full = totals[:4]
+    fixed = sum(_buffer_bytes(numel, real, dist_opt, pb, gb))
+    return fixed, fixed + w_elem * (full if dist_opt else real) + w_piece * params
 
 
+def _stage_totals(chunks) -> tuple[int, ...]:
+    """A stage's chunk summaries (_chunk_summary) or bounds (_chunk_bound) summed field by field."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return tuple(map(sum, zip(*chunks)))
+
+
+@lru_cache(maxsize=4096)
 def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[int, int, int, int, int]:
     """(numel, param elements, params, DP range elements summed over buckets, buckets) of _buffer(...)
-    without its per-param arrays: _pattern_walk's one step for a chunk of one bucket, else its
-    buckets (_chunk_buckets, which a bucketed chunk's DP calls and heaviest rank read too)."""
-    (hreal, hn, _), (lreal, ln, _), (treal, tn, _), _ = _pattern_totals(model, tp, first, last)
+    without its per-param arrays: a chunk of one bucket from its pattern's totals, else its buckets
+    (_chunk_buckets, which a bucketed chunk's DP calls and heaviest rank read too)."""
+    (hreal, hn, ha, hpad), (lreal, ln, la, lpad), (treal, tn, ta, tpad), _ = _pattern_totals(model, tp, first, last)
     params = hn + layers * ln + tn
     if params and bucket_size is None and not _shared(model, first, last, dist_opt):
-        numel, full, buckets = _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, True)
-    else:
-        _, bstart, bend = _chunk_buckets(model, tp, layers, first, last, bucket_size, dp, dist_opt)
-        numel, full, buckets = int(bend[-1]) if len(bend) else 0, int(((bend - bstart) // dp).sum()), len(bend)
+        # one bucket (_walk_buckets' first branch): from the first param's start (0) to the last one's
+        # end, the last param in backprop order the tail's, else the last layer's, else the head's
+        real = hreal + layers * lreal + treal
+        span = ha + layers * la + ta - (tpad if tn else lpad if layers and ln else hpad) if dist_opt else real
+        numel = _one_bucket_end(span, _bucket_unit(dp), dist_opt)
+        return numel, real, params, numel // dp, 1
+    _, bstart, bend = _chunk_buckets(model, tp, layers, first, last, bucket_size, dp, dist_opt)
+    numel, full, buckets = int(bend[-1]) if len(bend) else 0, int(((bend - bstart) // dp).sum()), len(bend)
     return numel, hreal + layers * lreal + treal, params, full, buckets
 
 
+@lru_cache(maxsize=4096)
 def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                  dist_opt: bool) -> tuple[int, int, int, int]:
     """_chunk_summary's first four without the bucket walk, numel and DP range elements as upper
@@ -402,7 +419,7 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
     a shared_embedding param closes: at most aligned // bucket_size + 1 buckets plus one per
     shared_embedding param (at most one per param). Exact without the distributed optimizer (no
     padding)."""
-    (hreal, hn, ha), (lreal, ln, la), (treal, tn, ta), g = _pattern_totals(model, tp, first, last)
+    (hreal, hn, ha, _), (lreal, ln, la, _), (treal, tn, ta, _), g = _pattern_totals(model, tp, first, last)
     real, params = hreal + layers * lreal + treal, hn + layers * ln + tn
     if not dist_opt:
         return real, real, params, real // dp
@@ -417,18 +434,21 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
 
 @lru_cache(maxsize=1024)
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
-    """(elements, params, aligned elements) of each run of _pattern (distributed optimizer's
-    alignment), then the gcd of all its sizes and aligned sizes (_run_totals)."""
-    runs = [_run_totals(model, tp, part, part == _HEAD and first) if held else (0, 0, 0, 0)
+    """(elements, params, aligned elements, alignment padding after its last param) of each run of
+    _pattern (distributed optimizer's alignment), then the gcd of all its sizes and aligned sizes
+    (_run_totals)."""
+    runs = [_run_totals(model, tp, part, part == _HEAD and first) if held else (0, 0, 0, 0, 0)
             for part, held in ((_HEAD, last), (_LAYER, True), (_EMB, first))]
-    return (*(x[:3] for x in runs), math.gcd(*(x[3] for x in runs)))
+    return (*(x[:3] + x[4:] for x in runs), math.gcd(*(x[3] for x in runs)))
 
 
 @lru_cache(maxsize=1024)
-def _run_totals(model: ModelShape, tp: int, part: int, first: bool) -> tuple[int, int, int, int]:
-    """(elements, params, aligned elements, gcd of its sizes and aligned sizes) of one _run (aligned)."""
+def _run_totals(model: ModelShape, tp: int, part: int, first: bool) -> tuple[int, int, int, int, int]:
+    """(elements, params, aligned elements, gcd of its sizes and aligned sizes, alignment padding after
+    its last param) of one _run (aligned)."""
     n, c, _ = _run(model, tp, part, first, True)
-    return sum(n), len(n), c[-1], math.gcd(*n, *(b - a for a, b in zip(c, c[1:])))
+    return (sum(n), len(n), c[-1], math.gcd(*n, *(b - a for a, b in zip(c, c[1:]))),
+            c[-1] - c[-2] - n[-1] if n else 0)
 
 
 @lru_cache(maxsize=4096)
@@ -436,14 +456,13 @@ def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: b
                    dist_opt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk
     (a chunk of one bucket is its summary's numel: _bucket_numels, _stage_best)."""
-    return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt, False)
+    return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt)
 
 
 def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
-                  dist_opt: bool, summary: bool):
+                  dist_opt: bool):
     """_walk_buckets over a chunk's pattern (head, `layers` copies of one layer, embedding; _pattern),
-    whose positions are sums of per-piece sums: the buckets of _buffer(...) (summary: a chunk of one
-    bucket's (numel, DP range elements, 1))."""
+    whose positions are sums of per-piece sums: the buckets of _buffer(...)."""
     shared = _shared(model, first, last, dist_opt)
     (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
     h, k, t = len(hn), len(ln), len(tn)
@@ -474,7 +493,7 @@ def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bo
         return h + layers * k + bisect_left(tr, x - tbase)
 
     return _walk_buckets(P, cum, reach, first_reaching, bucket_size, _bucket_unit(dp), dist_opt,
-                         shared and first, shared and last, (h, k, layers), dp if summary else None)
+                         shared and first, shared and last, (h, k, layers))
 
 
 @lru_cache(maxsize=1024)
@@ -507,6 +526,11 @@ def _pattern_contiguous(parts) -> bool:
     """No alignment padding between the params of a _pattern (Buffer.contiguous): each run's aligned
     elements are its elements."""
     return all(c[-1] == sum(n) for n, c, _ in parts)
+
+
+def _chunk_contiguous(model: ModelShape, tp: int, first: bool, last: bool) -> bool:
+    """_pattern_contiguous of a chunk's aligned _pattern, from its totals (_pattern_totals)."""
+    return all(x[0] == x[2] for x in _pattern_totals(model, tp, first, last)[:3])
 
 
 def _pattern_cum(parts, layers: int) -> np.ndarray:
@@ -643,10 +667,9 @@ def _heaviest(buffers: tuple[Buffer, ...], dp: int, per_elem: int, per_piece: in
     return int(np.argmax(delta))
 
 
-def _buffer_bytes(summaries, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
-    """(params bytes, grads bytes) of a stage's DDP buffers from their summaries (_chunk_summary):
-    distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates param_data (numel,
-    padded) only with the distributed optimizer (else the module keeps its own parameters: their
-    elements); grad_data always."""
-    numel = sum(x[0] for x in summaries)
-    return pb * (numel if dist_opt else sum(x[1] for x in summaries)), gb * numel
+def _buffer_bytes(numel: int, real: int, dist_opt: bool, pb: int, gb: int) -> tuple[int, int]:
+    """(params bytes, grads bytes) of a stage's DDP buffers from their summaries summed (_stage_totals:
+    numel, padded, and param elements): distributed/param_and_grad_buffer.py
+    _ParamAndGradBuffer.__init__ allocates param_data (numel, padded) only with the distributed
+    optimizer (else the module keeps its own parameters: their elements); grad_data always."""
+    return pb * (numel if dist_opt else real), gb * numel
