@@ -151,7 +151,7 @@ def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
                 rest //= tp
             # the padded full tensor, what its unit's all-gather and reduce-scatter move: a
             # multiple of ds, its local shard (chunk rows x rest) is f // ds
-            f = -(-d0 // ds) * ds * rest  # _chunk_rows(d0, ds) * ds * rest
+            f = _chunk_rows(d0, ds) * ds * rest
             fulls.append(f)
             n_params += count
             full += count * f
@@ -254,7 +254,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    pl = _placement(model, lay, grid, lambda s: sh, 0, lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
+    pl = _placement(model, lay, grid, lambda s: sh, 0,
+                    lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced, _ = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
@@ -629,7 +630,8 @@ def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[
 
 @lru_cache(maxsize=1024)
 def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
-                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool, tuple[tuple[str, int, int, int], ...]]:
+                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool,
+                                    tuple[tuple[str, int, int, int], ...]]:
     """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the
     paths this derivation does not cover (named in the Placement's notes), whether any mm's
     strategy was chosen by DTensor's cost model (else every mm took its inputs as they came), and
