@@ -257,10 +257,12 @@ class _Z3Sim:
     def __init__(self, tr: _Z3Trace, prefetch: int, max_live: int, reuse: int, periodic: bool = True):
         self.tr, self.pf, self.ml, self.rd = tr, prefetch, max_live, reuse
         self.periodic = periodic
-        self.release_cache: dict[tuple[int, int], frozenset] = {}  # __params_to_release's lru_cache
+        # __params_to_release's lru_cache; its sets as tuples in ds_id order (a module's params, filtered or
+        # shifted: the order is kept, so tuples are equal when the sets are; cheaper to build than sets)
+        self.release_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         # per release_cache key: the module's params the prefetcher had not marked as used later, the
         # one input of the cached value a pass's state decides (the reuse window is the key's own)
-        self.unmarked: dict[tuple[int, int], frozenset] = {}
+        self.unmarked: dict[tuple[int, int], tuple[int, ...]] = {}
         # per memo key: whether that pass is the pass a fresh coordinator's first complete pass from the
         # same start would make (every cache entry it read is what that pass would compute: run, _skip)
         self.as_first: dict[frozenset, bool] = {}
@@ -274,7 +276,7 @@ class _Z3Sim:
         self.backward: dict[tuple, tuple[Counter, frozenset, int, _Caps]] = {}
         self.end_hi = 0  # the furthest step a reuse-distance walk examined (the fast path's horizon)
 
-    def _to_release(self, mo: int, step: int, recent, skipped: bool = True) -> frozenset:
+    def _to_release(self, mo: int, step: int, recent, skipped: bool = True) -> tuple[int, ...]:
         """__params_to_release (lru_cache per (module, step_id): the first complete pass decides): the
         module's non-persistent params, less those the prefetcher marked as used later
         (__most_recent_step_id_param_fetched_for > step_id), less those used again by a module within
@@ -289,7 +291,7 @@ class _Z3Sim:
         tr = self.tr
         persist = tr.persist
         out = [p for p in tr.mod_params[mo] if not persist[p] and recent[p] <= step]
-        got = self.unmarked[key] = frozenset(out)
+        got = self.unmarked[key] = tuple(out)
         if out and self.rd > 0:
             prefix = tr.prefix
             end = bisect_left(prefix, prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
@@ -299,15 +301,15 @@ class _Z3Sim:
             used = tr.qp[tr.qstart[step]:tr.qstart[end]]
             kept = [p for p in out if p not in used]
             if len(kept) < len(out):
-                got = frozenset(kept)
+                got = tuple(kept)
         self.release_cache[key] = got
         return got
 
     @staticmethod
-    def _shift(fs, by: int) -> frozenset | None:
-        return None if fs is None else frozenset(p + by for p in fs)
+    def _shift(ps, by: int) -> tuple[int, ...] | None:
+        return None if ps is None else tuple([p + by for p in ps])
 
-    def _cached(self, key: tuple[int, int], table: dict | None = None) -> frozenset | None:
+    def _cached(self, key: tuple[int, int], table: dict | None = None) -> tuple[int, ...] | None:
         """release_cache[key] (or table[key], table: unmarked), or by a rule: block r1's entry is block
         r0's shifted (the skipped blocks replayed block r0 shifted: so did their unmarked params)."""
         if table is None:
@@ -498,10 +500,18 @@ class _Z3Sim:
                 if not own:
                     continue
                 # release_sub_module: every own param outside a complete trace (recording: persistent too)
-                rel = own if record else cache.get((mo, step)) or to_release(mo, step, recent, not fill)
-                if self._now_first and (unmarked.get((mo, step)) or self._cached((mo, step), unmarked)) != \
-                        frozenset([p for p in own if not persist[p] and recent[p] <= step]):
-                    self._now_first = False
+                if record:
+                    rel = own
+                else:
+                    key = (mo, step)
+                    rel = cache.get(key)
+                    if rel is None:
+                        rel = to_release(mo, step, recent, not fill)
+                    if self._now_first:
+                        got = unmarked.get(key)
+                        if (self._cached(key, unmarked) if got is None else got) != \
+                                tuple([p for p in own if not persist[p] and recent[p] <= step]):
+                            self._now_first = False
                 for p in own:
                     active[p] -= 1
                     if not active[p] and avail[p] and p in rel:  # __release_param
