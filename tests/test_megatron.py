@@ -698,8 +698,8 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
     per-rank arrays) picks the rank, elements and pieces the argmax over _tiled_ranks' arrays summed
     over the chunks picks: params smaller and larger than a DP range, ranges starting on param starts,
     head and tail params, a remainder rank heavier or lighter than the full ones, ties (the lowest
-    rank), no params; two and three chunks whose remainders fall on different ranks (one chunk
-    padded past several DP ranges)."""
+    rank), no params, no layers; two and three chunks (repeating one layer, as a stage's chunks do)
+    whose remainders fall on different ranks (one chunk padded past several DP ranges)."""
     rng = np.random.default_rng(0)
     cases = [(_runs((), (64,), ()), 1), (_runs((128,), (3968,), ()), 1), (_runs((), (64, 64, 64, 64), (3840,)), 1),
              (_runs((), (128, 2, 10), (114,)), 1),  # a tie at dp 2 (weights 1, 1)
@@ -711,10 +711,13 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
     model = preset("llama3_70b")
     cases += [(B._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
               for layers in (5, 40)]
+    # a stage's chunks repeat one layer: the other chunks take the first's layer run and count
     stages = [[c] for c in cases] + [[cases[i], cases[j]] for i, j in rng.integers(0, len(cases), (20, 2))] + \
              [[cases[i], cases[j], cases[k]] for i, j, k in rng.integers(0, len(cases), (10, 3))]
+    stages = [[((h, stage[0][0][1], t), stage[0][1]) for (h, _, t), _ in stage] for stage in stages]
     for stage in stages:
         cums = [B._pattern_cum(parts, layers) for parts, layers in stage]
+        layer, layers = stage[0][0][1], stage[0][1]
         for dp in (1, 2, 3, 8, 64, 1000):
             div = np.lcm(dp, 128)
             for extra in ((0,), (1,), (5,), (0, 3), (2, 0, 1)):
@@ -725,8 +728,8 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
                         ce, cp = B._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
                         e, p = e + ce, p + cp
                     d = int(np.argmax(w[0] * e + w[1] * p))
-                    chunks = [(parts, layers, numel) for (parts, layers), numel in zip(stage, numels)]
-                    got = L._one_bucket_best(chunks, dp, *w)
+                    chunks = [(head, tail, numel) for ((head, _, tail), _), numel in zip(stage, numels)]
+                    got = L._one_bucket_best(layer, layers, chunks, dp, *w)
                     assert got == (d, int(e[d]), int(p[d])), (stage, dp, numels, w)
 
 

@@ -142,7 +142,8 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
     if all(x[4] == 1 for x in sums):
-        return _one_bucket_best([(part, layers, x[0]) for part, (layers, _, _), x in zip(parts, shapes, sums)], dp, *w)
+        return _one_bucket_best(parts[0][1], shapes[0][0], [(head, tail, x[0]) for (head, _, tail), x in zip(parts, sums)],
+                                dp, *w)
     if vp == 1:
         (layers, first, last), = shapes
         return _tiled_best(_pattern_cum(parts[0], layers), *_chunk_buckets(
@@ -155,37 +156,35 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     return argmax_rank(e, p, *w)
 
 
-def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
+def _one_bucket_best(layer: tuple, layers: int, chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, int, int]:
     """_tiled_ranks' heaviest DP rank, its elements and pieces summed over a contiguous stage's
-    chunks ((_pattern, layers, numel) each) when every chunk is one bucket, without the per-rank
+    chunks ((head run, tail run, numel) each, all holding `layers` copies of the run `layer`: a
+    stage's chunks do, _stage_shape, _pattern) when every chunk is one bucket, without the per-rank
     arrays of each: in a chunk of S = numel / dp elements per rank, the ranks below real // S own S
     elements, the next the remainder, the ones after nothing; a rank owning some holds one piece plus
     one per param start strictly inside its range. So between consecutive chunk limits (real // S
     and the rank after) every rank owns the same elements and pieces but its starts inside, and the
-    lowest with the most starts inside wins there. The layers' starts of the chunks that repeat the
-    same layer (a stage's chunks do) as one array (_layer_ranks), the head's and tail's few one by one."""
+    lowest with the most starts inside wins there. The layers' starts of every chunk as one array
+    (_layer_ranks), the head's and tail's few one by one."""
+    lc = layer[1]
     shares = []  # (S, real // S, real % S) of each chunk
     cuts = {0, dp}
-    layer_runs = {}  # (layers, one layer's aligned offsets) -> ([first layer's start], [[S]]) of its chunks
+    bases, layer_shares = [], []  # each chunk's first layer start and [S]
     few = []  # the ranks with a head or tail param start strictly inside
-    for ((_, hc, _), (_, lc, _), (_, tc, _)), layers, numel in chunks:
+    for (_, hc, _), (_, tc, _), numel in chunks:
         lbase = hc[-1]
         tbase = lbase + layers * lc[-1]
         s = numel // dp
         full, rem = divmod(tbase + tc[-1], s)
         shares.append((s, full, rem))
         cuts.update((min(full, dp), min(full + 1, dp)))
-        bases, ss = layer_runs.setdefault((layers, tuple(lc)), ([], []))
         bases.append(lbase)
-        ss.append([s])
+        layer_shares.append([s])
         for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
             r, a = divmod(start, s)
             if a:
                 few.append(r)
-    inner = None  # param starts strictly inside each rank's range, over the chunks
-    for (layers, lc), (bases, ss) in layer_runs.items():
-        counts = _layer_ranks(layers, lc, bases, ss, dp)
-        inner = counts if inner is None else inner + counts
+    inner = _layer_ranks(layers, lc, bases, layer_shares, dp)  # param starts strictly inside each rank's range
     for r in few:
         inner[r] += 1
     cuts = sorted(cuts)
@@ -197,14 +196,14 @@ def _one_bucket_best(chunks, dp: int, w_elem: int, w_piece: int) -> tuple[int, i
             n, owners = n + x, owners + (x > 0)
         if best is not None and not owners:
             break  # no rank from here on owns an element (nor a param start)
-        d = lo if hi - lo == 1 else lo + int(np.argmax(inner[lo:hi]))
+        d = lo if hi - lo == 1 else lo + int(inner[lo:hi].argmax())
         pieces = owners + int(inner[d])
         if best is None or w_elem * n + w_piece * pieces > best[0]:
             best = (w_elem * n + w_piece * pieces, d, n, pieces)
     return best[1:]
 
 
-def _layer_ranks(layers: int, lc: tuple, bases: list[int], shares: list[list[int]], dp: int) -> np.ndarray:
+def _layer_ranks(layers: int, lc, bases: list[int], shares: list[list[int]], dp: int) -> np.ndarray:
     """Per DP rank, the layer param starts strictly inside its range over chunks that each hold
     `layers` copies of one layer (lc: its params' aligned offsets, one longer) from bases[i], in DP
     ranges of shares[i][0] elements: one (chunks, starts) array, so one pass whatever the chunks."""
@@ -233,7 +232,7 @@ def _tiled_best(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np
     inner = np.bincount(rank[at != 0], minlength=dp)
     best = None  # (bytes, rank, elements, pieces)
     if dp > 1:
-        d, n = int(np.argmax(inner[:dp - 1])), int(size.sum())
+        d, n = int(inner[:dp - 1].argmax()), int(size.sum())
         best = (w_elem * n + w_piece * (nb + int(inner[d])), d, n, nb + int(inner[d]))
     left = real - (dp - 1) * size  # the last rank's elements of each bucket (0 to its range)
     n, pieces = int(left.sum()), int((left > 0).sum()) + int(inner[dp - 1])
@@ -439,7 +438,7 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
     divisor bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two
     calls, one sending)."""
     cb = CommBuilder()
-    per_mb: dict[tuple, list] = {}
+    per_mb: dict[tuple, tuple] = {}
 
     def fixed(dim, kind, dtype, what, group, buffers):
         if group > 1 and buffers:  # a group of one sends nothing (CommBuilder.add)
@@ -447,12 +446,13 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
 
     def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
         if calls > 0 and group > 1:
-            cb.add_sums((dim, kind, dtype), 0, 0, 0, [what])  # counted per layout (_comm)
-            per_mb.setdefault((dim, kind, dtype), []).append((calls, wires, unit, div, group))
+            key = (dim, kind, dtype)
+            cb.add_sums(key, 0, 0, 0, [what])  # counted per layout (_comm)
+            per_mb[key] = per_mb.get(key, ()) + ((calls, wires, unit, div, group),)
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    return tuple((c, tuple(per_mb.get((c.dim, c.kind, c.dtype), ()))) for c in cb.build())
+    return tuple((c, per_mb.get((c.dim, c.kind, c.dtype), ())) for c in cb.build())
 
 
 def _micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:
