@@ -50,3 +50,28 @@ def test_table_in_human_units_and_record(predicted):
     most = max(pred["per_rank"], key=lambda r: r["resident_bytes"])
     assert f"most-loaded: rank {most['rank']} (stage {most['stage']}): resident {most['resident_bytes']:,} B" in out
     assert rec["status"] == "ok" and rec["measurement"] is None and rec["mode"] == "predict"
+
+
+def test_comm_builder_builds_records_sorted_whatever_the_insertion_order():
+    """CommBuilder.build's cached key order (_sorted_keys) gives what sorting the records gives, for every
+    insertion order of the same keys, each record's sums and names kept with its key."""
+    import itertools
+    import pickle
+
+    from ledger.placement import Comm, CommBuilder
+
+    keys = [("tp", "all_reduce", "bf16"), ("dp", "reduce_scatter", "fp32"), ("dp", "all_gather", "bf16"),
+            ("pp", "send_recv", "bf16")]
+    for order in itertools.permutations(keys):
+        cb = CommBuilder()
+        for i, (dim, kind, dtype) in enumerate(order):
+            cb.add_calls(dim, kind, dtype, i + 1, 100 * (i + 1), 10 * (i + 1), f"{dim}-{kind}")
+            cb.add_calls(dim, kind, dtype, 1, 1, 1, "again")
+        got = cb.build()
+        assert [(c.dim, c.kind, c.dtype) for c in got] == sorted(keys)
+        for c in got:
+            i = order.index((c.dim, c.kind, c.dtype))
+            assert (c.count, c.buffer_bytes, c.wire_bytes, c.what) == \
+                (i + 2, 100 * (i + 1) + 1, 10 * (i + 1) + 1, "; ".join(sorted({f"{c.dim}-{c.kind}", "again"})))
+    c = Comm("dp", "all_gather", 1, 2, 3, "bf16", "x")
+    assert pickle.loads(pickle.dumps(c)) == c  # slotted records still travel (submitit pickles results)
