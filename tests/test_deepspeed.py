@@ -406,6 +406,22 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
         assert not steady and sum(n for c, k in rest0.items() for n in c * k) == shape.num_params() - e
 
 
+def test_zero3_trace_param_starts_are_the_bisect():
+    """The trace's per-step start in __param_order (qstart, tiled per block) is the bisect of the
+    params' fetch steps it replaces (the reuse-distance walk's bounds), for every step and the two
+    past the last, over models (tied, biases, no SwiGLU, llama3_70b) and thresholds."""
+    import dataclasses
+    from bisect import bisect_left
+
+    from ledger.faithful.deepspeed_coordinator import _z3_trace
+
+    tiny = preset("tiny", layers=5)
+    for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
+                  dataclasses.replace(tiny, swiglu=False), preset("llama3_70b")):
+        for th in (0, 100_000, 10**9):
+            tr = _z3_trace(shape, th)
+            assert list(tr.qstart) == [bisect_left(tr.qs, s) for s in range(tr.steps + 2)], (shape, th)
+
 
 def test_zero3_recording_pass_end_without_replay():
     """What the recording pass leaves gathered (_z3_after_record, the start of step 0's micro-batch 1)
