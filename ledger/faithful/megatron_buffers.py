@@ -5,10 +5,11 @@ owns under the distributed optimizer, and which DP rank owns the most. Each rule
 source it follows (paths under megatron/core/ unless said otherwise).
 
 Speed (a layout search predicts thousands of layouts): a chunk's summary (_chunk_summary) is the
-bucket walk over one layer's parameter pattern, no per-param arrays; bucket runs repeat across
-identical layers (_walk_buckets copies them); a stage is bounded without its bucket walk
-(_chunk_bound); a buffer without alignment padding gives every DP rank's ownership in closed form
-(_contiguous_ranks, _tiled_ranks), else _best_rank evaluates them.
+bucket walk over one layer's parameter pattern, no per-param arrays (a chunk of one bucket: its
+pattern's totals, _pattern_totals); bucket runs repeat across identical layers (_walk_buckets copies
+them); a stage is bounded without its bucket walk (_chunk_bound); summaries and bounds are cached per
+chunk shape (the stages of a structure share them); a buffer without alignment padding gives every
+DP rank's ownership in closed form (_contiguous_ranks, _tiled_ranks), else _best_rank evaluates them.
 """
 from __future__ import annotations
 
@@ -435,20 +436,10 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
 @lru_cache(maxsize=1024)
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
     """(elements, params, aligned elements, alignment padding after its last param) of each run of
-    _pattern (distributed optimizer's alignment), then the gcd of all its sizes and aligned sizes
-    (_run_totals)."""
-    runs = [_run_totals(model, tp, part, part == _HEAD and first) if held else (0, 0, 0, 0, 0)
-            for part, held in ((_HEAD, last), (_LAYER, True), (_EMB, first))]
-    return (*(x[:3] + x[4:] for x in runs), math.gcd(*(x[3] for x in runs)))
-
-
-@lru_cache(maxsize=1024)
-def _run_totals(model: ModelShape, tp: int, part: int, first: bool) -> tuple[int, int, int, int, int]:
-    """(elements, params, aligned elements, gcd of its sizes and aligned sizes, alignment padding after
-    its last param) of one _run (aligned)."""
-    n, c, _ = _run(model, tp, part, first, True)
-    return (sum(n), len(n), c[-1], math.gcd(*n, *(b - a for a, b in zip(c, c[1:]))),
-            c[-1] - c[-2] - n[-1] if n else 0)
+    _pattern (distributed optimizer's alignment), then the gcd of all its sizes and aligned sizes."""
+    runs = _pattern(model, tp, first, last, True)
+    return (*((sum(n), len(n), c[-1], c[-1] - c[-2] - n[-1] if n else 0) for n, c, _ in runs),
+            math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:]))))))
 
 
 @lru_cache(maxsize=4096)
