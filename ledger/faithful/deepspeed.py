@@ -529,7 +529,7 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
 
 def _gathers(calls: Counter, dp: int, w: int) -> _Calls:
     """all_gather_coalesced: one all-gather per call of the params' padded partitions (w bytes/element)."""
-    return _counted("all_gather", ((w * sum([_ceil_to(n, dp) for n in key]), k) for key, k in calls.items()), dp)
+    return _counted("all_gather", ((w * sum([-(-n // dp) * dp for n in key]), k) for key, k in calls.items()), dp)
 
 
 _STEADY_WHAT = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
@@ -538,16 +538,23 @@ _STEADY_WHAT = "coordinator fetch + prefetch (fetch_sub_module), every micro-bat
 def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
                   precision: str) -> CommBuilder:
     """What every optimizer step adds besides the parameter fetches."""
-    z = _z3_shape(model, dp, threshold, bucket, _DTYPES[precision])
+    ipg, norm, persist = _zero3_fixed(model, dp, threshold, bucket, precision)
     # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
     # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
     # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
-    out.add_calls("dp", "reduce_scatter", precision, *z.ipg.times(m), "IPG bucket (__avg_scatter_grads)")
-    # at the boundary: get_grad_norm_direct: fp64 norm all-reduce (only fp16 has an overflow all-reduce
-    # at stage 3); _post_step: persistent_parameters[0].all_gather(persistent_parameters)
-    out.add_calls("dp", "all_reduce", "fp64", *_calls("all_reduce", [FP64], dp), "grad norm")
-    out.add_calls("dp", "all_gather", precision, *z.persist, "persistent params (_post_step)")
+    out.add_calls("dp", "reduce_scatter", precision, *ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+    out.add_calls("dp", "all_reduce", "fp64", *norm, "grad norm")
+    out.add_calls("dp", "all_gather", precision, *persist, "persistent params (_post_step)")
     return out
+
+
+@lru_cache(maxsize=256)
+def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str) -> tuple[_Calls, _Calls, _Calls]:
+    """_zero3_common's calls whatever the micro-batches: one backward's IPG reduce-scatters; at the
+    boundary get_grad_norm_direct's fp64 norm all-reduce (only fp16 has an overflow all-reduce at stage
+    3) and _post_step's persistent_parameters[0].all_gather(persistent_parameters)."""
+    z = _z3_shape(model, dp, threshold, bucket, _DTYPES[precision])
+    return z.ipg, _calls("all_reduce", [FP64], dp), z.persist
 
 
 @lru_cache(maxsize=1024)
