@@ -414,29 +414,29 @@ def _comm(model: ModelShape, lay: Layout, k: Knobs, stage: int) -> list[Comm]:
     rows = _comm_plan(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), lay.sequence_parallel)
     m, b = lay.num_microbatches, lay.micro_batch_size  # m >= 1 (resolve, validate)
     out = []
-    for c, per_mb in rows:
-        if not per_mb:
-            out.append(c)  # shared across layouts: Comm records are read, never changed
+    for row in rows:
+        if type(row) is Comm:
+            out.append(row)  # shared across layouts: Comm records are read, never changed
             continue
-        count, buf, wire = c.count, c.buffer_bytes, c.wire_bytes
+        dim, kind, dtype, what, count, buf, wire, per_mb = row
         for calls, wires, unit, div, group in per_mb:
             x = b * unit // div
             count += calls * m
             buf += calls * m * x
-            wire += wires * m * wire_bytes(c.kind, x, group)
-        out.append(Comm(c.dim, c.kind, count, buf, wire, c.dtype, c.what))
+            wire += wires * m * wire_bytes(kind, x, group)
+        out.append(Comm(dim, kind, count, buf, wire, dtype, what))
     return out
 
 
 @lru_cache(maxsize=4096)
 def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, sp: bool) -> tuple:
-    """Every collective record of one stage class's step, each (its fixed calls as a Comm: what
-    CommBuilder.build gives of every call, the fixed ones counted, the per-micro-batch ones named;
-    its calls per micro-batch): the calls no micro-batch setting changes (_fixed_comm) and those
-    repeated every micro-batch (_micro_batch_comm), each (calls per micro-batch, the calls among them
-    that send, bytes per sequence, divisor, group size): micro_batch_size * bytes per sequence //
-    divisor bytes per call, wire_bytes over the group for each sending one (a send_recv pair: two
-    calls, one sending)."""
+    """Every collective record of one stage class's step (CommBuilder.build of every call, the fixed
+    ones counted, the per-micro-batch ones named): a Comm where no call repeats per micro-batch (the
+    calls no micro-batch setting changes, _fixed_comm), else its fields (dim, kind, dtype, what,
+    count, buffer bytes, wire bytes: the fixed calls') and its calls per micro-batch
+    (_micro_batch_comm), each (calls per micro-batch, the calls among them that send, bytes per
+    sequence, divisor, group size): micro_batch_size * bytes per sequence // divisor bytes per call,
+    wire_bytes over the group for each sending one (a send_recv pair: two calls, one sending)."""
     cb = CommBuilder()
     per_mb: dict[tuple, tuple] = {}
 
@@ -452,7 +452,11 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
 
     _fixed_comm(fixed, model, tp, pp, dp, vp, k, stage, sp)
     _micro_batch_comm(per_micro_batch, model, tp, pp, vp, k, stage, sp)
-    return tuple((c, per_mb.get((c.dim, c.kind, c.dtype), ())) for c in cb.build())
+    rows = []
+    for c in cb.build():
+        calls = per_mb.get((c.dim, c.kind, c.dtype))
+        rows.append(c if calls is None else (c.dim, c.kind, c.dtype, c.what, c.count, c.buffer_bytes, c.wire_bytes, calls))
+    return tuple(rows)
 
 
 def _micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Knobs, stage: int, sp: bool) -> None:
