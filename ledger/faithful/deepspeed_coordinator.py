@@ -221,6 +221,15 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
                     tuple(periods))
 
 
+def _unmarked(own: tuple[int, ...], persist: list[bool], recent: list[int], step: int) -> tuple[int, ...]:
+    """The params of a module __params_to_release starts from at step_id `step`: its non-persistent
+    ones the prefetcher has not marked as used later (__most_recent_step_id_param_fetched_for > step_id),
+    in ds_id order (own itself when that is all of them: one param, most modules)."""
+    if len(own) == 1:
+        return own if not persist[own[0]] and recent[own[0]] <= step else ()
+    return tuple([p for p in own if not persist[p] and recent[p] <= step])
+
+
 class _Caps:
     """The caps of a stretch of prefetches, min(max_live - n_avail, prefetch_bucket): the most n_avail of
     those capped at the prefetch bucket, the least of those capped at nothing (max_live reached),
@@ -289,9 +298,7 @@ class _Z3Sim:
         if got is not None or skipped and self.rules and (got := self._cached(key)) is not None:
             return got
         tr = self.tr
-        persist = tr.persist
-        out = [p for p in tr.mod_params[mo] if not persist[p] and recent[p] <= step]
-        got = self.unmarked[key] = tuple(out)
+        got = self.unmarked[key] = out = _unmarked(tr.mod_params[mo], tr.persist, recent, step)
         if out and self.rd > 0:
             prefix = tr.prefix
             end = bisect_left(prefix, prefix[step] + self.rd, lo=step)  # modules step..end-1 examined
@@ -436,7 +443,16 @@ class _Z3Sim:
                 if kind == "B":
                     bwd_active[mo] = None
                 todo = ()
-                if own:
+                if len(own) == 1:  # the loop below, for one param (most modules)
+                    p = own[0]
+                    active[p] += 1
+                    if recent[p] < step:
+                        todo = own
+                    if not avail[p]:
+                        calls.append((numel_[p],))
+                        avail[p] = True
+                        n_avail += numel_[p]
+                elif own:
                     todo = []
                     for p in own:
                         # _fetch_sub_module_impl: one all_gather_coalesced of the module's unavailable params
@@ -509,8 +525,7 @@ class _Z3Sim:
                         rel = to_release(mo, step, recent, not fill)
                     if self._now_first:
                         got = unmarked.get(key)
-                        if (self._cached(key, unmarked) if got is None else got) != \
-                                tuple([p for p in own if not persist[p] and recent[p] <= step]):
+                        if (self._cached(key, unmarked) if got is None else got) != _unmarked(own, persist, recent, step):
                             self._now_first = False
                 for p in own:
                     active[p] -= 1
