@@ -87,8 +87,9 @@ def _tile(tmpl, n: int, stride: int, first: int, base: int = 0) -> array:
     int per element, most of the trace's build time)."""
     if not tmpl or not n:
         return array("q")
-    rows = base + first * abs(stride) + stride * np.arange(n, dtype=np.int64)
-    return array("q", np.add.outer(rows, tmpl).tobytes())
+    start = base + first * abs(stride)
+    rows = np.arange(start, start + n * stride, stride, dtype=np.int64) if stride else np.full(n, start, np.int64)
+    return array("q", np.add.outer(rows, np.array(tmpl, np.int64)).tobytes())
 
 
 @lru_cache(maxsize=64)
