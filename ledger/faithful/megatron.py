@@ -180,7 +180,7 @@ def _one_bucket_best(layer: tuple, layers: int, chunks, dp: int, w_elem: int, w_
         cuts.update((min(full, dp), min(full + 1, dp)))
         bases.append(lbase)
         layer_shares.append([s])
-        for start in (*hc[:-1], *(tbase + x for x in tc[:-1])):
+        for start in [*hc[:-1], *[tbase + x for x in tc[:-1]]]:
             r, a = divmod(start, s)
             if a:
                 few.append(r)

@@ -437,9 +437,12 @@ def _chunk_bound(model: ModelShape, tp: int, layers: int, first: bool, last: boo
 def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tuple:
     """(elements, params, aligned elements, alignment padding after its last param) of each run of
     _pattern (distributed optimizer's alignment), then the gcd of all its sizes and aligned sizes."""
-    runs = _pattern(model, tp, first, last, True)
-    return (*((sum(n), len(n), c[-1], c[-1] - c[-2] - n[-1] if n else 0) for n, c, _ in runs),
-            math.gcd(*(x for n, c, _ in runs for x in (*n, *(b - a for a, b in zip(c, c[1:]))))))
+    out, sizes = [], []  # each run's totals; every size and aligned size
+    for n, c, _ in _pattern(model, tp, first, last, True):
+        out.append((sum(n), len(n), c[-1], c[-1] - c[-2] - n[-1] if n else 0))
+        sizes += n
+        sizes += [b - a for a, b in zip(c, c[1:])]
+    return (*out, math.gcd(*sizes))
 
 
 @lru_cache(maxsize=4096)
@@ -506,7 +509,7 @@ def _run(model: ModelShape, tp: int, part: int, first: bool, dist_opt: bool) -> 
     the other parts): stage_params' numels (_pieces) reversed, their cumulative aligned elements and
     each one's reach; shared by the chunk shapes of one tp."""
     emb, layer, _ = _pieces(model, tp)
-    n = tuple(k for _, k in reversed((_head(model, tp, first), layer, emb)[part]))
+    n = tuple(k for _, k in reversed(_head(model, tp, first) if part == _HEAD else layer if part == _LAYER else emb))
     c = [0]
     for x in n:
         c.append(c[-1] + (_aligned(x) if dist_opt else x))
@@ -519,6 +522,7 @@ def _pattern_contiguous(parts) -> bool:
     return all(c[-1] == sum(n) for n, c, _ in parts)
 
 
+@lru_cache(maxsize=1024)
 def _chunk_contiguous(model: ModelShape, tp: int, first: bool, last: bool) -> bool:
     """_pattern_contiguous of a chunk's aligned _pattern, from its totals (_pattern_totals)."""
     return all(x[0] == x[2] for x in _pattern_totals(model, tp, first, last)[:3])
