@@ -601,7 +601,8 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd):
         per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
-            for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
+            for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False),
+                                        (0, True, False), (0, False, True)):
                 for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
                     for dist_opt in (True, False):
                         buf = B._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
@@ -799,7 +800,8 @@ def test_chunk_contiguous_is_the_patterns_contiguity():
     pattern: shapes with and without alignment padding, every chunk kind."""
     odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
     seen = set()
-    for model in (preset("tiny"), preset("llama3_70b"), dataclasses.replace(preset("llama3_70b"), tied_embeddings=True), odd):
+    tied = dataclasses.replace(preset("llama3_70b"), tied_embeddings=True)
+    for model in (preset("tiny"), preset("llama3_70b"), tied, odd):
         for tp in (1, 2, 8):
             for first, last in ((True, True), (True, False), (False, True), (False, False)):
                 want = B._pattern_contiguous(B._pattern(model, tp, first, last, True))

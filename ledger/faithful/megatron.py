@@ -35,9 +35,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ledger.faithful.megatron_buffers import (
-    Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_summary, _class_bound,
-    _chunk_contiguous, _most_loaded, _pattern, _stage_totals, _pattern_cum, _pieces, _stage_shape, _tiled_ranks, argmax_rank,
-    effective_bucket_size, owned_sizes)
+    Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
+    _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _stage_shape, _stage_totals, _tiled_ranks,
+    argmax_rank, effective_bucket_size, owned_sizes)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -114,8 +114,8 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
         # every stage but the last bounded before its summary (the first's is a bucket walk); the
         # last, which adds the output layer, is the usual heaviest and its summary read then anyway
         if st < pp - 1:
-            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
-                                   dp, dist_opt) for ch in range(vp)]
+            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
+                                   effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
             classes.append((st, _class_bound(_stage_totals(bounds), dist_opt, pb, gb, *w)[1], None))
         else:
             fixed, ub = exact(st)
@@ -142,8 +142,8 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
     if all(x[4] == 1 for x in sums):
-        return _one_bucket_best(parts[0][1], shapes[0][0], [(head, tail, x[0]) for (head, _, tail), x in zip(parts, sums)],
-                                dp, *w)
+        chunks = [(head, tail, x[0]) for (head, _, tail), x in zip(parts, sums)]
+        return _one_bucket_best(parts[0][1], shapes[0][0], chunks, dp, *w)
     if vp == 1:
         (layers, first, last), = shapes
         return _tiled_best(_pattern_cum(parts[0], layers), *_chunk_buckets(
@@ -455,7 +455,8 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
     rows = []
     for c in cb.build():
         calls = per_mb.get((c.dim, c.kind, c.dtype))
-        rows.append(c if calls is None else (c.dim, c.kind, c.dtype, c.what, c.count, c.buffer_bytes, c.wire_bytes, calls))
+        rows.append(c if calls is None else
+                    (c.dim, c.kind, c.dtype, c.what, c.count, c.buffer_bytes, c.wire_bytes, calls))
     return tuple(rows)
 
 
