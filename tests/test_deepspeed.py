@@ -477,6 +477,38 @@ def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
             _z3_fetches(big, m, 100_000, 5 * 10**7, 10**9, 10**9, False)
 
 
+def test_zero3_one_param_shortcuts_are_the_general_loops():
+    """A module with one param (most) takes shortcuts in the replay (its fetch without the per-call
+    lists; _unmarked returning its own tuple): against the same replays over the same trace whose
+    modules never look like one-param ones (the general loops), fast path and event replay, over
+    models (biases: two-param modules too), thresholds and budgets: every pass's all-gathers, end
+    state and first-pass verdict equal."""
+    import dataclasses
+    import itertools
+
+    from ledger.faithful.deepspeed_coordinator import _z3_after_record, _z3_persistent, _Z3Sim, _z3_trace
+
+    class General(tuple):  # a module's params that never take a one-param shortcut (len(own) == 1)
+        def __len__(self):
+            return 2
+
+    tiny = preset("tiny", layers=6)
+    models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True)]
+    budgets = [(0, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000), (50_000, 20_000, 10**7),
+               (5 * 10**7, 10**9, 10**9), (100_000, 200_000, 10**6)]
+    for shape, th, (pf, ml, rd), periodic in itertools.product(models, (0, 100_000), budgets, (True, False)):
+        tr = _z3_trace(shape, th)
+        general = tr._replace(mod_params=[General(ps) if len(ps) == 1 else ps for ps in tr.mod_params])
+        assert any(len(ps) == 1 for ps in tr.mod_params)
+        got = []
+        for t in (tr, general):
+            sim = _Z3Sim(t, pf, ml, rd, periodic)
+            first = sim.run(_z3_after_record(tr))
+            steady = sim.run(_z3_persistent(tr))
+            got.append((first, steady, sim.run(steady[1]), sim.as_first))
+        assert got[0] == got[1], (shape, th, pf, ml, rd, periodic)
+
+
 def test_zero3_fetch_on_use_is_the_event_replay():
     """Without prefetch and reuse distance (any max live), a steady step's all-gathers are known
     without a replay (_z3_fetch_on_use: every module's non-persistent params at each of its two fetches):
