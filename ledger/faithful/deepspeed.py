@@ -529,10 +529,19 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
 
 def _gathers(calls: Counter, dp: int, w: int) -> _Calls:
     """all_gather_coalesced: one all-gather per call of the params' padded partitions (w bytes/element)."""
-    return _counted("all_gather", ((w * sum([-(-n // dp) * dp for n in key]), k) for key, k in calls.items()), dp)
+    return _counted("all_gather", ((w * sum([_ceil_to(n, dp) for n in key]), k) for key, k in calls.items()), dp)
 
 
-_STEADY_WHAT = "coordinator fetch + prefetch (fetch_sub_module), every micro-batch"
+_COMPLETING_WHAT = "trace checks (reset_step completing the trace)"
+
+
+def _steady_fetches(model: ModelShape, dp: int, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+                    precision: str) -> CommBuilder:
+    """A new builder holding the coordinator's all-gathers of a steady step (_z3_steady), which step 1
+    (one micro-batch) makes too."""
+    calls = _z3_steady(model, m, threshold, prefetch, max_live, reuse)
+    return CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(calls, dp, _DTYPES[precision]),
+                                   "coordinator fetch + prefetch (fetch_sub_module), every micro-batch")
 
 
 def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
@@ -563,9 +572,7 @@ def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: in
     """_zero3_comm's steady step alone (a search reads no other)."""
     if dp == 1:
         return ()
-    steady_calls = _z3_steady(model, m, threshold, prefetch, max_live, reuse)
-    out = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
-                                  _STEADY_WHAT)
+    out = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision)
     return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision).build())
 
 
@@ -602,8 +609,7 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
         return steady, tuple(common(first).build()), _zero3_warmup(model, dp, m, threshold, bucket, prefetch, max_live,
                                                                    reuse, precision)
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
-    first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp),
-                    "trace checks (reset_step completing the trace)")
+    first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp), _COMPLETING_WHAT)
     first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
     return steady, tuple(common(first).build()), None
 
@@ -615,11 +621,8 @@ def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: in
     starts with the trace completion, then runs as steady state."""
     if dp == 1:
         return ()
-    steady_calls = _z3_steady(model, m, threshold, prefetch, max_live, reuse)
-    warmup = CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(steady_calls, dp, _DTYPES[precision]),
-                                     _STEADY_WHAT)
-    warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp),
-                     "trace checks (reset_step completing the trace)")
+    warmup = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision)
+    warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp), _COMPLETING_WHAT)
     return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision).build())
 
 
