@@ -157,6 +157,24 @@ class CommBuilder:
         return self.add_sums((dim, kind, dtype), count, buffer_bytes * count,
                              wire_bytes(kind, buffer_bytes, group_size) * count, [what] if what else [])
 
+    def add_several(self, dim: str, kind: str, dtype: str, group_size: int, calls) -> "CommBuilder":
+        """Several call sites' calls of one (dim, kind, dtype), each (buffer bytes, how many times,
+        what): the same as add() of each, summed before they meet the record (one merge)."""
+        if group_size <= 1:
+            return self
+        count = buf = wire = 0
+        whats = []
+        for b, c, what in calls:
+            if c:
+                count += c
+                buf += b * c
+                wire += wire_bytes(kind, b, group_size) * c
+                if what:
+                    whats.append(what)
+        if count:
+            self.add_sums((dim, kind, dtype), count, buf, wire, whats)
+        return self
+
     def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
                  what: str = "") -> "CommBuilder":
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
@@ -172,12 +190,6 @@ class CommBuilder:
             return self
         return self.add_calls(dim, "send_recv", dtype, ((sent_bytes > 0) + (received_bytes > 0)) * times,
                               (sent_bytes + received_bytes) * times, sent_bytes * times, what)
-
-    def copy(self) -> "CommBuilder":
-        """An independent builder holding the same calls (a cached part extended per layout)."""
-        out = CommBuilder()
-        out._acc = {key: [c, b, w, list(s)] for key, (c, b, w, s) in self._acc.items()}
-        return out
 
     def build(self) -> list[Comm]:
         """The records, sorted by (dim, kind, dtype)."""

@@ -75,3 +75,32 @@ def test_comm_builder_builds_records_sorted_whatever_the_insertion_order():
                 (i + 2, 100 * (i + 1) + 1, 10 * (i + 1) + 1, "; ".join(sorted({f"{c.dim}-{c.kind}", "again"})))
     c = Comm("dp", "all_gather", 1, 2, 3, "bf16", "x")
     assert pickle.loads(pickle.dumps(c)) == c  # slotted records still travel (submitit pickles results)
+
+
+def test_add_several_is_add_of_each_call():
+    """CommBuilder.add_several (a call site's calls summed before they meet the record) gives the list
+    the same calls added one by one give: merged keys, calls made 0 times, groups of one, repeated and
+    empty names, floors per call (FSDP's padded buffers among them)."""
+    import random
+
+    from ledger.placement import CommBuilder
+
+    rng = random.Random(0)
+    for _ in range(300):
+        cb, acc = CommBuilder(), CommBuilder()
+        for _ in range(rng.randint(1, 8)):
+            dim, kind = rng.choice(["dp", "tp", "cp-dp"]), rng.choice(["all_gather", "all_reduce", "reduce_scatter"])
+            dtype, n = rng.choice(["bf16", "fp32"]), rng.choice([1, 2, 3, 7, 8])
+            calls = [(rng.randint(1, 10 ** 6), rng.choice([0, 1, 2, 80]), rng.choice(["a", "b", "c d", ""]))
+                     for _ in range(rng.randint(1, 4))]
+            if rng.random() < 0.5:  # FSDP's padded buffers: multiples of the group
+                calls = [(b * n, c, what) for b, c, what in calls]
+            for b, c, what in calls:
+                if c:
+                    cb.add(dim, kind, b, n, dtype, count=c, what=what)
+            if rng.random() < 0.5:
+                acc.add_several(dim, kind, dtype, n, calls)
+            else:
+                for b, c, what in calls:
+                    acc.add(dim, kind, b, n, dtype, count=c, what=what)
+        assert acc.build() == cb.build()

@@ -49,9 +49,7 @@ def test_framework_sizes_are_checked(framework, knob, value):
     fw[knob] = value
     with pytest.raises(ConfigError, match=f"framework.{knob}={value} must be >= "):
         validate(preset("tiny"), resolve(lay(dp=2)), framework, fw)
-    fw[knob] = value + 1 if value >= 0 else 0  # the least value allowed
-    if knob in ("bucket_size", "reduce_bucket_size", "allgather_bucket_size"):
-        fw[knob] = 1
+    fw[knob] = 1 if knob in ("bucket_size", "reduce_bucket_size", "allgather_bucket_size") else 0  # the least allowed
     validate(preset("tiny"), resolve(lay(dp=2)), framework, fw)
 
 

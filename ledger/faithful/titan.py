@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import prod
+from operator import attrgetter
 from typing import Callable, NamedTuple
 
 from ledger.grid import Grid
@@ -72,11 +73,10 @@ def _unit_items(model: ModelShape) -> tuple[tuple, tuple, tuple]:
             (("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))))
 
 
-@lru_cache(maxsize=256)
 def _unit_params(model: ModelShape, tp: int) -> tuple[tuple[Param, ...], tuple[Param, ...], tuple[Param, ...]]:
-    """units() as the ledger uses them: tok_embeddings, one TransformerBlock (ModelShape's blocks
-    are alike: layer_params(i) differs from layer 0 by names only), [norm, lm_head]. Cached per
-    (model, tp): a layout search asks for them many times."""
+    """units()' TP-local params of tok_embeddings, one TransformerBlock (ModelShape's blocks are
+    alike: layer_params(i) differs from layer 0 by names only), [norm, lm_head]: the per-param
+    listing the ledger's group sums (_groups, _sharded_part) are tested against."""
     emb, block, head = _unit_items(model)
     return _ps(emb, tp), _ps(block, tp), _ps(head, tp)
 
@@ -127,8 +127,8 @@ def _unit_dims(model: ModelShape) -> tuple[tuple[tuple[int, int, int | None, int
 
 
 class _Group(NamedTuple):
-    """Sums over one of _unit_params' groups (tok_embeddings, one TransformerBlock, [norm,
-    lm_head]) at one (tp, shard degree), in elements: what _Sharded adds up, per group."""
+    """Sums over one of _unit_dims' groups (tok_embeddings, one TransformerBlock, [norm, lm_head])
+    at one (tp, shard degree), in elements: what _Sharded adds up, per group."""
     n_params: int
     padded: int
     even: int
@@ -145,10 +145,7 @@ def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
         fulls = []
         uneven: dict[int, int] = {}
         for d0, rest, dim, count in g:
-            if dim == 0:  # the TP-local shape (_tp_local)
-                d0 //= tp
-            elif dim == 1:
-                rest //= tp
+            d0, rest = _shard_tp((d0, rest), dim, tp)  # the TP-local shape (_tp_local)
             # the padded full tensor, what its unit's all-gather and reduce-scatter move: a
             # multiple of ds, its local shard (chunk rows x rest) is f // ds
             f = _chunk_rows(d0, ds) * ds * rest
@@ -222,11 +219,12 @@ def _check_model(model: ModelShape) -> None:
 # place() as one tuple
 _MODELLED = ("dtype", "mixed_precision_param", "mixed_precision_reduce", "spmd_backend")
 _MODELLED_VALUES = ("float32", "bfloat16", "float32", "partial_dtensor")
+_modelled_of = attrgetter(*_MODELLED)
 
 
 def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check(model, lay)
-    if (fw.dtype, fw.mixed_precision_param, fw.mixed_precision_reduce, fw.spmd_backend) != _MODELLED_VALUES:
+    if _modelled_of(fw) != _MODELLED_VALUES:
         for field, want in zip(_MODELLED, _MODELLED_VALUES):
             if getattr(fw, field) != want:
                 raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models "
@@ -258,7 +256,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                     lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
-        _, gaps, priced, _ = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
+        _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
         if priced:
             pl.notes.append("titan tp: mm-backward strategies are priced with DTensor's cost model for one device "
                             "per host (cpu); on cuda with tp <= GPUs per host its intra-host numbers apply and a "
@@ -363,25 +361,6 @@ def _mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def _add_all(acc: CommBuilder, dim: str, kind: str, dtype: str, n: int, calls, padded: bool = False) -> None:
-    """_add of several calls of one (dim, kind, dtype), each (buffer bytes, how many times, what),
-    summed before they meet acc. padded: every buffer is a multiple of n bytes (FSDP's padded full
-    tensors), so no call's wire bytes are floored and those of the sum are the sum of theirs (test)."""
-    if n <= 1:
-        return
-    count = buf = wire = 0
-    whats = []
-    for b, c, what in calls:
-        if c:
-            count += c
-            buf += b * c
-            if not padded:
-                wire += wire_bytes(kind, b, n) * c
-            whats.append(what)
-    if count:
-        acc.add_sums((dim, kind, dtype), count, buf, wire_bytes(kind, buf, n) if padded else wire, whats)
-
-
 def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
@@ -394,20 +373,20 @@ def _comm(model: ModelShape, lay: Layout, fw, sh: _Sharded, steady: bool, grid: 
     # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
     # once ([norm, lm_head] again where the loss wrapper unshards it: _lm_head_regathers), and ends
     # with lm_head.reshard(): the norm's backward gathers the group again
-    _add_all(acc, fsdp, "all_gather", "bf16", ds,
-             ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
-              (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
-              (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
-              (emb * BF16, reshard, "backward unshard")), padded=True)
+    acc.add_several(fsdp, "all_gather", "bf16", ds,
+               ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
+                (head * BF16, 1, "forward unshard (norm)"), (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
+                (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
+                (emb * BF16, reshard, "backward unshard")))
     # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
     # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
     # shard is all-reduced over dp_replicate
     scatters = ((sh.lm_full, 1, "lm_head grad (last chunk)"), (sh.norm_full, 1, "norm grad"),
                 (layer, L, "layer grads"), (emb, 1, "tok_embeddings grad"))
-    _add_all(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
+    acc.add_several(fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
     if rep > 1:
-        _add_all(acc, "dp_replicate", "all_reduce", "fp32", rep,
-                 [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
+        acc.add_several("dp_replicate", "all_reduce", "fp32", rep,
+                   [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
 
     # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
     # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
@@ -453,19 +432,19 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout) -> None:
         # do shard -> replicate"): all-gather. A Shard(1) -> Replicate gets the Partial grad (the
         # colwise input grads, derivation above _MM; the loss wrapper's hidden grad) and takes it
         # back to Shard(1): reduce-scatter
-        _add_all(acc, "tp", "reduce_scatter", "bf16", tp,
-                 ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
-                  (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
-        _add_all(acc, "tp", "all_gather", "bf16", tp,
-                 ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
-                  (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
+        acc.add_several("tp", "reduce_scatter", "bf16", tp,
+                   ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
+                    (act, blocks, "SP backward: Partial grads of the gathered inputs scattered")))
+        acc.add_several("tp", "all_gather", "bf16", tp,
+                   ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
+                    (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered")))
     else:
         # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs;
         # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py
         # GradAccumulator.result); it stays Partial down the residual stream (derivation above _MM)
         # and is reduced once, at tok_embeddings' local_map output (Partial -> Replicate)
-        _add_all(acc, "tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
-                                                        (act, 1, "residual-stream grad at tok_embeddings")))
+        acc.add_several("tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
+                                                          (act, 1, "residual-stream grad at tok_embeddings")))
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes
     # it to the param's Replicate: all-reduce (norm_config: "pending BWD AR handled by FSDP")
@@ -476,9 +455,8 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout) -> None:
     acc.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", 3 * chunks, "loss-parallel CE")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation above _MM); every layer is alike
-    if L:
-        for kind, calls, nbytes, wire in _layer_backward_comm(model, T, tp, sp)[3]:
-            acc.add_sums(("tp", kind, "bf16"), calls * L, nbytes * L, wire * L, [_MM_BACKWARD] * calls)
+    for kind, full in _layer_backward_comm(model, T, tp, sp)[0]:
+        acc.add("tp", kind, full * BF16, tp, "bf16", L, _MM_BACKWARD)
 
 
 _MM_BACKWARD = "DTensor mm backward redistribution"
@@ -545,8 +523,10 @@ def _transition(cur: str, tgt: str) -> tuple[str | None, bool, str | None] | Non
     return None  # Shard -> Partial, Partial -> another Partial: banned
 
 
+@lru_cache(maxsize=1024)
 def _transition_costs(transitions: tuple, numel_full: int, n: int) -> tuple[float, ...]:
-    """_collective_utils.py redistribute_cost of each allowed _transition of one bf16 tensor."""
+    """_collective_utils.py redistribute_cost of each allowed _transition of one bf16 tensor (cached:
+    a layer's backward hands several mm's the same gradient)."""
     full = numel_full * BF16
     return tuple([0.0 if priced is None else _coll_cost(priced, full / n, n) + 1.0 if local
                   else _coll_cost(priced, full, n) for priced, local, _ in transitions])
@@ -603,13 +583,6 @@ def _mm_plan(pa: str, pb: str) -> tuple[tuple, tuple, tuple[tuple[int, int, int]
     return tuple(ta), tuple(tb), tuple(allowed)
 
 
-@lru_cache(maxsize=1024)
-def _costs(transitions: tuple, numel_full: int, n: int) -> tuple[float, ...]:
-    """_transition_costs of one input, priced once (a layer's backward hands several mm's the same
-    gradient: cached)."""
-    return _transition_costs(transitions, numel_full, n)
-
-
 def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[tuple[str, int]], bool]:
     """_mm without its loop: where a strategy takes the inputs as they are, its cost -1.0 is below
     every priced one (>= 0), so _mm keeps it (no collective, not priced); else _mm keeps the first
@@ -622,7 +595,7 @@ def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[
     ta, tb, allowed = _mm_plan(a[0], b[0])
     if not allowed:
         return _mm(a, b, n)
-    ca, cb = _costs(ta, a[1], n), _costs(tb, b[1], n)
+    ca, cb = _transition_costs(ta, a[1], n), _transition_costs(tb, b[1], n)
     total = [ca[i] + cb[j] for _, i, j in allowed]
     s, i, j = allowed[total.index(min(total))]
     return _MM[s][0], [(k, numel) for k, numel in ((ta[i][2], a[1]), (tb[j][2], b[1])) if k], True
@@ -630,13 +603,10 @@ def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[
 
 @lru_cache(maxsize=1024)
 def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
-                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool,
-                                    tuple[tuple[str, int, int, int], ...]]:
+                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
     """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the
-    paths this derivation does not cover (named in the Placement's notes), whether any mm's
-    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came), and
-    the collectives summed per kind as _tp_comm adds them, (kind, calls, bf16 buffer bytes, wire
-    bytes over tp), each call's wire floored on its own (CommBuilder.add of each; test)."""
+    paths this derivation does not cover (named in the Placement's notes), and whether any mm's
+    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came)."""
     h, f = model.hidden, model.ffn_hidden
     q = model.heads * model.head_dim
     out: list[tuple[str, int]] = []
@@ -662,14 +632,7 @@ def _layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
     # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
     # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
     # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
-    by_kind: dict[str, list[int]] = {}
-    for kind, full in out:
-        nbytes = full * BF16
-        s = by_kind.setdefault(kind, [0, 0, 0])
-        s[0] += 1
-        s[1] += nbytes
-        s[2] += wire_bytes(kind, nbytes, tp)
-    return tuple(out), tuple(undone), priced, tuple([(kind, *s) for kind, s in by_kind.items()])
+    return tuple(out), tuple(undone), priced
 
 
 # -- pipeline parallelism: distributed/pipeline_parallel.py pipeline_llm, torch 2.13 pipelining --------
@@ -863,8 +826,8 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: _Sharded, stage: tuple[bool, in
         if has_head:
             gathers += [(head, 1, "metadata inference forward"), (head, 1, "metadata inference: norm backward")]
             scatters.append((sh.lm_full, 1, "metadata inference: ChunkedLossWrapper lm_head grad"))
-    _add_all(acc, fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers], padded=True)
-    _add_all(acc, fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters], padded=True)
+    acc.add_several(fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers])
+    acc.add_several(fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
     # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
     # total norm (** norm_type) all-reduced over pp
     acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
