@@ -669,7 +669,7 @@ def _comm_by_builder(model, lay, k, stage):
 def test_comm_plan_counts_what_a_builder_per_layout_counts():
     """_comm (the stage's cached plan, its per-micro-batch calls counted per layout) equals every call
     added to a CommBuilder per layout: records merged by (dim, kind, dtype) with their names, bytes
-    floored per call (SP shards, odd shapes), no micro-batch at all (global batch 0)."""
+    floored per call (SP shards, odd shapes), one micro-batch or many."""
     odd = ModelShape(layers=8, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=24, name="odd")
     for model in (preset("tiny"), dataclasses.replace(preset("tiny"), tied_embeddings=True), odd):
         for fw in (_fw(), _fw(precision="fp32"), _fw(grad_reduce_in_fp32=False, use_distributed_optimizer=False),
@@ -734,18 +734,6 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
                     assert got == (d, int(e[d]), int(p[d])), (stage, dp, numels, w)
 
 
-def test_wire_sum_floors_each_call():
-    """placement.wire_sum (DDP buckets' calls, CommBuilder.add_each): wire_bytes of each call summed,
-    few calls or many (numpy)."""
-    from ledger.placement import wire_bytes, wire_sum
-
-    for n in (1, 5, 33, 100):
-        buffers = [7 * i + 3 for i in range(n)]
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            for group in (2, 3, 7):
-                assert wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)
-
-
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
 def test_chunk_bound_bounds_the_summary(name):
     """_chunk_bound (no bucket walk) is an upper bound of _chunk_summary's numel and DP range elements,
@@ -780,10 +768,9 @@ def test_tiled_best_is_the_argmax_over_every_rank(name):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
         per_layer = sum(n for _, n in B._pieces(model, 1)[1])
         for tp, layers, first, last in ((1, 2, True, True), (1, 2, True, False), (2, 2, False, True), (1, 1, False, False)):
-            parts = B._pattern(model, tp, first, last, True)
-            if not B._pattern_contiguous(parts):
+            if not B._chunk_contiguous(model, tp, first, last):
                 continue
-            cum = B._pattern_cum(parts, layers)
+            cum = B._pattern_cum(B._pattern(model, tp, first, last, True), layers)
             for bucket in (per_layer // 7, per_layer // 2, per_layer + 5, None):
                 for dp in (1, 2, 3, 8, 64, 1000):
                     buckets = B._chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
@@ -795,16 +782,17 @@ def test_tiled_best_is_the_argmax_over_every_rank(name):
     assert checked
 
 
-def test_chunk_contiguous_is_the_patterns_contiguity():
-    """_chunk_contiguous (from the pattern's totals) says what _pattern_contiguous says of the aligned
-    pattern: shapes with and without alignment padding, every chunk kind."""
+def test_chunk_contiguous_is_the_buffers_contiguity():
+    """_chunk_contiguous (from the pattern's totals) says what the built distributed-optimizer buffer's
+    contiguous says (build_buffer: no param's aligned size exceeds its size): shapes with and without
+    alignment padding, every chunk kind."""
     odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
     seen = set()
     tied = dataclasses.replace(preset("llama3_70b"), tied_embeddings=True)
     for model in (preset("tiny"), preset("llama3_70b"), tied, odd):
         for tp in (1, 2, 8):
             for first, last in ((True, True), (True, False), (False, True), (False, False)):
-                want = B._pattern_contiguous(B._pattern(model, tp, first, last, True))
+                want = B._buffer(model, tp, 1, first, last, None, 8, True).contiguous
                 assert B._chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
                 seen.add(want)
     assert seen == {True, False}

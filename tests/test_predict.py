@@ -104,3 +104,15 @@ def test_add_several_is_add_of_each_call():
                 for b, c, what in calls:
                     acc.add(dim, kind, b, n, dtype, count=c, what=what)
         assert acc.build() == cb.build()
+
+
+def test_wire_sum_floors_each_call():
+    """placement.wire_sum (DDP buckets' calls, CommBuilder.add_each): wire_bytes of each call summed,
+    few calls or many (numpy)."""
+    from ledger.placement import wire_bytes, wire_sum
+
+    for n in (1, 5, 33, 100):
+        buffers = [7 * i + 3 for i in range(n)]
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            for group in (2, 3, 7):
+                assert wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)

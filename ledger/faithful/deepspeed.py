@@ -558,7 +558,8 @@ def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshol
 
 
 @lru_cache(maxsize=256)
-def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str) -> tuple[_Calls, _Calls, _Calls]:
+def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int,
+                 precision: str) -> tuple[_Calls, _Calls, _Calls]:
     """_zero3_common's calls whatever the micro-batches: one backward's IPG reduce-scatters; at the
     boundary get_grad_norm_direct's fp64 norm all-reduce (only fp16 has an overflow all-reduce at stage
     3) and _post_step's persistent_parameters[0].all_gather(persistent_parameters)."""

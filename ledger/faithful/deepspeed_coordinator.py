@@ -216,7 +216,8 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
     kinds = "".join(kinds)
     blk_persist = [n <= threshold for n in blk_numel]
     persist = [e <= threshold] + blk_persist * L + [n <= threshold for n in numels[p_norm:]]
-    persistent = frozenset(chain([0] if persist[0] else [], _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
+    persistent = frozenset(chain([0] if persist[0] else [],
+                                 _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
                                  [p for p in range(p_norm, len(numels)) if persist[p]]))
     return _Z3Trace(numels, persist, persistent, mod_params, kinds, mods, at[0], qp, qs, prefix, qstart, L, nb,
                     tuple(periods))
@@ -526,7 +527,9 @@ class _Z3Sim:
                         rel = to_release(mo, step, recent, not fill)
                     if self._now_first:
                         got = unmarked.get(key)
-                        if (self._cached(key, unmarked) if got is None else got) != _unmarked(own, persist, recent, step):
+                        if got is None:
+                            got = self._cached(key, unmarked)
+                        if got != _unmarked(own, persist, recent, step):
                             self._now_first = False
                 for p in own:
                     active[p] -= 1

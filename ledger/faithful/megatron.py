@@ -16,7 +16,7 @@ Tied embeddings (pp=1: one weight; pp>1: the last stage's copy, `shared_embeddin
 embedding-group all-reduce) and overlap_param_gather (the param all-gathers in the next step's
 forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,
 shared_embedding, build_buffer (ledger.faithful.megatron_buffers: a stage's parameters, its DDP
-buffers and the DP ranks' shards), _comm, rank_state.
+buffers and the DP ranks' shards), _fixed_comm (through _comm_plan), rank_state.
 
 Speed: a layout search predicts thousands of layouts. What no micro-batch setting changes is
 computed once per structure (model, tp, pp, dp, vp, knobs) and cached: the most-loaded rank
@@ -36,12 +36,12 @@ import numpy as np
 
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
-    _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _stage_shape, _stage_totals, _tiled_ranks,
-    argmax_rank, effective_bucket_size, owned_sizes)
+    _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares, _stage_shape,
+    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes, wire_sum
+from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
@@ -126,8 +126,8 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
 @lru_cache(maxsize=4096)
 def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[tuple, ...]:
     """_chunk_summary of each of a stage's chunks."""
-    return tuple(_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch), dp,
-                           k.use_distributed_optimizer) for ch in range(vp))
+    return tuple(_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
+                                dp, k.use_distributed_optimizer) for ch in range(vp))
 
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
@@ -222,14 +222,11 @@ def _tiled_best(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np
     starts inside wins among them; the last rank's share is evaluated on its own. Otherwise from
     _tiled_ranks' arrays."""
     nb = len(first)
-    size = (bend - bstart) // dp
-    lims = np.append(first, len(cum) - 1)
-    real = cum[lims[1:]] - cum[lims[:-1]]
-    if not nb or int((real // size).min()) < dp - 1:
+    if not nb:
         return argmax_rank(*_tiled_ranks(cum, first, bstart, bend, dp), w_elem, w_piece)
-    bid = np.repeat(np.arange(nb), np.diff(lims))
-    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
-    inner = np.bincount(rank[at != 0], minlength=dp)
+    size, real, inner = _bucket_shares(cum, first, bstart, bend, dp)
+    if int((real // size).min()) < dp - 1:
+        return argmax_rank(*_ranks_of_shares(size, real, inner, dp), w_elem, w_piece)
     best = None  # (bytes, rank, elements, pieces)
     if dp > 1:
         d, n = int(inner[:dp - 1].argmax()), int(size.sum())
@@ -288,7 +285,8 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
 
 
 @lru_cache(maxsize=4096)
-def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int, dp_rank: int) -> RankState:
+def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int,
+                 dp_rank: int) -> RankState:
     """What a rank keeps that no micro-batch setting changes (rank_state copies it; cached: layouts of a
     search that differ only by micro-batch or SP share it)."""
     bf16 = k.precision == "bf16"
@@ -441,8 +439,7 @@ def _comm_plan(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, 
     per_mb: dict[tuple, tuple] = {}
 
     def fixed(dim, kind, dtype, what, group, buffers):
-        if group > 1 and buffers:  # a group of one sends nothing (CommBuilder.add)
-            cb.add_sums((dim, kind, dtype), len(buffers), sum(buffers), wire_sum(kind, buffers, group), [what])
+        cb.add_each(dim, kind, buffers, group, dtype, what)
 
     def per_micro_batch(dim, kind, dtype, what, calls, unit, div, group, wires):
         if calls > 0 and group > 1:

@@ -134,7 +134,7 @@ def _bucket_unit(dp: int) -> int:
 @dataclass(frozen=True, eq=False)
 class Buffer:
     """One DDP buffer: params in reverse (backprop) order at [starts, ends) of the (padded) buffer,
-    bucket b spanning [bstart[b], bend[b]); `params` holds the indices of stage_params order."""
+    bucket b spanning [bstart[b], bend[b])."""
     starts: np.ndarray
     ends: np.ndarray
     bstart: np.ndarray
@@ -163,7 +163,7 @@ def _shared(model: ModelShape, first: bool, last: bool, dist_opt: bool) -> bool:
     """Whether a chunk's buffer holds a `shared_embedding` param in a bucket of its own (build_buffer):
     a chunk holding the embedding or the output layer (never both with pp > 1) of a tied model with
     pp > 1 (shared_embedding()); pp = 1 holds both, marks none."""
-    return dist_opt and model.tied_embeddings and not (first and last)
+    return dist_opt and model.tied_embeddings and first != last
 
 
 def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: bool,
@@ -172,8 +172,9 @@ def build_buffer(sizes: np.ndarray, bucket_size: int | None, dp: int, dist_opt: 
     """Params in reverse (backprop) order into buckets.
 
     Distributed optimizer: optimizer/distrib_optimizer.py _compute_per_buffer_param_layout with
-    optimizer/param_layout.py pad_param_start and pad_bucket_end (PARAM_ALIGN, _bucket_unit); a bucket closes at the first param whose end reaches
-    bucket_size elements past the bucket start. Otherwise distributed/param_and_grad_buffer.py
+    optimizer/param_layout.py pad_param_start and pad_bucket_end (PARAM_ALIGN, _bucket_unit,
+    _pad_bucket_end); a bucket closes at the first param whose end reaches bucket_size elements past
+    the bucket start. Otherwise distributed/param_and_grad_buffer.py
     _compute_default_per_buffer_param_layout: no padding.
     Every param start is 64-aligned and so is every bucket start (lcm(dp, 128)), hence a param
     starts at its bucket's start plus the aligned sizes of the params before it in the bucket.
@@ -209,11 +210,11 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     """build_buffer's bucket rule over params 0..P-1 of backprop order: (first param, start, padded
     end) of each bucket. cum(j): aligned elements before param j; reach(i): cum(i) plus param i's
     elements; first_reaching(x): the lowest i with reach(i) >= x (P if none). Given as functions so
-    that a chunk's buckets can be walked without its per-param arrays (_pattern_walk)."""
+    that a chunk's buckets can be walked without its per-param arrays (_chunk_buckets)."""
     if P and bucket_size is None and not (shared_first or shared_last):
         # one bucket (every stage but the first, or no overlap_grad_reduce): the loop's single step
         # (j = 0, i = P - 1) without its bookkeeping
-        end = _one_bucket_end(reach(P - 1) - cum(0), div, dist_opt)
+        end = _pad_bucket_end(reach(P - 1) - cum(0), div, dist_opt)
         return _ZERO, _ZERO, np.array([end], np.int64)
     firsts, bstarts, bends = [], [], []
     j, b0 = 0, 0
@@ -245,7 +246,7 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
         if shared_first and i == P - 1 and j < P - 1:  # the embedding, last in backprop order
             i = P - 2
         pend = b0 + reach(i) - cum(j)
-        end = -(-pend // div) * div if dist_opt else pend
+        end = _pad_bucket_end(pend, div, dist_opt)
         firsts.append(j)
         bstarts.append(b0)
         bends.append(end)
@@ -254,10 +255,10 @@ def _walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, d
     return np.concatenate(blocks + [tail], axis=1) if blocks else tail
 
 
-def _one_bucket_end(span: int, div: int, dist_opt: bool) -> int:
-    """The padded end of a chunk's one bucket whose params span `span` elements from its start (0):
+def _pad_bucket_end(end: int, div: int, dist_opt: bool) -> int:
+    """A bucket's end (its params' last element) padded to a multiple of div = _bucket_unit(dp):
     pad_bucket_end (distributed optimizer; none otherwise)."""
-    return -(-span // div) * div if dist_opt else span
+    return -(-end // div) * div if dist_opt else end
 
 
 _ZERO = np.zeros(1, np.int64)
@@ -283,8 +284,8 @@ def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, dp: in
     names = [name for name, _ in reversed(params)]
     st, en = buf.starts.tolist(), buf.ends.tolist()
     lims = buf.first.tolist() + [len(names)]
-    return [Bucket(int(buf.bstart[b]), int(buf.bend[b]), [(names[i], st[i], en[i]) for i in range(lims[b], lims[b + 1])])
-            for b in range(len(lims) - 1)]
+    return [Bucket(int(buf.bstart[b]), int(buf.bend[b]),
+                   [(names[i], st[i], en[i]) for i in range(lims[b], lims[b + 1])]) for b in range(len(lims) - 1)]
 
 
 def effective_bucket_size(fw, dp: int, stage: int, chunk: int = 0) -> int | None:
@@ -402,7 +403,7 @@ def _chunk_summary(model: ModelShape, tp: int, layers: int, first: bool, last: b
         # end, the last param in backprop order the tail's, else the last layer's, else the head's
         real = hreal + layers * lreal + treal
         span = ha + layers * la + ta - (tpad if tn else lpad if layers and ln else hpad) if dist_opt else real
-        numel = _one_bucket_end(span, _bucket_unit(dp), dist_opt)
+        numel = _pad_bucket_end(span, _bucket_unit(dp), dist_opt)
         return numel, real, params, numel // dp, 1
     _, bstart, bend = _chunk_buckets(model, tp, layers, first, last, bucket_size, dp, dist_opt)
     numel, full, buckets = int(bend[-1]) if len(bend) else 0, int(((bend - bstart) // dp).sum()), len(bend)
@@ -448,15 +449,9 @@ def _pattern_totals(model: ModelShape, tp: int, first: bool, last: bool) -> tupl
 @lru_cache(maxsize=4096)
 def _chunk_buckets(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
                    dist_opt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _pattern_walk
-    (a chunk of one bucket is its summary's numel: _bucket_numels, _stage_best)."""
-    return _pattern_walk(model, tp, layers, first, last, bucket_size, dp, dist_opt)
-
-
-def _pattern_walk(model: ModelShape, tp: int, layers: int, first: bool, last: bool, bucket_size, dp: int,
-                  dist_opt: bool):
-    """_walk_buckets over a chunk's pattern (head, `layers` copies of one layer, embedding; _pattern),
-    whose positions are sums of per-piece sums: the buckets of _buffer(...)."""
+    """(first, bstart, bend) of _buffer(...)'s buckets without its per-param arrays: _walk_buckets over
+    the chunk's pattern (head, `layers` copies of one layer, embedding; _pattern), whose positions are
+    sums of per-piece sums."""
     shared = _shared(model, first, last, dist_opt)
     (hn, hc, hr), (ln, lc, lr), (tn, tc, tr) = _pattern(model, tp, first, last, dist_opt)
     h, k, t = len(hn), len(ln), len(tn)
@@ -516,15 +511,10 @@ def _run(model: ModelShape, tp: int, part: int, first: bool, dist_opt: bool) -> 
     return n, c, [c[i] + x for i, x in enumerate(n)]
 
 
-def _pattern_contiguous(parts) -> bool:
-    """No alignment padding between the params of a _pattern (Buffer.contiguous): each run's aligned
-    elements are its elements."""
-    return all(c[-1] == sum(n) for n, c, _ in parts)
-
-
 @lru_cache(maxsize=1024)
 def _chunk_contiguous(model: ModelShape, tp: int, first: bool, last: bool) -> bool:
-    """_pattern_contiguous of a chunk's aligned _pattern, from its totals (_pattern_totals)."""
+    """Buffer.contiguous of a chunk's distributed-optimizer buffer (no alignment padding between its
+    params) from its pattern's totals (_pattern_totals): each run's aligned elements are its elements."""
     return all(x[0] == x[2] for x in _pattern_totals(model, tp, first, last)[:3])
 
 
@@ -598,17 +588,28 @@ def _tiled_ranks(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: n
         p = np.bincount(rank[at != 0], minlength=dp)
         p[:-(-real // s)] += 1
         return e, p
+    return _ranks_of_shares(*_bucket_shares(cum, first, bstart, bend, dp), dp)
+
+
+def _bucket_shares(cum: np.ndarray, first: np.ndarray, bstart: np.ndarray, bend: np.ndarray,
+                   dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_tiled_ranks' buckets (at least one) as (DP range elements S, param elements) per bucket and,
+    per DP rank, the param starts strictly inside its ranges."""
     size = (bend - bstart) // dp
     lims = np.append(first, len(cum) - 1)
     real = cum[lims[1:]] - cum[lims[:-1]]
+    bid = np.repeat(np.arange(len(first)), np.diff(lims))
+    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
+    return size, real, np.bincount(rank[at != 0], minlength=dp)
+
+
+def _ranks_of_shares(size: np.ndarray, real: np.ndarray, inner: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """_tiled_ranks' (elements, pieces) per DP rank from _bucket_shares."""
     full, rem = np.divmod(real, size)
     # weights make float64 bincounts: exact, the sums stay far below 2**53
     e = np.bincount(full, weights=size, minlength=dp + 1)[::-1].cumsum()[::-1][1:] + \
         np.bincount(full, weights=rem, minlength=dp + 1)[:dp]
-    bid = np.repeat(np.arange(nb), np.diff(lims))
-    rank, at = np.divmod(cum[:-1] - cum[first][bid], size[bid])
-    p = np.bincount(rank[at != 0], minlength=dp)
-    p += nb - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp]  # buckets whose params reach rank r
+    p = inner + (len(size) - np.cumsum(np.bincount(-(-real // size), minlength=dp + 1))[:dp])  # buckets reaching r
     return e.astype(np.int64), p
 
 
