@@ -19,10 +19,10 @@ register()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> dict:
-    from launchers.job import run_job
-
+    from launchers.job import exit_on_signals, run_job
     from launchers.slurm import slurm_ranks_runner, task_env
 
+    exit_on_signals()  # SIGTERM records the running job as interrupted and stops its ranks
     hc = HydraConfig.get()
     te = task_env()
     if te is not None:  # a task of a Slurm job: this task runs one rank; rank 0 writes the record
@@ -37,12 +37,34 @@ def main(cfg) -> dict:
         record = run_job(cfg, hc.runtime.output_dir)
     status = record["status"]
     if status != "ok":
-        print(f"job {hc.job.num if hc.mode == RunMode.MULTIRUN else ''} {status}: {record['error']}",
-              file=sys.stderr)
+        name = f"job #{hc.job.num} ({os.path.basename(record['job_dir'])})" if hc.mode == RunMode.MULTIRUN else "job"
+        print(f"{name} {status}: {record['error']}", file=sys.stderr)
         if hc.mode != RunMode.MULTIRUN:  # a single run fails loudly; a sweep goes on
             sys.exit(2 if status == "invalid" else 1)
     return {"status": status, "job_dir": record["job_dir"]}
 
 
+def check_override_syntax(argv: list[str]) -> None:
+    """A key=value that Hydra's override grammar cannot parse (a quote, `;` or `$(` in a value) exits 2
+    naming the key, before Hydra composes anything: bad input, not a crash."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            key = arg.split("=", 1)[0].lstrip("+~")
+            why = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip() and not ln.startswith("See ")),
+                       "unparsable")
+            print(f"invalid: {key}: {arg!r} is not a valid override ({why}); "
+                  f"quote a value with spaces or special characters for Hydra, e.g. {key}='...'", file=sys.stderr)
+            sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_override_syntax(sys.argv[1:])
     main()

@@ -6,7 +6,8 @@ from hydra.experimental.callback import Callback
 
 class ReconcileCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        from analysis import records, reconcile
+        import records
+        from analysis import reconcile
 
         sweep_dir = config.hydra.sweep.dir
         recs = records.load(sweep_dir)

@@ -16,7 +16,8 @@ from collections import defaultdict
 
 import pandas as pd
 
-from analysis import records as R
+import records as R
+from analysis import wandb_io
 
 STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
 COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not (a.path or a.from_wandb):
         ap.error("give a PATH or --from-wandb SRC")
-    recs = R.load_from(a.path, a.from_wandb)
+    recs = wandb_io.load_from(a.path, a.from_wandb)
     if not recs:
         print(f"no record.json under {a.path or a.from_wandb}", file=sys.stderr)
         return 1

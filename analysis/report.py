@@ -27,8 +27,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from analysis import records as R  # noqa: E402
-from analysis import reconcile  # noqa: E402
+import records as R  # noqa: E402
+from analysis import reconcile, wandb_io  # noqa: E402
 
 FAMILIES = ("megatron", "deepspeed", "titan")  # column order: the three frameworks side by side
 FAMILY_COLOR = {"megatron": "#76b900", "deepspeed": "#0078d4", "titan": "#ee4c2c"}
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="report dir (default SWEEP_DIR/report)")
     ap.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="also save a W&B report (online; untested here)")
     a = ap.parse_args(argv)
-    recs = R.load_from(a.sweep_dir, a.from_wandb)
+    recs = wandb_io.load_from(a.sweep_dir, a.from_wandb)
     if not recs:
         print(f"no records under {a.from_wandb or a.sweep_dir}", file=sys.stderr)
         return 1

@@ -38,7 +38,7 @@ import zlib
 
 import pandas as pd
 
-from analysis import records as R
+import records as R
 
 # what one run's summary carries of the record (enough for reconcile.table and .summary)
 RECORD_KEYS = ("status", "error", "mode", "job_dir", "timings", "prediction", "measurement")
@@ -58,7 +58,7 @@ def log_job(cfg, record: dict) -> dict | None:
     """Log a finished job to W&B and note the outcome in its record.json (record["wandb"]).
 
     Never raises: a W&B failure is recorded as {"error": ...} and the job's status stands."""
-    from launchers.job import write_json
+    from records import write_json
 
     wc = cfg.get("wandb") if hasattr(cfg, "get") else None
     if wc is None or not wc.enabled or wc.mode == "disabled":
@@ -387,3 +387,11 @@ def read_tables(src: str) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
     return pd.concat(frames, ignore_index=True)[COLUMNS]
+
+
+def load_from(path: str | None, from_wandb: str | None = None) -> list[dict]:
+    """Records from W&B (an offline sweep dir or entity/project[/group]) when from_wandb is given,
+    else from the record.json files under path."""
+    if from_wandb:
+        return read_records(from_wandb)
+    return R.load(path)

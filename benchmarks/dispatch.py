@@ -21,7 +21,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from analysis import records  # noqa: E402
+import records  # noqa: E402
 
 # one predict-only job: Llama-3-8B, Megatron TP8 (the same work on both sides)
 JOB = ["framework=megatron", "model=llama3_8b", "layout.tp=8", "layout.dp=1", "layout.sequence_parallel=true"]

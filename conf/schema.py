@@ -156,6 +156,14 @@ class ProbeConfig:
 
 
 @dataclass
+class CampaignConfig:
+    # a sweep rerun into the same hydra.sweep.dir: which of its finished jobs run again. failed: those
+    # whose record is not ok (failed, timeout, interrupted, unreadable) and those with no record;
+    # all: every job; none: only jobs with no record. A job whose recorded config differs is an error.
+    rerun: str = "failed"  # all | failed | none
+
+
+@dataclass
 class JobConfig:
     mode: str = "run"  # predict | run | dry
     model: ModelConfig = MISSING
@@ -166,6 +174,7 @@ class JobConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    campaign: CampaignConfig = field(default_factory=CampaignConfig)
 
 
 FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "titan": TitanConfig}

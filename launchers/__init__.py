@@ -7,6 +7,13 @@ A framework module exposes:
 FRAMEWORKS = {"megatron": "launchers.megatron", "deepspeed": "launchers.deepspeed", "titan": "launchers.titan"}
 
 
+def shell_comment(text: str) -> str:
+    """One `# ...` line of a generated script: a newline or other control character in the text
+    (which would end the comment and start a command) becomes '?'. Values reaching a command line
+    are shlex.quote'd where they are written; this guards the comments."""
+    return "# " + "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
 def write_script(path: str, text: str) -> str:
     """Write an executable shell script (the dry artifacts a user runs by hand); returns its path."""
     import os

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 from launchers import write_script
@@ -197,10 +198,11 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
         f.write(TRAIN_DS)
     paths.append(p)
     gpus = cfg.cluster.gpus_per_node or cfg.cluster.ranks
-    line = RUN_LINE.format(gpus=gpus, nodes=cfg.cluster.nodes, steps=cfg.train.steps,
-                           model="'" + json.dumps(asdict(ModelShape.from_config(cfg.model))) + "'")
+    # every value on the command line is shlex-quoted: the model's JSON (its name included) is data
+    line = RUN_LINE.format(gpus=int(gpus), nodes=int(cfg.cluster.nodes), steps=int(cfg.train.steps),
+                           model=shlex.quote(json.dumps(asdict(ModelShape.from_config(cfg.model)))))
     paths.append(write_script(os.path.join(out_dir, "run.sh"),
                               "#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
                               'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
-                              "PYTHONPATH=$PWD %s\n" % (cfg.framework.zero_stage, lay.world, line)))
+                              'PYTHONPATH="$PWD" %s\n' % (cfg.framework.zero_stage, lay.world, line)))
     return paths

@@ -1,19 +1,25 @@
 """One job of a sweep: validate -> predict -> (run | dry) -> record.json.
 
-Every job leaves a record: status ok | failed | invalid, with the error text. Records are written
-atomically (temp file + rename) so a reader never sees half a record.
+Every job leaves a record: status ok | failed | invalid | timeout, with the error text. A job that
+runs ranks first writes a record of status `running` (with its pid and host), replaced by the
+final one; a job interrupted by SIGTERM / SIGINT records `failed` (interrupted) before it exits.
+Records are written atomically (records.write_json), so a reader never sees half a record.
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import signal
+import socket
 import time
 import traceback
 from importlib import metadata
 
 from omegaconf import OmegaConf
 
+import records
+from conf.validate import validate_config
 from launchers import FRAMEWORKS
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape
@@ -32,11 +38,25 @@ def versions() -> dict:
     return out
 
 
-def write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
+write_json = records.write_json
+
+
+class Interrupted(SystemExit):
+    """SIGTERM / SIGINT while a job runs: its record says so, its ranks are stopped, the process
+    exits 128 + signal (a resubmitted campaign runs the job again)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+def exit_on_signals() -> None:
+    """Turn SIGTERM (scancel, kill, a CI timeout) into Interrupted in the main thread, as SIGINT is."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def world_of(cfg) -> int:
@@ -46,19 +66,19 @@ def world_of(cfg) -> int:
 def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
     prediction is part of the check: a faithful ledger rejects what it does not model."""
+    validate_config(cfg)  # every group's values first: the layout rules below then divide safely
     model = ModelShape.from_config(cfg.model)
     world = world_of(cfg)
     # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size
     lay = resolve(cfg.layout, world)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
-    if cfg.mode not in ("predict", "run", "dry"):
-        raise ConfigError(f"mode={cfg.mode!r} must be predict, run or dry")
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 
 def new_record(cfg, job_dir: str) -> dict:
+    config = OmegaConf.to_container(cfg, resolve=True)
     return {"status": None, "error": None, "mode": cfg.mode, "job_dir": os.path.abspath(job_dir),
-            "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
+            "config": config, "config_hash": records.config_hash(config), "versions": versions(),
             "timings": {}, "prediction": None, "measurement": None}
 
 
@@ -98,13 +118,26 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
             record["artifacts"] = mod.dry(cfg, lay, job_dir)
         elif cfg.mode == "run":
             t1 = time.time()
+            if writes_record:  # what a reader (analysis.status) sees while the ranks run
+                write_json(rec_path, {**record, "status": "running", "pid": os.getpid(),
+                                      "host": socket.gethostname(), "started_at": t1})
             record["measurement"] = run_ranks(cfg, lay, job_dir, ranks_runner)
             record["timings"]["run_s"] = time.time() - t1
-            bad = [r for r in record["measurement"]["ranks"] if r.get("status") != "ok"]
-            if bad:
+            meas = record["measurement"]
+            bad = [r for r in meas["ranks"] if r.get("status") != "ok"]
+            if meas.get("timed_out"):
+                record["status"] = "timeout"
+                record["error"] = f"timeout after {cfg.cluster.timeout_s} s (cluster.timeout_s)"
+            elif bad:
                 record["status"] = "failed"
                 record["error"] = "; ".join(f"rank {r['rank']}: {r.get('error')}" for r in bad)[:4000]
         record["status"] = record["status"] or "ok"
+    except Interrupted as e:
+        record.update(status="failed", error=f"interrupted by {signal.Signals(e.signum).name} while running")
+        record["timings"]["total_s"] = time.time() - t0
+        if writes_record:
+            write_json(rec_path, record)  # no W&B: the rerun logs the job once
+        raise
     except Exception as e:
         record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
     record["timings"]["total_s"] = time.time() - t0
@@ -127,16 +160,20 @@ def clear_results(job_dir: str, ranks) -> None:
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
     from launchers.local import run_local
 
-    world = lay.world
+    world, timeout_s = lay.world, cfg.cluster.timeout_s
     write_json(os.path.join(job_dir, "job.json"), OmegaConf.to_container(cfg, resolve=True))
     runner = ranks_runner or run_local
     procs = runner(job_dir, world, cfg.cluster.timeout_s, cfg.cluster.device)
+    timed_out = any(pr.get("timed_out") for pr in procs)
     ranks = []
     for pr in procs:
         p = os.path.join(job_dir, f"rank{pr['rank']}.json")
         if os.path.exists(p):
             with open(p) as f:
                 d = json.load(f)
+        elif pr.get("timed_out"):
+            d = {"rank": pr["rank"], "status": "timeout",
+                 "error": f"killed at cluster.timeout_s={timeout_s} s without a result"}
         else:
             d = {"rank": pr["rank"], "status": "failed",
                  "error": f"rank exited with code {pr['returncode']} without a result"}
@@ -146,4 +183,4 @@ def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
         if d.get("status") != "ok":
             d["log_tail"] = pr.get("log_tail")
         ranks.append(d)
-    return {"world": world, "ranks": ranks}
+    return {"world": world, "ranks": ranks, "timed_out": timed_out}

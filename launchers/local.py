@@ -36,27 +36,38 @@ def log_tail(job_dir: str, rank: int, chars: int = 3000) -> str:
 
 
 def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> list[dict]:
-    """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail}.
+    """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail, timed_out}.
 
     When one rank fails the others are given a few seconds, then killed: they would otherwise
-    wait in a collective until the timeout."""
+    wait in a collective until the timeout. Ranks still running at timeout_s are killed and marked
+    timed_out. Whatever ends this function early (an Interrupted from SIGTERM) kills the ranks too:
+    none outlives its job."""
     from launchers.job import clear_results
 
     clear_results(job_dir, range(world))
     port = free_port()
     procs = [spawn_rank(job_dir, r, world, "127.0.0.1", port, r, device) for r in range(world)]
     deadline = time.monotonic() + timeout_s
-    failed_at = None
-    while True:
-        rcs = [p.poll() for p in procs]
-        if all(rc is not None for rc in rcs):
-            break
-        if failed_at is None and any(rc not in (None, 0) for rc in rcs):
-            failed_at = time.monotonic()
-        now = time.monotonic()
-        if now > deadline or (failed_at is not None and now - failed_at > 10):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.2)
-    return [{"rank": r, "returncode": p.returncode, "log_tail": log_tail(job_dir, r)} for r, p in enumerate(procs)]
+    failed_at, timed_out = None, set()
+    try:
+        while True:
+            rcs = [p.poll() for p in procs]
+            if all(rc is not None for rc in rcs):
+                break
+            if failed_at is None and any(rc not in (None, 0) for rc in rcs):
+                failed_at = time.monotonic()
+            now = time.monotonic()
+            if now > deadline or (failed_at is not None and now - failed_at > 10):
+                for r, p in enumerate(procs):
+                    if p.poll() is None:
+                        p.kill()
+                        if now > deadline:
+                            timed_out.add(r)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [{"rank": r, "returncode": p.returncode, "log_tail": log_tail(job_dir, r), "timed_out": r in timed_out}
+            for r, p in enumerate(procs)]

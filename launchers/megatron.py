@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from launchers import write_script
+from launchers import shell_comment, write_script
 from ledger.layout import Layout
 from ledger.model import ModelShape
 
@@ -332,8 +332,8 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
     gpus = c.gpus_per_node or c.ranks
     args = pretrain_gpt_args(cfg, lay)
     lines = ["#!/bin/bash",
-             f"# train-ledger: Megatron-LM pretrain_gpt.py, model {cfg.model.name}: "
-             f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}, world {lay.world}",
+             shell_comment(f"train-ledger: Megatron-LM pretrain_gpt.py, model {cfg.model.name}: "
+                           f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}, world {lay.world}"),
              "# run from a Megatron-LM checkout on each node (torchrun's rendezvous from the environment)",
              f"torchrun --nproc_per_node {gpus} --nnodes {c.nodes} "
              '--node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" '

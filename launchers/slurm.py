@@ -25,6 +25,7 @@ from omegaconf import OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+HYDRA_BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,6 +46,10 @@ class SlurmSetup(Callback):
 
     def _setup(self, config) -> None:
         hl = config.hydra.launcher
+        if hl.get("_target_") == HYDRA_BASIC:  # local sweeps resume campaigns too (launchers/campaign.py)
+            with read_write(hl):
+                hl._target_ = "hydra_plugins.train_ledger.launcher.CampaignBasicLauncher"
+            return
         if hl.get("_target_") != SUBMITIT_SLURM:
             return
         c = config.cluster
@@ -108,7 +113,7 @@ def final_state(job_id: str, wait_s: float = 15) -> dict:
 
 def _annotate(job_dir: str, job_id: str) -> None:
     """Add Slurm's view of a finished job to its record."""
-    from launchers.job import write_json
+    from records import write_json
 
     path = os.path.join(job_dir, "record.json")
     if os.path.exists(path):
@@ -119,7 +124,7 @@ def _annotate(job_dir: str, job_id: str) -> None:
 
 
 def _record_killed(job_dir: str, job_id: str, state: dict, err: Exception) -> None:
-    from launchers.job import write_json
+    from records import write_json
 
     os.makedirs(job_dir, exist_ok=True)
     path = os.path.join(job_dir, "record.json")
@@ -170,12 +175,16 @@ def slurm_ranks_runner(rank: int, world: int, master: str, port: int):
 
         clear_results(job_dir, [rank])
         p = spawn_rank(job_dir, rank, world, master, port, int(os.environ.get("SLURM_LOCALID", "0")), device)
+        timed_out = False
         try:
             p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        mine = {"rank": rank, "returncode": p.returncode, "log_tail": log_tail(job_dir, rank)}
+            timed_out = True
+        finally:  # also when the task is interrupted (scancel's SIGTERM): the rank does not outlive it
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        mine = {"rank": rank, "returncode": p.returncode, "log_tail": log_tail(job_dir, rank), "timed_out": timed_out}
         if rank != 0:
             return [mine]
         out = [mine]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import sys
 import textwrap
 
@@ -43,12 +44,13 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
                    f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"
                    "\n                    pipeline_parallel_schedule='1F1B',") if pp > 1 else ""
+    # config values reach this source only as repr() literals or ints, never inside a docstring or
+    # a comment: a name or a path is data (tests/test_hostile.py parses the module and lists its calls)
     return textwrap.dedent(f'''\
-        """torchtitan 0.3.0 config written by train-ledger: model {m.name}, pp={pp} tp={lay.tp} cp={lay.cp}
-        dp_shard={lay.dp_shard} dp_replicate={lay.dp_replicate} (world {lay.world}).
+        """torchtitan 0.3.0 config written by train-ledger (see LEDGER_JOB below).
 
-        On a GPU cluster, from the torchtitan repo root (this folder on PYTHONPATH):
-            PYTHONPATH={os.path.dirname(dump_folder)} NGPU={lay.world} MODULE={MODULE_NAME} CONFIG={CONFIG_FN} ./run_train.sh
+        On a GPU cluster, from the torchtitan repo root, with JOB_DIR on PYTHONPATH: run_train.sh
+        beside this module.
         """
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
         from torchtitan.components.metrics import MetricsProcessor
@@ -65,9 +67,13 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
         from torchtitan.protocols.model_spec import ModelSpec
         from torchtitan.trainer import Trainer
 
+        LEDGER_JOB = {_py(dict(model=m.name, pp=pp, tp=lay.tp, cp=lay.cp, dp_shard=lay.dp_shard,
+                               dp_replicate=lay.dp_replicate, world=lay.world))}
+        JOB_DIR = {_py(os.path.dirname(dump_folder))}
+
 
         def ledger_model_spec() -> ModelSpec:
-            """model_registry()-style spec for the ledger's shape {m.name!r} (untied, separate wq/wk/wv)."""
+            """model_registry()-style spec for the ledger's shape LEDGER_JOB["model"] (untied, separate wq/wk/wv)."""
             dim, vocab = {m.hidden}, {m.vocab}
             config = Llama3Model.Config(
                 dim=dim,
@@ -152,8 +158,9 @@ def load_config(path: str):
 
 
 def run_train_line(lay, out_dir: str) -> str:
-    return (f"PYTHONPATH={out_dir}:$PYTHONPATH NGPU={lay.world} MODULE={MODULE_NAME} CONFIG={CONFIG_FN} "
-            "./run_train.sh")
+    # the job dir is quoted for the shell (it may hold spaces, quotes, `;` or `$(`)
+    return (f'PYTHONPATH={shlex.quote(out_dir)}:"$PYTHONPATH" NGPU={int(lay.world)} MODULE={MODULE_NAME} '
+            f"CONFIG={CONFIG_FN} ./run_train.sh")
 
 
 def dry(cfg, lay, out_dir: str) -> list[str]:

@@ -122,9 +122,6 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
     if framework == "deepspeed":
         if fw_cfg is not None:
             _check_knobs(fw_cfg, _DEEPSPEED_KNOBS)
-        stage = fw_cfg.zero_stage if fw_cfg is not None else 1
-        if not (stage in (0, 1, 2, 3)):
-            raise ConfigError(f"framework.zero_stage={stage} must be 0, 1, 2 or 3")
         if not (lay.tp == 1 and lay.pp == 1 and lay.cp == 1):
             raise ConfigError(f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed "
                               "ZeRO as pure data "

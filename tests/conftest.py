@@ -25,7 +25,8 @@ def run_launch():
 
 def run_sweeps(root, sweeps, common=()) -> dict:
     """Run named multiruns into root/<name> once; return their records, the ok ones and their reconcile table."""
-    from analysis import reconcile, records
+    import records
+    from analysis import reconcile
 
     for name, overrides in sweeps:
         p = launch("-m", *common, *overrides, f"hydra.sweep.dir={root / name}",

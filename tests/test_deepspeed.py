@@ -648,7 +648,7 @@ def _sweep(args, out) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from analysis import records as R
+    import records as R
     from analysis.reconcile import table
 
     root = tmp_path_factory.mktemp("ds")

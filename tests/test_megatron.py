@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import reconcile, records
+import records
+from analysis import reconcile
 from ledger.faithful import megatron as L
 from ledger.faithful import megatron_buffers as B
 from ledger.layout import ConfigError, resolve

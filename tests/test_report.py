@@ -14,7 +14,8 @@ import sys
 import pandas as pd
 import pytest
 
-from analysis import reconcile, records
+import records
+from analysis import reconcile
 from analysis import report as REP
 from tests.wandb_sweep import real_sweep
 

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from analysis import records, reconcile
+import records
+from analysis import reconcile
 from tests.conftest import REPO, launch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.real]

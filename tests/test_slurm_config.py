@@ -34,9 +34,11 @@ def test_cluster_overrides_reach_sbatch():
     assert os.environ["SLURM_CONF"] == os.path.join(REPO, ".slurm/etc/slurm.conf")
 
 
-def test_basic_launcher_left_alone():
+def test_basic_launcher_becomes_the_campaign_one():
+    """Local sweeps keep Hydra's basic launcher, wrapped to resume campaigns (launchers/campaign.py)."""
     with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True)
-    target = cfg.hydra.launcher._target_
+    assert cfg.hydra.launcher._target_ == "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
     SlurmSetup().on_multirun_start(cfg)
-    assert cfg.hydra.launcher._target_ == target
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.train_ledger.launcher.CampaignBasicLauncher"
+    assert "nodes" not in cfg.hydra.launcher

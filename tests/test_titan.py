@@ -23,7 +23,7 @@ import types
 import pytest
 import torch
 
-from analysis import records
+import records
 from ledger.faithful import titan as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset

@@ -15,7 +15,8 @@ import sys
 import pandas as pd
 import pytest
 
-from analysis import reconcile, records
+import records
+from analysis import reconcile
 from analysis import wandb_io as W
 from tests.wandb_sweep import real_sweep
 
@@ -247,7 +248,7 @@ def test_mismatches_round_trip_too(sweep, tmp_path):
 
 def test_invalid_job_is_logged_and_read_back(tmp_path):
     """A job rejected before it ran is still a run of its sweep in W&B, with its reason."""
-    from analysis import records
+    import records
     from analysis.wandb_io import read_records
     from tests.conftest import launch
 

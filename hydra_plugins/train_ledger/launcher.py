@@ -1,14 +1,83 @@
-"""submitit's Slurm launcher, validating every job before sbatch and recording jobs Slurm kills.
+"""train-ledger's launchers: Hydra's basic (local) one and submitit's Slurm one, each resuming a
+campaign (launchers/campaign.py) before it dispatches anything; the Slurm one also validates every
+job before sbatch and records jobs Slurm kills.
 
 Hydra instantiates launchers only from the hydra_plugins namespace, hence this module; the
-callback that selects it and the Slurm helpers are in launchers/slurm.py.
+callback that selects them and the Slurm helpers are in launchers/slurm.py.
 """
+import logging
 import os
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
 from launchers.slurm import _annotate, _record_killed, final_state, log
+
+
+def _composed(launcher, job_overrides, initial_job_idx):
+    """[(num, job cfg without hydra, job_dir, overrides)] as each job's task function will see it."""
+    loader = launcher.hydra_context.config_loader
+    out = []
+    for i, ov in enumerate(job_overrides):
+        idx = initial_job_idx + i
+        cfg = loader.load_sweep_config(launcher.config, list(ov))
+        with open_dict(cfg.hydra.job):
+            cfg.hydra.job.num = idx
+            cfg.hydra.job.id = idx
+        job_dir = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        out.append((idx, cfg, job_dir, list(ov)))
+    return out
+
+
+def _plan(launcher, jobs):
+    """The campaign's decisions, or SystemExit(2) naming the jobs of another config (nothing ran)."""
+    from launchers.campaign import CampaignError, plan
+
+    try:
+        decisions = plan(str(launcher.config.hydra.sweep.dir), jobs)
+    except CampaignError as e:
+        import sys
+
+        print(f"train-ledger: not resuming {launcher.config.hydra.sweep.dir}:\n{e}", file=sys.stderr)
+        raise SystemExit(2) from None  # bad input, as an invalid config: nothing was dispatched
+    for d in decisions:
+        if not d.run or d.prior_status is not None:
+            logging.getLogger(__name__).info(f"#{d.num} {d.why}")
+    return decisions
+
+
+def _skipped(decision, overrides):
+    return _done(overrides, {"status": decision.prior_status, "job_dir": decision.job_dir, "skipped": True})
+
+
+class CampaignBasicLauncher(BasicLauncher):
+    """Hydra's basic launcher (jobs one after another in this process), skipping the jobs a campaign
+    has already finished."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        from hydra.core.utils import configure_log, run_job, setup_globals
+
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        os.makedirs(str(self.config.hydra.sweep.dir), exist_ok=True)
+        jobs = _composed(self, job_overrides, initial_job_idx)
+        runs = []
+        for d, (idx, _, _, ov) in zip(_plan(self, jobs), jobs):
+            if not d.run:
+                runs.append(_skipped(d, ov))
+                continue
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(ov))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.id = idx
+                sweep_config.hydra.job.num = idx
+            runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                                config=sweep_config, job_dir_key="hydra.sweep.dir",
+                                job_subdir_key="hydra.sweep.subdir"))
+            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return runs
 
 
 class ValidatingSlurmLauncher(SlurmLauncher):
@@ -16,16 +85,12 @@ class ValidatingSlurmLauncher(SlurmLauncher):
         from launchers.job import check, invalid_record
         from ledger.layout import ConfigError
 
-        loader = self.hydra_context.config_loader
         valid, returns = [], {}
-        for i, ov in enumerate(job_overrides):
-            idx = initial_job_idx + i
-            cfg = loader.load_sweep_config(self.config, list(ov))
-            with open_dict(cfg.hydra.job):
-                cfg.hydra.job.num = idx
-            job_dir = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
-            with open_dict(cfg):  # the job's own config, as its task function would see it
-                del cfg["hydra"]
+        jobs = _composed(self, job_overrides, initial_job_idx)
+        for i, (d, (idx, cfg, job_dir, ov)) in enumerate(zip(_plan(self, jobs), jobs)):
+            if not d.run:
+                returns[i] = _skipped(d, ov)
+                continue
             try:
                 # in run mode this includes world == cluster.nodes x cluster.ranks, which SlurmSetup
                 # made the launcher's nodes x tasks_per_node
@@ -62,6 +127,10 @@ class ValidatingSlurmLauncher(SlurmLauncher):
         args = [(list(ov), "hydra.sweep.dir", initial_job_idx + pos, f"job_id_for_{initial_job_idx + pos}",
                  Singleton.get_state()) for pos, ov, _ in valid]
         jobs = executor.map_array(self, *zip(*args))
+        from launchers.campaign import update_manifest
+
+        update_manifest(str(self.config.hydra.sweep.dir),
+                        {initial_job_idx + pos: {"slurm_job_id": str(job.job_id)} for (pos, _, _), job in zip(valid, jobs)})
         out = []
         for job, (_, ov, job_dir) in zip(jobs, valid):
             try:

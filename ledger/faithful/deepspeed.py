@@ -249,7 +249,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     elif z in (1, 2):
         s = _zero12(model, lay, fw)
     else:
-        raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3")
+        raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3 "
+                          "(stage 0, DeepSpeed as plain data parallelism, only with ledger.mode=textbook)")
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")

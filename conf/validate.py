@@ -1,0 +1,124 @@
+"""One validation function per config group, run on every job before anything is dispatched.
+
+The schema (conf/schema.py) checks keys and types; these check values: sizes >= 1, names from
+their set, strings that reach generated scripts. Each raises ConfigError naming the field and the
+rule (`model.hidden=-8 must be >= 1`). The layout's own rules (divisibility, framework limits) are
+ledger.layout.resolve / validate, which run after these: they can then divide by any size.
+"""
+from __future__ import annotations
+
+import re
+
+from ledger.layout import ConfigError
+
+# a name that reaches file names, shell lines and Python source of generated scripts: data only
+NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+MODES = ("predict", "run", "dry")
+
+
+def _at_least(group: str, cfg, names, least: int | float) -> None:
+    for n in names:
+        v = cfg[n]
+        if v is None or isinstance(v, bool) or not v >= least:
+            raise ConfigError(f"{group}.{n}={v} must be >= {least}")
+
+
+def _positive(group: str, cfg, names) -> None:
+    for n in names:
+        v = cfg[n]
+        if v is None or not v > 0:
+            raise ConfigError(f"{group}.{n}={v} must be > 0")
+
+
+def _one_of(group: str, cfg, name: str, allowed) -> None:
+    v = cfg[name]
+    if v not in allowed:
+        raise ConfigError(f"{group}.{name}={v!r} must be one of {', '.join(map(str, allowed))}")
+
+
+def validate_name(field: str, v) -> None:
+    if not isinstance(v, str) or not NAME_RE.fullmatch(v):
+        raise ConfigError(f"{field}={v!r} must match {NAME_RE.pattern} (letters, digits, '.', '_', '-'): "
+                          "it names files and appears in generated scripts")
+
+
+def validate_model(m) -> None:
+    validate_name("model.name", m.name)
+    _at_least("model", m, ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len"), 1)
+    _one_of("model", m, "norm", ("rmsnorm", "layernorm"))
+    _positive("model", m, ("rope_theta", "norm_eps"))
+
+
+def validate_train(t) -> None:
+    _at_least("train", t, ("steps",), 1)
+    _at_least("train", t, ("lr",), 0)
+
+
+def validate_cluster(c) -> None:
+    _at_least("cluster", c, ("ranks", "nodes", "timeout_s", "time_min", "cpus_per_task"), 1)
+    _at_least("cluster", c, ("signal_delay_s", "max_num_timeout"), 0)
+    validate_name("cluster.name", c.name)
+    _one_of("cluster", c, "kind", ("local", "slurm"))
+    _one_of("cluster", c, "backend", ("gloo", "nccl"))
+    _one_of("cluster", c, "device", ("cpu", "cuda"))
+    if c.gpus_per_node is not None:
+        _at_least("cluster", c, ("gpus_per_node",), 0)
+    if c.mem_gb is not None:
+        _at_least("cluster", c, ("mem_gb",), 1)
+    if c.backend == "nccl" and c.device != "cuda":
+        raise ConfigError(f"cluster.backend=nccl needs cluster.device=cuda (got {c.device!r})")
+
+
+def validate_framework(fw) -> None:
+    _one_of("framework", fw, "name", ("megatron", "deepspeed", "titan"))
+    _one_of("framework", fw, "precision", ("bf16", "fp32"))
+    if fw.name == "deepspeed":
+        # stage 0 (DeepSpeed as plain DDP) is predicted by the textbook ledger; the faithful one
+        # refuses it with its own reason (ledger/faithful/deepspeed.py place)
+        _one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
+        _at_least("framework", fw, ("gradient_clipping",), 0)
+    elif fw.name == "megatron":
+        _at_least("framework", fw, ("clip_grad",), 0)
+    elif fw.name == "titan":
+        _one_of("framework", fw, "reshard_after_forward", ("default", "always", "never"))
+        for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
+            _one_of("framework", fw, n, ("float32", "bfloat16"))
+        _one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
+
+
+def validate_ledger(lc) -> None:
+    _one_of("ledger", lc, "mode", ("faithful", "textbook"))
+
+
+def validate_wandb(w) -> None:
+    _one_of("wandb", w, "mode", ("offline", "online", "disabled"))
+    for n in ("project", "entity", "group"):
+        if w[n] is not None:
+            validate_name(f"wandb.{n}", w[n])
+
+
+def validate_probe(p) -> None:
+    for n in ("comm_steps", "cuda_profile_steps"):
+        for s in p[n]:
+            if s < 0:
+                raise ConfigError(f"probe.{n} has {s}: steps are numbered from 0")
+
+
+def validate_campaign(c) -> None:
+    _one_of("campaign", c, "rerun", ("all", "failed", "none"))
+
+
+def validate_config(cfg) -> None:
+    """Every group's values; the first broken rule raises ConfigError naming its field."""
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode!r} must be one of {', '.join(MODES)}")
+    validate_model(cfg.model)
+    validate_framework(cfg.framework)
+    validate_cluster(cfg.cluster)
+    validate_train(cfg.train)
+    validate_ledger(cfg.ledger)
+    validate_wandb(cfg.wandb)
+    validate_probe(cfg.probe)
+    if "campaign" in cfg:
+        validate_campaign(cfg.campaign)

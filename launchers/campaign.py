@@ -1,0 +1,109 @@
+"""Campaigns: a sweep rerun into the same hydra.sweep.dir resumes instead of redoing its jobs.
+
+Before anything is dispatched, every job of the sweep is compared with the record its job dir
+already holds (records.config_hash of the resolved config, stored in the record):
+  - no record: the job runs;
+  - a record for a different config: the whole sweep stops with an error naming the job and the
+    keys that changed (never a silent overwrite of a finished job);
+  - a record for the same config: `campaign.rerun` decides. failed (the default) runs again the
+    jobs whose record is not ok or invalid (failed, timeout, cancelled, interrupted, unreadable);
+    all runs every job; none runs only the jobs with no record.
+A skipped job keeps its record and its W&B run (no second run is logged).
+
+The sweep dir's campaign.json lists every job the launchers were given (number, job dir, overrides,
+config hash, the Slurm job id once submitted): analysis.status reads it to tell pending jobs from
+jobs that never existed.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+import records
+
+MANIFEST = "campaign.json"
+# a record in one of these states is final for rerun=failed
+KEPT_BY_FAILED = ("ok", "invalid")
+
+
+class CampaignError(RuntimeError):
+    """A sweep that would overwrite finished jobs of another config."""
+
+
+@dataclass
+class Decision:
+    num: int
+    job_dir: str
+    config_hash: str
+    run: bool
+    prior_status: str | None  # the record's status before this sweep, None without one
+    why: str
+
+
+def decide(num: int, cfg, job_dir: str) -> Decision:
+    """Whether job `num` (its composed config, hydra removed) runs, from the record in job_dir."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    h = records.config_hash(config)
+    rerun = cfg.campaign.rerun if "campaign" in cfg else "failed"
+    try:
+        prior = records.read_if_any(job_dir)
+    except records.UnreadableRecord as e:
+        if rerun == "none":
+            return Decision(num, job_dir, h, False, records.UNREADABLE, f"kept ({e}; campaign.rerun=none)")
+        return Decision(num, job_dir, h, True, records.UNREADABLE, f"runs again: {e}")
+    if prior is None:
+        return Decision(num, job_dir, h, True, None, "new")
+    old = prior.get("config_hash") or records.config_hash(prior.get("config") or {})
+    if old != h:
+        changed = records.config_diff(records.job_identity(prior.get("config") or {}), records.job_identity(config))
+        raise CampaignError(f"job #{num} ({job_dir}) already holds a record of another config "
+                            f"({'; '.join(changed[:6]) or 'config hash ' + old + ' -> ' + h}): "
+                            "use a new hydra.sweep.dir, or remove that job dir to run it again")
+    st = prior.get("status")
+    if rerun == "all":
+        return Decision(num, job_dir, h, True, st, f"runs again (was {st}; campaign.rerun=all)")
+    if rerun == "none" or st in KEPT_BY_FAILED:
+        return Decision(num, job_dir, h, False, st, f"skipped: its record is {st} for the same config "
+                                                    f"(campaign.rerun={rerun})")
+    return Decision(num, job_dir, h, True, st, f"runs again (was {st}; campaign.rerun=failed)")
+
+
+def plan(sweep_dir: str, jobs) -> list[Decision]:
+    """Decisions for [(num, cfg, job_dir, overrides)], all checked before any job runs; writes the
+    sweep's manifest. Raises CampaignError naming every job whose record is of another config."""
+    out, errors = [], []
+    for num, cfg, job_dir, _ in jobs:
+        try:
+            out.append(decide(num, cfg, job_dir))
+        except CampaignError as e:
+            errors.append(str(e))
+    if errors:
+        raise CampaignError("\n".join(errors))
+    if jobs:
+        update_manifest(sweep_dir, {d.num: {"job_dir": os.path.abspath(d.job_dir), "overrides": list(ov),
+                                            "config_hash": d.config_hash, "decision": "run" if d.run else "skip",
+                                            "planned_at": time.time()}
+                                    for d, (_, _, _, ov) in zip(out, jobs)})
+    return out
+
+
+def read_manifest(sweep_dir: str) -> dict:
+    path = os.path.join(sweep_dir, MANIFEST)
+    if not os.path.exists(path):
+        return {"jobs": {}}
+    try:
+        return records.read(path)
+    except records.UnreadableRecord:
+        return {"jobs": {}}
+
+
+def update_manifest(sweep_dir: str, jobs: dict) -> None:
+    """Merge {num: fields} into the sweep's campaign.json (a later sweep may extend it)."""
+    os.makedirs(sweep_dir, exist_ok=True)
+    m = read_manifest(sweep_dir)
+    for num, fields in jobs.items():
+        m["jobs"][str(num)] = {**m["jobs"].get(str(num), {}), **fields}
+    records.write_json(os.path.join(sweep_dir, MANIFEST), m)

@@ -1,0 +1,153 @@
+"""Job records (record.json) and the files beside them: the one home of record I/O.
+
+Writers (launchers.job, launchers.slurm, analysis.wandb_io) and readers (analysis.*) both use this
+module, which imports nothing of the project: the layers read top-down
+(launch -> launchers -> ledger / probes; analysis reads records).
+
+A record is written atomically (temp file + rename), so a reader never sees half of one; a record
+that is unreadable all the same (a disk filled up, a copy cut short, a hand edit) is reported by
+name and stands in the listings as status `unreadable`, never as a traceback.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+
+RECORD = "record.json"
+# job statuses a record can carry; "running" is the record a job writes when it starts, replaced
+# by its final one (a job whose process died leaves it behind: analysis.status tells them apart)
+FINAL_STATUSES = ("ok", "failed", "invalid", "timeout")
+UNREADABLE = "unreadable"
+
+
+def write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+class UnreadableRecord(ValueError):
+    """A record.json that is not a JSON object; the message names the file."""
+
+
+def read(path: str) -> dict:
+    """One record.json; raises UnreadableRecord naming the file when it cannot be parsed."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnreadableRecord(f"{path}: unreadable record ({type(e).__name__}: {e})") from e
+    if not isinstance(rec, dict):
+        raise UnreadableRecord(f"{path}: unreadable record (a JSON {type(rec).__name__}, not an object)")
+    return rec
+
+
+def read_if_any(job_dir: str) -> dict | None:
+    """The job dir's record, None when there is none (an unreadable one raises UnreadableRecord)."""
+    path = os.path.join(job_dir, RECORD)
+    return read(path) if os.path.exists(path) else None
+
+
+def find(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isfile(os.path.join(path, RECORD)):
+        return [os.path.join(path, RECORD)]
+    return sorted(glob.glob(os.path.join(path, "**", RECORD), recursive=True), key=_job_order)
+
+
+def _job_order(p: str):
+    name = os.path.basename(os.path.dirname(p))
+    head = name.split("_", 1)[0]
+    return (os.path.dirname(os.path.dirname(p)), int(head) if head.isdigit() else 1 << 30, name)
+
+
+def unreadable_record(path: str, error: str) -> dict:
+    """What stands in the listings for a record that cannot be read."""
+    return {"status": UNREADABLE, "error": error, "job_dir": os.path.dirname(os.path.abspath(path)),
+            "config": None, "prediction": None, "measurement": None}
+
+
+def load(path: str, warn=None) -> list[dict]:
+    """Every record under path. One that cannot be read is warned about, naming the file (on stderr,
+    or through warn(message)), and comes back as an `unreadable` record: the others still count."""
+    out = []
+    for p in find(path):
+        try:
+            out.append(read(p))
+        except UnreadableRecord as e:
+            (warn or _warn)(f"warning: {e}")
+            out.append(unreadable_record(p, str(e)))
+    return out
+
+
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# -- what a job is ------------------------------------------------------------------------------
+
+# config keys that say how a job is run or logged, not what it runs: a changed one does not make the
+# finished job a different job (a resubmitted campaign may raise a timeout or send W&B elsewhere)
+_NOT_THE_JOB = {"campaign": None, "wandb": None, "hydra": None, "defaults": None,
+                "cluster": ("timeout_s", "time_min", "signal_delay_s", "max_num_timeout", "setup",
+                            "slurm_conf", "partition", "account", "qos", "constraint", "exclusive",
+                            "additional_parameters", "mem_gb", "cpus_per_task")}
+
+
+def job_identity(config: dict) -> dict:
+    """The part of a resolved config that decides what a job computes."""
+    out = {}
+    for k, v in (config or {}).items():
+        if k in _NOT_THE_JOB and _NOT_THE_JOB[k] is None:
+            continue
+        if k in _NOT_THE_JOB and isinstance(v, dict):
+            v = {kk: vv for kk, vv in v.items() if kk not in _NOT_THE_JOB[k]}
+        out[k] = v
+    return out
+
+
+def config_hash(config: dict) -> str:
+    """sha256 of the job's identity (sorted JSON): equal exactly when the job computes the same thing."""
+    blob = json.dumps(job_identity(config), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two identities (for the changed-config error)."""
+    out = []
+    for k in sorted(set(old or {}) | set(new or {})):
+        a, b = (old or {}).get(k), (new or {}).get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+# -- names for tables ---------------------------------------------------------------------------
+
+def job_name(rec: dict) -> str:
+    return os.path.basename(rec.get("job_dir", "")) or "job"
+
+
+def layout_name(rec: dict) -> str:
+    lay = (rec.get("prediction") or {}).get("layout") or (rec.get("config") or {}).get("layout") or {}
+    parts = [f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "dp") if lay.get(k, 1) not in (1, -1)]
+    if lay.get("dp_replicate", 1) > 1:
+        parts.append(f"rep{lay['dp_replicate']}")
+    if lay.get("sequence_parallel"):
+        parts.append("sp")
+    return "·".join(parts) or "single"
+
+
+def framework_variant(rec: dict) -> str:
+    fw = (rec.get("config") or {}).get("framework") or {"name": "?"}
+    name = fw.get("name", "?")
+    if name == "deepspeed":
+        return f"deepspeed-z{fw.get('zero_stage')}"
+    return name

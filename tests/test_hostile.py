@@ -1,0 +1,283 @@
+"""Hostile input: config values never become code in generated scripts; bad values are `invalid`
+records naming the field and the rule, never a traceback.
+
+The generated-script checks call each framework's dry() directly with a config whose model.name or
+job dir is hostile (bypassing validation, which refuses such names: the quoting must hold on its own),
+then: `bash -n` every script, parse every Python file and compare its calls with a benign job's, and
+execute every run.sh with torchrun / deepspeed / python / srun / run_train.sh replaced by stubs,
+asserting that no canary file appeared.
+"""
+import ast
+import importlib
+import os
+import re
+import subprocess
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from conf.schema import register
+from ledger.layout import ConfigError, resolve
+from tests.conftest import REPO, launch
+
+register()
+
+FRAMEWORKS = ("megatron", "deepspeed", "titan")
+STUBS = ("torchrun", "deepspeed", "python", "python3", "srun")
+
+# each one, if it became code, creates the file P (or Q) in the script's working directory
+HOSTILE_NAMES = {
+    "single_quote": "x' ; touch P ; echo '",
+    "newline": "x\ntouch P\n",
+    "docstring": 'x""" + __import__("os").system("touch P") + """',
+    "repr_break": "x' + __import__('os').system('touch P') + '",
+    "subshell": "x$(touch P)",
+    "backticks": "x`touch P`",
+    "space_quote": 'x y" ; touch P ; "',
+}
+HOSTILE_DIRS = {
+    "semicolon": "t;touch P;",
+    "subshell": "t$(touch P)",
+    "backticks": "t`touch Q`",
+    "space_quote": "a b'\";touch P;'",
+}
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+_BASE = {}
+
+
+def _cfg(framework: str, name: str | None = None):
+    if framework not in _BASE:
+        _BASE[framework] = _compose(f"framework={framework}", "mode=dry", "layout.dp=2")
+    cfg = _BASE[framework].copy()
+    if name is not None:
+        with open_dict(cfg):
+            cfg.model.name = name
+    return cfg
+
+
+def _dry(framework: str, cfg, job_dir: str) -> list[str]:
+    os.makedirs(job_dir, exist_ok=True)
+    mod = importlib.import_module(f"launchers.{'titan' if framework == 'titan' else framework}")
+    return mod.dry(cfg, resolve(cfg.layout, 2), job_dir)
+
+
+def _calls(path: str) -> list[str]:
+    """Every call in a Python file, as source text of the callee (sorted): a call that a value
+    smuggled in would show up here."""
+    tree = ast.parse(open(path).read(), filename=path)
+    return sorted(ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call))
+
+
+def _stub_path(tmp) -> str:
+    d = tmp / "stubs"
+    d.mkdir(exist_ok=True)
+    for s in STUBS:
+        (d / s).write_text("#!/bin/sh\nexit 0\n")
+        (d / s).chmod(0o755)
+    return str(d)
+
+
+def _execute(script: str, cwd, stubs: str) -> None:
+    (cwd / "run_train.sh").write_text("#!/bin/sh\nexit 0\n")  # torchtitan's, which the titan script calls
+    (cwd / "run_train.sh").chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(cwd)}
+    p = subprocess.run(["bash", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def _no_canary(root) -> None:
+    found = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f in ("P", "Q")]
+    assert not found, f"a config value ran as code: {found}"
+
+
+def _check_artifacts(framework, paths, cwd, stubs, benign_calls):
+    for p in paths:
+        if p.endswith(".sh"):
+            r = subprocess.run(["bash", "-n", p], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            _execute(p, cwd, stubs)
+        elif p.endswith(".py"):
+            assert _calls(p) == benign_calls[os.path.basename(p)], f"{p}: its calls changed"
+    _no_canary(cwd)
+
+
+@pytest.fixture(scope="module")
+def benign(tmp_path_factory):
+    """Each framework's artifacts for a benign job: the calls its Python files make."""
+    out = {}
+    for fw in FRAMEWORKS:
+        d = tmp_path_factory.mktemp(f"benign_{fw}")
+        out[fw] = {os.path.basename(p): _calls(p) for p in _dry(fw, _cfg(fw), str(d / "job")) if p.endswith(".py")}
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NAMES))
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_hostile_model_name_stays_data(framework, case, tmp_path, benign):
+    name = HOSTILE_NAMES[case]
+    paths = _dry(framework, _cfg(framework, name), str(tmp_path / "job"))
+    _check_artifacts(framework, paths, tmp_path, _stub_path(tmp_path), benign[framework])
+    if framework == "titan":  # the name is in the module as a literal, exactly
+        tree = ast.parse(open(next(p for p in paths if p.endswith(".py"))).read())
+        job = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "LEDGER_JOB")
+        assert ast.literal_eval(job.value)["model"] == name
+    if framework == "deepspeed":  # the model JSON reaches train_ds.py whole (stub python prints its argv)
+        assert all(ln.startswith("#") or "touch" not in ln or "'" in ln
+                   for ln in open(next(p for p in paths if p.endswith("run.sh"))).read().splitlines())
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_DIRS))
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_hostile_job_dir_stays_data(framework, case, tmp_path, benign):
+    job_dir = tmp_path / HOSTILE_DIRS[case]
+    paths = _dry(framework, _cfg(framework), str(job_dir))
+    _check_artifacts(framework, paths, tmp_path, _stub_path(tmp_path), benign[framework])
+
+
+def test_stubbed_scripts_pass_the_model_json_whole(tmp_path):
+    """DeepSpeed's run.sh hands train_ds.py the model as one JSON argument, a hostile name inside."""
+    name = HOSTILE_NAMES["single_quote"]
+    paths = _dry("deepspeed", _cfg("deepspeed", name), str(tmp_path / "job"))
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "deepspeed").write_text('#!/bin/bash\nfor a in "$@"; do printf "%s\\0" "$a"; done > argv\n')
+    (stubs / "deepspeed").chmod(0o755)
+    _execute(next(p for p in paths if p.endswith("run.sh")), tmp_path, str(stubs))
+    argv = (tmp_path / "argv").read_text().split("\0")
+    import json
+
+    assert json.loads(argv[argv.index("--model") + 1])["name"] == name
+    _no_canary(tmp_path)
+
+
+# -- bad values -----------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("model.hidden=-8", "model.hidden=-8 must be >= 1"),
+    ("model.layers=0", "model.layers=0 must be >= 1"),
+    ("model.vocab=0", "model.vocab=0 must be >= 1"),
+    ("model.seq_len=0", "model.seq_len=0 must be >= 1"),
+    ("model.ffn_hidden=0", "model.ffn_hidden=0 must be >= 1"),
+    ("model.kv_heads=-2", "model.kv_heads=-2 must be >= 1"),
+    ("model.heads=0", "model.heads=0 must be >= 1"),
+    ("model.norm=batchnorm", "model.norm='batchnorm' must be one of rmsnorm, layernorm"),
+    ("train.steps=0", "train.steps=0 must be >= 1"),
+    ("cluster.ranks=0", "cluster.ranks=0 must be >= 1"),
+    ("cluster.nodes=0", "cluster.nodes=0 must be >= 1"),
+    ("ledger.mode=bogus", "ledger.mode='bogus' must be one of faithful, textbook"),
+    ("wandb.mode=bogus", "wandb.mode='bogus' must be one of offline, online, disabled"),
+    ("framework.zero_stage=4", "framework.zero_stage=4 must be one of 0, 1, 2, 3"),
+    ("campaign.rerun=some", "campaign.rerun='some' must be one of all, failed, none"),
+    ("mode=plot", "mode='plot' must be one of predict, run, dry"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_VALUES)
+@pytest.mark.parametrize("mode", ["predict", "dry", "run"])
+def test_bad_values_are_invalid_naming_the_field(override, message, mode):
+    from launchers.job import check
+
+    ovs = ["framework=deepspeed", f"mode={mode}", override] if not override.startswith("mode=") else \
+        ["framework=deepspeed", override]
+    with pytest.raises(ConfigError) as e:
+        check(_compose(*ovs))
+    assert message in str(e.value)
+
+
+def test_zero_stage_0_is_refused_with_the_ledger_that_predicts_it():
+    from launchers.job import check
+
+    with pytest.raises(ConfigError, match="stage 0.*only with ledger.mode=textbook"):
+        check(_compose("framework=deepspeed", "framework.zero_stage=0", "mode=predict"))
+    check(_compose("framework=deepspeed", "framework.zero_stage=0", "mode=predict", "ledger.mode=textbook"))
+
+
+def test_launch_exit_codes_for_bad_input(tmp_path):
+    """The issue's commands: exit 2 naming the field, nothing written to run."""
+    p = launch("mode=dry", "model.name=x'; touch P; echo '", "framework=deepspeed", f"hydra.run.dir={tmp_path / 'a'}")
+    assert p.returncode == 2 and "model.name" in p.stderr
+    assert not (tmp_path / "a" / "run.sh").exists() and not os.path.exists(os.path.join(REPO, "P"))
+    p = launch("mode=dry", "model.name='x; touch P'", "framework=deepspeed", f"hydra.run.dir={tmp_path / 'b'}")
+    assert p.returncode == 2 and "model.name='x; touch P' must match" in p.stderr
+    assert not (tmp_path / "b" / "run.sh").exists()
+    p = launch("mode=predict", "ledger.mode=bogus", f"hydra.run.dir={tmp_path / 'c'}")
+    assert p.returncode == 2 and "job invalid: ledger.mode='bogus'" in p.stderr
+
+
+# -- fuzz -----------------------------------------------------------------------------------------
+
+FIELD = re.compile(r"\b[a-z_]+(\.[a-z_0-9]+)*=")
+
+
+def _fuzz_one(framework: str, values: dict):
+    from launchers.job import check
+
+    cfg = _cfg(framework).copy()
+    with open_dict(cfg):
+        cfg.mode = "predict"
+        for k, v in values.items():
+            group, key = k.split(".")
+            cfg[group][key] = v
+    try:
+        _, _, pl = check(cfg)
+    except ConfigError as e:
+        assert FIELD.search(str(e)), f"{values}: the error names no field: {e}"
+        return "invalid"
+    pred = pl.to_dict()
+    for r in pred["per_rank"]:
+        for q in ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes", "resident_bytes"):
+            assert r[q] >= 0, (values, q, r[q])
+        for c in r["comm"]:
+            assert c["count"] >= 0 and c["buffer_bytes"] >= 0, (values, c)
+    return "ok"
+
+
+def test_fuzz_predict_is_ok_or_invalid_never_a_crash():
+    """Random model, layout, framework and cluster values for all three frameworks in mode=predict:
+    an ok prediction with non-negative bytes, or ConfigError naming a field (exit 2) -- any other
+    exception (a traceback, exit 1) fails the test with its example."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    small = st.integers(min_value=-4, max_value=16)
+    sizes = st.sampled_from([-8, 0, 1, 2, 3, 8, 64, 100, 256, 1001, 1024, 4096])
+    knobs = {
+        "megatron": {"framework.use_distributed_optimizer": st.booleans(),
+                     "framework.overlap_grad_reduce": st.booleans(),
+                     "framework.bucket_size": st.one_of(st.none(), st.integers(-2, 10 ** 6)),
+                     "framework.precision": st.sampled_from(["bf16", "fp32", "fp8"])},
+        "deepspeed": {"framework.zero_stage": st.integers(-1, 4),
+                      "framework.reduce_bucket_size": st.integers(-2, 10 ** 6),
+                      "framework.stage3_prefetch_bucket_size": st.integers(-2, 10 ** 6),
+                      "framework.precision": st.sampled_from(["bf16", "fp32"])},
+        "titan": {"framework.reshard_after_forward": st.sampled_from(["default", "always", "never", "sometimes"]),
+                  "framework.mixed_precision_param": st.sampled_from(["bfloat16", "float32", "float16"])},
+    }
+
+    for framework in FRAMEWORKS:
+        fields = {"model.layers": small, "model.hidden": sizes, "model.ffn_hidden": sizes,
+                  "model.heads": small, "model.kv_heads": small, "model.vocab": sizes, "model.seq_len": sizes,
+                  "model.norm": st.sampled_from(["rmsnorm", "layernorm", "batchnorm"]),
+                  "model.tied_embeddings": st.booleans(),
+                  "layout.tp": small, "layout.pp": small, "layout.dp": st.integers(-2, 16), "layout.cp": small,
+                  "layout.vp": small, "layout.dp_replicate": small, "layout.micro_batch_size": small,
+                  "layout.global_batch_size": st.integers(-2, 64), "layout.sequence_parallel": st.booleans(),
+                  "cluster.ranks": small, "cluster.nodes": small, "train.steps": small,
+                  "ledger.mode": st.sampled_from(["faithful", "textbook", "bogus"]), **knobs[framework]}
+        seen = []
+
+        @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.fixed_dictionaries({}, optional=fields))
+        def fuzz(values):
+            seen.append(_fuzz_one(framework, values))
+
+        fuzz()
+        assert "invalid" in seen, framework  # the strategies reach the rules
