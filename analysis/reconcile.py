@@ -95,7 +95,10 @@ def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
                     "max_abs_rel_err": float(steady.rel_err.abs().max()) if len(steady) else None,
                     "predicted_resident": pg.get("resident_bytes"),
                     "error": (rec.get("error") or "")[:120]})
-    return pd.DataFrame(out)
+    df = pd.DataFrame(out)
+    if len(df):  # an unreadable or rejected job has none: keep the column integral
+        df["predicted_resident"] = df["predicted_resident"].astype("Int64")
+    return df
 
 
 def render(df: pd.DataFrame, fmt: str) -> str:

@@ -24,7 +24,6 @@ from omegaconf import OmegaConf
 
 import records
 
-MANIFEST = "campaign.json"
 # a record in one of these states is final for rerun=failed
 KEPT_BY_FAILED = ("ok", "invalid")
 
@@ -56,13 +55,20 @@ def decide(num: int, cfg, job_dir: str) -> Decision:
         return Decision(num, job_dir, h, True, records.UNREADABLE, f"runs again: {e}")
     if prior is None:
         return Decision(num, job_dir, h, True, None, "new")
+    st = prior.get("status")
+    if not prior.get("config_hash") and not prior.get("config"):
+        # a job Slurm ended before it wrote anything (launchers/slurm.py _record_killed): no result
+        # to keep and no config to compare
+        if rerun == "none":
+            return Decision(num, job_dir, h, False, st, f"kept (was {st}; campaign.rerun=none)")
+        return Decision(num, job_dir, h, True, st, f"runs again (was {st}, ended before it started; "
+                                                   f"campaign.rerun={rerun})")
     old = prior.get("config_hash") or records.config_hash(prior.get("config") or {})
     if old != h:
         changed = records.config_diff(records.job_identity(prior.get("config") or {}), records.job_identity(config))
         raise CampaignError(f"job #{num} ({job_dir}) already holds a record of another config "
                             f"({'; '.join(changed[:6]) or 'config hash ' + old + ' -> ' + h}): "
                             "use a new hydra.sweep.dir, or remove that job dir to run it again")
-    st = prior.get("status")
     if rerun == "all":
         return Decision(num, job_dir, h, True, st, f"runs again (was {st}; campaign.rerun=all)")
     if rerun == "none" or st in KEPT_BY_FAILED:
@@ -90,20 +96,10 @@ def plan(sweep_dir: str, jobs) -> list[Decision]:
     return out
 
 
-def read_manifest(sweep_dir: str) -> dict:
-    path = os.path.join(sweep_dir, MANIFEST)
-    if not os.path.exists(path):
-        return {"jobs": {}}
-    try:
-        return records.read(path)
-    except records.UnreadableRecord:
-        return {"jobs": {}}
-
-
 def update_manifest(sweep_dir: str, jobs: dict) -> None:
     """Merge {num: fields} into the sweep's campaign.json (a later sweep may extend it)."""
     os.makedirs(sweep_dir, exist_ok=True)
-    m = read_manifest(sweep_dir)
+    m = records.read_manifest(sweep_dir)
     for num, fields in jobs.items():
         m["jobs"][str(num)] = {**m["jobs"].get(str(num), {}), **fields}
-    records.write_json(os.path.join(sweep_dir, MANIFEST), m)
+    records.write_json(os.path.join(sweep_dir, records.MANIFEST), m)

@@ -89,6 +89,26 @@ def _warn(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+# -- the campaign manifest ----------------------------------------------------------------------
+
+MANIFEST = "campaign.json"  # in the sweep dir, written by launchers/campaign.py
+
+
+def read_manifest(sweep_dir: str) -> dict:
+    """{"jobs": {num: {job_dir, overrides, config_hash, decision, slurm_job_id?}}}; empty when the
+    sweep dir has none (a sweep of an older train-ledger) or it cannot be read."""
+    path = os.path.join(sweep_dir, MANIFEST)
+    if not os.path.exists(path):
+        return {"jobs": {}}
+    try:
+        m = read(path)
+    except UnreadableRecord as e:
+        _warn(f"warning: {e}")
+        return {"jobs": {}}
+    m.setdefault("jobs", {})
+    return m
+
+
 # -- what a job is ------------------------------------------------------------------------------
 
 # config keys that say how a job is run or logged, not what it runs: a changed one does not make the

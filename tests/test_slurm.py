@@ -17,6 +17,13 @@ from tests.conftest import REPO, launch
 pytestmark = [pytest.mark.slurm, pytest.mark.real]
 
 
+def slurm_conf() -> str:
+    """The local Slurm's client config (conf/cluster/local_slurm.yaml's slurm_conf)."""
+    import yaml
+
+    return os.path.join(REPO, yaml.safe_load(open(os.path.join(REPO, "conf/cluster/local_slurm.yaml")))["slurm_conf"])
+
+
 @pytest.fixture(scope="module")
 def slurm():
     up = subprocess.run(["bash", "scripts/slurm.sh", "up"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -82,3 +89,46 @@ def test_too_short_time_limit_is_recorded_with_slurms_state(slurm, tmp_path):
     assert rec["slurm"]["JobState"] == "TIMEOUT"
     assert rec["status"] == "timeout"
     assert "TIMEOUT" in rec["error"]
+
+
+def test_scancel_one_job_then_resume(slurm, tmp_path):
+    """scancel of job #0 while it runs: it is recorded with Slurm's state, the sweep goes on; the
+    resubmitted sweep runs #0 again and skips #1 (its record untouched)."""
+    import sys
+    import time
+
+    from analysis import status
+
+    args = ["-m", "framework=deepspeed", "framework.zero_stage=1,2", "train.steps=2", "hydra/launcher=submitit_slurm",
+            "cluster=local_slurm", f"hydra.sweep.dir={tmp_path}"]
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        job_id = None
+        while time.monotonic() < deadline:
+            job_id = records.read_manifest(str(tmp_path))["jobs"].get("0", {}).get("slurm_job_id")
+            if job_id and status.table(str(tmp_path)).status[0] != "pending":
+                break
+            time.sleep(0.5)
+        assert job_id, "job #0 was not submitted"
+        assert status.table(str(tmp_path)).status[0] == "running"
+        subprocess.run(["scancel", job_id], check=True, timeout=30, env=dict(os.environ, SLURM_CONF=slurm_conf()))
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    st = status.table(str(tmp_path))
+    assert list(st.status) == ["cancelled", "ok"], st.to_string()
+    assert st.slurm_state[0] == "CANCELLED" and st.slurm_job_id[0] == job_id
+    mtime1 = os.path.getmtime(tmp_path / "1_deepspeed" / "record.json")
+
+    p = launch(*args[:-1], f"hydra.sweep.dir={tmp_path}", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "#0 runs again (was cancelled" in p.stdout
+    assert "#1 skipped: its record is ok" in p.stdout
+    assert os.path.getmtime(tmp_path / "1_deepspeed" / "record.json") == mtime1
+    st = status.table(str(tmp_path))
+    assert list(st.status) == ["ok", "ok"] and st.slurm_job_id[0] != job_id

@@ -130,7 +130,10 @@ class ValidatingSlurmLauncher(SlurmLauncher):
         from launchers.campaign import update_manifest
 
         update_manifest(str(self.config.hydra.sweep.dir),
-                        {initial_job_idx + pos: {"slurm_job_id": str(job.job_id)} for (pos, _, _), job in zip(valid, jobs)})
+                        {initial_job_idx + pos: {"slurm_job_id": str(job.job_id),
+                                                 # the clients' config, for analysis.status
+                                                 "slurm_conf": os.environ.get("SLURM_CONF")}
+                         for (pos, _, _), job in zip(valid, jobs)})
         out = []
         for job, (_, ov, job_dir) in zip(jobs, valid):
             try:
