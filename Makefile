@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(PY) -m analysis.report $(DEMO_DIR)
 
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q tests
+	WANDB_MODE=offline $(PY) -m pytest -q --durations=15 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not real and not slurm"

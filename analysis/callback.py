@@ -14,10 +14,8 @@ class ReconcileCallback(Callback):
         if not recs:
             return
         df = reconcile.table(recs)
-        print(f"\n== reconcile: {sweep_dir} ==")
-        steady = df[df.phase == "steady"]
-        if len(steady):
-            last = steady.groupby(["job", "rank"]).step.transform("max")
-            print(reconcile.render(steady[steady.step == last], "markdown"))
-        print()
+        print(f"\n== reconcile: {sweep_dir} (every row: python -m analysis.reconcile {sweep_dir}) ==")
+        if len(df):
+            print(reconcile.render(reconcile.compact(recs, df), "markdown"))
+            print()
         print(reconcile.render(reconcile.summary(recs, df), "markdown"))

@@ -101,6 +101,27 @@ def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
     return df
 
 
+def compact(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One line per (job, rank) at its last step: predicted and measured resident bytes, and the
+    collectives (kinds and counts, with how many comm rows differ): what `make demo` prints. The
+    full per-quantity table stays `python -m analysis.reconcile DIR`."""
+    df = table(recs) if df is None else df
+    out = []
+    for (job, rank), d in df.groupby(["job", "rank"], sort=False):
+        last = d[d.step == d.step.max()]
+        res = last[last.quantity == "resident_bytes"]
+        comm = last[last.quantity.str.startswith("comm/")]
+        counts = comm[comm.quantity.str.endswith("/count")]
+        kinds = ", ".join(f"{q.split('/')[1]} {q.split('/')[2]}×{int(m)}" for q, m in zip(counts.quantity, counts.measured))
+        out.append({"job": job, "rank": rank, "step": int(last.step.iloc[0]), "phase": last.phase.iloc[0],
+                    "resident_predicted": int(res.predicted.iloc[0]) if len(res) else None,
+                    "resident_measured": int(res.measured.iloc[0]) if len(res) else None,
+                    "resident_abs_err": int(res.abs_err.iloc[0]) if len(res) else None,
+                    "collectives (measured)": kinds or "none",
+                    "comm_mismatches": int((comm.abs_err != 0).sum())})
+    return pd.DataFrame(out)
+
+
 def render(df: pd.DataFrame, fmt: str) -> str:
     if fmt == "csv":
         return df.to_csv(index=False)

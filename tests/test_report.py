@@ -112,3 +112,32 @@ def test_wandb_report_object_builds_without_a_server():
     assert all("Group') == 'sweep-1'" in g.runsets[0].filters for g in grids)
     bars = [p for p in grids[1].panels if type(p).__name__ == "BarPlot"]
     assert bars[0].metrics == [f"rank{r}/resident_bytes" for r in range(4)]
+
+
+@pytest.mark.real
+def test_compact_sweep_table_is_the_full_tables_last_step(sweep):
+    """What `make demo` prints per job: one line per (job, rank), resident predicted/measured as in the
+    full table's last step, collectives by kind with their measured counts, and the comm rows that
+    differ (a changed measurement shows there)."""
+    recs = records.load(sweep)
+    df = reconcile.table(recs)
+    c = reconcile.compact(recs, df)
+    assert len(c) == df.groupby(["job", "rank"]).ngroups > 0
+    for _, row in c.iterrows():
+        d = df[(df.job == row.job) & (df["rank"] == row["rank"])]
+        last = d[d.step == d.step.max()]
+        res = last[last.quantity == "resident_bytes"].iloc[0]
+        assert (row.resident_predicted, row.resident_measured) == (res.predicted, res.measured)
+        for q, m in zip(last.quantity, last.measured):
+            if q.endswith("/count"):
+                assert f"{q.split('/')[1]} {q.split('/')[2]}×{int(m)}" in row["collectives (measured)"]
+        assert row.comm_mismatches == 0
+    from tests.wandb_sweep import _cache
+
+    out = _cache["proc"].stdout  # the sweep printed it at its end, then the summary
+    assert "resident_predicted" in out and "collectives (measured)" in out and "steady_mismatches" in out
+    bad = copy.deepcopy(recs)
+    st = bad[0]["measurement"]["ranks"][0]["steps"][-1]
+    st["comm"][0]["count"] += 1
+    c2 = reconcile.compact(bad)
+    assert c2.comm_mismatches.iloc[0] >= 1
