@@ -92,7 +92,7 @@ def _settings(mode: str):
 def _log(cfg, record: dict) -> dict:
     import wandb
 
-    from analysis import reconcile
+    from analysis import compare
 
     wc = cfg.wandb
     group = group_of(cfg, record)
@@ -103,7 +103,7 @@ def _log(cfg, record: dict) -> dict:
                      config=record["config"], settings=_settings(wc.mode), reinit="create_new")
     init_s = time.perf_counter() - t0
     try:
-        df = reconcile.table([record])
+        df = compare.table([record])
         steps = step_metrics(record)
         last = max(steps) if steps else None
         for s in sorted(steps):
@@ -369,7 +369,7 @@ def read_records(src: str) -> list[dict]:
 
 def read_tables(src: str) -> pd.DataFrame:
     """The logged reconcile tables (wandb.Table "reconcile") of every job, concatenated."""
-    from analysis.reconcile import COLUMNS
+    from analysis.compare import COLUMNS
 
     frames = []
     if _is_local(src):

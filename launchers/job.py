@@ -149,14 +149,6 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     return record
 
 
-def clear_results(job_dir: str, ranks) -> None:
-    """Stale results of an earlier attempt (a rerun, a requeue) must not be read back."""
-    for r in ranks:
-        p = os.path.join(job_dir, f"rank{r}.json")
-        if os.path.exists(p):
-            os.remove(p)
-
-
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
     from launchers.local import run_local
 

@@ -35,6 +35,14 @@ def log_tail(job_dir: str, rank: int, chars: int = 3000) -> str:
         return f.read()[-chars:]
 
 
+def clear_results(job_dir: str, ranks) -> None:
+    """Stale results of an earlier attempt (a rerun, a requeue) must not be read back."""
+    for r in ranks:
+        p = os.path.join(job_dir, f"rank{r}.json")
+        if os.path.exists(p):
+            os.remove(p)
+
+
 def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> list[dict]:
     """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail, timed_out}.
 
@@ -42,8 +50,6 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> 
     wait in a collective until the timeout. Ranks still running at timeout_s are killed and marked
     timed_out. Whatever ends this function early (an Interrupted from SIGTERM) kills the ranks too:
     none outlives its job."""
-    from launchers.job import clear_results
-
     clear_results(job_dir, range(world))
     port = free_port()
     procs = [spawn_rank(job_dir, r, world, "127.0.0.1", port, r, device) for r in range(world)]

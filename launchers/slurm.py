@@ -170,8 +170,7 @@ def slurm_ranks_runner(rank: int, world: int, master: str, port: int):
     waits for every rank's result file (shared filesystem)."""
 
     def run(job_dir: str, world_: int, timeout_s: int, device: str) -> list[dict]:
-        from launchers.job import clear_results
-        from launchers.local import log_tail, spawn_rank
+        from launchers.local import clear_results, log_tail, spawn_rank
 
         clear_results(job_dir, [rank])
         p = spawn_rank(job_dir, rank, world, master, port, int(os.environ.get("SLURM_LOCALID", "0")), device)

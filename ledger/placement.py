@@ -12,8 +12,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ledger.units import STATES, fmt  # noqa: F401  (ledger.placement.fmt / .STATES, as before)
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all", "broadcast")
-STATES = ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")
 _DETAIL_PREFIX = {s: s[:-len("_bytes")] + "/" for s in STATES}  # RankState.detail keys: "optim/adam step"
 
 
@@ -303,11 +304,3 @@ def _rank_dict(rank: int, s: RankState) -> dict:
     return d
 
 
-def fmt(nbytes: float) -> str:
-    """Human units, decimal (GB = 1e9 B) as the design article writes them."""
-    n = float(nbytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"

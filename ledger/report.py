@@ -6,7 +6,12 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ledger.placement import STATES, Placement, fmt
+from typing import TYPE_CHECKING
+
+from ledger.units import STATES, fmt
+
+if TYPE_CHECKING:  # render() reads a Placement; ledger.placement imports this module to print one
+    from ledger.placement import Placement
 
 COLS = (*STATES, "resident_bytes")
 
@@ -17,7 +22,7 @@ def _span(lo: int, hi: int) -> str:
     return b if a == b else f"{a} – {b}"
 
 
-def render(pl: Placement, max_rows: int = 16) -> str:
+def render(pl: "Placement", max_rows: int = 16) -> str:
     """One row per pipeline stage (its ranks are one contiguous block of the grid): each state's
     range over the stage's ranks; then the most-loaded rank in exact bytes."""
     buf = io.StringIO()

@@ -1,0 +1,72 @@
+"""Prediction versus measurement: the rows of one record, one per (job, rank, step, quantity).
+
+The core that analysis.reconcile (tables, summaries, its CLI) and analysis.wandb_io (the table
+each W&B run carries) share; it reads records and imports neither of them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pandas as pd
+
+import records as R
+
+STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
+COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
+           "abs_err", "rel_err"]
+
+
+def _comm_totals(comm: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for c in comm or []:
+        out[f"comm/{c['dim']}/{c['kind']}/count"] += c["count"]
+        out[f"comm/{c['dim']}/{c['kind']}/buffer_bytes"] += c["buffer_bytes"]
+    return out
+
+
+def _predicted_comm(p: dict, step: int) -> list[dict]:
+    """The rank's predicted collectives for a step: comm_first at step 0 (when it differs),
+    comm_warmup[step - 1] for the further warm-up steps, comm (steady state) after."""
+    warmup = p.get("comm_warmup") or []
+    if step == 0:
+        return p["comm_first"] if "comm_first" in p else p["comm"]
+    if step <= len(warmup):
+        return warmup[step - 1]
+    return p["comm"]
+
+
+def rows(rec: dict) -> list[dict]:
+    """Reconcile rows of one record (empty when it has no measurement)."""
+    pred, meas = rec.get("prediction"), rec.get("measurement")
+    if not pred or not meas:
+        return []
+    base = {"job": R.job_name(rec), "framework": R.framework_variant(rec), "layout": R.layout_name(rec)}
+    by_rank = {p["rank"]: p for p in pred["per_rank"]}
+    out = []
+    for m in meas["ranks"]:
+        p = by_rank.get(m["rank"])
+        if p is None or m.get("status") != "ok":
+            continue
+        warmup = p.get("comm_warmup") or []
+        for st in m.get("steps", []):
+            # step 0 and any further warm-up steps the prediction names are "first", not steady
+            phase = "first" if st["step"] <= len(warmup) else "steady"
+            r0 = {**base, "rank": m["rank"], "step": st["step"], "phase": phase}
+            if "state" in st:
+                for q in STATE_Q:
+                    out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
+            if "comm" in st:
+                pc = _comm_totals(_predicted_comm(p, st["step"]))
+                mc = _comm_totals(st["comm"])
+                for q in sorted(set(pc) | set(mc)):
+                    out.append({**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)})
+    for r in out:
+        r["abs_err"] = r["measured"] - r["predicted"]
+        r["rel_err"] = r["abs_err"] / r["predicted"] if r["predicted"] else (0.0 if r["abs_err"] == 0 else float("inf"))
+    return out
+
+
+def table(path_or_records) -> pd.DataFrame:
+    recs = R.load(path_or_records) if isinstance(path_or_records, str) else path_or_records
+    data = [r for rec in recs for r in rows(rec)]
+    return pd.DataFrame(data, columns=COLUMNS)

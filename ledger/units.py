@@ -1,0 +1,15 @@
+"""The state names of a rank's ledger and the human units they are printed in (shared by
+ledger.placement and ledger.report, which must not import each other)."""
+from __future__ import annotations
+
+STATES = ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes")
+
+
+def fmt(nbytes: float) -> str:
+    """Human units, decimal (GB = 1e9 B) as the design article writes them."""
+    n = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
