@@ -24,16 +24,6 @@ COUNTED = ("ok", "failed", "invalid", "timeout", "running", "pending")
 COLUMNS = ["job", "status", "framework", "layout", "slurm_state", "slurm_job_id", "wall_s", "error"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _slurm(job_id: str) -> dict:
     from launchers.slurm import slurm_state  # only for sweeps that went through Slurm
 
@@ -67,7 +57,7 @@ def _line(num, entry: dict, rec: dict | None, now: float) -> dict:
             row["status"] = s.lower() if s not in ("COMPLETED", "UNKNOWN") else "interrupted"
     elif rec is not None and row["status"] == "running":
         local = rec.get("host") == socket.gethostname()
-        if local and not _alive(int(rec.get("pid") or 0)):
+        if local and not R.process_alive(rec.get("pid")):
             row["status"] = "interrupted"
             row["error"] = f"pid {rec.get('pid')} is gone; rerun the sweep to run it again"
         if rec.get("started_at"):

@@ -17,6 +17,7 @@ jobs that never existed.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -69,6 +70,9 @@ def decide(num: int, cfg, job_dir: str) -> Decision:
         raise CampaignError(f"job #{num} ({job_dir}) already holds a record of another config "
                             f"({'; '.join(changed[:6]) or 'config hash ' + old + ' -> ' + h}): "
                             "use a new hydra.sweep.dir, or remove that job dir to run it again")
+    if st == "running" and prior.get("host") == socket.gethostname() and records.process_alive(prior.get("pid")):
+        raise CampaignError(f"job #{num} ({job_dir}) is running now (pid {prior['pid']}): "
+                            "wait for it, or stop that sweep first")
     if rerun == "all":
         return Decision(num, job_dir, h, True, st, f"runs again (was {st}; campaign.rerun=all)")
     if rerun == "none" or st in KEPT_BY_FAILED:

@@ -89,6 +89,17 @@ def _warn(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def process_alive(pid) -> bool:
+    """Whether the pid of a `running` record (on this host) is still a process."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 # -- the campaign manifest ----------------------------------------------------------------------
 
 MANIFEST = "campaign.json"  # in the sweep dir, written by launchers/campaign.py

@@ -163,3 +163,16 @@ def test_interrupted_record_reads_as_interrupted(tmp_path):
                                                  "config": {"framework": {"name": "deepspeed", "zero_stage": 1}}})
     st = status.table(str(tmp_path))
     assert list(st.status) == ["interrupted"] and "is gone" in st.error[0]
+
+
+def test_a_job_running_now_is_not_started_twice(tmp_path):
+    import socket
+
+    p = _predict_sweep(tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    path = tmp_path / "0_megatron" / "record.json"
+    rec = records.read(str(path))
+    records.write_json(str(path), {**rec, "status": "running", "pid": os.getpid(), "host": socket.gethostname()})
+    p = _predict_sweep(tmp_path)
+    assert p.returncode == 2 and f"job #0 ({tmp_path / '0_megatron'}) is running now (pid {os.getpid()})" in p.stderr
+    assert records.read(str(path))["status"] == "running"  # untouched
