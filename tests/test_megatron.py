@@ -293,7 +293,7 @@ def test_overlap_param_gather_moves_the_all_gathers_out_of_the_first_step():
 def _fw(**kw):
     d = dict(name="megatron", precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=True,
              overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None, average_in_collective=False,
-             clip_grad=1.0)
+             clip_grad=1.0, make_vocab_size_divisible_by=128)
     d.update(kw)
     return types.SimpleNamespace(**d)
 
@@ -487,6 +487,8 @@ def test_dry_writes_pretrain_gpt_command_accepted_by_megatron_parser(tmp_path):
     assert args.bf16 and args.swiglu and args.untie_embeddings_and_output_weights
     assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
     assert args.rotary_base == 500000 and args.clip_grad == 1.0
+    # the vocab as configured, padded by Megatron-LM itself to the multiple the ledger pads to
+    assert (args.vocab_size, args.make_vocab_size_divisible_by) == (m.vocab, 128)
 
 
 @pytest.mark.parametrize("dp,bucket", [(2, None), (3, 100_000), (4, 40_000), (16, 1_000_000)])
@@ -796,3 +798,55 @@ def test_chunk_contiguous_is_the_buffers_contiguity():
                 assert B._chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
                 seen.add(want)
     assert seen == {True, False}
+
+
+# -- the vocab padding -----------------------------------------------------------------------------
+@pytest.mark.parametrize("divisible_by", [1, 64, 128])
+def test_padded_vocab_is_megatrons_vocab_size_with_padding(divisible_by):
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    for vocab in (1, 999, 1001, 1024, 1030, 128256):
+        for tp in (1, 2, 3, 4, 8):
+            args = types.SimpleNamespace(make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
+                                         rank=1)
+            assert B.padded_vocab(vocab, tp, divisible_by) == vocab_size_with_padding(vocab, args), (vocab, tp)
+
+
+def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
+    """mode=predict model=llama3_8b framework=megatron layout.tp=8: Megatron-LM trains 129,024 vocab rows
+    (128,256 padded to a multiple of 128 x 8), so each rank holds 129024 x 4096 / 8 elements of the
+    embedding and of the output layer: the prediction is the one of a vocab of 129,024 and exceeds an
+    unpadded one (make_vocab_size_divisible_by=1) by exactly those rows, in params and in grads."""
+    import json
+
+    p = launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=8", "layout.dp=1",
+               f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pred = json.load(open(tmp_path / "prediction.json"))
+    m, lay = preset("llama3_8b"), _lay(tp=8, dp=1)
+    assert B.padded_vocab(m.vocab, 8, 128) == 129024
+    padded = L.place(dataclasses.replace(m, vocab=129024), lay, _fw()).to_dict()
+    unpadded = L.place(m, lay, _fw(make_vocab_size_divisible_by=1)).to_dict()
+    assert pred["per_rank"] == padded["per_rank"]
+    rows = 129024 * 4096 // 8 - 128256 * 4096 // 8  # per rank, embedding and output layer each
+    r, u = pred["per_rank"][0], unpadded["per_rank"][0]  # TP ranks hold equal shapes
+    assert (r["params_bytes"] - u["params_bytes"], r["grads_bytes"] - u["grads_bytes"]) == (2 * 2 * rows, 2 * 4 * rows)
+    assert any("vocab 128256 padded to 129024 rows" in n for n in pred["notes"])
+    emb = [n for name, n in B.stage_params(dataclasses.replace(m, vocab=129024), 8, 1, 0) if "word_embeddings" in name]
+    assert emb == [129024 * 4096 // 8]
+
+
+def test_vocab_not_divisible_by_tp_is_padded_for_megatron_only():
+    """Megatron pads vocab 1001 at tp=2 to 1024 rows (and trains it); torchtitan shards the vocab as it
+    is, so the tp-divides-vocab rule stays for it; textbook mode predicts Megatron unpadded."""
+    from ledger.layout import validate
+    from ledger.parallel import place
+
+    odd = dataclasses.replace(preset("tiny"), vocab=1001)
+    lay = _lay(tp=2, dp=1)
+    validate(odd, lay, "megatron", _fw())
+    assert L.place(odd, lay, _fw()).to_dict()["per_rank"] == L.place(preset("tiny"), lay, _fw()).to_dict()["per_rank"]
+    with pytest.raises(ConfigError, match="tp=2 does not divide vocab=1001"):
+        validate(odd, lay, "titan")
+    textbook = place(odd, None, _Cfg(framework=_fw(), layout=lay, ledger=_Cfg(mode="textbook")))
+    assert textbook.per_gpu.params_bytes == 2 * (odd.num_params() // 2)

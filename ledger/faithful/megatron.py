@@ -37,7 +37,7 @@ import numpy as np
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares, _stage_shape,
-    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes)
+    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -56,13 +56,15 @@ class Knobs(NamedTuple):
     overlap_param_gather: bool
     bucket_size: int | None
     clip_grad: float
+    make_vocab_size_divisible_by: int
 
 
 def knobs(fw) -> Knobs:
     if isinstance(fw, Knobs):
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
-                 bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad)
+                 bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
+                 fw.make_vocab_size_divisible_by)
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -544,6 +546,14 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check_framework(k)
     check_interleaving(lay)
     tp, dp = lay.tp, lay.dp
+    notes = list(_NOTES)
+    # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
+    # word-embedding grads hold the padded vocab (the record keeps the configured shape)
+    trained = padded_shape(model, tp, k.make_vocab_size_divisible_by)
+    if trained is not model:
+        notes.append(f"vocab {model.vocab} padded to {trained.vocab} rows (a multiple of "
+                     f"make_vocab_size_divisible_by={k.make_vocab_size_divisible_by} x tp={tp}: Megatron's "
+                     "tokenizers/utils/build_tokenizer.py vocab_size_with_padding)")
     cache: dict[tuple, RankState] = {}
 
     def state(rank: int) -> RankState:
@@ -551,12 +561,12 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         key = (rank // (tp * dp), rank // tp % dp)  # (stage, DP rank)
         s = cache.get(key)
         if s is None:
-            s = cache[key] = rank_state(model, lay, k, *key)
+            s = cache[key] = rank_state(trained, lay, k, *key)
         return s
 
-    st, d, _, _ = _heaviest_rank(model, tp, lay.pp, dp, lay.vp, k)
+    st, d, _, _ = _heaviest_rank(trained, tp, lay.pp, dp, lay.vp, k)
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                     world=lay.world, rank_state=state, representatives=[(st * dp + d) * tp], notes=list(_NOTES))
+                     world=lay.world, rank_state=state, representatives=[(st * dp + d) * tp], notes=notes)
 
 
 _NOTES = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "
