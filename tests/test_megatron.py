@@ -6,8 +6,9 @@ small buckets, so several padded buckets per buffer), the interleaved schedule (
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
 pp2·dp2, pp2·vp2·dp2: the last stage's copy, shared-embedding buckets, the embedding-group
 all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gather in the first step,
-the previous step's in the forward pre-hooks after). Every row (first and steady steps) on every
-rank must reconcile with abs_err 0.
+the previous step's in the forward pre-hooks after) and a vocab tp does not divide (1001 at dp2,
+tp2·sp, tp2·dp2: trained padded to 1024 rows). Every row (first and steady steps) on every rank must
+reconcile with abs_err 0.
 """
 from __future__ import annotations
 
@@ -54,9 +55,13 @@ SWEEPS = (
     # both, with the interleaved schedule's aligned param gather (param_sync_func) in the vp job
     ("w4tiedopg", ("cluster.ranks=4", "model.tied_embeddings=true", "framework.overlap_grad_reduce=true",
                    "framework.overlap_param_gather=true", "layout={pp:2},{pp:2,vp:2,global_batch_size:4}")),
+    # a vocab that tp does not divide: Megatron trains it padded to 1024 rows (megatron_buffers.padded_vocab)
+    ("w2v1001", ("cluster.ranks=2", "model.vocab=1001", "layout={},{tp:2,sequence_parallel:true}")),
+    ("w4v1001", ("cluster.ranks=4", "model.vocab=1001", "layout={tp:2}")),
 )
-# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather) of every job
-EXPECTED = {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
+# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab) of
+# every job
+EXPECTED = {(*job, 1024) for job in {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
             ("dp2", True, True, 1, False, False), ("tp2·sp", True, True, 1, False, False),
             ("pp2", True, True, 1, False, False), ("tp2·dp2", False, True, 1, False, False),
             ("tp2·pp2·sp", False, True, 1, False, False), ("tp2·dp2·sp", True, True, 1, False, False),
@@ -65,7 +70,9 @@ EXPECTED = {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False
             ("pp2·vp2·dp2", True, True, 2, False, False),
             ("dp2", True, True, 1, True, False), ("pp2", True, True, 1, True, False),
             ("dp2", True, True, 1, False, True),
-            ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}
+            ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}} | {
+    ("dp2", False, True, 1, False, False, 1001), ("tp2·sp", False, True, 1, False, False, 1001),
+    ("tp2·dp2", False, True, 1, False, False, 1001)}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +91,7 @@ def test_matrix_ran(sweep):
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
              r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
-             r["config"]["framework"]["overlap_param_gather"]) for r in sweep["ok"]]
+             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"]) for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
 
 
@@ -147,13 +154,24 @@ def test_tied_embeddings_and_overlap_param_gather_are_exercised(sweep):
             # (4 bytes) is a pp group too
             m, tp = rec["config"]["model"], rec["prediction"]["layout"]["tp"]
             ar = d[(d.quantity == "comm/pp/all_reduce/buffer_bytes") & (d.phase == "steady")]
-            emb = 4 * (m["vocab"] // tp) * m["hidden"]
+            emb = 4 * (B.padded_vocab(m["vocab"], tp, 128) // tp) * m["hidden"]
             assert len(ar) == world and ar.measured.isin([emb, emb + 4]).all(), (job, ar.to_string())
         if rec["config"]["framework"]["overlap_param_gather"]:
             ag = d[d.quantity == "comm/dp/all_gather/count"]
             assert ag[ag.phase == "first"].measured.sum() == 0, job
             steady = ag[ag.phase == "steady"]
             assert len(steady) == world and (steady.measured > 0).all(), (job, steady.to_string())
+
+
+@pytest.mark.real
+def test_vocab_1001_jobs_train_the_padded_vocab(sweep):
+    """The vocab-1001 jobs (reconciled to the byte above) predicted 1024 rows: the padding is what the
+    real GPTModel held, in the embedding and the output layer of every rank, first step and steady."""
+    jobs = [r for r in sweep["ok"] if r["config"]["model"]["vocab"] == 1001]
+    assert len(jobs) == 3
+    for rec in jobs:
+        notes = rec["prediction"]["notes"]
+        assert any("vocab 1001 padded to 1024 rows" in n for n in notes), (records.job_name(rec), notes)
 
 
 @pytest.mark.real
