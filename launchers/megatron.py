@@ -69,12 +69,17 @@ def build_model(cfg, lay: Layout, tcfg, vp_stage: int | None = None):
     vp_stage=i (GPTModel -> TransformerBlock takes its layer offset from it), pre_process only on
     the first chunk of the first stage, post_process only on the last chunk of the last stage."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     m = cfg.model
-    spec = get_gpt_layer_local_spec(normalization=tcfg.normalization)
+    # gpt_builders.py _get_transformer_layer_spec: --transformer-impl picks the layer spec (job.check
+    # refuses transformer_engine on the CPU)
+    if cfg.framework.transformer_impl == "transformer_engine":
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()  # TE's norms follow tcfg
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tcfg.normalization)
     stage, pp = ps.get_pipeline_model_parallel_rank(), lay.pp
     pre = stage == 0 and vp_stage in (None, 0)
     post = stage == pp - 1 and vp_stage in (None, lay.vp - 1)
@@ -298,7 +303,7 @@ def run_rank(cfg, lay: Layout, session) -> dict:
 def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
     """The flags of Megatron-LM pretrain_gpt.py for this job (names as megatron/training/arguments.py)."""
     m, fw, t = cfg.model, cfg.framework, cfg.train
-    a = ["--use-mcore-models", "--transformer-impl", "transformer_engine",
+    a = ["--use-mcore-models", "--transformer-impl", fw.transformer_impl,
          "--num-layers", m.layers, "--hidden-size", m.hidden, "--ffn-hidden-size", m.ffn_hidden,
          "--num-attention-heads", m.heads]
     if m.kv_heads != m.heads:

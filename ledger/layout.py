@@ -137,6 +137,10 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
             _check_knobs(fw_cfg, _MEGATRON_KNOBS)
         if not (lay.dp_replicate == 1):
             raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
+        impl = _knob(fw_cfg, "transformer_impl")
+        if not (impl in (None, "local", "transformer_engine")):
+            raise ConfigError(f"framework.transformer_impl={impl!r} must be local or transformer_engine "
+                              "(null: transformer_engine to predict, local to run)")
     elif framework == "titan":
         # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
         # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
@@ -193,11 +197,16 @@ _DEEPSPEED_KNOBS = (("reduce_bucket_size", 1, "elements per gradient bucket"),
                     ("stage3_param_persistence_threshold", 0, "params of at most this many elements stay gathered"))
 
 
+def _knob(fw_cfg, name: str):
+    """A framework knob's value; None for a config without it (textbook mode needs none)."""
+    try:
+        return getattr(fw_cfg, name)
+    except (AttributeError, KeyError):
+        return None
+
+
 def _check_knobs(fw_cfg, rules) -> None:
     for name, least, what in rules:
-        try:
-            v = getattr(fw_cfg, name)
-        except (AttributeError, KeyError):  # a config without the knob (textbook mode needs none)
-            continue
+        v = _knob(fw_cfg, name)
         if v is not None and v < least:
             raise ConfigError(f"framework.{name}={v} must be >= {least} ({what})")
