@@ -64,6 +64,12 @@ class MegatronConfig(FrameworkConfig):
     bucket_size: Optional[int] = None
     average_in_collective: bool = False
     clip_grad: float = 1.0
+    # Megatron-LM --make-vocab-size-divisible-by: the embedding and output layer hold the vocab padded
+    # to a multiple of this times tp (ledger/faithful/megatron_buffers.py padded_vocab)
+    make_vocab_size_divisible_by: int = 128
+    # Megatron-LM --transformer-impl: local | transformer_engine (the layer spec GPTModel is built with);
+    # None = transformer_engine for mode=predict|dry (run.sh's), local for mode=run (launchers/job.py)
+    transformer_impl: Optional[str] = None
 
 
 @dataclass

@@ -45,6 +45,10 @@ class Decision:
 
 def decide(num: int, cfg, job_dir: str) -> Decision:
     """Whether job `num` (its composed config, hydra removed) runs, from the record in job_dir."""
+    from launchers.job import fill_mode_defaults
+
+    cfg = cfg.copy()
+    fill_mode_defaults(cfg)  # as run_job does before its record copies the config
     config = OmegaConf.to_container(cfg, resolve=True)
     h = records.config_hash(config)
     rerun = cfg.campaign.rerun if "campaign" in cfg else "failed"

@@ -63,10 +63,26 @@ def world_of(cfg) -> int:
     return cfg.cluster.ranks * cfg.cluster.nodes
 
 
+def fill_mode_defaults(cfg) -> None:
+    """Knobs whose default depends on the job's mode, set before the record copies the config (so
+    the record says what was predicted and run): Megatron's transformer_impl (default_transformer_impl)."""
+    fw = cfg.framework
+    if fw.name == "megatron" and fw.get("transformer_impl") is None:
+        from ledger.faithful.megatron import default_transformer_impl
+
+        fw.transformer_impl = default_transformer_impl(cfg.mode)
+
+
 def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
     prediction is part of the check: a faithful ledger rejects what it does not model."""
     validate_config(cfg)  # every group's values first: the layout rules below then divide safely
+    fill_mode_defaults(cfg)
+    fw = cfg.framework
+    if cfg.mode == "run" and fw.name == "megatron" and fw.transformer_impl == "transformer_engine" \
+            and cfg.cluster.device == "cpu":
+        raise ConfigError("megatron: framework.transformer_impl=transformer_engine needs CUDA (TransformerEngine); "
+                          "a CPU run builds the local spec: set framework.transformer_impl=local")
     model = ModelShape.from_config(cfg.model)
     world = world_of(cfg)
     # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size
@@ -99,6 +115,7 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     its own runner; only rank 0 writes the record (writes_record)."""
     os.makedirs(job_dir, exist_ok=True)
     t0 = time.time()
+    fill_mode_defaults(cfg)
     record = {**new_record(cfg, job_dir), **(extra or {})}
     rec_path = os.path.join(job_dir, "record.json")
     try:

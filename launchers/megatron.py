@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import types
 from typing import Iterator
 
 import torch
@@ -51,21 +52,40 @@ def transformer_config(cfg, lay: Layout):
     )
 
 
+def padded_vocab_size(cfg, lay: Layout) -> int:
+    """pretrain_gpt.py's args.padded_vocab_size: global_vars.py _build_tokenizer -> megatron-core's
+    tokenizers/utils/build_tokenizer.py build_tokenizer -> _set_padded_vocab_size (pad_vocab_size
+    defaults True) -> vocab_size_with_padding of the tokenizer's vocab_size (NullTokenizer: --vocab-size).
+    Megatron's own function, called with the arguments it reads there."""
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    args = types.SimpleNamespace(make_vocab_size_divisible_by=cfg.framework.make_vocab_size_divisible_by,
+                                 tensor_model_parallel_size=lay.tp, rank=int(os.environ.get("RANK", 0)))
+    return vocab_size_with_padding(cfg.model.vocab, args, logging_enabled=False)
+
+
 def build_model(cfg, lay: Layout, tcfg, vp_stage: int | None = None):
     """One model chunk. With vp > 1, training.py get_model builds vp chunks per stage: chunk i has
     vp_stage=i (GPTModel -> TransformerBlock takes its layer offset from it), pre_process only on
     the first chunk of the first stage, post_process only on the last chunk of the last stage."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     m = cfg.model
-    spec = get_gpt_layer_local_spec(normalization=tcfg.normalization)
+    # gpt_builders.py _get_transformer_layer_spec: --transformer-impl picks the layer spec (job.check
+    # refuses transformer_engine on the CPU)
+    if cfg.framework.transformer_impl == "transformer_engine":
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()  # TE's norms follow tcfg
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tcfg.normalization)
     stage, pp = ps.get_pipeline_model_parallel_rank(), lay.pp
     pre = stage == 0 and vp_stage in (None, 0)
     post = stage == pp - 1 and vp_stage in (None, lay.vp - 1)
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=m.vocab, max_sequence_length=m.seq_len,
+    # gpt_builders.py: GPTModel(vocab_size=args.padded_vocab_size); the data's tokens stay below m.vocab (batches)
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg, lay),
+                     max_sequence_length=m.seq_len,
                      pre_process=pre, post_process=post,
                      share_embeddings_and_output_weights=m.tied_embeddings, position_embedding_type="rope",
                      rotary_base=int(m.rope_theta), vp_stage=vp_stage)
@@ -100,7 +120,8 @@ def optimizer_config(cfg):
 
 # -- data ----------------------------------------------------------------------------------------
 def batches(cfg, lay: Layout, device, seed: int) -> Iterator[dict]:
-    """Synthetic tokens, the same on every rank of a DP replica (a seed per DP rank)."""
+    """Synthetic tokens, the same on every rank of a DP replica (a seed per DP rank), each below the
+    configured vocab (the padded rows are never a token, as with Megatron-LM's tokenizers)."""
     g = torch.Generator().manual_seed(seed)
     s, b, v = cfg.model.seq_len, lay.micro_batch_size, cfg.model.vocab
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -282,7 +303,7 @@ def run_rank(cfg, lay: Layout, session) -> dict:
 def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
     """The flags of Megatron-LM pretrain_gpt.py for this job (names as megatron/training/arguments.py)."""
     m, fw, t = cfg.model, cfg.framework, cfg.train
-    a = ["--use-mcore-models", "--transformer-impl", "transformer_engine",
+    a = ["--use-mcore-models", "--transformer-impl", fw.transformer_impl,
          "--num-layers", m.layers, "--hidden-size", m.hidden, "--ffn-hidden-size", m.ffn_hidden,
          "--num-attention-heads", m.heads]
     if m.kv_heads != m.heads:
@@ -321,7 +342,9 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
         a.append("--bf16")
     a += ["--lr", t.lr, "--train-iters", t.steps, "--clip-grad", fw.clip_grad, "--weight-decay", 0.1,
           "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--seed", t.seed,
-          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab, "--split", "99,1,0",
+          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab,
+          # Megatron-LM pads the vocab itself (build_tokenizer.py vocab_size_with_padding): explicit, as predicted
+          "--make-vocab-size-divisible-by", fw.make_vocab_size_divisible_by, "--split", "99,1,0",
           "--log-interval", 1, "--log-memory-to-tensorboard", "--tensorboard-dir", "$PWD/tb/megatron",
           "--eval-iters", 0, "--save-interval", 1000000, "--distributed-timeout-minutes", 30]
     return [str(x) for x in a]

@@ -94,7 +94,8 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         raise ConfigError(f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
     if not (model.ffn_hidden % lay.tp == 0):
         raise ConfigError(f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    if not (model.vocab % lay.tp == 0):
+    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab)
+    if not (model.vocab % lay.tp == 0 or framework == "megatron"):
         raise ConfigError(f"tp={lay.tp} does not divide vocab={model.vocab}")
     if not (model.layers % (lay.pp * lay.vp) == 0):
         raise ConfigError(f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
@@ -133,6 +134,10 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
             _check_knobs(fw_cfg, _MEGATRON_KNOBS)
         if not (lay.dp_replicate == 1):
             raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
+        impl = _knob(fw_cfg, "transformer_impl")
+        if not (impl in (None, "local", "transformer_engine")):
+            raise ConfigError(f"framework.transformer_impl={impl!r} must be local or transformer_engine "
+                              "(null: transformer_engine to predict, local to run)")
     elif framework == "titan":
         # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
         # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
@@ -179,7 +184,8 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
 # sizes and budgets a framework takes in elements: (field, least value, what it is). A bucket of 0
 # elements would put every parameter in a bucket of its own in one framework and loop in another
 # (the bucket walk never advances); a negative budget means nothing. None: the framework's default.
-_MEGATRON_KNOBS = (("bucket_size", 1, "elements per DDP bucket; null: Megatron's default max(40M, 1M*dp)"),)
+_MEGATRON_KNOBS = (("bucket_size", 1, "elements per DDP bucket; null: Megatron's default max(40M, 1M*dp)"),
+                   ("make_vocab_size_divisible_by", 1, "the vocab is padded to a multiple of this times tp"))
 _DEEPSPEED_KNOBS = (("reduce_bucket_size", 1, "elements per gradient bucket"),
                     ("allgather_bucket_size", 1, "elements per ZeRO-1/2 all-gather bucket"),
                     ("stage3_prefetch_bucket_size", 0, "elements prefetched ahead; 0: no prefetch"),
@@ -188,11 +194,16 @@ _DEEPSPEED_KNOBS = (("reduce_bucket_size", 1, "elements per gradient bucket"),
                     ("stage3_param_persistence_threshold", 0, "params of at most this many elements stay gathered"))
 
 
+def _knob(fw_cfg, name: str):
+    """A framework knob's value; None for a config without it (textbook mode needs none)."""
+    try:
+        return getattr(fw_cfg, name)
+    except (AttributeError, KeyError):
+        return None
+
+
 def _check_knobs(fw_cfg, rules) -> None:
     for name, least, what in rules:
-        try:
-            v = getattr(fw_cfg, name)
-        except (AttributeError, KeyError):  # a config without the knob (textbook mode needs none)
-            continue
+        v = _knob(fw_cfg, name)
         if v is not None and v < least:
             raise ConfigError(f"framework.{name}={v} must be >= {least} ({what})")

@@ -232,6 +232,8 @@ class Placement:
     # ranks among which per_gpu finds the most-loaded one (the first of them on ties; None = all
     # ranks): a ledger that knows which ranks can be heaviest names a handful instead of 16,384
     representatives: Optional[list[int]] = None
+    # the framework's variant the prediction follows where it has several (Megatron's transformer_impl)
+    spec: str = ""
     _per_gpu: Optional[RankState] = None
 
     @property
@@ -273,7 +275,7 @@ class Placement:
     def to_dict(self, all_ranks: bool = True) -> dict:
         g = self.per_gpu
         ranks = range(self.world) if all_ranks else [0]
-        return {
+        out = {
             "framework": self.framework,
             "mode": self.mode,
             "model": self.model,
@@ -284,6 +286,9 @@ class Placement:
             "comm": [c.to_dict() for c in g.comm],
             "notes": self.notes,
         }
+        if self.spec:  # only where a framework has variants: the other records stay as they were
+            out["spec"] = self.spec
+        return out
 
     def report(self, max_rows: int = 16) -> str:
         from ledger.report import render

@@ -41,7 +41,8 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
             for k in COLS:
                 v = getattr(s, k)
                 st[k] = [min(st[k][0], v), max(st[k][1], v)]
-    t = Table(title=f"{pl.framework} ({pl.mode}) {pl.model.get('name', '')} "
+    spec = f", {pl.spec}" if pl.spec else ""
+    t = Table(title=f"{pl.framework} ({pl.mode}{spec}) {pl.model.get('name', '')} "
                     f"N={pl.model['num_params']:,} world={pl.world}: state bytes per rank at a step boundary")
     for col in ("stage", "ranks", *(k.replace("_bytes", "") for k in COLS), "distinct"):
         t.add_column(col, justify="left" if col == "ranks" else "right")

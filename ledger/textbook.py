@@ -1,7 +1,8 @@
 """Textbook mode: the design article's formulas, not what a framework allocates.
 
 Memory: 16 (or 18 with fp32 grads) bytes/param over N_local = N/(tp*pp); ZeRO-1/2/3 divide the
-last 12/14/16 bytes by N_d; FSDP (torchtitan) keeps fp32 shards = master. Traffic: DP-family
+last 12/14/16 bytes by N_d; FSDP (torchtitan) keeps fp32 shards = master, sharded over dp_shard
+(HSDP: dp / dp_replicate) and all-reduced across the replicas. Traffic: DP-family
 RS + AG (2N) or AG + AG + RS (3N, 2N without reshard after forward); TP with SP 4 AG + 4 RS of
 s*b*h per layer per micro-batch (4 AR without SP); PP activations s/t*b*h per micro-batch each
 way (the article counts both directions); CP as a K/V ring, 3*(cp-1) hops per layer per micro-batch.
@@ -49,13 +50,18 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         else:
             cb.add("dp", "all_reduce", st.grad * n_local, nd, what="grads")
     elif name == "titan":
+        # HSDP (dp_replicate > 1) shards over dp_shard = dp / dp_replicate only; each shard is
+        # replicated dp_replicate times (torchtitan distributed/fsdp.py: fully_shard over the
+        # (dp_replicate, dp_shard) mesh, FSDP2's HSDP), its grad shard all-reduced across the replicas
+        ns = lay.dp_shard
         # fp32 shard is both the model parameter and the master copy
-        s.add("params_bytes", "fp32 shards", 4 * n_local // nd)
-        s.add("grads_bytes", "fp32 grads", 4 * n_local // nd)
-        s.add("optim_bytes", "adam", st.optim * n_local // nd)
+        s.add("params_bytes", "fp32 shards", 4 * n_local // ns)
+        s.add("grads_bytes", "fp32 grads", 4 * n_local // ns)
+        s.add("optim_bytes", "adam", st.optim * n_local // ns)
         gathers = 1 if fw.reshard_after_forward == "never" else 2
-        cb.add("dp", "all_gather", 2 * n_local, nd, count=gathers, what="bf16 unshard")
-        cb.add("dp", "reduce_scatter", 4 * n_local, nd, what="fp32 grads")
+        cb.add("dp", "all_gather", 2 * n_local, ns, count=gathers, what="bf16 unshard")
+        cb.add("dp", "reduce_scatter", 4 * n_local, ns, what="fp32 grads")
+        cb.add("dp_replicate", "all_reduce", 4 * n_local // ns, lay.dp_replicate, what="fp32 grad shard (HSDP)")
     # TP: per layer per micro-batch 4 AG + 4 RS (SP) or 4 AR of s*b*h
     m = lay.num_microbatches
     sbh = model.seq_len // lay.cp * lay.micro_batch_size * model.hidden * act  # each CP rank: s/cp

@@ -6,8 +6,9 @@ small buckets, so several padded buckets per buffer), the interleaved schedule (
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
 pp2·dp2, pp2·vp2·dp2: the last stage's copy, shared-embedding buckets, the embedding-group
 all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gather in the first step,
-the previous step's in the forward pre-hooks after). Every row (first and steady steps) on every
-rank must reconcile with abs_err 0.
+the previous step's in the forward pre-hooks after) and a vocab tp does not divide (1001 at dp2,
+tp2·sp, tp2·dp2: trained padded to 1024 rows). Every row (first and steady steps) on every rank must
+reconcile with abs_err 0.
 """
 from __future__ import annotations
 
@@ -55,9 +56,13 @@ SWEEPS = (
     # both, with the interleaved schedule's aligned param gather (param_sync_func) in the vp job
     ("w4tiedopg", ("cluster.ranks=4", "model.tied_embeddings=true", "framework.overlap_grad_reduce=true",
                    "framework.overlap_param_gather=true", "layout={pp:2},{pp:2,vp:2,global_batch_size:4}")),
+    # a vocab that tp does not divide: Megatron trains it padded to 1024 rows (megatron_buffers.padded_vocab)
+    ("w2v1001", ("cluster.ranks=2", "model.vocab=1001", "layout={},{tp:2,sequence_parallel:true}")),
+    ("w4v1001", ("cluster.ranks=4", "model.vocab=1001", "layout={tp:2}")),
 )
-# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather) of every job
-EXPECTED = {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
+# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab) of
+# every job
+EXPECTED = {(*job, 1024) for job in {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
             ("dp2", True, True, 1, False, False), ("tp2·sp", True, True, 1, False, False),
             ("pp2", True, True, 1, False, False), ("tp2·dp2", False, True, 1, False, False),
             ("tp2·pp2·sp", False, True, 1, False, False), ("tp2·dp2·sp", True, True, 1, False, False),
@@ -66,7 +71,9 @@ EXPECTED = {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False
             ("pp2·vp2·dp2", True, True, 2, False, False),
             ("dp2", True, True, 1, True, False), ("pp2", True, True, 1, True, False),
             ("dp2", True, True, 1, False, True),
-            ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}
+            ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}} | {
+    ("dp2", False, True, 1, False, False, 1001), ("tp2·sp", False, True, 1, False, False, 1001),
+    ("tp2·dp2", False, True, 1, False, False, 1001)}
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +92,11 @@ def test_matrix_ran(sweep):
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
              r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
-             r["config"]["framework"]["overlap_param_gather"]) for r in sweep["ok"]]
+             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"]) for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
+    # a run's default spec (default_transformer_impl), the one the launcher builds and the ledger predicted
+    assert {(r["config"]["framework"]["transformer_impl"], r["prediction"]["spec"]) for r in sweep["ok"]} == {
+        ("local", "local")}
 
 
 @pytest.mark.real
@@ -148,13 +158,24 @@ def test_tied_embeddings_and_overlap_param_gather_are_exercised(sweep):
             # (4 bytes) is a pp group too
             m, tp = rec["config"]["model"], rec["prediction"]["layout"]["tp"]
             ar = d[(d.quantity == "comm/pp/all_reduce/buffer_bytes") & (d.phase == "steady")]
-            emb = 4 * (m["vocab"] // tp) * m["hidden"]
+            emb = 4 * (B.padded_vocab(m["vocab"], tp, 128) // tp) * m["hidden"]
             assert len(ar) == world and ar.measured.isin([emb, emb + 4]).all(), (job, ar.to_string())
         if rec["config"]["framework"]["overlap_param_gather"]:
             ag = d[d.quantity == "comm/dp/all_gather/count"]
             assert ag[ag.phase == "first"].measured.sum() == 0, job
             steady = ag[ag.phase == "steady"]
             assert len(steady) == world and (steady.measured > 0).all(), (job, steady.to_string())
+
+
+@pytest.mark.real
+def test_vocab_1001_jobs_train_the_padded_vocab(sweep):
+    """The vocab-1001 jobs (reconciled to the byte above) predicted 1024 rows: the padding is what the
+    real GPTModel held, in the embedding and the output layer of every rank, first step and steady."""
+    jobs = [r for r in sweep["ok"] if r["config"]["model"]["vocab"] == 1001]
+    assert len(jobs) == 3
+    for rec in jobs:
+        notes = rec["prediction"]["notes"]
+        assert any("vocab 1001 padded to 1024 rows" in n for n in notes), (records.job_name(rec), notes)
 
 
 @pytest.mark.real
@@ -294,7 +315,7 @@ def test_overlap_param_gather_moves_the_all_gathers_out_of_the_first_step():
 def _fw(**kw):
     d = dict(name="megatron", precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=True,
              overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None, average_in_collective=False,
-             clip_grad=1.0)
+             clip_grad=1.0, make_vocab_size_divisible_by=128, transformer_impl="local")
     d.update(kw)
     return types.SimpleNamespace(**d)
 
@@ -488,6 +509,9 @@ def test_dry_writes_pretrain_gpt_command_accepted_by_megatron_parser(tmp_path):
     assert args.bf16 and args.swiglu and args.untie_embeddings_and_output_weights
     assert args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
     assert args.rotary_base == 500000 and args.clip_grad == 1.0
+    # the vocab as configured, padded by Megatron-LM itself to the multiple the ledger pads to
+    assert (args.vocab_size, args.make_vocab_size_divisible_by) == (m.vocab, 128)
+    assert args.transformer_impl == "transformer_engine"  # mode=dry's default, what the ledger predicted
 
 
 @pytest.mark.parametrize("dp,bucket", [(2, None), (3, 100_000), (4, 40_000), (16, 1_000_000)])
@@ -524,13 +548,19 @@ def test_heaviest_dp_rank_is_the_max_over_every_rank(dp, bucket, tp):
 
 
 @pytest.mark.parametrize("kw", [dict(pp=1, dp=8), dict(pp=2, dp=4), dict(pp=4, dp=2, global_batch_size=8),
-                                dict(pp=2, vp=2, dp=3, global_batch_size=6), dict(tp=2, pp=3, dp=5)])
+                                dict(pp=2, vp=2, dp=3, global_batch_size=6), dict(tp=2, pp=3, dp=5),
+                                dict(tp=2, pp=3, dp=5, sequence_parallel=True),
+                                dict(tp=2, pp=2, vp=2, dp=2, sequence_parallel=True, global_batch_size=4)])
 def test_per_gpu_is_the_most_loaded_of_every_rank(kw):
+    """Also with the TransformerEngine spec, whose "mpu" buffer (SP) only the last stage keeps."""
+    te = "transformer_engine"
     for tied in (False, True):
         shape = ModelShape(layers=12, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32,
                            tied_embeddings=tied)
         for fw in (_fw(overlap_grad_reduce=True, bucket_size=30_000), _fw(), _fw(use_distributed_optimizer=False),
-                   _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=30_000)):
+                   _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=30_000),
+                   _fw(overlap_grad_reduce=True, bucket_size=30_000, transformer_impl=te),
+                   _fw(use_distributed_optimizer=False, transformer_impl=te)):
             lay = _lay(**kw)
             pl = L.place(shape, lay, fw)
             every = [pl.rank_state(r) for r in range(lay.world)]
@@ -797,3 +827,108 @@ def test_chunk_contiguous_is_the_buffers_contiguity():
                 assert B._chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
                 seen.add(want)
     assert seen == {True, False}
+
+
+# -- the vocab padding -----------------------------------------------------------------------------
+@pytest.mark.parametrize("divisible_by", [1, 64, 128])
+def test_padded_vocab_is_megatrons_vocab_size_with_padding(divisible_by):
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    for vocab in (1, 999, 1001, 1024, 1030, 128256):
+        for tp in (1, 2, 3, 4, 8):
+            args = types.SimpleNamespace(make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
+                                         rank=1)
+            assert B.padded_vocab(vocab, tp, divisible_by) == vocab_size_with_padding(vocab, args), (vocab, tp)
+
+
+def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
+    """mode=predict model=llama3_8b framework=megatron layout.tp=8: Megatron-LM trains 129,024 vocab rows
+    (128,256 padded to a multiple of 128 x 8), so each rank holds 129024 x 4096 / 8 elements of the
+    embedding and of the output layer: the prediction is the one of a vocab of 129,024 and exceeds an
+    unpadded one (make_vocab_size_divisible_by=1) by exactly those rows, in params and in grads."""
+    import json
+
+    p = launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=8", "layout.dp=1",
+               f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pred = json.load(open(tmp_path / "prediction.json"))
+    m, lay = preset("llama3_8b"), _lay(tp=8, dp=1)
+    assert B.padded_vocab(m.vocab, 8, 128) == 129024
+    te = "transformer_engine"  # mode=predict's default (default_transformer_impl)
+    padded = L.place(dataclasses.replace(m, vocab=129024), lay, _fw(transformer_impl=te)).to_dict()
+    unpadded = L.place(m, lay, _fw(make_vocab_size_divisible_by=1, transformer_impl=te)).to_dict()
+    assert pred["spec"] == te and pred["per_rank"] == padded["per_rank"]
+    rows = 129024 * 4096 // 8 - 128256 * 4096 // 8  # per rank, embedding and output layer each
+    r, u = pred["per_rank"][0], unpadded["per_rank"][0]  # TP ranks hold equal shapes
+    assert (r["params_bytes"] - u["params_bytes"], r["grads_bytes"] - u["grads_bytes"]) == (2 * 2 * rows, 2 * 4 * rows)
+    assert any("vocab 128256 padded to 129024 rows" in n for n in pred["notes"])
+    emb = [n for name, n in B.stage_params(dataclasses.replace(m, vocab=129024), 8, 1, 0) if "word_embeddings" in name]
+    assert emb == [129024 * 4096 // 8]
+
+
+def test_vocab_not_divisible_by_tp_is_padded_for_megatron_only():
+    """Megatron pads vocab 1001 at tp=2 to 1024 rows (and trains it); torchtitan shards the vocab as it
+    is, so the tp-divides-vocab rule stays for it; textbook mode predicts Megatron unpadded."""
+    from ledger.layout import validate
+    from ledger.parallel import place
+
+    odd = dataclasses.replace(preset("tiny"), vocab=1001)
+    lay = _lay(tp=2, dp=1)
+    validate(odd, lay, "megatron", _fw())
+    assert L.place(odd, lay, _fw()).to_dict()["per_rank"] == L.place(preset("tiny"), lay, _fw()).to_dict()["per_rank"]
+    with pytest.raises(ConfigError, match="tp=2 does not divide vocab=1001"):
+        validate(odd, lay, "titan")
+    textbook = place(odd, None, _Cfg(framework=_fw(), layout=lay, ledger=_Cfg(mode="textbook")))
+    assert textbook.per_gpu.params_bytes == 2 * (odd.num_params() // 2)
+
+
+# -- transformer_impl ------------------------------------------------------------------------------
+def test_transformer_engine_spec_keeps_no_attention_scores():
+    """The local spec's DotProductAttention keeps [b*heads/tp, s, s] in GlobalMemoryBuffer; with the TE
+    spec nothing is there without SP, and with SP only the output layer's [s, b, h] all-gather, on the
+    last stage. Every other state and every collective is the same."""
+    m = preset("tiny")
+    te = "transformer_engine"
+    for kw in (dict(tp=2, dp=1), dict(dp=2, micro_batch_size=2)):
+        lay = _lay(**kw)
+        local, eng = L.place(m, lay, _fw()).rank_state(0), L.place(m, lay, _fw(transformer_impl=te)).rank_state(0)
+        scores = 2 * lay.micro_batch_size * m.heads // lay.tp * m.seq_len ** 2
+        assert local.other_bytes - eng.other_bytes == scores == local.detail["other/global memory buffer (mpu)"]
+        assert "other/global memory buffer (mpu)" not in eng.detail
+        assert (local.params_bytes, local.grads_bytes, local.optim_bytes, local.comm) == (
+            eng.params_bytes, eng.grads_bytes, eng.optim_bytes, eng.comm)
+    lay = _lay(tp=2, pp=2, dp=1, sequence_parallel=True)
+    pl = L.place(m, lay, _fw(transformer_impl=te))
+    first, last = pl.rank_state(0), pl.rank_state(2)
+    assert "other/global memory buffer (mpu)" not in first.detail
+    assert last.detail["other/global memory buffer (mpu)"] == 2 * m.seq_len * m.hidden
+    assert pl.spec == te and any("transformer_impl=transformer_engine" in n for n in pl.notes)
+
+
+def test_transformer_impl_defaults_by_mode_and_is_recorded(tmp_path):
+    """null: transformer_engine to predict (run.sh's), local to run; the record and the printed table
+    say which; a CPU run of the TE spec is refused, naming the knob."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from conf.schema import ClusterConfig, JobConfig, MegatronConfig
+    from launchers.job import fill_mode_defaults
+
+    for mode, impl in (("predict", "transformer_engine"), ("dry", "transformer_engine"), ("run", "local")):
+        cfg = OmegaConf.structured(JobConfig(mode=mode, framework=MegatronConfig(), cluster=ClusterConfig(name="x")))
+        fill_mode_defaults(cfg)
+        assert cfg.framework.transformer_impl == impl, mode
+    p = launch("mode=predict", "framework=megatron", "model=tiny", "layout.dp=1", f"hydra.run.dir={tmp_path}",
+               timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "megatron (faithful, transformer_engine) tiny" in p.stdout
+    rec = json.load(open(tmp_path / "record.json"))
+    assert rec["config"]["framework"]["transformer_impl"] == "transformer_engine"
+    assert rec["prediction"]["spec"] == "transformer_engine"
+    p = launch("framework=megatron", "framework.transformer_impl=transformer_engine", f"hydra.run.dir={tmp_path}/r",
+               timeout=300)
+    assert p.returncode == 2 and "transformer_impl=transformer_engine needs CUDA" in p.stderr, p.stderr[-2000:]
+    p = launch("mode=predict", "framework=megatron", "framework.transformer_impl=fused", f"hydra.run.dir={tmp_path}/f",
+               timeout=300)
+    assert p.returncode == 2 and "framework.transformer_impl='fused' must be local or transformer_engine" in p.stderr

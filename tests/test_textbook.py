@@ -104,3 +104,25 @@ def test_model_shape_hash_is_cached_but_not_pickled():
     assert "_hash" not in back.__dict__ and back == m and hash(back) == h
     assert "_hash" not in dataclasses.asdict(m)
     assert hash(dataclasses.replace(m, layers=2)) != h
+
+
+def test_titan_hsdp_shards_over_dp_shard_only():
+    """HSDP shards over dp_shard = dp / dp_replicate (torchtitan's (dp_replicate, dp_shard) mesh), not
+    over all dp ranks: llama3_70b at tp=8 dp=32 dp_replicate=2 keeps 16*N/(tp*16), twice dp_replicate=1's."""
+    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False,
+                micro_batch_size=1, global_batch_size=-1)
+    m = preset("llama3_70b")
+
+    def hsdp(rep):
+        lay = resolve(C({**base, "tp": 8, "dp": 32, "dp_replicate": rep}))
+        return place(m, None, C(framework=TITAN, layout=lay, ledger=C(mode="textbook")))
+
+    one, two = hsdp(1), hsdp(2)
+    n_local = m.num_params() // 8
+    assert two.per_gpu.resident_bytes == 16 * n_local // 16
+    assert two.per_gpu.resident_bytes == 2 * one.per_gpu.resident_bytes
+    assert two.per_gpu.resident_bytes / 1e9 == pytest.approx(8.82, abs=0.005)
+    by = {(c.dim, c.kind): c for c in two.comm}
+    assert by["dp", "reduce_scatter"].wire_bytes == 4 * n_local * 15 // 16
+    assert by["dp_replicate", "all_reduce"].buffer_bytes == 4 * n_local // 16
+    assert "dp_replicate" not in one.by_dim()

@@ -37,7 +37,7 @@ import numpy as np
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares, _stage_shape,
-    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes)
+    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -56,13 +56,26 @@ class Knobs(NamedTuple):
     overlap_param_gather: bool
     bucket_size: int | None
     clip_grad: float
+    make_vocab_size_divisible_by: int
+    transformer_impl: str  # local | transformer_engine (default_transformer_impl fills None)
+
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def default_transformer_impl(mode: str = "predict") -> str:
+    """framework.transformer_impl when none is given: what the job builds. mode=predict|dry describe
+    Megatron-LM's own default (arguments.py --transformer-impl transformer_engine, run.sh's); a run
+    here builds the local spec (launchers/megatron.py: TransformerEngine needs CUDA)."""
+    return "local" if mode == "run" else "transformer_engine"
 
 
 def knobs(fw) -> Knobs:
     if isinstance(fw, Knobs):
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
-                 bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad)
+                 bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
+                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl())
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -268,13 +281,10 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
     base = _fixed_state(model, lay.tp, lay.pp, lay.dp, lay.vp, k, _stage_class(lay.pp, stage), dp_rank)
     s = RankState(stage=stage, params_bytes=base.params_bytes, grads_bytes=base.grads_bytes,
                   optim_bytes=base.optim_bytes, other_bytes=base.other_bytes, detail=dict(base.detail))
-    # utils.py GlobalMemoryBuffer ("mpu", activation dtype): grown to the largest request of
-    # transformer/dot_product_attention.py (scores [b*heads/tp, s, s]) and, with SP, of the
-    # all-gathers in tensor_parallel/layers.py / mappings.py ([s, b, h])
     act = 2 if k.precision == "bf16" else 4
-    b, sq = lay.micro_batch_size, model.seq_len
-    mpu = max(b * model.heads // lay.tp * sq * sq, sq * b * model.hidden if lay.sequence_parallel else 0)
-    s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
+    mpu = _mpu_numel(model, lay, k.transformer_impl, stage)
+    if mpu:
+        s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
     s.comm_fn = lambda: _comm(model, lay, k, stage)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
@@ -282,6 +292,21 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
         # the only DP all-gathers); both built on first read
         s.comm_first = lambda: [c for c in s.comm if (c.dim, c.kind) != ("dp", "all_gather")]
     return s
+
+
+def _mpu_numel(model: ModelShape, lay: Layout, impl: str, stage: int) -> int:
+    """Elements of utils.py GlobalMemoryBuffer's "mpu" tensor (activation dtype) a rank keeps: grown to
+    the largest request. The local spec (gpt_layer_specs.py get_gpt_layer_local_spec): every stage's
+    transformer/dot_product_attention.py DotProductAttention (scores [b*heads/tp, s, s]) and, with SP,
+    the all-gathers of tensor_parallel/layers.py ColumnParallelLinear ([s, b, h]). The TransformerEngine
+    spec: TEDotProductAttention and TE's linears keep nothing there; only the output layer, a
+    ColumnParallelLinear in either spec (models/gpt/gpt_model.py), all-gathers [s, b, h] into it with SP,
+    on the stage that holds it (the last)."""
+    b, sq = lay.micro_batch_size, model.seq_len
+    sp_gather = sq * b * model.hidden if lay.sequence_parallel else 0
+    if impl == "transformer_engine":
+        return sp_gather if stage == lay.pp - 1 else 0
+    return max(b * model.heads // lay.tp * sq * sq, sp_gather)
 
 
 @lru_cache(maxsize=4096)
@@ -544,6 +569,14 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check_framework(k)
     check_interleaving(lay)
     tp, dp = lay.tp, lay.dp
+    notes = list(_NOTES[k.transformer_impl])
+    # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
+    # word-embedding grads hold the padded vocab (the record keeps the configured shape)
+    trained = padded_shape(model, tp, k.make_vocab_size_divisible_by)
+    if trained is not model:
+        notes.append(f"vocab {model.vocab} padded to {trained.vocab} rows (a multiple of "
+                     f"make_vocab_size_divisible_by={k.make_vocab_size_divisible_by} x tp={tp}: Megatron's "
+                     "tokenizers/utils/build_tokenizer.py vocab_size_with_padding)")
     cache: dict[tuple, RankState] = {}
 
     def state(rank: int) -> RankState:
@@ -551,15 +584,31 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         key = (rank // (tp * dp), rank // tp % dp)  # (stage, DP rank)
         s = cache.get(key)
         if s is None:
-            s = cache[key] = rank_state(model, lay, k, *key)
+            s = cache[key] = rank_state(trained, lay, k, *key)
         return s
 
-    st, d, _, _ = _heaviest_rank(model, tp, lay.pp, dp, lay.vp, k)
+    st, d, _, _ = _heaviest_rank(trained, tp, lay.pp, dp, lay.vp, k)
+    reps = [(st * dp + d) * tp]
+    last = lay.pp - 1
+    impl = k.transformer_impl
+    if st != last and _mpu_numel(trained, lay, impl, last) > _mpu_numel(trained, lay, impl, st):
+        # the TE spec's "mpu" buffer is on the last stage alone (_mpu_numel): its heaviest DP rank (the
+        # buffer is the same on each) may outweigh the heaviest rank of the fixed state
+        dl = _stage_best(trained, tp, lay.pp, dp, lay.vp, k, last)[0] if k.use_distributed_optimizer else 0
+        reps = sorted(reps + [(last * dp + dl) * tp])  # per_gpu: the first on ties, as over every rank
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                     world=lay.world, rank_state=state, representatives=[(st * dp + d) * tp], notes=list(_NOTES))
+                     world=lay.world, rank_state=state, representatives=reps, notes=notes,
+                     spec=k.transformer_impl)
 
 
-_NOTES = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "
-          "master/Adam per DP byte range",
-          "other: the local (non-TransformerEngine) spec's DotProductAttention keeps a [b*heads/tp, s, s] score "
-          "buffer in GlobalMemoryBuffer; TE's fused attention (run.sh) does not")
+_BUFFERS_NOTE = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "
+                 "master/Adam per DP byte range")
+_NOTES = {
+    "local": (_BUFFERS_NOTE, "transformer_impl=local: the local spec's DotProductAttention keeps a "
+              "[b*heads/tp, s, s] score buffer in GlobalMemoryBuffer (other); TransformerEngine's fused attention "
+              "does not"),
+    "transformer_engine": (_BUFFERS_NOTE, "transformer_impl=transformer_engine: no attention-score buffer in other "
+                           "(TEDotProductAttention), only the output layer's SP all-gather on the last stage; "
+                           "parameters in the local spec's order (TE's fused layer_norm_weight of linear_qkv / "
+                           "linear_fc1 order, its workspaces and fp8 state are not modelled; no run here confirms TE)"),
+}

@@ -13,6 +13,7 @@ DP rank's ownership in closed form (_contiguous_ranks, _tiled_ranks), else _best
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from bisect import bisect_left
@@ -25,6 +26,25 @@ from ledger.model import ModelShape
 
 
 # -- the parameters of one pipeline stage -----------------------------------------------------------
+def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
+    """The rows of the embedding and output layer that Megatron-LM builds for a vocab of `vocab`
+    tokens: pretrain_gpt.py (gpt_builders.py) builds GPTModel with args.padded_vocab_size, which
+    megatron/core/tokenizers/utils/build_tokenizer.py _set_padded_vocab_size sets (pad_vocab_size
+    defaults True) to vocab_size_with_padding: the vocab rounded up to a multiple of
+    make_vocab_size_divisible_by * tensor_model_parallel_size (NullTokenizer's vocab_size is
+    --vocab-size itself). The padded rows are real parameters: every vocab-sized state counts them."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+@lru_cache(maxsize=256)
+def padded_shape(model: ModelShape, tp: int, divisible_by: int) -> ModelShape:
+    """The shape Megatron trains: `model` with its vocab padded (padded_vocab); `model` itself when the
+    vocab needs no padding. Cached: a search's layouts of one tp share one shape (and its cached hash)."""
+    vocab = padded_vocab(model.vocab, tp, divisible_by)
+    return model if vocab == model.vocab else dataclasses.replace(model, vocab=vocab)
+
+
 @lru_cache(maxsize=256)
 def _pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
     """(embedding, one decoder layer, final norm + output) as (name, local numel) in
