@@ -85,8 +85,12 @@ def check(cfg):
                           "a CPU run builds the local spec: set framework.transformer_impl=local")
     model = ModelShape.from_config(cfg.model)
     world = world_of(cfg)
-    # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size
-    lay = resolve(cfg.layout, world)
+    # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size, and
+    # a cluster smaller than one model-parallel group (the default 2 ranks, layout.tp=8) is one
+    # replica of it there: `mode=predict model=llama3_8b layout.tp=8` predicts tp8 x dp1
+    lc = cfg.layout
+    mp = lc.tp * lc.pp * lc.cp
+    lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 

@@ -848,7 +848,7 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     unpadded one (make_vocab_size_divisible_by=1) by exactly those rows, in params and in grads."""
     import json
 
-    p = launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=8", "layout.dp=1",
+    p = launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=8",  # dp=-1: one replica
                f"hydra.run.dir={tmp_path}", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     pred = json.load(open(tmp_path / "prediction.json"))
@@ -858,6 +858,8 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     padded = L.place(dataclasses.replace(m, vocab=129024), lay, _fw(transformer_impl=te)).to_dict()
     unpadded = L.place(m, lay, _fw(make_vocab_size_divisible_by=1, transformer_impl=te)).to_dict()
     assert pred["spec"] == te and pred["per_rank"] == padded["per_rank"]
+    assert "transformer_engine" in p.stdout  # the printed table says which spec it predicts
+    assert pred["layout"]["dp"] == 1
     rows = 129024 * 4096 // 8 - 128256 * 4096 // 8  # per rank, embedding and output layer each
     r, u = pred["per_rank"][0], unpadded["per_rank"][0]  # TP ranks hold equal shapes
     assert (r["params_bytes"] - u["params_bytes"], r["grads_bytes"] - u["grads_bytes"]) == (2 * 2 * rows, 2 * 4 * rows)
