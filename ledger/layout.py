@@ -95,8 +95,15 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         raise ConfigError(f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
     if not (model.ffn_hidden % lay.tp == 0):
         raise ConfigError(f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab)
-    if not (model.vocab % lay.tp == 0 or framework == "megatron"):
+    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab);
+    # torchtitan shards it as torch.chunk (DTensor Shard(0)) and its loss refuses an empty shard:
+    # components/loss.py _LossParallelCrossEntropy.forward (the last TP rank's rows: vocab - (tp-1)*ceil(vocab/tp))
+    if not (model.vocab % lay.tp == 0 or framework == "megatron"
+            or (framework == "titan" and model.vocab > (lay.tp - 1) * -(-model.vocab // lay.tp))):
+        if framework == "titan":
+            raise ConfigError(f"titan: tp={lay.tp} vocab={model.vocab}: torch.chunk leaves the last TP rank no vocab "
+                              "rows; torchtitan components/loss.py: \"_LossParallelCrossEntropy does not support "
+                              "empty vocab shards.\"")
         raise ConfigError(f"tp={lay.tp} does not divide vocab={model.vocab}")
     if not (model.layers % (lay.pp * lay.vp) == 0 or framework == "megatron"):
         raise ConfigError(f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
