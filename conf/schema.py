@@ -70,6 +70,14 @@ class MegatronConfig(FrameworkConfig):
     # Megatron-LM --transformer-impl: local | transformer_engine (the layer spec GPTModel is built with);
     # None = transformer_engine for mode=predict|dry (run.sh's), local for mode=run (launchers/job.py)
     transformer_impl: Optional[str] = None
+    # the pipeline split (Megatron-LM --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers:
+    # TransformerConfig num_layers_in_first/last_pipeline_stage; None = the even split), or the embedding /
+    # the loss counted as one layer each in an even split (--account-for-embedding-in-pipeline-split,
+    # --account-for-loss-in-pipeline-split); ledger/faithful/megatron_buffers.py stage_layers, split_error
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
 
 @dataclass

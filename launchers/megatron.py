@@ -41,6 +41,12 @@ def transformer_config(cfg, lay: Layout):
         # interleaved schedule (vp > 1): microbatch_group_size_per_vp_stage defaults to pp
         # (model_parallel_config.py __post_init__); batch_p2p_comm on, overlap_p2p_comm off
         virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
+        # the pipeline split (argument_utils.py: --decoder-first/last-pipeline-num-layers become
+        # num_layers_in_first/last_pipeline_stage); TransformerBlock builds get_num_layers_to_build's share
+        num_layers_in_first_pipeline_stage=fw.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=fw.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=fw.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=fw.account_for_loss_in_pipeline_split,
         sequence_parallel=lay.sequence_parallel,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -321,8 +327,21 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
           "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
     if lay.cp > 1:
         a += ["--context-parallel-size", lay.cp]
-    if lay.vp > 1:
+    split = (fw.decoder_first_pipeline_num_layers, fw.decoder_last_pipeline_num_layers)
+    if lay.vp > 1 and split == (None, None) and not (fw.account_for_embedding_in_pipeline_split
+                                                     or fw.account_for_loss_in_pipeline_split):
         a += ["--num-layers-per-virtual-pipeline-stage", m.layers // (lay.pp * lay.vp)]
+    elif lay.vp > 1:
+        # arguments.py validate_args: uneven PP takes the virtual degree itself
+        # (--num-virtual-stages-per-pipeline-rank), as does a split counting the embedding / loss
+        a += ["--num-virtual-stages-per-pipeline-rank", lay.vp]
+    for flag, v in zip(("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"), split):
+        if v is not None:
+            a += [flag, v]
+    if fw.account_for_embedding_in_pipeline_split:
+        a.append("--account-for-embedding-in-pipeline-split")
+    if fw.account_for_loss_in_pipeline_split:
+        a.append("--account-for-loss-in-pipeline-split")
     if lay.sequence_parallel:
         a.append("--sequence-parallel")
     if fw.use_distributed_optimizer:

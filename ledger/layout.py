@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ledger.faithful.megatron_buffers import split_error
 from ledger.frozen import direct_init
 from ledger.grid import Grid
 from ledger.model import ModelShape
@@ -94,10 +95,17 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         raise ConfigError(f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
     if not (model.ffn_hidden % lay.tp == 0):
         raise ConfigError(f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab)
-    if not (model.vocab % lay.tp == 0 or framework == "megatron"):
+    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab);
+    # torchtitan shards it as torch.chunk (DTensor Shard(0)) and its loss refuses an empty shard:
+    # components/loss.py _LossParallelCrossEntropy.forward (the last TP rank's rows: vocab - (tp-1)*ceil(vocab/tp))
+    if not (model.vocab % lay.tp == 0 or framework == "megatron"
+            or (framework == "titan" and model.vocab > (lay.tp - 1) * -(-model.vocab // lay.tp))):
+        if framework == "titan":
+            raise ConfigError(f"titan: tp={lay.tp} vocab={model.vocab}: torch.chunk leaves the last TP rank no vocab "
+                              "rows; torchtitan components/loss.py: \"_LossParallelCrossEntropy does not support "
+                              "empty vocab shards.\"")
         raise ConfigError(f"tp={lay.tp} does not divide vocab={model.vocab}")
-    if not (model.layers % (lay.pp * lay.vp) == 0):
+    if not (model.layers % (lay.pp * lay.vp) == 0 or framework == "megatron"):
         raise ConfigError(f"pp*vp={lay.pp}*{lay.vp} does not divide layers={model.layers}")
     if not (lay.vp == 1 or lay.pp > 1):
         raise ConfigError(f"vp={lay.vp} needs pp > 1 (interleaving is across pipeline stages)")
@@ -134,6 +142,15 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
             _check_knobs(fw_cfg, _MEGATRON_KNOBS)
         if not (lay.dp_replicate == 1):
             raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
+        # the pipeline split: Megatron's own rules and reasons (megatron_buffers.split_error)
+        split = tuple(_knob(fw_cfg, name) for name in _MEGATRON_SPLIT)
+        if not (split == (None, None, None, None) or split == (None, None, False, False)) \
+                or model.layers % (lay.pp * lay.vp):
+            why = split_error(model.layers, lay.pp, lay.vp, (*split[:2], bool(split[2]), bool(split[3])))
+            if why is not None:
+                raise ConfigError(f"megatron: layers={model.layers} pp={lay.pp} vp={lay.vp}"
+                                  + "".join(f" {n}={v}" for n, v in zip(_MEGATRON_SPLIT, split) if v)
+                                  + f": {why} (megatron-core 0.18.0 transformer_config.py / transformer_block.py)")
         impl = _knob(fw_cfg, "transformer_impl")
         if not (impl in (None, "local", "transformer_engine")):
             raise ConfigError(f"framework.transformer_impl={impl!r} must be local or transformer_engine "
@@ -179,6 +196,11 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                                   "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")
+
+
+# Megatron's pipeline-split knobs (MegatronConfig; megatron_buffers.EVEN_SPLIT order)
+_MEGATRON_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 # sizes and budgets a framework takes in elements: (field, least value, what it is). A bucket of 0

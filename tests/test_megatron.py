@@ -1,13 +1,15 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (a few small multiruns, 18 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
+One shared sweep (a few small multiruns, 25 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
 small buckets, so several padded buckets per buffer), the interleaved schedule (pp2·vp2 world 2,
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
 pp2·dp2, pp2·vp2·dp2: the last stage's copy, shared-embedding buckets, the embedding-group
 all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gather in the first step,
 the previous step's in the forward pre-hooks after) and a vocab tp does not divide (1001 at dp2,
-tp2·sp, tp2·dp2: trained padded to 1024 rows). Every row (first and steady steps) on every rank must
+tp2·sp, tp2·dp2: trained padded to 1024 rows) and uneven pipeline stages (3 layers over pp2: first
+1 / last 2 and the reverse, by num_layers_in_first/last_pipeline_stage and by
+account_for_embedding/loss_in_pipeline_split). Every row (first and steady steps) on every rank must
 reconcile with abs_err 0.
 """
 from __future__ import annotations
@@ -59,10 +61,20 @@ SWEEPS = (
     # a vocab that tp does not divide: Megatron trains it padded to 1024 rows (megatron_buffers.padded_vocab)
     ("w2v1001", ("cluster.ranks=2", "model.vocab=1001", "layout={},{tp:2,sequence_parallel:true}")),
     ("w4v1001", ("cluster.ranks=4", "model.vocab=1001", "layout={tp:2}")),
+    # uneven pipeline stages, 3 layers over pp2: first 1 / last 2 (pp2·dp2: sharded, bucketed) and the
+    # reverse, by either knob pair
+    ("w4first1", ("cluster.ranks=4", "model.layers=3", "framework.overlap_grad_reduce=true",
+                  "framework.decoder_first_pipeline_num_layers=1", "layout={pp:2}")),
+    ("w2last1", ("cluster.ranks=2", "model.layers=3", "framework.decoder_last_pipeline_num_layers=1", "layout={pp:2}")),
+    ("w2accemb", ("cluster.ranks=2", "model.layers=3", "framework.account_for_embedding_in_pipeline_split=true",
+                  "layout={pp:2}")),
+    ("w2accloss", ("cluster.ranks=2", "model.layers=3", "framework.overlap_grad_reduce=true",
+                   "framework.account_for_loss_in_pipeline_split=true", "layout={pp:2}")),
 )
-# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab) of
-# every job
-EXPECTED = {(*job, 1024) for job in {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
+# (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
+# (layers, first, last, embedding, loss) of the pipeline split) of every job
+EVEN = (4, None, None, False, False)
+EXPECTED = {(*job, 1024, EVEN) for job in {("dp2", False, True, 1, False, False), ("tp2", False, True, 1, False, False),
             ("dp2", True, True, 1, False, False), ("tp2·sp", True, True, 1, False, False),
             ("pp2", True, True, 1, False, False), ("tp2·dp2", False, True, 1, False, False),
             ("tp2·pp2·sp", False, True, 1, False, False), ("tp2·dp2·sp", True, True, 1, False, False),
@@ -72,8 +84,19 @@ EXPECTED = {(*job, 1024) for job in {("dp2", False, True, 1, False, False), ("tp
             ("dp2", True, True, 1, True, False), ("pp2", True, True, 1, True, False),
             ("dp2", True, True, 1, False, True),
             ("pp2·dp2", True, True, 1, True, True), ("pp2·vp2·dp2", True, True, 2, True, True)}} | {
-    ("dp2", False, True, 1, False, False, 1001), ("tp2·sp", False, True, 1, False, False, 1001),
-    ("tp2·dp2", False, True, 1, False, False, 1001)}
+    ("dp2", False, True, 1, False, False, 1001, EVEN), ("tp2·sp", False, True, 1, False, False, 1001, EVEN),
+    ("tp2·dp2", False, True, 1, False, False, 1001, EVEN)} | {
+    ("pp2·dp2", True, True, 1, False, False, 1024, (3, 1, None, False, False)),
+    ("pp2", False, True, 1, False, False, 1024, (3, None, 1, False, False)),
+    ("pp2", False, True, 1, False, False, 1024, (3, None, None, True, False)),
+    ("pp2", True, True, 1, False, False, 1024, (3, None, None, False, True))}
+
+
+def _split(rec) -> tuple:
+    fw = rec["config"]["framework"]
+    return (rec["config"]["model"]["layers"], fw["decoder_first_pipeline_num_layers"],
+            fw["decoder_last_pipeline_num_layers"], fw["account_for_embedding_in_pipeline_split"],
+            fw["account_for_loss_in_pipeline_split"])
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +115,8 @@ def test_matrix_ran(sweep):
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
              r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
-             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"]) for r in sweep["ok"]]
+             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"], _split(r))
+            for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
     # a run's default spec (default_transformer_impl), the one the launcher builds and the ledger predicted
     assert {(r["config"]["framework"]["transformer_impl"], r["prediction"]["spec"]) for r in sweep["ok"]} == {
@@ -176,6 +200,27 @@ def test_vocab_1001_jobs_train_the_padded_vocab(sweep):
     for rec in jobs:
         notes = rec["prediction"]["notes"]
         assert any("vocab 1001 padded to 1024 rows" in n for n in notes), (records.job_name(rec), notes)
+
+
+@pytest.mark.real
+def test_uneven_pipeline_jobs_built_their_stage_layers(sweep):
+    """The 3-layer pp2 jobs (reconciled to the byte above): each stage's measured param bytes are its own
+    layers' (stage_layers: 1 and 2, or 2 and 1), not an even split's, on every rank, first step and steady."""
+    df = sweep["table"]
+    jobs = [r for r in sweep["ok"] if r["config"]["model"]["layers"] == 3]
+    assert len(jobs) == 4
+    for rec in jobs:
+        job, shape = records.job_name(rec), ModelShape.from_config(rec["config"]["model"])
+        split = L.pp_split(types.SimpleNamespace(**rec["config"]["framework"]))
+        want = {st: 2 * sum(n for _, n in B.stage_params(shape, 1, 2, st, split=split)) for st in (0, 1)}
+        assert sorted(B.stage_layers(3, 2, 1, st, 0, split) for st in (0, 1)) == [1, 2], job
+        d = df[(df.job == job) & (df.quantity == "params_bytes")]
+        world = rec["measurement"]["world"]
+        assert len(d) == 2 * world, (job, d.to_string())  # every rank x (first, steady)
+        for _, row in d.iterrows():  # at least its own params, and on the side of them the other stage is
+            st = row["rank"] * 2 // world  # (tp = 1: rank // dp)
+            own, other = want[st], want[1 - st]
+            assert own <= row["measured"] and (row["measured"] < other) == (own < other), (job, row.to_dict())
 
 
 @pytest.mark.real
@@ -870,7 +915,7 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
 
 def test_vocab_not_divisible_by_tp_is_padded_for_megatron_only():
     """Megatron pads vocab 1001 at tp=2 to 1024 rows (and trains it); torchtitan shards the vocab as it
-    is, so the tp-divides-vocab rule stays for it; textbook mode predicts Megatron unpadded."""
+    is (torch.chunk rows, tests/test_titan.py); textbook mode predicts Megatron unpadded."""
     from ledger.layout import validate
     from ledger.parallel import place
 
@@ -878,8 +923,7 @@ def test_vocab_not_divisible_by_tp_is_padded_for_megatron_only():
     lay = _lay(tp=2, dp=1)
     validate(odd, lay, "megatron", _fw())
     assert L.place(odd, lay, _fw()).to_dict()["per_rank"] == L.place(preset("tiny"), lay, _fw()).to_dict()["per_rank"]
-    with pytest.raises(ConfigError, match="tp=2 does not divide vocab=1001"):
-        validate(odd, lay, "titan")
+    validate(odd, lay, "titan")  # 501 and 500 rows per TP rank
     textbook = place(odd, None, _Cfg(framework=_fw(), layout=lay, ledger=_Cfg(mode="textbook")))
     assert textbook.per_gpu.params_bytes == 2 * (odd.num_params() // 2)
 
@@ -934,3 +978,103 @@ def test_transformer_impl_defaults_by_mode_and_is_recorded(tmp_path):
     p = launch("mode=predict", "framework=megatron", "framework.transformer_impl=fused", f"hydra.run.dir={tmp_path}/f",
                timeout=300)
     assert p.returncode == 2 and "framework.transformer_impl='fused' must be local or transformer_engine" in p.stderr
+
+
+# -- the pipeline split ----------------------------------------------------------------------------
+def _splits():
+    for first in (None, 1, 2, 3):
+        for last in (None, 1, 2):
+            yield first, last, False, False
+    yield from ((None, None, True, False), (None, None, False, True), (None, None, True, True), (1, None, True, False))
+
+
+def test_pipeline_split_is_megatrons_own():
+    """split_error refuses exactly the splits megatron-core 0.18.0 refuses, with its reason (TransformerConfig
+    __post_init__, else get_num_layers_to_build's asserts), and stage_layers builds what
+    get_num_layers_to_build builds on every stage and model chunk, over layers, pp, vp and every split."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def squash(x):
+        return "".join(str(x).split())
+
+    built = refused = 0
+    for layers in (1, 3, 4, 5, 6, 8):
+        for pp in (1, 2, 3, 4):
+            for vp in ((1, 2) if pp > 1 else (1,)):
+                for split in _splits():
+                    why = B.split_error(layers, pp, vp, split)
+                    try:
+                        cfg = TransformerConfig(
+                            num_layers=layers, hidden_size=64, num_attention_heads=4, activation_func=F.gelu,
+                            pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                            virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                            num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[1],
+                            account_for_embedding_in_pipeline_split=split[2],
+                            account_for_loss_in_pipeline_split=split[3])
+                        got = {(st, ch): get_num_layers_to_build(cfg, vp_stage=ch if vp > 1 else None, pp_rank=st)
+                               for st in range(pp) for ch in range(vp)}
+                    except (ValueError, AssertionError) as e:
+                        assert why is not None and squash(why) == squash(e), (layers, pp, vp, split, why, e)
+                        refused += 1
+                        continue
+                    assert why is None, (layers, pp, vp, split, why)
+                    assert got == {(st, ch): B.stage_layers(layers, pp, vp, st, ch, split)
+                                   for st in range(pp) for ch in range(vp)}, (layers, pp, vp, split)
+                    built += 1
+    assert built > 50 and refused > 50, (built, refused)
+
+
+def test_uneven_pipeline_is_validated_with_megatrons_reason():
+    from ledger.layout import validate
+
+    model = dataclasses.replace(preset("tiny"), layers=3)
+    validate(model, _lay(pp=2, dp=1), "megatron", _fw(decoder_first_pipeline_num_layers=1))
+    with pytest.raises(ConfigError, match="num_layers=3 should be divisible by config.pipeline_model_parallel_size=2"):
+        validate(model, _lay(pp=2, dp=1), "megatron", _fw())
+    with pytest.raises(ConfigError, match="Mismatch: 1 middle layers remaining but 0 middle PP stages"):
+        validate(model, _lay(pp=2, dp=1), "megatron", _fw(decoder_first_pipeline_num_layers=1,
+                                                          decoder_last_pipeline_num_layers=1))
+    with pytest.raises(ConfigError, match="cannot be set at the same time"):
+        validate(model, _lay(pp=2, dp=1), "megatron", _fw(decoder_first_pipeline_num_layers=1,
+                                                          account_for_loss_in_pipeline_split=True))
+    with pytest.raises(ConfigError, match="pp\\*vp=2\\*1 does not divide layers=3"):  # torchtitan keeps its rule
+        validate(model, _lay(pp=2, dp=1), "titan")
+
+
+@pytest.mark.parametrize("split,layers", [(dict(decoder_first_pipeline_num_layers=1), (1, 2)),
+                                          (dict(decoder_last_pipeline_num_layers=1), (2, 1)),
+                                          (dict(account_for_embedding_in_pipeline_split=True), (1, 2)),
+                                          (dict(account_for_loss_in_pipeline_split=True), (2, 1))])
+def test_uneven_stages_hold_their_layers(split, layers):
+    """3 layers over pp2: each stage's params, its grad buffer and its SP/TP calls follow its own layers
+    (the first stage's embedding, the last's head on top of them)."""
+    model = dataclasses.replace(preset("tiny"), layers=3)
+    lay = _lay(pp=2, tp=2, dp=1, sequence_parallel=True)
+    pl = L.place(model, lay, _fw(**split))
+    sp = L.pp_split(_fw(**split))
+    for stage, n in enumerate(layers):
+        params = B.stage_params(model, 2, 2, stage, split=sp)
+        assert sum(name.endswith("self_attention.linear_qkv.weight") for name, _ in params) == n
+        s = pl.rank_state(stage * 2)
+        assert s.grads_bytes == 4 * sum(k for _, k in params)  # one bucket, 2*... aligned: dp=1 pads nothing
+        ag = next(c for c in s.comm if (c.dim, c.kind) == ("tp", "all_gather"))
+        assert ag.count == lay.num_microbatches * (6 * n + (1 if stage == 0 else 2))
+
+
+@pytest.mark.parametrize("over,want", [
+    (("framework.decoder_first_pipeline_num_layers=1",), (1, None, False, None)),
+    (("framework.account_for_embedding_in_pipeline_split=true", "layout.vp=2", "layout.global_batch_size=2"),
+     (None, None, True, 2))])
+def test_dry_passes_the_pipeline_split_to_megatron_lm(tmp_path, over, want):
+    p = launch("mode=dry", "framework=megatron", "model.layers=3", "layout.pp=2", "layout.dp=1", *over,
+               "cluster=local_gpu", "cluster.ranks=2", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    flags = _run_sh_flags(str(tmp_path / "run.sh"))
+    from megatron.training.arguments import add_megatron_arguments
+
+    args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)
+    assert (args.num_layers, args.pipeline_model_parallel_size) == (3, 2)
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.account_for_embedding_in_pipeline_split, args.num_virtual_stages_per_pipeline_rank) == want

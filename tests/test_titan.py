@@ -3,7 +3,8 @@
 One shared sweep (nine small multiruns, 17 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
-tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default); and context parallelism
+tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default) and tp2 both at vocab 1001 (tp does
+not divide it: DTensor's torch.chunk rows, 501 and 500 per TP rank); and context parallelism
 at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
@@ -37,10 +38,11 @@ SWEEPS = (
     ("w4tp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
               "framework.reshard_after_forward=always,never")),
     # DTensor's cost model picks other mm-backward strategies at seq 16 (tp2); tp4 needs 4 kv heads
-    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "layout.tp=2")),
+    # vocab 1001: tp2 splits the vocab as torch.chunk (501 and 500 rows; the dp2 SP job shards those again)
+    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "model.vocab=1001", "layout.tp=2")),
     ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4")),
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
-    ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
+    ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1001", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.micro_batch_size=2")),
     # context parallelism: K/V all-gathers over cp, FSDP over dp_shard x cp, loss mesh with cp
     ("w2cp", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.reshard_after_forward=always,never")),
@@ -167,6 +169,23 @@ def test_context_parallel_gathers_kv_per_layer_and_shards_fsdp_over_cp(sweep):
     # 1030 rows over 4 shards: 258 each, the last 256; shard index dp * cp + cp: rank 3 is the last
     st = {r["rank"]: r["steps"][-1]["state"] for r in rec["measurement"]["ranks"]}
     assert st[0]["optim_bytes"] - st[3]["optim_bytes"] == 2 * 2 * 2 * m["hidden"] * 4
+
+
+@pytest.mark.real
+def test_uneven_vocab_tp_ranks_hold_their_chunk_rows(sweep):
+    """tp2 at vocab 1001 (reconciled to the byte above): TP rank 0 holds 501 vocab rows of tok_embeddings
+    and lm_head, rank 1 500 (DTensor Shard(0) as torch.chunk), so the TP ranks' measured optimizer state
+    differs by exactly 2 x 1 row x hidden x (exp_avg + exp_avg_sq) without FSDP."""
+    jobs = [r for r in sweep["ok"] if r["config"]["model"]["vocab"] == 1001]
+    assert {records.layout_name(r) for r in jobs} == {"tp2", "tp2·dp2·sp"}
+    df = sweep["table"]
+    for rec in jobs:
+        assert any("vocab 1001 split as torch.chunk over tp=2" in n and "501, 500 rows" in n
+                   for n in rec["prediction"]["notes"]), rec["prediction"]["notes"]
+        if records.layout_name(rec) == "tp2":
+            d = df[(df.job == records.job_name(rec)) & (df.quantity == "optim_bytes") & (df.phase == "steady")]
+            by_rank = dict(zip(d["rank"], d.measured))
+            assert by_rank[0] - by_rank[1] == 2 * rec["config"]["model"]["hidden"] * 2 * 4, by_rank
 
 
 @pytest.mark.real
@@ -406,6 +425,29 @@ def test_fsdp_state_is_16_bytes_per_param_over_dp_plus_step_scalars():
     assert s.params_bytes == s.grads_bytes == 4 * n // 2
     assert s.optim_bytes == 8 * n // 2 + 4 * len(m.params())
     assert pl.rank_state(1) is s
+
+
+def test_uneven_vocab_is_sharded_as_torch_chunk_and_an_empty_shard_refused():
+    """DTensor Shard(0) of a vocab tp does not divide: torch.chunk's rows per TP rank (the first ranks
+    ceil(vocab/tp)); torchtitan's loss-parallel cross-entropy refuses a TP rank without rows, and so
+    does validate, quoting it."""
+    for vocab, tp in ((1001, 2), (1030, 4), (1001, 4), (10, 4)):
+        assert [L._shard_tp((vocab, 8), 0, tp, t)[0] for t in range(tp)] == [
+            c.shape[0] for c in torch.empty(vocab).chunk(tp)]
+    m = ModelShape(layers=1, hidden=64, ffn_hidden=128, heads=4, kv_heads=4, vocab=1001, seq_len=32)
+    pl = L.place(m, _lay(tp=2, world=4), _fw())
+    s0, s1 = pl.rank_state(0), pl.rank_state(1)  # TP rank 0 and 1 of FSDP rank 0 (tp innermost)
+    # 501 rows over dp_shard 2: 251 (padded) per FSDP rank, 500: 250; two such params
+    assert s0.params_bytes - s1.params_bytes == 2 * 64 * 4
+    assert pl.per_gpu.resident_bytes == max(s.resident_bytes for s in pl.per_rank) == s0.resident_bytes
+    # each TP rank's FSDP collectives move its own padded rows: 501 padded to 2 x 251, 500 split evenly, so
+    # the fp32 grad reduce-scatters differ by 2 rows of each table
+    rs = [next(c for c in s.comm if (c.dim, c.kind) == ("dp", "reduce_scatter")) for s in (s0, s1)]
+    assert rs[0].buffer_bytes - rs[1].buffer_bytes == 2 * 2 * 64 * 4
+    validate(m, _lay(tp=2, world=4), "titan", _fw())
+    with pytest.raises(ConfigError, match="does not support empty vocab shards"):
+        validate(ModelShape(layers=1, hidden=64, ffn_hidden=128, heads=4, kv_heads=4, vocab=9, seq_len=32),
+                 _lay(tp=4, world=4), "titan", _fw())
 
 
 def test_padding_rows_follow_torch_chunk():

@@ -36,8 +36,8 @@ import numpy as np
 
 from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
-    _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares, _stage_shape,
-    _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
+    EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
+    _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -58,6 +58,7 @@ class Knobs(NamedTuple):
     clip_grad: float
     make_vocab_size_divisible_by: int
     transformer_impl: str  # local | transformer_engine (default_transformer_impl fills None)
+    pp_split: tuple = EVEN_SPLIT  # (first, last, embedding, loss) of the pipeline split (megatron_buffers.split_error)
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -75,7 +76,16 @@ def knobs(fw) -> Knobs:
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
                  bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
-                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl())
+                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw))
+
+
+def pp_split(fw) -> tuple:
+    """The framework's pipeline split (megatron_buffers.EVEN_SPLIT order); a config without the fields
+    (textbook mode, older records) splits evenly."""
+    g = lambda name, d: getattr(fw, name, d)  # noqa: E731
+    return (g("decoder_first_pipeline_num_layers", None), g("decoder_last_pipeline_num_layers", None),
+            bool(g("account_for_embedding_in_pipeline_split", False)),
+            bool(g("account_for_loss_in_pipeline_split", False)))
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -94,8 +104,8 @@ def stage_buffers(model: ModelShape, lay: Layout, fw, stage: int) -> list[Buffer
 
 @lru_cache(maxsize=4096)
 def _stage_buffers(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> tuple[Buffer, ...]:
-    return tuple(_buffer(model, tp, *_stage_shape(model, pp, stage, vp, ch), effective_bucket_size(k, dp, stage, ch),
-                         dp, k.use_distributed_optimizer) for ch in range(vp))
+    return tuple(_buffer(model, tp, *_stage_shape(model, pp, stage, vp, ch, k.pp_split),
+                         effective_bucket_size(k, dp, stage, ch), dp, k.use_distributed_optimizer) for ch in range(vp))
 
 
 def _stage_class(pp: int, stage: int) -> int:
@@ -127,7 +137,7 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
         # every stage but the last bounded before its summary (the first's is a bucket walk); the
         # last, which adds the output layer, is the usual heaviest and its summary read then anyway
         if st < pp - 1:
-            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch),
+            bounds = [_chunk_bound(model, tp, *_stage_shape(model, pp, st, vp, ch, k.pp_split),
                                    effective_bucket_size(k, dp, st, ch), dp, dist_opt) for ch in range(vp)]
             classes.append((st, _class_bound(_stage_totals(bounds), dist_opt, pb, gb, *w)[1], None))
         else:
@@ -139,8 +149,9 @@ def _heaviest_rank(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
 @lru_cache(maxsize=4096)
 def _stage_summaries(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[tuple, ...]:
     """_chunk_summary of each of a stage's chunks."""
-    return tuple(_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch), effective_bucket_size(k, dp, st, ch),
-                                dp, k.use_distributed_optimizer) for ch in range(vp))
+    return tuple(_chunk_summary(model, tp, *_stage_shape(model, pp, st, vp, ch, k.pp_split),
+                                effective_bucket_size(k, dp, st, ch), dp, k.use_distributed_optimizer)
+                 for ch in range(vp))
 
 
 def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, st: int) -> tuple[int, int, int]:
@@ -149,12 +160,12 @@ def _stage_best(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs,
     param offsets and bucket walks: _tiled_best, _tiled_ranks), without building the buffers;
     otherwise from the buffers (_best_rank)."""
     w = _optim_weights(k)
-    shapes = [_stage_shape(model, pp, st, vp, ch) for ch in range(vp)]
+    shapes = [_stage_shape(model, pp, st, vp, ch, k.pp_split) for ch in range(vp)]
     if not all(_chunk_contiguous(model, tp, first, last) for _, first, last in shapes):
         return _best_rank(_stage_buffers(model, tp, pp, dp, vp, k, st), dp, *w)
     parts = [_pattern(model, tp, first, last, True) for _, first, last in shapes]
     sums = _stage_summaries(model, tp, pp, dp, vp, k, st)
-    if all(x[4] == 1 for x in sums):
+    if all(x[4] == 1 for x in sums) and len({n for n, _, _ in shapes}) == 1:  # (account_for_*: one layer fewer)
         chunks = [(head, tail, x[0]) for (head, _, tail), x in zip(parts, sums)]
         return _one_bucket_best(parts[0][1], shapes[0][0], chunks, dp, *w)
     if vp == 1:
@@ -349,12 +360,12 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     return s
 
 
-def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int) -> int:
+def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int, split: tuple) -> int:
     """Elements of a stage's norm weights (the `sequence_parallel` params with SP)."""
     per_layer, head = _norms(model, tp)
     out = 0
     for ch in range(vp):
-        n, _, last = _stage_shape(model, pp, stage, vp, ch)
+        n, _, last = _stage_shape(model, pp, stage, vp, ch, split)
         out += n * per_layer + (head if last else 0)
     return out
 
@@ -415,7 +426,7 @@ def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k:
         # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
         # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
         calls("tp", "all_reduce", gdt, "SP norm grads (finalize_model_grads)", tp,
-              [gb * _norm_numel(model, tp, pp, vp, stage)])
+              [gb * _norm_numel(model, tp, pp, vp, stage, k.pp_split)])
 
 
 def _bucket_numels(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> list[int]:
@@ -425,7 +436,7 @@ def _bucket_numels(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Kno
     if sums[0][4] == 1:
         first = [sums[0][0]]
     else:
-        _, bstart, bend = _chunk_buckets(model, tp, *_stage_shape(model, pp, stage, vp, 0),
+        _, bstart, bend = _chunk_buckets(model, tp, *_stage_shape(model, pp, stage, vp, 0, k.pp_split),
                                          effective_bucket_size(k, dp, stage, 0), dp, k.use_distributed_optimizer)
         first = (bend - bstart).tolist()
     return first + [x[0] for x in sums[1:]]
@@ -488,7 +499,7 @@ def _micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Kn
     calls that send): each call hands micro_batch_size * bytes per sequence // divisor bytes."""
     pdt = _dtypes(k)[0]
     first, last = stage == 0, stage == pp - 1
-    layers = model.layers // pp
+    layers = sum(_stage_shape(model, pp, stage, vp, ch, k.pp_split)[0] for ch in range(vp))  # this stage's
     sbh = model.seq_len * model.hidden * (2 if k.precision == "bf16" else 4)  # one sequence's [s, h] activations
     # TP per layer per micro-batch: tensor_parallel/layers.py + mappings.py. Without SP:
     # linear_qkv / linear_fc1 copy_to_tensor_model_parallel_region (all-reduce in backward),

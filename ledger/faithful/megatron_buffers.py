@@ -74,14 +74,96 @@ def _pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
     return tuple(emb), tuple(layer), tuple(head)
 
 
-def _stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int) -> tuple[int, bool, bool]:
+# the pipeline split: (num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage,
+# account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split) of TransformerConfig
+# (Megatron-LM --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers,
+# --account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split); None, None = even
+EVEN_SPLIT = (None, None, False, False)
+
+
+def split_error(layers: int, pp: int, vp: int, split: tuple = EVEN_SPLIT) -> str | None:
+    """Megatron's own reason for refusing this split of `layers` over pp stages of vp chunks, None
+    where it builds it: transformer/transformer_config.py TransformerConfig.__post_init__ (uneven PP,
+    account_for_*), else transformer/transformer_block.py get_num_layers_to_build's asserts (an even
+    split; Megatron-LM's training/arguments.py validate_args asserts the same divisibility)."""
+    first, last, emb, loss = split
+    v = vp if vp > 1 else None  # virtual_pipeline_model_parallel_size (None without interleaving)
+    if (first is not None or last is not None) and (emb or loss):
+        return ("num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be set at the "
+                "same time with account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split")
+    if first is not None or last is not None:
+        n, stages = layers, pp
+        for x, where in ((first, "first"), (last, "last")):
+            if x is None:
+                continue
+            if x <= 0:
+                return f"num_layers_in_{where}_pipeline_stage must be larger than 0"
+            if v is not None and x % v:
+                return (f"number of layers at {where} stage: {x} must be divisible by virtual pipeline parallel "
+                        f"degree {v}")
+            n, stages = n - x, stages - 1
+        if bool(n) != bool(stages):
+            return f"Mismatch: {n} middle layers remaining but {stages} middle PP stages available."
+        if stages and n % stages:
+            return (f"number of layers at middle stage: {n} must be divisible by the middle pipeline model "
+                    f"parallel size {stages}")
+        if stages and v is not None and (n // stages) % v:
+            return (f"number of layers on each middle pipeline rank: {n // stages} must be divisible by virtual "
+                    f"pipeline parallel degree {v}")
+        return None
+    n = layers + emb + loss
+    if (emb or loss) and v is None and n % pp:
+        return f"number of middle layers: {n} must be divisible by middle pipeline_model_parallel_size {pp}"
+    if (emb or loss) and n % pp:
+        return (f"num_layers: {n} after enable account_for_embedding_in_pipeline_split or "
+                f"account_for_loss_in_pipeline_split must be divisible by pipeline_model_parallel_size {pp}")
+    if (emb or loss) and v is not None and (n // pp) % v:
+        return (f"number of layers on each pipeline rank: {n // pp} (after enable "
+                "account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split) must be divisible "
+                f"by virtual_pipeline_model_parallel_size {v}")
+    if n % pp:
+        return f"num_layers={n} should be divisible by config.pipeline_model_parallel_size={pp}"
+    if v is not None and pp > 1 and (n // pp) % v:
+        return f"num_layers_per_pipeline_rank {n // pp} should be divisible by vp_size {v}"
+    return None  # (its "Not enough layers" asserts cannot fire then: each chunk's share is >= 1)
+
+
+def stage_layers(layers: int, pp: int, vp: int, stage: int, chunk: int, split: tuple = EVEN_SPLIT) -> int:
+    """Decoder layers model chunk `chunk` of stage `stage` builds: transformer/transformer_block.py
+    get_num_layers_to_build (a valid split, split_error). Uneven PP: the first (last) stage builds
+    num_layers_in_first (last)_pipeline_stage, the middle stages share the rest evenly; else the layers
+    plus one for each of the embedding / the loss counted in the split (account_for_*) shared evenly,
+    and the stage holding it builds one fewer. With vp > 1 each chunk a stage's layers / vp."""
+    first, last, emb, loss = split
+    if first is not None or last is not None:
+        mid = layers - (first or 0) - (last or 0)
+        stages = pp - (first is not None) - (last is not None)
+        n = mid // stages if stages > 0 else 0
+        if stage == 0 and first is not None:
+            n = first
+        if stage == pp - 1 and last is not None:
+            n = last
+    else:
+        n = (layers + emb + loss) // pp
+    if vp > 1 and pp > 1:
+        n //= vp
+    if emb and stage == 0 and chunk == 0:
+        n -= 1
+    if loss and stage == pp - 1 and chunk == vp - 1:
+        n -= 1
+    return n
+
+
+def _stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int,
+                 split: tuple = EVEN_SPLIT) -> tuple[int, bool, bool]:
     """(layers, holds the embedding, holds the output) of one model chunk of one stage.
 
-    training/training.py get_model: with vp > 1 each stage builds vp GPTModels of layers/(pp*vp)
-    layers; pre_process (embedding) only on chunk 0 of stage 0, post_process (final norm, output
-    layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py is_vp_first_stage /
-    is_vp_last_stage)."""
-    return model.layers // (pp * vp), stage == 0 and chunk == 0, stage == pp - 1 and chunk == vp - 1
+    training/training.py get_model: with vp > 1 each stage builds vp GPTModels, each of its share of
+    the layers (stage_layers); pre_process (embedding) only on chunk 0 of stage 0, post_process
+    (final norm, output layer) only on chunk vp-1 of the last stage (pipeline_parallel/utils.py
+    is_vp_first_stage / is_vp_last_stage)."""
+    return (stage_layers(model.layers, pp, vp, stage, chunk, split), stage == 0 and chunk == 0,
+            stage == pp - 1 and chunk == vp - 1)
 
 
 def _head(model: ModelShape, tp: int, first: bool) -> tuple:
@@ -107,10 +189,11 @@ def shared_embedding(model: ModelShape, pp: int, stage: int, vp: int, chunk: int
     return first, last
 
 
-def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0) -> list[tuple[str, int]]:
+def stage_params(model: ModelShape, tp: int, pp: int, stage: int, vp: int = 1, chunk: int = 0,
+                 split: tuple = EVEN_SPLIT) -> list[tuple[str, int]]:
     """(name, local numel) in GPTModel.named_parameters() order for one PP stage (model chunk `chunk`
     of vp with interleaving) and TP rank."""
-    n, first, last = _stage_shape(model, pp, stage, vp, chunk)
+    n, first, last = _stage_shape(model, pp, stage, vp, chunk, split)
     emb, layer, _ = _pieces(model, tp)
     out = list(emb) if first else []
     out += [(f"decoder.layers.{i}.{name}", k) for i in range(n) for name, k in layer]

@@ -42,24 +42,28 @@ def _tp_dim(name: str, shape: tuple[int, ...]) -> int | None:
     return 1 if name.rsplit(".", 2)[-2] in ("wo", "w2") else 0
 
 
-def _shard_tp(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+def _shard_tp(shape: tuple[int, ...], dim: int | None, tp: int, t: int = 0) -> tuple[int, ...]:
+    """TP rank t's local shape: DTensor's Shard(dim) splits as torch.chunk (placement_types.py
+    Shard._split_tensor): ceil(d/tp) rows on the first ranks, the last short (validate refuses what
+    tp does not divide but the vocab; components/loss.py _LossParallelCrossEntropy takes the same
+    chunk bounds)."""
     if tp == 1 or dim is None:
         return shape
-    return (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+    return (*shape[:dim], _rows_of(shape[dim], tp, t), *shape[dim + 1:])
 
 
-def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    return _shard_tp(shape, _tp_dim(name, shape), tp)
+def _tp_local(name: str, shape: tuple[int, ...], tp: int, t: int = 0) -> tuple[int, ...]:
+    return _shard_tp(shape, _tp_dim(name, shape), tp, t)
 
 
-def _ps(items, tp: int) -> tuple[Param, ...]:
-    return tuple(Param(n, _tp_local(n, s, tp)) for n, s in items)
+def _ps(items, tp: int, t: int = 0) -> tuple[Param, ...]:
+    return tuple(Param(n, _tp_local(n, s, tp, t)) for n, s in items)
 
 
-def units(model: ModelShape, tp: int) -> list[tuple[str, tuple[Param, ...]]]:
+def units(model: ModelShape, tp: int, t: int = 0) -> list[tuple[str, tuple[Param, ...]]]:
     """FSDP units of distributed/fsdp.py apply_fsdp_to_decoder (untied): tok_embeddings, one per
-    TransformerBlock, [norm, lm_head] together; the root fully_shard(model) is left with none."""
-    emb, block, head = _unit_params(model, tp)
+    TransformerBlock, [norm, lm_head] together; the root fully_shard(model) is left with none (TP rank t's)."""
+    emb, block, head = _unit_params(model, tp, t)
     return [("tok_embeddings", emb),
             *((f"layers.{i}", block if i == 0 else _ps(model.layer_params(i), tp)) for i in range(model.layers)),
             ("norm+lm_head", head)]
@@ -73,12 +77,13 @@ def _unit_items(model: ModelShape) -> tuple[tuple, tuple, tuple]:
             (("norm.weight", (model.hidden,)), ("lm_head.weight", (model.vocab, model.hidden))))
 
 
-def _unit_params(model: ModelShape, tp: int) -> tuple[tuple[Param, ...], tuple[Param, ...], tuple[Param, ...]]:
+def _unit_params(model: ModelShape, tp: int, t: int = 0) -> tuple[tuple[Param, ...], tuple[Param, ...],
+                                                                  tuple[Param, ...]]:
     """units()' TP-local params of tok_embeddings, one TransformerBlock (ModelShape's blocks are
     alike: layer_params(i) differs from layer 0 by names only), [norm, lm_head]: the per-param
     listing the ledger's group sums (_groups, _sharded_part) are tested against."""
     emb, block, head = _unit_items(model)
-    return _ps(emb, tp), _ps(block, tp), _ps(head, tp)
+    return _ps(emb, tp, t), _ps(block, tp, t), _ps(head, tp, t)
 
 
 def _chunk_rows(d0: int, ds: int) -> int:
@@ -106,8 +111,8 @@ class _Sharded(NamedTuple):
     layer_full: int  # the same for one TransformerBlock (every block alike)
 
 
-def _sharded(model: ModelShape, tp: int, ds: int) -> _Sharded:
-    return _sharded_part(model, tp, ds, True, model.layers, True)
+def _sharded(model: ModelShape, tp: int, ds: int, t: int = 0) -> _Sharded:
+    return _sharded_part(model, tp, ds, True, model.layers, True, t)
 
 
 @lru_cache(maxsize=64)
@@ -138,14 +143,14 @@ class _Group(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
+def _groups(model: ModelShape, tp: int, ds: int, t: int = 0) -> tuple[_Group, ...]:
     out = []
     for g in _unit_dims(model):
         n_params = full = even = 0
         fulls = []
         uneven: dict[int, int] = {}
         for d0, rest, dim, count in g:
-            d0, rest = _shard_tp((d0, rest), dim, tp)  # the TP-local shape (_tp_local)
+            d0, rest = _shard_tp((d0, rest), dim, tp, t)  # TP rank t's local shape (_tp_local)
             # the padded full tensor, what its unit's all-gather and reduce-scatter move: a
             # multiple of ds, its local shard (chunk rows x rest) is f // ds
             f = _chunk_rows(d0, ds) * ds * rest
@@ -161,11 +166,12 @@ def _groups(model: ModelShape, tp: int, ds: int) -> tuple[_Group, ...]:
 
 
 @lru_cache(maxsize=1024)
-def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, has_head: bool) -> _Sharded:
+def _sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, has_head: bool,
+                  t: int = 0) -> _Sharded:
     """_Sharded of a model part: tok_embeddings (or not), L TransformerBlocks, [norm, lm_head] (or
     not); the whole model without PP, a pipeline stage's modules with it. Sums of _groups, the
     block's times L (blocks are alike; test: equal to the sums over units()' every param)."""
-    emb, block, head = _groups(model, tp, ds)
+    emb, block, head = _groups(model, tp, ds, t)
     # the blocks count even at L = 0: their uneven dims still key the states
     n_params, padded, even = block.n_params * L, block.padded * L, block.even * L
     uneven = {d0: L * rest for d0, rest in block.uneven}
@@ -232,9 +238,31 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     if lay.pp > 1:
         return _place_pp(model, lay, fw)
     grid: Grid = lay.grid
+    ds = lay.dp_shard * lay.cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
+    if model.vocab % lay.tp:
+        return _place_uneven_vocab(model, lay, fw, grid, ds)
+    return _place_tp_rank(model, lay, fw, grid, ds, 0)
+
+
+def _place_uneven_vocab(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int) -> Placement:
+    """A vocab tp does not divide: DTensor's Shard(0) gives TP rank t its torch.chunk rows of
+    tok_embeddings and lm_head (_shard_tp), so each TP rank's FSDP shards, state and FSDP
+    collectives are its own (_place_tp_rank of each); the TP collectives move [tokens, hidden] and
+    per-token values, no vocab rows. TP rank 0 holds the most rows: its representative is the most
+    loaded."""
+    pls = [_place_tp_rank(model, lay, fw, grid, ds, t) for t in range(lay.tp)]
+    pl = pls[0]
+    states = [p.rank_state for p in pls]
+    pl.rank_state = lambda r: states[grid.coords(r)["tp"]](r)
+    pl.notes.append(f"titan tp: vocab {model.vocab} split as torch.chunk over tp={lay.tp} (DTensor Shard(0)): "
+                    + ", ".join(str(_rows_of(model.vocab, lay.tp, t)) for t in range(lay.tp)) + " rows")
+    return pl
+
+
+def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: int) -> Placement:
+    """place() for the ranks of TP rank t (every rank where tp divides the vocab)."""
     cp = lay.cp
-    ds = lay.dp_shard * cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
-    sh = _sharded(model, lay.tp, ds)
+    sh = _sharded(model, lay.tp, ds, t)
     # the collectives are the same on every rank (padded full buffers): computed once, on first use
     memo: dict[bool, list] = {}
 
