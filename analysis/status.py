@@ -24,12 +24,6 @@ COUNTED = ("ok", "failed", "invalid", "timeout", "running", "pending")
 COLUMNS = ["job", "status", "framework", "layout", "slurm_state", "slurm_job_id", "wall_s", "error"]
 
 
-def _slurm(job_id: str) -> dict:
-    from launchers.slurm import slurm_state  # only for sweeps that went through Slurm
-
-    return slurm_state(job_id)
-
-
 def _line(num, entry: dict, rec: dict | None, now: float) -> dict:
     job_dir = (entry or {}).get("job_dir") or (rec or {}).get("job_dir") or ""
     row = {"job": os.path.basename(job_dir) or f"#{num}", "status": "pending", "framework": None, "layout": None,
@@ -46,12 +40,13 @@ def _line(num, entry: dict, rec: dict | None, now: float) -> dict:
     if row["slurm_job_id"] and not final:
         if entry and entry.get("slurm_conf") and not os.environ.get("SLURM_CONF"):
             os.environ["SLURM_CONF"] = entry["slurm_conf"]  # the Slurm the sweep was sent to
-        st = _slurm(row["slurm_job_id"])
-        s = st.get("JobState", "UNKNOWN")
+        from launchers.slurm import ACTIVE_STATES, slurm_state  # only for sweeps that went through Slurm
+
+        s = slurm_state(row["slurm_job_id"]).get("JobState", "UNKNOWN")
         row["slurm_state"] = s
         if s == "PENDING":
             row["status"] = "pending"
-        elif s in ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"):
+        elif s in ACTIVE_STATES:
             row["status"] = "running"
         else:  # Slurm ended it and nobody wrote the final record (yet)
             row["status"] = s.lower() if s not in ("COMPLETED", "UNKNOWN") else "interrupted"

@@ -86,10 +86,10 @@ def decide(num: int, cfg, job_dir: str) -> Decision:
 
 
 def plan(sweep_dir: str, jobs) -> list[Decision]:
-    """Decisions for [(num, cfg, job_dir, overrides)], all checked before any job runs; writes the
+    """Decisions for [(num, cfg, job_dir, overrides, ...)], all checked before any job runs; writes the
     sweep's manifest. Raises CampaignError naming every job whose record is of another config."""
     out, errors = [], []
-    for num, cfg, job_dir, _ in jobs:
+    for num, cfg, job_dir, *_ in jobs:
         try:
             out.append(decide(num, cfg, job_dir))
         except CampaignError as e:
@@ -100,7 +100,7 @@ def plan(sweep_dir: str, jobs) -> list[Decision]:
         update_manifest(sweep_dir, {d.num: {"job_dir": os.path.abspath(d.job_dir), "overrides": list(ov),
                                             "config_hash": d.config_hash, "decision": "run" if d.run else "skip",
                                             "planned_at": time.time()}
-                                    for d, (_, _, _, ov) in zip(out, jobs)})
+                                    for d, (_, _, _, ov, *_) in zip(out, jobs)})
     return out
 
 

@@ -55,8 +55,10 @@ def _interrupt(signum, frame):
 
 
 def exit_on_signals() -> None:
-    """Turn SIGTERM (scancel, kill, a CI timeout) into Interrupted in the main thread, as SIGINT is."""
+    """Turn SIGTERM (scancel, kill, a CI timeout) and SIGINT (Ctrl-C) into Interrupted in the main
+    thread, so that run_job records the job and run_local stops its ranks."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
 
 
 def world_of(cfg) -> int:
@@ -176,7 +178,7 @@ def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
     world, timeout_s = lay.world, cfg.cluster.timeout_s
     write_json(os.path.join(job_dir, "job.json"), OmegaConf.to_container(cfg, resolve=True))
     runner = ranks_runner or run_local
-    procs = runner(job_dir, world, cfg.cluster.timeout_s, cfg.cluster.device)
+    procs = runner(job_dir, world, timeout_s, cfg.cluster.device)
     timed_out = any(pr.get("timed_out") for pr in procs)
     ranks = []
     for pr in procs:

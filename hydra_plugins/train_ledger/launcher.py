@@ -16,19 +16,21 @@ from launchers.slurm import _annotate, _record_killed, final_state, log
 
 
 def _composed(launcher, job_overrides, initial_job_idx):
-    """[(num, job cfg without hydra, job_dir, overrides)] as each job's task function will see it."""
+    """[(num, job cfg without hydra, job_dir, overrides, sweep config with hydra)], each job's config
+    composed once: the job cfg as its task function will see it, the sweep config for run_job."""
     loader = launcher.hydra_context.config_loader
     out = []
     for i, ov in enumerate(job_overrides):
         idx = initial_job_idx + i
-        cfg = loader.load_sweep_config(launcher.config, list(ov))
-        with open_dict(cfg.hydra.job):
-            cfg.hydra.job.num = idx
-            cfg.hydra.job.id = idx
-        job_dir = os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir))
+        sweep_cfg = loader.load_sweep_config(launcher.config, list(ov))
+        with open_dict(sweep_cfg.hydra.job):
+            sweep_cfg.hydra.job.num = idx
+            sweep_cfg.hydra.job.id = idx
+        job_dir = os.path.join(str(sweep_cfg.hydra.sweep.dir), str(sweep_cfg.hydra.sweep.subdir))
+        cfg = sweep_cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-        out.append((idx, cfg, job_dir, list(ov)))
+        out.append((idx, cfg, job_dir, list(ov), sweep_cfg))
     return out
 
 
@@ -65,14 +67,10 @@ class CampaignBasicLauncher(BasicLauncher):
         os.makedirs(str(self.config.hydra.sweep.dir), exist_ok=True)
         jobs = _composed(self, job_overrides, initial_job_idx)
         runs = []
-        for d, (idx, _, _, ov) in zip(_plan(self, jobs), jobs):
+        for d, (_, _, _, ov, sweep_config) in zip(_plan(self, jobs), jobs):
             if not d.run:
                 runs.append(_skipped(d, ov))
                 continue
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(ov))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = idx
-                sweep_config.hydra.job.num = idx
             runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function,
                                 config=sweep_config, job_dir_key="hydra.sweep.dir",
                                 job_subdir_key="hydra.sweep.subdir"))
@@ -87,7 +85,7 @@ class ValidatingSlurmLauncher(SlurmLauncher):
 
         valid, returns = [], {}
         jobs = _composed(self, job_overrides, initial_job_idx)
-        for i, (d, (idx, cfg, job_dir, ov)) in enumerate(zip(_plan(self, jobs), jobs)):
+        for i, (d, (idx, cfg, job_dir, ov, _)) in enumerate(zip(_plan(self, jobs), jobs)):
             if not d.run:
                 returns[i] = _skipped(d, ov)
                 continue
