@@ -110,12 +110,15 @@ class TitanConfig(FrameworkConfig):
 @dataclass
 class ClusterConfig:
     name: str = MISSING
-    kind: str = "local"  # local | slurm
-    backend: str = "gloo"  # gloo | nccl
-    device: str = "cpu"  # cpu | cuda
+    kind: str = "local"  # local | slurm | fake
+    backend: str = "gloo"  # gloo | nccl | fake (torch's fake process group: collectives move no data)
+    device: str = "cpu"  # cpu | cuda | fake (FakeTensorMode: tensors have shapes and no data)
     ranks: int = 2  # ranks per node (local: processes on this machine)
     nodes: int = 1
     timeout_s: int = 900
+    # kind=fake only: the ranks of the layout's world to materialise, one process each, one after
+    # another; empty = one per distinct state the ledger predicts (launchers/fake.py select_ranks)
+    fake_ranks: list[int] = field(default_factory=list)
     # slurm-only fields (ignored locally)
     partition: Optional[str] = None
     account: Optional[str] = None

@@ -59,15 +59,42 @@ def validate_cluster(c) -> None:
     _at_least("cluster", c, ("ranks", "nodes", "timeout_s", "time_min", "cpus_per_task"), 1)
     _at_least("cluster", c, ("signal_delay_s", "max_num_timeout"), 0)
     validate_name("cluster.name", c.name)
-    _one_of("cluster", c, "kind", ("local", "slurm"))
-    _one_of("cluster", c, "backend", ("gloo", "nccl"))
-    _one_of("cluster", c, "device", ("cpu", "cuda"))
+    _one_of("cluster", c, "kind", ("local", "slurm", "fake"))
+    _one_of("cluster", c, "backend", ("gloo", "nccl", "fake"))
+    _one_of("cluster", c, "device", ("cpu", "cuda", "fake"))
+    validate_fake(c)
     if c.gpus_per_node is not None:
         _at_least("cluster", c, ("gpus_per_node",), 0)
     if c.mem_gb is not None:
         _at_least("cluster", c, ("mem_gb",), 1)
     if c.backend == "nccl" and c.device != "cuda":
         raise ConfigError(f"cluster.backend=nccl needs cluster.device=cuda (got {c.device!r})")
+
+
+def validate_fake(c) -> None:
+    """cluster=fake is one thing (a fake process group, FakeTensorMode tensors): the three fields go
+    together. The ranks' range is the layout's world, checked with it (fake_ranks_in_world)."""
+    fake = [n for n in ("kind", "backend", "device") if c[n] == "fake"]
+    if fake and len(fake) != 3:
+        rest = ", ".join(f"cluster.{n}={c[n]!r}" for n in ("kind", "backend", "device") if c[n] != "fake")
+        raise ConfigError(f"cluster.{fake[0]}='fake' needs cluster.kind, cluster.backend and cluster.device all "
+                          f"'fake' (got {rest}): use cluster=fake")
+    ranks = list(c.fake_ranks)
+    if ranks and c.kind != "fake":
+        raise ConfigError(f"cluster.fake_ranks={ranks} is for cluster.kind=fake only (got {c.kind!r})")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"cluster.fake_ranks has {r!r}: ranks are integers >= 0")
+    dup = sorted({r for r in ranks if ranks.count(r) > 1})
+    if dup:
+        raise ConfigError(f"cluster.fake_ranks={ranks} lists rank {dup[0]} twice: each rank is materialised once")
+
+
+def fake_ranks_in_world(c, world: int) -> None:
+    """cluster.fake_ranks against the layout's world (after the layout is resolved)."""
+    bad = [r for r in c.fake_ranks if r >= world]
+    if bad:
+        raise ConfigError(f"cluster.fake_ranks has {bad[0]}: the layout's world is {world} ranks (0..{world - 1})")
 
 
 def validate_framework(fw) -> None:

@@ -62,7 +62,12 @@ def exit_on_signals() -> None:
 
 
 def world_of(cfg) -> int:
-    return cfg.cluster.ranks * cfg.cluster.nodes
+    """The job's world size: the cluster's processes; on cluster=fake the layout's own world (every
+    rank exists in the fake process group), the cluster's `ranks` only filling layout.dp=-1."""
+    c, lc = cfg.cluster, cfg.layout
+    if c.kind == "fake" and lc.dp != -1:
+        return lc.tp * lc.pp * lc.cp * lc.dp
+    return c.ranks * c.nodes
 
 
 def fill_mode_defaults(cfg) -> None:
@@ -82,7 +87,7 @@ def check(cfg):
     fill_mode_defaults(cfg)
     fw = cfg.framework
     if cfg.mode == "run" and fw.name == "megatron" and fw.transformer_impl == "transformer_engine" \
-            and cfg.cluster.device == "cpu":
+            and cfg.cluster.device != "cuda":
         raise ConfigError("megatron: framework.transformer_impl=transformer_engine needs CUDA (TransformerEngine); "
                           "a CPU run builds the local spec: set framework.transformer_impl=local")
     model = ModelShape.from_config(cfg.model)
@@ -94,6 +99,12 @@ def check(cfg):
     mp = lc.tp * lc.pp * lc.cp
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
+    if cfg.cluster.kind == "fake":
+        from conf.validate import fake_ranks_in_world
+        from launchers.fake import check_framework
+
+        fake_ranks_in_world(cfg.cluster, lay.world)
+        check_framework(cfg, lay)
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 
@@ -144,6 +155,14 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
             if writes_record:  # what a reader (analysis.status) sees while the ranks run
                 write_json(rec_path, {**record, "status": "running", "pid": os.getpid(),
                                       "host": socket.gethostname(), "started_at": t1})
+            if cfg.cluster.kind == "fake":
+                from launchers.fake import NOTE, ranks_of
+
+                ranks = ranks_of(cfg, pl)
+                record["device"] = "fake"
+                record["fake"] = {"measured_ranks": ranks, "note": NOTE}
+                if ranks_runner is None:
+                    ranks_runner = _fake_runner(ranks)
             record["measurement"] = run_ranks(cfg, lay, job_dir, ranks_runner)
             record["timings"]["run_s"] = time.time() - t1
             meas = record["measurement"]
@@ -172,6 +191,15 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     return record
 
 
+def _fake_runner(ranks: list[int]):
+    from launchers.fake import run_fake
+
+    def runner(job_dir, world, timeout_s, device):
+        return run_fake(job_dir, world, ranks, timeout_s)
+
+    return runner
+
+
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
     from launchers.local import run_local
 
@@ -198,4 +226,7 @@ def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
         if d.get("status") != "ok":
             d["log_tail"] = pr.get("log_tail")
         ranks.append(d)
-    return {"world": world, "ranks": ranks, "timed_out": timed_out}
+    out = {"world": world, "ranks": ranks, "timed_out": timed_out}
+    if cfg.cluster.kind == "fake":  # a subset of the world: analysis reads the ranks that are there
+        out.update(device="fake", measured_ranks=[d["rank"] for d in ranks])
+    return out

@@ -23,7 +23,7 @@ def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, loca
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                MASTER_ADDR=master, MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if device == "cpu":
+    if device in ("cpu", "fake"):  # fake: FakeTensors on a fake CPU device
         env["CUDA_VISIBLE_DEVICES"] = ""
     with open(os.path.join(job_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
         return subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,

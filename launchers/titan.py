@@ -11,6 +11,7 @@ state read at the step boundary (after optimizers.step()).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -223,7 +224,8 @@ def state_groups(trainer) -> dict:
 def run_rank(cfg, lay, session) -> dict:
     from launchers import titan_cpu
 
-    if cfg.cluster.device == "cpu":
+    fake_world = cfg.cluster.device == "fake"
+    if cfg.cluster.device in ("cpu", "fake"):  # fake: FakeTensors on the CPU device
         titan_cpu.install()
     else:
         titan_cpu.set_timeout_shim()
@@ -238,7 +240,30 @@ def run_rank(cfg, lay, session) -> dict:
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(ASSETS_CACHE, "hf_datasets_cache"))
     path = write_module(cfg, lay, job_dir)
     config = load_config(path)
-    trainer = config.build()
+    run_ctx = contextlib.ExitStack()
+    if fake_world:
+        from launchers import fake
+
+        # the fake world first: Trainer.init_distributed (distributed/utils.py init_distributed) skips
+        # its own init_process_group when one exists
+        fake.init_process_group()
+        titan_cpu.install_fake()  # the model's storages become FakeTensors (trainer.py to_empty)
+        # data-dependent reads of them answered at titan_cpu.FAKE_SCALAR_SITES
+        run_ctx.enter_context(fake.scalar_reads(titan_cpu.FAKE_SCALAR_SITES))
+    with run_ctx:
+        return _train(trainer_config=config, session=session, fake_world=fake_world)
+
+
+def _train(trainer_config, session, fake_world: bool) -> dict:
+    import torch
+
+    from launchers import titan_cpu
+
+    trainer = trainer_config.build()
+    if fake_world:
+        from launchers.fake import tensor_mode as fake_step
+
+        titan_cpu.fake_cpu_device(trainer)
     losses: dict[int, float] = {}
     orig_log = trainer.metrics_processor.log
 
@@ -251,9 +276,12 @@ def run_rank(cfg, lay, session) -> dict:
 
     def train_step(data_iterator):
         i = trainer.step - 1  # Trainer.train() counts from 1; the ledger's step 0 is the first
-        with session.step(i):
+        # cluster=fake: the step under the rank's FakeTensorMode too, or FSDP2's all-gather outputs
+        # (torch.empty in _fsdp_collectives.py, no fake input) would be real memory and real matmuls;
+        # entered before the probe's mode, so the comm probe still sees every collective first
+        with (fake_step() if fake_world else contextlib.nullcontext()), session.step(i):
             orig_step(data_iterator)
-        session.loss(losses.get(trainer.step))
+        session.loss(None if fake_world else losses.get(trainer.step))  # fake: numerics are meaningless
         session.state(lambda: state_groups(trainer))
 
     trainer.train_step = train_step
@@ -263,4 +291,9 @@ def run_rank(cfg, lay, session) -> dict:
         trainer.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return {"cpu_redirects": titan_cpu.reached()}
+    out = {"cpu_redirects": titan_cpu.reached()}
+    if fake_world:
+        from launchers import fake
+
+        out["fake_scalar_reads"] = fake.scalar_read_hits()
+    return out

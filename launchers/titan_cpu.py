@@ -262,5 +262,65 @@ def install() -> None:
     _installed = True
 
 
+# -- cluster=fake (launchers/fake.py): data-dependent reads of FakeTensors, answered 0 / False at
+#    these torchtitan call sites only (module, function)
+FAKE_SCALAR_SITES: set[tuple[str, str]] = {
+    # models/llama3 param_init -> torch/nn/init.py _no_grad_trunc_normal_ (Trainer.__init__'s
+    # init_weights on the FakeTensor params): `lo = tensor.new_tensor(a).item()` and the rejection
+    # loop's `if not mask.any(): break`; answered 0 / False the loop ends at once (values meaningless)
+    ("torch.nn.init", "_no_grad_trunc_normal_"),
+    # trainer.py Trainer.train_step: `int(local_valid_tokens)` (structured-log scalar) and
+    # `float(accumulated_loss.item())` / `float(grad_norm.item())` for the metrics log
+    ("torchtitan.trainer", "Trainer.train_step"),
+    # distributed/utils.py _dist_reduce: `float(_dist_reduce_tensor(...).item())` after the loss
+    # all-reduces (global_avg_loss, global_max_loss, ntokens_seen; the collectives themselves run);
+    # 0.0 passes trainer.py's `math.isfinite(global_avg_loss)` check
+    ("torchtitan.distributed.utils", "_dist_reduce"),
+    # torch/utils/data/dataloader.py _BaseDataLoaderIter.__init__: the base seed drawn as
+    # `torch.empty((), dtype=torch.int64).random_().item()` (the tokens' order only)
+    ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__init__"),
+}
+
+
+# -- trainer.py Trainer.__init__: `model.to_empty(device=init_device)` (and `m.to_empty` per PP
+#    stage) allocates the parallelized model's storages: the one call that makes model state. Run
+#    under the rank's FakeTensorMode, every parameter and buffer is a FakeTensor (its storage's
+#    nbytes as on a real run, no memory); init_weights, forward, backward and the optimizer then
+#    run on FakeTensors outside any mode, so DeviceMesh's rank tensors and the data stay real.
+def _fake_to_empty():
+    from torch import nn
+    from torchtitan import trainer
+
+    from launchers import fake
+
+    orig = nn.Module.to_empty
+
+    def to_empty(self, *, device, recurse=True):
+        frame = sys._getframe(1)
+        if frame.f_globals.get("__name__") != trainer.__name__:
+            return orig(self, device=device, recurse=recurse)
+        REACHED["fake_to_empty"] += 1
+        with fake.tensor_mode():
+            return orig(self, device=device, recurse=recurse)
+
+    nn.Module.to_empty = to_empty
+
+
+# -- trainer.py Trainer.train_step: `value.to(self.device)` / `local_valid_tokens.to(self.device)`,
+#    self.device = tools/utils.py get_local_device() = cpu:0 on this machine. A real CPU tensor
+#    ignores the index; a FakeTensor keeps it and then refuses to meet the parameters' "cpu"
+#    (FakeTensorDeviceMismatchError). The same device without the index.
+def fake_cpu_device(trainer) -> None:
+    if trainer.device.type == "cpu" and trainer.device.index is not None:
+        REACHED["fake_cpu_device"] += 1
+        trainer.device = torch.device("cpu")
+
+
+def install_fake() -> None:
+    """The shims a fake-world run (cluster=fake) needs besides the CPU ones; never on a real run.
+    Each counts in REACHED under a `fake_` key."""
+    _fake_to_empty()
+
+
 def reached() -> dict[str, int]:
     return dict(REACHED)

@@ -28,7 +28,18 @@ def storage_key_bytes(t: torch.Tensor) -> tuple[tuple, int] | None:
     st = t.untyped_storage()
     if st.nbytes() == 0:
         return None
+    if _is_fake(t):
+        # cluster=fake: a FakeTensor's storage has no data pointer (data_ptr() is 0 for all of them);
+        # its StorageImpl is shared by its views as a real one is, so its address keys it, and
+        # nbytes() is what the real storage would hold
+        return ("fake", st._cdata), st.nbytes()
     return (t.device.type, t.device.index, st.data_ptr()), st.nbytes()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def account(groups: dict[str, Iterable[torch.Tensor]]) -> dict:
