@@ -51,7 +51,7 @@ def transformer_config(cfg, lay: Layout):
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         # CPU tensors: initialise on the CPU (also valid on GPU); p2p without a CUDA sync
-        use_cpu_initialization=cfg.cluster.device == "cpu", batch_p2p_sync=False,
+        use_cpu_initialization=cfg.cluster.device != "cuda", batch_p2p_sync=False,
         # the local spec computes attention with Megatron's own DotProductAttention
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -163,6 +163,12 @@ def init_distributed(cfg) -> torch.device:
 
         megatron_cpu.install()
         device = torch.device("cpu")
+    if cfg.cluster.device == "fake":
+        from launchers import fake, megatron_cpu
+
+        megatron_cpu.install_fake()
+        fake.init_process_group(rank, world)
+        return device
     torch.distributed.init_process_group(backend=cfg.cluster.backend, rank=rank, world_size=world)
     return device
 
@@ -226,15 +232,33 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     check_interleaving(lay)
     device = init_distributed(cfg)
     from megatron.core import parallel_state as ps
+
+    vp = lay.vp if lay.vp > 1 else None
+    ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                 virtual_pipeline_model_parallel_size=vp, context_parallel_size=lay.cp)
+    if cfg.cluster.device != "fake":
+        return _train(cfg, lay, session, device)
+    from launchers import fake, megatron_cpu
+
+    # cluster=fake: the process groups above are real objects (ranks as Python lists); from the
+    # model on, every tensor is a FakeTensor (use_cpu_initialization allocates under the mode), and
+    # data-dependent reads are answered at megatron_cpu.FAKE_SCALAR_SITES
+    with fake.tensor_mode(), fake.scalar_reads(megatron_cpu.FAKE_SCALAR_SITES):
+        extra = _train(cfg, lay, session, device)
+    extra.update(fake_shims=megatron_cpu.fake_hits(), fake_scalar_reads=fake.scalar_read_hits())
+    return extra
+
+
+def _train(cfg, lay: Layout, session, device) -> dict:
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    fake_world = cfg.cluster.device == "fake"
     vp = lay.vp if lay.vp > 1 else None
-    ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                 virtual_pipeline_model_parallel_size=vp, context_parallel_size=lay.cp)
     torch.manual_seed(cfg.train.seed)
     # the inference tracker keeps CPU-compatible RNG states (no torch.cuda.get_rng_state)
     model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=device.type == "cpu")
@@ -287,15 +311,16 @@ def run_rank(cfg, lay: Layout, session) -> dict:
                         num_microbatches=m, seq_length=cfg.model.seq_len, micro_batch_size=lay.micro_batch_size,
                         forward_only=False)
             ok, grad_norm, _ = optimizer.step()
-        loss = sum(float(x["lm loss"]) for x in losses) / m if losses else None
+        # fake: no value to read (numerics are meaningless there)
+        loss = sum(float(x["lm loss"]) for x in losses) / m if losses and not fake_world else None
         session.loss(loss)
         session.state(lambda: state_groups(chunks, optimizer, cfg.model.seq_len))
     if opg and cfg.train.steps > 1:
         for c in chunks:
             c.disable_forward_pre_hook()
-    extra = {"grad_norm": float(grad_norm) if grad_norm is not None else None,
+    extra = {"grad_norm": float(grad_norm) if grad_norm is not None and not fake_world else None,
              "stage": ps.get_pipeline_model_parallel_rank()}
-    if device.type == "cpu":
+    if device.type == "cpu":  # also on cluster=fake
         from launchers import megatron_cpu
 
         extra["cpu_redirects"] = megatron_cpu.hits()

@@ -247,3 +247,150 @@ def hits() -> list[dict]:
 
 def declared() -> list[dict]:
     return [{"module": r.module, "function": r.function, "what": r.what} for r in REDIRECTS]
+
+
+# -- cluster=fake (launchers/fake.py): the shims a run on torch's fake process group with the model
+#    state under FakeTensorMode needs, besides the CPU redirects above. Installed only by
+#    install_fake() (launchers.megatron, cluster.device == "fake"); each counts in FAKE_HITS.
+FAKE_HITS: Counter = Counter()
+FAKE_SHIMS = ("gloo_groups_on_default_backend", "bfloat16_cast_in_place", "all_gather_object_local",
+              "collectives_uncoalesced", "l2_norm_without_torch_tensor")
+
+# data-dependent reads of FakeTensors answered 0 / False (launchers/fake.py scalar_reads)
+FAKE_SCALAR_SITES: set[tuple[str, str]] = {
+    # optimizer/clip_grads.py get_grad_norm_fp32: `total_norm = total_norm.item() ** (1.0 / norm_type)`
+    # after the model-parallel all-reduce of the squared norm (which runs); 0.0 is a finite norm,
+    # so clip_grad_by_total_norm_fp32 sees clip_coeff > 1 and scales nothing, and the step runs
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+}
+_fake_installed = False
+
+
+def _gloo_groups_on_default_backend() -> None:
+    # parallel_state.py initialize_model_parallel -> create_group(..., backend="gloo") for every
+    # *_GLOO group: ProcessGroupGloo cannot join a FakeStore world ("Not implemented"), and without
+    # them (create_gloo_process_groups=False) optimizer/__init__.py get_megatron_optimizer fails
+    # ("Intra partial data parallel group is not initialized"). The same ranks on the default
+    # (fake) backend; Megatron's training step issues nothing on them (checkpointing does)
+    from megatron.core import parallel_state as ps
+
+    orig = ps.create_group
+
+    def create_group(*a, backend=None, **k):
+        if backend == "gloo":
+            FAKE_HITS["gloo_groups_on_default_backend"] += 1
+            backend = None
+        return orig(*a, backend=backend, **k)
+
+    ps.create_group = create_group
+
+
+def _bfloat16_cast_in_place() -> None:
+    # transformer/module.py Float16Module.__init__: `module.bfloat16()` -> nn.Module._apply swaps
+    # each FakeTensor parameter (torch/nn/modules/module.py _apply, swap_tensors for tensor
+    # subclasses), which a weakref to the parameter blocks ("_apply(): Couldn't swap"). The same
+    # cast by assigning each floating-point parameter's and buffer's .data (what _apply does for
+    # plain tensors): same dtypes, same parameter objects
+    from torch import nn
+
+    orig = nn.Module.bfloat16
+
+    def bfloat16(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if _site()[1] != "Float16Module.__init__" or not any(isinstance(p, FakeTensor) for p in self.parameters()):
+            return orig(self)
+        FAKE_HITS["bfloat16_cast_in_place"] += 1
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.bfloat16()
+        return self
+
+    nn.Module.bfloat16 = bfloat16
+
+
+def _all_gather_object_local() -> None:
+    # optimizer/__init__.py _get_param_groups: torch.distributed.all_gather_object(gathered_params_key,
+    # params_key) pickles through tensors and reads their sizes (.item() of a FakeTensor: no value).
+    # Every rank of one layout builds the same parameter-group keys (the ranks are one program), so
+    # each slot gets this rank's keys. Init only: no step's collective is lost
+    import torch.distributed as dist
+
+    orig = dist.all_gather_object
+
+    def all_gather_object(object_list, obj, group=None):
+        if not _site()[0].startswith("megatron.core.optimizer"):
+            return orig(object_list, obj, group=group)
+        FAKE_HITS["all_gather_object_local"] += 1
+        for i in range(len(object_list)):
+            object_list[i] = obj
+
+    dist.all_gather_object = all_gather_object
+
+
+class _Uncoalesced:
+    """What `with _coalescing_manager(...) as cm` yields, for collectives already issued singly."""
+
+    def __init__(self):
+        self.works = []
+
+    def wait(self):
+        for w in self.works:
+            if w is not None:
+                w.wait()
+
+
+def _collectives_uncoalesced() -> None:
+    # distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup start_grad_sync /
+    # start_param_sync: `with _coalescing_manager(group, async_ops=...) as cm:` around one
+    # reduce-scatter (all-gather, all-reduce) per bucket. FakeTensorMode has no kernel for the
+    # coalesced op torch issues at the end (c10d.reduce_scatter_tensor_coalesced_), so the calls are
+    # issued one by one and the comm probe sees each bucket's collective on its own. The ledger
+    # counts what a real run issues: param_and_grad_buffer.py partition_buckets gives each bucket a
+    # group of its own (no fp8 buffers here) unless force_single_bucket_group (disable_bucketing:
+    # stages > 0, vp chunks > 0), where the chunk's one buffer is one bucket: one bucket per
+    # coalesced call either way, so a coalesced call is one collective of that bucket and the counts
+    # and bytes the probe sees singly are the ones a real run issues (the fake reconcile confirms it)
+    import contextlib
+
+    from megatron.core.distributed import param_and_grad_buffer as pagb
+
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        FAKE_HITS["collectives_uncoalesced"] += 1
+        yield _Uncoalesced()
+
+    pagb._coalescing_manager = coalescing_manager
+
+
+def _l2_norm_without_torch_tensor() -> None:
+    # utils.py local_multi_tensor_l2_norm (clip_grads.py's no-apex fallback): `torch.tensor(l2)` of
+    # a list of 0-d norm tensors and `float(l2_reduced)` need values. The same norm as a tensor op
+    # (stack -> norm), shaped [1] fp32 as the original returns; clip_grads.py then all-reduces it
+    # over the model-parallel group as on a real run
+    from megatron.core.optimizer import clip_grads
+
+    def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        FAKE_HITS["l2_norm_without_torch_tensor"] += 1
+        norms = [torch.norm(t) for tl in tensor_lists for t in tl]
+        total = torch.stack(norms).norm() if norms else torch.zeros(())
+        return total.float().reshape(1), None
+
+    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+
+
+def install_fake() -> None:
+    """The fake-world shims (cluster=fake only), after install()."""
+    global _fake_installed
+    if _fake_installed:
+        return
+    _gloo_groups_on_default_backend()
+    _bfloat16_cast_in_place()
+    _all_gather_object_local()
+    _collectives_uncoalesced()
+    _l2_norm_without_torch_tensor()
+    _fake_installed = True
+
+
+def fake_hits() -> dict[str, int]:
+    return dict(FAKE_HITS)
