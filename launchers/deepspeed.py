@@ -52,7 +52,7 @@ def ds_config(cfg, lay: Layout) -> dict:
 
 def _setup_env(cfg) -> None:
     """Before `import deepspeed`: it picks its accelerator at import time."""
-    if cfg.cluster.device == "cpu":
+    if cfg.cluster.device in ("cpu", "fake"):  # fake: FakeTensors on the CPU device
         os.environ["DS_ACCELERATOR"] = "cpu"
     else:
         os.environ["DS_ACCELERATOR"] = "cuda"
@@ -65,8 +65,112 @@ def _no_shm_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+# -- cluster=fake (launchers/fake.py): DeepSpeed on torch's fake process group, its model, flat
+#    partitions and optimizer state under FakeTensorMode. The fake-only shims, each counted in
+#    FAKE_HITS; installed by install_fake() only when cluster.device == "fake".
+FAKE_HITS: dict[str, int] = {}
+
+# data-dependent reads of FakeTensors answered 0 / False (launchers/fake.py scalar_reads)
+FAKE_SCALAR_SITES: set[tuple[str, str]] = {
+    # runtime/utils.py is_invalid_grad_norm: `bool((~torch.isfinite(norm) | (norm < 0)).any())`
+    # (stage3.py step / stage_1_and_2.py step, after the norm's all-reduce): False, a valid norm
+    ("deepspeed.runtime.utils", "is_invalid_grad_norm"),
+    # runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.has_overflow: `overflow_gpu[0].item()`
+    # after the overflow all-reduce (ZeRO-1/2 with gradient clipping): 0, no overflow, the step runs
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow"),
+}
+
+
+def _fake_hit(name: str) -> None:
+    FAKE_HITS[name] = FAKE_HITS.get(name, 0) + 1
+
+
+def _module_to_skipped_on_cpu() -> None:
+    # runtime/engine.py DeepSpeedEngine._configure_distributed_model: `self.module.to(self.device)`
+    # (ZeRO-0/1/2) -> nn.Module._apply swaps each FakeTensor parameter (tensor subclasses are
+    # swapped, torch/nn/modules/module.py _apply), which a weakref blocks ("_apply(): Couldn't swap
+    # Embedding.weight"). The parameters are already on the CPU device: the move is a no-op there
+    import sys
+
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    orig = nn.Module.to
+
+    def to(self, *a, **k):
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__") == "deepspeed.runtime.engine" and \
+                caller.f_code.co_name == "_configure_distributed_model":
+            ps = list(self.parameters())
+            target = a[0] if a else k.get("device")
+            if ps and all(isinstance(p, FakeTensor) and p.device.type == "cpu" for p in ps) and \
+                    str(target).split(":")[0] == "cpu":
+                _fake_hit("module_to_skipped_on_cpu")
+                return self
+        return orig(self, *a, **k)
+
+    nn.Module.to = to
+
+
+def _rank0_list_is_local() -> None:
+    # runtime/zero/utils.py get_lst_from_rank0 (assert_ints_same_as_other_ranks: ZeRO-3's trace and
+    # partition checks): broadcasts rank 0's list of ints and reads it back element by element. On
+    # the fake world the broadcast moves nothing (the read would be 0s, and the check then fails on
+    # "a disagreement on list contents"); every rank runs the same program, so rank 0's list is
+    # this rank's. The broadcast is issued as the original issues it (the ledger counts it,
+    # ledger/faithful/deepspeed.py _trace_checks); the list returned is the local one
+    import torch
+
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import utils
+
+    def get_lst_from_rank0(lst):
+        _fake_hit("rank0_list_is_local")
+        t = torch.tensor(lst if dist.get_rank() == 0 else [-1] * len(lst), dtype=int,
+                         device=torch.device(get_accelerator().device_name(os.environ["LOCAL_RANK"])),
+                         requires_grad=False)
+        dist.broadcast(t, src=0, async_op=False)
+        return list(lst)
+
+    utils.get_lst_from_rank0 = get_lst_from_rank0
+
+
+def install_fake() -> None:
+    _module_to_skipped_on_cpu()
+    _rank0_list_is_local()
+
+
 def run_rank(cfg, lay: Layout, session) -> dict:
     _setup_env(cfg)
+    import torch
+
+    import deepspeed
+
+    cpu = cfg.cluster.device in ("cpu", "fake")
+    if cpu:
+        _no_shm_op()
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cfg.cluster.device != "fake":
+        deepspeed.init_distributed(dist_backend=cfg.cluster.backend)
+        return _train(cfg, lay, session)
+    from launchers import fake
+
+    # the fake world first; deepspeed.init_distributed (comm/comm.py) then wraps the initialised
+    # torch.distributed instead of starting its own. The model (zero.Init's partitions included),
+    # the engine's flat buffers, the optimizer and the steps under FakeTensorMode
+    fake.init_process_group()
+    install_fake()
+    deepspeed.init_distributed(dist_backend="fake")
+    with fake.tensor_mode(), fake.scalar_reads(FAKE_SCALAR_SITES):
+        extra = _train(cfg, lay, session)
+    extra.update(fake_shims=dict(FAKE_HITS), fake_scalar_reads=fake.scalar_read_hits())
+    return extra
+
+
+def _train(cfg, lay: Layout, session) -> dict:
     import torch
 
     import deepspeed
@@ -75,13 +179,7 @@ def run_rank(cfg, lay: Layout, session) -> dict:
     from launchers.llama import Llama
     from ledger.model import ModelShape
 
-    cpu = cfg.cluster.device == "cpu"
-    if cpu:
-        _no_shm_op()
-        torch.set_num_threads(1)
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=cfg.cluster.backend)
+    fake_world = cfg.cluster.device == "fake"
     rank = torch.distributed.get_rank()
 
     conf = ds_config(cfg, lay)
@@ -105,8 +203,9 @@ def run_rank(cfg, lay: Layout, session) -> dict:
                 loss = engine(tokens, labels)
                 engine.backward(loss)
                 engine.step()
-                losses.append(loss.detach().float().item())
-        session.loss(sum(losses) / len(losses))
+                if not fake_world:  # fake: no value to read (numerics are meaningless there)
+                    losses.append(loss.detach().float().item())
+        session.loss(sum(losses) / len(losses) if losses else None)
         session.state(lambda: state_groups(engine))
     return {"ds_config": conf, "global_steps": engine.global_steps}
 
