@@ -4,12 +4,15 @@
   deepspeed  ZeRO-3, DP8, micro 1, 2 accumulation steps (global 16)
   titan      FSDP4 x TP2 (+SP, torchtitan's default), local batch 2 (global 8), reshard after forward
 
-    python -m sweeps.article [--mode predict|dry|run] [--ledger faithful|textbook] [--out DIR] [OVERRIDE ...]
+    python -m sweeps.article [--mode predict|dry|run|fake] [--ledger faithful|textbook] [--out DIR] [OVERRIDE ...]
 
 predict (default) prints each run's per-rank table and writes prediction.json; dry writes the
 framework-native artifacts (run.sh, ds_config.json, the torchtitan module) for a GPU cluster; run
-needs 8 GPUs (e.g. cluster=local_gpu, or a Slurm cluster config plus hydra/launcher=submitit_slurm).
-Extra overrides apply to all three jobs.
+needs 8 GPUs (e.g. cluster=local_gpu, or a Slurm cluster config plus hydra/launcher=submitit_slurm);
+fake runs the three on this machine at full shape (cluster=fake: a fake world of 8, the ranks of
+each distinct predicted state materialised one after another under FakeTensorMode, two steps:
+first and steady) and prints their reconcile table, every step. Extra overrides apply to all three
+jobs.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ RUNS = {
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.article", description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("predict", "dry", "run"), default="predict")
+    ap.add_argument("--mode", choices=("predict", "dry", "run", "fake"), default="predict")
     ap.add_argument("--ledger", choices=("faithful", "textbook"), default="faithful")
     ap.add_argument("--out", default=os.path.join("multirun", "article", time.strftime("%Y-%m-%d_%H-%M-%S")))
     ap.add_argument("overrides", nargs="*")
@@ -49,11 +52,18 @@ def main(argv=None) -> int:
     rc = 0
     for i, (name, ov) in enumerate(RUNS.items()):
         job_dir = os.path.join(a.out, f"{i}_{name}")
-        cmd = [sys.executable, "launch.py", f"mode={a.mode}", f"ledger.mode={a.ledger}", *COMMON, *ov,
+        # fake: a real run's mode on the fake cluster; two steps are the first and a steady one (the
+        # DeepSpeed run's two micro-batches complete ZeRO-3's trace inside step 0)
+        mode = ["mode=run", "cluster=fake", "train.steps=2"] if a.mode == "fake" else [f"mode={a.mode}"]
+        cmd = [sys.executable, "launch.py", *mode, f"ledger.mode={a.ledger}", *COMMON, *ov,
                *a.overrides, f"hydra.run.dir={job_dir}"]
         print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
         rc |= subprocess.run(cmd, cwd=REPO).returncode
     print(f"records under {a.out}; table: python -m analysis.reconcile {a.out}")
+    if a.mode == "fake":
+        from analysis import reconcile
+
+        reconcile.main([a.out, "--all-steps"])
     return rc
 
 
