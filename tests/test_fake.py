@@ -1,0 +1,209 @@
+"""cluster=fake: the layout's world as torch's fake process group, a few ranks materialised.
+
+Unit tests: which ranks are materialised (rank 0 and each pipeline stage's most-loaded rank, from
+the ledger's per-rank prediction, or cluster.fake_ranks), the validation of the cluster fields, the
+fake world size. Real tests (marked `real`): one small fake job per framework at a world of 8, one
+launch each (module-scoped fixtures): every row of every measured rank reconciles with abs_err 0,
+first and steady steps; the record says device fake and which ranks ran; every fake shim and
+every declared data-dependent read site is reached, and nothing else.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import records
+from analysis.reconcile import table
+from conf.schema import register
+from launchers.fake import select_ranks
+from launchers.job import check, world_of
+from ledger.layout import ConfigError
+from tests.conftest import REPO, launch
+
+register()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _placement(*overrides):
+    cfg = _compose("cluster=fake", *overrides)
+    return cfg, check(cfg)[2]
+
+
+# -- which ranks ---------------------------------------------------------------------------------
+def test_select_ranks_one_per_stage_and_rank0():
+    """Megatron TP2·PP2·DP2: rank 0 and stage 1's most-loaded rank (the last stage holds the output
+    layer); the rank chosen in each stage holds the stage's largest predicted resident bytes."""
+    cfg, pl = _placement("framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2")
+    ranks = select_ranks(pl)
+    assert 0 in ranks and len(ranks) == 2
+    by_stage = {}
+    for r in range(pl.world):
+        by_stage.setdefault(pl.rank_state(r).stage, []).append(pl.rank_state(r).resident_bytes)
+    for r in ranks:
+        s = pl.rank_state(r)
+        assert s.resident_bytes == max(by_stage[s.stage])
+    assert {pl.rank_state(r).stage for r in ranks} == {0, 1}
+
+
+def test_select_ranks_pure_dp_is_rank0():
+    """Every DP rank of a ZeRO-3 layout holds the same state: one rank (0) stands for all eight."""
+    _, pl = _placement("framework=deepspeed", "framework.zero_stage=3", "layout.dp=8")
+    assert select_ranks(pl) == [0]
+
+
+def test_select_ranks_uneven_vocab_picks_the_heavier_tp_rank():
+    """torchtitan at a vocab tp does not divide: TP rank 0 holds the extra row (torch.chunk), so it
+    is the stage's most-loaded and, with rank 0, the only one materialised."""
+    _, pl = _placement("framework=titan", "model.vocab=1001", "layout.tp=2", "layout.dp=4")
+    assert select_ranks(pl) == [0]
+    assert pl.rank_state(0).resident_bytes > pl.rank_state(1).resident_bytes
+
+
+def test_fake_ranks_given_are_the_ranks_run():
+    from launchers.fake import ranks_of
+
+    cfg, pl = _placement("framework=titan", "layout.tp=2", "layout.dp=4", "cluster.fake_ranks=[7,3]")
+    assert ranks_of(cfg, pl) == [3, 7]
+
+
+def test_fake_world_is_the_layouts():
+    """The whole layout exists in the fake world: 64 ranks with no cluster.ranks given; the
+    cluster's ranks only fill layout.dp=-1."""
+    assert world_of(_compose("cluster=fake", "layout.tp=4", "layout.pp=2", "layout.dp=8")) == 64
+    assert world_of(_compose("cluster=fake", "layout.tp=2")) == 8  # dp=-1: cluster.ranks (8) / tp
+    cfg = _compose("cluster=fake", "framework=megatron", "model=llama3_8b", "layout.tp=4", "layout.pp=2",
+                   "layout.dp=8")
+    assert check(cfg)[1].world == 64
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,needle", [
+    (("cluster.fake_ranks=[8]",), "cluster.fake_ranks has 8: the layout's world is 8 ranks (0..7)"),
+    (("cluster.fake_ranks=[-1]",), "cluster.fake_ranks has -1: ranks are integers >= 0"),
+    (("cluster.fake_ranks=[1,1]",), "cluster.fake_ranks=[1, 1] lists rank 1 twice"),
+    (("cluster.backend=gloo",), "cluster.kind='fake' needs cluster.kind, cluster.backend and cluster.device "
+                                "all 'fake' (got cluster.backend='gloo')"),
+])
+def test_fake_cluster_rejections_name_the_field(overrides, needle):
+    cfg = _compose("cluster=fake", "framework=titan", "layout.dp=8", *overrides)
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert needle in str(e.value)
+
+
+def test_fake_ranks_only_on_a_fake_cluster():
+    with pytest.raises(ConfigError, match=r"cluster.fake_ranks=\[0\] is for cluster.kind=fake only"):
+        check(_compose("cluster.fake_ranks=[0]"))
+    with pytest.raises(ConfigError, match="cluster.device='fake' needs cluster.kind"):
+        check(_compose("cluster.device=fake"))
+
+
+def test_fake_ranks_out_of_range_is_an_invalid_record(tmp_path):
+    p = launch("cluster=fake", "framework=titan", "layout.dp=4", "cluster.fake_ranks=[4]", "wandb.mode=disabled",
+               f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 2
+    rec = json.load(open(tmp_path / "record.json"))
+    assert rec["status"] == "invalid" and "cluster.fake_ranks has 4" in rec["error"]
+
+
+# -- one fake job per framework (real frameworks, world 8, small model) ------------------------------
+JOBS = {
+    "titan": ("framework=titan", "layout.tp=2", "layout.dp=4", "layout.sequence_parallel=true",
+              "model.vocab=1001", "cluster.fake_ranks=[1]"),
+    "megatron": ("framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2", "layout.sequence_parallel=true",
+                 "framework.overlap_grad_reduce=true", "layout.global_batch_size=4"),
+    "deepspeed": ("framework=deepspeed", "framework.zero_stage=3", "layout.dp=8", "layout.global_batch_size=16"),
+}
+
+
+def _fake_job(tmp_path_factory, name):
+    d = tmp_path_factory.mktemp(f"fake_{name}")
+    launch("cluster=fake", "train.steps=2", "model.seq_len=64", *JOBS[name], f"hydra.run.dir={d}",
+           timeout=600, check=True)
+    rec = records.load(str(d))[0]
+    ranks = {r: json.load(open(os.path.join(d, f"rank{r}.json"))) for r in rec["fake"]["measured_ranks"]}
+    return rec, ranks
+
+
+@pytest.fixture(scope="module")
+def titan_job(tmp_path_factory):
+    return _fake_job(tmp_path_factory, "titan")
+
+
+@pytest.fixture(scope="module")
+def megatron_job(tmp_path_factory):
+    return _fake_job(tmp_path_factory, "megatron")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_job(tmp_path_factory):
+    return _fake_job(tmp_path_factory, "deepspeed")
+
+
+def _reconciles(rec, expected_ranks):
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["device"] == "fake" and rec["measurement"]["device"] == "fake"
+    assert rec["fake"]["measured_ranks"] == expected_ranks == rec["measurement"]["measured_ranks"]
+    df = table([rec])
+    assert sorted(df["rank"].unique()) == expected_ranks
+    assert set(df.phase) == {"first", "steady"}
+    assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
+    assert any(q.startswith("comm/") for q in df.quantity)
+    bad = df[df.abs_err != 0]
+    assert bad.empty, bad.to_string()
+
+
+def _declared_reads_reached(ranks, declared):
+    for d in ranks.values():
+        reached = {(x["module"], x["function"]) for x in d["fake_scalar_reads"]}
+        assert reached == declared
+        assert all(s.get("loss") is None for s in d["steps"])  # numerics are not measured
+
+
+@pytest.mark.real
+def test_titan_fake_job(titan_job):
+    """FSDP4·TP2·SP at vocab 1001 (TP rank 0 holds 501 rows, rank 1 500), cluster.fake_ranks=[1]: the
+    lighter TP rank, which the default selection (rank 0, the heavier) does not measure."""
+    from launchers import titan_cpu
+
+    rec, ranks = titan_job
+    _reconciles(rec, [1])
+    for d in ranks.values():
+        reached = {k for k in d["cpu_redirects"] if k.startswith("fake_")}
+        assert reached == {"fake_to_empty", "fake_cpu_device"}
+    _declared_reads_reached(ranks, titan_cpu.FAKE_SCALAR_SITES)
+
+
+@pytest.mark.real
+def test_megatron_fake_job(megatron_job):
+    """TP2·PP2·DP2·SP, distributed optimizer, overlap_grad_reduce, 2 micro-batches: rank 0 and the
+    last stage's most-loaded rank; every fake shim reached on both."""
+    from launchers import megatron_cpu
+
+    rec, ranks = megatron_job
+    assert len(rec["fake"]["measured_ranks"]) == 2
+    _reconciles(rec, rec["fake"]["measured_ranks"])
+    assert {d["stage"] for d in ranks.values()} == {0, 1}
+    for d in ranks.values():
+        assert set(d["fake_shims"]) == set(megatron_cpu.FAKE_SHIMS)
+    _declared_reads_reached(ranks, megatron_cpu.FAKE_SCALAR_SITES)
+
+
+@pytest.mark.real
+def test_deepspeed_fake_job(deepspeed_job):
+    """ZeRO-3 DP8, 2 accumulation steps: rank 0 stands for all; its trace checks' broadcasts issued."""
+    from launchers import deepspeed as ds
+
+    rec, ranks = deepspeed_job
+    _reconciles(rec, [0])
+    assert set(ranks[0]["fake_shims"]) == {"rank0_list_is_local"}  # module.to: ZeRO-1/2 only
+    reached = {(x["module"], x["function"]) for x in ranks[0]["fake_scalar_reads"]}
+    assert reached == {("deepspeed.runtime.utils", "is_invalid_grad_norm")}  # has_overflow: ZeRO-1/2
+    assert reached <= ds.FAKE_SCALAR_SITES
