@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -57,19 +56,29 @@ def run_fake(job_dir: str, world: int, ranks: list[int], timeout_s: int) -> list
     out = []
     for r in ranks:
         # the fake store needs no rendezvous: MASTER_ADDR / MASTER_PORT are unused
+        t0 = time.monotonic()
         p = spawn_rank(job_dir, r, world, "127.0.0.1", 0, 0, "fake")
-        timed_out = False
+        timed_out, rusage = False, None
         try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            timed_out = True
+            while True:  # wait4: the rank's own peak RSS (ru_maxrss, kB on Linux) with its exit status
+                pid, status, rusage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    break
+                if time.monotonic() > deadline:
+                    p.kill()
+                    _, status, rusage = os.wait4(p.pid, 0)
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    timed_out = True
+                    break
+                time.sleep(0.1)
         finally:
-            if p.poll() is None:
+            if p.returncode is None:
                 p.kill()
                 p.wait()
-        out.append({"rank": r, "returncode": p.returncode, "log_tail": log_tail(job_dir, r), "timed_out": timed_out})
+        out.append({"rank": r, "returncode": p.returncode, "log_tail": log_tail(job_dir, r), "timed_out": timed_out,
+                    "process": {"wall_s": round(time.monotonic() - t0, 2),
+                                "max_rss_bytes": rusage.ru_maxrss * 1024 if rusage else None}})
         if timed_out:  # the rest would have no time either
             out += [{"rank": q, "returncode": None, "log_tail": "", "timed_out": True} for q in ranks[len(out):]]
             break

@@ -225,6 +225,8 @@ def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
             d["error"] = f"exit code {pr['returncode']} after writing its result"
         if d.get("status") != "ok":
             d["log_tail"] = pr.get("log_tail")
+        if "process" in pr:  # cluster=fake: the rank ran alone, its wall time and peak RSS are its own
+            d["process"] = pr["process"]
         ranks.append(d)
     out = {"world": world, "ranks": ranks, "timed_out": timed_out}
     if cfg.cluster.kind == "fake":  # a subset of the world: analysis reads the ranks that are there
