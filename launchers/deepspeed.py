@@ -6,7 +6,8 @@ forward + backward + engine.step() (DeepSpeed steps the optimizer at the accumul
 CPU (cluster.device=cpu): DS_ACCELERATOR=cpu and gloo, set before deepspeed is imported; torch's
 AdamW ("torch_adam") instead of DeepSpeed's JIT-built CPU Adam; the shm all-reduce op, which
 DeepSpeed JIT-compiles at init_distributed, is disabled. GPU (cluster.device=cuda): the CUDA
-accelerator and NCCL, one GPU per rank (LOCAL_RANK).
+accelerator and NCCL, one GPU per rank (LOCAL_RANK). cluster=fake: the CPU accelerator on torch's
+fake process group, under FakeTensorMode, with the shims of install_fake() (below).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def _no_shm_op() -> None:
 #    partitions and optimizer state under FakeTensorMode. The fake-only shims, each counted in
 #    FAKE_HITS; installed by install_fake() only when cluster.device == "fake".
 FAKE_HITS: dict[str, int] = {}
+FAKE_SHIMS = ("module_to_skipped_on_cpu", "rank0_list_is_local")
 
 # data-dependent reads of FakeTensors answered 0 / False (launchers/fake.py scalar_reads)
 FAKE_SCALAR_SITES: set[tuple[str, str]] = {

@@ -13,7 +13,8 @@ Data-dependent reads of a fake tensor (`.item()`, `bool()`, `float()`: aten._loc
 have no value. `scalar_reads(sites)` answers them with 0 (False) -- the path a healthy step takes:
 no overflow, a finite grad norm, a loss to log -- at the call sites a framework's compat module
 declares, counts each site, and refuses an undeclared one (so a framework upgrade that adds a read
-is seen, not silently answered).
+is seen, not silently answered). LEDGER_FAKE_DISCOVER=1 in a rank's environment lists the sites a
+run reaches instead (answering every one): a development aid for declaring them, never a default.
 """
 from __future__ import annotations
 
@@ -170,10 +171,3 @@ def scalar_reads(sites: set[tuple[str, str]]):
 def scalar_read_hits() -> list[dict]:
     return [{"module": m, "function": f, "count": c} for (m, f), c in sorted(SCALAR_READS.items())]
 
-
-def check_framework(cfg, lay) -> None:
-    """What a fake run of each framework cannot do, refused before anything runs (ConfigError)."""
-    from ledger.layout import ConfigError
-
-    if cfg.mode != "run":
-        return

@@ -101,10 +101,8 @@ def check(cfg):
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.cluster.kind == "fake":
         from conf.validate import fake_ranks_in_world
-        from launchers.fake import check_framework
 
         fake_ranks_in_world(cfg.cluster, lay.world)
-        check_framework(cfg, lay)
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 

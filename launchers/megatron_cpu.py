@@ -1,8 +1,8 @@
 """The one place where Megatron Core 0.18.0 is made to train on CPU tensors (gloo ranks).
 
 Megatron assumes CUDA on its training path. Each redirect below is declared in REDIRECTS with the
-megatron file and function it serves; it is installed only when cluster.device == "cpu"
-(`install()`), and it counts every time it is reached, keyed by (megatron module, function), so
+megatron file and function it serves; it is installed only when cluster.device is "cpu" or "fake"
+(`install()`; cluster=fake adds its own shims, `install_fake()` at the end), and it counts every time it is reached, keyed by (megatron module, function), so
 `hits()` tells which redirects a run still needs. tests/test_megatron.py fails when a declared
 redirect is no longer reached (an upgrade made it unnecessary: delete it) or when an undeclared
 site is reached (an upgrade added one: declare it).

@@ -3,7 +3,8 @@
 Each redirect names the torchtitan file it serves and counts in REACHED every time it does its
 work, so a test can tell a redirect that stopped being reached (no longer needed, or no longer
 working) from one that still carries the run. `install()` is called by launchers.titan only
-when cluster.device == "cpu", before torchtitan is imported; nothing here touches a GPU run,
+when cluster.device is "cpu" or "fake" (cluster=fake adds `install_fake()`, its keys `fake_`),
+before torchtitan is imported; nothing here touches a GPU run,
 except `set_timeout` (see there), which torch 2.13 lacks on every device, `pipeline_step_microbatches`
 (see there), torchtitan's call that torch 2.13's pipeline schedules do not take, and
 `eager_cp_block_mask` and `visible_cp_allgather` (see there), which the comm probe needs on

@@ -119,8 +119,14 @@ JOBS = {
               "model.vocab=1001", "cluster.fake_ranks=[1]"),
     "megatron": ("framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2", "layout.sequence_parallel=true",
                  "framework.overlap_grad_reduce=true", "layout.global_batch_size=4"),
-    "deepspeed": ("framework=deepspeed", "framework.zero_stage=3", "layout.dp=8", "layout.global_batch_size=16"),
+    # ZeRO-1 and ZeRO-3 in one launch (a two-job sweep): their fake shims and read sites differ
+    "deepspeed": ("framework=deepspeed", "framework.zero_stage=1,3", "layout.dp=8", "layout.global_batch_size=16"),
 }
+
+
+def _job_ranks(rec):
+    d = rec["job_dir"]
+    return {r: json.load(open(os.path.join(d, f"rank{r}.json"))) for r in rec["fake"]["measured_ranks"]}
 
 
 def _fake_job(tmp_path_factory, name):
@@ -128,8 +134,7 @@ def _fake_job(tmp_path_factory, name):
     launch("cluster=fake", "train.steps=2", "model.seq_len=64", *JOBS[name], f"hydra.run.dir={d}",
            timeout=600, check=True)
     rec = records.load(str(d))[0]
-    ranks = {r: json.load(open(os.path.join(d, f"rank{r}.json"))) for r in rec["fake"]["measured_ranks"]}
-    return rec, ranks
+    return rec, _job_ranks(rec)
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +148,11 @@ def megatron_job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def deepspeed_job(tmp_path_factory):
-    return _fake_job(tmp_path_factory, "deepspeed")
+def deepspeed_jobs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fake_deepspeed")
+    launch("-m", "cluster=fake", "train.steps=2", "model.seq_len=64", *JOBS["deepspeed"], f"hydra.sweep.dir={d}",
+           timeout=600, check=True)
+    return {rec["config"]["framework"]["zero_stage"]: (rec, _job_ranks(rec)) for rec in records.load(str(d))}
 
 
 def _reconciles(rec, expected_ranks):
@@ -197,13 +205,27 @@ def test_megatron_fake_job(megatron_job):
 
 
 @pytest.mark.real
-def test_deepspeed_fake_job(deepspeed_job):
-    """ZeRO-3 DP8, 2 accumulation steps: rank 0 stands for all; its trace checks' broadcasts issued."""
+@pytest.mark.parametrize("stage,shims,reads", [
+    # ZeRO-3: zero.Init places the params (no engine .to); the trace checks' broadcasts are issued
+    (3, {"rank0_list_is_local"}, {("deepspeed.runtime.utils", "is_invalid_grad_norm")}),
+    # ZeRO-1: the engine's module.to(device) and the overflow check's read
+    (1, {"module_to_skipped_on_cpu"}, {("deepspeed.runtime.utils", "is_invalid_grad_norm"),
+                                        ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow")}),
+])
+def test_deepspeed_fake_job(deepspeed_jobs, stage, shims, reads):
+    """DP8, 2 accumulation steps: rank 0 stands for all; the stage's own shims and read sites."""
     from launchers import deepspeed as ds
 
-    rec, ranks = deepspeed_job
+    rec, ranks = deepspeed_jobs[stage]
     _reconciles(rec, [0])
-    assert set(ranks[0]["fake_shims"]) == {"rank0_list_is_local"}  # module.to: ZeRO-1/2 only
+    assert set(ranks[0]["fake_shims"]) == shims
     reached = {(x["module"], x["function"]) for x in ranks[0]["fake_scalar_reads"]}
-    assert reached == {("deepspeed.runtime.utils", "is_invalid_grad_norm")}  # has_overflow: ZeRO-1/2
-    assert reached <= ds.FAKE_SCALAR_SITES
+    assert reached == reads and reached <= ds.FAKE_SCALAR_SITES
+
+
+@pytest.mark.real
+def test_deepspeed_fake_shims_all_reached(deepspeed_jobs):
+    from launchers import deepspeed as ds
+
+    reached = set().union(*(set(ranks[0]["fake_shims"]) for _, ranks in deepspeed_jobs.values()))
+    assert reached == set(ds.FAKE_SHIMS)
