@@ -30,6 +30,7 @@ def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
         bad = steady[steady.abs_err != 0]
         pg = (rec.get("prediction") or {}).get("per_gpu") or {}
         out.append({"job": job, "framework": R.framework_variant(rec), "layout": R.layout_name(rec),
+                    "device": rec.get("device") or ((rec.get("config") or {}).get("cluster") or {}).get("device"),
                     "status": rec["status"], "rows": len(d), "steady_mismatches": len(bad),
                     "max_abs_rel_err": float(steady.rel_err.abs().max()) if len(steady) else None,
                     "predicted_resident": pg.get("resident_bytes"),
@@ -38,6 +39,27 @@ def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
     if len(df):  # an unreadable or rejected job has none: keep the column integral
         df["predicted_resident"] = df["predicted_resident"].astype("Int64")
     return df
+
+
+def fake_notes(recs: list[dict]) -> list[str]:
+    """One line per cluster=fake job: which ranks of the world were measured, and the fake-world
+    shims and data-dependent read sites its ranks reached (launchers/fake.py; the README says what
+    each changes), so a table of fake jobs never reads as a real run's."""
+    out = []
+    for rec in recs:
+        fk = rec.get("fake")
+        if not fk:
+            continue
+        shims, reads = set(), set()
+        for r in (rec.get("measurement") or {}).get("ranks", []):
+            shims |= set(r.get("fake_shims") or {})
+            shims |= {k for k in (r.get("cpu_redirects") or {}) if isinstance(k, str) and k.startswith("fake_")}
+            reads |= {f"{x['module']}.{x['function']}" for x in r.get("fake_scalar_reads") or []}
+        world = (rec.get("measurement") or {}).get("world")
+        out.append(f"{R.job_name(rec)}: device fake, ranks {fk.get('measured_ranks')} of {world} measured; "
+                   f"{fk.get('note')}; shims reached: {', '.join(sorted(shims)) or 'none'}; reads answered 0 at: "
+                   f"{', '.join(sorted(reads)) or 'none'}")
+    return out
 
 
 def compact(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -101,6 +123,8 @@ def main(argv=None) -> int:
     if a.format == "markdown":
         print()
         print(render(summary(recs), "markdown"))
+        for line in fake_notes(recs):
+            print(f"\n{line}")
     return 0
 
 
