@@ -97,6 +97,15 @@ def fake_ranks_in_world(c, world: int) -> None:
         raise ConfigError(f"cluster.fake_ranks has {bad[0]}: the layout's world is {world} ranks (0..{world - 1})")
 
 
+def fake_layout_supported(framework: str, lay) -> None:
+    """What a framework cannot run on the fake world, refused before any rank starts (found by
+    trying; the README lists what was run)."""
+    if framework == "titan" and lay.pp > 1:
+        raise ConfigError(f"layout.pp={lay.pp}: torchtitan on cluster=fake runs without pipeline parallelism only "
+                          "(torch's pipelining schedules read values of FakeTensors: schedules.py "
+                          "_PipelineSchedule._warmup_p2p); run torchtitan PP on cluster=local_cpu")
+
+
 def validate_framework(fw) -> None:
     _one_of("framework", fw, "name", ("megatron", "deepspeed", "titan"))
     _one_of("framework", fw, "precision", ("bf16", "fp32"))

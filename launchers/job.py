@@ -100,9 +100,11 @@ def check(cfg):
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.cluster.kind == "fake":
-        from conf.validate import fake_ranks_in_world
+        from conf.validate import fake_layout_supported, fake_ranks_in_world
 
         fake_ranks_in_world(cfg.cluster, lay.world)
+        if cfg.mode == "run":
+            fake_layout_supported(cfg.framework.name, lay)
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 

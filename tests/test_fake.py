@@ -98,6 +98,14 @@ def test_fake_cluster_rejections_name_the_field(overrides, needle):
     assert needle in str(e.value)
 
 
+def test_titan_pp_refused_on_the_fake_world():
+    """torchtitan's PP does not run on FakeTensors (tried: torch's pipelining schedules read values);
+    refused naming the field, before any rank starts. Megatron's PP and VP do run."""
+    with pytest.raises(ConfigError, match="layout.pp=2: torchtitan on cluster=fake runs without pipeline"):
+        check(_compose("cluster=fake", "framework=titan", "layout.pp=2", "layout.dp=4"))
+    check(_compose("cluster=fake", "framework=megatron", "layout.pp=2", "layout.vp=2", "layout.dp=4"))
+
+
 def test_fake_ranks_only_on_a_fake_cluster():
     with pytest.raises(ConfigError, match=r"cluster.fake_ranks=\[0\] is for cluster.kind=fake only"):
         check(_compose("cluster.fake_ranks=[0]"))
