@@ -116,6 +116,9 @@ class ClusterConfig:
     ranks: int = 2  # ranks per node (local: processes on this machine)
     nodes: int = 1
     timeout_s: int = 900
+    # CPU ranks forked from one process that imported the framework once (launchers.forkserver);
+    # false: each rank its own `python -m launchers.worker`, as torchrun starts it (CUDA always is)
+    fork_ranks: bool = True
     # slurm-only fields (ignored locally)
     partition: Optional[str] = None
     account: Optional[str] = None
