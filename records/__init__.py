@@ -136,6 +136,10 @@ def job_identity(config: dict) -> dict:
     for k, v in (config or {}).items():
         if k in _NOT_THE_JOB and _NOT_THE_JOB[k] is None:
             continue
+        if k == "plan" and config.get("mode") != "plan":
+            # the planner's settings change nothing a predict / run / dry job computes (and records
+            # written before mode=plan existed keep their hash)
+            continue
         if k in _NOT_THE_JOB and isinstance(v, dict):
             v = {kk: vv for kk, vv in v.items() if kk not in _NOT_THE_JOB[k]}
         out[k] = v
