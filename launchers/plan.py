@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 import records
 from ledger.layout import ConfigError
 from ledger.model import PRESETS, ModelShape
+from ledger.units import fmt
 from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, Hardware, Plan, Row, Space, per_stage,
                          search)
 
@@ -250,18 +251,20 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
 
     def table(title: str, rows: list[Row]) -> Table:
         t = Table(title=title)
-        for c in ("#", "framework", "layout", "peak GB*", "stage", "fits", "wire GB/step per dim (link)", "bubble",
+        for c in ("#", "framework", "layout", "peak GB*", "stage", "fits", "wire per step per dim (link)", "bubble",
                   "est step s**"):
-            t.add_column(c, justify="left" if c in ("framework", "layout", "wire GB/step per dim (link)") else "right")
+            t.add_column(c, justify="left" if c in ("framework", "layout", "wire per step per dim (link)") else "right")
         for r in rows:
-            wire = " ".join(f"{d} {b / 1e9:.1f}({_LINK[r.links[d]]})" for d, b in sorted(r.wire_bytes.items(),
-                                                                                      key=lambda kv: -kv[1])
-                            if b >= 1e7) if r.wire_bytes else ""
+            # the dims that carry at least 1% of the row's bytes, largest first (a grad-norm all-reduce
+            # of a few bytes says nothing about the layout)
+            wire = " ".join(f"{d} {fmt(b)} ({_LINK[r.links[d]]})" for d, b in sorted(r.wire_bytes.items(),
+                                                                                  key=lambda kv: -kv[1])
+                            if b >= 0.01 * r.wire_total)
             t.add_row(str(rank[id(r)]) if r.status != "refused" else "-", r.framework, _lay(r), _gb(r.peak_bytes),
                       "" if r.stage is None else str(r.stage), {"fits": "yes", "too_big": "no"}.get(r.status, "refused"),
                       wire if r.status != "refused" else (r.reason or "")[:70],
                       "" if r.bubble is None else f"{r.bubble:.3f}",
-                      "" if r.est_step_s is None else f"{r.est_step_s:.2f}")
+                      "" if r.est_step_s is None else f"{r.est_step_s:.3g}")
         return t
 
     n_all = sum(c["layouts"] for c in plan.counts.values())
