@@ -44,8 +44,15 @@ def plot(rows: list[dict], path: str, budget_bytes: float | None = None) -> str:
         ax.step(*zip(*front), where="post", color="black", linewidth=1, label="Pareto front (fitting)")
     if budget_bytes:
         ax.axhline(budget_bytes / 1e9, color="red", linestyle="--", linewidth=0.8, label="memory budget")
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    # plain tick labels: log axes' default 10^x labels go through mathtext, whose parser takes seconds to build
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("estimated step time, s (roofline estimate, not measured)")
     ax.set_ylabel("peak per rank, GB (resident state only until issue 18)")
     ax.legend(fontsize=7, loc="best")

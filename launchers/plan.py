@@ -80,7 +80,7 @@ def run_plan(cfg, job_dir: str) -> dict:
     rows = [r.to_dict() for r in plan.rows]
     for r, d in zip(plan.rows, rows):
         d["rank"] = rank_of.get(id(r))
-    records.write_json(os.path.join(job_dir, "plan.json"), rows)
+    records.write_rows(os.path.join(job_dir, "plan.json"), rows)
     write_csv(os.path.join(job_dir, "plan.csv"), rows)
     name = cfg.plan.name or f"{cfg.model.name}_{hw.gpus}gpus_{cfg.framework.name}"
     sweep = sweep_of(cfg, bases, fitting[:cfg.plan.sweep_top], rank_of, name, job_dir)

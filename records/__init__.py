@@ -30,6 +30,15 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_rows(path: str, rows: list) -> None:
+    """A JSON list of objects, one a line, written atomically like write_json. Each line goes through
+    json's C encoder (json.dump with an indent is its pure-Python one: seconds for a plan's 30,000 rows)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("[\n" + ",\n".join(json.dumps(r, default=str) for r in rows) + "\n]\n")
+    os.replace(tmp, path)
+
+
 class UnreadableRecord(ValueError):
     """A record.json that is not a JSON object; the message names the file."""
 

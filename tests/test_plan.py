@@ -255,3 +255,17 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
         planned = by_rank[i + 1]
         assert {k: r["prediction"]["layout"][k] for k in planned["layout"]} == planned["layout"]
         assert max(x["resident_bytes"] for x in r["prediction"]["per_rank"]) == planned["resident_bytes"]
+
+
+def test_sweep_runner_commands(tmp_path):
+    """sweeps.plan runs each run of the file as one launch.py -m, extra overrides after the file's."""
+    from sweeps.plan import commands, main
+
+    sweep = {"name": "x", "runs": [{"framework": "megatron", "overrides": ["model=tiny", "layout={tp:2},{pp:2}"]},
+                                   {"framework": "titan", "overrides": ["model=tiny", "framework=titan"]}]}
+    cmds = commands(sweep, str(tmp_path), ["train.steps=2"])
+    assert [c[2:] for c in cmds] == [
+        ["-m", "model=tiny", "layout={tp:2},{pp:2}", "train.steps=2", f"hydra.sweep.dir={tmp_path / '0_megatron'}"],
+        ["-m", "model=tiny", "framework=titan", "train.steps=2", f"hydra.sweep.dir={tmp_path / '1_titan'}"]]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    assert main([str(tmp_path / "s.yaml"), "--print", "--out", str(tmp_path)]) == 0
