@@ -73,7 +73,9 @@ def run_plan(cfg, job_dir: str) -> dict:
     fitting = [r for r in plan.rows if r.fits]
     top = fitting[:cfg.plan.top]
     watched = [[r for r in plan.rows if r.matches(dict(w))] for w in cfg.plan.watch]
-    for r in {id(r): r for r in top + [r for ws in watched for r in ws]}.values():
+    # each framework's first fitting row: the answer per framework when one dominates the top table
+    best = {fw: next((r for r in fitting if r.framework == fw), None) for fw in bases}
+    for r in {id(r): r for r in top + [r for ws in watched for r in ws] + [r for r in best.values() if r]}.values():
         if r.placement is not None:
             r.per_stage = per_stage(r)
     rank_of = {id(r): i + 1 for i, r in enumerate(plan.rows) if r.status != "refused"}
@@ -111,10 +113,11 @@ def run_plan(cfg, job_dir: str) -> dict:
                "sort": cfg.plan.sort, "counts": plan.counts, "refused": plan.refused, "search_s": plan.seconds,
                "write_s": time.perf_counter() - t0, "notes": notes, "files": files,
                "top": [rows[plan.rows.index(r)] for r in top[:cfg.plan.sweep_top]],
+               "best": {fw: rows[plan.rows.index(r)] if r else None for fw, r in best.items()},
                "watch": [{"want": dict(w), "rows": [rank_of.get(id(r)) or "refused" for r in ws]}
                          for w, ws in zip(cfg.plan.watch, watched)],
                "sweep": sweep}
-    print(render(plan, top, watched, cfg, hw, notes, sweep, sp.global_batch_size))
+    print(render(plan, top, watched, cfg, hw, notes, sweep, sp.global_batch_size, best))
     return summary
 
 
@@ -239,7 +242,7 @@ def _lay(r: Row) -> str:
 
 
 def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardware, notes: list[str],
-           sweep: dict | None, gbs: int) -> str:
+           sweep: dict | None, gbs: int, best: dict) -> str:
     import io
 
     from rich.console import Console
@@ -272,6 +275,8 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                     f"fits at <= {hw.budget_bytes / 1e9:.1f} GB), global batch {gbs:,} "
                     f"sequences: top {len(top)} of {sum(c['fits'] for c in plan.counts.values())} fitting "
                     f"({n_all:,} layouts, sorted by {cfg.plan.sort})", top))
+    if len(best) > 1:
+        con.print(table("the best fitting layout of each framework", [r for r in best.values() if r]))
     for w, ws in zip(cfg.plan.watch, watched):
         con.print(table(f"watch {dict(w)}: {len(ws)} rows", ws[:24]))
         for r in ws[:4]:
@@ -280,7 +285,7 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                           + " ".join(_gb(s["peak_bytes"]) for s in r.per_stage), markup=False)
     for fw, c in plan.counts.items():
         con.print(f"{fw}: {c['layouts']:,} layouts: {c['fits']:,} fit, {c['too_big']:,} too big, "
-                  f"{c['refused']:,} refused", markup=False)
+                  f"{c['refused']:,} refused" + ("" if c["fits"] else ": none fits") , markup=False)
         for k, v in sorted(plan.refused[fw].items(), key=lambda kv: -kv[1]["count"]):
             con.print(f"  {v['count']:6,} refused: {v['example']}", markup=False)
     for n in notes:
