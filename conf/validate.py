@@ -107,10 +107,13 @@ def validate_probe(p) -> None:
                 raise ConfigError(f"probe.{n} has {s}: steps are numbered from 0")
 
 
-def validate_plan(p, model) -> None:
+def validate_plan(p, model, layout=None) -> None:
     """plan.* for mode=plan (ledger/plan.py reads them); model is validated first (seq_len >= 1)."""
     if p.gpus is None:
         raise ConfigError("plan.gpus is required for mode=plan (the GPUs to plan for, e.g. plan.gpus=1024)")
+    if p.global_batch_tokens is None and (layout is None or layout.global_batch_size < 1):
+        raise ConfigError("mode=plan needs the batch: set plan.global_batch_tokens (tokens per step) or "
+                          "layout.global_batch_size (sequences per step)")
     _at_least("plan", p, ("gpus", "gpus_per_node", "top", "max_cp"), 1)
     _at_least("plan", p, ("sweep_top",), 0)
     _positive("plan", p, ("gpu_memory_gb", "memory_fraction", "peak_tflops", "mfu", "nvlink_gbps", "network_gbps"))
@@ -157,7 +160,7 @@ def validate_config(cfg) -> None:
     validate_model(cfg.model)
     validate_framework(cfg.framework, cfg.mode)
     if cfg.mode == "plan":
-        validate_plan(cfg.plan, cfg.model)
+        validate_plan(cfg.plan, cfg.model, cfg.layout)
     validate_cluster(cfg.cluster)
     validate_train(cfg.train)
     validate_ledger(cfg.ledger)

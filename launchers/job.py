@@ -80,8 +80,11 @@ def fill_mode_defaults(cfg) -> None:
 
 def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
-    prediction is part of the check: a faithful ledger rejects what it does not model."""
+    prediction is part of the check: a faithful ledger rejects what it does not model. mode=plan:
+    the config's values only (None)."""
     validate_config(cfg)  # every group's values first: the layout rules below then divide safely
+    if cfg.mode == "plan":
+        return None  # a plan predicts many layouts, not cfg.layout: its checks are validate_config's (plan.*)
     fill_mode_defaults(cfg)
     fw = cfg.framework
     if cfg.mode == "run" and fw.name == "megatron" and fw.transformer_impl == "transformer_engine" \
@@ -183,7 +186,7 @@ def _plan_job(cfg, job_dir: str, record: dict, t0: float, writes_record: bool) -
     from launchers.plan import run_plan
 
     try:
-        validate_config(cfg)
+        check(cfg)
         record["plan"] = run_plan(cfg, job_dir)
         record["status"] = "ok"
     except ConfigError as e:

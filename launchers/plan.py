@@ -23,7 +23,6 @@ import time
 from omegaconf import OmegaConf
 
 import records
-from ledger.layout import ConfigError
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
 from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, Hardware, Plan, Row, Space, per_stage,
@@ -44,11 +43,8 @@ def space(cfg) -> Space:
     p = cfg.plan
     if p.global_batch_tokens is not None:
         gbs = p.global_batch_tokens // cfg.model.seq_len
-    elif cfg.layout.global_batch_size > 0:
+    else:  # conf/validate.py validate_plan: one of the two is set
         gbs = cfg.layout.global_batch_size
-    else:
-        raise ConfigError("mode=plan needs the batch: set plan.global_batch_tokens (tokens per step) or "
-                          "layout.global_batch_size (sequences per step)")
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
                  tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp))
 
