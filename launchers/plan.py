@@ -4,7 +4,7 @@ the job dir
   plan.json    every layout (fitting, too big, refused), one row each: framework, layout, knobs, fits,
                peak_bytes (= resident state until issue 18, `peak_includes` says so), resident_bytes,
                wire_bytes per dim, links (intra / inter node), bubble, est_step_s (a roofline
-               estimate), reason; per_stage for the rows of the top table and plan.watch
+               estimate), reason; per_stage (each stage's most-loaded rank) for every predicted row
   plan.csv     the same rows flattened
   plan.png     peak per rank vs estimated step time, fitting rows marked, their Pareto front
   sweep.yaml   the top plan.sweep_top fitting rows as `launch.py -m` overrides (also written as
@@ -25,8 +25,7 @@ from omegaconf import OmegaConf
 import records
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, Hardware, Plan, Row, Space, per_stage,
-                         search)
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, Hardware, Plan, Row, Space, search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
             "communication not hidden, per link class), never a measurement: ledger/plan.py estimate")
@@ -71,9 +70,6 @@ def run_plan(cfg, job_dir: str) -> dict:
     watched = [[r for r in plan.rows if r.matches(dict(w))] for w in cfg.plan.watch]
     # each framework's first fitting row: the answer per framework when one dominates the top table
     best = {fw: next((r for r in fitting if r.framework == fw), None) for fw in bases}
-    for r in {id(r): r for r in top + [r for ws in watched for r in ws] + [r for r in best.values() if r]}.values():
-        if r.placement is not None:
-            r.per_stage = per_stage(r)
     rank_of = {id(r): i + 1 for i, r in enumerate(plan.rows) if r.status != "refused"}
     rows = [r.to_dict() for r in plan.rows]
     for r, d in zip(plan.rows, rows):

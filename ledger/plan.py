@@ -106,7 +106,7 @@ class Row:
     bubble: Optional[float] = None
     est_step_s: Optional[float] = None
     est: dict = field(default_factory=dict)
-    per_stage: Optional[list] = None  # filled for the rows detailed (top table, plan.watch)
+    per_stage: Optional[list] = None  # the most-loaded rank of each stage (every predicted row)
     placement: object = None  # the ledger's Placement (not written out)
 
     @property
@@ -370,8 +370,39 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
 
 
 def per_stage(row: Row) -> list[dict]:
-    """The most-loaded rank of each pipeline stage (resident state, so peak for now): every rank's
-    state, each distinct one once (ranks of a stage are one contiguous block of the grid)."""
+    """The most-loaded rank of each pipeline stage (resident state, so peak for now), among the
+    ranks the ledger names for the stage (Placement.stage_representatives: a handful per stage);
+    per_stage_walk is the reference over every rank (test_plan: they agree)."""
+    pl = row.placement
+    pp = pl.layout["pp"]
+    if pp == 1:  # one stage: the most-loaded rank is the layout's
+        return [_stage_row(0, _rank_of(pl, pl.per_gpu), pl.per_gpu)]
+    if pl.stage_representatives is None:
+        return per_stage_walk(row)
+    out = []
+    for st in range(pp):
+        best, best_rank = None, None
+        for r in pl.stage_representatives(st):
+            s = pl.rank_state(r)
+            if best is None or s.resident_bytes > best.resident_bytes:
+                best, best_rank = s, r
+        out.append(_stage_row(st, best_rank, best))
+    return out
+
+
+def _rank_of(pl, state) -> int:
+    reps = pl.representatives if pl.representatives is not None else range(pl.world)
+    return next(r for r in reps if pl.rank_state(r) is state)
+
+
+def _stage_row(st: int, rank: int, s) -> dict:
+    return {"stage": st, "rank": rank, "peak_bytes": s.resident_bytes, "resident_bytes": s.resident_bytes,
+            "params": s.params_bytes, "grads": s.grads_bytes, "optim": s.optim_bytes, "other": s.other_bytes}
+
+
+def per_stage_walk(row: Row) -> list[dict]:
+    """per_stage over every rank's state, each distinct one once (ranks of a stage are one contiguous
+    block of the grid): the readable reference."""
     pl, lay = row.placement, row.placement.layout
     world, pp = pl.world, lay["pp"]
     per = world // pp
@@ -385,9 +416,7 @@ def per_stage(row: Row) -> list[dict]:
             seen.add(id(s))
             if best is None or s.resident_bytes > best.resident_bytes:
                 best, best_rank = s, r
-        out.append({"stage": st, "rank": best_rank, "peak_bytes": best.resident_bytes,
-                    "resident_bytes": best.resident_bytes, "params": best.params_bytes, "grads": best.grads_bytes,
-                    "optim": best.optim_bytes, "other": best.other_bytes})
+        out.append(_stage_row(st, best_rank, best))
     return out
 
 
@@ -419,7 +448,7 @@ def _tie(r: Row) -> tuple:
 def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, dict], mode: str = "faithful",
            sort: str = "time") -> Plan:
     """Every candidate of every framework (frameworks: name -> its base config as a plain dict),
-    evaluated; rows that the ledger predicts first in `sort` order (fitting ones ahead), then the
+    evaluated, with its peak per stage; rows that the ledger predicts first in `sort` order (fitting ones ahead), then the
     refused ones."""
     import time
 
@@ -432,6 +461,8 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
         why = refused.setdefault(name, {})
         for c in candidates(model, hw, space, name, base):
             r = evaluate(model, c, hw, mode)
+            if r.placement is not None:
+                r.per_stage = per_stage(r)
             n["layouts"] += 1
             n[r.status] += 1
             if r.status == "refused":

@@ -14,7 +14,7 @@ from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
 from ledger.plan import (PEAK_INCLUDES, Hardware, Knobs, Space, bubble, candidates, estimate, evaluate, link_of,
-                         megatron_splits, reason_key, search, step_flops)
+                         megatron_splits, per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, launch
 
 register()
@@ -85,6 +85,25 @@ def test_search_is_the_ledger_per_layout():
     assert [r.fits for r in order] == sorted((r.fits for r in order), reverse=True)
     fitting = [r.est_step_s for r in order if r.fits]
     assert fitting == sorted(fitting)
+
+
+@pytest.mark.parametrize("model,gpus", [(preset("tiny", layers=6), 8), (preset("llama3_1b", seq_len=1024), 64)])
+def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(model, gpus):
+    """The fast path (Placement.stage_representatives: Megatron's heaviest DP rank per stage class,
+    torchtitan's shard rank 0) gives every stage's peak the walk over each rank does, for every
+    predicted layout: uneven splits, vp, dist-opt shards of different sizes, torchtitan PP."""
+    hw = Hardware(gpus, 8, int(80e9), 0.9, 989.0, 0.4, 3600.0, 400.0)
+    plan = search(model, hw, Space(2 * gpus, (1, 2), (1, 2), 2, (1,), (False, True), False),
+                  _bases("megatron", "titan"))
+    rows = [r for r in plan.rows if r.placement is not None]
+    assert any(r.layout["pp"] > 1 and r.framework == "titan" for r in rows)
+    assert any(r.knobs.get("decoder_first_pipeline_num_layers") for r in rows) or model.layers % 4 == 0
+    for r in rows:
+        walk = per_stage_walk(r)
+        assert [s["peak_bytes"] for s in r.per_stage] == [s["peak_bytes"] for s in walk]
+        assert max(s["peak_bytes"] for s in r.per_stage) == r.peak_bytes
+        for s in r.per_stage:
+            assert r.placement.rank_state(s["rank"]).resident_bytes == s["peak_bytes"]
 
 
 def test_enumerator_covers_the_space():
