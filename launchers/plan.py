@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 import records
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, Hardware, Plan, Row, Space, search)
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, SPLIT_KNOBS, Hardware, Plan, Row, Space,
+                         search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
             "communication not hidden, per link class), never a measurement: ledger/plan.py estimate")
@@ -162,12 +163,14 @@ def _val(v) -> str:
     return str(v)
 
 
-def _framework_overrides(name: str, base: dict) -> list[str]:
-    """The job's framework knobs that differ from the schema's defaults (what the user set)."""
+def _framework_overrides(name: str, base: dict, chosen) -> list[str]:
+    """The job's framework knobs that differ from the schema's defaults (what the user set), but those
+    the plan chooses per row (`chosen`: zero_stage, Megatron's split)."""
     from conf.schema import FRAMEWORK_SCHEMAS
 
     ref = OmegaConf.to_container(OmegaConf.structured(FRAMEWORK_SCHEMAS[name]))
-    return [f"framework.{k}={_val(v)}" for k, v in base.items() if k != "name" and ref.get(k) != v]
+    return [f"framework.{k}={_val(v)}" for k, v in base.items()
+            if k != "name" and k not in chosen and ref.get(k) != v]
 
 
 def layout_override(lay: dict) -> str:
@@ -189,7 +192,7 @@ def sweep_of(cfg, bases: dict, rows: list[Row], rank_of: dict, name: str, job_di
         g["layouts"].append(layout_override(r.layout))
     runs = []
     for (fw, _), g in groups.items():
-        ov = [*model_overrides(cfg.model), f"framework={fw}", *_framework_overrides(fw, bases[fw]),
+        ov = [*model_overrides(cfg.model), f"framework={fw}", *_framework_overrides(fw, bases[fw], (*g["knobs"], *SPLIT_KNOBS, "zero_stage")),
               *(f"framework.{k}={_val(v)}" for k, v in g["knobs"].items()), *cluster, "layout=" + ",".join(g["layouts"])]
         runs.append({"framework": fw, "rows": g["rows"], "overrides": ov,
                      "command": " ".join(shlex.quote(a) for a in ["python", "launch.py", "-m", *ov])})

@@ -45,7 +45,7 @@ SPLIT_KNOBS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_l
 _DP_FAMILY = frozenset(("dp", "dp_replicate", "cp-dp", "cp-dp-dp_replicate", "dp-dp_replicate"))
 
 
-class Knobs(dict):
+class FrameworkView(dict):
     """A framework config as the ledgers read it (attribute access), built once per knob setting: an
     OmegaConf read costs microseconds and a search reads knobs for every layout."""
 
@@ -86,7 +86,7 @@ class Candidate:
     framework: str
     lay: Layout
     knobs: dict  # the framework knobs this row sets (zero_stage, Megatron's split), for the sweep
-    fw: Optional[Knobs]  # the whole framework config the ledger sees; None: refused by the planner itself
+    fw: Optional[FrameworkView]  # the whole framework config the ledger sees; None: refused by the planner itself
     refusal: Optional[str] = None  # the planner's own rule (tp across nodes), as a ConfigError message
 
 
@@ -143,9 +143,9 @@ def divisors(n: int) -> list[int]:
 
 def megatron_splits(layers: int, pp: int, vp: int) -> list[tuple]:
     """The pipeline splits worth trying (megatron_buffers.EVEN_SPLIT order): the even one where pp*vp
-    divides the layers; else the balanced uneven ones Megatron builds: first = last = x stages lighter
-    or heavier than the middle (Llama 3 405B: 126 layers over 16 stages as 7 + 14 x 8 + 7), and the
-    embedding and loss each counted as a layer. Splits that give the same layers per stage are tried
+    divides the layers; else the uneven ones Megatron builds: the two most balanced first = last = x
+    splits, the middle stages sharing the rest (Llama 3 405B: 126 layers over 16 stages as 7 + 14 x 8
+    + 7, then 14 + 14 x 7 + 14; pp = 2: the halves), and the embedding and loss each counted as a layer. Splits that give the same layers per stage are tried
     once. Where none is valid the even split stands, so the refusal is Megatron's own reason."""
     even = (None, None, False, False)
     if pp == 1 or split_error(layers, pp, vp, even) is None:
@@ -195,12 +195,17 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
     sequence parallelism. `base` is the framework's config (a plain dict) the varied knobs override."""
     G, N, gbs = hw.gpus_per_node, hw.gpus, space.global_batch_size
     if framework == "deepspeed":
-        fws = {z: Knobs(base, zero_stage=z) for z in space.zero_stages}
+        fws = {z: FrameworkView(base, zero_stage=z) for z in space.zero_stages}
         for z in space.zero_stages:
             for mbs in space.micro_batch_sizes:
                 yield Candidate(framework, Layout(1, 1, N, 1, 1, 1, 1, False, mbs, gbs), {"zero_stage": z}, fws[z])
         return
-    fw_of: dict[tuple, Knobs] = {}
+    if framework == "megatron":
+        # the planner chooses the pipeline split per layout: a split set in the base config is not
+        # carried into layouts it was not written for
+        base = {**base, "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+                "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+    fw_of: dict[tuple, FrameworkView] = {}
     for tp in divisors(N):
         across = tp > G or G % tp
         for pp in divisors(N // tp):
@@ -220,7 +225,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                         key = tuple(kn.items())
                         fw = fw_of.get(key)
                         if fw is None:
-                            fw = fw_of[key] = Knobs(base, **kn)
+                            fw = fw_of[key] = FrameworkView(base, **kn)
                         for dpr in dprs:
                             for sp in (space.sequence_parallel if tp > 1 else (False,)):
                                 for mbs in space.micro_batch_sizes:

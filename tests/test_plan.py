@@ -13,7 +13,7 @@ from conf.validate import validate_config
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
-from ledger.plan import (PEAK_INCLUDES, Hardware, Knobs, Space, bubble, candidates, estimate, evaluate, link_of,
+from ledger.plan import (PEAK_INCLUDES, Hardware, FrameworkView, Space, bubble, candidates, estimate, evaluate, link_of,
                          megatron_splits, per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, launch
 
@@ -62,7 +62,7 @@ def test_search_is_the_ledger_per_layout():
     for r in plan.rows:
         lay = Layout(*(r.layout[k] for k in ("tp", "pp", "dp", "dp_replicate", "cp", "ep", "vp", "sequence_parallel",
                                              "micro_batch_size", "global_batch_size")))
-        fw = Knobs(_bases(r.framework)[r.framework], **r.knobs)
+        fw = FrameworkView(_bases(r.framework)[r.framework], **r.knobs)
         if r.reason and r.reason.startswith("plan: tp="):
             assert lay.tp > HW8.gpus_per_node
         else:
@@ -104,6 +104,14 @@ def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(
         assert max(s["peak_bytes"] for s in r.per_stage) == r.peak_bytes
         for s in r.per_stage:
             assert r.placement.rank_state(s["rank"]).resident_bytes == s["peak_bytes"]
+
+
+@pytest.mark.parametrize("sort", ["peak", "wire"])
+def test_sort_orders_the_fitting_rows(sort):
+    plan = search(preset("tiny"), HW8, Space(8, (1, 2)), _bases("megatron", "titan"), sort=sort)
+    fits = [r for r in plan.rows if r.fits]
+    key = (lambda r: r.peak_bytes) if sort == "peak" else (lambda r: r.wire_total)
+    assert len(fits) > 3 and [key(r) for r in fits] == sorted(key(r) for r in fits)
 
 
 def test_enumerator_covers_the_space():
@@ -157,11 +165,11 @@ def test_estimate_is_the_documented_roofline():
     hw = Hardware(8, 8, int(80e9), 0.9, 1000.0, 0.5, 8000.0, 800.0)
     flops = 8 * 8192 * (6 * (m.num_params() - m.vocab * m.hidden) + 12 * m.layers * 8192 * m.hidden)
     assert step_flops(m, lay) == flops
-    e = estimate(m, lay, hw, "megatron", Knobs(overlap_grad_reduce=False), {"dp": 10 ** 9, "tp": 0}, {"dp": "intra",
+    e = estimate(m, lay, hw, "megatron", FrameworkView(overlap_grad_reduce=False), {"dp": 10 ** 9, "tp": 0}, {"dp": "intra",
                                                                                                        "tp": "intra"})
     assert e["compute_s"] == pytest.approx(flops / (8 * 1000e12 * 0.5))
     assert e["est_step_s"] == pytest.approx(e["compute_s"] + 1e9 * 8 / 8000e9)  # not overlapped: all exposed
-    e = estimate(m, lay, hw, "megatron", Knobs(overlap_grad_reduce=True), {"dp": 10 ** 9}, {"dp": "intra"})
+    e = estimate(m, lay, hw, "megatron", FrameworkView(overlap_grad_reduce=True), {"dp": 10 ** 9}, {"dp": "intra"})
     assert e["est_step_s"] == e["compute_s"]  # hidden behind compute
 
 
@@ -288,3 +296,18 @@ def test_sweep_runner_commands(tmp_path):
         ["-m", "model=tiny", "framework=titan", "train.steps=2", f"hydra.sweep.dir={tmp_path / '1_titan'}"]]
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
     assert main([str(tmp_path / "s.yaml"), "--print", "--out", str(tmp_path)]) == 0
+
+
+def test_sweep_carries_the_users_knobs_and_the_rows_own(tmp_path):
+    """A knob the user set reaches every run of the sweep; one the plan chooses per row (zero_stage) is
+    the row's, once."""
+    rec, rows = _plan_job(tmp_path, "model=tiny", "plan.gpus=2", "plan.global_batch_tokens=512", "framework=deepspeed",
+                          "framework.zero_stage=3", "framework.overlap_comm=true", "plan.sweep_top=4")
+    runs = rec["plan"]["sweep"]["runs"]
+    assert sorted(r["rows"][0] for r in runs) == sorted({r["rows"][0] for r in runs})
+    for run in runs:
+        ov = run["overrides"]
+        assert ov.count("framework.overlap_comm=true") == 1
+        assert [o for o in ov if o.startswith("framework.zero_stage=")] == [
+            f"framework.zero_stage={next(r for r in rows if r['rank'] == run['rows'][0])['knobs']['zero_stage']}"]
+        assert "cluster.ranks=2" in ov and "cluster.nodes=1" in ov
