@@ -311,3 +311,37 @@ def test_sweep_carries_the_users_knobs_and_the_rows_own(tmp_path):
         assert [o for o in ov if o.startswith("framework.zero_stage=")] == [
             f"framework.zero_stage={next(r for r in rows if r['rank'] == run['rows'][0])['knobs']['zero_stage']}"]
         assert "cluster.ranks=2" in ov and "cluster.nodes=1" in ov
+
+
+def test_fuzz_search_never_crashes():
+    """Any small shape on any GPU count: every candidate is predicted or refused with a reason, never an
+    exception of another kind."""
+    from hypothesis import given, settings, strategies as st
+
+    bases = _bases("megatron", "deepspeed", "titan")
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(layers=st.integers(1, 7), heads=st.sampled_from([2, 4, 6, 8]), kvdiv=st.sampled_from([1, 2]),
+           vocab=st.integers(60, 300), gpus=st.sampled_from([1, 2, 4, 6, 8, 16]), gpn=st.sampled_from([2, 4, 8]),
+           seqs=st.integers(1, 40), mbs=st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True))
+    def run(layers, heads, kvdiv, vocab, gpus, gpn, seqs, mbs):
+        from ledger.model import ModelShape
+
+        m = ModelShape(layers=layers, hidden=heads * 16, ffn_hidden=heads * 48, heads=heads, kv_heads=heads // kvdiv,
+                       vocab=vocab, seq_len=256)
+        hw = Hardware(gpus, gpn, int(1e9), 0.9, 100.0, 0.5, 100.0, 10.0)
+        plan = search(m, hw, Space(seqs, tuple(mbs), (1, 2), 4), bases)
+        assert sum(c["layouts"] for c in plan.counts.values()) == len(plan.rows)
+        for r in plan.rows:
+            assert (r.status == "refused") == (r.peak_bytes is None) and (r.reason is None) == r.fits
+            if r.per_stage:
+                assert max(s["peak_bytes"] for s in r.per_stage) == r.peak_bytes
+
+    run()
+
+
+def test_launch_plan_without_gpus_exits_2_naming_the_field(tmp_path):
+    p = launch("mode=plan", "plan.global_batch_tokens=512", f"hydra.run.dir={tmp_path}", f"plan.sweep_dir={tmp_path}/s")
+    assert p.returncode == 2 and "plan.gpus is required for mode=plan" in p.stderr
+    assert not (tmp_path / "plan.json").exists() and not (tmp_path / "s").exists()
+    assert json.loads((tmp_path / "record.json").read_text())["status"] == "invalid"
