@@ -187,6 +187,8 @@ class PlanConfig:
     # the machine planned for (not the cluster this job runs on: a plan runs no ranks)
     gpus: Optional[int] = None  # required for mode=plan
     gpus_per_node: int = 8
+    # decimal GB (1e9 bytes), as the ledger prints them: an "80 GB" H100 holds 80 GiB = 85.9e9 bytes, so
+    # the decimal reading leaves a little more headroom than memory_fraction alone
     gpu_memory_gb: float = 80.0
     # a layout fits when its peak per rank <= memory_fraction x gpu_memory_gb (peak = resident state
     # until issue 18 models activations)
