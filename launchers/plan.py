@@ -101,7 +101,8 @@ def run_plan(cfg, job_dir: str) -> dict:
     notes = [f"peak = {PEAK_INCLUDES}", RECOMPUTE_NOTE, EST_NOTE]
     if "megatron" in bases and not bases["megatron"].get("transformer_impl"):
         notes.append(TE_NOTE)
-    summary = {"model": cfg.model.name, "num_params": model.num_params(), "hardware": hw.__dict__,
+    summary = {"model": cfg.model.name, "num_params": model.num_params(), "ledger": cfg.ledger.mode,
+               "hardware": hw.__dict__,
                "global_batch_size": sp.global_batch_size, "tokens_per_step": sp.global_batch_size * model.seq_len,
                "sort": cfg.plan.sort, "counts": plan.counts, "refused": plan.refused, "search_s": plan.seconds,
                "write_s": time.perf_counter() - t0, "notes": notes, "files": files,
