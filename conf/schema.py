@@ -119,6 +119,9 @@ class ClusterConfig:
     # kind=fake only: the ranks of the layout's world to materialise, one process each, one after
     # another; empty = one per distinct state the ledger predicts (launchers/fake.py select_ranks)
     fake_ranks: list[int] = field(default_factory=list)
+    # CPU ranks forked from one process that imported the framework once (launchers.forkserver);
+    # false: each rank its own `python -m launchers.worker`, as torchrun starts it (CUDA always is)
+    fork_ranks: bool = True
     # slurm-only fields (ignored locally)
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -181,8 +184,48 @@ class CampaignConfig:
 
 
 @dataclass
+class PlanConfig:
+    """mode=plan (launchers/plan.py, ledger/plan.py): every layout of the model on `gpus` GPUs, each
+    predicted by the framework's ledger, ranked, and the best written as a ready sweep."""
+    # the machine planned for (not the cluster this job runs on: a plan runs no ranks)
+    gpus: Optional[int] = None  # required for mode=plan
+    gpus_per_node: int = 8
+    # decimal GB (1e9 bytes), as the ledger prints them: an "80 GB" H100 holds 80 GiB = 85.9e9 bytes, so
+    # the decimal reading leaves a little more headroom than memory_fraction alone
+    gpu_memory_gb: float = 80.0
+    # a layout fits when its peak per rank <= memory_fraction x gpu_memory_gb (peak = resident state
+    # until issue 18 models activations)
+    memory_fraction: float = 0.9
+    # tokens per optimizer step; the global batch is global_batch_tokens / model.seq_len sequences.
+    # None: layout.global_batch_size (which must then be set)
+    global_batch_tokens: Optional[int] = None
+    tp_across_nodes: bool = False
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    vps: list[int] = field(default_factory=lambda: [1, 2])  # virtual pipeline chunks tried (pp > 1)
+    max_cp: int = 8
+    zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
+    sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])  # tried where tp > 1
+    hsdp: bool = True  # torchtitan: try every dp_replicate that divides dp
+    # the roofline step-time estimate (ledger/plan.py estimate; an estimate, never a measurement):
+    # H100 SXM dense bf16, NVLink 4 (450 GB/s one way) and one 400 Gb/s NIC per GPU
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    nvlink_gbps: float = 3600.0  # Gb/s per GPU, one direction
+    network_gbps: float = 400.0
+    sort: str = "time"  # time | peak | wire
+    top: int = 20  # rows of the printed table, detailed per stage in plan.json
+    sweep_top: int = 3  # rows written as the ready sweep
+    # the sweep file's name (sweeps/plans/<name>.yaml); None: <model>_<gpus>gpus_<framework>
+    name: Optional[str] = None
+    sweep_dir: str = "sweeps/plans"
+    # layouts to find and detail whatever their rank, each matched on the keys it gives, e.g.
+    # [{framework: megatron, tp: 8, pp: 16, dp: 128, cp: 1}] (the Llama 3 405B production layout)
+    watch: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class JobConfig:
-    mode: str = "run"  # predict | run | dry
+    mode: str = "run"  # predict | run | dry | plan
     model: ModelConfig = MISSING
     framework: FrameworkConfig = MISSING
     layout: LayoutConfig = field(default_factory=LayoutConfig)
@@ -192,9 +235,17 @@ class JobConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     campaign: CampaignConfig = field(default_factory=CampaignConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "titan": TitanConfig}
+@dataclass
+class AllFrameworksConfig(FrameworkConfig):
+    """framework=all: mode=plan over the three frameworks, each at its schema's defaults."""
+    name: str = "all"
+
+
+FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "titan": TitanConfig,
+                     "all": AllFrameworksConfig}
 
 
 def register() -> None:

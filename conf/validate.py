@@ -14,7 +14,7 @@ from ledger.layout import ConfigError
 # a name that reaches file names, shell lines and Python source of generated scripts: data only
 NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
-MODES = ("predict", "run", "dry")
+MODES = ("predict", "run", "dry", "plan")
 
 
 def _at_least(group: str, cfg, names, least: int | float) -> None:
@@ -106,8 +106,10 @@ def fake_layout_supported(framework: str, lay) -> None:
                           "_PipelineSchedule._warmup_p2p); run torchtitan PP on cluster=local_cpu")
 
 
-def validate_framework(fw) -> None:
-    _one_of("framework", fw, "name", ("megatron", "deepspeed", "titan"))
+def validate_framework(fw, mode: str = "run") -> None:
+    if fw.name == "all" and mode != "plan":
+        raise ConfigError(f"framework=all plans over the three frameworks: it needs mode=plan (got mode={mode!r})")
+    _one_of("framework", fw, "name", ("megatron", "deepspeed", "titan", "all"))
     _one_of("framework", fw, "precision", ("bf16", "fp32"))
     if fw.name == "deepspeed":
         # stage 0 (DeepSpeed as plain DDP) is predicted by the textbook ledger; the faithful one
@@ -141,6 +143,48 @@ def validate_probe(p) -> None:
                 raise ConfigError(f"probe.{n} has {s}: steps are numbered from 0")
 
 
+def validate_plan(p, model, layout=None) -> None:
+    """plan.* for mode=plan (ledger/plan.py reads them); model is validated first (seq_len >= 1)."""
+    if p.gpus is None:
+        raise ConfigError("plan.gpus is required for mode=plan (the GPUs to plan for, e.g. plan.gpus=1024)")
+    if p.global_batch_tokens is None and (layout is None or layout.global_batch_size < 1):
+        raise ConfigError("mode=plan needs the batch: set plan.global_batch_tokens (tokens per step) or "
+                          "layout.global_batch_size (sequences per step)")
+    _at_least("plan", p, ("gpus", "gpus_per_node", "top", "max_cp"), 1)
+    _at_least("plan", p, ("sweep_top",), 0)
+    _positive("plan", p, ("gpu_memory_gb", "memory_fraction", "peak_tflops", "mfu", "nvlink_gbps", "network_gbps"))
+    for n in ("memory_fraction", "mfu"):
+        if p[n] > 1:
+            raise ConfigError(f"plan.{n}={p[n]} must be <= 1 (a fraction)")
+    if p.gpus_per_node < p.gpus and p.gpus % p.gpus_per_node:
+        raise ConfigError(f"plan.gpus={p.gpus} must be a multiple of plan.gpus_per_node={p.gpus_per_node} "
+                          "(whole nodes)")
+    if p.global_batch_tokens is not None:
+        _at_least("plan", p, ("global_batch_tokens",), 1)
+        if p.global_batch_tokens % model.seq_len:
+            raise ConfigError(f"plan.global_batch_tokens={p.global_batch_tokens} must be a multiple of "
+                              f"model.seq_len={model.seq_len} (whole sequences per step)")
+    for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
+                       ("sequence_parallel", (False, True))):
+        vals = list(p[n])
+        if not vals:
+            raise ConfigError(f"plan.{n}=[] must list at least one value")
+        for v in vals:
+            if allowed is None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"plan.{n} has {v!r}: each must be an integer >= 1")
+            if allowed is not None and v not in allowed:
+                raise ConfigError(f"plan.{n} has {v!r}: each must be one of {', '.join(map(str, allowed))}")
+    from ledger.plan import SORTS, WATCH_KEYS
+
+    _one_of("plan", p, "sort", SORTS)
+    if p.name is not None:
+        validate_name("plan.name", p.name)
+    for i, w in enumerate(p.watch):
+        bad = sorted(set(w) - set(WATCH_KEYS))
+        if bad:
+            raise ConfigError(f"plan.watch[{i}] has {', '.join(bad)}: its keys must be among {', '.join(WATCH_KEYS)}")
+
+
 def validate_campaign(c) -> None:
     _one_of("campaign", c, "rerun", ("all", "failed", "none"))
 
@@ -150,7 +194,9 @@ def validate_config(cfg) -> None:
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode!r} must be one of {', '.join(MODES)}")
     validate_model(cfg.model)
-    validate_framework(cfg.framework)
+    validate_framework(cfg.framework, cfg.mode)
+    if cfg.mode == "plan":
+        validate_plan(cfg.plan, cfg.model, cfg.layout)
     validate_cluster(cfg.cluster)
     validate_train(cfg.train)
     validate_ledger(cfg.ledger)

@@ -143,6 +143,18 @@ def install_fake() -> None:
     _rank0_list_is_local()
 
 
+def preload(device: str) -> None:
+    """For launchers.forkserver: `import deepspeed` with the accelerator run_rank picks (it is
+    chosen at import, _setup_env); each rank sets its own environment again in run_rank."""
+    os.environ["DS_ACCELERATOR"] = "cpu" if device == "cpu" else "cuda"
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+
+    from launchers import llama  # noqa: F401
+
+
 def run_rank(cfg, lay: Layout, session) -> dict:
     _setup_env(cfg)
     import torch

@@ -1,4 +1,5 @@
-"""One job of a sweep: validate -> predict -> (run | dry) -> record.json.
+"""One job of a sweep: validate -> predict -> (run | dry) -> record.json; mode=plan: validate -> plan
+(launchers/plan.py: every layout on plan.gpus GPUs, predicted and ranked) -> record.json.
 
 Every job leaves a record: status ok | failed | invalid | timeout, with the error text. A job that
 runs ranks first writes a record of status `running` (with its pid and host), replaced by the
@@ -74,7 +75,9 @@ def fill_mode_defaults(cfg) -> None:
     """Knobs whose default depends on the job's mode, set before the record copies the config (so
     the record says what was predicted and run): Megatron's transformer_impl (default_transformer_impl)."""
     fw = cfg.framework
-    if fw.name == "megatron" and fw.get("transformer_impl") is None:
+    # mode=plan keeps an unset transformer_impl unset: the ledger predicts Megatron-LM's default and
+    # the plan's sweep leaves the choice to the run (local on a CPU)
+    if fw.name == "megatron" and fw.get("transformer_impl") is None and cfg.mode != "plan":
         from ledger.faithful.megatron import default_transformer_impl
 
         fw.transformer_impl = default_transformer_impl(cfg.mode)
@@ -82,8 +85,11 @@ def fill_mode_defaults(cfg) -> None:
 
 def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
-    prediction is part of the check: a faithful ledger rejects what it does not model."""
+    prediction is part of the check: a faithful ledger rejects what it does not model. mode=plan:
+    the config's values only (None)."""
     validate_config(cfg)  # every group's values first: the layout rules below then divide safely
+    if cfg.mode == "plan":
+        return None  # a plan predicts many layouts, not cfg.layout: its checks are validate_config's (plan.*)
     fill_mode_defaults(cfg)
     fw = cfg.framework
     if cfg.mode == "run" and fw.name == "megatron" and fw.transformer_impl == "transformer_engine" \
@@ -136,6 +142,8 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     record = {**new_record(cfg, job_dir), **(extra or {})}
     rec_path = os.path.join(job_dir, "record.json")
     try:
+        if cfg.mode == "plan":
+            return _plan_job(cfg, job_dir, record, t0, writes_record)
         try:
             model, lay, pl = check(cfg)
         except ConfigError as e:
@@ -198,6 +206,25 @@ def _fake_runner(ranks: list[int]):
         return run_fake(job_dir, world, ranks, timeout_s)
 
     return runner
+
+
+def _plan_job(cfg, job_dir: str, record: dict, t0: float, writes_record: bool) -> dict:
+    """mode=plan: the plan's files in job_dir and its summary in record["plan"]; no ranks, no W&B run
+    (a plan has no measurement to log: plan.json is its result)."""
+    from launchers.plan import run_plan
+
+    try:
+        check(cfg)
+        record["plan"] = run_plan(cfg, job_dir)
+        record["status"] = "ok"
+    except ConfigError as e:
+        record.update(status="invalid", error=str(e))
+    except Exception as e:
+        record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+    record["timings"]["plan_s"] = record["timings"]["total_s"] = time.time() - t0
+    if writes_record:
+        write_json(os.path.join(job_dir, "record.json"), record)
+    return record
 
 
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:

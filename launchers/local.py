@@ -1,6 +1,7 @@
 """Start a job's ranks as processes on this machine (gloo on CPU, or NCCL with one GPU each)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -16,15 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, local_rank: int,
-               device: str) -> subprocess.Popen:
-    """One rank as `python -m launchers.worker JOB_DIR`, torchrun-style variables set, output to
-    JOB_DIR/rank{R}.log. On CPU no GPU is visible to it."""
+def rank_env(rank: int, world: int, master: str, port: int, local_rank: int, device: str) -> dict:
+    """A rank's environment: torchrun-style variables; on CPU one thread and no GPU visible."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                MASTER_ADDR=master, MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if device in ("cpu", "fake"):  # fake: FakeTensors on a fake CPU device
         env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, local_rank: int,
+               device: str) -> subprocess.Popen:
+    """One rank as `python -m launchers.worker JOB_DIR` (what torchrun starts), output to
+    JOB_DIR/rank{R}.log."""
+    env = rank_env(rank, world, master, port, local_rank, device)
     with open(os.path.join(job_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
         return subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -43,6 +50,26 @@ def clear_results(job_dir: str, ranks) -> None:
             os.remove(p)
 
 
+def forks_ranks(job_dir: str, device: str) -> str | None:
+    """The framework whose fork server starts this job's ranks, or None to spawn each one:
+    cluster.fork_ranks on a CPU job (launchers.forkserver says why), read from the job.json the
+    ranks read too."""
+    if device != "cpu":
+        return None
+    with open(os.path.join(job_dir, "job.json")) as f:
+        job = json.load(f)
+    return job["framework"]["name"] if job["cluster"].get("fork_ranks") else None
+
+
+def start_rank(job_dir: str, rank: int, world: int, port: int, device: str, framework: str | None):
+    if framework is None:
+        return spawn_rank(job_dir, rank, world, "127.0.0.1", port, rank, device)
+    from launchers import forkserver
+
+    return forkserver.fork_rank(framework, device, rank_env(rank, world, "127.0.0.1", port, rank, device),
+                                job_dir, os.path.join(job_dir, f"rank{rank}.log"))
+
+
 def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> list[dict]:
     """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail, timed_out}.
 
@@ -52,7 +79,15 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> 
     none outlives its job."""
     clear_results(job_dir, range(world))
     port = free_port()
-    procs = [spawn_rank(job_dir, r, world, "127.0.0.1", port, r, device) for r in range(world)]
+    framework = forks_ranks(job_dir, device)
+    procs = []
+    try:
+        for r in range(world):
+            procs.append(start_rank(job_dir, r, world, port, device, framework))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     deadline = time.monotonic() + timeout_s
     failed_at, timed_out = None, set()
     try:

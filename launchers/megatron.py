@@ -152,6 +152,18 @@ def _loss(batch, output_tensor):
 
 
 # -- one rank ------------------------------------------------------------------------------------
+def preload(device: str) -> None:
+    """For launchers.forkserver: the Megatron Core modules run_rank imports (the redirects are
+    installed by each rank, in run_rank)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+    import megatron.core.tokenizers.utils.build_tokenizer  # noqa: F401
+    from launchers import megatron_cpu  # noqa: F401
+
+
 def init_distributed(cfg) -> torch.device:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cfg.cluster.device == "cuda":

@@ -221,6 +221,31 @@ def state_groups(trainer) -> dict:
     return {"params": params, "grads": grads, "optim": optim, "other": other}
 
 
+def _offline_datasets_env() -> None:
+    """Before `datasets` is imported (it reads these at import): no hub, the project's own cache."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(ASSETS_CACHE, "hf_datasets_cache"))
+
+
+def preload(device: str) -> None:
+    """For launchers.forkserver: what run_rank installs and imports before it builds the Trainer
+    (install() must precede any torchtitan import; install is idempotent, so a forked rank's own
+    call finds it done, with the same redirect counts a spawned rank has at that point)."""
+    from launchers import titan_cpu
+
+    if device == "cpu":
+        titan_cpu.install()
+    _offline_datasets_env()
+    import torchtitan.components.loss  # noqa: F401
+    import torchtitan.components.metrics  # noqa: F401
+    import torchtitan.components.optimizer  # noqa: F401
+    import torchtitan.distributed.pipeline_parallel  # noqa: F401
+    import torchtitan.hf_datasets.text_datasets  # noqa: F401
+    import torchtitan.models.llama3.model  # noqa: F401
+    import torchtitan.trainer  # noqa: F401
+
+
 def run_rank(cfg, lay, session) -> dict:
     from launchers import titan_cpu
 
@@ -235,9 +260,7 @@ def run_rank(cfg, lay, session) -> dict:
     import torch
 
     job_dir = os.path.dirname(session.out_path)
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(ASSETS_CACHE, "hf_datasets_cache"))
+    _offline_datasets_env()
     path = write_module(cfg, lay, job_dir)
     config = load_config(path)
     run_ctx = contextlib.ExitStack()

@@ -232,6 +232,9 @@ class Placement:
     # ranks among which per_gpu finds the most-loaded one (the first of them on ties; None = all
     # ranks): a ledger that knows which ranks can be heaviest names a handful instead of 16,384
     representatives: Optional[list[int]] = None
+    # stage -> the ranks among which that pipeline stage's most-loaded rank is found (None: each of
+    # the stage's ranks); the planner's per-stage peak of a 16,384-rank layout reads a handful
+    stage_representatives: Optional[Callable[[int], list[int]]] = None
     # the framework's variant the prediction follows where it has several (Megatron's transformer_impl)
     spec: str = ""
     _per_gpu: Optional[RankState] = None

@@ -1,11 +1,23 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from launchers import forkserver  # noqa: E402
+
+# One fork server per framework for the whole session: each real job's ranks are forked from a
+# process that imported the framework once (launchers.forkserver), not imported again per rank.
+# launch() passes os.environ on, so every launch.py of the session shares them.
+os.environ.setdefault(forkserver.SHARED_DIR_ENV, tempfile.mkdtemp(prefix="train-ledger-forkservers-"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    forkserver.stop_shared(os.environ[forkserver.SHARED_DIR_ENV])
 
 
 def launch(*args: str, timeout: int = 1800, check: bool = False) -> subprocess.CompletedProcess:

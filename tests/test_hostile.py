@@ -175,7 +175,7 @@ BAD_VALUES = [
     ("wandb.mode=bogus", "wandb.mode='bogus' must be one of offline, online, disabled"),
     ("framework.zero_stage=4", "framework.zero_stage=4 must be one of 0, 1, 2, 3"),
     ("campaign.rerun=some", "campaign.rerun='some' must be one of all, failed, none"),
-    ("mode=plot", "mode='plot' must be one of predict, run, dry"),
+    ("mode=plot", "mode='plot' must be one of predict, run, dry, plan"),
 ]
 
 

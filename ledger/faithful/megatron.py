@@ -607,9 +607,20 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         # buffer is the same on each) may outweigh the heaviest rank of the fixed state
         dl = _stage_best(trained, tp, lay.pp, dp, lay.vp, k, last)[0] if k.use_distributed_optimizer else 0
         reps = sorted(reps + [(last * dp + dl) * tp])  # per_gpu: the first on ties, as over every rank
+    best_dp: dict[int, int] = {}
+
+    def stage_reps(stage: int) -> list[int]:
+        # a stage's TP ranks hold equal shapes and its DP ranks equal buffers and other bytes: they
+        # differ by their optimizer shard alone, whose heaviest DP rank _stage_best finds; stages between
+        # the first and the last share it (_stage_class)
+        c = _stage_class(lay.pp, stage)
+        if c not in best_dp:
+            best_dp[c] = _stage_best(trained, tp, lay.pp, dp, lay.vp, k, c)[0] if k.use_distributed_optimizer else 0
+        return [(stage * dp + best_dp[c]) * tp]
+
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, representatives=reps, notes=notes,
-                     spec=k.transformer_impl)
+                     stage_representatives=stage_reps, spec=k.transformer_impl)
 
 
 _BUFFERS_NOTE = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "

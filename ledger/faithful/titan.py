@@ -323,7 +323,9 @@ def _placement(model: ModelShape, lay: Layout, grid: Grid, sh_of: Callable[[int]
                      # many as any shard rank, and its stage's other bytes are its stage's: the
                      # heaviest stage's shard rank 0 (its first rank) is as loaded as any rank and
                      # comes first (test: per_gpu is the walk over every rank's)
-                     representatives=[grid.rank({"dp": 0, "cp": 0, "pp": heaviest})])
+                     representatives=[grid.rank({"dp": 0, "cp": 0, "pp": heaviest})],
+                     # the same within one stage: its shard rank 0 is as loaded as any of its ranks
+                     stage_representatives=lambda s: [grid.rank({"dp": 0, "cp": 0, "pp": s})])
 
 
 def _state_parts(model: ModelShape, sh: _Sharded, k: int, ds: int, layers: int | None = None

@@ -1,0 +1,485 @@
+"""The planner's search: every layout of a model on N GPUs that a framework can run, each predicted by
+that framework's own ledger (ledger.parallel.predict), summarised as one row.
+
+A search layer over the per-layout prediction, not a second ledger: a layout is refused exactly when
+ledger.layout.validate or the faithful ledger raises its ConfigError, and refusals are counted by that
+reason (numbers replaced by N) rather than dropped. The planner adds only what no ledger knows:
+
+  * which group of each collective stays inside a node (`links`, from gpus_per_node and the rank
+    grid's order tp, cp, dp, dp_replicate, pp; ledger/grid.py),
+  * the pipeline bubble of the schedule, (pp - 1) / (vp * m) (Narayanan et al. 2021, 1F1B and
+    interleaved; m = micro-batches per step),
+  * a roofline step-time *estimate* (est_step_s; never a measurement), documented in estimate().
+
+Peak memory is not built yet (issue 18): `peak_bytes` is the resident state of the most-loaded rank
+and every row says so (`peak_includes`); activations, transient buffers and recompute are not
+modelled, and the planner enumerates no recompute setting until they are.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from ledger.faithful.megatron_buffers import split_error, stage_layers
+from ledger.grid import DIMS
+from ledger.layout import ConfigError, Layout, validate
+from ledger.model import ModelShape
+from ledger.parallel import predict
+
+PEAK_INCLUDES = "resident state only; activations not modelled until issue 18"
+RECOMPUTE_NOTE = ("recompute: not enumerated; its only effect is on activations, which are not modelled until "
+                  "issue 18 (every row is recompute=none)")
+FRAMEWORK_NAMES = ("megatron", "deepspeed", "titan")
+# what a plan.watch entry may name: the framework, a layout field or a knob a row sets
+WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
+              "global_batch_size", "zero_stage", "decoder_first_pipeline_num_layers",
+              "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+              "account_for_loss_in_pipeline_split")
+SORTS = ("time", "peak", "wire")
+# the Megatron pipeline-split knobs a row may set (MegatronConfig; megatron_buffers.EVEN_SPLIT order)
+SPLIT_KNOBS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+# grid dims whose collectives a framework can overlap with compute (gradient reduction, FSDP/ZeRO
+# gathers); TP, CP and PP traffic sits on the critical path of each layer / micro-batch
+_DP_FAMILY = frozenset(("dp", "dp_replicate", "cp-dp", "cp-dp-dp_replicate", "dp-dp_replicate"))
+
+
+class FrameworkView(dict):
+    """A framework config as the ledgers read it (attribute access), built once per knob setting: an
+    OmegaConf read costs microseconds and a search reads knobs for every layout."""
+
+    __getattr__ = dict.__getitem__
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    memory_fraction: float
+    peak_tflops: float
+    mfu: float
+    nvlink_gbps: float  # Gb/s per GPU, one direction, inside a node
+    network_gbps: float  # Gb/s per GPU, one direction, between nodes
+    tp_across_nodes: bool = False
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.memory_fraction * self.gpu_memory_bytes
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the enumerator varies besides the factorisation of the GPUs into tp x pp x cp x dp."""
+    global_batch_size: int  # sequences per optimizer step (plan.global_batch_tokens / seq_len)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    vps: tuple[int, ...] = (1, 2)
+    max_cp: int = 8
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    hsdp: bool = True  # torchtitan: every dp_replicate that divides dp
+
+
+@dataclass(slots=True)
+class Candidate:
+    framework: str
+    lay: Layout
+    knobs: dict  # the framework knobs this row sets (zero_stage, Megatron's split), for the sweep
+    fw: Optional[FrameworkView]  # the whole framework config the ledger sees; None: refused by the planner itself
+    refusal: Optional[str] = None  # the planner's own rule (tp across nodes), as a ConfigError message
+
+
+@dataclass(slots=True)
+class Row:
+    framework: str
+    layout: dict
+    knobs: dict
+    status: str  # fits | too_big | refused
+    reason: Optional[str] = None
+    peak_bytes: Optional[int] = None
+    resident_bytes: Optional[int] = None
+    state_bytes: dict = field(default_factory=dict)  # params / grads / optim / other of the most-loaded rank
+    stage: Optional[int] = None  # pipeline stage of the most-loaded rank
+    wire_bytes: dict = field(default_factory=dict)  # dim -> bytes one rank sends per optimizer step
+    links: dict = field(default_factory=dict)  # dim -> intra | inter (node)
+    bubble: Optional[float] = None
+    est_step_s: Optional[float] = None
+    est: dict = field(default_factory=dict)
+    per_stage: Optional[list] = None  # the most-loaded rank of each stage (every predicted row)
+    placement: object = None  # the ledger's Placement (not written out)
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "fits"
+
+    def matches(self, want: dict) -> bool:
+        """Whether this row has every key of `want` (a plan.watch entry) at its value."""
+        for k, v in want.items():
+            have = self.framework if k == "framework" else self.layout[k] if k in self.layout else self.knobs.get(k)
+            if have != v:
+                return False
+        return True
+
+    @property
+    def wire_total(self) -> int:
+        return sum(self.wire_bytes.values())
+
+    def to_dict(self) -> dict:
+        return {"framework": self.framework, "layout": self.layout, "knobs": self.knobs, "fits": self.fits,
+                "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": PEAK_INCLUDES,
+                "resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes, "stage": self.stage,
+                "wire_bytes": self.wire_bytes, "links": self.links, "bubble": self.bubble,
+                "est_step_s": self.est_step_s, "est": self.est, "reason": self.reason,
+                "per_stage": self.per_stage}
+
+
+# -- enumeration ------------------------------------------------------------------------------------
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def megatron_splits(layers: int, pp: int, vp: int) -> list[tuple]:
+    """The pipeline splits worth trying (megatron_buffers.EVEN_SPLIT order): the even one where pp*vp
+    divides the layers; else the uneven ones Megatron builds: the two most balanced first = last = x
+    splits, the middle stages sharing the rest (Llama 3 405B: 126 layers over 16 stages as 7 + 14 x 8
+    + 7, then 14 + 14 x 7 + 14; pp = 2: the halves), and the embedding and loss each counted as a layer. Splits that give the same layers per stage are tried
+    once. Where none is valid the even split stands, so the refusal is Megatron's own reason."""
+    even = (None, None, False, False)
+    if pp == 1 or split_error(layers, pp, vp, even) is None:
+        return [even]
+    out, seen = [], set()
+    cands = []
+    if pp > 2:
+        # first = last = x, the middle pp-2 stages sharing the rest evenly; the most balanced x first
+        for x in range(1, layers // 2 + 1):
+            if (layers - 2 * x) % (pp - 2) == 0:
+                mid = (layers - 2 * x) // (pp - 2)
+                if mid > 0:
+                    cands.append((max(x, mid) - min(x, mid), -x, (x, x, False, False)))
+        cands.sort()
+        cands = [c[2] for c in cands[:2]]
+    else:
+        cands = [(x, layers - x, False, False) for x in (layers // 2, layers // 2 + 1) if 0 < x < layers]
+    cands.append((None, None, True, True))
+    for s in cands:
+        if split_error(layers, pp, vp, s) is not None:
+            continue
+        per_stage = tuple(sum(stage_layers(layers, pp, vp, st, ch, s) for ch in range(vp)) for st in range(pp))
+        if per_stage not in seen:
+            seen.add(per_stage)
+            out.append(s)
+    return out or [even]
+
+
+def _split_knobs(split: tuple) -> dict:
+    first, last, emb, loss = split
+    out = {}
+    if first is not None:
+        out["decoder_first_pipeline_num_layers"] = first
+    if last is not None:
+        out["decoder_last_pipeline_num_layers"] = last
+    if emb:
+        out["account_for_embedding_in_pipeline_split"] = True
+    if loss:
+        out["account_for_loss_in_pipeline_split"] = True
+    return out
+
+
+def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, base: dict) -> Iterator[Candidate]:
+    """Every layout of `framework` for the model on hw.gpus GPUs: tp x pp x cp x dp = gpus (tp inside a
+    node unless hw.tp_across_nodes, pp up to the layers, cp up to space.max_cp), with vp, the
+    Megatron splits, dp_replicate (torchtitan), zero_stage (DeepSpeed), micro-batch size and
+    sequence parallelism. `base` is the framework's config (a plain dict) the varied knobs override."""
+    G, N, gbs = hw.gpus_per_node, hw.gpus, space.global_batch_size
+    if framework == "deepspeed":
+        fws = {z: FrameworkView(base, zero_stage=z) for z in space.zero_stages}
+        for z in space.zero_stages:
+            for mbs in space.micro_batch_sizes:
+                yield Candidate(framework, Layout(1, 1, N, 1, 1, 1, 1, False, mbs, gbs), {"zero_stage": z}, fws[z])
+        return
+    if framework == "megatron":
+        # the planner chooses the pipeline split per layout: a split set in the base config is not
+        # carried into layouts it was not written for
+        base = {**base, "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+                "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+    fw_of: dict[tuple, FrameworkView] = {}
+    for tp in divisors(N):
+        across = tp > G or G % tp
+        for pp in divisors(N // tp):
+            if pp > model.layers:
+                break
+            for cp in divisors(N // (tp * pp)):
+                if cp > space.max_cp:
+                    break
+                dp = N // (tp * pp * cp)
+                dprs = divisors(dp) if framework == "titan" and space.hsdp else [1]
+                for vp in space.vps:
+                    if vp > 1 and pp == 1:
+                        continue  # interleaving is across stages: pp = 1 has no vp to choose
+                    splits = megatron_splits(model.layers, pp, vp) if framework == "megatron" else [None]
+                    for split in splits:
+                        kn = _split_knobs(split) if split is not None else {}
+                        key = tuple(kn.items())
+                        fw = fw_of.get(key)
+                        if fw is None:
+                            fw = fw_of[key] = FrameworkView(base, **kn)
+                        for dpr in dprs:
+                            for sp in (space.sequence_parallel if tp > 1 else (False,)):
+                                for mbs in space.micro_batch_sizes:
+                                    lay = Layout(tp, pp, dp, dpr, cp, 1, vp, sp, mbs, gbs)
+                                    if across and not hw.tp_across_nodes:
+                                        yield Candidate(framework, lay, kn, None,
+                                                        f"plan: tp={tp} does not fit in one node of "
+                                                        f"plan.gpus_per_node={G} GPUs (TP inside a node; "
+                                                        "plan.tp_across_nodes=true allows it)")
+                                    else:
+                                        yield Candidate(framework, lay, kn, fw)
+
+
+# -- one row ----------------------------------------------------------------------------------------
+
+_NUM = re.compile(r"\d+")
+
+
+def reason_key(message: str) -> str:
+    """A refusal's reason without its numbers: the layouts one rule refuses count together."""
+    return _NUM.sub("N", message)
+
+
+def layout_dict(lay: Layout) -> dict:
+    return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "dp": lay.dp, "dp_replicate": lay.dp_replicate,
+            "ep": lay.ep, "micro_batch_size": lay.micro_batch_size, "sequence_parallel": lay.sequence_parallel,
+            "global_batch_size": lay.global_batch_size}
+
+
+def _strides(lay: Layout) -> dict:
+    # rank = tp + tp*(cp + cp*(dp + dp*(dp_replicate + dp_replicate*pp))): ledger/grid.py Grid.rank
+    s, out = 1, {}
+    for d, n in zip(DIMS, (lay.tp, lay.cp, lay.dp_shard, lay.dp_replicate, lay.pp)):
+        out[d] = (s, n)
+        s *= n
+    return out
+
+
+def link_of(lay: Layout, dim: str, kind: str, gpus_per_node: int) -> str:
+    """intra when every group of this collective lies inside one node, else inter. Nodes hold
+    consecutive ranks (gpus_per_node each); a group varying over `dim` spans a block of consecutive
+    ranks up to its outermost dim's stride x size (a send_recv pair: two stages, stride x 2), so it is
+    inside a node when that block fits in one and nodes are aligned on such blocks."""
+    st = _strides(lay)
+    dims = [d for d in dim.split("-") if d in st]
+    if not dims:
+        return "intra"
+    stride, size = max((st[d] for d in dims), key=lambda x: x[0])
+    block = stride * (2 if kind == "send_recv" else size)
+    return "intra" if block <= gpus_per_node and gpus_per_node % block == 0 else "inter"
+
+
+def bubble(lay: Layout) -> float:
+    """Pipeline bubble time over ideal compute time: (pp - 1) / (vp * m) for 1F1B and Megatron's
+    interleaved schedule (Narayanan et al. 2021, eq. 1 and section 2.2.2); 0 without PP."""
+    if lay.pp == 1:
+        return 0.0
+    return (lay.pp - 1) / (lay.vp * lay.num_microbatches)
+
+
+def step_flops(model: ModelShape, lay: Layout) -> float:
+    """Model FLOPs of one optimizer step: 6 per weight per token through the matmuls (forward 2,
+    backward 4; the input embedding is a lookup, not counted) plus attention's scores and
+    score x V, 12 * layers * seq * hidden per token (forward 4, backward 8; no causal saving)."""
+    tokens = lay.global_batch_size * model.seq_len
+    matmul_params = model.num_params() - model.vocab * model.hidden * (0 if model.tied_embeddings else 1)
+    return tokens * (6 * matmul_params + 12 * model.layers * model.seq_len * model.hidden)
+
+
+def overlaps(framework: str, fw) -> bool:
+    """Whether the framework overlaps its data-parallel collectives with compute as configured:
+    Megatron overlap_grad_reduce, DeepSpeed overlap_comm, torchtitan's FSDP2 always (prefetching
+    unshards, reduce-scatter in backward)."""
+    if framework == "megatron":
+        return bool(fw.overlap_grad_reduce)
+    if framework == "deepspeed":
+        return bool(fw.overlap_comm)
+    return True
+
+
+def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict) -> dict:
+    """A roofline step-time estimate, not a measurement:
+
+        compute_s = FLOPs per step / (gpus x peak_tflops x mfu) x (1 + bubble)
+        comm_s[d] = wire bytes of dim d x 8 / (nvlink_gbps if its groups are inside a node else
+                    network_gbps) x 1e-9
+        exposed   = TP, CP, PP and any other dim in full; the data-parallel dims (dp, dp_replicate,
+                    cp-dp) beyond the compute time where the framework overlaps them (overlaps()),
+                    in full where it does not
+        est_step_s = compute_s + exposed
+
+    wire bytes are the most-loaded rank's (ring algorithm, what one rank sends)."""
+    compute = step_flops(model, lay) / (hw.gpus * hw.peak_tflops * 1e12 * hw.mfu) * (1 + bubble(lay))
+    ov = overlaps(framework, fw)
+    dp_s = other_s = 0.0
+    for d, b in wire.items():
+        t = b * 8 / ((hw.nvlink_gbps if links[d] == "intra" else hw.network_gbps) * 1e9)
+        if d in _DP_FAMILY:
+            dp_s += t
+        else:
+            other_s += t
+    exposed = other_s + (max(0.0, dp_s - compute) if ov else dp_s)
+    return {"compute_s": compute, "dp_comm_s": dp_s, "other_comm_s": other_s, "exposed_comm_s": exposed,
+            "overlap_dp": ov, "est_step_s": compute + exposed}
+
+
+def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithful") -> Row:
+    """One candidate through validate + the ledger: a refused row with the ledger's reason, or the
+    row of its prediction."""
+    lay = c.lay
+    row = Row(c.framework, layout_dict(lay), c.knobs, "refused")
+    if c.fw is None:
+        row.reason = c.refusal
+        return row
+    try:
+        validate(model, lay, c.framework, c.fw)
+        pl = predict(model, lay, c.fw, mode)
+        g = pl.per_gpu
+        comm = g.comm
+    except ConfigError as e:
+        row.reason = str(e)
+        return row
+    wire: dict[str, int] = {}
+    kinds: dict[str, str] = {}
+    for x in comm:
+        if x.wire_bytes:
+            wire[x.dim] = wire.get(x.dim, 0) + x.wire_bytes
+            kinds.setdefault(x.dim, x.kind)
+    links = {d: link_of(lay, d, kinds[d], hw.gpus_per_node) for d in wire}
+    res = g.resident_bytes
+    row.resident_bytes = row.peak_bytes = res
+    row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
+                       "other": g.other_bytes}
+    row.stage = g.stage
+    row.wire_bytes, row.links = wire, links
+    row.bubble = bubble(lay)
+    row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
+    row.est_step_s = row.est["est_step_s"]
+    row.placement = pl
+    if res <= hw.budget_bytes:
+        row.status = "fits"
+    else:
+        row.status = "too_big"
+        row.reason = (f"peak {res / 1e9:.2f} GB (resident state only) > plan.memory_fraction x "
+                      f"plan.gpu_memory_gb = {hw.budget_bytes / 1e9:.2f} GB")
+    return row
+
+
+def per_stage(row: Row) -> list[dict]:
+    """The most-loaded rank of each pipeline stage (resident state, so peak for now), among the
+    ranks the ledger names for the stage (Placement.stage_representatives: a handful per stage);
+    per_stage_walk is the reference over every rank (test_plan: they agree)."""
+    pl = row.placement
+    pp = pl.layout["pp"]
+    if pp == 1:  # one stage: the most-loaded rank is the layout's
+        return [_stage_row(0, _rank_of(pl, pl.per_gpu), pl.per_gpu)]
+    if pl.stage_representatives is None:
+        return per_stage_walk(row)
+    out = []
+    for st in range(pp):
+        best, best_rank = None, None
+        for r in pl.stage_representatives(st):
+            s = pl.rank_state(r)
+            if best is None or s.resident_bytes > best.resident_bytes:
+                best, best_rank = s, r
+        out.append(_stage_row(st, best_rank, best))
+    return out
+
+
+def _rank_of(pl, state) -> int:
+    reps = pl.representatives if pl.representatives is not None else range(pl.world)
+    return next(r for r in reps if pl.rank_state(r) is state)
+
+
+def _stage_row(st: int, rank: int, s) -> dict:
+    return {"stage": st, "rank": rank, "peak_bytes": s.resident_bytes, "resident_bytes": s.resident_bytes,
+            "params": s.params_bytes, "grads": s.grads_bytes, "optim": s.optim_bytes, "other": s.other_bytes}
+
+
+def per_stage_walk(row: Row) -> list[dict]:
+    """per_stage over every rank's state, each distinct one once (ranks of a stage are one contiguous
+    block of the grid): the readable reference."""
+    pl, lay = row.placement, row.placement.layout
+    world, pp = pl.world, lay["pp"]
+    per = world // pp
+    out = []
+    for st in range(pp):
+        seen, best, best_rank = set(), None, None
+        for r in range(st * per, (st + 1) * per):
+            s = pl.rank_state(r)
+            if id(s) in seen:
+                continue
+            seen.add(id(s))
+            if best is None or s.resident_bytes > best.resident_bytes:
+                best, best_rank = s, r
+        out.append(_stage_row(st, best_rank, best))
+    return out
+
+
+# -- the whole search -------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    rows: list[Row]
+    refused: dict  # framework -> reason key -> {"count": n, "example": message}
+    counts: dict  # framework -> {"layouts", "fits", "too_big", "refused"}
+    seconds: float = 0.0
+
+
+def sort_key(sort: str):
+    # ties broken by peak, then the layout itself, so the order is the same on every run
+    if sort == "time":
+        return lambda r: (r.est_step_s, r.peak_bytes, _tie(r))
+    if sort == "peak":
+        return lambda r: (r.peak_bytes, r.est_step_s, _tie(r))
+    if sort == "wire":
+        return lambda r: (r.wire_total, r.est_step_s, _tie(r))
+    raise ValueError(f"plan.sort={sort!r} must be one of {', '.join(SORTS)}")
+
+
+def _tie(r: Row) -> tuple:
+    return (r.framework, tuple(r.layout.values()), tuple(sorted(r.knobs.items())))
+
+
+def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, dict], mode: str = "faithful",
+           sort: str = "time") -> Plan:
+    """Every candidate of every framework (frameworks: name -> its base config as a plain dict),
+    evaluated, with its peak per stage; rows that the ledger predicts first in `sort` order (fitting ones ahead), then the
+    refused ones."""
+    import time
+
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    refused: dict = {}
+    counts: dict = {}
+    for name, base in frameworks.items():
+        n = {"layouts": 0, "fits": 0, "too_big": 0, "refused": 0}
+        why = refused.setdefault(name, {})
+        for c in candidates(model, hw, space, name, base):
+            r = evaluate(model, c, hw, mode)
+            if r.placement is not None:
+                r.per_stage = per_stage(r)
+            n["layouts"] += 1
+            n[r.status] += 1
+            if r.status == "refused":
+                k = reason_key(r.reason)
+                e = why.get(k)
+                if e is None:
+                    why[k] = {"count": 1, "example": r.reason}
+                else:
+                    e["count"] += 1
+            rows.append(r)
+        counts[name] = n
+    key = sort_key(sort)
+    predicted = sorted((r for r in rows if r.status != "refused"), key=lambda r: (not r.fits, key(r)))
+    rest = [r for r in rows if r.status == "refused"]
+    return Plan(predicted + rest, refused, counts, time.perf_counter() - t0)

@@ -1,0 +1,78 @@
+"""The fast path of launchers.forkserver against the reference it replaces: the same jobs with each
+rank spawned as `python -m launchers.worker` (cluster.fork_ranks=false) and forked from a server
+that imported the framework once must measure the same thing, rank by rank (states, storages,
+collectives, losses, CPU redirects reached)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import records
+from launchers import forkserver
+from tests.conftest import launch
+
+# what differs between two runs of one job whatever starts its ranks: clocks
+CLOCKS = {"time_s"}
+
+
+def _measured(rank: dict):
+    if isinstance(rank, dict):
+        return {k: _measured(v) for k, v in rank.items() if k not in CLOCKS}
+    if isinstance(rank, list):
+        return [_measured(v) for v in rank]
+    return rank
+
+
+@pytest.mark.real
+def test_forked_ranks_measure_what_spawned_ranks_measure(tmp_path):
+    p = launch("-m", "framework=megatron,deepspeed,titan", "cluster.fork_ranks=false,true", "layout.tp=1",
+               f"hydra.sweep.dir={tmp_path}", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records.load(str(tmp_path))
+    assert len(recs) == 6 and all(r["status"] == "ok" for r in recs), [(r["job_dir"], r.get("error")) for r in recs]
+    by = {(r["config"]["framework"]["name"], r["config"]["cluster"]["fork_ranks"]): r for r in recs}
+    for fw in ("megatron", "deepspeed", "titan"):
+        spawned, forked = by[(fw, False)], by[(fw, True)]
+        for rank in range(spawned["measurement"]["world"]):
+            with open(os.path.join(spawned["job_dir"], f"rank{rank}.json")) as f:
+                a = json.load(f)
+            with open(os.path.join(forked["job_dir"], f"rank{rank}.json")) as f:
+                b = json.load(f)
+            assert a["steps"] and a["steps"][0]["comm"], (fw, rank)  # something was measured
+            assert _measured(a) == _measured(b), (fw, rank)
+
+
+@pytest.mark.real
+def test_a_forked_rank_reports_its_kill_and_dies_with_its_client(tmp_path):
+    """ForkedRank keeps Popen's meaning: kill() -> returncode -SIGKILL; a client that goes away
+    takes its rank with it (the monitor kills it), so no rank outlives its job."""
+    job = tmp_path / "job"
+    job.mkdir()
+    # a job.json the worker would read; the rank blocks in init (no peer), so it is still running
+    p = launch("mode=dry", "framework=deepspeed", f"hydra.run.dir={job}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    from launchers.local import free_port, rank_env
+
+    with open(job / "job.json", "w") as f:
+        json.dump(records.read(str(job / "record.json"))["config"], f)
+    env = rank_env(0, 2, "127.0.0.1", free_port(), 0, "cpu")  # world 2, rank 1 never comes: rank 0 waits
+    r = forkserver.fork_rank("deepspeed", "cpu", env, str(job), str(job / "rank0.log"))
+    assert r.poll() is None
+    r.kill()
+    assert r.wait(timeout=30) == -signal.SIGKILL
+    r2 = forkserver.fork_rank("deepspeed", "cpu", env, str(job), str(job / "rank0.log"))
+    pid = r2.pid
+    r2.close()  # the client is gone
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"rank {pid} outlived its client")
