@@ -41,7 +41,9 @@ def run_sweeps(root, sweeps, common=()) -> dict:
     from analysis import reconcile
 
     for name, overrides in sweeps:
-        p = launch("-m", *common, *overrides, f"hydra.sweep.dir={root / name}",
+        # wandb.mode=disabled: these matrices check ledger against probes; W&B logging and read-back
+        # are test_wandb's and the report tests' (offline logging costs ~2 s a job)
+        p = launch("-m", *common, *overrides, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}",
                    f"hydra.sweep.subdir={name}_${{hydra.job.num}}", timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
     recs = records.load(str(root))

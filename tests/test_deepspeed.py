@@ -641,7 +641,8 @@ def test_dry_writes_a_config_deepspeed_accepts(tmp_path):
 # -- the real matrix -----------------------------------------------------------------------------
 
 def _sweep(args, out) -> None:
-    r = subprocess.run([sys.executable, "launch.py", "-m", *args, f"hydra.sweep.dir={out}"], cwd=REPO,
+    # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
+    r = subprocess.run([sys.executable, "launch.py", "-m", *args, "wandb.mode=disabled", f"hydra.sweep.dir={out}"], cwd=REPO,
                        capture_output=True, text=True, timeout=900, env={**os.environ, "WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr[-3000:]
 
