@@ -8,6 +8,7 @@ Records are written atomically (records.write_json), so a reader never sees half
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -228,11 +229,11 @@ def _plan_job(cfg, job_dir: str, record: dict, t0: float, writes_record: bool) -
 
 
 def run_ranks(cfg, lay, job_dir: str, ranks_runner=None) -> dict:
-    from launchers.local import run_local
+    from launchers.local import fork_from, run_local
 
     world, timeout_s = lay.world, cfg.cluster.timeout_s
     write_json(os.path.join(job_dir, "job.json"), OmegaConf.to_container(cfg, resolve=True))
-    runner = ranks_runner or run_local
+    runner = ranks_runner or functools.partial(run_local, framework=fork_from(cfg.cluster, cfg.framework.name))
     procs = runner(job_dir, world, timeout_s, cfg.cluster.device)
     timed_out = any(pr.get("timed_out") for pr in procs)
     ranks = []

@@ -1,7 +1,6 @@
 """Start a job's ranks as processes on this machine (gloo on CPU, or NCCL with one GPU each)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -50,15 +49,10 @@ def clear_results(job_dir: str, ranks) -> None:
             os.remove(p)
 
 
-def forks_ranks(job_dir: str, device: str) -> str | None:
-    """The framework whose fork server starts this job's ranks, or None to spawn each one:
-    cluster.fork_ranks on a CPU job (launchers.forkserver says why), read from the job.json the
-    ranks read too."""
-    if device != "cpu":
-        return None
-    with open(os.path.join(job_dir, "job.json")) as f:
-        job = json.load(f)
-    return job["framework"]["name"] if job["cluster"].get("fork_ranks") else None
+def fork_from(cluster, framework: str) -> str | None:
+    """The framework whose fork server starts a job's ranks, or None to spawn each one:
+    cluster.fork_ranks on a CPU job (launchers.forkserver says why)."""
+    return framework if cluster.fork_ranks and cluster.device == "cpu" else None
 
 
 def start_rank(job_dir: str, rank: int, world: int, port: int, device: str, framework: str | None):
@@ -70,8 +64,10 @@ def start_rank(job_dir: str, rank: int, world: int, port: int, device: str, fram
                                 job_dir, os.path.join(job_dir, f"rank{rank}.log"))
 
 
-def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> list[dict]:
+def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu",
+              framework: str | None = None) -> list[dict]:
     """Run `world` ranks of launchers.worker; return per-rank {rank, returncode, log_tail, timed_out}.
+    framework: fork them from that framework's fork server (fork_from), else spawn each.
 
     When one rank fails the others are given a few seconds, then killed: they would otherwise
     wait in a collective until the timeout. Ranks still running at timeout_s are killed and marked
@@ -79,7 +75,6 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu") -> 
     none outlives its job."""
     clear_results(job_dir, range(world))
     port = free_port()
-    framework = forks_ranks(job_dir, device)
     procs = []
     try:
         for r in range(world):
