@@ -12,6 +12,7 @@ import pandas as pd
 import records as R
 
 STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
+# peak_bytes and peak/<part>_bytes rows come from the peak probe where the ledger predicts a peak
 COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
            "abs_err", "rel_err"]
 
@@ -35,6 +36,29 @@ def _predicted_comm(p: dict, step: int) -> list[dict]:
     return p["comm"]
 
 
+def measured_peak_parts(peak: dict) -> dict[str, int]:
+    """The probe's bytes by category at the peak (probes/peak.py), as the ledger's Peak parts."""
+    at = peak.get("at_peak") or {}
+    out = {"resident": sum(at.get(g, 0) for g in ("params", "grads", "optim", "other"))}
+    for c in ("activations", "gathered", "temporary", "unnamed"):
+        out[c] = at.get(c, 0)
+    return out
+
+
+def _peak_rows(p: dict, st: dict) -> list[dict]:
+    """peak_bytes, and each part the ledger names (peak/<part>_bytes), where both sides have them."""
+    pk, mk = p.get("peak"), st.get("peak")
+    if not pk or not mk:
+        return []
+    if st["step"] == 0 and pk.get("first"):
+        pk = pk["first"]
+    out = [{"quantity": "peak_bytes", "predicted": pk["bytes"], "measured": mk["peak_bytes"]}]
+    meas = measured_peak_parts(mk)
+    for part in sorted(pk.get("parts") or {}):
+        out.append({"quantity": f"peak/{part}_bytes", "predicted": pk["parts"][part], "measured": meas.get(part, 0)})
+    return out
+
+
 def rows(rec: dict) -> list[dict]:
     """Reconcile rows of one record (empty when it has no measurement)."""
     pred, meas = rec.get("prediction"), rec.get("measurement")
@@ -55,6 +79,8 @@ def rows(rec: dict) -> list[dict]:
             if "state" in st:
                 for q in STATE_Q:
                     out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
+            for r in _peak_rows(p, st):
+                out.append({**r0, **r})
             if "comm" in st:
                 pc = _comm_totals(_predicted_comm(p, st["step"]))
                 mc = _comm_totals(st["comm"])

@@ -2,7 +2,8 @@
 
 Every job logs one W&B run: the resolved config; tags framework / model / layout; the sweep as its
 group (the Hydra sweep dir's name unless wandb.group is set); per-step metrics per rank
-(rank<r>/loss, step_time_s, params/grads/optim/other/resident bytes, peak_bytes on CUDA); the
+(rank<r>/loss, step_time_s, params/grads/optim/other/resident bytes, peak_bytes from the peak probe,
+cuda_peak_allocated_bytes on CUDA); the
 prediction and the per-rank measurements in the summary; and its reconcile rows as a wandb.Table
 ("reconcile"). wandb.mode is offline by default: compute nodes need no network, and the run files
 live inside the job dir (<job_dir>/wandb/offline-run-*), so a sweep dir holds all of its runs.
@@ -171,9 +172,11 @@ def step_metrics(record: dict) -> dict[int, dict]:
             for k in STATE_KEYS:
                 if k in (st.get("state") or {}):
                     row[f"rank{r}/{k}"] = st["state"][k]
-            peak = (st.get("cuda") or {}).get("allocated_bytes.all.peak")
-            if peak is not None:
-                row[f"rank{r}/peak_bytes"] = peak
+            if (st.get("peak") or {}).get("peak_bytes") is not None:  # the peak probe, every device
+                row[f"rank{r}/peak_bytes"] = st["peak"]["peak_bytes"]
+            cuda_peak = (st.get("cuda") or {}).get("allocated_bytes.all.peak")
+            if cuda_peak is not None:
+                row[f"rank{r}/cuda_peak_allocated_bytes"] = cuda_peak
     for row in out.values():  # whole-job lines for the default charts
         losses = [v for k, v in row.items() if k.endswith("/loss")]
         if losses:

@@ -173,6 +173,10 @@ class ProbeConfig:
     # steps whose collectives are recorded (TorchDispatchMode is active only then); empty = all
     comm_steps: list[int] = field(default_factory=list)
     cuda_profile_steps: list[int] = field(default_factory=list)
+    # the peak probe (probes/peak.py): live tensor bytes at every operator of every step
+    peak: bool = True
+    # the step whose memory timeline is recorded (live bytes by category per event); -1: the last
+    timeline_step: int = -1
 
 
 @dataclass

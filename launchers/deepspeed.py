@@ -206,6 +206,7 @@ def _train(cfg, lay: Layout, session) -> dict:
     else:
         model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    session.watch([engine.module])
 
     dp_rank, dp = rank, lay.dp  # pure data parallelism: the DP rank is the global rank
     for step in range(cfg.train.steps):

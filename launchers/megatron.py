@@ -310,6 +310,7 @@ def _train(cfg, lay: Layout, session, device) -> dict:
         for c in chunks:
             c.disable_forward_pre_hook(param_sync=False)
         tcfg.param_sync_func = None
+    session.watch(chunks)
     for step in range(cfg.train.steps):
         if opg and step == 1:
             for c in chunks:

@@ -308,6 +308,7 @@ def _train(trainer_config, session, fake_world: bool) -> dict:
         session.state(lambda: state_groups(trainer))
 
     trainer.train_step = train_step
+    session.watch(trainer.model_parts)
     try:
         trainer.train()
     finally:

@@ -74,6 +74,41 @@ class _Lazy:
         obj.__dict__[self.slot] = value
 
 
+# the parts of a peak, named as the peak probe's categories (probes/peak.py) so each is reconciled:
+# resident = params + grads + optim + other at that moment
+PEAK_PARTS = ("resident", "activations", "gathered", "temporary", "unnamed")
+
+
+@dataclass
+class Peak:
+    """A rank's most live bytes within one optimizer step (issue 18), and its parts at that moment.
+
+    parts: PEAK_PARTS -> bytes, summing to `bytes`; detail: finer named pieces for people
+    ("activations/layer 0 mlp", "temporary/logits fp32"); phase: forward | backward | schedule |
+    optimizer, as the probe names where it happened; first: step 0's peak where it differs (the
+    optimizer's state is allocated in the first step)."""
+    bytes: int
+    parts: dict[str, int]
+    phase: str = ""
+    what: str = ""
+    detail: dict[str, int] = field(default_factory=dict)
+    first: Optional["Peak"] = None
+
+    def __post_init__(self):
+        unknown = set(self.parts) - set(PEAK_PARTS)
+        if unknown:
+            raise ValueError(f"peak parts {sorted(unknown)} unknown; known: {PEAK_PARTS}")
+        if sum(self.parts.values()) != self.bytes:
+            raise ValueError(f"peak parts sum to {sum(self.parts.values())}, not its bytes {self.bytes}")
+
+    def to_dict(self) -> dict:
+        d = {"bytes": self.bytes, "parts": dict(self.parts), "phase": self.phase, "what": self.what,
+             "detail": dict(self.detail)}
+        if self.first is not None:
+            d["first"] = self.first.to_dict()
+        return d
+
+
 @dataclass
 class RankState:
     stage: int = 0
@@ -92,6 +127,9 @@ class RankState:
     # (may be given as a callable, like comm_first)
     comm_warmup: Optional[list[list[Comm]]] = _Lazy()
     detail: dict[str, int] = field(default_factory=dict)  # named parts of the four states
+    # the peak within a step (None where the framework's ledger does not model it yet); may be
+    # given as a callable, like comm_first: a search that asks resident state only never builds it
+    peak: Optional[Peak] = _Lazy()
 
     @property
     def comm(self) -> list[Comm]:
@@ -309,6 +347,8 @@ def _rank_dict(rank: int, s: RankState) -> dict:
         d["comm_first"] = [c.to_dict() for c in s.comm_first]
     if s.comm_warmup:
         d["comm_warmup"] = [[c.to_dict() for c in cs] for cs in s.comm_warmup]
+    if s.peak is not None:
+        d["peak"] = s.peak.to_dict()
     return d
 
 

@@ -8,6 +8,10 @@
         session.state(framework_state_groups())   # at the step boundary
     session.dump()
 
+The peak probe (probes/peak.py) runs inside every step: `peak` per step (the most live bytes, where,
+and by category at that moment) and, for one step, the `timeline`. `session.watch(model_chunks)`
+names modules and counts micro-batches.
+
 Probes never break training: a probe error is appended to `errors` and written to the record.
 """
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch
 
 from ledger.grid import Grid
 from probes.comm import CommProbe
-from probes.memory import account, cuda_stats
+from probes.memory import GROUPS, account, cuda_stats
+from probes.peak import PeakTracker
 
 
 class ProbeSession:
     def __init__(self, grid: Grid, rank: int, out_path: str, comm_steps=(), memory: bool = True,
-                 comm: bool = True, cuda_profile_steps=()):
+                 comm: bool = True, cuda_profile_steps=(), peak: bool = True, steps: int | None = None,
+                 timeline_step: int = -1):
         self.grid = grid
         self.rank = rank
         self.out_path = out_path
@@ -39,6 +45,17 @@ class ProbeSession:
         self.errors: list[str] = []
         self.info: dict = {"rank": rank, "coords": grid.coords(rank)}
         self._cur: dict | None = None
+        self.tracker = self._guard("peak probe", PeakTracker) if peak else None
+        self.last_step = None if steps is None else steps - 1
+        # -1: the last step (steady; step 0 also allocates the optimizer's state)
+        self.timeline_step = (self.last_step if timeline_step < 0 else timeline_step) if steps else timeline_step
+        self._prev_named: dict[str, set] = {}
+        self._peak_open = False
+
+    def watch(self, roots) -> None:
+        """The model chunks: their forward calls count micro-batches; their modules are named."""
+        if self.tracker is not None:
+            self._guard("peak probe", self.tracker.watch, list(roots))
 
     def _guard(self, what: str, fn, *a, **k):
         try:
@@ -59,9 +76,17 @@ class ProbeSession:
             self.comm.take()  # drop anything recorded outside the step
         mode = self.comm.recording() if self._records_comm(step) else contextlib.nullcontext()
         prof = self._profiler() if step in self.cuda_profile_steps else contextlib.nullcontext()
+        tr = self.tracker
+        if tr is not None:
+            self._finish_peak(None)
+            self._guard("peak probe", tr.begin, scan=not self.steps)
+        peak_ctx = tr.recording() if tr is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with prof as p, mode:
+        with prof as p, mode, peak_ctx:
             yield rec
+        if tr is not None:
+            tr.end()
+            self._peak_open = True
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         rec["time_s"] = time.perf_counter() - t0
@@ -82,11 +107,45 @@ class ProbeSession:
         """groups_fn() -> {"params": [...], "grads": [...], "optim": [...], "other": [...]}."""
         if not self.memory_enabled or not self.steps:
             return
-        acc = self._guard("memory probe", lambda: account(groups_fn()))
+        groups = self._guard("memory probe", groups_fn)
+        acc = self._guard("memory probe", account, groups) if groups is not None else None
         if acc is not None:
             storages = acc.pop("storages")
             self.steps[-1]["state"] = acc
             self.steps[-1]["storages"] = storages if len(self.steps) == 1 else None
+            if self.tracker is not None:
+                self._guard("peak probe", self._boundary, groups, acc)
+
+    def _boundary(self, groups: dict, acc: dict) -> None:
+        """Name the step's storages, close its peak record; at the last boundary, scan every live
+        tensor independently of the launcher's containers: what no launcher names shows up."""
+        tr = self.tracker
+        named, seen = {}, set()
+        for g in GROUPS:
+            s = tr.serials(t for t in groups.get(g, ()) if isinstance(t, torch.Tensor)) - seen
+            named[g] = s
+            seen |= s
+        both = {g: named[g] | self._prev_named.get(g, set()) for g in GROUPS}
+        self._prev_named = named
+        self._finish_peak(both)
+        st = self.steps[-1]
+        if st["step"] == self.last_step:
+            unseen = tr.scan()
+            acc["live_bytes"] = tr.cur
+            acc["unseen_bytes"] = unseen  # live storages no operator of the steps touched
+            acc["unnamed_bytes"] = tr.cur - acc["resident_bytes"]
+
+    def _finish_peak(self, named) -> None:
+        if not self._peak_open or not self.steps:
+            return
+        self._peak_open = False
+        st = self.steps[-1]
+        res = self._guard("peak probe", self.tracker.result, named, timeline=st["step"] == self.timeline_step)
+        if res is not None:
+            tl = res.pop("timeline", None)
+            st["peak"] = res
+            if tl is not None:
+                st["timeline"] = tl
 
     def _profiler(self):
         from torch.profiler import ProfilerActivity, profile
@@ -94,6 +153,8 @@ class ProbeSession:
         return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def dump(self, extra: dict | None = None) -> None:
+        if self.tracker is not None:
+            self._finish_peak(None)
         if self.comm is not None:
             self.errors += self.comm.errors
         out = {**self.info, **(extra or {}), "steps": self.steps, "errors": self.errors}

@@ -1,0 +1,344 @@
+"""Peak probe: every tensor storage live during a step, its bytes over time, and where the peak is.
+
+What it sees, and how:
+- every storage an operator returns or takes (a TorchDispatchMode, as the comm probe; it defers to
+  DTensor so DTensor's inner local ops come back to it), so an allocation no launcher names is
+  counted; FakeTensor storages too (cluster=fake), which have sizes and no memory;
+- every storage live when the step starts, found by a scan of the interpreter's objects (tensors and
+  storages, `gc.get_objects()`), independent of the containers the launchers name;
+- frees as they happen: a weak reference on each storage (torch keeps one Python object per
+  storage, so the callback runs when the storage itself dies);
+- storage resizes, which are not dispatched operators (FSDP2 allocates and frees its unsharded
+  parameters with `untyped_storage().resize_()`, torch/distributed/utils.py _alloc_storage /
+  _free_storage): `torch.UntypedStorage.resize_` is wrapped while a tracker lives.
+
+Not seen: memory an operator's kernel allocates and frees inside itself (scratch); the test
+tests/test_peak.py checks this tracker against torch.profiler's allocator events for that reason.
+
+Each change is an event (storage, +/- bytes, phase, micro-batch, module). Categories are given when
+the step ends: the launcher's named groups (params / grads / optim / other, from the state probe at
+this boundary and the previous one), `activations` (saved for backward: a saved_tensors_hooks pack
+hook sees every tensor autograd saves outside a non-reentrant checkpoint's own hooks),
+`gathered` (a buffer a collective wrote or read that is not a named state: ZeRO-3 / FSDP2 gathered
+parameters, buckets), `unnamed` (live at the start, named by no launcher: the previous batch, caches)
+and `temporary` (everything else).
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+
+RESIDENT = ("params", "grads", "optim", "other")
+CATEGORIES = RESIDENT + ("activations", "gathered", "temporary", "unnamed")
+PHASES = ("forward", "backward", "schedule", "optimizer", "setup")
+TIMELINE_POINTS = 400  # points kept per timeline (the peak and the extremes between kept points)
+
+
+def _storage(t):
+    t = getattr(t, "_local_tensor", t)  # a DTensor's memory is its local shard
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage (sparse, nested)
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: "PeakTracker"):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        tr = self.tracker
+        tr.op = func
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in ins:  # a storage made outside the dispatcher, or resized since, shows here first
+            tr.see(t)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                tr.see(t)
+        if getattr(func, "namespace", "") in ("c10d", "_c10d_functional"):
+            for t in ins + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
+                tr.mark(t, tr.comm)
+        return out
+
+
+_TRACKERS: list["PeakTracker"] = []
+_SCAN_TYPES: dict[type, int] = {}  # type -> 1 tensor, 2 storage, 0 neither (gc scans see ~500k objects)
+_ORIG_RESIZE = None
+
+
+def _install_resize_hook() -> None:
+    global _ORIG_RESIZE
+    if _ORIG_RESIZE is not None:
+        return
+    _ORIG_RESIZE = torch.UntypedStorage.resize_
+
+    def resize_(self, size):
+        out = _ORIG_RESIZE(self, size)
+        for tr in _TRACKERS:
+            tr.see_storage(self)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+
+class PeakTracker:
+    """Live storage bytes of one rank, exact at every dispatched operator, kept across steps."""
+
+    def __init__(self):
+        self._live: dict[int, list] = {}  # StorageImpl address -> [nbytes, weakref, serial]
+        self._serial = 0
+        self.cur = 0
+        self.active = False
+        self.events: list[tuple] = []
+        self.saved: set[int] = set()
+        self.comm: set[int] = set()
+        self.op = None
+        self._stack: list = []
+        self._roots: dict[int, int] = {}
+        self._names: dict[int, str] = {}
+        self._forwards: list[int] = []
+        self._root = None
+        _install_resize_hook()
+        _TRACKERS.append(self)
+
+    # ---- what the launcher tells it
+    def watch(self, roots) -> None:
+        """The root modules (model chunks): a root's forward starts a micro-batch; their submodules
+        are named by their qualified names."""
+        for i, r in enumerate(roots):
+            self._roots[id(r)] = i
+            for name, m in r.named_modules():
+                self._names.setdefault(id(m), name or type(r).__name__)
+        self._forwards = [0] * len(self._roots)
+
+    # ---- storages
+    def see(self, t) -> None:
+        st = _storage(t)
+        if st is not None:
+            self.see_storage(st)
+
+    def see_storage(self, st) -> None:
+        k = st._cdata
+        nb = st.nbytes()
+        e = self._live.get(k)
+        if e is None:
+            self._serial += 1
+            s = self._serial
+            self._live[k] = [nb, weakref.ref(st, lambda _r, k=k, s=s: self._freed(k, s)), s]
+            self._change(s, nb)
+        elif e[0] != nb:  # resized since last seen
+            d = nb - e[0]
+            e[0] = nb
+            self._change(e[2], d)
+
+    def _freed(self, k: int, s: int) -> None:
+        e = self._live.get(k)
+        if e is None or e[2] != s:
+            return
+        del self._live[k]
+        self._change(s, -e[0])
+
+    def _change(self, serial: int, delta: int) -> None:
+        if delta == 0:
+            return
+        self.cur += delta
+        if self.active:
+            self.events.append((serial, delta, self._phase(), self._micro_batch(), self._module(), self.op))
+            if self.cur > self.peak:
+                self.peak = self.cur
+                self.peak_index = len(self.events) - 1
+
+    def mark(self, t, into: set) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        self.see_storage(st)
+        into.add(self._live[st._cdata][2])
+
+    def serials(self, tensors) -> set[int]:
+        out = set()
+        for t in tensors:
+            st = _storage(t) if isinstance(t, torch.Tensor) else None
+            if st is not None:
+                e = self._live.get(st._cdata)
+                if e is not None:
+                    out.add(e[2])
+        return out
+
+    def scan(self) -> int:
+        """Register every storage reachable from a Python object (tensors and storages among
+        `gc.get_objects()`, whatever holds them); the bytes that were not known before."""
+        before = self.cur
+        kinds = _SCAN_TYPES
+        for o in gc.get_objects():
+            tp = type(o)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = kinds[tp] = (1 if issubclass(tp, torch.Tensor) else
+                                    2 if issubclass(tp, torch.UntypedStorage) else 0)
+            if not kind:
+                continue
+            try:
+                if kind == 1:
+                    self.see(o)
+                elif o.device.type != "meta":
+                    self.see_storage(o)
+            except Exception:  # an object half torn down; it holds no memory we can read
+                continue
+        return self.cur - before
+
+    # ---- where we are
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self._stack else "other"
+
+    def _micro_batch(self):
+        return None if self._root is None else self._forwards[self._root] - 1
+
+    def _module(self):
+        return id(self._stack[-1]) if self._stack else None
+
+    def _pre(self, module, args):
+        i = self._roots.get(id(module))
+        if i is not None:
+            self._forwards[i] += 1
+            self._root = i
+        self._stack.append(module)
+
+    def _post(self, module, args, out):
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    # ---- a step
+    def begin(self, scan: bool) -> None:
+        """scan: look for live storages the tracker has not seen (the first step: everything made
+        before it); later steps know every storage an operator made or touched since."""
+        self.events = []
+        self.saved, self.comm = set(), set()
+        self._stack = []
+        self._forwards = [0] * len(self._roots)
+        self._root = None
+        if scan:
+            self.scan()
+        self.start_bytes = self.cur
+        self.start_serials = {e[2]: e[0] for e in self._live.values()}
+        self.peak, self.peak_index = self.start_bytes, -1
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+        self.end_bytes = self.cur
+
+    def recording(self):
+        """The step's context: dispatch mode, saved-tensor hook, module hooks."""
+        import contextlib
+
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        tr = self
+
+        def pack(t):
+            tr.mark(t, tr.saved)
+            return t
+
+        @contextlib.contextmanager
+        def ctx():
+            h1 = register_module_forward_pre_hook(self._pre)
+            h2 = register_module_forward_hook(self._post, always_call=True)
+            try:
+                with _Mode(self), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    yield
+            finally:
+                h1.remove()
+                h2.remove()
+
+        return ctx()
+
+    # ---- the step's record
+    def result(self, named: dict[str, set[int]] | None, timeline: bool) -> dict:
+        """peak_bytes, where it was, bytes by category at the peak; the timeline when asked.
+        named: category -> serials of the launcher's named storages (this boundary and the last)."""
+        named = named or {}
+        cat: dict[int, str] = {}
+        for s in self.start_serials:
+            cat[s] = "unnamed"
+        for s in self.comm:
+            cat[s] = "gathered"
+        for s in self.saved:
+            cat[s] = "activations"
+        for g in reversed(RESIDENT):  # the first group that names a storage wins, as in probes.memory
+            for s in named.get(g, ()):
+                cat[s] = g
+        phases = _phases(self.events)
+        live = {c: 0 for c in CATEGORIES}
+        for s, nb in self.start_serials.items():
+            live[cat.get(s, "temporary")] += nb
+        points = [(0, dict(live), "setup")]
+        at_peak = dict(live)
+        for i, (s, d, _ph, _mb, _mod, _op) in enumerate(self.events):
+            live[cat.get(s, "temporary")] += d
+            if i == self.peak_index:
+                at_peak = dict(live)
+            if timeline:
+                points.append((i + 1, dict(live), phases[i]))
+        out = {"peak_bytes": self.peak, "start_bytes": self.start_bytes, "end_bytes": self.cur if self.active else self.end_bytes,
+               "events": len(self.events), "at_peak": {c: b for c, b in at_peak.items() if b}}
+        if self.peak_index >= 0:
+            _s, _d, _ph, mb, mod, op = self.events[self.peak_index]
+            out["where"] = {"phase": phases[self.peak_index], "micro_batch": mb,
+                            "module": self._names.get(mod, None) if mod is not None else None,
+                            "op": str(op) if op is not None else None, "event": self.peak_index + 1}
+        else:
+            out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
+        if timeline:
+            out["timeline"] = _thin(points, self.peak_index + 1)
+        return out
+
+
+def _phases(events) -> list[str]:
+    """forward / backward from where the event happened; an event outside both is `setup` before the
+    first forward, `optimizer` after the last forward or backward, `schedule` in between (the loss,
+    pipeline sends, gradient syncs the schedule runs between micro-batches)."""
+    marks = [i for i, e in enumerate(events) if e[2] != "other"]
+    first, last = (marks[0], marks[-1]) if marks else (len(events), -1)
+    out = []
+    for i, e in enumerate(events):
+        if e[2] != "other":
+            out.append(e[2])
+        elif i < first:
+            out.append("setup")
+        elif i > last:
+            out.append("optimizer")
+        else:
+            out.append("schedule")
+    return out
+
+
+def _thin(points: list, peak_event: int, n: int = TIMELINE_POINTS) -> list[dict]:
+    """At most ~n points: the first, the last, the peak, and per bucket its highest point, so no
+    extreme is lost when a long step is drawn."""
+    def total(p):
+        return sum(p[1].values())
+
+    if len(points) > n:
+        size = -(-len(points) // n)
+        keep = {0, len(points) - 1, peak_event}
+        for b in range(0, len(points), size):
+            bucket = points[b:b + size]
+            keep.add(b + max(range(len(bucket)), key=lambda j: total(bucket[j])))
+        points = [points[i] for i in sorted(keep)]
+    return [{"event": e, "phase": ph, **{c: b for c, b in live.items() if b}} for e, live, ph in points]
