@@ -10,8 +10,34 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for the rendezvous store, drawn at random below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is free now but is handed out again, to the outgoing and
+    listening sockets gloo opens for other jobs' ranks, in the seconds before rank 0 binds it; seen
+    as "DistNetworkError: The server socket has failed to listen" when several sweeps run at once.
+    Ports below the ephemeral range are only ever taken by someone who asks for them by number."""
+    import random
+
+    lo, _hi = _ephemeral_range()
+    first = max(1024, lo - 12000)
+    for port in random.Random().sample(range(first, lo), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -111,8 +111,17 @@ class PeakTracker:
         self._names: dict[int, str] = {}
         self._forwards: list[int] = []
         self._root = None
+        self._in_gc = False
+        self.gc_freed = 0  # bytes freed by the cyclic garbage collector during the step
+        self.gc_runs = 0
         _install_resize_hook()
         _TRACKERS.append(self)
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        self._in_gc = phase == "start"
+        if self.active and phase == "start":
+            self.gc_runs += 1
 
     # ---- what the launcher tells it
     def watch(self, roots) -> None:
@@ -156,6 +165,8 @@ class PeakTracker:
             return
         self.cur += delta
         if self.active:
+            if self._in_gc and delta < 0:
+                self.gc_freed -= delta
             self.events.append((serial, delta, self._phase(), self._micro_batch(), self._module(), self.op))
             if self.cur > self.peak:
                 self.peak = self.cur
@@ -228,6 +239,7 @@ class PeakTracker:
         """scan: look for live storages the tracker has not seen (the first step: everything made
         before it); later steps know every storage an operator made or touched since."""
         self.events = []
+        self.gc_freed = self.gc_runs = 0
         self.saved, self.comm = set(), set()
         self._stack = []
         self._forwards = [0] * len(self._roots)
@@ -296,7 +308,8 @@ class PeakTracker:
             if timeline:
                 points.append((i + 1, dict(live), phases[i]))
         out = {"peak_bytes": self.peak, "start_bytes": self.start_bytes, "end_bytes": self.cur if self.active else self.end_bytes,
-               "events": len(self.events), "at_peak": {c: b for c, b in at_peak.items() if b}}
+               "events": len(self.events), "gc_runs": self.gc_runs, "gc_freed_bytes": self.gc_freed,
+               "at_peak": {c: b for c, b in at_peak.items() if b}}
         if self.peak_index >= 0:
             _s, _d, _ph, mb, mod, op = self.events[self.peak_index]
             out["where"] = {"phase": phases[self.peak_index], "micro_batch": mb,
