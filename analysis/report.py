@@ -8,6 +8,8 @@ Three figures (matplotlib, PNG), frameworks side by side:
   scatter.png  predicted vs measured per quantity family, with the identity line (steady steps)
   memory.png   per-rank resident state stacked by params / grads / optim / other, predicted beside measured
   comm.png     collective buffer bytes per optimizer step by dimension and kind, predicted beside measured
+  timeline.png live bytes by category through one step (probes/peak.py) for each job's most-loaded rank:
+               the ledger's timeline (where it gives one) above the measured one, predicted peak dashed
 and the per-job summary, the mismatching rows and the whole table (reconcile.csv).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 import records as R  # noqa: E402
 from analysis import reconcile, wandb_io  # noqa: E402
+from analysis.compare import PEAK_REL_TOL, is_peak  # noqa: E402
 
 FAMILIES = ("megatron", "deepspeed", "titan")  # column order: the three frameworks side by side
 FAMILY_COLOR = {"megatron": "#76b900", "deepspeed": "#0078d4", "titan": "#ee4c2c"}
@@ -37,7 +40,12 @@ STATES = ("params", "grads", "optim", "other")
 STATE_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "other": "#8c8c8c"}
 PANELS = [("params_bytes", "params"), ("grads_bytes", "grads"), ("optim_bytes", "optim (master + Adam)"),
           ("resident_bytes", "resident (all state)"), ("comm_bytes", "collective buffer bytes / step"),
-          ("comm_count", "collective calls / step")]
+          ("comm_count", "collective calls / step"), ("peak_bytes", "peak within the step"),
+          ("peak_parts", "peak: its parts")]
+CATEGORY_COLOR = {**STATE_COLOR, "activations": "#c44e52", "gathered": "#8172b3", "temporary": "#ccb974",
+                  "unnamed": "#64b5cd", "resident": "#4c72b0"}
+PHASE_COLOR = {"forward": "#e8f1fb", "backward": "#fbeee8", "optimizer": "#eaf6ea", "schedule": "#f6f6f6",
+               "setup": "#ffffff"}
 
 
 def family(variant: str) -> str:
@@ -65,6 +73,8 @@ def last_steady(df: pd.DataFrame) -> pd.DataFrame:
 def _panel_of(q: str) -> str:
     if q.startswith("comm/"):
         return "comm_bytes" if q.endswith("/buffer_bytes") else "comm_count"
+    if q.startswith("peak/"):
+        return "peak_parts"
     return q
 
 
@@ -73,7 +83,7 @@ def _panel_of(q: str) -> str:
 def fig_scatter(df: pd.DataFrame, path: str) -> None:
     d = last_steady(df).copy()
     d["panel"] = d.quantity.map(_panel_of)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 9.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 9.5))
     for ax, (panel, title) in zip(axes.flat, PANELS):
         p = d[d.panel == panel]
         # symlog, linear below 1: a predicted and measured 0 is a point too
@@ -85,7 +95,7 @@ def fig_scatter(df: pd.DataFrame, path: str) -> None:
             # hollow markers: points of several frameworks at one spot stay visible
             ax.scatter(g.predicted, g.measured, s=48, marker=VARIANT_MARKER.get(variant, "o"), facecolor="none",
                        edgecolor=FAMILY_COLOR.get(family(variant), "gray"), lw=1.4, label=variant, zorder=2)
-        off = int((p.abs_err != 0).sum())
+        off = int(reconcile.off(p).sum())
         ax.set_title(f"{title}\n{len(p)} points, {off} off the line", fontsize=10,
                      color="black" if off == 0 else "#b00020")
         ax.set_xlim(-0.5, hi)
@@ -189,6 +199,89 @@ def fig_memory(recs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _timeline_rank(rec: dict):
+    """(rank, step record) of the rank with the highest measured peak in its timeline step."""
+    best = None
+    for m in (rec.get("measurement") or {}).get("ranks", []):
+        for st in m.get("steps", []):
+            if st.get("timeline") and (best is None or st["peak"]["peak_bytes"] > best[1]["peak"]["peak_bytes"]):
+                best = (m["rank"], st)
+    return best
+
+
+def _stack(ax, points: list[dict], cats: list[str], phases: bool) -> None:
+    """Live bytes by category against the fraction of the step (a step plot: each point holds until the next)."""
+    n = max(len(points) - 1, 1)
+    x = np.array([i / n for i in range(len(points))])
+    if phases:
+        start = 0
+        for i in range(1, len(points) + 1):
+            if i == len(points) or points[i]["phase"] != points[start]["phase"]:
+                ax.axvspan(x[start], x[min(i, len(points) - 1)], color=PHASE_COLOR.get(points[start]["phase"], "white"),
+                           lw=0, zorder=0)
+                start = i
+    ys = [np.array([p.get(c, 0) for p in points], dtype=float) / 1e6 for c in cats]
+    ax.stackplot(x, *ys, colors=[CATEGORY_COLOR.get(c, "gray") for c in cats], step="post", lw=0, zorder=2)
+    ax.set_xlim(0, 1)
+    ax.set_ylabel("MB", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def fig_timeline(recs: list[dict], path: str) -> None:
+    fig, cells = _columns(recs, 6.0, 4.2, "Live tensor bytes through one step, most-loaded rank (MB): the "
+                                          "ledger's view above, the peak probe's below (background: phase)")
+    for ax, rec, _ in cells:
+        got = _timeline_rank(rec)
+        ax.axis("off")
+        if got is None:
+            _no_data(ax, rec, "no timeline measured")
+            continue
+        rank, st = got
+        pred = next((p for p in (rec.get("prediction") or {}).get("per_rank", []) if p["rank"] == rank), {})
+        pk = pred.get("peak") or {}
+        top, bottom = ax.inset_axes([0, 0.56, 1, 0.34]), ax.inset_axes([0, 0.0, 1, 0.46])
+        cats = [c for c in ("params", "grads", "optim", "other", "unnamed", "gathered", "activations", "temporary")
+                if any(p.get(c) for p in st["timeline"])]
+        _stack(bottom, st["timeline"], cats, phases=True)
+        measured = st["peak"]["peak_bytes"] / 1e6
+        bottom.axhline(measured, color="black", lw=0.8)
+        w = st["peak"]["where"]
+        bottom.set_title(f"measured, rank {rank} step {st['step']}: peak {human(st['peak']['peak_bytes'])} "
+                         f"({w.get('phase')}, mb {w.get('micro_batch')})", fontsize=8)
+        if pk:
+            bottom.axhline(pk["bytes"] / 1e6, color="#b00020", lw=1.0, ls="--")
+        if pk.get("timeline"):
+            pcats = [c for c in ("resident", "unnamed", "gathered", "activations", "temporary")
+                     if any(p.get(c) for p in pk["timeline"])]
+            _stack(top, pk["timeline"], pcats, phases=True)
+            top.set_ylim(bottom.get_ylim())
+        elif pk:
+            top.barh([0], [pk["bytes"] / 1e6], color="#dddddd")
+            left = 0.0
+            for part, b in pk["parts"].items():
+                top.barh([0], [b / 1e6], left=left, color=CATEGORY_COLOR.get(part, "gray"))
+                left += b / 1e6
+            top.set_yticks([])
+            top.set_xlim(0, max(bottom.get_ylim()[1], left * 1.05))
+            top.tick_params(labelsize=7)
+        else:
+            top.text(0.5, 0.5, "the ledger predicts no peak for this framework yet", ha="center", va="center",
+                     fontsize=8, transform=top.transAxes)
+            top.set_xticks([])
+            top.set_yticks([])
+        if pk:
+            top.set_title(f"predicted: peak {human(pk['bytes'])} ({pk.get('phase')}); parts "
+                          + ", ".join(f"{k} {human(v)}" for k, v in pk["parts"].items() if v), fontsize=8)
+        ax.set_title(_title(rec), fontsize=9)
+    legend = [Patch(color=CATEGORY_COLOR[c], label=c) for c in
+              ("params", "grads", "optim", "other", "resident", "unnamed", "gathered", "activations", "temporary")]
+    legend += [Patch(color=PHASE_COLOR[p], label=f"phase: {p}") for p in ("forward", "backward", "schedule", "optimizer")]
+    fig.legend(handles=legend, loc="outside lower center", ncol=7, frameon=False)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def comm_by_dim_kind(rec: dict, df: pd.DataFrame) -> pd.DataFrame:
     """(dim/kind) -> predicted and measured buffer bytes per optimizer step, mean over ranks (last steady step)."""
     d = last_steady(df[df.job == R.job_name(rec)])
@@ -258,16 +351,24 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
         fig_scatter(df, os.path.join(out_dir, "scatter.png"))
         fig_memory(recs, os.path.join(out_dir, "memory.png"))
         fig_comm(recs, df, os.path.join(out_dir, "comm.png"))
+        fig_timeline(recs, os.path.join(out_dir, "timeline.png"))
         figs = [("Predicted vs measured", "scatter.png",
                  "Every point is one (job, rank, quantity) of the last steady step; on the dashed line the ledger "
                  "predicted the measured value exactly."),
                 ("Per-rank memory by state", "memory.png",
                  "For each job (columns: framework), left bars are the prediction, right bars the measurement."),
                 ("Communication by dimension and kind", "comm.png",
-                 "Buffer bytes handed to collectives in one optimizer step; red labels mark a disagreement.")]
+                 "Buffer bytes handed to collectives in one optimizer step; red labels mark a disagreement."),
+                ("Memory through one step", "timeline.png",
+                 "Live tensor bytes by category at every operator of one step (the peak probe), for each job's "
+                 "most-loaded rank; the ledger's prediction above it, its predicted peak dashed red on the "
+                 "measured plot.")]
     steady = df[df.phase == "steady"]
-    bad = steady[steady.abs_err != 0]
-    verdict = (f'<span class="ok">all {len(steady)} steady rows match to the byte</span>' if len(steady) and not len(bad)
+    bad = steady[reconcile.off(steady)]
+    npeak = int(steady.quantity.map(is_peak).sum()) if len(steady) else 0
+    verdict = (f'<span class="ok">all {len(steady)} steady rows agree: states and collectives to the byte'
+               + (f', {npeak} peak rows within {PEAK_REL_TOL:.0%}' if npeak else '') + '</span>'
+               if len(steady) and not len(bad)
                else f'<span class="bad">{len(bad)} of {len(steady)} steady rows differ</span>')
     fams = ", ".join(sorted({R.framework_variant(r) for r in recs}))
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>train-ledger report</title>"
@@ -287,7 +388,7 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
     return path
 
 
-FIGURES = ("scatter", "memory", "comm")
+FIGURES = ("scatter", "memory", "comm", "timeline")
 
 
 def build_wandb_report(entity: str, project: str, group: str, world: int, title: str):
@@ -306,7 +407,7 @@ def build_wandb_report(entity: str, project: str, group: str, world: int, title:
     ranks = range(max(world, 1))
     figures = [wr.MediaBrowser(title=t, media_keys=[f"report/{k}"], num_columns=1)
                for k, t in zip(FIGURES, ("predicted vs measured", "per-rank memory by state",
-                                         "communication by dimension and kind"))]
+                                         "communication by dimension and kind", "memory through one step"))]
     live = [wr.CustomChart(query={"summaryTable": {"tableKey": "reconcile"}}, chart_name="wandb/scatter/v0",
                            chart_fields={"x": "predicted", "y": "measured", "groupKeys": "framework"}),
             wr.BarPlot(title="measured resident bytes per rank", metrics=[f"rank{r}/resident_bytes" for r in ranks]),

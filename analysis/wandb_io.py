@@ -192,10 +192,12 @@ def step_metrics(record: dict) -> dict[int, dict]:
 
 def headline(record: dict, df: pd.DataFrame) -> dict:
     """Flat summary scalars the W&B runs table can sort on."""
+    from analysis import compare
+
     pg = (record.get("prediction") or {}).get("per_gpu") or {}
     steady = df[df.phase == "steady"] if len(df) else df
     out = {"framework": R.framework_variant(record), "layout": R.layout_name(record),
-           "steady_rows": int(len(steady)), "steady_mismatches": int((steady.abs_err != 0).sum()) if len(steady) else 0}
+           "steady_rows": int(len(steady)), "steady_mismatches": int(compare.off(steady).sum()) if len(steady) else 0}
     if pg.get("resident_bytes") is not None:
         out["predicted_resident_bytes"] = pg["resident_bytes"]
     return out

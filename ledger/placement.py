@@ -93,6 +93,9 @@ class Peak:
     what: str = ""
     detail: dict[str, int] = field(default_factory=dict)
     first: Optional["Peak"] = None
+    # the step as the ledger sees it, in order: [{"label": "mb 0 forward", "phase": "forward",
+    # <part>: bytes, ...}, ...] (optional; the report draws it above the measured timeline)
+    timeline: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         unknown = set(self.parts) - set(PEAK_PARTS)
@@ -106,6 +109,8 @@ class Peak:
              "detail": dict(self.detail)}
         if self.first is not None:
             d["first"] = self.first.to_dict()
+        if self.timeline:
+            d["timeline"] = [dict(p) for p in self.timeline]
         return d
 
 

@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import records
+from analysis.compare import is_peak
 from analysis.reconcile import table
 from conf.schema import register
 from launchers.fake import select_ranks
@@ -172,7 +173,8 @@ def _reconciles(rec, expected_ranks):
     assert set(df.phase) == {"first", "steady"}
     assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
     assert any(q.startswith("comm/") for q in df.quantity)
-    bad = df[df.abs_err != 0]
+    # states and collectives to the byte, the first step too; peak rows (issue 18) as the matrices
+    bad = df[(df.abs_err != 0) & ~df.quantity.map(is_peak)]
     assert bad.empty, bad.to_string()
 
 

@@ -42,7 +42,7 @@ def test_report_cli_writes_the_page_and_prints_where(sweep):
     page = os.path.join(sweep, "report", "index.html")
     assert p.stdout.strip().splitlines()[-1] == f"report: {page}"
     html = open(page).read()
-    for png in ("scatter.png", "memory.png", "comm.png"):
+    for png in ("scatter.png", "memory.png", "comm.png", "timeline.png"):
         assert f"src='{png}'" in html
         w, h = _png_size(os.path.join(sweep, "report", png))
         assert w >= 800 and h >= 300
@@ -50,7 +50,7 @@ def test_report_cli_writes_the_page_and_prints_where(sweep):
     for rec in recs:  # every job and framework is on the page
         assert records.job_name(rec) in html and records.framework_variant(rec) in html
     n_steady = int((reconcile.table(recs).phase == "steady").sum())
-    assert f"all {n_steady} steady rows match to the byte" in html
+    assert f"all {n_steady} steady rows agree: states and collectives to the byte" in html
     got = pd.read_csv(os.path.join(sweep, "report", "reconcile.csv"), keep_default_na=False)
     assert len(got) == len(reconcile.table(recs))
 
