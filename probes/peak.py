@@ -35,6 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 RESIDENT = ("params", "grads", "optim", "other")
 CATEGORIES = RESIDENT + ("activations", "gathered", "temporary", "unnamed")
 PHASES = ("forward", "backward", "schedule", "optimizer", "setup")
+# CUDA's caching allocator hands out blocks in multiples of 512 bytes, at least 512
+# (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, round_size): what allocated_bytes counts
+CUDA_BLOCK = 512
 TIMELINE_POINTS = 400  # points kept per timeline (the peak and the extremes between kept points)
 
 
@@ -98,7 +101,11 @@ class PeakTracker:
     """Live storage bytes of one rank, exact at every dispatched operator, kept across steps."""
 
     def __init__(self):
-        self._live: dict[int, list] = {}  # StorageImpl address -> [nbytes, weakref, serial]
+        self._live: dict[int, list] = {}  # StorageImpl address -> [nbytes, weakref, serial, on cuda]
+        # the CUDA allocator's view: CUDA storages counted in 512-byte blocks (CPU ones as they are)
+        self.cur_blocks = 0
+        self.peak_blocks = 0
+        self.cuda_seen = False
         self._serial = 0
         self.cur = 0
         self.active = False
@@ -146,24 +153,30 @@ class PeakTracker:
         if e is None:
             self._serial += 1
             s = self._serial
-            self._live[k] = [nb, weakref.ref(st, lambda _r, k=k, s=s: self._freed(k, s)), s]
-            self._change(s, nb)
+            cuda = st.device.type == "cuda"
+            self.cuda_seen |= cuda
+            self._live[k] = [nb, weakref.ref(st, lambda _r, k=k, s=s: self._freed(k, s)), s, cuda]
+            self._change(s, nb, _blocks(nb) if cuda else nb)
         elif e[0] != nb:  # resized since last seen
             d = nb - e[0]
+            db = _blocks(nb) - _blocks(e[0]) if e[3] else d
             e[0] = nb
-            self._change(e[2], d)
+            self._change(e[2], d, db)
 
     def _freed(self, k: int, s: int) -> None:
         e = self._live.get(k)
         if e is None or e[2] != s:
             return
         del self._live[k]
-        self._change(s, -e[0])
+        self._change(s, -e[0], -_blocks(e[0]) if e[3] else -e[0])
 
-    def _change(self, serial: int, delta: int) -> None:
+    def _change(self, serial: int, delta: int, blocks: int) -> None:
         if delta == 0:
             return
         self.cur += delta
+        self.cur_blocks += blocks
+        if self.active and self.cur_blocks > self.peak_blocks:
+            self.peak_blocks = self.cur_blocks
         if self.active:
             if self._in_gc and delta < 0:
                 self.gc_freed -= delta
@@ -247,6 +260,7 @@ class PeakTracker:
         if scan:
             self.scan()
         self.start_bytes = self.cur
+        self.peak_blocks = self.cur_blocks
         self.start_serials = {e[2]: e[0] for e in self._live.values()}
         self.peak, self.peak_index = self.start_bytes, -1
         self.active = True
@@ -317,9 +331,15 @@ class PeakTracker:
                             "op": str(op) if op is not None else None, "event": self.peak_index + 1}
         else:
             out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
+        if self.cuda_seen:  # to compare with torch.cuda.max_memory_allocated() after its per-step reset
+            out["peak_allocated_bytes"] = self.peak_blocks
         if timeline:
             out["timeline"] = _thin(points, self.peak_index + 1)
         return out
+
+
+def _blocks(nbytes: int) -> int:
+    return 0 if nbytes == 0 else max(CUDA_BLOCK, -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK)
 
 
 def _phases(events) -> list[str]:

@@ -169,3 +169,54 @@ def test_peak_probe_can_be_switched_off(tmp_path, peak):
         _step(m, opt, x)
     s.dump({"status": "ok"})
     assert ("peak" in json.load(open(tmp_path / "r.json"))["steps"][0]) == peak
+
+
+def test_cuda_blocks_as_the_caching_allocator_rounds():
+    from probes.peak import _blocks
+
+    assert [_blocks(n) for n in (0, 1, 512, 513, 4096, 1_000_001)] == [0, 512, 512, 1024, 4096, 1_000_448]
+
+
+def _gpu_check_jobs() -> list[list[str]]:
+    import os
+    import shlex
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "gpu_check.sh")
+    out = []
+    for line in open(path):
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["job"] and len(words) > 2:
+            out.append(["cluster.device=cuda", "cluster.backend=nccl", "cluster.ranks=1", "train.steps=3", *words[3:]])
+    return out
+
+
+def test_gpu_check_jobs_are_valid_configs():
+    """scripts/gpu_check.sh cannot run here (no GPU): each of its jobs passes the checks a run makes
+    before dispatch (compose, validate, predict), so a GPU machine's minutes are not lost to a typo."""
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register
+    from launchers.job import check
+    from tests.conftest import REPO
+
+    register()
+    jobs = _gpu_check_jobs()
+    assert len(jobs) == 4
+    for overrides in jobs:
+        with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        check(cfg)
+
+
+def test_gpu_check_table_reads_cuda_and_probe_peaks():
+    from analysis.gpu_check import table
+
+    step = {"step": 1, "peak": {"peak_bytes": 1000, "peak_allocated_bytes": 1536,
+                                "where": {"phase": "backward", "micro_batch": 0}},
+            "cuda": {"allocated_bytes.all.peak": 2048}}
+    rec = {"status": "ok", "job_dir": "/x/0_titan", "config": {"framework": {"name": "titan"}},
+           "prediction": {"per_rank": [{"rank": 0, "peak": {"bytes": 990, "parts": {"temporary": 990}}}]},
+           "measurement": {"ranks": [{"rank": 0, "status": "ok", "steps": [step]}]}}
+    row = table([rec]).iloc[0]
+    assert (row.ledger_peak, row.probe_peak, row.probe_peak_blocks, row.cuda_max_allocated,
+            row.allocated_minus_probe, row["where"]) == (990, 1000, 1536, 2048, 512, "backward mb 0")

@@ -1,0 +1,60 @@
+"""The GPU check's table (scripts/gpu_check.sh): the peak probe against the CUDA allocator.
+
+    python -m analysis.gpu_check DIR
+
+One row per (job, rank, step): the ledger's predicted peak (where it predicts one), the peak probe's
+peak_bytes (exact storage bytes) and peak_allocated_bytes (CUDA storages in the allocator's 512-byte
+blocks), and torch.cuda.max_memory_allocated() of that step (the probe resets it at each step's start).
+allocated - probe is what the allocator holds that no tensor storage of the step explains (cuBLAS
+workspaces, NCCL buffers, kernels' own scratch): a finding to explain, never a fudge factor.
+On a CPU record the CUDA columns are empty.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+import records as R
+
+
+def table(recs: list[dict]) -> pd.DataFrame:
+    out = []
+    for rec in recs:
+        pred = {p["rank"]: p for p in (rec.get("prediction") or {}).get("per_rank", [])}
+        for m in (rec.get("measurement") or {}).get("ranks", []):
+            pk = (pred.get(m["rank"]) or {}).get("peak") or {}
+            for st in m.get("steps", []):
+                probe = st.get("peak") or {}
+                cuda = (st.get("cuda") or {}).get("allocated_bytes.all.peak")
+                blocks = probe.get("peak_allocated_bytes")
+                ledger = (pk.get("first") or pk).get("bytes") if st["step"] == 0 else pk.get("bytes")
+                out.append({"job": R.job_name(rec), "rank": m["rank"], "step": st["step"],
+                            "ledger_peak": ledger, "probe_peak": probe.get("peak_bytes"),
+                            "probe_peak_blocks": blocks, "cuda_max_allocated": cuda,
+                            "allocated_minus_probe": cuda - blocks if cuda is not None and blocks is not None else None,
+                            "where": "{phase} mb {micro_batch}".format(**probe["where"]) if probe.get("where") else None})
+    df = pd.DataFrame(out, columns=["job", "rank", "step", "ledger_peak", "probe_peak", "probe_peak_blocks",
+                                    "cuda_max_allocated", "allocated_minus_probe", "where"])
+    for c in ("ledger_peak", "probe_peak", "probe_peak_blocks", "cuda_max_allocated", "allocated_minus_probe"):
+        df[c] = df[c].astype("Int64")
+    return df
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.gpu_check", description=__doc__.splitlines()[0])
+    ap.add_argument("path")
+    a = ap.parse_args(argv)
+    recs = R.load(a.path)
+    if not recs:
+        print(f"no record.json under {a.path}", file=sys.stderr)
+        return 1
+    for rec in recs:
+        print(f"{R.job_name(rec)}: {rec['status']}" + (f" ({(rec.get('error') or '')[:200]})" if rec["status"] != "ok" else ""))
+    print(table(recs).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
