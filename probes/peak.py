@@ -29,7 +29,6 @@ import gc
 import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 RESIDENT = ("params", "grads", "optim", "other")
@@ -51,28 +50,58 @@ def _storage(t):
         return None
 
 
+def _tensors(x, out: list) -> list:
+    """The tensors among an operator's arguments or results: themselves, or in a list / tuple / dict
+    one level down (out= lists, foreach ops, c10d's tensor lists); a hand-written walk, as pytree's
+    costs more than the rest of the probe per operator."""
+    for a in x:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    out.append(b)
+                elif isinstance(b, (list, tuple)):
+                    out += [c for c in b if isinstance(c, torch.Tensor)]
+        elif isinstance(a, dict):
+            _tensors(a.values(), out)
+    return out
+
+
+_COLLECTIVE: dict = {}  # operator -> whether it is a collective (OpOverload.namespace is a slow property)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: "PeakTracker"):
         super().__init__()
         self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
+        self._dtensor = DTensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dt = self._dtensor
+        for t in types:
+            if issubclass(t, dt):
+                return NotImplemented
         tr = self.tracker
         tr.op = func
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ins = _tensors(args, [])
+        if kwargs:
+            _tensors(kwargs.values(), ins)
+        else:
+            kwargs = {}
         for t in ins:  # a storage made outside the dispatcher, or resized since, shows here first
             tr.see(t)
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                tr.see(t)
-        if getattr(func, "namespace", "") in ("c10d", "_c10d_functional"):
-            for t in ins + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
+        outs = _tensors((out,), [])
+        for t in outs:
+            tr.see(t)
+        coll = _COLLECTIVE.get(func)
+        if coll is None:
+            coll = _COLLECTIVE[func] = getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
+        if coll:
+            for t in ins + outs:
                 tr.mark(t, tr.comm)
         return out
 
