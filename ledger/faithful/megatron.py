@@ -38,6 +38,7 @@ from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
     _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
+from ledger.faithful.megatron_peak import check_recompute, recompute_of, stage_peak
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -59,6 +60,25 @@ class Knobs(NamedTuple):
     make_vocab_size_divisible_by: int
     transformer_impl: str  # local | transformer_engine (default_transformer_impl fills None)
     pp_split: tuple = EVEN_SPLIT  # (first, last, embedding, loss) of the pipeline split (megatron_buffers.split_error)
+    # (granularity, method, num_layers, modules) of activation recompute (megatron_peak.Recompute)
+    recompute: tuple = (None, None, None, ("core_attn",))
+
+    # megatron_peak reads these by the framework config's names
+    @property
+    def recompute_granularity(self):
+        return self.recompute[0]
+
+    @property
+    def recompute_method(self):
+        return self.recompute[1]
+
+    @property
+    def recompute_num_layers(self):
+        return self.recompute[2]
+
+    @property
+    def recompute_modules(self):
+        return self.recompute[3]
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -76,7 +96,8 @@ def knobs(fw) -> Knobs:
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
                  bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
-                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw))
+                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw),
+                 tuple(recompute_of(fw)))
 
 
 def pp_split(fw) -> tuple:
@@ -297,6 +318,10 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
     if mpu:
         s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
     s.comm_fn = lambda: _comm(model, lay, k, stage)
+    # the peak within a step (megatron_peak.stage_peak), built on first read; Adam's state (exp_avg,
+    # exp_avg_sq, step) is what the first step does not hold before its optimizer step
+    adam = sum(v for n, v in s.detail.items() if n.startswith("optim/adam"))
+    s.peak = lambda: stage_peak(model, lay, k, stage, dp_rank, s.resident_bytes, adam)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
         # first iteration, see _fixed_comm): steady state less its DP all-gathers (the param gathers,
@@ -579,6 +604,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     k = knobs(fw)
     check_framework(k)
     check_interleaving(lay)
+    check_recompute(recompute_of(k))
     tp, dp = lay.tp, lay.dp
     notes = list(_NOTES[k.transformer_impl])
     # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
