@@ -70,6 +70,13 @@ SWEEPS = (
                   "layout={pp:2}")),
     ("w2accloss", ("cluster.ranks=2", "model.layers=3", "framework.overlap_grad_reduce=true",
                    "framework.account_for_loss_in_pipeline_split=true", "layout={pp:2}")),
+    # the peak (issue 18) under recompute: s=128 so that the backward, not the optimizer step, holds the
+    # peak of stage 0; 4 micro-batches over pp2 (a second count: 1F1B holds 2 in flight on stage 0)
+    ("w2rcsel", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
+                 "framework.recompute_granularity=null,selective", "layout={pp:2,global_batch_size:4}")),
+    ("w2rcfull", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
+                  "framework.recompute_granularity=full", "framework.recompute_method=uniform,block",
+                  "framework.recompute_num_layers=1", "layout={pp:2,global_batch_size:4}")),
 )
 # (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
 # (layers, first, last, embedding, loss) of the pipeline split) of every job
@@ -90,6 +97,12 @@ EXPECTED = {(*job, 1024, EVEN) for job in {("dp2", False, True, 1, False, False)
     ("pp2", False, True, 1, False, False, 1024, (3, None, 1, False, False)),
     ("pp2", False, True, 1, False, False, 1024, (3, None, None, True, False)),
     ("pp2", True, True, 1, False, False, 1024, (3, None, None, False, True))}
+# (seq_len, recompute granularity, method) of every job: the matrix's at s=32 without recompute, and the
+# recompute jobs (w2rcsel, w2rcfull)
+NO_RC = (32, None, None)
+RC_JOBS = {("pp2", True, True, 1, False, False, 1024, EVEN, rc) for rc in
+           ((128, None, None), (128, "selective", None), (128, "full", "uniform"), (128, "full", "block"))}
+EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS
 
 
 def _split(rec) -> tuple:
@@ -97,6 +110,11 @@ def _split(rec) -> tuple:
     return (rec["config"]["model"]["layers"], fw["decoder_first_pipeline_num_layers"],
             fw["decoder_last_pipeline_num_layers"], fw["account_for_embedding_in_pipeline_split"],
             fw["account_for_loss_in_pipeline_split"])
+
+
+def _rc(rec) -> tuple:
+    fw = rec["config"]["framework"]
+    return rec["config"]["model"]["seq_len"], fw["recompute_granularity"], fw["recompute_method"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +133,7 @@ def test_matrix_ran(sweep):
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
              r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
-             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"], _split(r))
+             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"], _split(r), _rc(r))
             for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
     # a run's default spec (default_transformer_impl), the one the launcher builds and the ledger predicted
@@ -133,10 +151,36 @@ def test_every_steady_row_on_every_rank_reconciles(sweep):
         assert set(d["rank"]) == set(range(rec["measurement"]["world"])), f"{job}: ranks without rows"
         for q in reconcile.STATE_Q:
             assert len(d[d.quantity == q]) == rec["measurement"]["world"], f"{job}: {q} not measured on every rank"
-    bad = steady[steady.abs_err != 0]
+    # resident state and collectives to the byte, first step included; the peak (issue 18) within 1% on
+    # every steady step (its parts and the first step's peak are reported, not held to it)
+    peak = df.quantity.str.startswith("peak")
+    bad = steady[~peak & (steady.abs_err != 0)]
     assert bad.empty, bad.to_string()
     first = df[df.phase == "first"]
-    assert first[first.abs_err != 0].empty, first[first.abs_err != 0].to_string()
+    assert first[~peak & (first.abs_err != 0)].empty, first[~peak & (first.abs_err != 0)].to_string()
+    pk = steady[steady.quantity == "peak_bytes"]
+    for rec in sweep["ok"]:
+        d = pk[pk.job == records.job_name(rec)]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), f"{records.job_name(rec)}: peak not on every rank"
+    off = pk[pk.rel_err.abs() > 0.01]
+    assert off.empty, off.to_string()
+
+
+@pytest.mark.real
+def test_recompute_jobs_hold_less_in_backward(sweep):
+    """The recompute jobs (same shape, pp2, 4 micro-batches): stage 0 peaks in backward, and its saved
+    activations at the peak shrink from none to selective to full, measured as predicted."""
+    at = {}
+    for rec in sweep["ok"]:
+        if _rc(rec)[0] != 128:
+            continue
+        m = next(r for r in rec["measurement"]["ranks"] if r["rank"] == 0)
+        pk = m["steps"][-1]["peak"]
+        pred = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == 0)["peak"]
+        assert pk["where"]["phase"] == pred["phase"] == "backward", (_rc(rec), pk["where"], pred["what"])
+        assert pk["at_peak"]["activations"] == pred["parts"]["activations"], (_rc(rec), pk["at_peak"], pred["parts"])
+        at[_rc(rec)[1:]] = pk["at_peak"]["activations"]
+    assert at[(None, None)] > at[("selective", None)] > at[("full", "uniform")], at
 
 
 @pytest.mark.real
