@@ -1,6 +1,6 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (a few small multiruns, 25 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
+One shared sweep (a few small multiruns, 29 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
 small buckets, so several padded buckets per buffer), the interleaved schedule (pp2·vp2 world 2,
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
@@ -9,8 +9,10 @@ all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gathe
 the previous step's in the forward pre-hooks after) and a vocab tp does not divide (1001 at dp2,
 tp2·sp, tp2·dp2: trained padded to 1024 rows) and uneven pipeline stages (3 layers over pp2: first
 1 / last 2 and the reverse, by num_layers_in_first/last_pipeline_stage and by
-account_for_embedding/loss_in_pipeline_split). Every row (first and steady steps) on every rank must
-reconcile with abs_err 0.
+account_for_embedding/loss_in_pipeline_split), and the peak under recompute (pp2, 4 micro-batches,
+s=128: none, selective core_attn, full uniform and block). Every state and collective row (first and
+steady steps) on every rank must reconcile with abs_err 0, and every steady peak_bytes row within 1%
+(ledger/faithful/megatron_peak.py; `python -m analysis.reconcile DIR` shows them).
 """
 from __future__ import annotations
 

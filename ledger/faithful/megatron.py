@@ -38,7 +38,7 @@ from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
     _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
-from ledger.faithful.megatron_peak import check_recompute, recompute_of, stage_peak
+from ledger.faithful.megatron_peak import PEAK_NOTES, check_recompute, recompute_of, stage_peak
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -606,7 +606,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check_interleaving(lay)
     check_recompute(recompute_of(k))
     tp, dp = lay.tp, lay.dp
-    notes = list(_NOTES[k.transformer_impl])
+    notes = list(_NOTES[k.transformer_impl]) + list(PEAK_NOTES[k.transformer_impl])
     # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
     # word-embedding grads hold the padded vocab (the record keeps the configured shape)
     trained = padded_shape(model, tp, k.make_vocab_size_divisible_by)

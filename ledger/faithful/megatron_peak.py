@@ -39,6 +39,22 @@ from ledger.model import ModelShape
 from ledger.placement import Peak
 
 GRANULARITIES = (None, "selective", "full")
+
+_PEAK_COMMON = ("peak (megatron_peak.py): resident + saved activations of the micro-batches in flight + p2p "
+                "buffers + the largest temporary of the moment, over every backward moment, the cross-entropy "
+                "forward, the grad sync and Adam's step; no allocator rounding (CUDA: 512-byte blocks); other "
+                "forward transients and a few hundred bytes of step leftovers are not modelled")
+PEAK_NOTES = {
+    "local": (_PEAK_COMMON, "peak, transformer_impl=local (the CPU gloo runs): gloo's copy of each grad bucket in "
+              "its reduce-scatter and torch's single-tensor AdamW denominators (param by param) are modelled; "
+              "a GPU run with NCCL and FusedAdam holds neither"),
+    "transformer_engine": (_PEAK_COMMON, "peak, transformer_impl=transformer_engine: TEDotProductAttention (fused / flash) "
+                           "saves no [b, heads/tp, s, s] probabilities (softmax statistics [b, heads/tp, s] fp32 instead) "
+                           "and has no score-grad moment; NCCL reduce-scatters in place and FusedAdam adds no per-param "
+                           "temporaries (no gloo copy, no Adam denominators); TE's fused norm+linear saves, gradient-accumulation fusion "
+                           "(weight grads straight into main_grad) and workspaces are not modelled: the local spec's "
+                           "moments stand for them (no CPU run confirms TE)"),
+}
 MODELLED_MODULES = ("core_attn",)
 
 
@@ -329,6 +345,8 @@ def _no_wd(name: str) -> bool:
 def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -> tuple[tuple, tuple]:
     """((bytes, what) of the largest grad-sync transient, (bytes, what) of the largest Adam transient).
 
+    The local spec stands for the CPU gloo runs (launchers/megatron.py), transformer_engine for a GPU
+    NCCL run (TE's FusedAdam, NCCL in place: no such transients).
     Grad sync: distributed/param_and_grad_buffer.py start_grad_sync reduce-scatters each bucket's
     grad_data (the distributed optimizer); gloo's reduce_scatter_tensor works on a copy of the whole
     input, which the peak probe sees when the collective completes (finish_grad_sync: split + copy
@@ -343,6 +361,11 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
     _build_optimizer_group_ranges: per param group, the chunks' buckets in buffer order, each
     param's range on this DP rank; optimizer.py Float16OptimizerWithFloat16Params: whole fp32
     masters in named_parameters order); groups: weight decay first, then the norms."""
+    if k.transformer_impl == "transformer_engine":
+        # the GPU run the TE spec stands for: NCCL's reduce-scatter writes the shard in place, and
+        # Megatron's Adam is TE's / apex's FusedAdam (multi-tensor kernels, in place): neither holds a
+        # transient the size of a bucket or a param (no run here confirms it)
+        return (0, ""), (0, "")
     dist = k.use_distributed_optimizer
     gb = 4 if (k.grad_reduce_in_fp32 or k.precision != "bf16") else 2
     sync, groups = (0, ""), {False: [], True: []}
@@ -375,6 +398,22 @@ def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -
     parts, phase, what): the backward moments of every micro-batch of the schedule (each unit's
     moments with the other in-flight micro-batches' saved bytes), the cross-entropy forward, then
     the grad sync and Adam's step (optimizer_moments), these two last."""
+    moments = list(_step_moments(model, lay, k, stage))
+    e_p = moments.pop()
+    (sync_b, sync_w), (adam_b, adam_w) = optimizer_moments(model, lay, k, stage, dp_rank)
+    # finalize_model_grads runs after the last backward, inside the schedule function: the probe's
+    # phase "optimizer"; the schedule still holds the last micro-batch's p2p tensors (its received
+    # input or output grad, and the one it sent)
+    g = 2 * e_p if lay.pp > 1 else 0
+    moments.append((sync_b + g, {"activations": 0, "temporary": sync_b, "gathered": g}, "optimizer", sync_w))
+    moments.append((adam_b, {"activations": 0, "temporary": adam_b, "gathered": 0}, "optimizer", adam_w))
+    return moments
+
+
+@lru_cache(maxsize=1024)
+def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
+    """stage_moments' forward and backward moments (the same on every DP rank of a stage: cached), and
+    last the bytes of one p2p tensor."""
     rc = recompute_of(k)
     sh = shape_of(model, lay, k)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))  # one p2p tensor ([s/tp, b, h] with SP)
@@ -426,13 +465,7 @@ def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -
             # dtype beside their fp32 copy (counted saved) and the final norm's output
             add(others + saved[ch], sh.e * sh.s * sh.b * sh.v + sh.e * sh.sbh_n, p2p(live + [ch]), "forward",
                 f"cross-entropy forward (micro-batch {j})")
-    (sync_b, sync_w), (adam_b, adam_w) = optimizer_moments(model, lay, k, stage, dp_rank)
-    # finalize_model_grads runs after the last backward, inside the schedule function: the probe's
-    # phase "optimizer"; the schedule still holds the last micro-batch's p2p tensors (its received
-    # input or output grad, and the one it sent)
-    add(0, sync_b, 2 * e_p if lay.pp > 1 else 0, "optimizer", sync_w)
-    add(0, adam_b, 0, "optimizer", adam_w)
-    return moments
+    return (*moments, e_p)
 
 
 def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: int,
@@ -452,6 +485,7 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
         first = Peak(r0 + fb[0], {"resident": r0, **fb[1], "unnamed": 0}, fb[2], fb[3])
     else:
         first = Peak(resident + adam_b, {"resident": resident, "activations": 0, "temporary": adam_b,
-                                         "gathered": 0, "unnamed": 0}, "optimizer", adam_w + ", first step (bound)")
+                                         "gathered": 0, "unnamed": 0}, "optimizer",
+                     f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step")
     return Peak(steady.bytes, steady.parts, steady.phase, steady.what,
                 first=None if first.bytes == steady.bytes else first)
