@@ -119,18 +119,21 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add_p2p("cp", kv, kv, what="ring attention K/V (+ dK/dV in backward)",
                    times=3 * (lay.cp - 1) * layers_local * m)
     s.comm = cb.build()
-    # the peak: resident + Korthikanti et al.'s activations (Megatron's recompute knobs where set)
-    rc = getattr(fw, "recompute_granularity", None) if name == "megatron" else None
-    act = activation_bytes(model, lay, rc)
-    s.peak = Peak(s.resident_bytes + act, {"resident": s.resident_bytes, "activations": act}, "backward",
-                  "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
-                  + (f", {rc} recompute" if rc else ""))
+    if name == "megatron":
+        # the peak: resident + Korthikanti et al.'s activations, with Megatron's recompute knobs (the
+        # other frameworks' textbook peaks are their ledgers' issue-18 work)
+        rc = getattr(fw, "recompute_granularity", None)
+        act = activation_bytes(model, lay, rc)
+        s.peak = Peak(s.resident_bytes + act, {"resident": s.resident_bytes, "activations": act}, "backward",
+                      "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
+                      + (f", {rc} recompute" if rc else ""))
     pl = Placement(framework=name, mode="textbook", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
-    pl.notes.append("textbook peak: resident + Korthikanti et al.'s per-layer activations (34sbh + 5as^2b, "
-                    "tp / SP / selective / full variants) x layers x micro-batches the first stage holds; no "
-                    "temporaries, no logits, the same for every stage")
+    if name == "megatron":
+        pl.notes.append("textbook peak: resident + Korthikanti et al.'s per-layer activations (34sbh + 5as^2b, "
+                        "tp / SP / selective / full variants) x layers x micro-batches the first stage holds; no "
+                        "temporaries, no logits, the same for every stage")
     if lay.cp > 1:
         pl.notes.append("textbook: CP attention as a plain K/V ring (3*(cp-1) hops per layer per micro-batch); "
                         "load balancing, causal-mask skips and all-gather variants are not in these formulas")

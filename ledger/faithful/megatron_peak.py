@@ -290,11 +290,20 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
             units.append(Unit(f"layers {lo}-{hi - 1} (checkpointed)", own, tuple(ms)))
     else:
         units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(layers))]
+    if last and first and model.tied_embeddings:
+        # one weight for the embedding and the output layer (pp = 1, share_embeddings_and_output_weights):
+        # autograd sums both uses' grads before the param's AccumulateGrad (and the DDP hook,
+        # distributed_data_parallel.py _make_backward_post_hook, that adds it to main_grad) runs,
+        # so the output layer's weight grad is held until the embedding's backward
+        held = sh.e * sh.v * sh.h
+        units = units[:1] + [Unit(u.name, u.saved, tuple((n, a, t + held, g) for n, a, t, g in u.moments))
+                             for u in units[1:]]
     if first:
         eg = embedding_groups(sh)
         saved = sum(eg.values())
+        held = sh.e * sh.v * sh.h if last and model.tied_embeddings else 0
         units.append(Unit("embedding", saved, (
-            ("embedding weight grad", saved, sh.e * sh.sbh + sh.e * sh.v * sh.h, sh.e * sh.sbh if sh.sp else 0),)))
+            ("embedding weight grad", saved, sh.e * sh.sbh + sh.e * sh.v * sh.h + held, sh.e * sh.sbh if sh.sp else 0),)))
     return units
 
 
