@@ -459,6 +459,14 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         units, first, last = chunks[ch]
         # + the received output grad (recv_backward) and the input grad sent by the previous backward
         g_base = p2p(live + [ch]) + (0 if last else e_p) + (e_p if j > 0 and not first else 0)
+        if last:
+            # the cross-entropy forward (tensor_parallel/cross_entropy.py): the logits in the activation
+            # dtype beside their fp32 copy (counted saved; the final norm's output too), and on a stage
+            # that receives its input the previous backward's input grad (schedules.py 1F1B loop:
+            # input_tensor_grad, sent by send_backward_recv_forward) is still referenced
+            add(others + saved[ch], sh.e * sh.s * sh.b * sh.v,
+                p2p(live + [ch]) + (e_p if j > 0 and not first else 0), "forward",
+                f"cross-entropy forward (micro-batch {j})")
         rest = saved[ch]
         for i, u in enumerate(units):
             rest -= u.saved
@@ -469,11 +477,6 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             for name, own, tmp, gat in u.moments:
                 t = tmp - recv if name.endswith(("fc2", "fc1")) else tmp
                 add(others + rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
-        if last:
-            # the cross-entropy forward (tensor_parallel/cross_entropy.py): the logits in the activation
-            # dtype beside their fp32 copy (counted saved) and the final norm's output
-            add(others + saved[ch], sh.e * sh.s * sh.b * sh.v + sh.e * sh.sbh_n, p2p(live + [ch]), "forward",
-                f"cross-entropy forward (micro-batch {j})")
     return (*moments, e_p)
 
 
