@@ -122,7 +122,9 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     if name == "megatron":
         # the peak: resident + Korthikanti et al.'s activations, with Megatron's recompute knobs (the
         # other frameworks' textbook peaks are their ledgers' issue-18 work)
-        rc = getattr(fw, "recompute_granularity", None)
+        from ledger.faithful.megatron_peak import recompute_of
+
+        rc = recompute_of(fw).granularity
         act = activation_bytes(model, lay, rc)
         s.peak = Peak(s.resident_bytes + act, {"resident": s.resident_bytes, "activations": act}, "backward",
                       "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"

@@ -172,7 +172,9 @@ def _reconciles(rec, expected_ranks):
     assert set(df.phase) == {"first", "steady"}
     assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
     assert any(q.startswith("comm/") for q in df.quantity)
-    bad = df[df.abs_err != 0]
+    # resident state and collectives to the byte; the peak rows (issue 18, where a ledger predicts a peak)
+    # are reported: a fake world's collectives make no gloo copies, which the CPU runs' peak models
+    bad = df[~df.quantity.str.startswith("peak") & (df.abs_err != 0)]
     assert bad.empty, bad.to_string()
 
 

@@ -12,6 +12,9 @@ Resident state at a step boundary:
           inv_freq and cached emb, utils.py GlobalMemoryBuffer scratch (attention scores, SP
           all-gathers)
 
+The peak within a step (RankState.peak: activations, pipeline buffers, temporaries, the optimizer
+step's transients, recompute) is ledger.faithful.megatron_peak's, built lazily per rank in rank_state.
+
 Tied embeddings (pp=1: one weight; pp>1: the last stage's copy, `shared_embedding` buckets, the
 embedding-group all-reduce) and overlap_param_gather (the param all-gathers in the next step's
 forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,

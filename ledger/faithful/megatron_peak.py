@@ -72,7 +72,12 @@ class Recompute(NamedTuple):
 
 
 def recompute_of(fw) -> Recompute:
-    g = lambda n: getattr(fw, n, None)  # noqa: E731  (textbook mode, older records: no recompute fields)
+    def g(n):  # textbook mode, older records, plain dicts: no recompute fields
+        try:
+            return getattr(fw, n)
+        except (AttributeError, KeyError):
+            return None
+
     mods = g("recompute_modules")
     return Recompute(g("recompute_granularity"), g("recompute_method"), g("recompute_num_layers"),
                      tuple(mods) if mods is not None else ("core_attn",))
