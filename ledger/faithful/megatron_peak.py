@@ -90,8 +90,8 @@ def check_recompute(rc: Recompute) -> None:
         other = [m for m in rc.modules if m not in MODELLED_MODULES]
         if other:
             raise ConfigError(f"megatron: framework.recompute_modules={list(rc.modules)}: the faithful ledger models "
-                              "core_attn only (layernorm recompute is for fp8 in megatron-core 0.18.0 "
-                              "transformer_layer.py; mlp is not modelled yet); use ledger.mode=textbook")
+                              "core_attn only (layernorm and mlp, transformer_layer.py's recompute_input_layernorm / "
+                              "recompute_mlp, are not modelled yet); use ledger.mode=textbook")
 
 
 class Shape(NamedTuple):
