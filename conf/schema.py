@@ -78,6 +78,16 @@ class MegatronConfig(FrameworkConfig):
     decoder_last_pipeline_num_layers: Optional[int] = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # activation recompute, as Megatron-LM --recompute-granularity / --recompute-method /
+    # --recompute-num-layers / --recompute-modules (TransformerConfig's fields of the same names):
+    # granularity None | selective | full; method uniform | block (full only); num_layers: layers per
+    # uniform chunk, or layers per stage recomputed by block (full only); modules: what selective
+    # recomputes (megatron-core 0.18: core_attn, layernorm, mlp for a dense model; None = [core_attn]).
+    # ledger/faithful/megatron_peak.py models each (conf/validate.py checks Megatron's rules)
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[list[str]] = None
 
 
 @dataclass

@@ -118,11 +118,60 @@ def validate_framework(fw, mode: str = "run") -> None:
         _at_least("framework", fw, ("gradient_clipping",), 0)
     elif fw.name == "megatron":
         _at_least("framework", fw, ("clip_grad",), 0)
+        validate_recompute(fw)
     elif fw.name == "titan":
         _one_of("framework", fw, "reshard_after_forward", ("default", "always", "never"))
         for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
             _one_of("framework", fw, n, ("float32", "bfloat16"))
         _one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
+
+
+# megatron-core 0.18.0 transformer_config.py TransformerConfig.__post_init__: the recompute_modules it
+# allows; the MoE / MLA ones need a model this project does not build (no experts, no MLA)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+RECOMPUTE_MODULES_NOT_DENSE = ("moe_act", "mla_up_proj", "moe", "shared_experts")
+
+
+def validate_recompute(fw) -> None:
+    """Megatron's recompute knobs, by the rules of megatron-core 0.18.0 transformer_config.py
+    TransformerConfig.__post_init__ (the bound on recompute_num_layers by the layers of a stage is
+    checked with the layout: ledger/faithful/megatron_peak.py check_recompute)."""
+    g, meth, n, mods = (fw.get("recompute_granularity"), fw.get("recompute_method"),
+                        fw.get("recompute_num_layers"), fw.get("recompute_modules"))
+    if g not in (None, "selective", "full"):
+        raise ConfigError(f"framework.recompute_granularity={g!r} must be one of null, selective, full")
+    if meth not in (None, "uniform", "block"):
+        raise ConfigError(f"framework.recompute_method={meth!r} must be one of null, uniform, block")
+    if n is not None and (isinstance(n, bool) or n < 1):
+        raise ConfigError(f"framework.recompute_num_layers={n} must be >= 1")
+    if g is None:
+        for name, v in (("recompute_method", meth), ("recompute_num_layers", n), ("recompute_modules", mods)):
+            if v is not None:
+                raise ConfigError(f"framework.{name}={v!r} needs framework.recompute_granularity "
+                                  "(selective or full): without it Megatron recomputes nothing")
+        return
+    if g == "full":
+        if meth is None:
+            raise ConfigError("framework.recompute_granularity=full needs framework.recompute_method "
+                              "(uniform or block; transformer_config.py)")
+        if n is None:
+            raise ConfigError("framework.recompute_granularity=full needs framework.recompute_num_layers "
+                              "(between 1 and the layers of a pipeline stage; transformer_config.py)")
+        if mods is not None:
+            raise ConfigError(f"framework.recompute_modules={list(mods)} is for recompute_granularity=selective "
+                              "(full recomputes whole layers)")
+    else:
+        # a recompute_method with selective is accepted and unused, as TransformerConfig does
+        if n is not None:
+            raise ConfigError(f"framework.recompute_num_layers={n} must be null with recompute_granularity=selective "
+                              "(transformer_config.py)")
+        for m in list(mods or []):
+            if m in RECOMPUTE_MODULES_NOT_DENSE:
+                raise ConfigError(f"framework.recompute_modules has {m!r}: it recomputes a MoE / MLA part, and the "
+                                  f"models here are dense; use {', '.join(RECOMPUTE_MODULES)}")
+            if m not in RECOMPUTE_MODULES:
+                raise ConfigError(f"framework.recompute_modules has {m!r}: each must be one of "
+                                  f"{', '.join(RECOMPUTE_MODULES)} (megatron-core 0.18.0 transformer_config.py)")
 
 
 def validate_ledger(lc) -> None:

@@ -120,7 +120,7 @@ SCALAR_READS: Counter = Counter()
 # torch's own dispatch machinery between a read and the code that asked for it
 _DISPATCH = ("torch._subclasses", "torch._ops", "torch.utils._stats", "torch.utils._python_dispatch",
              "torch._compile", "torch._dynamo", "torch._tensor", "torch.overrides", "probes.comm", "probes.peak",
-             __name__)
+             __name__)  # probes.comm / probes.peak: the probes' dispatch modes, which call the op themselves
 
 
 def _caller(skip_prefixes=_DISPATCH) -> tuple[str, str]:

@@ -55,6 +55,11 @@ def transformer_config(cfg, lay: Layout):
         # the local spec computes attention with Megatron's own DotProductAttention
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # activation recompute, by TransformerConfig's own names (ledger/faithful/megatron_peak.py);
+        # recompute_modules None is TransformerConfig's default ["core_attn"]
+        recompute_granularity=fw.recompute_granularity, recompute_method=fw.recompute_method,
+        recompute_num_layers=fw.recompute_num_layers,
+        recompute_modules=list(fw.recompute_modules) if fw.recompute_modules is not None else None,
     )
 
 
@@ -238,10 +243,12 @@ def state_groups(chunks, optimizer, seq_len: int) -> dict:
 
 def run_rank(cfg, lay: Layout, session) -> dict:
     from ledger.faithful.megatron import check_framework, check_interleaving
+    from ledger.faithful.megatron_peak import check_recompute, recompute_of
 
     # ConfigErrors naming the field, before Megatron's own checks (arguments.py, the schedule)
     check_framework(cfg.framework)
     check_interleaving(lay)
+    check_recompute(recompute_of(cfg.framework))
     device = init_distributed(cfg)
     from megatron.core import parallel_state as ps
 
@@ -394,6 +401,14 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
         a.append("--ddp-average-in-collective")
     if not fw.grad_reduce_in_fp32:
         a.append("--grad-reduce-in-bf16")
+    if fw.recompute_granularity is not None:  # arguments.py --recompute-*
+        a += ["--recompute-granularity", fw.recompute_granularity]
+        if fw.recompute_method is not None:
+            a += ["--recompute-method", fw.recompute_method]
+        if fw.recompute_num_layers is not None:
+            a += ["--recompute-num-layers", fw.recompute_num_layers]
+        if fw.recompute_modules is not None:
+            a += ["--recompute-modules", *fw.recompute_modules]
     a += ["--micro-batch-size", lay.micro_batch_size, "--global-batch-size", lay.global_batch_size]
     if fw.precision == "bf16":
         a.append("--bf16")

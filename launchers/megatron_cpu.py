@@ -42,6 +42,7 @@ _NORM = "megatron.core.transformer.torch_norm"
 _MAP = "megatron.core.tensor_parallel.mappings"
 _LAYERS = "megatron.core.tensor_parallel.layers"
 _LM = "megatron.core.models.common.language_module.language_module"
+_RANDOM = "megatron.core.tensor_parallel.random"
 
 REDIRECTS: tuple[Redirect, ...] = (
     # distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__: param_data / grad_data
@@ -108,6 +109,12 @@ REDIRECTS: tuple[Redirect, ...] = (
     # (tied embeddings, pp > 1): `weight.data = weight.data.cuda()` before the init-time all-reduce
     # of the word embeddings over the embedding group; on CPU the tensor stays where it is
     Redirect(_LM, "LanguageModule.setup_embeddings_and_output_layer", "Tensor.cuda"),
+    # tensor_parallel/random.py _get_cuda_rng_state (CheckpointFunction.forward / backward's
+    # _get_all_rng_states and _fork_rng: activation recompute, framework.recompute_granularity):
+    # torch.cuda.random.get_rng_state initialises CUDA; the CPU generator's state stands in (its
+    # _set_cuda_rng_state is torch.cuda._lazy_call, queued and never run without CUDA; the runs
+    # here have no dropout, so the recomputed forward draws nothing)
+    Redirect(_RANDOM, "_get_cuda_rng_state", "torch.cuda.random.get_rng_state"),
 )
 
 _MODULES = sorted({r.module for r in REDIRECTS})
@@ -142,8 +149,23 @@ class _CudaShim:
     def synchronize(self, *a, **k):
         _hits[(*_site(), "torch.cuda.synchronize")] += 1
 
+    @property
+    def random(self):
+        return _CudaRandomShim()
+
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+
+class _CudaRandomShim:
+    """Stands in for `torch.cuda.random` inside a proxied megatron module: the CPU generator's state."""
+
+    def get_rng_state(self, device="cuda"):
+        _hits[(*_site(), "torch.cuda.random.get_rng_state")] += 1
+        return torch.get_rng_state()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda.random, name)
 
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like")

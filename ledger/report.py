@@ -58,6 +58,7 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
     rank = next(r for r in range(pl.world) if pl.rank_state(r) is g)
     con.print(f"most-loaded: rank {rank} (stage {g.stage}): resident {g.resident_bytes:,} B = "
               + " + ".join(f"{k.replace('_bytes', '')} {getattr(g, k):,}" for k in STATES), markup=False)
+    _peaks(con, pl, sorted(stages.items()), max_rows)
     c = Table(title="collectives per rank per optimizer step (most-loaded rank)")
     for col in ("dim", "kind", "dtype", "count", "buffer", "wire", "what"):
         c.add_column(col)
@@ -67,3 +68,52 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
     for n in pl.notes:
         con.print(f"note: {n}", markup=False)
     return buf.getvalue()
+
+
+def stage_peak_ranks(pl: "Placement", stage: int, ranks: tuple[int, int]) -> list[int]:
+    """The ranks whose peaks stand for a stage: the ledger's stage representatives where it names
+    them (its heaviest rank per stage), else every rank of the stage's block with a distinct state."""
+    if pl.stage_representatives is not None:
+        return list(pl.stage_representatives(stage))
+    seen, out = set(), []
+    for r in range(ranks[0], ranks[1] + 1):
+        s = pl.rank_state(r)
+        if id(s) not in seen:
+            seen.add(id(s))
+            out.append(r)
+    return out
+
+
+def _peaks(con, pl: "Placement", stages, max_rows: int) -> None:
+    """Per stage the peak within a step (RankState.peak, issue 18) of its heaviest rank and its parts
+    (placement.PEAK_PARTS), where the ledger predicts one; any framework's Peak prints the same way."""
+    from ledger.placement import PEAK_PARTS
+
+    rows = []
+    for i, (stage, st) in enumerate(stages):
+        if i == max_rows:
+            rows.append(None)
+            break
+        best = None
+        for r in stage_peak_ranks(pl, stage, tuple(st["ranks"])):
+            pk = pl.rank_state(r).peak
+            if pk is not None and (best is None or pk.bytes > best[1].bytes):
+                best = (r, pk)
+        if best is not None:
+            rows.append((stage, *best))
+    if not [x for x in rows if x]:
+        return
+    t = Table(title="peak within a step per stage (its heaviest rank): resident state + what the step adds")
+    for col in ("stage", "rank", "peak", *PEAK_PARTS, "phase", "at"):
+        t.add_column(col, justify="left" if col in ("phase", "at") else "right")
+    for x in rows:
+        if x is None:
+            t.add_row("…", *[""] * (len(PEAK_PARTS) + 4))
+            continue
+        stage, r, pk = x
+        t.add_row(str(stage), str(r), fmt(pk.bytes), *(fmt(pk.parts.get(p, 0)) for p in PEAK_PARTS), pk.phase, pk.what)
+    con.print(t)
+    for x in rows:
+        if x is not None and x[2].first is not None:
+            f = x[2].first
+            con.print(f"stage {x[0]} first step: peak {fmt(f.bytes)} ({f.phase}: {f.what})", markup=False)

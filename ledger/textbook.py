@@ -12,7 +12,40 @@ from __future__ import annotations
 from ledger.layout import Layout
 from ledger.memory import StateBytes
 from ledger.model import ModelShape, model_dict
-from ledger.placement import CommBuilder, Placement, RankState
+from ledger.placement import CommBuilder, Peak, Placement, RankState
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           recompute: str | None = None) -> int:
+    """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), bytes
+    one transformer layer keeps for backward per micro-batch, 16-bit activations, dropout masks
+    included: sbh(34 + 5as/h) without parallelism; tensor parallel sbh(10 + 24/t + 5as/(ht));
+    with sequence parallelism sbh/t (34 + 5as/h); selective recompute drops the 5as/h attention
+    term (sbh(10 + 24/t), SP: 34 sbh/t); full recompute keeps the layer input, 2sbh (2sbh/t with SP)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh // (t if sp else 1)
+    attn = 0 if recompute == "selective" else 5 * a * s * s * b  # 5as/h * sbh
+    if sp:
+        return (34 * sbh + attn) // t
+    if t == 1:
+        return 34 * sbh + attn
+    return 10 * sbh + (24 * sbh + attn) // t
+
+
+def activation_bytes(model: ModelShape, lay: Layout, recompute: str | None = None) -> int:
+    """The first pipeline stage's activations in 1F1B (the paper's section 4.2.3): L/p layers times
+    the min(p, m) micro-batches it holds, which the paper writes as L layers; interleaving with v
+    chunks multiplies by 1 + (p - 1)/(p v). Embedding and output layer not included (the paper's
+    small correction terms)."""
+    per = layer_activation_bytes(model.seq_len // lay.cp, lay.micro_batch_size, model.hidden, model.heads, lay.tp,
+                                 lay.sequence_parallel and lay.tp > 1, recompute)
+    p, v, m = lay.pp, lay.vp, lay.num_microbatches
+    layers = model.layers // p
+    x = per * layers * min(p, m)
+    if v > 1:
+        x = x * (p * v + p - 1) // (p * v)
+    return x
 
 
 def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
@@ -86,9 +119,23 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add_p2p("cp", kv, kv, what="ring attention K/V (+ dK/dV in backward)",
                    times=3 * (lay.cp - 1) * layers_local * m)
     s.comm = cb.build()
+    if name == "megatron":
+        # the peak: resident + Korthikanti et al.'s activations, with Megatron's recompute knobs (the
+        # other frameworks' textbook peaks are their ledgers' issue-18 work)
+        from ledger.faithful.megatron_peak import recompute_of
+
+        rc = recompute_of(fw).granularity
+        act = activation_bytes(model, lay, rc)
+        s.peak = Peak(s.resident_bytes + act, {"resident": s.resident_bytes, "activations": act}, "backward",
+                      "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
+                      + (f", {rc} recompute" if rc else ""))
     pl = Placement(framework=name, mode="textbook", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
+    if name == "megatron":
+        pl.notes.append("textbook peak: resident + Korthikanti et al.'s per-layer activations (34sbh + 5as^2b, "
+                        "tp / SP / selective / full variants) x layers x micro-batches the first stage holds; no "
+                        "temporaries, no logits, the same for every stage")
     if lay.cp > 1:
         pl.notes.append("textbook: CP attention as a plain K/V ring (3*(cp-1) hops per layer per micro-batch); "
                         "load balancing, causal-mask skips and all-gather variants are not in these formulas")

@@ -1,6 +1,6 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (a few small multiruns, 25 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
+One shared sweep (a few small multiruns, 29 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
 small buckets, so several padded buckets per buffer), the interleaved schedule (pp2·vp2 world 2,
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
@@ -9,8 +9,10 @@ all-reduce) and overlap_param_gather (dp2, pp2·dp2, pp2·vp2·dp2: no all-gathe
 the previous step's in the forward pre-hooks after) and a vocab tp does not divide (1001 at dp2,
 tp2·sp, tp2·dp2: trained padded to 1024 rows) and uneven pipeline stages (3 layers over pp2: first
 1 / last 2 and the reverse, by num_layers_in_first/last_pipeline_stage and by
-account_for_embedding/loss_in_pipeline_split). Every row (first and steady steps) on every rank must
-reconcile with abs_err 0.
+account_for_embedding/loss_in_pipeline_split), and the peak under recompute (pp2, 4 micro-batches,
+s=128: none, selective core_attn, full uniform and block). Every state and collective row (first and
+steady steps) on every rank must reconcile with abs_err 0, and every steady peak_bytes row within 1%
+(ledger/faithful/megatron_peak.py; `python -m analysis.reconcile DIR` shows them).
 """
 from __future__ import annotations
 
@@ -70,6 +72,13 @@ SWEEPS = (
                   "layout={pp:2}")),
     ("w2accloss", ("cluster.ranks=2", "model.layers=3", "framework.overlap_grad_reduce=true",
                    "framework.account_for_loss_in_pipeline_split=true", "layout={pp:2}")),
+    # the peak (issue 18) under recompute: s=128 so that the backward, not the optimizer step, holds the
+    # peak of stage 0; 4 micro-batches over pp2 (a second count: 1F1B holds 2 in flight on stage 0)
+    ("w2rcsel", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
+                 "framework.recompute_granularity=null,selective", "layout={pp:2,global_batch_size:4}")),
+    ("w2rcfull", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
+                  "framework.recompute_granularity=full", "framework.recompute_method=uniform,block",
+                  "framework.recompute_num_layers=1", "layout={pp:2,global_batch_size:4}")),
 )
 # (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
 # (layers, first, last, embedding, loss) of the pipeline split) of every job
@@ -90,6 +99,12 @@ EXPECTED = {(*job, 1024, EVEN) for job in {("dp2", False, True, 1, False, False)
     ("pp2", False, True, 1, False, False, 1024, (3, None, 1, False, False)),
     ("pp2", False, True, 1, False, False, 1024, (3, None, None, True, False)),
     ("pp2", True, True, 1, False, False, 1024, (3, None, None, False, True))}
+# (seq_len, recompute granularity, method) of every job: the matrix's at s=32 without recompute, and the
+# recompute jobs (w2rcsel, w2rcfull)
+NO_RC = (32, None, None)
+RC_JOBS = {("pp2", True, True, 1, False, False, 1024, EVEN, rc) for rc in
+           ((128, None, None), (128, "selective", None), (128, "full", "uniform"), (128, "full", "block"))}
+EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS
 
 
 def _split(rec) -> tuple:
@@ -97,6 +112,11 @@ def _split(rec) -> tuple:
     return (rec["config"]["model"]["layers"], fw["decoder_first_pipeline_num_layers"],
             fw["decoder_last_pipeline_num_layers"], fw["account_for_embedding_in_pipeline_split"],
             fw["account_for_loss_in_pipeline_split"])
+
+
+def _rc(rec) -> tuple:
+    fw = rec["config"]["framework"]
+    return rec["config"]["model"]["seq_len"], fw["recompute_granularity"], fw["recompute_method"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +135,7 @@ def test_matrix_ran(sweep):
     assert not bad, bad
     jobs = [(records.layout_name(r), _overlap(r), r["config"]["framework"]["use_distributed_optimizer"],
              r["prediction"]["layout"]["vp"], r["config"]["model"]["tied_embeddings"],
-             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"], _split(r))
+             r["config"]["framework"]["overlap_param_gather"], r["config"]["model"]["vocab"], _split(r), _rc(r))
             for r in sweep["ok"]]
     assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, jobs
     # a run's default spec (default_transformer_impl), the one the launcher builds and the ledger predicted
@@ -133,10 +153,36 @@ def test_every_steady_row_on_every_rank_reconciles(sweep):
         assert set(d["rank"]) == set(range(rec["measurement"]["world"])), f"{job}: ranks without rows"
         for q in reconcile.STATE_Q:
             assert len(d[d.quantity == q]) == rec["measurement"]["world"], f"{job}: {q} not measured on every rank"
-    bad = steady[steady.abs_err != 0]
+    # resident state and collectives to the byte, first step included; the peak (issue 18) within 1% on
+    # every steady step (its parts and the first step's peak are reported, not held to it)
+    peak = df.quantity.str.startswith("peak")
+    bad = steady[~peak & (steady.abs_err != 0)]
     assert bad.empty, bad.to_string()
     first = df[df.phase == "first"]
-    assert first[first.abs_err != 0].empty, first[first.abs_err != 0].to_string()
+    assert first[~peak & (first.abs_err != 0)].empty, first[~peak & (first.abs_err != 0)].to_string()
+    pk = steady[steady.quantity == "peak_bytes"]
+    for rec in sweep["ok"]:
+        d = pk[pk.job == records.job_name(rec)]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), f"{records.job_name(rec)}: peak not on every rank"
+    off = pk[pk.rel_err.abs() > 0.01]
+    assert off.empty, off.to_string()
+
+
+@pytest.mark.real
+def test_recompute_jobs_hold_less_in_backward(sweep):
+    """The recompute jobs (same shape, pp2, 4 micro-batches): stage 0 peaks in backward, and its saved
+    activations at the peak shrink from none to selective to full, measured as predicted."""
+    at = {}
+    for rec in sweep["ok"]:
+        if _rc(rec)[0] != 128:
+            continue
+        m = next(r for r in rec["measurement"]["ranks"] if r["rank"] == 0)
+        pk = m["steps"][-1]["peak"]
+        pred = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == 0)["peak"]
+        assert pk["where"]["phase"] == pred["phase"] == "backward", (_rc(rec), pk["where"], pred["what"])
+        assert pk["at_peak"]["activations"] == pred["parts"]["activations"], (_rc(rec), pk["at_peak"], pred["parts"])
+        at[_rc(rec)[1:]] = pk["at_peak"]["activations"]
+    assert at[(None, None)] > at[("selective", None)] > at[("full", "uniform")], at
 
 
 @pytest.mark.real

@@ -12,6 +12,9 @@ Resident state at a step boundary:
           inv_freq and cached emb, utils.py GlobalMemoryBuffer scratch (attention scores, SP
           all-gathers)
 
+The peak within a step (RankState.peak: activations, pipeline buffers, temporaries, the optimizer
+step's transients, recompute) is ledger.faithful.megatron_peak's, built lazily per rank in rank_state.
+
 Tied embeddings (pp=1: one weight; pp>1: the last stage's copy, `shared_embedding` buckets, the
 embedding-group all-reduce) and overlap_param_gather (the param all-gathers in the next step's
 forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,
@@ -38,6 +41,7 @@ from ledger.faithful.megatron_buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
     _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
+from ledger.faithful.megatron_peak import PEAK_NOTES, check_recompute, recompute_of, stage_peak
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -59,6 +63,25 @@ class Knobs(NamedTuple):
     make_vocab_size_divisible_by: int
     transformer_impl: str  # local | transformer_engine (default_transformer_impl fills None)
     pp_split: tuple = EVEN_SPLIT  # (first, last, embedding, loss) of the pipeline split (megatron_buffers.split_error)
+    # (granularity, method, num_layers, modules) of activation recompute (megatron_peak.Recompute)
+    recompute: tuple = (None, None, None, ("core_attn",))
+
+    # megatron_peak reads these by the framework config's names
+    @property
+    def recompute_granularity(self):
+        return self.recompute[0]
+
+    @property
+    def recompute_method(self):
+        return self.recompute[1]
+
+    @property
+    def recompute_num_layers(self):
+        return self.recompute[2]
+
+    @property
+    def recompute_modules(self):
+        return self.recompute[3]
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -76,7 +99,8 @@ def knobs(fw) -> Knobs:
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
                  bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
-                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw))
+                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw),
+                 tuple(recompute_of(fw)))
 
 
 def pp_split(fw) -> tuple:
@@ -297,6 +321,10 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
     if mpu:
         s.add("other_bytes", "global memory buffer (mpu)", act * mpu)
     s.comm_fn = lambda: _comm(model, lay, k, stage)
+    # the peak within a step (megatron_peak.stage_peak), built on first read; Adam's state (exp_avg,
+    # exp_avg_sq, step) is what the first step does not hold before its optimizer step
+    adam = sum(v for n, v in s.detail.items() if n.startswith("optim/adam"))
+    s.peak = lambda: stage_peak(model, lay, k, stage, dp_rank, s.resident_bytes, adam)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
         # first iteration, see _fixed_comm): steady state less its DP all-gathers (the param gathers,
@@ -579,8 +607,9 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     k = knobs(fw)
     check_framework(k)
     check_interleaving(lay)
+    check_recompute(recompute_of(k))
     tp, dp = lay.tp, lay.dp
-    notes = list(_NOTES[k.transformer_impl])
+    notes = list(_NOTES[k.transformer_impl]) + list(PEAK_NOTES[k.transformer_impl])
     # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
     # word-embedding grads hold the padded vocab (the record keeps the configured shape)
     trained = padded_shape(model, tp, k.make_vocab_size_divisible_by)
