@@ -48,9 +48,12 @@ def modelled(model: ModelShape) -> str | None:
 
 
 def batch_bytes(model: ModelShape, mbs: int) -> int:
-    """launchers/data.py batch: one randint of (mbs, seq + 1) int64; tokens and labels are views of it
-    (the embedding saves the tokens, nll_loss the labels: an activation)."""
-    return INT64 * mbs * (model.seq_len + 1)
+    """launchers/data.py batch: a randint of (mbs, seq + 1) int64, tokens = t[:, :-1].contiguous() and
+    labels = t[:, 1:].contiguous(): views of it at one sample (already contiguous), two copies of
+    (mbs, seq) and the randint freed above (the embedding saves the tokens, nll_loss the labels)."""
+    if mbs == 1:
+        return INT64 * (model.seq_len + 1)
+    return 2 * INT64 * mbs * model.seq_len
 
 
 def layer_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
@@ -115,6 +118,19 @@ def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
     return acts, held
 
 
+def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool, gathered_weights: int = 0) -> int:
+    """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
+    micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
+    of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
+    recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
+    saves, the batch; the head's saves were freed by its backward before)."""
+    acts, _ = saved_activations(model, mbs, w, checkpointing, gathered_weights)
+    if not checkpointing:
+        return sum(acts.values())
+    layer = sum(layer_activations(model, mbs, w).values())
+    return max(sum(acts.values()), layer + batch_bytes(model, mbs))
+
+
 def _loss_scalars() -> int:
     # the loss (nll_loss's fp32 scalar), engine.backward's scaled copy and its product
     # (_scale_loss_by_gas, the loss scaler's mul) and the gradient seed (ones_like): four scalars
@@ -168,22 +184,41 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         held_grads = w * part  # grads_in_partition (contiguous_gradients)
     gathered = gathered_weights if zero == 3 else 0
     bwd_temp = sum(held.values()) + _loss_scalars() + 2 * FP32 * b * s * V + held_grads
-    bwd_res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
-    # ZeRO-3: the non-persistent params gathered at once at most (an upper estimate of the forward's)
-    z3_live = w * 0 if zero != 3 else gathered
-    bwd_bytes = bwd_res + act + bwd_temp + z3_live
-    steady, first = opt(False), opt(True)
     act_named = _per_kind(acts, model.layers)
-    for p in (steady, first):
-        p.detail["candidate/backward start (estimate)"] = bwd_bytes
-        p.detail.update({f"candidate/backward start/activations/{k}": v for k, v in act_named.items()})
-    if bwd_bytes > steady.bytes:
-        # not the moment the tested jobs peak at: the parts are the estimate's
-        parts = {"resident": bwd_res, "activations": act, "gathered": z3_live, "temporary": bwd_temp, "unnamed": 0}
+    most = most_live_activations(model, mbs, w, checkpointing, gathered)
+
+    def bwd(first: bool) -> Peak:
+        # step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first update
+        # (torch/optim/adam.py _init_group), no _global_grad_norm yet
+        res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
+        if first:
+            res -= 2 * FP32 * part + FP32 + norm_dtype
+        # ZeRO-3: the non-persistent Linear weights stay alive through the saves (counted as
+        # activations); nothing else gathered is counted (an estimate)
+        # at _log_softmax_backward_data's output, NllLossBackward has run and released its saves:
+        # total_weight (the log_softmax output it shares stays, saved by LogSoftmaxBackward)
+        parts = {"resident": res, "activations": act - FP32, "gathered": 0, "temporary": bwd_temp, "unnamed": 0}
+        detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
+        detail["temporary/cross-entropy gradients (fp32, nll_loss_backward + _log_softmax_backward_data)"] = \
+            2 * FP32 * b * s * V
+        detail["temporary/loss scalars"] = _loss_scalars()
+        if held:
+            detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
+        if held_grads:
+            detail["temporary/gradients held across micro-batches"] = held_grads
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                    what="start of the last micro-batch's backward (cross-entropy gradients in fp32)",
-                    detail={f"activations/{k}": v for k, v in act_named.items()})
-    steady.first = first if first.bytes != steady.bytes else None
+                    what="start of the last micro-batch's backward (cross-entropy gradients in fp32)", detail=detail)
+
+    def pick(first: bool) -> Peak:
+        o, k = opt(first), bwd(first)
+        best, other = (o, k) if o.bytes >= k.bytes else (k, o)
+        best.detail[f"candidate/{other.phase} ({'optimizer step' if other is o else 'backward start, estimate'})"] = \
+            other.bytes
+        best.detail["candidate/activations most live"] = most
+        return best
+
+    steady, first = pick(False), pick(True)
+    steady.first = first if first.bytes != steady.bytes or first.parts != steady.parts else None
     return steady
 
 
