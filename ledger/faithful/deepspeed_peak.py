@@ -97,8 +97,14 @@ def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
                       gathered_weights: int = 0) -> tuple[dict[str, int], dict[str, int]]:
     """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
 
-    gathered_weights: ZeRO-3's non-persistent Linear weights (bytes): mm saves its weight, and the
-    saved tensor keeps the gathered storage alive after the coordinator releases the parameter."""
+    gathered_weights: ZeRO-3's non-persistent Linear weights (bytes) alive at the forward's end: mm
+    saves its weight (the Parameter itself, a leaf), so the saved tensor holds the gathered storage
+    only while the coordinator has not released the parameter (partition_parameters.py free_param
+    swaps param.data for an empty tensor, which frees the storage under the saved leaf too). With
+    stage3_max_reuse_distance 0 every parameter is released after its module's forward: none; with a
+    reuse distance above the model, none before its backward: all of them (the caller's choice, see
+    ledger/faithful/deepspeed.py _zero3); budgets in between keep some (not derived: the default
+    above, an estimate there)."""
     acts: dict[str, int] = {}
     held: dict[str, int] = {}
     per = layer_activations(model, mbs, w)
@@ -139,12 +145,13 @@ def _loss_scalars() -> int:
 
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, gathered_weights: int,
-         n: int) -> Peak | None:
+         n: int, bucket: int) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
     optimizer state (bytes); grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for
-    ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements."""
+    ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
+    bucket: reduce_bucket_size (elements)."""
     if modelled(model) is not None:
         return None
     acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
@@ -175,17 +182,23 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
                     detail=detail)
 
-    # start of the last micro-batch's backward (an estimate outside ZeRO-1/2 without checkpointing)
-    b, s, V = mbs, model.seq_len, model.vocab
+    # the last micro-batch's backward, its first nodes: the cross-entropy, then the output Linear
+    b, s, V, h = mbs, model.seq_len, model.vocab, model.hidden
     held_grads = 0
     if m > 1 and zero == 1:
-        held_grads = w * n  # param.grad of every parameter, accumulated until the boundary reduction
+        # param.grad of every parameter, accumulated until the boundary's reduce_gradients, and the
+        # IPG buffer setup_buckets allocated in micro-batch 0's backward (reduce_bucket_size
+        # elements), released only by the boundary reduction's _release_ipg_buffers
+        held_grads = w * n + w * bucket
     elif m > 1 and zero == 2:
-        held_grads = w * part  # grads_in_partition (contiguous_gradients)
-    gathered = gathered_weights if zero == 3 else 0
-    bwd_temp = sum(held.values()) + _loss_scalars() + 2 * FP32 * b * s * V + held_grads
+        # grads_in_partition (contiguous_gradients), allocated at the first reduction, kept across
+        # micro-batches; DeepSpeed sizes it as the whole params overlapping the partition
+        # (stage_1_and_2.py copy_grads_in_partition): a straddling param makes it up to one param
+        # larger, per rank; the ledger keeps w * partition (measured 256 B short, rank 0, tiny)
+        held_grads = w * part
     act_named = _per_kind(acts, model.layers)
-    most = most_live_activations(model, mbs, w, checkpointing, gathered)
+    most = most_live_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
+    base_temp = sum(held.values()) + _loss_scalars() + held_grads
 
     def bwd(first: bool) -> Peak:
         # step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first update
@@ -193,21 +206,33 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
         if first:
             res -= 2 * FP32 * part + FP32 + norm_dtype
+        # NllLossBackward has run first and released total_weight. (a) at _log_softmax_backward_data:
+        # its input gradient and its output, b*s*V fp32 each. (b) then LogSoftmaxBackward releases the
+        # log_softmax output; ToCopyBackward (logits.float()) casts the gradient to the model dtype
+        # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
+        # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
+        # logits' gradient still alive
+        a = (act - FP32, 2 * FP32 * b * s * V)
+        bb = (act - FP32 - FP32 * b * s * V, w * b * s * V + w * V * h + w * b * s * h)
+        (acts_now, grads_now), at = (a, "_log_softmax_backward_data") if a[0] + a[1] >= bb[0] + bb[1] else \
+            (bb, "the output Linear's mm backward")
         # ZeRO-3: the non-persistent Linear weights stay alive through the saves (counted as
         # activations); nothing else gathered is counted (an estimate)
-        # at _log_softmax_backward_data's output, NllLossBackward has run and released its saves:
-        # total_weight (the log_softmax output it shares stays, saved by LogSoftmaxBackward)
-        parts = {"resident": res, "activations": act - FP32, "gathered": 0, "temporary": bwd_temp, "unnamed": 0}
+        parts = {"resident": res, "activations": acts_now, "gathered": 0, "temporary": grads_now + base_temp,
+                 "unnamed": 0}
         detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
-        detail["temporary/cross-entropy gradients (fp32, nll_loss_backward + _log_softmax_backward_data)"] = \
-            2 * FP32 * b * s * V
+        detail["temporary/cross-entropy and output gradients at " + at] = grads_now
         detail["temporary/loss scalars"] = _loss_scalars()
         if held:
             detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
         if held_grads:
             detail["temporary/gradients held across micro-batches"] = held_grads
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                    what="start of the last micro-batch's backward (cross-entropy gradients in fp32)", detail=detail)
+        what = f"the last micro-batch's backward at {at}"
+        if zero == 3 or (m > 1 and zero == 2) or checkpointing:
+            # ZeRO-3's gathered parameters and a checkpointed layer's recompute are not in this
+            # candidate; ZeRO-2's grads_in_partition above
+            what += "; an estimate (ZeRO-3 gathered params, recompute, ZeRO-2 grads_in_partition not exact)"
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
