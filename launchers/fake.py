@@ -119,7 +119,8 @@ SCALAR_READS: Counter = Counter()
 
 # torch's own dispatch machinery between a read and the code that asked for it
 _DISPATCH = ("torch._subclasses", "torch._ops", "torch.utils._stats", "torch.utils._python_dispatch",
-             "torch._compile", "torch._dynamo", "torch._tensor", "torch.overrides", "probes.comm", __name__)
+             "torch._compile", "torch._dynamo", "torch._tensor", "torch.overrides", "probes.comm", "probes.peak",
+             __name__)
 
 
 def _caller(skip_prefixes=_DISPATCH) -> tuple[str, str]:

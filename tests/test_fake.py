@@ -163,7 +163,8 @@ def deepspeed_jobs(tmp_path_factory):
     return {rec["config"]["framework"]["zero_stage"]: (rec, _job_ranks(rec)) for rec in records.load(str(d))}
 
 
-def _reconciles(rec, expected_ranks):
+def _reconciles(rec, expected_ranks, peak_finding: str | None = None):
+    """peak_finding: the peak rows are a named finding (issue 18): steady peak_bytes within 1%, not exact."""
     assert rec["status"] == "ok", rec.get("error")
     assert rec["device"] == "fake" and rec["measurement"]["device"] == "fake"
     assert rec["fake"]["measured_ranks"] == expected_ranks == rec["measurement"]["measured_ranks"]
@@ -172,6 +173,12 @@ def _reconciles(rec, expected_ranks):
     assert set(df.phase) == {"first", "steady"}
     assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
     assert any(q.startswith("comm/") for q in df.quantity)
+    if peak_finding:
+        pk = df[df.quantity == "peak_bytes"]
+        steady = pk[pk.phase == "steady"]
+        assert len(steady) and (steady.rel_err.abs() <= 0.01).all(), f"{peak_finding}:\n{steady.to_string()}"
+        assert (pk.abs_err != 0).any(), f"{peak_finding}: now exact, no finding"
+        df = df[~df.quantity.str.startswith("peak")]
     bad = df[df.abs_err != 0]
     assert bad.empty, bad.to_string()
 
@@ -225,7 +232,9 @@ def test_deepspeed_fake_job(deepspeed_jobs, stage, shims, reads):
     from launchers import deepspeed as ds
 
     rec, ranks = deepspeed_jobs[stage]
-    _reconciles(rec, [0])
+    # ZeRO-3 at DP8: the peak is in forward with gathered parameters live, which the DeepSpeed peak
+    # ledger does not model exactly (tests/test_deepspeed.py PEAK_FINDINGS "zero3 forward/backward")
+    _reconciles(rec, [0], peak_finding="zero3 forward/backward" if stage == 3 else None)
     assert set(ranks[0]["fake_shims"]) == shims
     reached = {(x["module"], x["function"]) for x in ranks[0]["fake_scalar_reads"]}
     assert reached == reads and reached <= ds.FAKE_SCALAR_SITES
