@@ -15,6 +15,11 @@ ZeRO-3's parameter fetches are a replay of the coordinator (deepspeed_coordinato
 launchers.llama.Llama: any stage3_prefetch_bucket_size / stage3_max_live_parameters /
 stage3_max_reuse_distance, DeepSpeed's defaults included.
 
+The peak within a step (RankState.peak, issue 18) is ledger/faithful/deepspeed_peak.py's: the
+optimizer step's temporaries or the backward's first nodes over the resident state, activations derived
+from launchers/llama.py; framework.activation_checkpointing (deepspeed.checkpointing.checkpoint around
+every layer) at ZeRO-1/2.
+
 Known limits (raise ConfigError rather than guess): contiguous_gradients=false (another reduction
 path, buffered_reduce_fallback, and no IPG buffer at stage 3).
 

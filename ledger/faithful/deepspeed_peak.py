@@ -11,12 +11,16 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   state as it is then (ZeRO-3 released every gathered parameter, the persistent ones too, in step()'s
   _partition_all_parameters; its grad partitions and IPG bucket stay), the new and the previous
   `_global_grad_norm`, the norm scalars step() still holds, the last micro-batch's loss and batch;
-- the start of the last micro-batch's backward: resident state + the activations its forward saved
-  (saved_activations) + the loss gradients of cross-entropy in fp32 (nll_loss_backward,
-  _log_softmax_backward_data: b·s·V fp32 each). This candidate is exact for ZeRO-1/2 without
-  checkpointing at one micro-batch; elsewhere (ZeRO-3's live gathered parameters, gradient
-  accumulation's held gradients, the recompute of a checkpointed layer) it is an estimate, used to
-  pick the larger moment and shown in detail. The jobs tested peak in the optimizer step.
+- the last micro-batch's backward, its first nodes: resident state + the activations its forward
+  saved (saved_activations) + the cross-entropy's gradients in fp32 (nll_loss_backward,
+  _log_softmax_backward_data: b·s·V fp32 each), or a moment later the output Linear's weight and
+  input gradients beside the logits' (fp32 makes that one larger), + what ZeRO-1 holds across
+  micro-batches (param.grad, the IPG buffer). Measured exact: ZeRO-1/2 bf16 at one micro-batch (4
+  samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (total; the probe counts
+  the held gradients the boundary all-reduce touches as `gathered`). An estimate elsewhere: ZeRO-3's
+  live gathered parameters (its forward / backward peak at 4 ranks is 12-25% above: a finding),
+  ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples), fp32 ZeRO-2 deeper in
+  backward (9%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
