@@ -937,6 +937,7 @@ def test_zero3_intermediate_budgets(runs):
             assert count > m + len(persist)
     for name in ("budgets", "budgets_small"):
         df = tables[name]
+        df = df[~df.quantity.str.startswith("peak")]  # the peak rows: test_peak_rows (ZeRO-3 at 4 ranks: a finding)
         assert not df[df.phase == "first"].empty and (df.abs_err == 0).all()
 
 
