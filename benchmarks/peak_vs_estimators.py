@@ -74,10 +74,15 @@ def deepspeed_rows(recs: list[dict]) -> list[dict]:
         zero, dp = c["framework"]["zero_stage"], rec["prediction"]["layout"]["dp"]
         est = deepspeed_estimate(model, zero, dp)
         pred = {p["rank"]: p for p in rec["prediction"]["per_rank"]}
+        prec = c["framework"]["precision"]
         for rank, st in _steady(rec["measurement"]["ranks"]):
             p = pred[rank]
             res, peak = st["state"]["resident_bytes"], st["peak"]["peak_bytes"]
-            out.append({"job": R.job_name(rec), "zero": zero, "dp": dp, "rank": rank,
+            d = rec.get("job_dir") or ""  # sweep/job: job names repeat across sweeps
+            name = f"{os.path.basename(os.path.dirname(d))}/{R.job_name(rec)}" if d else R.job_name(rec)
+            out.append({"job": name, "zero": zero, "dp": dp, "rank": rank,
+                        "prec": prec, "m": rec["prediction"]["layout"]["num_microbatches"],
+                        "mbs": rec["prediction"]["layout"]["micro_batch_size"],
                         "ckpt": bool(c["framework"].get("activation_checkpointing", False)),
                         "measured_resident": res, "measured_peak": peak,
                         "ledger_resident_err": (res - p["resident_bytes"]) / p["resident_bytes"],
