@@ -7,7 +7,9 @@ For each job, the rank with the highest measured peak on the last step (probes/p
   megatron    Megatron-LM's megatron/training/theoretical_memory_usage.py report_theoretical_memory
               (weights + optimizer + activations; imported from the installed package)
   ds_zero     DeepSpeed's estimate_zero2/3_model_states_mem_needs (model states only, no activations;
-              zero/stage_1_and_2.py, zero/stage3.py; cpu_offload=False)
+              zero/stage_1_and_2.py, zero/stage3.py; cpu_offload=False; largest_layer_params as
+              estimate_zero3_model_states_mem_needs_all_live computes it), also against the measured
+              resident state
 and each one's error against the measured peak. torch's FSDPMemTracker (torchtitan jobs) is not
 wired in: it measures a run under its own mode rather than estimating one.
 
@@ -89,32 +91,37 @@ def megatron_theoretical(rec: dict) -> int | None:
     return None if got is None else int(got[2] * T.NUM_BYTES_IN_MEGABYTE)
 
 
-def deepspeed_states(rec: dict) -> int | None:
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+def largest_layer_params(model) -> int:
+    """estimate_zero3_model_states_mem_needs_all_live: max over modules of their own parameters' numel."""
+    from ledger.model import numel
 
+    own: dict[str, int] = {}
+    for name, shape in model.params():
+        mod = name.rsplit(".", 1)[0]
+        own[mod] = own.get(mod, 0) + numel(shape)
+    return max(own.values())
+
+
+def deepspeed_states(rec: dict) -> int | None:
+    """Per-GPU bytes DeepSpeed's estimator gives for the model states (no offload; ZeRO-1 and 2 share
+    estimate_zero2_model_states_mem_needs, DeepSpeed has none for stage 1), num_gpus_per_node = the
+    job's DP ranks."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ledger.model import ModelShape
 
     cfg = rec["config"]
-    shape = ModelShape.from_config(cfg["model"])
-    total = shape.num_params() if hasattr(shape, "num_params") else None
-    if total is None:
-        return None
-    gpus = rec["prediction"]["world"]
+    model = ModelShape.from_config(cfg["model"])
+    n, dp = model.num_params(), rec["prediction"]["world"]
     if cfg["framework"].get("zero_stage") == 3:
-        largest = max(sum(_numel(s) for _n, s in shape.layer_params(0)), shape.vocab * shape.hidden)
-        _cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=gpus, num_nodes=1,
-                                                              cpu_offload=False, cpu_offload_params=False)
-    else:
-        _cpu, gpu = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=False)
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        _cpu, gpu, _ = estimate_zero3_model_states_mem_needs(n, largest_layer_params(model), num_gpus_per_node=dp,
+                                                             num_nodes=1, cpu_offload=False, cpu_offload_params=False)
+        return int(gpu)
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _cpu, gpu = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=dp, num_nodes=1, cpu_offload=False)
     return int(gpu)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def table(recs: list[dict]):
@@ -135,9 +142,14 @@ def table(recs: list[dict]):
         row["ds_zero_states"] = _safe(deepspeed_states, rec) if fam == "deepspeed" else None
         for k in ("ours", "megatron_theoretical", "ds_zero_states"):
             row[f"{k}_err"] = None if row[k] is None else f"{(row[k] - meas) / meas:+.1%}"
+        # DeepSpeed's estimators are of the model states: against the measured resident state too
+        res = (st.get("state") or {}).get("resident_bytes")
+        row["measured_resident"] = res
+        row["ds_zero_states_vs_resident"] = (None if row["ds_zero_states"] is None or not res
+                                             else f"{(row['ds_zero_states'] - res) / res:+.1%}")
         rows.append(row)
     df = pd.DataFrame(rows)
-    for k in ("measured_peak", "ours", "megatron_theoretical", "ds_zero_states"):
+    for k in ("measured_peak", "measured_resident", "ours", "megatron_theoretical", "ds_zero_states"):
         if k in df:
             df[k] = df[k].astype("Int64")
     return df

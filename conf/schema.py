@@ -103,6 +103,9 @@ class DeepSpeedConfig(FrameworkConfig):
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_param_persistence_threshold: int = 100_000
     gradient_clipping: float = 1.0
+    # the plain Llama's decoder layers under deepspeed.checkpointing.checkpoint (its reentrant
+    # CheckpointFunction), configured through the ds_config "activation_checkpointing" section
+    activation_checkpointing: bool = False
 
 
 @dataclass

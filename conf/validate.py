@@ -116,6 +116,9 @@ def validate_framework(fw, mode: str = "run") -> None:
         # refuses it with its own reason (ledger/faithful/deepspeed.py place)
         _one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
         _at_least("framework", fw, ("gradient_clipping",), 0)
+        if not isinstance(fw.get("activation_checkpointing", False), bool):
+            raise ConfigError(f"framework.activation_checkpointing={fw.activation_checkpointing!r} must be true or false "
+                              "(every decoder layer under deepspeed.checkpointing.checkpoint, or none)")
     elif fw.name == "megatron":
         _at_least("framework", fw, ("clip_grad",), 0)
         validate_recompute(fw)

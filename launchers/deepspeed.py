@@ -35,7 +35,7 @@ def ds_config(cfg, lay: Layout) -> dict:
                     stage3_max_reuse_distance=int(fw.stage3_max_reuse_distance),
                     stage3_max_live_parameters=int(fw.stage3_max_live_parameters),
                     stage3_param_persistence_threshold=int(fw.stage3_param_persistence_threshold))
-    return {
+    out = {
         "train_batch_size": lay.global_batch_size,
         "train_micro_batch_size_per_gpu": lay.micro_batch_size,
         "gradient_accumulation_steps": lay.num_microbatches,
@@ -49,6 +49,13 @@ def ds_config(cfg, lay: Layout) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if fw.get("activation_checkpointing", False):
+        # read by deepspeed.checkpointing.configure(mpu_, deepspeed_config=...) (runtime/
+        # activation_checkpointing/config.py): plain reentrant checkpoints, inputs kept on the device
+        out["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False, "synchronize_checkpoint_boundary": False,
+                                           "profile": False}
+    return out
 
 
 def _setup_env(cfg) -> None:
@@ -199,12 +206,18 @@ def _train(cfg, lay: Layout, session) -> dict:
     conf = ds_config(cfg, lay)
     shape = ModelShape.from_config(cfg.model)
     torch.manual_seed(cfg.train.seed)
+    ckpt = None
+    if "activation_checkpointing" in conf:
+        # as a DeepSpeed user does it (Megatron-DeepSpeed's pattern): configure from the ds_config,
+        # then wrap each layer in deepspeed.checkpointing.checkpoint
+        deepspeed.checkpointing.configure(None, deepspeed_config=conf)
+        ckpt = deepspeed.checkpointing.checkpoint
     if cfg.framework.zero_stage == 3:
         # no dtype: zero.Init(dtype=float32) yields bf16 params on CPUs without fp16 (Init._set_dtype)
         with deepspeed.zero.Init(config_dict_or_path=conf):
-            model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps)
+            model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt)
     else:
-        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps)
+        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     session.watch([engine.module])
 
@@ -279,11 +292,15 @@ a = ap.parse_args()
 deepspeed.init_distributed()
 conf = json.load(open(a.deepspeed_config))
 shape = ModelShape(**json.loads(a.model))
+ckpt = None
+if "activation_checkpointing" in conf:   # every decoder layer checkpointed
+    deepspeed.checkpointing.configure(None, deepspeed_config=conf)
+    ckpt = deepspeed.checkpointing.checkpoint
 if conf["zero_optimization"]["stage"] == 3:
     with deepspeed.zero.Init(config_dict_or_path=conf):   # no dtype: the config decides
-        model = Llama(shape)
+        model = Llama(shape, checkpoint=ckpt)
 else:
-    model = Llama(shape)
+    model = Llama(shape, checkpoint=ckpt)
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
 for step in range(a.steps):
     for micro in range(engine.gradient_accumulation_steps()):

@@ -97,9 +97,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5):
+    def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5, checkpoint=None):
         super().__init__()
         self.shape = shape
+        # checkpoint(layer, h) -> h: activation checkpointing of every decoder layer, as a user wraps
+        # them (DeepSpeed: deepspeed.checkpointing.checkpoint); None: plain autograd
+        self.checkpoint = checkpoint
         self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
         self.layers = nn.ModuleList(Block(shape, rope_theta, norm_eps) for _ in range(shape.layers))
         self.norm = _norm(shape, norm_eps)
@@ -122,7 +125,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if self.checkpoint is None else self.checkpoint(layer, h)
         h = self.norm(h)
         logits = self.output(h)
         if labels is None:

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3: real runs on local gloo ranks reconciled to the byte, the model/ledger name
 agreement, the faithful ledger's rules, and the dry artifacts checked by DeepSpeed's own parser.
 
-The real matrix (one fixture, six Hydra multiruns, 21 jobs):
+The real matrix (one fixture, seven Hydra multiruns, 23 jobs):
 
     # bf16, reduce_bucket_size below the embedding: extra-large parameters reduced on their own
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
@@ -29,6 +29,14 @@ The real matrix (one fixture, six Hydra multiruns, 21 jobs):
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=100000 \\
         framework.stage3_max_live_parameters=250000 framework.stage3_max_reuse_distance=150000 \\
         layout.global_batch_size=4 model.tied_embeddings=false,true train.steps=4
+    # 4 samples per micro-batch: without checkpointing the activations make the peak (the start of
+    # backward); with deepspeed.checkpointing.checkpoint around each layer it is the optimizer step's again
+    python launch.py -m framework=deepspeed framework.zero_stage=2 cluster.ranks=2 \
+        framework.activation_checkpointing=false,true framework.reduce_bucket_size=65536 \
+        layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=4
+
+Every job also reconciles its per-rank peak within a step (issue 18; ledger/faithful/deepspeed_peak.py):
+peak_bytes and its parts; and the most live activations against the last step's timeline.
 
 The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
 reduce_bucket_size=500000 fits every parameter and splits the gradients into several IPG buckets;
@@ -71,6 +79,9 @@ BUDGETS = _Z3 + ["cluster.ranks=2,4", "framework.stage3_prefetch_bucket_size=300
 BUDGETS_SMALL = _Z3 + ["cluster.ranks=2", "framework.stage3_prefetch_bucket_size=100000",
                        "framework.stage3_max_live_parameters=250000", "framework.stage3_max_reuse_distance=150000",
                        "model.tied_embeddings=false,true"]
+AC = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "framework.activation_checkpointing=false,true",
+      f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=4", "layout.global_batch_size=8",
+      "train.steps=4"]
 FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
         f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", "train.steps=4"]
 
@@ -659,7 +670,8 @@ def runs(tmp_path_factory):
     _sweep(FP32, root / "fp32")
     _sweep(BUDGETS, root / "budgets")
     _sweep(BUDGETS_SMALL, root / "budgets_small")
-    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small")}
+    _sweep(AC, root / "ac")
+    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small", "ac")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -670,6 +682,10 @@ def _key(rec):
 
 def _tied(rec) -> bool:
     return bool(rec["config"]["model"]["tied_embeddings"])
+
+
+def _ckpt(rec) -> bool:
+    return bool(rec["config"]["framework"].get("activation_checkpointing", False))
 
 
 def _job(recs, stage, ranks, tied=False):
@@ -694,6 +710,8 @@ def test_matrix_ran_every_rank(runs):
     assert sorted(_key(r) for r in recs["fp32"]) == [(1, 4), (2, 4), (3, 4)]
     assert sorted(_key(r) for r in recs["budgets"]) == [(3, 2), (3, 4)]
     assert sorted((*_key(r), _tied(r)) for r in recs["budgets_small"]) == [(3, 2, False), (3, 2, True)]
+    assert sorted((*_key(r), _ckpt(r)) for r in recs["ac"]) == [(2, 2, False), (2, 2, True)]
+    assert all(r["prediction"]["layout"]["micro_batch_size"] == 4 for r in recs["ac"])
     for rec in recs["knobs0"] + recs["gas2"] + recs["budgets"] + recs["budgets_small"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
     for rec in recs["fp32"]:
@@ -714,6 +732,7 @@ def test_every_row_reconciles_to_the_byte(runs):
     _, tables = runs
     for name, df in tables.items():
         assert len(df), name
+        df = df[~df.quantity.str.startswith("peak")]  # test_peak_rows
         bad = df[df.abs_err != 0]
         assert bad.empty, f"{name}:\n{bad.to_string()}"
         steady = df[df.phase == "steady"]
@@ -918,6 +937,7 @@ def test_zero3_intermediate_budgets(runs):
             assert count > m + len(persist)
     for name in ("budgets", "budgets_small"):
         df = tables[name]
+        df = df[~df.quantity.str.startswith("peak")]  # the peak rows: test_peak_rows (ZeRO-3 at 4 ranks: a finding)
         assert not df[df.phase == "first"].empty and (df.abs_err == 0).all()
 
 
@@ -949,3 +969,187 @@ def test_zero3_step1_pass_from_the_accumulation_coordinator():
         taken += first
         refused += not first
     assert taken > 100 and refused > 0, (taken, refused)
+
+
+# Peak findings (issue 18): jobs whose peak is at a moment the ledger does not model exactly. Each is
+# checked to stay what it is (a fix shows up here), never covered by a wider tolerance.
+# name -> (which jobs: f(zero, dp, precision, micro-batches, tied, reuse distance), "over 1%" | "within 1%")
+PEAK_FINDINGS = {
+    # ZeRO-3 at 4 ranks keeping gathered params from forward to backward (reuse distance): the optimizer
+    # step's temporaries halve and the peak moves into forward / backward, where the coordinator's live
+    # gathered parameters at that moment are not modelled (the backward candidate is an estimate for
+    # ZeRO-3, deepspeed_peak): 12-25% off
+    "zero3 forward/backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse != 0, "over 1%"),
+    # fp32 ZeRO-2, 4 ranks, 2 micro-batches: the peak is further into backward than the candidates
+    # (grads_in_partition, the IPG bucket and the layers' gradients): 9% off
+    "fp32 zero2 deep backward": (lambda z, dp, prec, m, tied, reuse: z == 2 and dp == 4 and prec == "fp32", "over 1%"),
+    # ZeRO-3, 4 ranks, tied, nothing kept (reuse 0): the peak is in backward at 0.63% below the
+    # optimizer-step candidate the ledger picks (the gathered embedding / output weight in backward)
+    "zero3 tied backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse == 0 and tied,
+                            "within 1%"),
+    # total exact, parts not: held param.grads of ZeRO-1 across micro-batches that the boundary all-reduce
+    # touches (the extra-large ones, the IPG buffer) are `gathered` for the probe (its categories hold for
+    # the whole step); the ledger counts them temporary
+    "zero1 held grads": (lambda z, dp, prec, m, tied, reuse: z == 1 and m > 1 and dp == 4, "within 1%"),
+}
+
+
+def _peak_finding(rec):
+    c = rec["config"]["framework"]
+    lay = rec["prediction"]["layout"]
+    key = (c["zero_stage"], lay["dp"], c["precision"], lay["num_microbatches"], _tied(rec),
+           c["stage3_max_reuse_distance"])
+    return [(k, kind) for k, (f, kind) in PEAK_FINDINGS.items() if f(*key)]
+
+
+@pytest.mark.real
+def test_peak_rows(runs):
+    """Every rank and step has a peak_bytes row and the five parts; every steady row within 1% (issue 18)
+    and exact, a deterministic order of allocations (ledger/faithful/deepspeed_peak.py): the peak is in
+    torch AdamW's update, or at the start of backward (4 samples a micro-batch without checkpointing),
+    but for the named findings."""
+    recs, tables = runs
+    jobs = {(name, R_name(rec)): rec for name in recs for rec in recs[name]}
+    seen = {k: 0 for k in PEAK_FINDINGS}
+    exact = 0
+    for name, df in tables.items():
+        pk = df[df.quantity.str.startswith("peak")]
+        steps = sum(len(r["steps"]) for rec in recs[name] for r in rec["measurement"]["ranks"])
+        assert (pk.quantity == "peak_bytes").sum() == steps, name
+        assert set(pk.quantity) == {"peak_bytes", *(f"peak/{p}_bytes" for p in
+                                                    ("resident", "activations", "gathered", "temporary", "unnamed"))}
+        for job, g in pk.groupby("job"):
+            found = _peak_finding(jobs[(name, job)])
+            steady = g[(g.phase == "steady") & (g.quantity == "peak_bytes")]
+            for k, _ in found:
+                seen[k] += 1
+            if any(kind == "over 1%" for _, kind in found):
+                assert (steady.rel_err.abs() > 0.01).any(), f"{name}/{job} {found}: now within 1%, no finding"
+                continue
+            assert (steady.rel_err.abs() <= 0.01).all(), f"{name}/{job}:\n{steady.to_string()}"
+            if found:
+                assert (g.abs_err != 0).any(), f"{name}/{job} {found}: now exact, no finding"
+                continue
+            assert (g.abs_err == 0).all(), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
+            exact += 1
+    assert all(seen.values()), seen
+    assert exact == 17, exact
+
+
+@pytest.mark.real
+def test_most_live_activations_are_the_ledgers(runs):
+    """The activations derived op by op from launchers/llama.py (deepspeed_peak.saved_activations): the
+    most live at once in the last step's timeline is the ledger's, with and without checkpointing
+    (checkpointing: one layer's recompute in backward), ZeRO-3's saved gathered weights included."""
+    recs, _ = runs
+    seen, budgets = set(), 0
+    for rec in [r for k in recs for r in recs[k]]:
+        pred = rec["prediction"]["per_rank"][0]["peak"]["detail"]["candidate/activations most live"]
+        fw = rec["config"]["framework"]
+        # finding: a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights
+        # mm saved before the forward ends (free_param frees the storage under the saved leaf); which
+        # ones is the coordinator's replay, not carried into the activations (deepspeed_peak)
+        finding = fw["zero_stage"] == 3 and fw["stage3_max_reuse_distance"] not in (0, 1_000_000_000)
+        for r in rec["measurement"]["ranks"]:
+            most = max(p.get("activations", 0) for p in r["steps"][-1]["timeline"])
+            if finding:
+                assert most < pred, (R_name(rec), r["rank"])
+            else:
+                assert most == pred, (R_name(rec), r["rank"])
+        budgets += finding
+        seen.add((fw["zero_stage"], _ckpt(rec), fw["stage3_max_reuse_distance"] == 0))
+    assert seen >= {(1, False, False), (2, False, False), (3, False, False), (3, False, True), (2, True, False)}
+    assert budgets == 4
+
+
+def R_name(rec):
+    import records as R
+
+    return R.job_name(rec)
+
+
+# -- the peak, predicted (cheap) --------------------------------------------------------------------
+
+def test_activation_checkpointing_config():
+    from omegaconf import OmegaConf
+
+    from conf.validate import validate_framework
+    from launchers.deepspeed import ds_config
+    from ledger.faithful.deepspeed import place
+
+    validate_framework(_fw(activation_checkpointing=True))
+    bad = OmegaConf.create({**OmegaConf.to_container(_fw()), "activation_checkpointing": "yes"})
+    with pytest.raises(ConfigError, match="framework.activation_checkpointing='yes' must be true or false"):
+        validate_framework(bad)
+    cfg = OmegaConf.create({"framework": OmegaConf.to_container(_fw(activation_checkpointing=True)), "train": {"lr": 1e-3}})
+    conf = ds_config(cfg, _lay(2))
+    assert conf["activation_checkpointing"]["partition_activations"] is False
+    assert "activation_checkpointing" not in ds_config(OmegaConf.create({**cfg, "framework": OmegaConf.to_container(_fw())}), _lay(2))
+    with pytest.raises(ConfigError, match="activation_checkpointing=true with framework.zero_stage=3"):
+        place(preset("tiny"), _lay(2), _fw(zero_stage=3, activation_checkpointing=True))
+
+
+def test_llama_checkpointed_layers_train_the_same():
+    """Llama(checkpoint=...) wraps each layer; the same loss and gradients as plain autograd."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from launchers.data import batch
+    from launchers.llama import Llama
+
+    shape = preset("tiny", layers=2)
+    torch.manual_seed(0)
+    a = Llama(shape)
+    b = Llama(shape, checkpoint=lambda f, h: checkpoint(f, h, use_reentrant=True))
+    b.load_state_dict(a.state_dict())
+    x, y = batch(shape.vocab, shape.seq_len, 1, 0, 0, 0, 0, 1)
+    la, lb = a(x, y), b(x, y)
+    la.backward()
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_peak_prediction_tiny():
+    """The optimizer-step peak by hand for the tiny model at 2 ranks (3,541,248 params, partition
+    1,770,624): resident (bf16 flat 2n + fp32 partition, exp_avg, exp_avg_sq 12p + step 4 + two grad
+    norms 8) + fp32 gradient partition and AdamW's two temporaries (12p) + loss and norm scalars (8) +
+    the batch (129 int64)."""
+    from ledger.faithful.deepspeed import place
+
+    n, p = 3_541_248, 1_770_624
+    for z in (1, 2):
+        pk = place(preset("tiny"), _lay(2), _fw(zero_stage=z)).rank_state(0).peak
+        assert pk.parts == {"resident": 2 * n + 12 * p + 4 + 8, "activations": 1032, "gathered": 0,
+                            "temporary": 12 * p + 8, "unnamed": 0}
+        assert pk.bytes == 49_578_524 and pk.phase == "optimizer" and pk.first.bytes == pk.bytes - 4
+    pk = place(preset("tiny"), _lay(2), _fw(zero_stage=3, reduce_bucket_size=BELOW_EMBEDDING)).rank_state(1).peak
+    # ZeRO-3: partitions 2p (the persistent params released in step()), grad partitions 2p + IPG bucket,
+    # fp64 norms (two resident, two temporaries) and inf_or_nan_tracker
+    assert pk.parts["resident"] == 2 * p + 2 * p + 2 * BELOW_EMBEDDING + 12 * p + 4 + 17
+    assert pk.parts["temporary"] == 12 * p + 4 + 16 and pk.bytes == 49_709_617
+    # 4 samples a micro-batch: the start of backward (measured 61,059,096 in the matrix's ac job); step 0
+    # peaks in the optimizer step (no AdamW state before it: its backward start is 14,164,996 lower)
+    pk = place(preset("tiny"), _lay(2, mbs=4), _fw(zero_stage=2)).rank_state(0).peak
+    assert (pk.phase, pk.bytes, pk.first.phase, pk.first.bytes) == ("backward", 61_059_096, "optimizer", 49_585_680)
+    assert pk.parts["temporary"] == 2 * 4 * 4 * 128 * 1024 + 16  # cross-entropy gradients in fp32, loss scalars
+    ck = place(preset("tiny"), _lay(2, mbs=4), _fw(zero_stage=2, activation_checkpointing=True)).rank_state(0).peak
+    assert ck.phase == "optimizer" and ck.detail["candidate/activations most live"] < \
+        pk.detail["candidate/activations most live"] / 4
+
+
+def test_activations_derivation():
+    """Per layer (bf16, b=1): norms 2 x (fp32 copy 4bsh + rsqrt 4bs + 2 x 2bsh), rope angles 4 x 4s(d/2),
+    q/k/v/out 4 x 2bsHd, logsumexp 4bHs, SwiGLU 4 x 2bsf; checkpointing keeps no layer's saves."""
+    from ledger.faithful import deepspeed_peak as P
+
+    m = preset("tiny")
+    per = P.layer_activations(m, 1, 2)
+    assert per == {"attention_norm": 262_656, "attention": 299_008, "ffn_norm": 262_656, "feed_forward": 786_432}
+    assert P.layer_activations(m, 2, 2)["feed_forward"] == 2 * 786_432
+    full = P.most_live_activations(m, 1, 2, False)
+    assert full == 4 * sum(per.values()) + 262_656 + 524_288 + 4 + 1032
+    assert P.most_live_activations(m, 1, 2, True) == sum(per.values()) + 1032
+    # fp32: x.float() and type_as are the tensors themselves, the norm saves its input instead
+    assert P.layer_activations(m, 1, 4)["attention_norm"] == 12 * 128 * 256 + 4 * 128
+    assert P.modelled(preset("tiny", norm="layernorm")) and P.modelled(preset("tiny", swiglu=False))

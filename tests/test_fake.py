@@ -164,7 +164,9 @@ def deepspeed_jobs(tmp_path_factory):
     return {rec["config"]["framework"]["zero_stage"]: (rec, _job_ranks(rec)) for rec in records.load(str(d))}
 
 
-def _reconciles(rec, expected_ranks):
+def _reconciles(rec, expected_ranks, peaks: str = "reported"):
+    """peaks: "exact" (the peak rows too, every step), "finding" (steady peak_bytes within 1%, not
+    exact: a named finding of issue 18) or "reported" (not asserted)."""
     assert rec["status"] == "ok", rec.get("error")
     assert rec["device"] == "fake" and rec["measurement"]["device"] == "fake"
     assert rec["fake"]["measured_ranks"] == expected_ranks == rec["measurement"]["measured_ranks"]
@@ -173,9 +175,16 @@ def _reconciles(rec, expected_ranks):
     assert set(df.phase) == {"first", "steady"}
     assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
     assert any(q.startswith("comm/") for q in df.quantity)
-    # states and collectives to the byte, the first step too; the peak rows (issue 18) are reported:
-    # a fake world's collectives make no gloo copies, which the CPU runs' peak models
-    bad = df[(df.abs_err != 0) & ~df.quantity.map(is_peak)]
+    if peaks == "finding":  # a named finding (issue 18): steady peak_bytes within 1%, not exact
+        pk = df[df.quantity == "peak_bytes"]
+        steady = pk[pk.phase == "steady"]
+        assert len(steady) and (steady.rel_err.abs() <= 0.01).all(), steady.to_string()
+        assert (pk.abs_err != 0).any(), "the peak finding is now exact"
+    if peaks != "exact":
+        # states and collectives to the byte, the first step too; peak rows otherwise reported: Megatron's
+        # and torchtitan's peaks model gloo's copies, which a fake world's collectives do not make
+        df = df[~df.quantity.map(is_peak)]
+    bad = df[df.abs_err != 0]
     assert bad.empty, bad.to_string()
 
 
@@ -228,7 +237,9 @@ def test_deepspeed_fake_job(deepspeed_jobs, stage, shims, reads):
     from launchers import deepspeed as ds
 
     rec, ranks = deepspeed_jobs[stage]
-    _reconciles(rec, [0])
+    # ZeRO-3 at DP8: the peak is in forward with gathered parameters live, which the DeepSpeed peak
+    # ledger does not model exactly (tests/test_deepspeed.py PEAK_FINDINGS "zero3 forward/backward")
+    _reconciles(rec, [0], peaks="finding" if stage == 3 else "exact")  # ZeRO-3: its forward/backward finding
     assert set(ranks[0]["fake_shims"]) == shims
     reached = {(x["module"], x["function"]) for x in ranks[0]["fake_scalar_reads"]}
     assert reached == reads and reached <= ds.FAKE_SCALAR_SITES

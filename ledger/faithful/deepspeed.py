@@ -15,6 +15,11 @@ ZeRO-3's parameter fetches are a replay of the coordinator (deepspeed_coordinato
 launchers.llama.Llama: any stage3_prefetch_bucket_size / stage3_max_live_parameters /
 stage3_max_reuse_distance, DeepSpeed's defaults included.
 
+The peak within a step (RankState.peak, issue 18) is ledger/faithful/deepspeed_peak.py's: the
+optimizer step's temporaries or the backward's first nodes over the resident state, activations derived
+from launchers/llama.py; framework.activation_checkpointing (deepspeed.checkpointing.checkpoint around
+every layer) at ZeRO-1/2.
+
 Known limits (raise ConfigError rather than guess): contiguous_gradients=false (another reduction
 path, buffered_reduce_fallback, and no IPG buffer at stage 3).
 
@@ -40,6 +45,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
+from ledger.faithful import deepspeed_peak
 from ledger.faithful.deepspeed_coordinator import _block, _z3_fetches, _z3_steady, _z3_trace
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
@@ -244,6 +250,10 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         raise ConfigError("framework.contiguous_gradients=false: DeepSpeed then reduces through "
                           "buffered_reduce_fallback (stage 1/2) and keeps no IPG buffer (stage 3), not modelled")
     z = fw.zero_stage
+    if z == 3 and fw.get("activation_checkpointing", False):
+        raise ConfigError("framework.activation_checkpointing=true with framework.zero_stage=3: the checkpointed "
+                          "layers' recompute in backward fetches their parameters again (ZeRO-3's module hooks), "
+                          "a fetch order the coordinator replay does not model; ZeRO-1/2 are modelled")
     if z == 3:
         s = _zero3(model, lay, fw)
     elif z in (1, 2):
@@ -267,6 +277,11 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
     rounds = lay.num_microbatches if fw.zero_stage == 2 else 1
     key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, rounds, fw.precision)
     s.comm_fn = lambda: _fresh(_zero12_comm(*key))
+    w, part = _DTYPES[fw.precision], _ceil_to(model.num_params(), 2 * lay.dp) // lay.dp
+    s.peak = lambda: deepspeed_peak.peak(
+        model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w, bool(fw.get("activation_checkpointing", False)),
+        part=part, params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
+        gathered_weights=0, n=model.num_params(), bucket=int(fw.reduce_bucket_size))
     return s
 
 
@@ -497,6 +512,14 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     s.comm_fn = lambda: _fresh(_zero3_steady(*key))
     s.comm_first = lambda: _fresh(_zero3_comm(*key)[1])
     s.comm_warmup = (lambda: [_fresh(_zero3_warmup(*key))]) if m == 1 else None  # built on first read
+    w = _DTYPES[prec]
+    z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, w)
+    s.peak = lambda: deepspeed_peak.peak(
+        model, lay.micro_batch_size, m, 3, w, False, part=z.part, params_resident=s.params_bytes,
+        optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_numel,
+        gathered_weights=w * deepspeed_peak.linear_weights(model, fw.stage3_param_persistence_threshold)
+        if int(fw.stage3_max_reuse_distance) != 0 else 0,
+        n=model.num_params(), bucket=int(fw.reduce_bucket_size))
     return s
 
 

@@ -1,0 +1,274 @@
+"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: the most live bytes of a rank within one optimizer step (issue 18).
+
+What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), one candidate per moment:
+
+- the optimizer step (engine.step() at the accumulation boundary), where the tiny and small shapes peak:
+  torch AdamW's single-tensor update on the flat fp32 partition (torch/optim/adam.py
+  _single_tensor_adam, foreach off on CPU tensors: `denom = (exp_avg_sq.sqrt() /
+  bias_correction2_sqrt).add_(eps)`: two fp32 partitions alive at the division) on top of the fp32
+  gradient partition the step builds (stage_1_and_2.py step: `flat_grad_partition.to(fp32)`;
+  stage3.py _prepare_fp32_grad_for_sub_group: `flatten(averaged_gradients).to(fp32)`), the resident
+  state as it is then (ZeRO-3 released every gathered parameter, the persistent ones too, in step()'s
+  _partition_all_parameters; its grad partitions and IPG bucket stay), the new and the previous
+  `_global_grad_norm`, the norm scalars step() still holds, the last micro-batch's loss and batch;
+- the last micro-batch's backward, its first nodes: resident state + the activations its forward
+  saved (saved_activations) + the cross-entropy's gradients in fp32 (nll_loss_backward,
+  _log_softmax_backward_data: b·s·V fp32 each), or a moment later the output Linear's weight and
+  input gradients beside the logits' (fp32 makes that one larger), + what ZeRO-1 holds across
+  micro-batches (param.grad, the IPG buffer). Measured exact: ZeRO-1/2 bf16 at one micro-batch (4
+  samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (total; the probe counts
+  the held gradients the boundary all-reduce touches as `gathered`). An estimate elsewhere: ZeRO-3's
+  live gathered parameters (its forward / backward peak at 4 ranks is 12-25% above: a finding),
+  ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples), fp32 ZeRO-2 deeper in
+  backward (9%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
+
+Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
+(torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
+framework.activation_checkpointing, every decoder layer runs under deepspeed.checkpointing.checkpoint
+(runtime/activation_checkpointing/checkpointing.py CheckpointFunction.forward: the layer under
+torch.no_grad, its inputs kept on ctx.deepspeed_saved_tensors, not through save_for_backward, so the
+probe sees them as temporaries; plus ctx.fwd_cpu_rng_state and ctx.fwd_cuda_rng_state, both
+torch.get_rng_state() on the CPU accelerator).
+"""
+from __future__ import annotations
+
+from ledger.model import ModelShape, numel
+from ledger.placement import Peak
+
+FP32, FP64, INT64 = 4, 8, 8
+# torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
+CPU_RNG_STATE = 5056
+
+
+def modelled(model: ModelShape) -> str | None:
+    """None where saved_activations follows the model's code; else why not."""
+    if model.norm != "rmsnorm":
+        return f"model.norm={model.norm!r}: the peak ledger derives RMSNorm's saved tensors only"
+    if not model.swiglu:
+        return "model.swiglu=false: the peak ledger derives SwiGLU's saved tensors only"
+    if model.kv_heads == model.heads:
+        return "kv_heads == heads: repeat_interleave(1) copies or not, not derived"
+    return None
+
+
+def batch_bytes(model: ModelShape, mbs: int) -> int:
+    """launchers/data.py batch: a randint of (mbs, seq + 1) int64, tokens = t[:, :-1].contiguous() and
+    labels = t[:, 1:].contiguous(): views of it at one sample (already contiguous), two copies of
+    (mbs, seq) and the randint freed above (the embedding saves the tokens, nll_loss the labels)."""
+    if mbs == 1:
+        return INT64 * (model.seq_len + 1)
+    return 2 * INT64 * mbs * model.seq_len
+
+
+def layer_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
+    """Bytes one Block's forward saves for backward (launchers/llama.py Block), w: model dtype bytes."""
+    b, s, h, f = mbs, model.seq_len, model.hidden, model.ffn_hidden
+    H, d = model.heads, model.head_dim
+    bsh = b * s * h
+    # RMSNorm.forward: xf = x.float() (a copy in bf16; x itself in fp32) saved by pow and by the mul
+    # with rsqrt; rsqrt (b, s, 1) fp32 saved by that mul; y.type_as(x) (w) saved by the mul with the
+    # weight; the norm's output (w) saved by the next Linear (mm saves its input)
+    norm = FP32 * bsh + FP32 * b * s + 2 * w * bsh
+    return {
+        "attention_norm": norm,
+        # rope(): cos and sin (s, d/2) fp32 saved by the muls with x0 / x1 (which require grad, the
+        # angles do not), for q and for k; q = rope(...).type_as(x) saved by SDPA; k and v
+        # repeat_interleave copies (b, s, heads, d) saved by SDPA; SDPA (CPU flash kernel,
+        # _scaled_dot_product_flash_attention_for_cpu) saves its output (also wo's input) and the
+        # logsumexp (b, heads, s) fp32
+        "attention": 4 * FP32 * s * (d // 2) + 4 * w * b * s * H * d + FP32 * b * H * s,
+        "ffn_norm": norm,
+        # FeedForward: w1(x) saved by silu, silu's output and w3(x) by the mul, the product by w2
+        "feed_forward": 4 * w * b * s * f,
+    }
+
+
+def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
+    """The final norm, the output Linear's input, the cross-entropy in fp32 and the batch."""
+    b, s = mbs, model.seq_len
+    bsh = b * s * model.hidden
+    return {
+        "norm": FP32 * bsh + FP32 * b * s + 2 * w * bsh,
+        # F.cross_entropy(logits.float()): log_softmax saves its fp32 output; nll_loss saves it, the
+        # labels and total_weight (an fp32 scalar)
+        "log_softmax (fp32)": FP32 * b * s * model.vocab,
+        "nll_loss total_weight": FP32,
+        "batch (tokens, labels)": batch_bytes(model, mbs),
+    }
+
+
+def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
+                      gathered_weights: int = 0) -> tuple[dict[str, int], dict[str, int]]:
+    """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
+
+    gathered_weights: ZeRO-3's non-persistent Linear weights (bytes) alive at the forward's end: mm
+    saves its weight (the Parameter itself, a leaf), so the saved tensor holds the gathered storage
+    only while the coordinator has not released the parameter (partition_parameters.py free_param
+    swaps param.data for an empty tensor, which frees the storage under the saved leaf too). With
+    stage3_max_reuse_distance 0 every parameter is released after its module's forward: none; with a
+    reuse distance above the model, none before its backward: all of them (the caller's choice, see
+    ledger/faithful/deepspeed.py _zero3); budgets in between keep some (not derived: the default
+    above, an estimate there)."""
+    acts: dict[str, int] = {}
+    held: dict[str, int] = {}
+    per = layer_activations(model, mbs, w)
+    if checkpointing:
+        # CheckpointFunction.forward: no grad inside; ctx keeps the layer input (the residual stream,
+        # w) and two CPU RNG states
+        for i in range(model.layers):
+            held[f"layer {i} input (ctx.deepspeed_saved_tensors)"] = w * mbs * model.seq_len * model.hidden
+            held[f"layer {i} rng states"] = 2 * CPU_RNG_STATE
+    else:
+        for i in range(model.layers):
+            for k, v in per.items():
+                acts[f"layer {i} {k}"] = v
+        if gathered_weights:
+            acts["gathered Linear weights saved by mm (ZeRO-3)"] = gathered_weights
+    acts.update(head_activations(model, mbs, w))
+    return acts, held
+
+
+def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool, gathered_weights: int = 0) -> int:
+    """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
+    micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
+    of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
+    recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
+    saves, the batch; the head's saves were freed by its backward before)."""
+    acts, _ = saved_activations(model, mbs, w, checkpointing, gathered_weights)
+    if not checkpointing:
+        return sum(acts.values())
+    layer = sum(layer_activations(model, mbs, w).values())
+    return max(sum(acts.values()), layer + batch_bytes(model, mbs))
+
+
+def _loss_scalars() -> int:
+    # the loss (nll_loss's fp32 scalar), engine.backward's scaled copy and its product
+    # (_scale_loss_by_gas, the loss scaler's mul) and the gradient seed (ones_like): four scalars
+    return 4 * FP32
+
+
+def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
+         params_resident: int, optim: int, grads_resident: int, persist: int, gathered_weights: int,
+         n: int, bucket: int) -> Peak | None:
+    """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
+
+    part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
+    optimizer state (bytes); grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for
+    ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
+    bucket: reduce_bucket_size (elements)."""
+    if modelled(model) is not None:
+        return None
+    acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
+    act = sum(acts.values())
+    batch = batch_bytes(model, mbs)
+    norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
+
+    def opt(first: bool) -> Peak:
+        # the previous step's _global_grad_norm is replaced only after the new one is computed
+        other = norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0)  # + inf_or_nan_tracker (bool)
+        params = params_resident - (persist if zero == 3 else 0)  # _partition_all_parameters
+        resident = params + grads_resident + optim + other
+        temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * part,
+                "AdamW exp_avg_sq.sqrt() and its / bias_correction2_sqrt": 2 * FP32 * part,
+                "loss (last micro-batch)": FP32}
+        if zero == 3:
+            # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
+            # utils.combine_grad_norm_groups' where result (scaled_global_grad_norm), fp64
+            temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * FP64
+        else:
+            temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
+        parts = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
+                 "unnamed": 0}
+        detail = {"resident/params": params, "resident/grads": grads_resident, "resident/optim": optim,
+                  "resident/other": other, "activations/batch (tokens, labels)": batch}
+        detail.update({f"temporary/{k}": v for k, v in temp.items()})
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+                    what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
+                    detail=detail)
+
+    # the last micro-batch's backward, its first nodes: the cross-entropy, then the output Linear
+    b, s, V, h = mbs, model.seq_len, model.vocab, model.hidden
+    held_grads = 0
+    if m > 1 and zero == 1:
+        # param.grad of every parameter, accumulated until the boundary's reduce_gradients, and the
+        # IPG buffer setup_buckets allocated in micro-batch 0's backward (reduce_bucket_size
+        # elements), released only by the boundary reduction's _release_ipg_buffers
+        held_grads = w * n + w * bucket
+    elif m > 1 and zero == 2:
+        # grads_in_partition (contiguous_gradients), allocated at the first reduction, kept across
+        # micro-batches; DeepSpeed sizes it as the whole params overlapping the partition
+        # (stage_1_and_2.py copy_grads_in_partition): a straddling param makes it up to one param
+        # larger, per rank; the ledger keeps w * partition (measured 256 B short, rank 0, tiny)
+        held_grads = w * part
+    act_named = _per_kind(acts, model.layers)
+    most = most_live_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
+    base_temp = sum(held.values()) + _loss_scalars() + held_grads
+
+    def bwd(first: bool) -> Peak:
+        # step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first update
+        # (torch/optim/adam.py _init_group), no _global_grad_norm yet
+        res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
+        if first:
+            res -= 2 * FP32 * part + FP32 + norm_dtype
+        # NllLossBackward has run first and released total_weight. (a) at _log_softmax_backward_data:
+        # its input gradient and its output, b*s*V fp32 each. (b) then LogSoftmaxBackward releases the
+        # log_softmax output; ToCopyBackward (logits.float()) casts the gradient to the model dtype
+        # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
+        # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
+        # logits' gradient still alive
+        a = (act - FP32, 2 * FP32 * b * s * V)
+        bb = (act - FP32 - FP32 * b * s * V, w * b * s * V + w * V * h + w * b * s * h)
+        (acts_now, grads_now), at = (a, "_log_softmax_backward_data") if a[0] + a[1] >= bb[0] + bb[1] else \
+            (bb, "the output Linear's mm backward")
+        # ZeRO-3: the non-persistent Linear weights stay alive through the saves (counted as
+        # activations); nothing else gathered is counted (an estimate)
+        parts = {"resident": res, "activations": acts_now, "gathered": 0, "temporary": grads_now + base_temp,
+                 "unnamed": 0}
+        detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
+        detail["temporary/cross-entropy and output gradients at " + at] = grads_now
+        detail["temporary/loss scalars"] = _loss_scalars()
+        if held:
+            detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
+        if held_grads:
+            detail["temporary/gradients held across micro-batches"] = held_grads
+        what = f"the last micro-batch's backward at {at}"
+        if zero == 3 or (m > 1 and zero == 2) or checkpointing:
+            # ZeRO-3's gathered parameters and a checkpointed layer's recompute are not in this
+            # candidate; ZeRO-2's grads_in_partition above
+            what += "; an estimate (ZeRO-3 gathered params, recompute, ZeRO-2 grads_in_partition not exact)"
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
+
+    def pick(first: bool) -> Peak:
+        o, k = opt(first), bwd(first)
+        best, other = (o, k) if o.bytes >= k.bytes else (k, o)
+        best.detail[f"candidate/{other.phase} ({'optimizer step' if other is o else 'backward start, estimate'})"] = \
+            other.bytes
+        best.detail["candidate/activations most live"] = most
+        return best
+
+    steady, first = pick(False), pick(True)
+    steady.first = first if first.bytes != steady.bytes or first.parts != steady.parts else None
+    return steady
+
+
+def _per_kind(acts: dict[str, int], layers: int) -> dict[str, int]:
+    """saved_activations' names with the identical layers folded: "layers x4 attention" etc."""
+    out: dict[str, int] = {}
+    for k, v in acts.items():
+        if k.startswith("layer "):
+            k = f"layers x{layers} " + k.split(" ", 2)[2]
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def linear_weights(model: ModelShape, threshold: int) -> int:
+    """Elements of the Linear weights above the ZeRO-3 persistence threshold (saved by mm, gathered)."""
+    out = 0
+    for name, shape in model.params():
+        # the embedding's weight is an index lookup (F.embedding saves the indices), unless tied:
+        # then it is also the output Linear's weight
+        if name.startswith("tok_embeddings") and not model.tied_embeddings:
+            continue
+        if len(shape) == 2 and numel(shape) > threshold:
+            out += numel(shape)
+    return out
