@@ -187,3 +187,30 @@ def test_acceptance_command_prints_the_peak_per_stage():
         full = L.place(m, lay, _fw(**te, recompute_granularity="full", recompute_method="uniform",
                                    recompute_num_layers=1)).rank_state(stage_rank).peak
         assert full.parts["activations"] < none.parts["activations"] / factor, (none.parts, full.parts)
+
+
+@pytest.mark.parametrize("model,lay,fw", [
+    (preset("tiny"), dict(tp=1, pp=1, dp=2, global_batch_size=8), {}),
+    (preset("tiny"), dict(tp=2, pp=2, dp=1, sequence_parallel=True, global_batch_size=8), {}),
+    (preset("tiny"), dict(tp=1, pp=2, dp=1, vp=2, global_batch_size=8), {}),
+    (preset("tiny", layers=8), dict(tp=1, pp=4, dp=1, vp=2, global_batch_size=12), {"recompute_granularity": "selective"}),
+    (preset("llama3_1b", seq_len=1024), dict(tp=2, pp=2, dp=1, global_batch_size=6),
+     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}),
+    (preset("llama3_1b", seq_len=1024), dict(tp=1, pp=4, dp=1, global_batch_size=3),
+     {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}),
+])
+def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
+    """_step_moments_fast (the planner's path) against _step_moments, the readable reference: the same
+    largest moment (bytes, parts, phase, what), first in order as max() takes it, on every stage, and the
+    same largest backward moment."""
+    from ledger.faithful.megatron_buffers import padded_shape
+
+    lay = _lay(**lay)
+    k = L.knobs(_fw(**fw))
+    m = padded_shape(model, lay.tp, 128)
+    for st in range(lay.pp):
+        ref, fast = P._step_moments(m, lay, k, st), P._step_moments_fast(m, lay, k, st)
+        assert ref[-1] == fast[-1]
+        assert max(ref[:-1], key=lambda x: x[0]) == max(fast[:-1], key=lambda x: x[0])
+        bw = [x for x in ref[:-1] if x[2] == "backward"]
+        assert max(bw, key=lambda x: x[0]) == max((x for x in fast[:-1] if x[2] == "backward"), key=lambda x: x[0])
