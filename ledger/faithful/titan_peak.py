@@ -1,0 +1,141 @@
+"""Peak live bytes of a torchtitan 0.3.0 rank within a steady training step (issue 18), CPU/gloo.
+
+What runs (launchers/titan.py, launchers/titan_cpu.py): FSDP2 (torch/distributed/fsdp/_fully_shard)
+with bf16 compute and fp32 reduce-scatters, torchtitan's llama3 TransformerBlock, attention through
+the CPU redirect of FlexAttention (titan_cpu.math_flex_attention: the BlockMask's mask_mod made dense
+by create_mask, then F.scaled_dot_product_attention, i.e. aten._scaled_dot_product_flash_attention_
+for_cpu), ChunkedLossWrapper (components/loss.py: lm_head and the loss per sequence chunk, backward
+per chunk, then the decoder's backward from the accumulated hidden grad).
+
+Where the peak is (the probe's event lists, probes/peak.py, of the matrix jobs): the first
+reduce-scatter of the decoder's backward, the last TransformerBlock's post-backward
+(_fsdp_param_group.py post_backward -> _fsdp_collectives.py foreach_reduce), while gloo reduces it.
+At that moment a rank holds
+- its resident state (params, grads, optimizer state, rope caches: the state ledger's bytes), plus
+  the unsharded parameters FSDP still holds: with reshard_after_forward "never" every block before
+  the last one and tok_embeddings stay unsharded from the forward (the last block was resharded by
+  its post_backward, reshard_after_backward True);
+- the activations saved for backward by the blocks before the last one (the last one's were freed
+  by its backward), per activation-checkpointing mode (_saved_per_layer);
+- gathered buffers: the prefetched all-gather output of the block before (FSDP2 backward prefetch,
+  _fsdp_param_group.py _backward_prefetch, reshard_after_forward True only: with "never" there is
+  nothing to gather), the reduce-scatter input (foreach_reduce's reduce_scatter_input: every padded
+  unsharded grad in fp32, chunk_cat) and its output (one shard); the previous reduce-scatter's input
+  is held until the next foreach_reduce starts (its reduce_scatter_state), but the last block's is
+  the first of the backward (lm_head's and the norm's, smaller, are freed by then);
+- temporaries: gloo's copy of the whole reduce-scatter input (ProcessGroupGloo's reduce-scatter of a
+  flat tensor reduces a copy of the input and copies this rank's chunk out: the probe sees a
+  storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
+  flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
+
+Not modelled here (RankState.peak is None, said in the Placement's notes): TP, CP and PP layouts.
+GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
+saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
+"""
+from __future__ import annotations
+
+from math import prod
+
+from ledger.placement import Peak
+
+F32, BF16, I64 = 4, 2, 8
+
+
+def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str, int]]:
+    """Bytes one TransformerBlock keeps for backward: (saved outside a checkpoint: the probe's
+    "activations", kept by a checkpoint's own storage: its "temporary", named pieces).
+
+    ac="none" (models/common/decoder.py TransformerBlock, B micro-batch, S local sequence, T = B*S):
+    - each of the two RMSNorms (torch nn.RMSNorm -> aten rms_norm composite, computed in fp32 for a
+      bf16 input): the fp32 upcast x (T*h*4), rsqrt (T*4), x*rsqrt (T*h*4, for the weight grad),
+      and the bf16 output the next linears save as their input (T*h*2);
+    - attention: v = wv(x) (T*kv*2) saved by SDPA; rope (models/common/rope.py) saves the indexed
+      complex64 cache rows (S*head_dim/2*8) and returns q, k cast back to bf16 (T*q*2, T*kv*2)
+      saved by SDPA; the redirect's dense mask, turned by CPU SDPA into a bf16 additive mask
+      (aten.where: B*S*S*2); SDPA's output (T*q*2, also wo's input) and logsumexp (B*heads*S*4);
+    - feed-forward (SwiGLU w2(silu(w1 x) * w3 x)): w1's output, silu's, w3's and their product
+      (wo's input), T*ffn*2 each.
+    ac="selective" (distributed/activation_checkpoint.py SelectiveAC: checkpoint_wrapper with a
+    per-op policy): the block's input (T*h*2, saved by the checkpoint outside it), and inside it
+    the outputs of the save ops; aten.mm is one but every second mm is recomputed, so of wq wk wv
+    wo w1 w3 w2 (their call order) wq, wv, w1, w2 are kept (T*q*2, T*kv*2, T*ffn*2, T*h*2). CPU SDPA
+    (_scaled_dot_product_flash_attention_for_cpu) is not in the save list: recomputed.
+    ac="full" (FullAC: checkpoint_wrapper of the whole block): the block's input only.
+    """
+    h, f, hd = model.hidden, model.ffn_hidden, model.head_dim
+    q, kv = model.heads * hd, model.kv_heads * hd
+    T = B * S
+    if ac == "full":
+        return T * h * BF16, 0, {"block input": T * h * BF16}
+    if ac == "selective":
+        kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
+        return T * h * BF16, sum(kept.values()), {"block input": T * h * BF16, **kept}
+    norm = T * h * F32 + T * F32 + T * h * F32 + T * h * BF16
+    parts = {"2 rmsnorms": 2 * norm, "v": T * kv * BF16, "rope cache rows": S * (hd // 2) * 8,
+             "q, k after rope": T * q * BF16 + T * kv * BF16, "sdpa mask (bf16)": B * S * S * BF16,
+             "sdpa out + logsumexp": T * q * BF16 + B * model.heads * S * F32, "swiglu": 4 * T * f * BF16}
+    return sum(parts.values()), 0, parts
+
+
+def _block_numel(model) -> int:
+    return sum(prod(s) for _, s in model.layer_params(0))
+
+
+def peak(model, lay, fw, sh, resident: int) -> Peak:
+    """The steady-step peak of a rank without TP, CP or PP: FSDP2 over dp_shard (HSDP: over
+    dp_shard, replicated over dp_replicate). sh: the rank's ledger.faithful.titan._Sharded;
+    resident: its resident state bytes (params + grads + optim + other)."""
+    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
+    T = B * S
+    ds = lay.dp_shard * lay.cp
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")  # distributed/fsdp.py: default = True without PP
+    act1, kept1, _ = saved_per_layer(model, B, S, ac)
+    before = L - 1  # blocks whose saved tensors are still held
+    detail: dict[str, int] = {}
+    # resident: the state, and the unsharded params (storages FSDP2 resizes, _fsdp_param.py
+    # alloc_storage; the state probe names them: they count as resident) held with "never"
+    unsharded = 0 if reshard else before * _block_numel(model) * BF16 + model.vocab * model.hidden * BF16
+    detail["resident/state"] = resident
+    if unsharded:
+        detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
+    # activations: the blocks before the last; the batch's token ids and labels (int64, saved by
+    # the embedding and the loss) and the global valid-token count (loss / global_valid_tokens)
+    acts = before * act1 + 2 * T * I64 + I64
+    detail[f"activations/{before} blocks saved ({ac})"] = before * act1
+    # gathered: the prefetched all-gather output of the block before (bf16, padded full), the
+    # reduce-scatter input (fp32, padded full) and output (its shard)
+    ag = sh.layer_full * BF16 if reshard and before else 0
+    rs_in, rs_out = sh.layer_full * F32, sh.layer_full * F32 // ds
+    gathered = ag + rs_in + rs_out
+    if ag:
+        detail["gathered/backward prefetch all-gather (block before)"] = ag
+    detail["gathered/reduce-scatter input (fp32)"] = rs_in
+    detail["gathered/reduce-scatter output (fp32 shard)"] = rs_out
+    # temporaries: gloo's copy of the reduce-scatter input, the residual grad (bf16), a selective
+    # checkpoint's kept outputs, and the batch's small tensors as the probe lists them (the loaded
+    # batch and its collated copies, positions, per-token counts: 7 int64 and 2 fp32 per token,
+    # 48 bytes of scalars)
+    small = 7 * T * I64 + 2 * T * F32 + 48
+    temp = rs_in + T * model.hidden * BF16 + before * kept1 + small
+    detail["temporary/gloo reduce-scatter copy of the input"] = rs_in
+    detail["temporary/residual-stream grad (bf16)"] = T * model.hidden * BF16
+    if kept1:
+        detail["temporary/selective AC kept mm outputs"] = before * kept1
+    detail["temporary/batch tensors and scalars"] = small
+    unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every matrix peak)
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
+             "unnamed": unnamed}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what=f"layers.{L - 1} post-backward reduce-scatter (gloo), the decoder's first", detail=detail)
+
+
+def notes(lay, fw) -> list[str]:
+    """The Placement's notes on what the peak model covers, and where a GPU run differs."""
+    if lay.tp > 1 or lay.cp > 1 or lay.pp > 1:
+        return ["titan peak: not modelled for TP, CP or PP layouts (no peak_bytes row): per-micro-batch "
+                "activations in flight under 1F1B, DTensor's TP/SP redistribution buffers and CP's K/V "
+                "all-gathers are not derived yet"]
+    return ["titan peak: predicted for CPU/gloo (the configured variant); on CUDA the reduce-scatter runs in "
+            "place (no gloo copy of its input), SDPA's flash/cuDNN kernels save no dense mask, FlexAttention's "
+            "own kernel runs (SelectiveAC saves its output) and the allocator rounds to 512-byte blocks"]
