@@ -50,7 +50,7 @@ def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str,
       bf16 input): the fp32 upcast x (T*h*4), rsqrt (T*4), x*rsqrt (T*h*4, for the weight grad),
       and the bf16 output the next linears save as their input (T*h*2);
     - attention: v = wv(x) (T*kv*2) saved by SDPA; rope (models/common/rope.py) saves the indexed
-      complex64 cache rows (S*head_dim/2*8) and returns q, k cast back to bf16 (T*q*2, T*kv*2)
+      complex64 cache rows (one per token: T*head_dim/2*8) and returns q, k cast back to bf16 (T*q*2, T*kv*2)
       saved by SDPA; the redirect's dense mask, turned by CPU SDPA into a bf16 additive mask
       (aten.where: B*S*S*2); SDPA's output (T*q*2, also wo's input) and logsumexp (B*heads*S*4);
     - feed-forward (SwiGLU w2(silu(w1 x) * w3 x)): w1's output, silu's, w3's and their product
@@ -71,10 +71,28 @@ def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str,
         kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
         return T * h * BF16, sum(kept.values()), {"block input": T * h * BF16, **kept}
     norm = T * h * F32 + T * F32 + T * h * F32 + T * h * BF16
-    parts = {"2 rmsnorms": 2 * norm, "v": T * kv * BF16, "rope cache rows": S * (hd // 2) * 8,
+    parts = {"2 rmsnorms": 2 * norm, "v": T * kv * BF16, "rope cache rows": T * (hd // 2) * 8,
              "q, k after rope": T * q * BF16 + T * kv * BF16, "sdpa mask (bf16)": B * S * S * BF16,
              "sdpa out + logsumexp": T * q * BF16 + B * model.heads * S * F32, "swiglu": 4 * T * f * BF16}
     return sum(parts.values()), 0, parts
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _batch_bytes(model, B: int, S: int) -> int:
+    """The step's small tensors live at the peak, as the probe's event list shows them (T = B*S):
+    the data loader's last sample (input, labels, positions: 3 x S int64) and the collated batch
+    (2 x T int64), the three moved to the device (trainer.py post_dataloading_process: 3 x T int64,
+    one saved by the embedding), the document mask of models/common/attention.py
+    get_efficient_causal_mask_mod_for_packed_document (document_id int32 [B, S]; with B == 1 the
+    offsets table, int32 round_up(S + 1, 128)), per-sequence fp32 scalars (8 x B), a norm weight's
+    bf16 grad ([hidden]) and three more scalars (the loader's int64, two fp32)."""
+    out = 3 * S * I64 + 2 * B * S * I64 + 3 * B * S * I64 + B * S * 4
+    if B == 1:
+        out += _round_up(S + 1, 128) * 4
+    return out + 8 * B * F32 + model.hidden * BF16 + I64 + 2 * F32
 
 
 def _block_numel(model) -> int:
@@ -99,9 +117,9 @@ def peak(model, lay, fw, sh, resident: int) -> Peak:
     detail["resident/state"] = resident
     if unsharded:
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
-    # activations: the blocks before the last; the batch's token ids and labels (int64, saved by
-    # the embedding and the loss) and the global valid-token count (loss / global_valid_tokens)
-    acts = before * act1 + 2 * T * I64 + I64
+    # activations: the blocks before the last, and the global valid-token count the loss divides by
+    # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
+    acts = before * act1 + I64
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
     # gathered: the prefetched all-gather output of the block before (bf16, padded full), the
     # reduce-scatter input (fp32, padded full) and output (its shard)
@@ -113,16 +131,14 @@ def peak(model, lay, fw, sh, resident: int) -> Peak:
     detail["gathered/reduce-scatter input (fp32)"] = rs_in
     detail["gathered/reduce-scatter output (fp32 shard)"] = rs_out
     # temporaries: gloo's copy of the reduce-scatter input, the residual grad (bf16), a selective
-    # checkpoint's kept outputs, and the batch's small tensors as the probe lists them (the loaded
-    # batch and its collated copies, positions, per-token counts: 7 int64 and 2 fp32 per token,
-    # 48 bytes of scalars)
-    small = 7 * T * I64 + 2 * T * F32 + 48
+    # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
+    small = _batch_bytes(model, B, S)
     temp = rs_in + T * model.hidden * BF16 + before * kept1 + small
     detail["temporary/gloo reduce-scatter copy of the input"] = rs_in
     detail["temporary/residual-stream grad (bf16)"] = T * model.hidden * BF16
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
-    detail["temporary/batch tensors and scalars"] = small
+    detail["temporary/batch, document mask, scalars"] = small
     unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every matrix peak)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": unnamed}
