@@ -22,7 +22,8 @@ At that moment a rank holds
   nothing to gather), the reduce-scatter input (foreach_reduce's reduce_scatter_input: every padded
   unsharded grad in fp32, chunk_cat) and its output (one shard); the previous reduce-scatter's input
   is held until the next foreach_reduce starts (its reduce_scatter_state), but the last block's is
-  the first of the backward (lm_head's and the norm's, smaller, are freed by then);
+  the first of the backward (lm_head's and the norm's, smaller, are freed by then); with HSDP the
+  norm grad's reduce-scatter output, the all-reduce input its group holds;
 - temporaries: gloo's copy of the whole reduce-scatter input (ProcessGroupGloo's reduce-scatter of a
   flat tensor reduces a copy of the input and copies this rank's chunk out: the probe sees a
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
@@ -125,7 +126,13 @@ def peak(model, lay, fw, sh, resident: int) -> Peak:
     # reduce-scatter input (fp32, padded full) and output (its shard)
     ag = sh.layer_full * BF16 if reshard and before else 0
     rs_in, rs_out = sh.layer_full * F32, sh.layer_full * F32 // ds
-    gathered = ag + rs_in + rs_out
+    # HSDP: the [norm, lm_head] group keeps its last all-reduce input (the norm grad's reduce-scatter
+    # output, _fsdp_param_group.py post_backward: self._all_reduce_state) until its own next
+    # post_backward or finalize_backward
+    hsdp = sh.norm_full * F32 // ds if lay.dp_replicate > 1 else 0
+    gathered = ag + rs_in + rs_out + hsdp
+    if hsdp:
+        detail["gathered/HSDP: the norm grad's all-reduce input, held"] = hsdp
     if ag:
         detail["gathered/backward prefetch all-gather (block before)"] = ag
     detail["gathered/reduce-scatter input (fp32)"] = rs_in
