@@ -91,9 +91,19 @@ def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
 
 def test_peak_is_none_where_not_modelled_and_said_in_notes():
     m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=256)
-    for kw, world in ((dict(tp=2), 4), (dict(cp=2), 2), (dict(pp=2), 2)):
+    for kw, world in ((dict(tp=2, sequence_parallel=True), 4), (dict(cp=2), 2), (dict(pp=2), 2)):
         pl = L.place(m, _lay(world=world, **kw), _fw())
         assert pl.rank_state(0).peak is None
         assert any("titan peak: not modelled" in n for n in pl.notes)
-    pl = L.place(m, _lay(world=4, dp_replicate=2), _fw())
-    assert pl.rank_state(0).peak is not None and any("on CUDA" in n for n in pl.notes)
+    for kw in (dict(dp_replicate=2), dict(tp=2)):
+        pl = L.place(m, _lay(world=4, **kw), _fw())
+        assert pl.rank_state(0).peak is not None and any("on CUDA" in n for n in pl.notes)
+
+
+def test_tp_blocks_save_their_heads_and_ffn_columns():
+    """tp2 without SP at seq 32 (the probe's tp2·dp2 job): norms whole, q/k/v, SDPA and SwiGLU over tp."""
+    m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    T = 32
+    norms = 2 * (2 * T * 256 * 4 + T * 4 + T * 256 * 2)
+    attn = T * 32 * 2 + T * 16 * 8 + T * 128 * 2 + T * 32 * 2 + 32 * 32 * 2 + T * 128 * 2 + 4 * 32 * 4
+    assert P.saved_per_layer(m, 1, 32, "none", tp=2)[0] == norms + attn + 4 * T * 384 * 2

@@ -281,13 +281,19 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    modelled_peak = lay.tp == 1 and cp == 1  # ledger/faithful/titan_peak.py: FSDP2 / HSDP without TP, CP
+    modelled_peak = titan_peak.modelled(lay)  # ledger/faithful/titan_peak.py
 
     def state(s: int, k: int) -> RankState:
         st = _state(_state_parts(model, sh, k, ds), steady_comm, first)
         if modelled_peak:
             resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
-            st.peak = lambda: titan_peak.peak(model, lay, fw, sh, resident)
+
+            def peak():
+                emb, block, _ = _unit_params(model, lay.tp, t)
+                return titan_peak.peak(model, lay, fw, sh, resident, sum([prod(p.shape) for p in block]),
+                                       sum([prod(p.shape) for p in emb]))
+
+            st.peak = peak
         return st
 
     pl = _placement(model, lay, grid, lambda s: sh, 0, state)

@@ -35,14 +35,12 @@ saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves
 """
 from __future__ import annotations
 
-from math import prod
-
 from ledger.placement import Peak
 
 F32, BF16, I64 = 4, 2, 8
 
 
-def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str, int]]:
+def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1) -> tuple[int, int, dict[str, int]]:
     """Bytes one TransformerBlock keeps for backward: (saved outside a checkpoint: the probe's
     "activations", kept by a checkpoint's own storage: its "temporary", named pieces).
 
@@ -62,9 +60,13 @@ def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str,
     wo w1 w3 w2 (their call order) wq, wv, w1, w2 are kept (T*q*2, T*kv*2, T*ffn*2, T*h*2). CPU SDPA
     (_scaled_dot_product_flash_attention_for_cpu) is not in the save list: recomputed.
     ac="full" (FullAC: checkpoint_wrapper of the whole block): the block's input only.
+    tp > 1 without sequence parallelism (models/common/decoder_sharding.py): the norms and their
+    outputs are replicated (whole T*h), the colwise outputs (q, k, v, w1, w3) and what follows them
+    up to the rowwise wo / w2 hold their heads / ffn columns over tp (DTensor local shards).
     """
-    h, f, hd = model.hidden, model.ffn_hidden, model.head_dim
-    q, kv = model.heads * hd, model.kv_heads * hd
+    h, f, hd = model.hidden, model.ffn_hidden // tp, model.head_dim
+    q, kv = model.heads // tp * hd, model.kv_heads // tp * hd
+    heads = model.heads // tp
     T = B * S
     if ac == "full":
         return T * h * BF16, 0, {"block input": T * h * BF16}
@@ -74,7 +76,7 @@ def saved_per_layer(model, B: int, S: int, ac: str) -> tuple[int, int, dict[str,
     norm = T * h * F32 + T * F32 + T * h * F32 + T * h * BF16
     parts = {"2 rmsnorms": 2 * norm, "v": T * kv * BF16, "rope cache rows": T * (hd // 2) * 8,
              "q, k after rope": T * q * BF16 + T * kv * BF16, "sdpa mask (bf16)": B * S * S * BF16,
-             "sdpa out + logsumexp": T * q * BF16 + B * model.heads * S * F32, "swiglu": 4 * T * f * BF16}
+             "sdpa out + logsumexp": T * q * BF16 + B * heads * S * F32, "swiglu": 4 * T * f * BF16}
     return sum(parts.values()), 0, parts
 
 
@@ -96,25 +98,25 @@ def _batch_bytes(model, B: int, S: int) -> int:
     return out + 8 * B * F32 + model.hidden * BF16 + I64 + 2 * F32
 
 
-def _block_numel(model) -> int:
-    return sum(prod(s) for _, s in model.layer_params(0))
 
 
-def peak(model, lay, fw, sh, resident: int) -> Peak:
-    """The steady-step peak of a rank without TP, CP or PP: FSDP2 over dp_shard (HSDP: over
-    dp_shard, replicated over dp_replicate). sh: the rank's ledger.faithful.titan._Sharded;
-    resident: its resident state bytes (params + grads + optim + other)."""
+def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int) -> Peak:
+    """The steady-step peak of a rank without CP or PP (TP without SP): FSDP2 over dp_shard (HSDP:
+    over dp_shard, replicated over dp_replicate). sh: the rank's ledger.faithful.titan._Sharded;
+    resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel:
+    the unpadded TP-local numel of one TransformerBlock and of tok_embeddings (FSDP2's unsharded
+    parameters)."""
     B, S, L = lay.micro_batch_size, model.seq_len, model.layers
     T = B * S
     ds = lay.dp_shard * lay.cp
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")  # distributed/fsdp.py: default = True without PP
-    act1, kept1, _ = saved_per_layer(model, B, S, ac)
+    act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp)
     before = L - 1  # blocks whose saved tensors are still held
     detail: dict[str, int] = {}
     # resident: the state, and the unsharded params (storages FSDP2 resizes, _fsdp_param.py
     # alloc_storage; the state probe names them: they count as resident) held with "never"
-    unsharded = 0 if reshard else before * _block_numel(model) * BF16 + model.vocab * model.hidden * BF16
+    unsharded = 0 if reshard else before * block_numel * BF16 + emb_numel * BF16
     detail["resident/state"] = resident
     if unsharded:
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
@@ -153,12 +155,17 @@ def peak(model, lay, fw, sh, resident: int) -> Peak:
                 what=f"layers.{L - 1} post-backward reduce-scatter (gloo), the decoder's first", detail=detail)
 
 
+def modelled(lay) -> bool:
+    """The layouts peak() models: no CP, no PP, TP without sequence parallelism."""
+    return lay.cp == 1 and lay.pp == 1 and not (lay.tp > 1 and lay.sequence_parallel)
+
+
 def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
-    if lay.tp > 1 or lay.cp > 1 or lay.pp > 1:
-        return ["titan peak: not modelled for TP, CP or PP layouts (no peak_bytes row): per-micro-batch "
-                "activations in flight under 1F1B, DTensor's TP/SP redistribution buffers and CP's K/V "
-                "all-gathers are not derived yet"]
+    if not modelled(lay):
+        return ["titan peak: not modelled for CP, PP or sequence-parallel layouts (no peak_bytes row): the "
+                "micro-batches in flight under 1F1B and perform_reduce_grad's deferred reduce-scatters, SP's "
+                "gathered block inputs and CP's K/V all-gathers are not derived yet"]
     return ["titan peak: predicted for CPU/gloo (the configured variant); on CUDA the reduce-scatter runs in "
             "place (no gloo copy of its input), SDPA's flash/cuDNN kernels save no dense mask, FlexAttention's "
             "own kernel runs (SelectiveAC saves its output) and the allocator rounds to 512-byte blocks"]
