@@ -7,23 +7,24 @@ by create_mask, then F.scaled_dot_product_attention, i.e. aten._scaled_dot_produ
 for_cpu), ChunkedLossWrapper (components/loss.py: lm_head and the loss per sequence chunk, backward
 per chunk, then the decoder's backward from the accumulated hidden grad).
 
-Where the peak is (the probe's event lists, probes/peak.py, of the matrix jobs): the first
-reduce-scatter of the decoder's backward, the last TransformerBlock's post-backward
-(_fsdp_param_group.py post_backward -> _fsdp_collectives.py foreach_reduce), while gloo reduces it.
-At that moment a rank holds
+Where the peak is (the probe's event lists, probes/peak.py, of the matrix jobs): at one of the
+blocks' post-backward reduce-scatters (_fsdp_param_group.py post_backward -> _fsdp_collectives.py
+foreach_reduce), while gloo reduces it; the first one (the last block's) unless HSDP's held
+all-reduce inputs outgrow the activations the later ones have freed (peak() takes the most of
+every block's). While block k's is reduced a rank holds
 - its resident state (params, grads, optimizer state, rope caches: the state ledger's bytes), plus
   the unsharded parameters FSDP still holds: with reshard_after_forward "never" every block before
-  the last one and tok_embeddings stay unsharded from the forward (the last block was resharded by
-  its post_backward, reshard_after_backward True);
-- the activations saved for backward by the blocks before the last one (the last one's were freed
-  by its backward), per activation-checkpointing mode (_saved_per_layer);
-- gathered buffers: the prefetched all-gather output of the block before (FSDP2 backward prefetch,
+  k and tok_embeddings stay unsharded from the forward (k and the later ones were resharded by
+  their post_backward, reshard_after_backward True);
+- the activations saved for backward by the blocks before k (k's own and the later ones' were
+  freed by their backward), per activation-checkpointing mode (saved_per_layer);
+- gathered buffers: the prefetched all-gather output of the unit before (FSDP2 backward prefetch,
   _fsdp_param_group.py _backward_prefetch, reshard_after_forward True only: with "never" there is
   nothing to gather), the reduce-scatter input (foreach_reduce's reduce_scatter_input: every padded
   unsharded grad in fp32, chunk_cat) and its output (one shard); the previous reduce-scatter's input
-  is held until the next foreach_reduce starts (its reduce_scatter_state), but the last block's is
-  the first of the backward (lm_head's and the norm's, smaller, are freed by then); with HSDP the
-  norm grad's reduce-scatter output, the all-reduce input its group holds;
+  is held until the next foreach_reduce starts (its reduce_scatter_state) and freed before it; with
+  HSDP every group's last reduce-scatter output, the all-reduce input it holds (the norm's, the
+  later blocks');
 - temporaries: gloo's copy of the whole reduce-scatter input (ProcessGroupGloo's reduce-scatter of a
   flat tensor reduces a copy of the input and copies this rank's chunk out: the probe sees a
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
@@ -105,14 +106,25 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int) ->
     over dp_shard, replicated over dp_replicate). sh: the rank's ledger.faithful.titan._Sharded;
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel:
     the unpadded TP-local numel of one TransformerBlock and of tok_embeddings (FSDP2's unsharded
-    parameters)."""
+    parameters). The most live bytes over the blocks' post-backward reduce-scatters (_at_block),
+    the earliest on ties."""
+    best = None
+    for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
+        pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k)
+        if best is None or pk.bytes > best.bytes:
+            best = pk
+    return best
+
+
+def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
+    """Live bytes while gloo reduce-scatters block k's grads (its post-backward, after its reshard)."""
     B, S, L = lay.micro_batch_size, model.seq_len, model.layers
     T = B * S
     ds = lay.dp_shard * lay.cp
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")  # distributed/fsdp.py: default = True without PP
     act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp)
-    before = L - 1  # blocks whose saved tensors are still held
+    before = k  # blocks whose saved tensors are still held (k's own were freed by its backward)
     detail: dict[str, int] = {}
     # resident: the state, and the unsharded params (storages FSDP2 resizes, _fsdp_param.py
     # alloc_storage; the state probe names them: they count as resident) held with "never"
@@ -120,23 +132,24 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int) ->
     detail["resident/state"] = resident
     if unsharded:
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
-    # activations: the blocks before the last, and the global valid-token count the loss divides by
+    # activations: the blocks before, and the global valid-token count the loss divides by
     # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
     acts = before * act1 + I64
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
-    # gathered: the prefetched all-gather output of the block before (bf16, padded full), the
-    # reduce-scatter input (fp32, padded full) and output (its shard)
-    ag = sh.layer_full * BF16 if reshard and before else 0
+    # gathered: the prefetched all-gather output of the unit before (the block before, bf16 padded
+    # full; before block 0, tok_embeddings), the reduce-scatter input (fp32, padded full) and output
+    # (its shard)
+    ag = (sh.layer_full if before else sh.emb_full) * BF16 if reshard else 0
     rs_in, rs_out = sh.layer_full * F32, sh.layer_full * F32 // ds
-    # HSDP: the [norm, lm_head] group keeps its last all-reduce input (the norm grad's reduce-scatter
-    # output, _fsdp_param_group.py post_backward: self._all_reduce_state) until its own next
-    # post_backward or finalize_backward
-    hsdp = sh.norm_full * F32 // ds if lay.dp_replicate > 1 else 0
-    gathered = ag + rs_in + rs_out + hsdp
-    if hsdp:
-        detail["gathered/HSDP: the norm grad's all-reduce input, held"] = hsdp
+    # HSDP: each group keeps its last all-reduce input (its reduce-scatter output,
+    # _fsdp_param_group.py post_backward: self._all_reduce_state) until its own next post_backward
+    # or finalize_backward: the norm's (the [norm, lm_head] group's last) and every block's after k
+    held = (sh.norm_full * F32 // ds + (L - 1 - k) * rs_out) if lay.dp_replicate > 1 else 0
+    gathered = ag + rs_in + rs_out + held
+    if held:
+        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
     if ag:
-        detail["gathered/backward prefetch all-gather (block before)"] = ag
+        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
     detail["gathered/reduce-scatter input (fp32)"] = rs_in
     detail["gathered/reduce-scatter output (fp32 shard)"] = rs_out
     # temporaries: gloo's copy of the reduce-scatter input, the residual grad (bf16), a selective
@@ -148,11 +161,11 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int) ->
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
     detail["temporary/batch, document mask, scalars"] = small
-    unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every matrix peak)
+    unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every world-2 peak)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": unnamed}
     return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                what=f"layers.{L - 1} post-backward reduce-scatter (gloo), the decoder's first", detail=detail)
+                what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
 
 
 def modelled(lay) -> bool:
