@@ -139,7 +139,9 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # gathered: the prefetched all-gather output of the unit before (the block before, bf16 padded
     # full; before block 0, tok_embeddings), the reduce-scatter input (fp32, padded full) and output
     # (its shard)
-    ag = (sh.layer_full if before else sh.emb_full) * BF16 if reshard else 0
+    # (a shard group of one gathers nothing: _fsdp_param_group.py unshard returns the sharded data
+    # as its all-gather result and wait_for_unshard copies it into the unsharded storages)
+    ag = (sh.layer_full if before else sh.emb_full) * BF16 if reshard and ds > 1 else 0
     rs_in, rs_out = sh.layer_full * F32, sh.layer_full * F32 // ds
     # HSDP: each group keeps its last all-reduce input (its reduce-scatter output,
     # _fsdp_param_group.py post_backward: self._all_reduce_state) until its own next post_backward
@@ -152,7 +154,8 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
         detail["gathered/backward prefetch all-gather (the unit before)"] = ag
     detail["gathered/reduce-scatter input (fp32)"] = rs_in
     detail["gathered/reduce-scatter output (fp32 shard)"] = rs_out
-    # temporaries: gloo's copy of the reduce-scatter input, the residual grad (bf16), a selective
+    # temporaries: gloo's copy of the reduce-scatter input (a shard group of one: foreach_reduce's
+    # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
     small = _batch_bytes(model, B, S)
     temp = rs_in + T * model.hidden * BF16 + before * kept1 + small
