@@ -80,22 +80,38 @@ def test_peak_parts_and_ac_order(raf):
 
 
 def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
+    """At the last block's reduce-scatter: "never" keeps every block before and tok_embeddings
+    unsharded and prefetches no all-gather; at lm_head's (the loss's last chunk) [norm, lm_head] is
+    unsharded whatever the setting, and every block with "never"."""
     m = preset("tiny")
-    d = L.place(m, _lay(world=2), _fw()).rank_state(0).peak
-    n = L.place(m, _lay(world=2), _fw(reshard_after_forward="never")).rank_state(0).peak
-    block = sum(math.prod(s) for _, s in m.layer_params(0))  # a block's unsharded (unpadded) params
-    assert n.parts["resident"] - d.parts["resident"] == ((m.layers - 1) * block + m.vocab * m.hidden) * 2
     sh = L._sharded(m, 1, 2)
+    emb, block, head = (sum(math.prod(p.shape) for p in u) for u in L._unit_params(m, 1, 0))
+    args = (m, _lay(world=2))
+    res = 28_395_676  # tiny dp2's resident state (the state rows reconcile it to the byte)
+
+    def at(raf, k=None):
+        fw = _fw(reshard_after_forward=raf)
+        if k is None:
+            return P._at_lm_head(*args, fw, sh, res, block, emb, head)
+        return P._at_block(*args, fw, sh, res, block, emb, k)
+
+    d, n = at("default", m.layers - 1), at("never", m.layers - 1)
+    assert n.parts["resident"] - d.parts["resident"] == ((m.layers - 1) * block + emb) * 2
     assert d.parts["gathered"] - n.parts["gathered"] == sh.layer_full * 2  # the backward prefetch
+    assert at("default").parts["resident"] - res == head * 2
+    assert at("never").parts["resident"] - res == (head + m.layers * block + emb) * 2
+    # the peak is the most of them
+    for raf in ("default", "never"):
+        pk = L.place(m, _lay(world=2), _fw(reshard_after_forward=raf)).rank_state(0).peak
+        assert pk.bytes == max([at(raf).bytes] + [at(raf, k).bytes for k in range(m.layers)])
 
 
 def test_peak_is_none_where_not_modelled_and_said_in_notes():
     m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=256)
-    for kw, world in ((dict(tp=2, sequence_parallel=True), 4), (dict(cp=2), 2), (dict(pp=2), 2)):
-        pl = L.place(m, _lay(world=world, **kw), _fw())
-        assert pl.rank_state(0).peak is None
-        assert any("titan peak: not modelled" in n for n in pl.notes)
-    for kw in (dict(dp_replicate=2), dict(tp=2)):
+    pl = L.place(m, _lay(world=2, pp=2), _fw())
+    assert pl.rank_state(0).peak is None
+    assert any("titan peak: not modelled" in n for n in pl.notes)
+    for kw in (dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2)):
         pl = L.place(m, _lay(world=4, **kw), _fw())
         assert pl.rank_state(0).peak is not None and any("on CUDA" in n for n in pl.notes)
 

@@ -289,9 +289,9 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
             resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
 
             def peak():
-                emb, block, _ = _unit_params(model, lay.tp, t)
-                return titan_peak.peak(model, lay, fw, sh, resident, sum([prod(p.shape) for p in block]),
-                                       sum([prod(p.shape) for p in emb]))
+                emb, block, head = _unit_params(model, lay.tp, t)
+                return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
+                                                                       for u in (block, emb, head)])
 
             st.peak = peak
         return st

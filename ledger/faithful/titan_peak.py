@@ -30,7 +30,7 @@ every block's). While block k's is reduced a rank holds
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
-Not modelled here (RankState.peak is None, said in the Placement's notes): TP, CP and PP layouts.
+Not modelled here (RankState.peak is None, said in the Placement's notes): PP layouts.
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
 saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
 """
@@ -41,7 +41,8 @@ from ledger.placement import Peak
 F32, BF16, I64 = 4, 2, 8
 
 
-def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1) -> tuple[int, int, dict[str, int]]:
+def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = False, cp: int = 1
+                    ) -> tuple[int, int, dict[str, int]]:
     """Bytes one TransformerBlock keeps for backward: (saved outside a checkpoint: the probe's
     "activations", kept by a checkpoint's own storage: its "temporary", named pieces).
 
@@ -68,16 +69,27 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1) -> tuple[int, i
     h, f, hd = model.hidden, model.ffn_hidden // tp, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads // tp * hd
     heads = model.heads // tp
-    T = B * S
+    Sl = S // cp  # the rank's query positions (CP shards the sequence)
+    T = B * Sl
+    Tn = T // tp if sp else T  # the tokens a norm sees (SP: Shard(1))
     if ac == "full":
-        return T * h * BF16, 0, {"block input": T * h * BF16}
+        return Tn * h * BF16, 0, {"block input": Tn * h * BF16}
     if ac == "selective":
         kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
-        return T * h * BF16, sum(kept.values()), {"block input": T * h * BF16, **kept}
-    norm = T * h * F32 + T * F32 + T * h * F32 + T * h * BF16
-    parts = {"2 rmsnorms": 2 * norm, "v": T * kv * BF16, "rope cache rows": T * (hd // 2) * 8,
-             "q, k after rope": T * q * BF16 + T * kv * BF16, "sdpa mask (bf16)": B * S * S * BF16,
-             "sdpa out + logsumexp": T * q * BF16 + B * heads * S * F32, "swiglu": 4 * T * f * BF16}
+        return Tn * h * BF16, sum(kept.values()), {"block input": Tn * h * BF16, **kept}
+    # sequence parallelism: the norms run on the rank's T/tp tokens (Shard(1)); their bf16 output is
+    # all-gathered (Shard(1) -> Replicate) and the colwise linears save the gathered T*h input
+    norm = Tn * h * F32 + Tn * F32 + Tn * h * F32 + T * h * BF16
+    if cp == 1:
+        # v = wv(x) and k after rope go to SDPA as they are
+        kv_saved = {"v": T * kv * BF16, "k after rope": T * kv * BF16}
+    else:
+        # CP (titan_cpu.visible_cp_allgather = torch _cp_custom_ops.py flex_cp_allgather): SDPA gets
+        # K and V all-gathered over cp (every position) and saves those; the local ones are freed
+        kv_saved = {"k, v all-gathered over cp": 2 * B * S * kv * BF16}
+    parts = {"2 rmsnorms": 2 * norm, "rope cache rows": T * (hd // 2) * 8, "q after rope": T * q * BF16,
+             **kv_saved, "sdpa mask (bf16)": B * Sl * S * BF16,
+             "sdpa out + logsumexp": T * q * BF16 + B * heads * Sl * F32, "swiglu": 4 * T * f * BF16}
     return sum(parts.values()), 0, parts
 
 
@@ -101,19 +113,60 @@ def _batch_bytes(model, B: int, S: int) -> int:
 
 
 
-def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int) -> Peak:
-    """The steady-step peak of a rank without CP or PP (TP without SP): FSDP2 over dp_shard (HSDP:
-    over dp_shard, replicated over dp_replicate). sh: the rank's ledger.faithful.titan._Sharded;
-    resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel:
-    the unpadded TP-local numel of one TransformerBlock and of tok_embeddings (FSDP2's unsharded
-    parameters). The most live bytes over the blocks' post-backward reduce-scatters (_at_block),
+def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
+    """The steady-step peak of a rank without PP: FSDP2 over dp_shard x cp (HSDP: replicated over
+    dp_replicate), TP with or without SP, CP. sh: the rank's ledger.faithful.titan._Sharded;
+    resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
+    head_numel: the unpadded TP-local numel of one TransformerBlock, tok_embeddings and [norm,
+    lm_head] (FSDP2's unsharded parameters). The most live bytes over lm_head's reduce-scatter at
+    the loss's last chunk (_at_lm_head) and the blocks' post-backward reduce-scatters (_at_block),
     the earliest on ties."""
-    best = None
+    best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)
     for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k)
-        if best is None or pk.bytes > best.bytes:
+        if pk.bytes > best.bytes:
             best = pk
     return best
+
+
+def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
+    """Live bytes while gloo reduce-scatters lm_head's grad at the loss's last chunk
+    (components/loss.py ChunkedLossWrapper: set_requires_gradient_sync(True) before the last chunk,
+    whose backward runs lm_head's post-backward; the decoder's backward has not started)."""
+    B, L, tp = lay.micro_batch_size, model.layers, lay.tp
+    sp = bool(lay.sequence_parallel) and tp > 1
+    ds = lay.dp_shard * lay.cp
+    T = B * model.seq_len // lay.cp
+    Tn = T // tp if sp else T
+    h, V = model.hidden, head_numel // model.hidden  # lm_head's TP-local rows (head_numel = V*h + h)
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")
+    act1, kept1, _ = saved_per_layer(model, B, model.seq_len, ac, tp, sp, lay.cp)
+    detail: dict[str, int] = {"resident/state": resident}
+    # the wrapper's lm_head.unshard(): [norm, lm_head] unsharded (bf16); with "never" every block and
+    # tok_embeddings too
+    unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
+    detail["resident/unsharded params"] = unsharded
+    # every block's saved tensors, the root norm's (fp32 x, rsqrt, x*rsqrt) and its bf16 output (the
+    # hidden states the wrapper backpropagates from), the valid-token count
+    root = Tn * h * F32 * 2 + Tn * F32 + T * h * BF16
+    acts = L * act1 + root + I64
+    detail[f"activations/{L} blocks saved ({ac})"] = L * act1
+    detail["activations/root norm and hidden states"] = root
+    # lm_head's grad reduce-scatter: fp32 input (padded full), output (shard), gloo's copy
+    rs_in, rs_out = sh.lm_full * F32, sh.lm_full * F32 // ds
+    gathered = rs_in + rs_out
+    # GradAccumulator's fp32 [B, S, h] buffer, lm_head's unsharded fp32 grad accumulated over the
+    # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
+    chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+    temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_in + L * kept1
+            + _batch_bytes(model, B, model.seq_len) - h * BF16)
+    detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
+        chunk * V * BF16 + chunk * h * BF16
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
+             "unnamed": 12}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=detail)
 
 
 def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
@@ -123,7 +176,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     ds = lay.dp_shard * lay.cp
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")  # distributed/fsdp.py: default = True without PP
-    act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp)
+    sp = bool(lay.sequence_parallel) and lay.tp > 1
+    act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp)
+    T = B * S // lay.cp  # the rank's tokens
+    resid = (T // lay.tp if sp else T) * model.hidden * BF16  # the residual-stream grad (SP: its tokens)
     before = k  # blocks whose saved tensors are still held (k's own were freed by its backward)
     detail: dict[str, int] = {}
     # resident: the state, and the unsharded params (storages FSDP2 resizes, _fsdp_param.py
@@ -158,9 +214,9 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
     small = _batch_bytes(model, B, S)
-    temp = rs_in + T * model.hidden * BF16 + before * kept1 + small
+    temp = rs_in + resid + before * kept1 + small
     detail["temporary/gloo reduce-scatter copy of the input"] = rs_in
-    detail["temporary/residual-stream grad (bf16)"] = T * model.hidden * BF16
+    detail["temporary/residual-stream grad (bf16)"] = resid
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
     detail["temporary/batch, document mask, scalars"] = small
@@ -172,16 +228,16 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
 
 
 def modelled(lay) -> bool:
-    """The layouts peak() models: no CP, no PP, TP without sequence parallelism."""
-    return lay.cp == 1 and lay.pp == 1 and not (lay.tp > 1 and lay.sequence_parallel)
+    """The layouts peak() models: all but PP."""
+    return lay.pp == 1
 
 
 def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     if not modelled(lay):
-        return ["titan peak: not modelled for CP, PP or sequence-parallel layouts (no peak_bytes row): the "
-                "micro-batches in flight under 1F1B and perform_reduce_grad's deferred reduce-scatters, SP's "
-                "gathered block inputs and CP's K/V all-gathers are not derived yet"]
+        return ["titan peak: not modelled with PP (no peak_bytes row): 1F1B keeps micro-batches in flight and "
+                "perform_reduce_grad reduces every unit's accumulated unsharded fp32 grads after the last "
+                "backward, where the measured peak is; not derived yet"]
     return ["titan peak: predicted for CPU/gloo (the configured variant); on CUDA the reduce-scatter runs in "
             "place (no gloo copy of its input), SDPA's flash/cuDNN kernels save no dense mask, FlexAttention's "
             "own kernel runs (SelectiveAC saves its output) and the allocator rounds to 512-byte blocks"]
