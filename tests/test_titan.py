@@ -118,14 +118,15 @@ def test_every_row_reconciles_to_the_byte(sweep):
 def test_steady_peak_within_one_percent(sweep):
     """Issue 18: every steady peak_bytes row within 1% (ledger/faithful/titan_peak.py), on every rank
     of every job the peak model covers (FSDP2 / HSDP, TP with and without SP, CP, reshard always /
-    never, AC none / selective / full); PP jobs have no peak row (not modelled: the Placement's note
-    says so)."""
+    never, AC none / selective / full); PP jobs and tp2·cp2·sp have no peak row (not modelled: the
+    Placement's note says so)."""
     df = sweep["table"]
     pk = df[(df.quantity == "peak_bytes") & (df.phase == "steady")]
     for rec in sweep["ok"]:
         lay = rec["prediction"]["layout"]
         has = not pk[pk.job == records.job_name(rec)].empty
-        assert has == (lay["pp"] == 1), records.job_name(rec)
+        assert has == (lay["pp"] == 1 and not (lay["sequence_parallel"] and lay["tp"] > 1 and lay["cp"] > 1)), \
+            records.job_name(rec)
     acs = {r["config"]["framework"].get("activation_checkpoint") for r in sweep["ok"]}
     assert {"none", "selective", "full"} <= acs
     bad = pk[pk.rel_err.abs() > 0.01]
