@@ -130,6 +130,18 @@ def test_steady_peak_within_one_percent(sweep):
     acs = {r["config"]["framework"].get("activation_checkpoint") for r in sweep["ok"]}
     assert {"none", "selective", "full"} <= acs
     bad = pk[pk.rel_err.abs() > 0.01]
+    # a row may instead match the other outcome of the one race the ledger names (titan_peak.RACE:
+    # gloo's worker thread frees its copy of a reduce-scatter input after or before the next
+    # block's unshard copy-out), within the same 1%
+    from ledger.faithful.titan_peak import RACE
+
+    def other_outcome(row) -> bool:
+        rec = next(r for r in sweep["ok"] if records.job_name(r) == row.job)
+        p = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == row.rank)
+        alt = p["peak"]["detail"].get(RACE)
+        return alt is not None and abs(row.measured - alt) <= 0.01 * alt
+
+    bad = bad[[not other_outcome(row) for row in bad.itertuples()]]
     assert bad.empty, bad.to_string()
 
 

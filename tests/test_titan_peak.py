@@ -124,3 +124,13 @@ def test_tp_blocks_save_their_heads_and_ffn_columns():
     norms = 2 * (2 * T * 256 * 4 + T * 4 + T * 256 * 2)
     attn = T * 32 * 2 + T * 16 * 8 + T * 128 * 2 + T * 32 * 2 + 32 * 32 * 2 + T * 128 * 2 + 4 * 32 * 4
     assert P.saved_per_layer(m, 1, 32, "none", tp=2)[0] == norms + attn + 4 * T * 384 * 2
+
+
+def test_gloo_copy_race_names_the_other_outcome():
+    """dp4 reshard always (vocab 1030, seq 32): one loaded run measured rank 1 at 24,493,672 bytes,
+    gloo's reduce-scatter copy still alive at the next block's copy-out; the ledger names that
+    outcome (titan_peak.RACE) beside its peak; a shard group of one (no gloo copy) has none."""
+    m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    pk = L.place(m, _lay(world=4), _fw(reshard_after_forward="always")).rank_state(1).peak
+    assert pk.bytes == 23_740_000 and pk.detail[P.RACE] == 24_493_664
+    assert P.RACE not in L.place(m, _lay(world=2, tp=2), _fw()).rank_state(0).peak.detail
