@@ -669,7 +669,7 @@ def test_sequence_parallel_tp_collectives():
     assert (tp["reduce_scatter", "bf16"].count, tp["reduce_scatter", "bf16"].buffer_bytes) == (n, n * act)
     assert tp["all_reduce", "bf16"].buffer_bytes == 7 * 256 * 2  # norm weight grads only
     assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False)
-    assert not pl.notes
+    assert not [n for n in pl.notes if n.startswith("titan tp:")]  # the peak's CPU/GPU note aside
     assert L._layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
     assert any("cost model" in n for n in L.place(m, _lay(world=4, tp=2), _fw()).notes)
 
