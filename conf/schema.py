@@ -118,6 +118,14 @@ class TitanConfig(FrameworkConfig):
     dtype: str = "float32"
     # ParallelismConfig.spmd_backend; the default "spmd_types" fails inside torch 2.13's FSDP2
     spmd_backend: str = "partial_dtensor"
+    # Trainer.Config.activation_checkpoint (distributed/activation_checkpoint.py): "none" (None),
+    # "full" (FullAC: every TransformerBlock recomputed in backward), "selective" (SelectiveAC:
+    # per-op, the outputs of compute-intensive / comm ops saved, every second mm recomputed).
+    # torchtitan's own default is SelectiveAC; train-ledger runs none unless asked.
+    activation_checkpoint: str = "none"
+    # the selective variant: 0.3.0 has the per-op policy only ("op"); the older every-n-layers
+    # integer option (activation_checkpoint.selective_ac_option) is gone from SelectiveAC.Config
+    selective_ac_option: str = "op"
 
 
 @dataclass

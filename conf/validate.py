@@ -127,6 +127,12 @@ def validate_framework(fw, mode: str = "run") -> None:
         for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
             _one_of("framework", fw, n, ("float32", "bfloat16"))
         _one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
+        _one_of("framework", fw, "activation_checkpoint", ("none", "selective", "full"))
+        # torchtitan 0.3.0 SelectiveAC.Config has no selective_ac_option: the per-op policy is the only
+        # selective variant (distributed/activation_checkpoint.py SelectiveAC._wrap_block)
+        if str(fw.selective_ac_option) != "op":
+            raise ConfigError(f"framework.selective_ac_option={fw.selective_ac_option!r} must be 'op': torchtitan "
+                              "0.3.0's SelectiveAC is per-op only (the every-n-layers integer option is gone)")
 
 
 # megatron-core 0.18.0 transformer_config.py TransformerConfig.__post_init__: the recompute_modules it

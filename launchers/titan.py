@@ -45,6 +45,10 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
                    f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"
                    "\n                    pipeline_parallel_schedule='1F1B',") if pp > 1 else ""
+    # framework.activation_checkpoint -> Trainer.Config.activation_checkpoint (None | FullAC.Config() |
+    # SelectiveAC.Config(): distributed/activation_checkpoint.py); torchtitan's own default is SelectiveAC
+    ac = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[
+        getattr(fw, "activation_checkpoint", "none")]
     # config values reach this source only as repr() literals or ints, never inside a docstring or
     # a comment: a name or a path is data (tests/test_hostile.py parses the module and lists its calls)
     return textwrap.dedent(f'''\
@@ -57,6 +61,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
         from torchtitan.components.metrics import MetricsProcessor
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
         from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
         from torchtitan.distributed.pipeline_parallel import pipeline_llm
         from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
         from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -129,7 +134,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                 ),
                 dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path={_py(data_dir)}),
                 metrics=MetricsProcessor.Config(log_freq=1),
-                activation_checkpoint=None,
+                activation_checkpoint={ac},
                 debug=DebugConfig(seed={tr.seed}),
             )
         ''')

@@ -1,6 +1,7 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (nine small multiruns, 17 jobs) covers dp_shard 2 (world 2) and dp_shard 4, HSDP
+One shared sweep (eleven small multiruns, 24 jobs) covers dp_shard 2 (world 2: activation
+checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
 tp2·dp_shard2 with sequence parallelism (micro-batch 2, reshard default) and tp2 both at vocab 1001 (tp does
@@ -32,7 +33,9 @@ from tests.conftest import REPO, launch, run_sweeps
 
 COMMON = ("framework=titan", "train.steps=2")
 SWEEPS = (
-    ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never")),
+    # activation checkpointing (issue 18's peak): none, SelectiveAC, FullAC, each with both reshard settings
+    ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never",
+            "framework.activation_checkpoint=none,selective,full")),
     ("w4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.dp_replicate=1,2",
             "framework.reshard_after_forward=always,never")),
     ("w4tp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
@@ -106,7 +109,39 @@ def test_every_row_reconciles_to_the_byte(sweep):
         assert set(d["rank"]) == set(range(rec["prediction"]["world"]))
         assert {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"} <= set(d.quantity)
         assert (d.phase == "steady").any() and (d.phase == "first").any()
-    bad = df[df.abs_err != 0]
+    # the peak rows are test_steady_peak_within_one_percent's (a peak is not byte-exact everywhere)
+    bad = df[(df.abs_err != 0) & ~df.quantity.str.startswith("peak")]
+    assert bad.empty, bad.to_string()
+
+
+@pytest.mark.real
+def test_steady_peak_within_one_percent(sweep):
+    """Issue 18: every steady peak_bytes row within 1% (ledger/faithful/titan_peak.py), on every rank
+    of every job the peak model covers (FSDP2 / HSDP, TP with and without SP, CP, reshard always /
+    never, AC none / selective / full); PP jobs and tp2·cp2·sp have no peak row (not modelled: the
+    Placement's note says so)."""
+    df = sweep["table"]
+    pk = df[(df.quantity == "peak_bytes") & (df.phase == "steady")]
+    for rec in sweep["ok"]:
+        lay = rec["prediction"]["layout"]
+        has = not pk[pk.job == records.job_name(rec)].empty
+        assert has == (lay["pp"] == 1 and not (lay["sequence_parallel"] and lay["tp"] > 1 and lay["cp"] > 1)), \
+            records.job_name(rec)
+    acs = {r["config"]["framework"].get("activation_checkpoint") for r in sweep["ok"]}
+    assert {"none", "selective", "full"} <= acs
+    bad = pk[pk.rel_err.abs() > 0.01]
+    # a row may instead match the other outcome of the one race the ledger names (titan_peak.RACE:
+    # gloo's worker thread frees its copy of a reduce-scatter input after or before the next
+    # block's unshard copy-out), within the same 1%
+    from ledger.faithful.titan_peak import RACE
+
+    def other_outcome(row) -> bool:
+        rec = next(r for r in sweep["ok"] if records.job_name(r) == row.job)
+        p = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == row.rank)
+        alt = p["peak"]["detail"].get(RACE)
+        return alt is not None and abs(row.measured - alt) <= 0.01 * alt
+
+    bad = bad[[not other_outcome(row) for row in bad.itertuples()]]
     assert bad.empty, bad.to_string()
 
 
@@ -634,7 +669,7 @@ def test_sequence_parallel_tp_collectives():
     assert (tp["reduce_scatter", "bf16"].count, tp["reduce_scatter", "bf16"].buffer_bytes) == (n, n * act)
     assert tp["all_reduce", "bf16"].buffer_bytes == 7 * 256 * 2  # norm weight grads only
     assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False)
-    assert not pl.notes
+    assert not [n for n in pl.notes if n.startswith("titan tp:")]  # the peak's CPU/GPU note aside
     assert L._layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
     assert any("cost model" in n for n in L.place(m, _lay(world=4, tp=2), _fw()).notes)
 

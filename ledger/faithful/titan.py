@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
+from ledger.faithful import titan_peak
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
@@ -280,8 +281,23 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    pl = _placement(model, lay, grid, lambda s: sh, 0,
-                    lambda s, k: _state(_state_parts(model, sh, k, ds), steady_comm, first))
+    modelled_peak = titan_peak.modelled(lay)  # ledger/faithful/titan_peak.py
+
+    def state(s: int, k: int) -> RankState:
+        st = _state(_state_parts(model, sh, k, ds), steady_comm, first)
+        if modelled_peak:
+            resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
+
+            def peak():
+                emb, block, head = _unit_params(model, lay.tp, t)
+                return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
+                                                                       for u in (block, emb, head)])
+
+            st.peak = peak
+        return st
+
+    pl = _placement(model, lay, grid, lambda s: sh, 0, state)
+    pl.notes.extend(titan_peak.notes(lay, fw))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced = _layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
@@ -764,8 +780,10 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
         st.stage = s
         return st
 
-    return _placement(model, lay, grid, lambda s: _stage_sharded(model, ds, P, s), _heaviest_stage(model, ds, P, views),
-                      state)
+    pl = _placement(model, lay, grid, lambda s: _stage_sharded(model, ds, P, s), _heaviest_stage(model, ds, P, views),
+                    state)
+    pl.notes.extend(titan_peak.notes(lay, fw))
+    return pl
 
 
 def _stage_sharded(model: ModelShape, ds: int, P: int, s: int) -> _Sharded:

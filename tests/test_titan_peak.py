@@ -1,0 +1,136 @@
+"""torchtitan peak (issue 18), predict-only: activation-checkpointing knobs, the peak model's parts.
+
+The real-run checks (every steady peak_bytes row within 1%) are tests/test_titan.py's, on the
+shared matrix sweep."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from conf.schema import FRAMEWORK_SCHEMAS
+from conf.validate import validate_framework
+from ledger.faithful import titan as L
+from ledger.faithful import titan_peak as P
+from ledger.layout import ConfigError
+from ledger.model import ModelShape, preset
+from ledger.placement import PEAK_PARTS
+from tests.test_titan import _fw, _lay
+
+
+def _schema(**kw):
+    fw = OmegaConf.structured(FRAMEWORK_SCHEMAS["titan"])
+    for k, v in kw.items():
+        fw[k] = v
+    return fw
+
+
+def test_ac_knobs_default_none_and_are_validated_naming_the_field():
+    fw = _schema()
+    assert (fw.activation_checkpoint, fw.selective_ac_option) == ("none", "op")
+    for mode in ("none", "selective", "full"):
+        validate_framework(_schema(activation_checkpoint=mode))
+    with pytest.raises(ConfigError, match="framework.activation_checkpoint='memory_budget'"):
+        validate_framework(_schema(activation_checkpoint="memory_budget"))
+    # torchtitan 0.3.0 SelectiveAC has the per-op policy only: the every-n-layers integer is refused
+    with pytest.raises(ConfigError, match=r"framework.selective_ac_option='2' must be 'op'"):
+        validate_framework(_schema(selective_ac_option=2))
+
+
+@pytest.mark.parametrize("mode,expr", [("none", "activation_checkpoint=None,"),
+                                       ("full", "activation_checkpoint=FullAC.Config(),"),
+                                       ("selective", "activation_checkpoint=SelectiveAC.Config(),")])
+def test_ac_mode_reaches_the_trainer_config(mode, expr):
+    from launchers.titan import render_module
+
+    from tests.test_config import _compose
+
+    cfg = _compose("framework=titan", f"framework.activation_checkpoint={mode}")
+    src = render_module(cfg, _lay(world=2), "/tok", "/data", "/job/titan_dump")
+    assert expr in src
+    # the names it uses are torchtitan 0.3.0's
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401
+    from torchtitan.trainer import Trainer
+    assert "activation_checkpoint" in Trainer.Config.__dataclass_fields__
+
+
+def test_saved_per_layer_is_the_measured_block():
+    """tiny at seq 128, one sequence: the probe's saved tensors of one block (tests/test_titan's dp2
+    jobs; 1,659,904 bytes without AC), the checkpoint input alone (full), the input plus wq, wv, w1,
+    w2 outputs (selective)."""
+    m = preset("tiny")
+    assert P.saved_per_layer(m, 1, 128, "none")[:2] == (1_659_904, 0)
+    assert P.saved_per_layer(m, 1, 128, "full")[:2] == (65_536, 0)
+    assert P.saved_per_layer(m, 1, 128, "selective")[:2] == (65_536, 65_536 + 16_384 + 196_608 + 65_536)
+
+
+@pytest.mark.parametrize("raf", ["default", "never"])
+def test_peak_parts_and_ac_order(raf):
+    m = preset("tiny")
+    peaks = {}
+    for ac in ("none", "selective", "full"):
+        st = L.place(m, _lay(world=2), _fw(reshard_after_forward=raf, activation_checkpoint=ac)).rank_state(0)
+        pk = st.peak
+        assert set(pk.parts) == set(PEAK_PARTS) and sum(pk.parts.values()) == pk.bytes and pk.phase == "backward"
+        assert pk.parts["resident"] >= st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
+        peaks[ac] = pk
+    assert peaks["none"].bytes > peaks["selective"].bytes > peaks["full"].bytes
+    assert peaks["none"].parts["activations"] > peaks["full"].parts["activations"]
+
+
+def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
+    """At the last block's reduce-scatter: "never" keeps every block before and tok_embeddings
+    unsharded and prefetches no all-gather; at lm_head's (the loss's last chunk) [norm, lm_head] is
+    unsharded whatever the setting, and every block with "never"."""
+    m = preset("tiny")
+    sh = L._sharded(m, 1, 2)
+    emb, block, head = (sum(math.prod(p.shape) for p in u) for u in L._unit_params(m, 1, 0))
+    args = (m, _lay(world=2))
+    res = 28_395_676  # tiny dp2's resident state (the state rows reconcile it to the byte)
+
+    def at(raf, k=None):
+        fw = _fw(reshard_after_forward=raf)
+        if k is None:
+            return P._at_lm_head(*args, fw, sh, res, block, emb, head)
+        return P._at_block(*args, fw, sh, res, block, emb, k)
+
+    d, n = at("default", m.layers - 1), at("never", m.layers - 1)
+    assert n.parts["resident"] - d.parts["resident"] == ((m.layers - 1) * block + emb) * 2
+    assert d.parts["gathered"] - n.parts["gathered"] == sh.layer_full * 2  # the backward prefetch
+    assert at("default").parts["resident"] - res == head * 2
+    assert at("never").parts["resident"] - res == (head + m.layers * block + emb) * 2
+    # the peak is the most of them
+    for raf in ("default", "never"):
+        pk = L.place(m, _lay(world=2), _fw(reshard_after_forward=raf)).rank_state(0).peak
+        assert pk.bytes == max([at(raf).bytes] + [at(raf, k).bytes for k in range(m.layers)])
+
+
+def test_peak_is_none_where_not_modelled_and_said_in_notes():
+    m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=256)
+    for kw, world in ((dict(pp=2), 2), (dict(tp=2, cp=2, sequence_parallel=True), 4)):
+        pl = L.place(m, _lay(world=world, **kw), _fw())
+        assert pl.rank_state(0).peak is None
+        assert any("titan peak: not modelled" in n for n in pl.notes)
+    for kw in (dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2)):
+        pl = L.place(m, _lay(world=4, **kw), _fw())
+        assert pl.rank_state(0).peak is not None and any("on CUDA" in n for n in pl.notes)
+
+
+def test_tp_blocks_save_their_heads_and_ffn_columns():
+    """tp2 without SP at seq 32 (the probe's tp2·dp2 job): norms whole, q/k/v, SDPA and SwiGLU over tp."""
+    m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    T = 32
+    norms = 2 * (2 * T * 256 * 4 + T * 4 + T * 256 * 2)
+    attn = T * 32 * 2 + T * 16 * 8 + T * 128 * 2 + T * 32 * 2 + 32 * 32 * 2 + T * 128 * 2 + 4 * 32 * 4
+    assert P.saved_per_layer(m, 1, 32, "none", tp=2)[0] == norms + attn + 4 * T * 384 * 2
+
+
+def test_gloo_copy_race_names_the_other_outcome():
+    """dp4 reshard always (vocab 1030, seq 32): one loaded run measured rank 1 at 24,493,672 bytes,
+    gloo's reduce-scatter copy still alive at the next block's copy-out; the ledger names that
+    outcome (titan_peak.RACE) beside its peak; a shard group of one (no gloo copy) has none."""
+    m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    pk = L.place(m, _lay(world=4), _fw(reshard_after_forward="always")).rank_state(1).peak
+    assert pk.bytes == 23_740_000 and pk.detail[P.RACE] == 24_493_664
+    assert P.RACE not in L.place(m, _lay(world=2, tp=2), _fw()).rank_state(0).peak.detail
