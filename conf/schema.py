@@ -231,6 +231,9 @@ class PlanConfig:
     zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])  # tried where tp > 1
     hsdp: bool = True  # torchtitan: try every dp_replicate that divides dp
+    # recompute settings tried, each by the framework's own knob (ledger/plan.py recompute_knobs):
+    # none | selective | full (DeepSpeed has no selective: skipped there)
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     # the roofline step-time estimate (ledger/plan.py estimate; an estimate, never a measurement):
     # H100 SXM dense bf16, NVLink 4 (450 GB/s one way) and one 400 Gb/s NIC per GPU
     peak_tflops: float = 989.0

@@ -2,7 +2,7 @@
 the job dir
 
   plan.json    every layout (fitting, too big, refused), one row each: framework, layout, knobs, fits,
-               peak_bytes (= resident state until issue 18, `peak_includes` says so), resident_bytes,
+               peak_bytes (the predicted peak within a step, `peak_includes` says what it holds), resident_bytes,
                wire_bytes per dim, links (intra / inter node), bubble, est_step_s (a roofline
                estimate), reason; per_stage (each stage's most-loaded rank) for every predicted row
   plan.csv     the same rows flattened
@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 import records
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, SPLIT_KNOBS, Hardware, Plan, Row, Space,
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, SPLIT_KNOBS, Hardware, Plan, Row, Space,
                          search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
@@ -46,7 +46,7 @@ def space(cfg) -> Space:
     else:  # conf/validate.py validate_plan: one of the two is set
         gbs = cfg.layout.global_batch_size
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
-                 tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp))
+                 tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -98,7 +98,8 @@ def run_plan(cfg, job_dir: str) -> dict:
         files["plot"] = "plan.png"
     except Exception as e:  # noqa: BLE001 - a plot that cannot be drawn (no matplotlib backend) loses no row
         files["plot_error"] = f"{type(e).__name__}: {e}"
-    notes = [f"peak = {PEAK_INCLUDES}", RECOMPUTE_NOTE, EST_NOTE]
+    notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`)",
+             RECOMPUTE_NOTE, EST_NOTE]
     if "megatron" in bases and not bases["megatron"].get("transformer_impl"):
         notes.append(TE_NOTE)
     summary = {"model": cfg.model.name, "num_params": model.num_params(), "ledger": cfg.ledger.mode,
@@ -197,7 +198,7 @@ def sweep_of(cfg, bases: dict, rows: list[Row], rank_of: dict, name: str, job_di
               *(f"framework.{k}={_val(v)}" for k, v in g["knobs"].items()), *cluster, "layout=" + ",".join(g["layouts"])]
         runs.append({"framework": fw, "rows": g["rows"], "overrides": ov,
                      "command": " ".join(shlex.quote(a) for a in ["python", "launch.py", "-m", *ov])})
-    return {"name": name, "plan": os.path.join(os.path.abspath(job_dir), "plan.json"), "peak_includes": PEAK_INCLUDES,
+    return {"name": name, "plan": os.path.join(os.path.abspath(job_dir), "plan.json"),
             "sort": cfg.plan.sort, "runs": runs}
 
 
@@ -234,6 +235,10 @@ def _lay(r: Row) -> str:
         s += " +emb"
     if kn.get("account_for_loss_in_pipeline_split"):
         s += " +loss"
+    rc = kn.get("recompute_granularity") or (kn.get("activation_checkpoint") if kn.get("activation_checkpoint") != "none"
+                                             else None) or ("full" if kn.get("activation_checkpointing") else None)
+    if rc:
+        s += f" rc:{rc}"
     return s
 
 

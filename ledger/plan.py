@@ -11,9 +11,12 @@ reason (numbers replaced by N) rather than dropped. The planner adds only what n
     interleaved; m = micro-batches per step),
   * a roofline step-time *estimate* (est_step_s; never a measurement), documented in estimate().
 
-Peak memory is not built yet (issue 18): `peak_bytes` is the resident state of the most-loaded rank
-and every row says so (`peak_includes`); activations, transient buffers and recompute are not
-modelled, and the planner enumerates no recompute setting until they are.
+Peak memory (issue 18): `peak_bytes` is the largest predicted peak within a step of any stage's
+heaviest rank (RankState.peak: resident state + activations in flight + transient buffers + the
+largest temporary), and a layout fits when it is within plan.memory_fraction x plan.gpu_memory_gb.
+Where a framework's ledger predicts no peak for a layout, the resident state stands in and the row
+says so (`peak_includes`). Recompute is enumerated (Space.recompute: none / selective / full, by each
+framework's own knob: recompute_knobs).
 """
 from __future__ import annotations
 
@@ -24,12 +27,36 @@ from typing import Iterator, Optional
 from ledger.faithful.megatron_buffers import split_error, stage_layers
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
-from ledger.model import ModelShape
+from ledger.model import ModelShape, numel
 from ledger.parallel import predict
 
-PEAK_INCLUDES = "resident state only; activations not modelled until issue 18"
-RECOMPUTE_NOTE = ("recompute: not enumerated; its only effect is on activations, which are not modelled until "
-                  "issue 18 (every row is recompute=none)")
+PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
+RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
+RECOMPUTE_NOTE = ("recompute: enumerated as each framework names it (Megatron recompute_granularity selective / "
+                  "full uniform 1 layer, torchtitan activation_checkpoint, DeepSpeed activation_checkpointing); "
+                  "it lowers the peak's activations, and the step-time estimate charges its forward FLOPs again "
+                  "(recompute_flops)")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_knobs(framework: str, mode: str) -> dict | None:
+    """The framework knobs of a recompute setting (None: the framework has no such setting).
+    Megatron: TransformerConfig recompute_granularity (full: method uniform, one layer per chunk, as
+    Megatron-LM's examples set it); torchtitan: activation_checkpoint.mode; DeepSpeed: the plain Llama's
+    layers under deepspeed.checkpointing (all or none: it has no selective setting)."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute {mode!r} must be one of {', '.join(RECOMPUTE)}")
+    if framework == "megatron":
+        if mode == "none":
+            return {"recompute_granularity": None}
+        if mode == "selective":
+            return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if framework == "titan":
+        return {"activation_checkpoint": mode}
+    if mode == "selective":
+        return None
+    return {"activation_checkpointing": mode == "full"}
 FRAMEWORK_NAMES = ("megatron", "deepspeed", "titan")
 # what a plan.watch entry may name: the framework, a layout field or a knob a row sets
 WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
@@ -79,6 +106,7 @@ class Space:
     zero_stages: tuple[int, ...] = (1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
     hsdp: bool = True  # torchtitan: every dp_replicate that divides dp
+    recompute: tuple[str, ...] = ("none",)  # RECOMPUTE settings tried (recompute_knobs)
 
 
 @dataclass(slots=True)
@@ -98,6 +126,7 @@ class Row:
     status: str  # fits | too_big | refused
     reason: Optional[str] = None
     peak_bytes: Optional[int] = None
+    peak_includes: str = ""
     resident_bytes: Optional[int] = None
     state_bytes: dict = field(default_factory=dict)  # params / grads / optim / other of the most-loaded rank
     stage: Optional[int] = None  # pipeline stage of the most-loaded rank
@@ -127,7 +156,7 @@ class Row:
 
     def to_dict(self) -> dict:
         return {"framework": self.framework, "layout": self.layout, "knobs": self.knobs, "fits": self.fits,
-                "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": PEAK_INCLUDES,
+                "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": self.peak_includes,
                 "resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes, "stage": self.stage,
                 "wire_bytes": self.wire_bytes, "links": self.links, "bubble": self.bubble,
                 "est_step_s": self.est_step_s, "est": self.est, "reason": self.reason,
@@ -194,11 +223,14 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
     Megatron splits, dp_replicate (torchtitan), zero_stage (DeepSpeed), micro-batch size and
     sequence parallelism. `base` is the framework's config (a plain dict) the varied knobs override."""
     G, N, gbs = hw.gpus_per_node, hw.gpus, space.global_batch_size
+    rcs = [kn for kn in (recompute_knobs(framework, r) for r in space.recompute) if kn is not None]
     if framework == "deepspeed":
-        fws = {z: FrameworkView(base, zero_stage=z) for z in space.zero_stages}
         for z in space.zero_stages:
-            for mbs in space.micro_batch_sizes:
-                yield Candidate(framework, Layout(1, 1, N, 1, 1, 1, 1, False, mbs, gbs), {"zero_stage": z}, fws[z])
+            for rc in rcs:
+                kn = {"zero_stage": z, **rc}
+                fw = FrameworkView(base, **kn)
+                for mbs in space.micro_batch_sizes:
+                    yield Candidate(framework, Layout(1, 1, N, 1, 1, 1, 1, False, mbs, gbs), kn, fw)
         return
     if framework == "megatron":
         # the planner chooses the pipeline split per layout: a split set in the base config is not
@@ -220,8 +252,8 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
                     splits = megatron_splits(model.layers, pp, vp) if framework == "megatron" else [None]
-                    for split in splits:
-                        kn = _split_knobs(split) if split is not None else {}
+                    for split, rc in ((s, r) for s in splits for r in rcs):
+                        kn = {**(_split_knobs(split) if split is not None else {}), **rc}
                         key = tuple(kn.items())
                         fw = fw_of.get(key)
                         if fw is None:
@@ -295,6 +327,30 @@ def step_flops(model: ModelShape, lay: Layout) -> float:
     return tokens * (6 * matmul_params + 12 * model.layers * model.seq_len * model.hidden)
 
 
+def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
+    """The FLOPs recompute adds to a step (step_flops' terms, run again in backward): full recompute of
+    every decoder layer (Megatron full, torchtitan FullAC, DeepSpeed's checkpointed layers) runs each
+    layer's forward again, 2 per layer weight per token + attention's forward 4 * seq * hidden;
+    selective recomputes attention's core only (Megatron core_attn; torchtitan's SelectiveAC op
+    policy, whose CPU SDPA is not in its save list), its forward 4 * seq * hidden per layer per token.
+    The output layer and the loss are not recomputed."""
+    tokens = lay.global_batch_size * model.seq_len
+    attn = 4 * model.layers * model.seq_len * model.hidden
+    name = fw.get("name")
+    if name == "megatron":
+        mode = fw.get("recompute_granularity") or "none"
+    elif name == "titan":
+        mode = fw.get("activation_checkpoint") or "none"
+    else:
+        mode = "full" if fw.get("activation_checkpointing") else "none"
+    if mode == "full":
+        layer_params = sum(numel(s) for _n, s in model.layer_params(0)) * model.layers
+        return tokens * (2 * layer_params + attn)
+    if mode == "selective":
+        return tokens * attn
+    return 0.0
+
+
 def overlaps(framework: str, fw) -> bool:
     """Whether the framework overlaps its data-parallel collectives with compute as configured:
     Megatron overlap_grad_reduce, DeepSpeed overlap_comm, torchtitan's FSDP2 always (prefetching
@@ -309,7 +365,7 @@ def overlaps(framework: str, fw) -> bool:
 def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict) -> dict:
     """A roofline step-time estimate, not a measurement:
 
-        compute_s = FLOPs per step / (gpus x peak_tflops x mfu) x (1 + bubble)
+        compute_s = (FLOPs per step + recompute's, recompute_flops) / (gpus x peak_tflops x mfu) x (1 + bubble)
         comm_s[d] = wire bytes of dim d x 8 / (nvlink_gbps if its groups are inside a node else
                     network_gbps) x 1e-9
         exposed   = TP, CP, PP and any other dim in full; the data-parallel dims (dp, dp_replicate,
@@ -318,7 +374,8 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
         est_step_s = compute_s + exposed
 
     wire bytes are the most-loaded rank's (ring algorithm, what one rank sends)."""
-    compute = step_flops(model, lay) / (hw.gpus * hw.peak_tflops * 1e12 * hw.mfu) * (1 + bubble(lay))
+    flops = step_flops(model, lay) + recompute_flops(model, lay, fw)
+    compute = flops / (hw.gpus * hw.peak_tflops * 1e12 * hw.mfu) * (1 + bubble(lay))
     ov = overlaps(framework, fw)
     dp_s = other_s = 0.0
     for d, b in wire.items():
@@ -356,7 +413,15 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
             kinds.setdefault(x.dim, x.kind)
     links = {d: link_of(lay, d, kinds[d], hw.gpus_per_node) for d in wire}
     res = g.resident_bytes
-    row.resident_bytes = row.peak_bytes = res
+    row.resident_bytes = res
+    row.placement = pl
+    try:
+        row.per_stage = per_stage(row)
+    except ConfigError as e:  # the peak model refuses what it does not model (e.g. a recompute setting)
+        row.reason, row.placement = str(e), None
+        return row
+    row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
+    row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}
     row.stage = g.stage
@@ -364,20 +429,27 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     row.bubble = bubble(lay)
     row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
     row.est_step_s = row.est["est_step_s"]
-    row.placement = pl
-    if res <= hw.budget_bytes:
+    if row.peak_bytes <= hw.budget_bytes:
         row.status = "fits"
     else:
         row.status = "too_big"
-        row.reason = (f"peak {res / 1e9:.2f} GB (resident state only) > plan.memory_fraction x "
+        what = "predicted peak" if row.peak_includes == PEAK_INCLUDES else "resident state only"
+        row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}) > plan.memory_fraction x "
                       f"plan.gpu_memory_gb = {hw.budget_bytes / 1e9:.2f} GB")
     return row
 
 
+def peak_of(s) -> int:
+    """A rank's predicted peak within a step; its resident state where its ledger predicts none."""
+    pk = s.peak
+    return s.resident_bytes if pk is None else pk.bytes
+
+
 def per_stage(row: Row) -> list[dict]:
-    """The most-loaded rank of each pipeline stage (resident state, so peak for now), among the
-    ranks the ledger names for the stage (Placement.stage_representatives: a handful per stage);
-    per_stage_walk is the reference over every rank (test_plan: they agree)."""
+    """The rank of each pipeline stage with the highest predicted peak (peak_of), among the ranks the
+    ledger names for the stage (Placement.stage_representatives: a handful per stage, the heaviest in
+    resident state, which hold the largest buffers); per_stage_walk is the reference over every rank
+    (test_plan: they agree)."""
     pl = row.placement
     pp = pl.layout["pp"]
     if pp == 1:  # one stage: the most-loaded rank is the layout's
@@ -389,7 +461,7 @@ def per_stage(row: Row) -> list[dict]:
         best, best_rank = None, None
         for r in pl.stage_representatives(st):
             s = pl.rank_state(r)
-            if best is None or s.resident_bytes > best.resident_bytes:
+            if best is None or peak_of(s) > peak_of(best):
                 best, best_rank = s, r
         out.append(_stage_row(st, best_rank, best))
     return out
@@ -401,7 +473,10 @@ def _rank_of(pl, state) -> int:
 
 
 def _stage_row(st: int, rank: int, s) -> dict:
-    return {"stage": st, "rank": rank, "peak_bytes": s.resident_bytes, "resident_bytes": s.resident_bytes,
+    pk = s.peak
+    return {"stage": st, "rank": rank, "peak_bytes": peak_of(s), "peak_modelled": pk is not None,
+            "peak_parts": dict(pk.parts) if pk is not None else None, "peak_phase": pk.phase if pk is not None else None,
+            "resident_bytes": s.resident_bytes,
             "params": s.params_bytes, "grads": s.grads_bytes, "optim": s.optim_bytes, "other": s.other_bytes}
 
 
@@ -419,7 +494,7 @@ def per_stage_walk(row: Row) -> list[dict]:
             if id(s) in seen:
                 continue
             seen.add(id(s))
-            if best is None or s.resident_bytes > best.resident_bytes:
+            if best is None or peak_of(s) > peak_of(best):
                 best, best_rank = s, r
         out.append(_stage_row(st, best_rank, best))
     return out
@@ -447,7 +522,8 @@ def sort_key(sort: str):
 
 
 def _tie(r: Row) -> tuple:
-    return (r.framework, tuple(r.layout.values()), tuple(sorted(r.knobs.items())))
+    # knob values compared as text: recompute_granularity is None or a name
+    return (r.framework, tuple(r.layout.values()), tuple(sorted((k, repr(v)) for k, v in r.knobs.items())))
 
 
 def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, dict], mode: str = "faithful",
@@ -466,8 +542,6 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
         why = refused.setdefault(name, {})
         for c in candidates(model, hw, space, name, base):
             r = evaluate(model, c, hw, mode)
-            if r.placement is not None:
-                r.per_stage = per_stage(r)
             n["layouts"] += 1
             n[r.status] += 1
             if r.status == "refused":

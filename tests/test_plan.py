@@ -13,7 +13,7 @@ from conf.validate import validate_config
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
-from ledger.plan import (PEAK_INCLUDES, Hardware, FrameworkView, Space, bubble, candidates, estimate, evaluate, link_of,
+from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, evaluate, link_of,
                          megatron_splits, per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, launch
 
@@ -70,7 +70,11 @@ def test_search_is_the_ledger_per_layout():
                 validate(m, lay, r.framework, fw)
                 pl = predict(m, lay, fw)
                 g = pl.per_gpu
-                assert r.status != "refused" and r.resident_bytes == r.peak_bytes == g.resident_bytes
+                assert r.status != "refused" and r.resident_bytes == g.resident_bytes
+                # the peak: the largest of every stage's heaviest rank's predicted peak (its resident
+                # state where the ledger predicts none), never below the resident state
+                assert r.peak_bytes == max(s["peak_bytes"] for s in r.per_stage) >= r.resident_bytes
+                assert r.fits == (r.peak_bytes <= HW8.budget_bytes)
                 assert r.stage == g.stage
                 assert sum(r.wire_bytes.values()) == sum(c.wire_bytes for c in g.comm)
             except ConfigError as e:
@@ -103,7 +107,7 @@ def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(
         assert [s["peak_bytes"] for s in r.per_stage] == [s["peak_bytes"] for s in walk]
         assert max(s["peak_bytes"] for s in r.per_stage) == r.peak_bytes
         for s in r.per_stage:
-            assert r.placement.rank_state(s["rank"]).resident_bytes == s["peak_bytes"]
+            assert peak_of(r.placement.rank_state(s["rank"])) == s["peak_bytes"]
 
 
 @pytest.mark.parametrize("sort", ["peak", "wire"])
@@ -223,13 +227,14 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
     assert any("is not divisible by micro_batch_size*dp" in v["example"] for v in p["refused"]["deepspeed"].values())
     assert len(rows) == sum(c["layouts"] for c in p["counts"].values())
     for r in rows:
-        assert ROW_KEYS <= set(r) and LAYOUT_KEYS <= set(r["layout"]) and r["peak_includes"] == PEAK_INCLUDES
+        assert ROW_KEYS <= set(r) and LAYOUT_KEYS <= set(r["layout"])
+        assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY) if r["status"] != "refused" else ("",))
         assert (r["reason"] is None) == r["fits"]
         assert set(r["links"]) == set(r["wire_bytes"]) and set(r["links"].values()) <= {"intra", "inter"}
     fits = [r for r in rows if r["fits"]]
     assert all(r["peak_bytes"] <= 0.9 * 80e9 for r in fits)
     assert [r["est_step_s"] for r in fits] == sorted(r["est_step_s"] for r in fits)
-    assert any(f"peak = {PEAK_INCLUDES}" == n for n in p["notes"])
+    assert any(n.startswith(f"peak = {PEAK_INCLUDES}") for n in p["notes"])
     assert (tmp_path / "job" / "plan.png").stat().st_size > 0 and (tmp_path / "job" / "plan.csv").exists()
     sweep = yaml.safe_load((tmp_path / "sweeps" / "llama3_70b_1024gpus_all.yaml").read_text())
     assert sum(len(r["rows"]) for r in sweep["runs"]) == 3 and all(r["overrides"][0] == "model=llama3_70b"
@@ -238,34 +243,42 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
 
 def test_llama3_405b_production_layout(tmp_path):
     """TP8 · CP1 · PP16 · DP128 on 16,384 GPUs, seq 8192 (16M tokens per step): in plan.json with its peak
-    per stage (126 layers as 7 + 14 x 8 + 7) and whether it fits in 80 GB; recompute is not enumerated
-    until activations are modelled, which every row and the notes say."""
+    per stage (126 layers as 7 + 14 x 8 + 7), for each recompute setting: the activations of the 16
+    micro-batches stage 0 holds in flight do not fit in 80 GB without full recompute (TE's attention
+    saves no s^2 probabilities, so selective core_attn recompute saves little), and full recompute
+    fits, with SP and without."""
     rec, rows = _plan_job(tmp_path, "model=llama3_405b", "plan.gpus=16384", "plan.global_batch_tokens=16777216",
                           "framework=megatron", "plan.top=1",
                           "plan.watch=[{tp:8,pp:16,cp:1,dp:128,vp:1,micro_batch_size:1}]")
     prod = [r for r in rows if r["layout"]["tp"] == 8 and r["layout"]["pp"] == 16 and r["layout"]["dp"] == 128
             and r["layout"]["vp"] == 1 and r["layout"]["micro_batch_size"] == 1
             and r["knobs"].get("decoder_first_pipeline_num_layers") == 7]
-    assert len(prod) == 2  # SP on and off
-    for r in prod:
-        assert r["fits"] and r["per_stage"] is not None and len(r["per_stage"]) == 16
-        assert max(s["peak_bytes"] for s in r["per_stage"]) == r["peak_bytes"] < 80e9
+    assert len(prod) == 6  # SP on and off x recompute none / selective / full
+    by = {(r["layout"]["sequence_parallel"], r["knobs"]["recompute_granularity"]): r for r in prod}
+    for (sp, rc), r in by.items():
+        assert r["per_stage"] is not None and len(r["per_stage"]) == 16
+        assert max(s["peak_bytes"] for s in r["per_stage"]) == r["peak_bytes"] > r["resident_bytes"]
+        assert r["fits"] == (rc == "full") == (r["peak_bytes"] <= 0.9 * 80e9)
         assert r["links"]["tp"] == "intra" and r["links"]["dp"] == "inter"
         assert r["bubble"] == 15 / 16  # 2048 / (1 x 128) = 16 micro-batches
-    assert any("recompute: not enumerated" in n for n in rec["plan"]["notes"])
+    for sp in (False, True):  # recompute only ever lowers the peak; SP divides the activations by tp
+        assert by[(sp, "full")]["peak_bytes"] < by[(sp, "selective")]["peak_bytes"] <= by[(sp, None)]["peak_bytes"]
+    assert by[(True, None)]["peak_bytes"] < by[(False, None)]["peak_bytes"]
+    assert any(n.startswith("recompute: enumerated") for n in rec["plan"]["notes"])
     assert all(isinstance(x, int) for x in rec["plan"]["watch"][0]["rows"])
 
 
 @pytest.mark.real
 def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
     """plan -> run the top layouts as one sweep (the sweep file's overrides, launch.py -m on the local
-    CPU cluster) -> reconcile: every job ok, every steady row exact, and each job's resident state is
-    the plan's."""
+    CPU cluster) -> reconcile: every job ok, every steady row agrees (states and collectives exact, peaks
+    within 1%), and each job's resident state is the plan's."""
     import records
     from analysis import reconcile
 
     rec, rows = _plan_job(tmp_path, "model=tiny", "plan.gpus=2", "plan.gpus_per_node=2", "plan.global_batch_tokens=512",
-                          "framework=megatron", "framework.transformer_impl=local", "plan.micro_batch_sizes=[1,2]")
+                          "framework=megatron", "framework.transformer_impl=local", "plan.micro_batch_sizes=[1,2]",
+                          "plan.recompute=[none]")
     sweep = yaml.safe_load((tmp_path / "job" / "sweep.yaml").read_text())
     assert len(sweep["runs"]) == 1 and sweep["runs"][0]["rows"] == [1, 2, 3]
     out = tmp_path / "run"
@@ -276,7 +289,9 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
     assert [r["status"] for r in recs] == ["ok"] * 3
     df = reconcile.table(recs)
     steady = df[df.phase == "steady"]
-    assert len(steady) and (steady.abs_err == 0).all()
+    # states and collectives to the byte, peaks within issue 18's 1%
+    assert len(steady) and not reconcile.off(steady).any(), steady[reconcile.off(steady)].to_string()
+    assert (steady.quantity == "peak_bytes").any()
     by_rank = {r["rank"]: r for r in rows if r["rank"]}
     for i, r in enumerate(recs):
         planned = by_rank[i + 1]
