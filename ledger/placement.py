@@ -74,9 +74,7 @@ class _Lazy:
         obj.__dict__[self.slot] = value
 
 
-# the parts of a peak, named as the peak probe's categories (probes/peak.py) so each is reconciled:
-# resident = params + grads + optim + other at that moment
-PEAK_PARTS = ("resident", "activations", "gathered", "temporary", "unnamed")
+from ledger.units import PEAK_PARTS  # noqa: E402  (ledger.placement.PEAK_PARTS, as the peak's contract)
 
 
 @dataclass

@@ -13,3 +13,8 @@ def fmt(nbytes: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+# the parts of a peak (ledger.placement.Peak), named as the peak probe's categories (probes/peak.py) so
+# each is reconciled: resident = params + grads + optim + other at that moment
+PEAK_PARTS = ("resident", "activations", "gathered", "temporary", "unnamed")

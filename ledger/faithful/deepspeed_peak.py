@@ -200,6 +200,11 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # (stage_1_and_2.py copy_grads_in_partition): a straddling param makes it up to one param
         # larger, per rank; the ledger keeps w * partition (measured 256 B short, rank 0, tiny)
         held_grads = w * part
+    # one micro-batch: the output Linear's weight gradient is the first a hook sees
+    # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), which with
+    # contiguous_gradients allocates the IPG buffer of reduce_bucket_size elements in the model dtype
+    # there; with several micro-batches it is in held_grads above (ZeRO-1) or grads_in_partition (ZeRO-2)
+    ipg = w * bucket if m == 1 and zero in (1, 2) else 0
     act_named = _per_kind(acts, model.layers)
     most = most_live_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
     base_temp = sum(held.values()) + _loss_scalars() + held_grads
@@ -217,15 +222,18 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
         # logits' gradient still alive
         a = (act - FP32, 2 * FP32 * b * s * V)
-        bb = (act - FP32 - FP32 * b * s * V, w * b * s * V + w * V * h + w * b * s * h)
-        (acts_now, grads_now), at = (a, "_log_softmax_backward_data") if a[0] + a[1] >= bb[0] + bb[1] else \
-            (bb, "the output Linear's mm backward")
+        bb = (act - FP32 - FP32 * b * s * V, w * b * s * V + w * V * h + w * b * s * h + ipg)
+        bb_won = a[0] + a[1] < bb[0] + bb[1]
+        (acts_now, grads_now), at = (bb, "the output Linear's mm backward") if bb_won else \
+            (a, "_log_softmax_backward_data")
         # ZeRO-3: the non-persistent Linear weights stay alive through the saves (counted as
         # activations); nothing else gathered is counted (an estimate)
         parts = {"resident": res, "activations": acts_now, "gathered": 0, "temporary": grads_now + base_temp,
                  "unnamed": 0}
         detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
-        detail["temporary/cross-entropy and output gradients at " + at] = grads_now
+        detail["temporary/cross-entropy and output gradients at " + at] = grads_now - (ipg if bb_won else 0)
+        if ipg and bb_won:
+            detail["temporary/IPG buffer (reduce_bucket_size elements, at the first gradient hook)"] = ipg
         detail["temporary/loss scalars"] = _loss_scalars()
         if held:
             detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
