@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 import records
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, SPLIT_KNOBS, Hardware, Plan, Row, Space,
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, recompute_mode, SPLIT_KNOBS, Hardware, Plan, Row, Space,
                          search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
@@ -235,9 +235,8 @@ def _lay(r: Row) -> str:
         s += " +emb"
     if kn.get("account_for_loss_in_pipeline_split"):
         s += " +loss"
-    rc = kn.get("recompute_granularity") or (kn.get("activation_checkpoint") if kn.get("activation_checkpoint") != "none"
-                                             else None) or ("full" if kn.get("activation_checkpointing") else None)
-    if rc:
+    rc = recompute_mode(r.framework, kn)
+    if rc != "none":
         s += f" rc:{rc}"
     return s
 

@@ -39,6 +39,16 @@ RECOMPUTE_NOTE = ("recompute: enumerated as each framework names it (Megatron re
 RECOMPUTE = ("none", "selective", "full")
 
 
+def recompute_mode(framework: str, knobs) -> str:
+    """The RECOMPUTE setting a framework's knobs (a row's knobs, or its whole config) name: the
+    inverse of recompute_knobs."""
+    if framework == "megatron":
+        return knobs.get("recompute_granularity") or "none"
+    if framework == "titan":
+        return knobs.get("activation_checkpoint") or "none"
+    return "full" if knobs.get("activation_checkpointing") else "none"
+
+
 def recompute_knobs(framework: str, mode: str) -> dict | None:
     """The framework knobs of a recompute setting (None: the framework has no such setting).
     Megatron: TransformerConfig recompute_granularity (full: method uniform, one layer per chunk, as
@@ -336,13 +346,7 @@ def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
     The output layer and the loss are not recomputed."""
     tokens = lay.global_batch_size * model.seq_len
     attn = 4 * model.layers * model.seq_len * model.hidden
-    name = fw.get("name")
-    if name == "megatron":
-        mode = fw.get("recompute_granularity") or "none"
-    elif name == "titan":
-        mode = fw.get("activation_checkpoint") or "none"
-    else:
-        mode = "full" if fw.get("activation_checkpointing") else "none"
+    mode = recompute_mode(fw.get("name"), fw)
     if mode == "full":
         layer_params = sum(numel(s) for _n, s in model.layer_params(0)) * model.layers
         return tokens * (2 * layer_params + attn)

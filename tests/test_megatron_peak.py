@@ -4,7 +4,6 @@ acceptance command's printout. The real runs that confirm the peak are tests/tes
 matrix (every steady peak_bytes row within 1%, the recompute jobs' activations as predicted)."""
 from __future__ import annotations
 
-import types
 
 import pytest
 from omegaconf import OmegaConf
@@ -14,29 +13,14 @@ from conf.validate import validate_recompute
 from ledger import textbook as T
 from ledger.faithful import megatron as L
 from ledger.faithful import megatron_peak as P
-from ledger.layout import ConfigError, resolve
+from ledger.layout import ConfigError
 from ledger.model import preset
 from ledger.placement import PEAK_PARTS
 from tests.conftest import launch
 
 
-def _fw(**kw):
-    d = dict(name="megatron", precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-             overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None, average_in_collective=False,
-             clip_grad=1.0, make_vocab_size_divisible_by=128, transformer_impl="local")
-    d.update(kw)
-    return types.SimpleNamespace(**d)
-
-
-class _Cfg(dict):  # what resolve() reads: item and attribute access
-    __getattr__ = dict.__getitem__
-
-
-def _lay(**kw):
-    d = dict(tp=1, pp=1, dp=2, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False, micro_batch_size=1,
-             global_batch_size=-1)
-    d.update(kw)
-    return resolve(_Cfg(d))
+# the Megatron framework config and layout the ledger tests build (one place: tests/test_megatron.py)
+from tests.test_megatron import _fw, _lay  # noqa: E402
 
 
 def _rc(**kw):
