@@ -33,7 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 RESIDENT = ("params", "grads", "optim", "other")
 CATEGORIES = RESIDENT + ("activations", "gathered", "temporary", "unnamed")
-PHASES = ("forward", "backward", "schedule", "optimizer", "setup")
 # CUDA's caching allocator hands out blocks in multiples of 512 bytes, at least 512
 # (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, round_size): what allocated_bytes counts
 CUDA_BLOCK = 512
