@@ -391,7 +391,10 @@ def read_tables(src: str) -> pd.DataFrame:
                     frames.append(t)
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
-    return pd.concat(frames, ignore_index=True)[COLUMNS]
+    df = pd.concat(frames, ignore_index=True)
+    if "race_bytes" not in df:  # a table logged before the peak's race range (0: one measured value)
+        df["race_bytes"] = 0
+    return df[COLUMNS]
 
 
 def load_from(path: str | None, from_wandb: str | None = None) -> list[dict]:

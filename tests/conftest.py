@@ -49,3 +49,20 @@ def run_sweeps(root, sweeps, common=()) -> dict:
     recs = records.load(str(root))
     ok = [r for r in recs if r["status"] == "ok"]
     return {"records": recs, "ok": ok, "table": reconcile.table(ok)}
+
+
+def peak_evidence(recs, bad) -> str:
+    """The failing peak rows, each with what the probe saw at its peak (where, bytes by category,
+    what worker threads and the cyclic GC freed): a CI failure says what moved without a rerun."""
+    import records
+
+    lines = [bad.to_string()]
+    for row in bad.itertuples():
+        rec = next(r for r in recs if records.job_name(r) == row.job)
+        m = next(m for m in rec["measurement"]["ranks"] if m["rank"] == row.rank)
+        st = next(s for s in m["steps"] if s["step"] == row.step)
+        p = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == row.rank)["peak"]
+        mk = {k: v for k, v in st["peak"].items() if k != "timeline"}
+        lines.append(f"{row.job} rank {row.rank} step {row.step}: measured {mk}; "
+                     f"predicted {p['bytes']} {p['phase']} {p['what']!r} {p['parts']}")
+    return "\n".join(lines)

@@ -104,6 +104,51 @@ def test_frees_of_earlier_storages_and_the_peak_moment():
         assert r["at_peak"]["grads"] == grads
 
 
+def test_a_free_on_another_thread_and_the_prompt_peak():
+    """A storage whose last reference another thread drops (as gloo's worker does with a collective's
+    tensors): the measured peak holds it as long as that thread keeps it; prompt_peak_bytes is the peak
+    had it been freed right after the main thread's last use. Without such a free the two are one."""
+    import threading
+
+    tr = PeakTracker()
+    tr.begin(scan=True)
+    base = tr.cur
+    held, go, done = [], threading.Event(), threading.Event()
+
+    def worker():
+        go.wait()
+        held.clear()  # the last reference: the storage dies on this thread
+        done.set()
+
+    th = threading.Thread(target=worker)
+    th.start()
+    with tr.recording():
+        a = torch.ones(1000)  # 4000 bytes, last used by the main thread here
+        a.add_(1)
+        held.append(a)
+        del a
+        b = torch.ones(500)  # 2000 bytes while the worker still holds a: the measured peak
+        b.mul_(2)
+        go.set()
+        done.wait()
+        th.join()
+        c = torch.ones(100)
+        c.mul_(2)
+    tr.end()
+    r = tr.result({}, timeline=False)
+    assert r["worker_freed_bytes"] == 4000
+    assert r["peak_bytes"] == base + 6000
+    # freed right after a.add_: b and a never live together
+    assert r["prompt_peak_bytes"] == base + 4000
+    tr.begin(scan=False)
+    with tr.recording():
+        d = torch.ones(100)
+        del d
+    tr.end()
+    r = tr.result({}, timeline=False)
+    assert r["worker_freed_bytes"] == 0 and r["prompt_peak_bytes"] == r["peak_bytes"]
+
+
 def test_a_storage_resize_is_counted():
     # FSDP2 allocates and frees unsharded parameters by resizing their storage (not an operator)
     t = torch.empty(1000)

@@ -241,7 +241,13 @@ def test_mismatches_round_trip_too(sweep, tmp_path):
     info = W.log_job(load(rec["config"]), rec)
     assert "error" not in info, info
     want = reconcile.table([rec])
-    assert (want.rel_err == float("inf")).sum() == 1
+    last = rec["measurement"]["ranks"][0]["steps"][-1]["step"]
+    hit = want[(want["rank"] == 0) & (want.step == last) & (want.quantity == "grads_bytes")]
+    assert list(hit.rel_err) == [float("inf")]
+    # the only judged row that is inf (a peak part the ledger puts at 0 is reported, not judged, and
+    # may be inf where the probe files a few bytes there)
+    judged = want[~want.quantity.str.startswith("peak/")]
+    assert (judged.rel_err == float("inf")).sum() == 1
     pd.testing.assert_frame_equal(W.read_tables(str(tmp_path)), want)
     pd.testing.assert_frame_equal(reconcile.table(W.read_records(str(tmp_path))), want)
     assert W.read_run(W.find_runs(str(tmp_path))[0])["summary"]["steady_mismatches"] == 1
