@@ -158,6 +158,13 @@ def preload(device: str) -> None:
     import deepspeed  # noqa: F401
     import deepspeed.runtime.zero.stage3  # noqa: F401
     import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    # what a forked rank still imported during deepspeed.initialize and its steps (its sys.modules
+    # after the run less before it): torch._dynamo (deepspeed/runtime/compiler.py imports it on
+    # first use), torch._inductor and functorch.compile (its compile paths, original_muon.py's
+    # @compiler.compile): 4.7 s of CPU in every rank, once here instead
+    import functorch.compile  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
     from launchers import llama  # noqa: F401
 

@@ -99,7 +99,11 @@ def serve(framework: str, sock_path: str, device: str, shared: bool) -> None:
     from launchers import FRAMEWORKS
 
     importlib.import_module(FRAMEWORKS[framework]).preload(device)
-    import launchers.worker  # noqa: F401  (and what it imports: conf, ledger, probes)
+    # what launchers.worker.run imports on its first line (inside the function): conf.schema brings
+    # hydra, omegaconf and antlr4, 1.9 s of CPU a rank spent after every fork
+    import conf.schema  # noqa: F401
+    import launchers.worker  # noqa: F401
+    import ledger.layout  # noqa: F401
     import probes.session  # noqa: F401
 
     parent = os.getppid()
