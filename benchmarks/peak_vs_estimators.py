@@ -10,8 +10,17 @@ For each job, the rank with the highest measured peak on the last step (probes/p
               zero/stage_1_and_2.py, zero/stage3.py; cpu_offload=False; largest_layer_params as
               estimate_zero3_model_states_mem_needs_all_live computes it), also against the measured
               resident state
-and each one's error against the measured peak. torch's FSDPMemTracker (torchtitan jobs) is not
-wired in: it measures a run under its own mode rather than estimating one.
+  fsdp_mem_tracker
+              torch's FSDPMemTracker (torch/distributed/_tools/fsdp2_mem_tracker.py, the tracker
+              torchtitan's memory estimation runs): its peak over the same step of the same run, for
+              torchtitan jobs run with probe.fsdp_mem_tracker=true. A finding, not in the default
+              sweep: it cannot track torchtitan 0.3.0's Llama step. Every llama3 config there trains
+              with ChunkedLossWrapper (components/loss.py), which calls the [norm, lm_head] FSDP unit
+              once per sequence chunk, and FSDPMemTracker raises NotImplementedError ("does not
+              support memory tracking for multiple iterative calls") at the second chunk, so the job
+              fails with that error in its record:
+                  python launch.py -m framework=titan cluster.ranks=2 probe.fsdp_mem_tracker=true
+and each one's error against the measured peak.
 
 The estimators are called with the job's own shape and layout; they assume a GPU run (bf16 weights,
 fp32 master and Adam, their activation formulas), so on the CPU harness their error says how far that
@@ -140,7 +149,8 @@ def table(recs: list[dict]):
         fam = R.framework_variant(rec).split("-")[0]
         row["megatron_theoretical"] = _safe(megatron_theoretical, rec) if fam == "megatron" else None
         row["ds_zero_states"] = _safe(deepspeed_states, rec) if fam == "deepspeed" else None
-        for k in ("ours", "megatron_theoretical", "ds_zero_states"):
+        row["fsdp_mem_tracker"] = (st.get("fsdp_mem_tracker") or {}).get("peak_bytes")
+        for k in ("ours", "megatron_theoretical", "ds_zero_states", "fsdp_mem_tracker"):
             row[f"{k}_err"] = None if row[k] is None else f"{(row[k] - meas) / meas:+.1%}"
         # DeepSpeed's estimators are of the model states: against the measured resident state too
         res = (st.get("state") or {}).get("resident_bytes")
@@ -149,7 +159,7 @@ def table(recs: list[dict]):
                                              else f"{(row['ds_zero_states'] - res) / res:+.1%}")
         rows.append(row)
     df = pd.DataFrame(rows)
-    for k in ("measured_peak", "measured_resident", "ours", "megatron_theoretical", "ds_zero_states"):
+    for k in ("measured_peak", "measured_resident", "ours", "megatron_theoretical", "ds_zero_states", "fsdp_mem_tracker"):
         if k in df:
             df[k] = df[k].astype("Int64")
     return df

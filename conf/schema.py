@@ -198,6 +198,13 @@ class ProbeConfig:
     peak: bool = True
     # the step whose memory timeline is recorded (live bytes by category per event); -1: the last
     timeline_step: int = -1
+    # framework=titan only: every step also under torch's FSDPMemTracker
+    # (torch/distributed/_tools/fsdp2_mem_tracker.py), the tracker torchtitan's memory estimation
+    # uses; its peak per step goes in the rank record (`fsdp_mem_tracker`) for
+    # benchmarks/peak_vs_estimators.py to set beside the peak probe's. torchtitan 0.3.0's Llama step
+    # is one it cannot track (its ChunkedLossWrapper: the benchmark's docstring), so such a job
+    # fails with FSDPMemTracker's NotImplementedError in its record
+    fsdp_mem_tracker: bool = False
 
 
 @dataclass

@@ -260,5 +260,10 @@ def validate_config(cfg) -> None:
     validate_ledger(cfg.ledger)
     validate_wandb(cfg.wandb)
     validate_probe(cfg.probe)
+    if cfg.probe.fsdp_mem_tracker and cfg.framework.name != "titan":
+        raise ConfigError(f"probe.fsdp_mem_tracker=true needs framework=titan (torch's FSDPMemTracker tracks "
+                          f"FSDP2 modules), not framework={cfg.framework.name}")
+    if cfg.probe.fsdp_mem_tracker and cfg.cluster.kind == "fake":
+        raise ConfigError("probe.fsdp_mem_tracker=true needs real tensors: not with cluster=fake")
     if "campaign" in cfg:
         validate_campaign(cfg.campaign)

@@ -279,10 +279,31 @@ def run_rank(cfg, lay, session) -> dict:
         # data-dependent reads of them answered at titan_cpu.FAKE_SCALAR_SITES
         run_ctx.enter_context(fake.scalar_reads(titan_cpu.FAKE_SCALAR_SITES))
     with run_ctx:
-        return _train(trainer_config=config, session=session, fake_world=fake_world)
+        return _train(trainer_config=config, session=session, fake_world=fake_world,
+                      fsdp_mem_tracker=cfg.probe.fsdp_mem_tracker)
 
 
-def _train(trainer_config, session, fake_world: bool) -> dict:
+def _fsdp_mem_tracker(trainer):
+    """torch's FSDPMemTracker over the (one) model part and its optimizer, new each step so that its
+    peak is the step's. Entered outside the probes' modes: they see each operator first."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    if len(trainer.model_parts) != 1:
+        raise ValueError("probe.fsdp_mem_tracker tracks one model part (pp=1)")
+    return FSDPMemTracker(trainer.model_parts[0], trainer.optimizers.optimizers[0])
+
+
+def _fsdp_mem_tracker_peak(fmt) -> dict:
+    """Its peak snapshot summed over devices: {"peak_bytes": Total, "<category>_bytes": ...}."""
+    out: dict[str, int] = {}
+    for per_dev in fmt.get_tracker_snapshot("peak").values():
+        for k, v in per_dev.items():
+            key = "peak_bytes" if str(k) == "Total" else f"{getattr(k, 'value', k)}_bytes"
+            out[key] = out.get(key, 0) + int(v)
+    return out
+
+
+def _train(trainer_config, session, fake_world: bool, fsdp_mem_tracker: bool = False) -> dict:
     import torch
 
     from launchers import titan_cpu
@@ -307,9 +328,12 @@ def _train(trainer_config, session, fake_world: bool) -> dict:
         # cluster=fake: the step under the rank's FakeTensorMode too, or FSDP2's all-gather outputs
         # (torch.empty in _fsdp_collectives.py, no fake input) would be real memory and real matmuls;
         # entered before the probe's mode, so the comm probe still sees every collective first
-        with (fake_step() if fake_world else contextlib.nullcontext()), session.step(i):
+        fmt = _fsdp_mem_tracker(trainer) if fsdp_mem_tracker else contextlib.nullcontext()
+        with (fake_step() if fake_world else contextlib.nullcontext()), fmt, session.step(i):
             orig_step(data_iterator)
         session.loss(None if fake_world else losses.get(trainer.step))  # fake: numerics are meaningless
+        if fsdp_mem_tracker:
+            session.note("fsdp_mem_tracker", lambda: _fsdp_mem_tracker_peak(fmt))
         session.state(lambda: state_groups(trainer))
 
     trainer.train_step = train_step

@@ -99,6 +99,12 @@ class ProbeSession:
             rec["cuda"] = cs
         self.steps.append(rec)
 
+    def note(self, key: str, fn) -> None:
+        """The last step's record gets key = fn() (a launcher's extra measurement; a failure is recorded
+        in errors, as every probe's)."""
+        if self.steps:
+            self.steps[-1][key] = self._guard(key, fn)
+
     def loss(self, value) -> None:
         if self.steps:
             self.steps[-1]["loss"] = float(value) if value is not None else None

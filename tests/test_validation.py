@@ -1,4 +1,6 @@
 """Bad layouts are rejected before anything runs, naming the field and the rule."""
+import os
+
 import pytest
 
 from ledger.layout import ConfigError, resolve, validate
@@ -134,3 +136,23 @@ def test_placement_records_may_be_lazy():
     assert calls == []
     assert pl.model == {"name": "x"} and pl.model is pl.model and calls == [1]
     assert pl.layout == {"tp": 1}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("framework=deepspeed", "probe.fsdp_mem_tracker=true"),
+     "probe.fsdp_mem_tracker=true needs framework=titan"),
+    (("framework=titan", "cluster=fake", "probe.fsdp_mem_tracker=true"),
+     "probe.fsdp_mem_tracker=true needs real tensors"),
+])
+def test_fsdp_mem_tracker_only_on_real_titan_runs(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register
+    from conf.validate import validate_config
+
+    register()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with initialize_config_dir(config_dir=f"{repo}/conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
