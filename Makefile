@@ -30,8 +30,12 @@ demo: $(STAMP)
 	WANDB_MODE=offline $(PY) launch.py -m framework=megatron,deepspeed,titan hydra.sweep.dir=$(DEMO_DIR)
 	$(PY) -m analysis.report $(DEMO_DIR)
 
+# two pytest-xdist workers, one test file each at a time (a module's real run stays one fixture):
+# while one worker's ranks compute, the other's single-process tests, Slurm waits and time limits
+# use the second core. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q --durations=15 tests
+	WANDB_MODE=offline $(PY) -m pytest -q --durations=15 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not real and not slurm"

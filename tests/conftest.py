@@ -17,7 +17,23 @@ os.environ.setdefault(forkserver.SHARED_DIR_ENV, tempfile.mkdtemp(prefix="train-
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the servers outlive it
+        return
     forkserver.stop_shared(os.environ[forkserver.SHARED_DIR_ENV])
+
+
+# make test runs the files on two pytest-xdist workers, a file to a worker (--dist loadfile, so one
+# module fixture = one real run), handed out in collection order (--no-loadscope-reorder): the files
+# that take longest go first, so that no long file starts last while the other worker idles.
+# Measured per file on a fresh clone (--durations); a file not named keeps its place after these.
+LONGEST_FIRST = ("test_deepspeed.py", "test_titan.py", "test_megatron.py", "test_slurm.py", "test_forkserver.py",
+                 "test_fake.py", "test_report.py", "test_wandb.py", "test_plan.py", "test_failures.py",
+                 "test_campaign.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(os.path.basename(str(it.path)), len(rank)))  # stable: in-file order kept
 
 
 def launch(*args: str, timeout: int = 1800, check: bool = False) -> subprocess.CompletedProcess:
