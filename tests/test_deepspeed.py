@@ -5,35 +5,35 @@ The real matrix (one fixture, seven Hydra multiruns, 23 jobs):
 
     # bf16, reduce_bucket_size below the embedding: extra-large parameters reduced on their own
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
-        framework.reduce_bucket_size=65536 train.steps=4
+        framework.reduce_bucket_size=65536 train.steps=3
     # ZeRO-3 per-module fetch (3N): 2 ranks with 2 micro-batches, 4 ranks with 1; tied and untied
     python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2,4 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=0 \\
         framework.stage3_max_reuse_distance=0 layout.global_batch_size=4 model.tied_embeddings=false,true \\
-        train.steps=4
+        train.steps=3
     # 2 micro-batches per step (gradient accumulation), ZeRO-2 and ZeRO-3 (default prefetch: 2N), tied and untied
     python launch.py -m framework=deepspeed framework.zero_stage=2,3 cluster.ranks=2 \\
         framework.reduce_bucket_size=65536 layout.global_batch_size=4 model.tied_embeddings=false,true \\
-        train.steps=4
+        train.steps=3
     # fp32 (no bf16 section), 4 ranks, 2 micro-batches
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=4 framework.precision=fp32 \\
-        framework.reduce_bucket_size=100000 layout.global_batch_size=8 train.steps=4
+        framework.reduce_bucket_size=100000 layout.global_batch_size=8 train.steps=3
     # ZeRO-3 budgets between per-module fetch and one coalesced fetch (the coordinator replay):
     # prefetch bucket above a layer's largest param, below the model; max live params that binds;
     # a reuse distance that keeps the output and final norm from forward to backward
     python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2,4 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=300000 \\
         framework.stage3_max_live_parameters=600000 framework.stage3_max_reuse_distance=400000 \\
-        layout.global_batch_size=4 train.steps=4
+        layout.global_batch_size=4 train.steps=3
     python launch.py -m framework=deepspeed framework.zero_stage=3 cluster.ranks=2 \\
         framework.reduce_bucket_size=500000 framework.stage3_prefetch_bucket_size=100000 \\
         framework.stage3_max_live_parameters=250000 framework.stage3_max_reuse_distance=150000 \\
-        layout.global_batch_size=4 model.tied_embeddings=false,true train.steps=4
+        layout.global_batch_size=4 model.tied_embeddings=false,true train.steps=3
     # 4 samples per micro-batch: without checkpointing the activations make the peak (the start of
     # backward); with deepspeed.checkpointing.checkpoint around each layer it is the optimizer step's again
     python launch.py -m framework=deepspeed framework.zero_stage=2 cluster.ranks=2 \
         framework.activation_checkpointing=false,true framework.reduce_bucket_size=65536 \
-        layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=4
+        layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=3
 
 Every job also reconciles its per-rank peak within a step (issue 18; ledger/faithful/deepspeed_peak.py):
 peak_bytes and its parts; and the most live activations against the last step's timeline.
@@ -64,16 +64,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
 BELOW_EMBEDDING = 65_536
 FP32_BUCKET = 100_000
+# ZeRO-3 completes its trace in the second step (its prediction's one warm-up step), so the third is
+# steady for every stage; the steady checks read it
+STEPS = 3
+LAST = STEPS - 1
 MATRIX = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=2,4",
-          f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "train.steps=4"]
+          f"framework.reduce_bucket_size={BELOW_EMBEDDING}", f"train.steps={STEPS}"]
 GAS2 = ["framework=deepspeed", "framework.zero_stage=2,3", "cluster.ranks=2", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
-        "layout.global_batch_size=4", "model.tied_embeddings=false,true", "train.steps=4"]
+        "layout.global_batch_size=4", "model.tied_embeddings=false,true", f"train.steps={STEPS}"]
 KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
           "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true",
-          "train.steps=4"]
+          f"train.steps={STEPS}"]
 _Z3 = ["framework=deepspeed", "framework.zero_stage=3", f"framework.reduce_bucket_size={SMALL_BUCKET}",
-       "layout.global_batch_size=4", "train.steps=4"]
+       "layout.global_batch_size=4", f"train.steps={STEPS}"]
 BUDGETS = _Z3 + ["cluster.ranks=2,4", "framework.stage3_prefetch_bucket_size=300000",
                  "framework.stage3_max_live_parameters=600000", "framework.stage3_max_reuse_distance=400000"]
 BUDGETS_SMALL = _Z3 + ["cluster.ranks=2", "framework.stage3_prefetch_bucket_size=100000",
@@ -81,9 +85,9 @@ BUDGETS_SMALL = _Z3 + ["cluster.ranks=2", "framework.stage3_prefetch_bucket_size
                        "model.tied_embeddings=false,true"]
 AC = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "framework.activation_checkpointing=false,true",
       f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=4", "layout.global_batch_size=8",
-      "train.steps=4"]
+      f"train.steps={STEPS}"]
 FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
-        f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", "train.steps=4"]
+        f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", f"train.steps={STEPS}"]
 
 
 def _fw(**kw):
@@ -723,7 +727,7 @@ def test_matrix_ran_every_rank(runs):
         assert [r["rank"] for r in ranks] == list(range(_key(rec)[1]))
         for r in ranks:
             assert r["status"] == "ok" and r["errors"] == [], r.get("errors")
-            assert [s["step"] for s in r["steps"]] == [0, 1, 2, 3]
+            assert [s["step"] for s in r["steps"]] == list(range(STEPS))
             assert all(math.isfinite(s["loss"]) for s in r["steps"])
 
 
@@ -765,7 +769,7 @@ def test_zero12_all_reduce_buckets_no_reduce_scatter(runs):
         if stage == 3:
             continue
         for r in rec["measurement"]["ranks"]:
-            c = _steady_comm(r, 3)
+            c = _steady_comm(r, LAST)
             assert not any(k == "reduce_scatter" for k, _ in c)
             count, nbytes = c[("all_reduce", "bf16")]
             assert count > 1 and nbytes == 2 * n  # several buckets covering every gradient once
@@ -782,7 +786,7 @@ def test_zero3_2n_default_and_3n_with_knobs_zero(runs):
     default = _job(recs["matrix"], 3, 4)
     knobs = _job(recs["knobs0"], 3, 4)
     for r_d, r_k in zip(default["measurement"]["ranks"], knobs["measurement"]["ranks"]):
-        d, k = _steady_comm(r_d, 3), _steady_comm(r_k, 3)
+        d, k = _steady_comm(r_d, LAST), _steady_comm(r_k, LAST)
         # 2N: one coalesced gather of all non-persistent params + the persistent ones after step
         assert d[("all_gather", "bf16")] == (1 + len(persist), 2 * n)
         # 3N: per-module gathers in forward and again in backward
@@ -799,7 +803,7 @@ def test_zero2_reduces_every_micro_batch(runs):
     two = _job(recs["gas2"], 2, 2)
     assert two["prediction"]["layout"]["num_microbatches"] == 2
     for r1, r2 in zip(one["measurement"]["ranks"], two["measurement"]["ranks"]):
-        c1, c2 = _steady_comm(r1, 3), _steady_comm(r2, 3)
+        c1, c2 = _steady_comm(r1, LAST), _steady_comm(r2, LAST)
         assert c2[("all_reduce", "bf16")] == tuple(2 * x for x in c1[("all_reduce", "bf16")])
         assert c2[("all_gather", "bf16")] == c1[("all_gather", "bf16")]
 
@@ -817,7 +821,7 @@ def test_zero3_accumulation(runs):
     big_modules = {name.rsplit(".", 1)[0] for name, s in shape.params() if numel(s) > 100_000}
     one, two, knobs = _job(recs["matrix"], 3, 2), _job(recs["gas2"], 3, 2), _job(recs["knobs0"], 3, 2)
     for r1, r2, rk in zip(*(j["measurement"]["ranks"] for j in (one, two, knobs))):
-        c1, c2, ck = _steady_comm(r1, 3), _steady_comm(r2, 3), _steady_comm(rk, 3)
+        c1, c2, ck = _steady_comm(r1, LAST), _steady_comm(r2, LAST), _steady_comm(rk, LAST)
         rs = ("reduce_scatter", "bf16")
         assert c2[rs] == (2 * c1[rs][0], 2 * c1[rs][1])  # matrix and gas2: the same bucket size
         assert ck[rs][1] == c2[rs][1]  # knobs0 buckets differently (500000), the same bytes
@@ -849,13 +853,13 @@ def test_zero3_tied_embeddings(runs):
         u, t = _job(recs["knobs0"], 3, ranks), _job(recs["knobs0"], 3, ranks, tied=True)
         assert u["prediction"]["per_gpu"]["params_bytes"] - t["prediction"]["per_gpu"]["params_bytes"] == 2 * e // ranks
         for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
-            cu, ct = _steady_comm(ru, 3), _steady_comm(rt, 3)
+            cu, ct = _steady_comm(ru, LAST), _steady_comm(rt, LAST)
             m = 4 // ranks
             assert ct[("all_gather", "bf16")] == cu[("all_gather", "bf16")]
             assert ct[("reduce_scatter", "bf16")][1] == cu[("reduce_scatter", "bf16")][1] - m * 2 * e
     u, t = _job(recs["gas2"], 3, 2), _job(recs["gas2"], 3, 2, tied=True)
     for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
-        cu, ct = _steady_comm(ru, 3), _steady_comm(rt, 3)
+        cu, ct = _steady_comm(ru, LAST), _steady_comm(rt, LAST)
         # 2N: the coalesced gather holds the embedding once, each micro-batch
         assert ct[("all_gather", "bf16")] == (cu[("all_gather", "bf16")][0], cu[("all_gather", "bf16")][1] - 2 * 2 * e)
 
@@ -877,7 +881,7 @@ def test_extra_large_params_reduced_on_their_own(runs):
             stage, dp = _key(rec)
             m = rec["prediction"]["layout"]["num_microbatches"]
             for r in rec["measurement"]["ranks"]:
-                c = _steady_comm(r, 3)
+                c = _steady_comm(r, LAST)
                 if stage == 3:
                     pad = [-(-k // dp) * dp for k in _grad_sizes(shape)]
                     assert c[("reduce_scatter", dtype)][0] == m * len(ipg_buckets(pad, bucket))
@@ -904,8 +908,8 @@ def test_fp32_runs(runs):
     for rec in recs["fp32"]:
         stage, dp = _key(rec)
         for r in rec["measurement"]["ranks"]:
-            st = next(s for s in r["steps"] if s["step"] == 3)
-            kinds = set(_steady_comm(r, 3))
+            st = next(s for s in r["steps"] if s["step"] == LAST)
+            kinds = set(_steady_comm(r, LAST))
             part = -(-n // (2 * dp)) * 2 if stage < 3 else None
             if stage < 3:
                 assert kinds == {("all_gather", "fp32"), ("all_reduce", "fp32")}
@@ -931,7 +935,7 @@ def test_zero3_intermediate_budgets(runs):
     for rec in recs["budgets"] + recs["budgets_small"]:
         m = rec["prediction"]["layout"]["num_microbatches"]
         for r in rec["measurement"]["ranks"]:
-            count, nbytes = _steady_comm(r, 3)[("all_gather", "bf16")]
+            count, nbytes = _steady_comm(r, LAST)[("all_gather", "bf16")]
             per_micro = nbytes - 2 * sum(persist)
             assert m * 2 * np_ < per_micro < m * 2 * 2 * np_, (rec["job"], per_micro)
             assert count > m + len(persist)
