@@ -195,6 +195,8 @@ class PeakTracker:
     def see_storage(self, st) -> None:
         k = st._cdata
         nb = st.nbytes()
+        if type(nb) is not int:  # a symbolic size (a FakeTensor under a ShapeEnv, left by a trace): no bytes
+            return
         e = self._live.get(k)
         if e is None:
             self._serial += 1
@@ -240,7 +242,9 @@ class PeakTracker:
         if st is None:
             return
         self.see_storage(st)
-        into.add(self._live[st._cdata][2])
+        e = self._live.get(st._cdata)
+        if e is not None:  # None: a symbolic size, not counted
+            into.add(e[2])
 
     def serials(self, tensors) -> set[int]:
         out = set()

@@ -265,3 +265,22 @@ def test_gpu_check_table_reads_cuda_and_probe_peaks():
     row = table([rec]).iloc[0]
     assert (row.ledger_peak, row.probe_peak, row.probe_peak_blocks, row.cuda_max_allocated,
             row.allocated_minus_probe, row["where"]) == (990, 1000, 1536, 2048, 512, "backward mb 0")
+
+
+def test_a_tensor_of_symbolic_size_is_not_counted():
+    """A FakeTensor with a symbolic size (a trace's ShapeEnv, left alive by an earlier test in the
+    same process) has no bytes to count: the scan and the operators skip it, the record stays JSON."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+    sym = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False).from_tensor(torch.ones(8, 4), symbolic_context=ctx)
+    assert type(sym.untyped_storage().nbytes()) is not int
+    tr = PeakTracker()
+    tr.begin(scan=True)
+    with tr.recording():
+        torch.ones(10).mul_(2)
+    tr.see(sym)
+    tr.end()
+    json.dumps(tr.result({}, timeline=True))
+    assert all(type(e[0]) is int for e in tr._live.values())
