@@ -26,7 +26,9 @@ def pytest_sessionfinish(session, exitstatus):
 # module fixture = one real run), handed out in collection order (--no-loadscope-reorder): the files
 # that take longest go first, so that no long file starts last while the other worker idles.
 # Measured per file on a fresh clone (--durations); a file not named keeps its place after these.
-LONGEST_FIRST = ("test_deepspeed.py", "test_titan.py", "test_megatron.py", "test_slurm.py", "test_forkserver.py",
+# test_slurm.py second: much of its time is waiting on Slurm (a time limit, scancel), which the
+# DeepSpeed matrix's compute on the other worker fills.
+LONGEST_FIRST = ("test_deepspeed.py", "test_slurm.py", "test_titan.py", "test_megatron.py", "test_forkserver.py",
                  "test_fake.py", "test_report.py", "test_wandb.py", "test_plan.py", "test_failures.py",
                  "test_campaign.py")
 
