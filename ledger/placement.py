@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ledger.units import STATES, fmt  # noqa: F401  (ledger.placement.fmt / .STATES, as before)
+from ledger.units import PEAK_PARTS, STATES, fmt  # noqa: F401  (ledger.placement.fmt / .STATES / .PEAK_PARTS, as before)
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all", "broadcast")
 _DETAIL_PREFIX = {s: s[:-len("_bytes")] + "/" for s in STATES}  # RankState.detail keys: "optim/adam step"
@@ -72,9 +72,6 @@ class _Lazy:
 
     def __set__(self, obj, value):
         obj.__dict__[self.slot] = value
-
-
-from ledger.units import PEAK_PARTS  # noqa: E402  (ledger.placement.PEAK_PARTS, as the peak's contract)
 
 
 @dataclass

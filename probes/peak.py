@@ -147,7 +147,7 @@ class PeakTracker:
         self._live: dict[int, list] = {}
         self._main = threading.main_thread().ident
         self._base = 0  # events of the steps before this one
-        self.worker_frees: dict[int, tuple[int, int, int]] = {}  # serial -> (free event, last use, bytes)
+        self.worker_frees: dict[int, tuple[int, int]] = {}  # serial -> (the main thread's last use, bytes)
         # the CUDA allocator's view: CUDA storages counted in 512-byte blocks (CPU ones as they are)
         self.cur_blocks = 0
         self.peak_blocks = 0
@@ -220,7 +220,7 @@ class PeakTracker:
         self._change(s, -e[0], -_blocks(e[0]) if e[3] else -e[0])
         if self.active and e[0] and threading.get_ident() != self._main:
             # a c10d worker thread dropped the last reference (module docstring: thread timing)
-            self.worker_frees[s] = (len(self.events) - 1, max(0, e[4] - self._base), e[0])
+            self.worker_frees[s] = (max(0, e[4] - self._base), e[0])
 
     def _change(self, serial: int, delta: int, blocks: int) -> None:
         if delta == 0:
@@ -388,7 +388,7 @@ class PeakTracker:
                             "op": str(op) if op is not None else None, "event": self.peak_index + 1}
         else:
             out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
-        out["worker_freed_bytes"] = sum(w[2] for w in self.worker_frees.values())
+        out["worker_freed_bytes"] = sum(w[1] for w in self.worker_frees.values())
         out["prompt_peak_bytes"] = self.prompt_peak()
         if self.cuda_seen:  # to compare with torch.cuda.max_memory_allocated() after its per-step reset
             out["peak_allocated_bytes"] = self.peak_blocks
@@ -396,17 +396,21 @@ class PeakTracker:
             out["timeline"] = _thin(points, self.peak_index + 1)
         return out
 
-
     def prompt_peak(self) -> int:
         """The step's peak had every storage a worker thread freed been freed right after the main
-        thread's last use of it: the events replayed with each such free moved there."""
-        events, frees = self.events, dict(self.worker_frees)
+        thread's last use of it: the events replayed with each such free moved there. A free is its
+        storage's last event (read from the events, not noted by the worker thread: the main thread
+        may append between the worker's append and any index it took)."""
+        frees = dict(self.worker_frees)
         if not frees:
             return self.peak
+        events = self.events[:]
+        last = {ev[0]: i for i, ev in enumerate(events) if ev[0] in frees}
         moved: dict[int, int] = {}  # event index -> bytes freed just before it
         skip = set()
-        for f, use, nb in frees.values():
-            if use <= f:
+        for s, (use, nb) in frees.items():
+            f = last.get(s)
+            if f is not None and use <= f:
                 moved[use] = moved.get(use, 0) + nb
                 skip.add(f)
         cur = best = self.start_bytes
