@@ -33,7 +33,10 @@ def off(df: pd.DataFrame) -> pd.Series:
     under some thread timing; where no worker thread held a storage at the peak it is one value."""
     peak = df.quantity.map(is_peak) if len(df) else pd.Series([], dtype=bool)
     total = df.quantity == "peak_bytes"
-    return (~peak & (df.abs_err != 0)) | (total & (peak_gap(df).abs() > PEAK_REL_TOL))
+    # a collective whose sizes follow data (an MoE router's all-to-all) carries its predicted range
+    routed = df["bound_low"].notna() if "bound_low" in df else pd.Series(False, index=df.index)
+    outside = routed & ((df.measured < df.get("bound_low", 0)) | (df.measured > df.get("bound_high", 0)))
+    return (~peak & ~routed & (df.abs_err != 0)) | outside | (total & (peak_gap(df).abs() > PEAK_REL_TOL))
 
 
 def peak_gap(df: pd.DataFrame) -> pd.Series:
@@ -47,7 +50,10 @@ def peak_gap(df: pd.DataFrame) -> pd.Series:
 
 
 COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
-           "abs_err", "rel_err", "race_bytes"]
+           "abs_err", "rel_err", "race_bytes", "bound_low", "bound_high"]
+# bound_low / bound_high: the predicted range of a collective's buffer bytes whose sizes follow data
+# (Comm.buffer_range: an MoE router's all-to-all without capacity padding); the row agrees when the
+# measurement is inside it, `predicted` being the balanced case. Empty on every other row (exact)
 
 
 def _comm_totals(comm: list[dict]) -> dict[str, int]:
@@ -55,6 +61,20 @@ def _comm_totals(comm: list[dict]) -> dict[str, int]:
     for c in comm or []:
         out[f"comm/{c['dim']}/{c['kind']}/count"] += c["count"]
         out[f"comm/{c['dim']}/{c['kind']}/buffer_bytes"] += c["buffer_bytes"]
+    return out
+
+
+def _comm_ranges(comm: list[dict]) -> dict[str, list[int]]:
+    """buffer_bytes quantity -> [low, high] where a predicted record has a buffer_range (the exact
+    records of the same quantity count at their bytes on both ends)."""
+    ranged = {f"comm/{c['dim']}/{c['kind']}/buffer_bytes" for c in comm or [] if c.get("buffer_range")}
+    out: dict[str, list[int]] = {q: [0, 0] for q in ranged}
+    for c in comm or []:
+        q = f"comm/{c['dim']}/{c['kind']}/buffer_bytes"
+        if q in out:
+            lo, hi = c.get("buffer_range") or (c["buffer_bytes"], c["buffer_bytes"])
+            out[q][0] += lo
+            out[q][1] += hi
     return out
 
 
@@ -116,10 +136,14 @@ def rows(rec: dict) -> list[dict]:
             for r in _peak_rows(p, st):
                 out.append({**r0, **r})
             if "comm" in st:
-                pc = _comm_totals(_predicted_comm(p, st["step"]))
+                pcomm = _predicted_comm(p, st["step"])
+                pc, ranges = _comm_totals(pcomm), _comm_ranges(pcomm)
                 mc = _comm_totals(st["comm"])
                 for q in sorted(set(pc) | set(mc)):
-                    out.append({**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)})
+                    row = {**r0, "quantity": q, "predicted": pc.get(q, 0), "measured": mc.get(q, 0)}
+                    if q in ranges:
+                        row["bound_low"], row["bound_high"] = ranges[q]
+                    out.append(row)
     for r in out:
         r.setdefault("race_bytes", 0)
         r["abs_err"] = r["measured"] - r["predicted"]

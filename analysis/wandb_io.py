@@ -394,6 +394,9 @@ def read_tables(src: str) -> pd.DataFrame:
     df = pd.concat(frames, ignore_index=True)
     if "race_bytes" not in df:  # a table logged before the peak's race range (0: one measured value)
         df["race_bytes"] = 0
+    for c in ("bound_low", "bound_high"):  # a table logged before routed ranges (none: exact rows)
+        if c not in df:
+            df[c] = float("nan")
     return df[COLUMNS]
 
 

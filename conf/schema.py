@@ -28,6 +28,16 @@ class ModelConfig:
     bias: bool = False
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    # Mixture-of-Experts and Qwen3's attention (ledger/model.py ModelShape says what each means):
+    # 0 experts is a dense model
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden: int = 0  # 0: ffn_hidden
+    moe_shared_expert_hidden: int = 0  # 0: no shared expert
+    moe_layer_freq: int = 1  # layer i is MoE when i % moe_layer_freq == 0
+    moe_router_dtype: Optional[str] = None  # None | fp32 | fp64 (Megatron --moe-router-dtype)
+    kv_channels: int = 0  # 0: hidden / heads
+    qk_layernorm: bool = False
 
 
 @dataclass
@@ -39,7 +49,12 @@ class LayoutConfig:
     # HSDP replicate degree (torchtitan); dp_shard = dp / dp_replicate
     dp_replicate: int = 1
     cp: int = 1
+    # expert parallel (MoE: the routed experts split over ep ranks) and expert tensor parallel (each
+    # expert's fc1 / fc2 split over etp ranks; Megatron's expert_tensor_parallel_size, default 1 here as
+    # in Megatron-LM's --expert-tensor-parallel-size). The expert data parallel degree follows:
+    # world / (etp * ep * pp) (parallel_state.initialize_model_parallel's expert grid "tp-ep-dp-pp")
     ep: int = 1
+    etp: int = 1
     vp: int = 1  # virtual pipeline (interleaved) chunks per stage
     sequence_parallel: bool = False
     micro_batch_size: int = 1
@@ -88,6 +103,17 @@ class MegatronConfig(FrameworkConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[list[str]] = None
+    # MoE (model.num_experts > 0), by TransformerConfig's names and Megatron-LM's defaults
+    # (--moe-token-dispatcher-type allgather | alltoall; --moe-router-load-balancing-type aux_loss |
+    # seq_aux_loss | none; --moe-aux-loss-coeff; --moe-expert-capacity-factor, None: drop-less;
+    # --moe-pad-expert-input-to-capacity). moe_grouped_gemm needs TransformerEngine (TEGroupedMLP) or
+    # the grouped_gemm package: the local spec's experts are a SequentialMLP (ledger/faithful/megatron_moe.py)
+    moe_token_dispatcher_type: str = "allgather"
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
 
 
 @dataclass

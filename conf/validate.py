@@ -48,6 +48,16 @@ def validate_model(m) -> None:
     _at_least("model", m, ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len"), 1)
     _one_of("model", m, "norm", ("rmsnorm", "layernorm"))
     _positive("model", m, ("rope_theta", "norm_eps"))
+    _at_least("model", m, ("num_experts", "moe_ffn_hidden", "moe_shared_expert_hidden", "kv_channels"), 0)
+    _at_least("model", m, ("moe_layer_freq",), 1)
+    _one_of("model", m, "moe_router_dtype", (None, "fp32", "fp64"))
+    if m.num_experts:
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be between 1 and "
+                              f"model.num_experts={m.num_experts}")
+    elif m.moe_shared_expert_hidden or m.moe_ffn_hidden:
+        which = "moe_shared_expert_hidden" if m.moe_shared_expert_hidden else "moe_ffn_hidden"
+        raise ConfigError(f"model.{which}={m[which]} needs model.num_experts > 0 (a dense model has no experts)")
 
 
 def validate_train(t) -> None:
@@ -122,6 +132,7 @@ def validate_framework(fw, mode: str = "run") -> None:
     elif fw.name == "megatron":
         _at_least("framework", fw, ("clip_grad",), 0)
         validate_recompute(fw)
+        validate_moe(fw)
     elif fw.name == "titan":
         _one_of("framework", fw, "reshard_after_forward", ("default", "always", "never"))
         for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
@@ -133,6 +144,18 @@ def validate_framework(fw, mode: str = "run") -> None:
         if str(fw.selective_ac_option) != "op":
             raise ConfigError(f"framework.selective_ac_option={fw.selective_ac_option!r} must be 'op': torchtitan "
                               "0.3.0's SelectiveAC is per-op only (the every-n-layers integer option is gone)")
+
+
+def validate_moe(fw) -> None:
+    """Megatron's MoE knobs (TransformerConfig's names and sets; ledger/faithful/megatron_moe.py refuses
+    what it does not model, with the layout)."""
+    # flex needs DeepEP / HybridEP (CUDA kernels): transformer/moe/token_dispatcher.py MoEFlexTokenDispatcher
+    _one_of("framework", fw, "moe_token_dispatcher_type", ("allgather", "alltoall"))
+    # sinkhorn and global_aux_loss are Megatron's too; the faithful ledger models these three
+    _one_of("framework", fw, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none"))
+    _at_least("framework", fw, ("moe_aux_loss_coeff",), 0)
+    if fw.moe_expert_capacity_factor is not None:
+        _positive("framework", fw, ("moe_expert_capacity_factor",))
 
 
 # megatron-core 0.18.0 transformer_config.py TransformerConfig.__post_init__: the recompute_modules it

@@ -106,6 +106,11 @@ def check(cfg):
     mp = lc.tp * lc.pp * lc.cp
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
+    if fw.name == "megatron" and cfg.mode in ("run", "dry"):
+        from ledger.faithful.megatron_moe import sp_error
+
+        if sp_error(model, lay):
+            raise ConfigError(sp_error(model, lay))
     if cfg.cluster.kind == "fake":
         from conf.validate import fake_layout_supported, fake_ranks_in_world
 

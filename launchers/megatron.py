@@ -60,7 +60,29 @@ def transformer_config(cfg, lay: Layout):
         recompute_granularity=fw.recompute_granularity, recompute_method=fw.recompute_method,
         recompute_num_layers=fw.recompute_num_layers,
         recompute_modules=list(fw.recompute_modules) if fw.recompute_modules is not None else None,
+        kv_channels=m.kv_channels or None, qk_layernorm=m.qk_layernorm,
+        **moe_config(cfg, lay),
     )
+
+
+def moe_config(cfg, lay: Layout) -> dict:
+    """TransformerConfig's MoE fields (none for a dense model): the model's experts, the layout's
+    expert grid, the framework's dispatcher / router / capacity knobs. moe_permute_fusion and the
+    grouped GEMM stay off (TransformerEngine / grouped_gemm kernels, CUDA only)."""
+    m, fw = cfg.model, cfg.framework
+    if not m.num_experts:
+        return {}
+    return dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                moe_ffn_hidden_size=m.moe_ffn_hidden or m.ffn_hidden,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_hidden or None,
+                moe_layer_freq=m.moe_layer_freq, moe_router_dtype=m.moe_router_dtype,
+                expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp,
+                moe_token_dispatcher_type=fw.moe_token_dispatcher_type,
+                moe_router_load_balancing_type=fw.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=fw.moe_aux_loss_coeff,
+                moe_expert_capacity_factor=fw.moe_expert_capacity_factor,
+                moe_pad_expert_input_to_capacity=fw.moe_pad_expert_input_to_capacity,
+                moe_grouped_gemm=fw.moe_grouped_gemm)
 
 
 def padded_vocab_size(cfg, lay: Layout) -> int:
@@ -87,11 +109,17 @@ def build_model(cfg, lay: Layout, tcfg, vp_stage: int | None = None):
     m = cfg.model
     # gpt_builders.py _get_transformer_layer_spec: --transformer-impl picks the layer spec (job.check
     # refuses transformer_engine on the CPU)
-    if cfg.framework.transformer_impl == "transformer_engine":
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()  # TE's norms follow tcfg
-    else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tcfg.normalization)
+    te = cfg.framework.transformer_impl == "transformer_engine"
     stage, pp = ps.get_pipeline_model_parallel_rank(), lay.pp
+    if m.num_experts:
+        # gpt_builders.py: an MoE model takes the decoder block spec (dense and MoE layers by moe_layer_freq)
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
+                                                          normalization=tcfg.normalization, vp_stage=vp_stage,
+                                                          pp_rank=stage)
+    elif te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=m.qk_layernorm, normalization=tcfg.normalization)
     pre = stage == 0 and vp_stage in (None, 0)
     post = stage == pp - 1 and vp_stage in (None, lay.vp - 1)
     # gpt_builders.py: GPTModel(vocab_size=args.padded_vocab_size); the data's tokens stay below m.vocab (batches)
@@ -238,6 +266,13 @@ def state_groups(chunks, optimizer, seq_len: int) -> dict:
     from megatron.core import parallel_state as ps
 
     other += list(ps.get_global_memory_buffer().buffer.values())
+    # an MoE model: the aux-loss scale schedules.py forward_step sets for every micro-batch, kept by
+    # transformer/moe/moe_utils.py MoEAuxLossAutoScaler as a class attribute (the first one's tensor)
+    if any(getattr(c.module, "config", None) is not None and c.module.config.num_moe_experts for c in chunks):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        if MoEAuxLossAutoScaler.main_loss_backward_scale is not None:
+            other.append(MoEAuxLossAutoScaler.main_loss_backward_scale)
     return {"params": params, "grads": grads, "optim": optim, "other": other}
 
 
@@ -254,7 +289,9 @@ def run_rank(cfg, lay: Layout, session) -> dict:
 
     vp = lay.vp if lay.vp > 1 else None
     ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                 virtual_pipeline_model_parallel_size=vp, context_parallel_size=lay.cp)
+                                 virtual_pipeline_model_parallel_size=vp, context_parallel_size=lay.cp,
+                                 expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp)
+    session.name_groups(expert_group_labels(cfg))
     if cfg.cluster.device != "fake":
         return _train(cfg, lay, session, device)
     from launchers import fake, megatron_cpu
@@ -266,6 +303,21 @@ def run_rank(cfg, lay: Layout, session) -> dict:
         extra = _train(cfg, lay, session, device)
     extra.update(fake_shims=megatron_cpu.fake_hits(), fake_scalar_reads=fake.scalar_read_hits())
     return extra
+
+
+def expert_group_labels(cfg) -> dict:
+    """An MoE model's expert groups (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp), each by
+    the label the ledger gives its collectives (ledger/faithful/megatron_moe.py EXPERT_DIMS): the dense
+    grid cannot name them (with ep = dp the EP group holds the DP group's ranks)."""
+    if not cfg.model.num_experts:
+        return {}
+    from megatron.core import parallel_state as ps
+
+    from ledger.faithful.megatron_moe import EXPERT_DIMS
+
+    getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
+               "etp-ep": ps.get_expert_tensor_and_model_parallel_group, "edp": ps.get_expert_data_parallel_group}
+    return {getters[label](): label for label in EXPERT_DIMS}
 
 
 def _train(cfg, lay: Layout, session, device) -> dict:
@@ -362,6 +414,11 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
     a += ["--seq-length", m.seq_len, "--max-position-embeddings", m.seq_len,
           "--position-embedding-type", "rope", "--rotary-base", int(m.rope_theta),
           "--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm", "--norm-epsilon", m.norm_eps]
+    if m.kv_channels:
+        a += ["--kv-channels", m.kv_channels]
+    if m.qk_layernorm:
+        a.append("--qk-layernorm")
+    a += moe_args(cfg, lay)
     if m.swiglu:
         a.append("--swiglu")
     if not m.bias:
@@ -420,6 +477,32 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
           "--log-interval", 1, "--log-memory-to-tensorboard", "--tensorboard-dir", "$PWD/tb/megatron",
           "--eval-iters", 0, "--save-interval", 1000000, "--distributed-timeout-minutes", 30]
     return [str(x) for x in a]
+
+
+def moe_args(cfg, lay: Layout) -> list:
+    """Megatron-LM's MoE flags (training/arguments.py _add_moe_args and the TransformerConfig fields it
+    generates flags from), each set explicitly: Megatron-LM's --expert-tensor-parallel-size defaults to
+    the TP size, train-ledger's layout.etp to 1."""
+    m, fw = cfg.model, cfg.framework
+    if not m.num_experts:
+        return []
+    a = ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
+         "--moe-ffn-hidden-size", m.moe_ffn_hidden or m.ffn_hidden, "--moe-layer-freq", m.moe_layer_freq,
+         "--expert-model-parallel-size", lay.ep, "--expert-tensor-parallel-size", lay.etp,
+         "--moe-token-dispatcher-type", fw.moe_token_dispatcher_type,
+         "--moe-router-load-balancing-type", fw.moe_router_load_balancing_type,
+         "--moe-aux-loss-coeff", fw.moe_aux_loss_coeff]
+    if m.moe_shared_expert_hidden:
+        a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_hidden]
+    if m.moe_router_dtype is not None:
+        a += ["--moe-router-dtype", m.moe_router_dtype]
+    if fw.moe_expert_capacity_factor is not None:
+        a += ["--moe-expert-capacity-factor", fw.moe_expert_capacity_factor]
+    if fw.moe_pad_expert_input_to_capacity:
+        a.append("--moe-pad-expert-input-to-capacity")
+    if fw.moe_grouped_gemm:
+        a.append("--moe-grouped-gemm")
+    return a
 
 
 def dry(cfg, lay: Layout, out_dir: str) -> list[str]:

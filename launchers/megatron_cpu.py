@@ -27,6 +27,9 @@ class Redirect:
     module: str  # the megatron module (file) whose module-global torch is proxied
     function: str  # the function that reaches it (co_qualname)
     what: str  # the CUDA assumption redirected
+    # which real-run matrix reaches it: "dense" (tests/test_megatron.py) or "moe" (an MoE model's
+    # modules only: tests/test_megatron_moe.py)
+    scope: str = "dense"
 
 
 _PAGB = "megatron.core.distributed.param_and_grad_buffer"
@@ -43,6 +46,8 @@ _MAP = "megatron.core.tensor_parallel.mappings"
 _LAYERS = "megatron.core.tensor_parallel.layers"
 _LM = "megatron.core.models.common.language_module.language_module"
 _RANDOM = "megatron.core.tensor_parallel.random"
+_TD = "megatron.core.transformer.moe.token_dispatcher"
+_ROUTER = "megatron.core.transformer.moe.router"
 
 REDIRECTS: tuple[Redirect, ...] = (
     # distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__: param_data / grad_data
@@ -115,6 +120,23 @@ REDIRECTS: tuple[Redirect, ...] = (
     # _set_cuda_rng_state is torch.cuda._lazy_call, queued and never run without CUDA; the runs
     # here have no dropout, so the recomputed forward draws nothing)
     Redirect(_RANDOM, "_get_cuda_rng_state", "torch.cuda.random.get_rng_state"),
+    # transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher.__init__: a CUDA side stream
+    # for the device-to-host copies of the split sizes (drop-less routing)
+    Redirect(_TD, "MoEAlltoAllTokenDispatcher.__init__", "torch.cuda.Stream", "moe"),
+    # tensor_parallel/mappings.py _AllToAll.forward (the alltoall dispatcher, drop-less: uneven splits):
+    # the output allocated on torch.cuda.current_device()
+    Redirect(_MAP, "_AllToAll.forward", "torch.cuda.current_device", "moe"),
+    # transformer/moe/router.py Router.gating: the router weight moved to torch.cuda.current_device()
+    # on its first forward (`.to` the CPU it is on: the same tensor, still the DDP buffer's view)
+    Redirect(_ROUTER, "Router.gating", "torch.cuda.current_device", "moe"),
+    # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: those copies on the side stream
+    # (CPU tensors: maybe_move_tensor_to_cpu leaves them as they are) and an event to wait for
+    Redirect(_TD, "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "torch.cuda.current_stream", "moe"),
+    Redirect(_TD, "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "torch.cuda.stream", "moe"),
+    # ... and moe_utils.py maybe_move_tensor_to_cpu(as_numpy=True) there: the all-to-all split sizes
+    # become numpy arrays only for a CUDA tensor (`tensor.is_cuda`); a CPU tensor stays a tensor, which
+    # all_to_all_single's binding refuses as split sizes. The CPU tensor's numpy array, as on GPU
+    Redirect(_TD, "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "maybe_move_tensor_to_cpu", "moe"),
 )
 
 _MODULES = sorted({r.module for r in REDIRECTS})
@@ -149,12 +171,44 @@ class _CudaShim:
     def synchronize(self, *a, **k):
         _hits[(*_site(), "torch.cuda.synchronize")] += 1
 
+    def Stream(self, *a, **k):  # noqa: N802 (torch.cuda's name)
+        _hits[(*_site(), "torch.cuda.Stream")] += 1
+        return _CpuStream()
+
+    def current_stream(self, *a, **k):
+        _hits[(*_site(), "torch.cuda.current_stream")] += 1
+        return _CPU_STREAM
+
+    def stream(self, s):
+        import contextlib
+
+        _hits[(*_site(), "torch.cuda.stream")] += 1
+        return contextlib.nullcontext(s)
+
     @property
     def random(self):
         return _CudaRandomShim()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU: one stream of work, so waiting and events are immediate."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, *a, **k) -> "_CpuEvent":
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()  # the current stream
 
 
 class _CudaRandomShim:
@@ -244,6 +298,20 @@ def _patch_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _patch_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            _hits[(*_site(), "maybe_move_tensor_to_cpu")] += 1
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def install() -> None:
     """Import the listed megatron modules and put the proxies in place (idempotent)."""
     global _installed
@@ -259,6 +327,7 @@ def install() -> None:
     torch.Tensor.type = _type
     torch.Tensor.cuda = _tensor_cuda
     _patch_norm()
+    _patch_split_sizes()
     _installed = True
 
 
@@ -268,7 +337,7 @@ def hits() -> list[dict]:
 
 
 def declared() -> list[dict]:
-    return [{"module": r.module, "function": r.function, "what": r.what} for r in REDIRECTS]
+    return [{"module": r.module, "function": r.function, "what": r.what, "scope": r.scope} for r in REDIRECTS]
 
 
 # -- cluster=fake (launchers/fake.py): the shims a run on torch's fake process group with the model

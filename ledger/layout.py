@@ -26,10 +26,17 @@ class Layout:
     sequence_parallel: bool
     micro_batch_size: int
     global_batch_size: int
+    etp: int = 1  # expert tensor parallel (MoE)
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
+
+    @property
+    def edp(self) -> int:
+        """The expert data parallel degree: the ranks holding the same experts (Megatron's expert grid
+        "tp-ep-dp-pp" with tp = etp: world / (etp * ep * pp))."""
+        return self.world // (self.etp * self.ep * self.pp)
 
     @property
     def world(self) -> int:
@@ -47,7 +54,7 @@ class Layout:
         # spelled out: asdict() deep-copies and a loop over fields() costs µs per layout of a search
         # (test_layout_to_dict_has_every_field keeps it complete)
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp,
-                "ep": self.ep, "vp": self.vp, "sequence_parallel": self.sequence_parallel,
+                "ep": self.ep, "etp": self.etp, "edp": self.edp, "vp": self.vp, "sequence_parallel": self.sequence_parallel,
                 "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size,
                 "world": self.world, "dp_shard": self.dp_shard, "num_microbatches": self.num_microbatches}
 
@@ -58,9 +65,10 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
     # each field read once (a DictConfig read costs µs; a search resolves thousands of layouts)
     tp, pp, cp, ep, vp, dpr, mbs = (lc["tp"], lc["pp"], lc["cp"], lc["ep"], lc["vp"], lc["dp_replicate"],
                                      lc["micro_batch_size"])
-    if tp < 1 or pp < 1 or cp < 1 or ep < 1 or vp < 1 or dpr < 1 or mbs < 1:  # (min() of a tuple is slower)
-        for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("vp", vp), ("dp_replicate", dpr),
-                        ("micro_batch_size", mbs)):
+    etp = lc.get("etp", 1)  # (a record from before MoE has none)
+    if tp < 1 or pp < 1 or cp < 1 or ep < 1 or vp < 1 or dpr < 1 or mbs < 1 or etp < 1:  # (min() of a tuple is slower)
+        for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp), ("vp", vp),
+                        ("dp_replicate", dpr), ("micro_batch_size", mbs)):
             if v < 1:
                 raise ConfigError(f"layout.{name}={v} must be >= 1")
     dp = lc["dp"]
@@ -78,7 +86,7 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
         gbs = mbs * dp * pp
     elif gbs < 1:
         raise ConfigError(f"layout.global_batch_size={gbs} must be >= 1 or -1 (auto: micro_batch_size*dp*pp)")
-    return Layout(tp, pp, dp, dpr, cp, ep, vp, bool(lc["sequence_parallel"]), mbs, gbs)
+    return Layout(tp, pp, dp, dpr, cp, ep, vp, bool(lc["sequence_parallel"]), mbs, gbs, etp)
 
 
 def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world: int | None = None) -> None:
@@ -118,8 +126,14 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         raise ConfigError(f"sequence_parallel: tp={lay.tp} does not divide seq_len={model.seq_len}")
     if not (model.seq_len % (2 * lay.cp) == 0 or lay.cp == 1):
         raise ConfigError(f"cp={lay.cp}: seq_len={model.seq_len} must be divisible by 2*cp (load-balanced CP chunks)")
-    if not (lay.ep == 1):
-        raise ConfigError(f"ep={lay.ep}: expert parallelism needs an MoE shape, which the ledger does not model yet")
+    if not (lay.ep == 1 and lay.etp == 1) or model.num_experts:
+        _validate_experts(model, lay, framework)
+    if not (model.kv_channels in (0, model.hidden // model.heads) and not model.qk_layernorm
+            or framework == "megatron"):
+        which = "kv_channels" if model.kv_channels else "qk_layernorm"
+        raise ConfigError(f"{framework}: model.{which}={getattr(model, which)}: heads of another width than "
+                          "hidden/heads and q/k norms are modelled for Megatron only (the plain Llama and "
+                          "torchtitan's Llama have neither)")
     if not (not lay.sequence_parallel or lay.tp > 1):
         raise ConfigError("sequence_parallel=true needs tp > 1")
     if world is not None:
@@ -196,6 +210,31 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                                   "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
     else:
         raise ConfigError(f"framework.name={framework!r} must be megatron, deepspeed or titan")
+
+
+def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
+    """The MoE rules every framework shares, and which frameworks model MoE at all."""
+    if not model.num_experts:
+        which = "ep" if lay.ep > 1 else "etp"
+        raise ConfigError(f"layout.{which}={getattr(lay, which)}: expert parallelism needs an MoE model "
+                          "(model.num_experts > 0; e.g. model=tiny_moe)")
+    if framework != "megatron":
+        # issue 21: torchtitan's and DeepSpeed's MoE ledgers and runs
+        raise ConfigError(f"{framework}: model.num_experts={model.num_experts}: MoE is modelled for Megatron Core "
+                          "only so far (framework=megatron): neither its ledger nor its launcher builds experts")
+    # transformer/moe/moe_layer.py BaseMoELayer: num_moe_experts % expert_model_parallel_size == 0
+    if not (model.num_experts % lay.ep == 0):
+        raise ConfigError(f"ep={lay.ep} does not divide model.num_experts={model.num_experts} (each EP rank holds "
+                          "num_experts / ep experts)")
+    if not (model.expert_ffn % lay.etp == 0):
+        raise ConfigError(f"etp={lay.etp} does not divide the expert FFN width {model.expert_ffn} "
+                          "(model.moe_ffn_hidden, else ffn_hidden)")
+    if not (model.moe_shared_expert_hidden % lay.tp == 0):
+        raise ConfigError(f"tp={lay.tp} does not divide model.moe_shared_expert_hidden={model.moe_shared_expert_hidden}")
+    # parallel_state.initialize_model_parallel: the expert grid (etp, ep, edp, pp) tiles the world
+    if not (lay.world % (lay.etp * lay.ep * lay.pp) == 0):
+        raise ConfigError(f"etp*ep*pp={lay.etp}*{lay.ep}*{lay.pp} does not divide the world tp*pp*dp*cp={lay.world} "
+                          "(Megatron's expert grid: expert data parallel = world / (etp*ep*pp))")
 
 
 # Megatron's pipeline-split knobs (MegatronConfig; megatron_buffers.EVEN_SPLIT order)

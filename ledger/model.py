@@ -19,6 +19,22 @@ class ModelShape:
     swiglu: bool = True
     bias: bool = False
     name: str = "custom"
+    # Mixture-of-Experts, by Megatron's TransformerConfig names (0 experts: a dense model).
+    # moe_ffn_hidden 0: ffn_hidden (--moe-ffn-hidden-size defaults to --ffn-hidden-size);
+    # moe_shared_expert_hidden 0: no shared expert (--moe-shared-expert-intermediate-size);
+    # moe_layer_freq k: decoder layer i is an MoE layer when i % k == 0 (--moe-layer-freq as an int,
+    # TransformerConfig moe_layer_freq; 1: every layer); moe_router_dtype None: the router runs in the
+    # parameters' dtype, "fp32" / "fp64" as --moe-router-dtype (the weight's dtype is unchanged)
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden: int = 0
+    moe_shared_expert_hidden: int = 0
+    moe_layer_freq: int = 1
+    moe_router_dtype: str | None = None
+    # attention heads of kv_channels dimensions (0: hidden / heads; Qwen3: 128 at hidden 2048 and 32
+    # heads), and per-head RMSNorms of q and k (Megatron --qk-layernorm; Qwen3's q_norm / k_norm)
+    kv_channels: int = 0
+    qk_layernorm: bool = False
 
     def __hash__(self) -> int:
         # computed once per object: a layout search hashes the shape in every cache lookup. Kept out
@@ -34,7 +50,25 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
+
+    # -- experts ------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """One routed expert's FFN width (moe_ffn_hidden, else ffn_hidden)."""
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Megatron's moe_layer_freq as an int (transformer/moe/moe_utils.py get_moe_layer_wise_logging...,
+        models/gpt/gpt_layer_specs.py get_gpt_decoder_block_spec: [1 if i % freq == 0 else 0])."""
+        return self.num_experts > 0 and i % self.moe_layer_freq == 0
+
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -62,12 +96,27 @@ class ModelShape:
         out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h)
         out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h)
         out += self.linear(f"{p}.attention.wo", h, self.heads * hd)
+        if self.qk_layernorm:  # torchtitan qwen3 Attention: q_norm / k_norm over head_dim
+            out += [(f"{p}.attention.q_norm.weight", (hd,)), (f"{p}.attention.k_norm.weight", (hd,))]
         out += self.norm_params(f"{p}.ffn_norm")
-        out += self.linear(f"{p}.feed_forward.w1", self.ffn_hidden, h)
-        out += self.linear(f"{p}.feed_forward.w2", h, self.ffn_hidden)
+        if not self.is_moe_layer(i):
+            return out + self._ffn(f"{p}.feed_forward", self.ffn_hidden)
+        # torchtitan models/common/moe.py MoE: router.gate [E, h], GroupedExperts w1/w2/w3 as
+        # [E, ffn, h] / [E, h, ffn] / [E, ffn, h], then the shared experts (a FeedForward)
+        e, f = self.num_experts, self.expert_ffn
+        out.append((f"{p}.moe.router.gate.weight", (e, h)))
+        out.append((f"{p}.moe.experts.w1", (e, f, h)))
+        out.append((f"{p}.moe.experts.w2", (e, h, f)))
         if self.swiglu:
-            out += self.linear(f"{p}.feed_forward.w3", self.ffn_hidden, h)
+            out.append((f"{p}.moe.experts.w3", (e, f, h)))
+        if self.moe_shared_expert_hidden:
+            out += self._ffn(f"{p}.moe.shared_experts", self.moe_shared_expert_hidden)
         return out
+
+    def _ffn(self, p: str, ffn: int) -> list[tuple[str, tuple[int, ...]]]:
+        h = self.hidden
+        out = self.linear(f"{p}.w1", ffn, h) + self.linear(f"{p}.w2", h, ffn)
+        return out + (self.linear(f"{p}.w3", ffn, h) if self.swiglu else [])
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         """All parameters in module (registration) order."""
@@ -85,8 +134,18 @@ class ModelShape:
     def num_params(self) -> int:
         return _num_params(self)
 
-    def layer_num_params(self) -> int:
-        return sum(numel(s) for _, s in self.layer_params(0))
+    def layer_num_params(self, i: int = 0) -> int:
+        return sum(numel(s) for _, s in self.layer_params(i))
+
+    def expert_num_params(self) -> int:
+        """Parameters of one routed expert (its fc1 / fc2 / gate projections)."""
+        return (3 if self.swiglu else 2) * self.hidden * self.expert_ffn
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: all but the routed experts it is not sent to
+        (moe_router_topk of num_experts in each MoE layer)."""
+        idle = self.num_experts - self.moe_router_topk
+        return self.num_params() - self.moe_layers() * idle * self.expert_num_params()
 
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))
@@ -103,7 +162,11 @@ def _num_params(model: ModelShape) -> int:
     # _params' sum without listing every layer (identical layers; a 126-layer list costs a search ms)
     emb = numel(_embedding(model)[1])
     rest = sum(numel(s) for _, s in model.norm_params("norm"))
-    return emb * (1 if model.tied_embeddings else 2) + rest + model.layers * model.layer_num_params()
+    # two kinds of layer at most: MoE ones (layer 0 is one, when any is) and dense ones (layer 1 is
+    # one, when any is: moe_layer_freq > 1)
+    moe = model.moe_layers()
+    layers = moe * model.layer_num_params(0) + (model.layers - moe) * model.layer_num_params(1 if moe else 0)
+    return emb * (1 if model.tied_embeddings else 2) + rest + layers
 
 
 def _embedding(model: ModelShape) -> tuple[str, tuple[int, int]]:
@@ -125,13 +188,24 @@ PRESETS = {
     "llama3_8b": dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256, seq_len=8192),
     "llama3_70b": dict(layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256, seq_len=8192),
     "llama3_405b": dict(layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8, vocab=128256, seq_len=8192),
+    # Mixtral 8x7B: 8 experts top-2, every layer MoE (46,702,792,704 parameters, tests/test_moe_shapes.py)
+    "mixtral_8x7b": dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000, seq_len=4096,
+                         rope_theta=1000000.0, num_experts=8, moe_router_topk=2),
+    # Qwen3-30B-A3B: 128 experts top-8 of width 768, head_dim 128, q/k norms (30,532,122,624 parameters)
+    "qwen3_30b_a3b": dict(layers=48, hidden=2048, ffn_hidden=6144, heads=32, kv_heads=4, vocab=151936, seq_len=4096,
+                          rope_theta=1000000.0, norm_eps=1e-6, num_experts=128, moe_router_topk=8,
+                          moe_ffn_hidden=768, kv_channels=128, qk_layernorm=True),
+    # the CPU runs' MoE: the tiny Llama with 8 experts top-2 of width 512 in every layer
+    "tiny_moe": dict(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=128,
+                     num_experts=8, moe_router_topk=2, moe_ffn_hidden=512),
 }
 
 
 def preset(name: str, **overrides) -> ModelShape:
     if name not in PRESETS:
         raise KeyError(f"model preset {name!r} unknown; known: {sorted(PRESETS)}")
-    return ModelShape(name=name, **{**PRESETS[name], **overrides})
+    fields_ = set(_SHAPE_FIELDS)  # a preset also sets ModelConfig-only fields (rope_theta, norm_eps)
+    return ModelShape(name=name, **{k: v for k, v in {**PRESETS[name], **overrides}.items() if k in fields_})
 
 
 @lru_cache(maxsize=64)

@@ -49,10 +49,16 @@ class Comm:
     wire_bytes: int
     dtype: str = ""
     what: str = ""  # which framework call, for people
+    # (low, high) of buffer_bytes where the sizes follow data (an MoE router's choices): buffer_bytes is
+    # then the balanced case; None: exact
+    buffer_range: Optional[tuple[int, int]] = None
 
     def to_dict(self) -> dict:
-        return {"dim": self.dim, "kind": self.kind, "count": self.count, "buffer_bytes": self.buffer_bytes,
-                "wire_bytes": self.wire_bytes, "dtype": self.dtype, "what": self.what}
+        d = {"dim": self.dim, "kind": self.kind, "count": self.count, "buffer_bytes": self.buffer_bytes,
+             "wire_bytes": self.wire_bytes, "dtype": self.dtype, "what": self.what}
+        if self.buffer_range is not None:
+            d["buffer_range"] = list(self.buffer_range)
+        return d
 
 
 class _Lazy:
@@ -166,6 +172,7 @@ class CommBuilder:
 
     def __init__(self):
         self._acc: dict[tuple, list] = {}
+        self._range: dict[tuple, tuple[int, int]] = {}  # add_routed's (low, high) offsets per key
 
     def add_calls(self, dim: str, kind: str, dtype: str, count: int, buffer_bytes: int, wire: int,
                   what: str = "") -> "CommBuilder":
@@ -214,6 +221,19 @@ class CommBuilder:
             self.add_sums((dim, kind, dtype), count, buf, wire, whats)
         return self
 
+    def add_routed(self, dim: str, kind: str, dtype: str, group_size: int, what: str, calls) -> "CommBuilder":
+        """Calls whose buffers follow data, each (predicted buffer bytes, how many times, lowest and
+        highest bytes above the prediction per call): the record's buffer_range spans them."""
+        if group_size <= 1:
+            return self
+        low = high = 0
+        for b, c, lo, hi in calls:
+            self.add(dim, kind, b, group_size, dtype, count=c, what=what)
+            low, high = low + lo * c, high + hi * c
+        self._range[(dim, kind, dtype)] = tuple(x + y for x, y in zip(self._range.get((dim, kind, dtype), (0, 0)),
+                                                                      (low, high)))
+        return self
+
     def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
                  what: str = "") -> "CommBuilder":
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""
@@ -236,6 +256,9 @@ class CommBuilder:
         for key in _sorted_keys(tuple(acc)):
             c, b, w, s = acc[key]
             out.append(Comm(key[0], key[1], c, b, w, key[2], s[0] if len(s) == 1 else what_of(s)))
+            if key in self._range:
+                lo, hi = self._range[key]
+                out[-1].buffer_range = (b + lo, b + hi)
         return out
 
 

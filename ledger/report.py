@@ -22,6 +22,17 @@ def _span(lo: int, hi: int) -> str:
     return b if a == b else f"{a} – {b}"
 
 
+def expert_split(s) -> dict[str, tuple[int, int]]:
+    """State -> (dense bytes, routed experts' bytes) of an MoE rank (its detail names the experts' parts
+    "expert ...": ledger/faithful/megatron_moe.py); empty for a dense one."""
+    out = {}
+    for k in STATES:
+        prefix = k[:-len("_bytes")] + "/"
+        e = sum(v for n, v in s.detail.items() if n.startswith(prefix + "expert "))
+        out[k] = (getattr(s, k) - e, e)
+    return out if any(e for _, e in out.values()) else {}
+
+
 def render(pl: "Placement", max_rows: int = 16) -> str:
     """One row per pipeline stage (its ranks are one contiguous block of the grid): each state's
     range over the stage's ranks; then the most-loaded rank in exact bytes."""
@@ -58,6 +69,10 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
     rank = next(r for r in range(pl.world) if pl.rank_state(r) is g)
     con.print(f"most-loaded: rank {rank} (stage {g.stage}): resident {g.resident_bytes:,} B = "
               + " + ".join(f"{k.replace('_bytes', '')} {getattr(g, k):,}" for k in STATES), markup=False)
+    split = expert_split(g)
+    if split:
+        con.print("  of which dense / routed experts: " + ", ".join(
+            f"{k.replace('_bytes', '')} {d:,} / {e:,}" for k, (d, e) in split.items()), markup=False)
     _peaks(con, pl, sorted(stages.items()), max_rows)
     c = Table(title="collectives per rank per optimizer step (most-loaded rank)")
     for col in ("dim", "kind", "dtype", "count", "buffer", "wire", "what"):

@@ -6,6 +6,8 @@ last 12/14/16 bytes by N_d; FSDP (torchtitan) keeps fp32 shards = master, sharde
 RS + AG (2N) or AG + AG + RS (3N, 2N without reshard after forward); TP with SP 4 AG + 4 RS of
 s*b*h per layer per micro-batch (4 AR without SP); PP activations s/t*b*h per micro-batch each
 way (the article counts both directions); CP as a K/V ring, 3*(cp-1) hops per layer per micro-batch.
+MoE: routed experts over ep*etp, the rest over tp; expert states shard over edp; per MoE layer per
+micro-batch 2 x topk x tokens x hidden all-to-all each way.
 """
 from __future__ import annotations
 
@@ -48,9 +50,18 @@ def activation_bytes(model: ModelShape, lay: Layout, recompute: str | None = Non
     return x
 
 
+def routed_expert_params(model: ModelShape) -> int:
+    """Parameters of every routed expert of the model (split by ep and etp; the rest by tp)."""
+    return model.moe_layers() * model.num_experts * model.expert_num_params()
+
+
 def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     name = fw.name
-    n_local = st.num_params // (lay.tp * lay.pp)
+    # MoE: the routed experts split over ep (each expert's FFN over etp), the rest over tp as for a
+    # dense model; both over the pipeline stages
+    n_expert = routed_expert_params(model) // (lay.ep * lay.etp * lay.pp)
+    n_dense = (st.num_params - routed_expert_params(model)) // (lay.tp * lay.pp)
+    n_local = n_dense + n_expert
     # CP splits the sequence, not the parameters: gradients are reduced, and Megatron's distributed
     # optimizer sharded, over the dp x cp ranks (parallel_state's "dp-cp" group)
     nd = lay.dp * (lay.cp if name == "megatron" else 1)
@@ -62,13 +73,21 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         # DDP + distributed optimizer: full bf16 params and grads, 12/N_d optimizer
         s.add("params_bytes", "bf16 params", 2 * n_local)
         s.add("grads_bytes", "grads", st.grad * n_local)
-        opt_div = nd if fw.use_distributed_optimizer else 1
-        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_local // opt_div)
-        if fw.use_distributed_optimizer:
-            cb.add(dp_dim, "reduce_scatter", st.grad * n_local, nd, what="grads")
-            cb.add(dp_dim, "all_gather", 2 * n_local, nd, what="bf16 params")
-        else:
-            cb.add(dp_dim, "all_reduce", st.grad * n_local, nd, what="grads")
+        # the experts' gradients reduce, and their optimizer state shards, over the expert data
+        # parallel ranks (edp = world / (etp*ep*pp)); the dense part over dp (x cp)
+        dist = fw.use_distributed_optimizer
+        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_dense // (nd if dist else 1))
+        if n_expert:
+            s.add("optim_bytes", "experts: fp32 master + adam",
+                  (st.master + st.optim) * n_expert // (lay.edp if dist else 1))
+        for dim, n, group in ((dp_dim, n_dense, nd), ("edp", n_expert, lay.edp)):
+            if not n:
+                continue
+            if dist:
+                cb.add(dim, "reduce_scatter", st.grad * n, group, what="grads")
+                cb.add(dim, "all_gather", 2 * n, group, what="bf16 params")
+            else:
+                cb.add(dim, "all_reduce", st.grad * n, group, what="grads")
     elif name == "deepspeed":
         z = fw.zero_stage
         s.add("params_bytes", "bf16 params", 2 * n_local // (nd if z >= 3 else 1))
@@ -106,6 +125,12 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
             cb.add("tp", "reduce_scatter", sbh, lay.tp, count=calls, what="SP")
         else:
             cb.add("tp", "all_reduce", sbh, lay.tp, count=calls, what="TP")
+    if model.is_moe and lay.ep > 1:
+        # each MoE layer sends every token to its top-k experts and back (dispatch, combine), in forward
+        # and again in backward: 2 x topk x tokens x hidden each way per layer per micro-batch
+        moe_local = model.moe_layers() // lay.pp
+        cb.add("ep", "all_to_all", model.moe_router_topk * sbh // (lay.tp if lay.sequence_parallel else 1), lay.ep,
+               count=4 * moe_local * m, what="token dispatch + combine, forward and backward")
     if lay.pp > 1:
         shard = sbh // (lay.tp if lay.sequence_parallel else 1)
         # the article's convention: activations forward and gradients backward, both counted; the

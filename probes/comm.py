@@ -7,7 +7,8 @@ the functional `_c10d_functional.*` used by DTensor/FSDP2), whatever name the fr
 per-framework patching is needed. It is active only during the steps being recorded.
 
 Buffer bytes follow the ledger's contract (ledger/placement.py): all_gather and reduce_scatter
-count the full (gathered / pre-scatter) tensor; send_recv counts each tensor sent or received.
+count the full (gathered / pre-scatter) tensor; send_recv counts each tensor sent or received;
+all_to_all the tensor sent (its input).
 Groups of one rank are ignored (nothing leaves the rank), as the ledger does.
 """
 from __future__ import annotations
@@ -112,6 +113,9 @@ class CommProbe:
         self._group_cache: dict[str, tuple[str, int]] = {}
         self.errors: list[str] = []
         self.ignored_single = 0
+        # group name -> label for groups that a rank set cannot name: a framework's expert groups
+        # (Megatron's EP group holds the same ranks as a DP group when ep = dp), given by the launcher
+        self.group_labels: dict[str, str] = {}
 
     def recording(self):
         return _Mode(self)
@@ -120,7 +124,8 @@ class CommProbe:
         key = pg.group_name
         if key not in self._group_cache:
             ranks = dist.get_process_group_ranks(pg)
-            label = self.label_of_ranks(ranks) if self.label_of_ranks else f"group{len(ranks)}"
+            label = self.group_labels.get(key) or (
+                self.label_of_ranks(ranks) if self.label_of_ranks else f"group{len(ranks)}")
             self._group_cache[key] = (label, len(ranks))
         return self._group_cache[key]
 
@@ -139,8 +144,8 @@ class CommProbe:
             if kind == "all_gather":
                 # (output, input, ...): the gathered output is the full buffer
                 ts = _tensors(tensor_args[0])
-            elif kind == "reduce_scatter":
-                # (output, input, ...): the input is the full buffer
+            elif kind in ("reduce_scatter", "all_to_all"):
+                # (output, input, ...): the input is the full buffer; an all-to-all's, what it sends
                 ts = _tensors(tensor_args[1])
             else:
                 ts = _tensors(tensor_args[0])

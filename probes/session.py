@@ -52,6 +52,12 @@ class ProbeSession:
         self._prev_named: dict[str, set] = {}
         self._peak_open = False
 
+    def name_groups(self, labels: dict) -> None:
+        """Process group -> the dim label its collectives are recorded under, for groups a rank set
+        cannot name (ledger.grid labels a group by the dense grid's dims that vary in it)."""
+        if self.comm is not None:
+            self.comm.group_labels.update({pg.group_name: label for pg, label in labels.items()})
+
     def watch(self, roots) -> None:
         """The model chunks: their forward calls count micro-batches; their modules are named."""
         if self.tracker is not None:

@@ -181,7 +181,7 @@ def job_name(rec: dict) -> str:
 
 def layout_name(rec: dict) -> str:
     lay = (rec.get("prediction") or {}).get("layout") or (rec.get("config") or {}).get("layout") or {}
-    parts = [f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "dp") if lay.get(k, 1) not in (1, -1)]
+    parts = [f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "ep", "etp", "dp") if lay.get(k, 1) not in (1, -1)]
     if lay.get("dp_replicate", 1) > 1:
         parts.append(f"rep{lay['dp_replicate']}")
     if lay.get("sequence_parallel"):

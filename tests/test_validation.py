@@ -91,8 +91,9 @@ def test_layout_to_dict_has_every_field():
                  global_batch_size=48)
     d = lay.to_dict()
     assert {f.name: getattr(lay, f.name) for f in fields(Layout)} == {k: d[k] for k in (f.name for f in fields(Layout))}
-    assert (d["world"], d["dp_shard"], d["num_microbatches"]) == (lay.world, lay.dp_shard, lay.num_microbatches)
-    assert len(d) == len(fields(Layout)) + 3
+    assert (d["world"], d["dp_shard"], d["num_microbatches"], d["edp"]) == (lay.world, lay.dp_shard,
+                                                                          lay.num_microbatches, lay.edp)
+    assert len(d) == len(fields(Layout)) + 4
 
 
 @pytest.mark.parametrize("cls", ["Layout", "Grid"])

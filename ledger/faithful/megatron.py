@@ -65,6 +65,15 @@ class Knobs(NamedTuple):
     pp_split: tuple = EVEN_SPLIT  # (first, last, embedding, loss) of the pipeline split (megatron_buffers.split_error)
     # (granularity, method, num_layers, modules) of activation recompute (megatron_peak.Recompute)
     recompute: tuple = (None, None, None, ("core_attn",))
+    # MoE (megatron_moe.py): (token dispatcher, load balancing, aux-loss coeff, capacity factor, pad to
+    # capacity, grouped GEMM), MOE_KNOBS order
+    moe: tuple = ("allgather", "aux_loss", 0.0, None, False, False)
+
+    def __getattr__(self, name):  # the MoE knobs by the framework config's names
+        try:
+            return self.moe[MOE_KNOBS.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
 
     # megatron_peak reads these by the framework config's names
     @property
@@ -84,6 +93,8 @@ class Knobs(NamedTuple):
         return self.recompute[3]
 
 
+MOE_KNOBS = ("moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+             "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_grouped_gemm")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
@@ -100,7 +111,7 @@ def knobs(fw) -> Knobs:
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
                  bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
                  fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw),
-                 tuple(recompute_of(fw)))
+                 tuple(recompute_of(fw)), tuple(getattr(fw, n, d) for n, d in zip(MOE_KNOBS, Knobs._field_defaults["moe"])))
 
 
 def pp_split(fw) -> tuple:
@@ -388,9 +399,10 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     return s
 
 
-def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int, split: tuple) -> int:
-    """Elements of a stage's norm weights (the `sequence_parallel` params with SP)."""
-    per_layer, head = _norms(model, tp)
+def _norm_numel(model: ModelShape, tp: int, pp: int, vp: int, stage: int, split: tuple, sp: bool = True) -> int:
+    """Elements of a stage's norm weights (the `sequence_parallel` params with SP); without SP its q/k
+    norms only (qk_layernorm)."""
+    per_layer, head = _norms(model, tp) if sp else (2 * model.head_dim * (2 if model.norm == "layernorm" else 1), 0)
     out = 0
     for ch in range(vp):
         n, _, last = _stage_shape(model, pp, stage, vp, ch, split)
@@ -450,11 +462,12 @@ def _fixed_comm(calls, model: ModelShape, tp: int, pp: int, dp: int, vp: int, k:
     size = grid.size_of(dims)
     if k.clip_grad > 0 and size > 1:
         calls(grid.label_of(dims), "all_reduce", "fp32", "grad norm (clip_grads.py)", size, [4])
-    if sp:
+    if sp or model.qk_layernorm:
         # distributed/finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: one
-        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params
+        # coalesced all-reduce of the main grads of the `sequence_parallel` (norm) params, and of the
+        # q/k norms (qk_layernorm) with or without SP
         calls("tp", "all_reduce", gdt, "SP norm grads (finalize_model_grads)", tp,
-              [gb * _norm_numel(model, tp, pp, vp, stage, k.pp_split)])
+              [gb * _norm_numel(model, tp, pp, vp, stage, k.pp_split, sp)])
 
 
 def _bucket_numels(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs, stage: int) -> list[int]:

@@ -1,0 +1,406 @@
+"""Faithful ledger for Megatron Core 0.18.0 Mixture-of-Experts models (model.num_experts > 0): what DDP
+and the chained distributed optimizer keep per rank, and which collectives one optimizer step calls,
+with expert parallelism (layout.ep). ledger.faithful.megatron's rules for the dense part (its buffers'
+padding and buckets, the optimizer's per-byte-range shards, RoPE, the "mpu" scratch, TP / PP traffic)
+are reused; what MoE changes is here. Paths under megatron/core/ unless said otherwise.
+
+Parameters (models/gpt/gpt_layer_specs.py get_gpt_decoder_block_spec: an MoE layer every
+moe_layer_freq layers, transformer/moe/moe_layer.py MoELayer: router, then experts):
+  dense   everything but the routed experts: embedding, attention, norms, the router weight
+          [num_experts, hidden] (router.py Router.__init__; Float16Module casts it to bf16), dense
+          layers' MLPs; split by tp as for a dense model
+  expert  each EP rank's num_experts / ep experts (moe_layer.py BaseMoELayer), each a local-spec MLP
+          (experts.py SequentialMLP: linear_fc1 [2*ffn/etp, h] with SwiGLU, linear_fc2 [h, ffn/etp])
+          marked allreduce=False when ep > 1 (tensor_parallel/layers.py) and so kept by DDP in
+          expert_parallel_buffers (distributed/distributed_data_parallel.py): padded and bucketed as the
+          dense buffer, over the expert data parallel group (lcm(edp, 128); the same bucket size,
+          max(40M, 1M * dp) of the dense dp), sharded by a second DistributedOptimizer over edp
+          (optimizer/__init__.py get_megatron_optimizer: ChainedOptimizer([dense, expert]))
+
+Collectives of one step, beside the dense ones:
+  dp / edp  each buffer's buckets reduce-scattered over its group; the param all-gathers run TWICE
+            per step for every bucket group, dense and expert: each of the ChainedOptimizer's two
+            DistributedOptimizers' step_with_ready_grads calls start_param_sync_for_bucket_group_subset
+            over all model chunks' bucket_groups + expert_parallel_bucket_groups
+            (optimizer/distrib_optimizer.py, optimizer/optimizer.py ChainedOptimizer._step)
+  tp        with SP, finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads adds the router
+            weights (marked sequence_parallel, router.py) to the norms' coalesced all-reduce; q/k norms
+            (qk_layernorm) join it with or without SP. An MoE layer's MLP makes no TP call of its own
+            (the experts' linears skip SP communication: explicit_expert_comm) but attention's
+  ep / etp-ep  the token dispatcher's, per MoE layer per micro-batch (moe_token_dispatcher_type):
+            allgather (token_dispatcher.py MoEAllGatherTokenDispatcher, the default): over the
+            expert tensor-and-model-parallel group (N = etp*ep ranks) the routing map (bool), the probs
+            and the hidden states [T, h] all-gathered in forward (the hidden states into the "mpu"
+            GlobalMemoryBuffer), the expert output reduce-scattered; backward reduce-scatters the
+            hidden and probs grads and all-gathers the output grad: every size fixed (T*N rows).
+            alltoall (MoEAlltoAllTokenDispatcher): without capacity padding, the tokens per expert
+            all-gathered (int64 [E] per rank, forward), then over ep the permuted tokens and their
+            probs all-to-all'ed to the experts and the expert output back; backward the same three
+            with the splits swapped. What a rank sends is fixed on the side of its own tokens (T*k rows:
+            the dispatch forward, the combine backward) and follows the routing on the side of its
+            experts (the combine forward, the dispatch backward: the rows routed to them). The ledger
+            predicts the balanced case (T*k rows) and carries the bound [0, ep*T*min(k, E/ep)] rows on
+            that side (Comm.buffer_range); over an EP group the received rows sum to the sent ones, so
+            the group's total is exact. With a capacity factor and moe_pad_expert_input_to_capacity
+            every expert gets capacity = ceil(T*k/E * factor) rows (moe_utils.py get_capacity) from
+            every rank: fixed, and no count all-gather
+  fp32      the grad norm: one all-reduce over the world (ChainedOptimizer.get_grad_norm: one group)
+
+Resident extras: the second optimizer's unity loss scale (_scale_one), MoEAuxLossAutoScaler's loss scale
+(moe_utils.py set_loss_scale, called from schedules.py forward_step for every micro-batch of an MoE
+model: one fp32 element kept as a class attribute), the allgather dispatcher's "mpu" rows (T*N*h).
+
+Not modelled (refused, naming the knob): etp > 1, shared experts, interleaving (vp > 1),
+overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak within a step.
+T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import numpy as np
+
+from ledger.faithful.megatron import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _NOTES, check_framework,
+                                      check_interleaving, knobs)
+from ledger.faithful.megatron_buffers import (_buffer_bytes, _pieces, build_buffer, effective_bucket_size,
+                                              owned_sizes, padded_shape, stage_layers)
+from ledger.grid import Grid
+from ledger.layout import ConfigError, Layout
+from ledger.model import ModelShape, model_dict
+from ledger.placement import CommBuilder, Placement, RankState
+
+# the expert groups' labels, as launchers/megatron.py expert_group_labels names them to the comm probe
+# (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp): EP, expert TP, the two together (what the
+# dispatchers call tp_ep), expert data parallel
+EXPERT_DIMS = ("ep", "etp", "etp-ep", "edp")
+
+MOE_NOTE = ("MoE (megatron_moe.py): routed experts in DDP's expert_parallel_buffers over the expert data parallel "
+            "group, a second DistributedOptimizer over it; every param all-gather twice per step (ChainedOptimizer); "
+            "the peak within a step is not modelled for MoE (no peak row)")
+ROUTED_NOTE = ("alltoall without capacity padding: the all-to-all bytes on the experts' side follow the router; "
+               "predicted balanced (T*topk rows), bounded by buffer_range; exact over an EP group")
+
+
+def check_moe(model: ModelShape, lay: Layout, k) -> None:
+    """What this ledger does not model, refused naming the knob, and Megatron's own MoE rules."""
+    def no(what: str) -> None:
+        raise ConfigError(f"megatron: model.num_experts={model.num_experts}: {what} (the faithful MoE ledger does "
+                          "not model it; ledger.mode=textbook predicts it)")
+
+    if lay.etp > 1:
+        no(f"layout.etp={lay.etp}: expert tensor parallelism")
+    if lay.ep == 1 and lay.tp > 1:
+        # tensor_parallel/layers.py: experts are expert-parallel params only with ep > 1; at ep = 1 they
+        # are replicated over TP yet reduced over dp alone (and counted twice in the grad norm)
+        no(f"layout.ep=1 with tp={lay.tp}: experts at ep=1 are dense parameters")
+    if model.moe_shared_expert_hidden:
+        no("model.moe_shared_expert_hidden: shared experts")
+    if lay.vp > 1:
+        no(f"layout.vp={lay.vp}: the interleaved schedule")
+    if k.overlap_param_gather:
+        no("framework.overlap_param_gather")
+    if model.tied_embeddings:
+        no("model.tied_embeddings")
+    if lay.cp > 1:
+        no(f"layout.cp={lay.cp}")
+
+
+def sp_error(model: ModelShape, lay: Layout) -> str | None:
+    """transformer/moe/moe_layer.py MoELayer.forward raises ValueError in training with TP and no SP."""
+    if model.is_moe and lay.tp > 1 and not lay.sequence_parallel:
+        return (f"megatron: model.num_experts={model.num_experts} with tp={lay.tp} needs layout.sequence_parallel=true: "
+                "transformer/moe/moe_layer.py MoELayer.forward raises ValueError in training (\"During training, "
+                "performance may degrade if MoE and tensor parallelism are enabled without also enabling sequence "
+                "parallelism.\")")
+    return None
+
+
+def check_moe_knobs(fw) -> None:
+    """The MoE framework knobs' values (conf/validate.py for the schema's sets)."""
+    if fw.moe_grouped_gemm:
+        raise ConfigError("framework.moe_grouped_gemm=true needs TransformerEngine's TEGroupedMLP (or the grouped_gemm "
+                          "package): the local spec's experts are a SequentialMLP (models/backends.py "
+                          "LocalSpecProvider); the faithful MoE ledger models SequentialMLP")
+    if fw.moe_pad_expert_input_to_capacity and fw.moe_expert_capacity_factor is None:
+        raise ConfigError("framework.moe_pad_expert_input_to_capacity=true needs framework.moe_expert_capacity_factor "
+                          "(token_dispatcher.py MoEAlltoAllTokenDispatcher asserts it)")
+    if fw.moe_expert_capacity_factor is not None and not fw.moe_pad_expert_input_to_capacity:
+        raise ConfigError("framework.moe_expert_capacity_factor without moe_pad_expert_input_to_capacity: dropped "
+                          "tokens make every size follow the router; the faithful MoE ledger models drop-less "
+                          "routing and capacity with padding")
+    if fw.moe_expert_capacity_factor is not None and fw.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError("framework.moe_expert_capacity_factor: token dropping with padding is modelled for "
+                          "framework.moe_token_dispatcher_type=alltoall only")
+
+
+# -- parameters ------------------------------------------------------------------------------------
+@lru_cache(maxsize=256)
+def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
+    """(dense params, expert params) of one MoE decoder layer as (name, local numel) in
+    named_parameters() order: the dense layer's attention and norms (_pieces), the router weight
+    [E, h] after pre_mlp_layernorm (moe_layer.py registers router before experts), then each local
+    expert's linear_fc1 and linear_fc2 (experts.py SequentialMLP.local_experts)."""
+    _, layer, _ = _pieces(model, tp)
+    dense = tuple(p for p in layer if not p[0].startswith("mlp."))
+    dense += (("mlp.router.weight", model.num_experts * model.hidden),)
+    if model.bias:
+        dense += (("mlp.router.bias", model.num_experts),)
+    h, f = model.hidden, model.expert_ffn
+    fc1 = (2 if model.swiglu else 1) * f
+    expert = []
+    for j in range(model.num_experts // ep):
+        p = f"mlp.experts.local_experts.{j}"
+        expert += [(f"{p}.linear_fc1.weight", fc1 * h)] + ([(f"{p}.linear_fc1.bias", fc1)] if model.bias else [])
+        expert += [(f"{p}.linear_fc2.weight", h * f)] + ([(f"{p}.linear_fc2.bias", h)] if model.bias else [])
+    return dense, tuple(expert)
+
+
+def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split: tuple) -> tuple[list, list]:
+    """(dense, expert) (name, local numel) lists of one pipeline stage, GPTModel order, its layers
+    global index offset by the stages before it (the MoE pattern is over global layers)."""
+    emb, layer, head = _pieces(model, tp)
+    n = stage_layers(model.layers, pp, 1, stage, 0, split)
+    first = sum(stage_layers(model.layers, pp, 1, s, 0, split) for s in range(stage))
+    dense = list(emb) if stage == 0 else []
+    expert = []
+    moe_dense, moe_expert = _moe_layer(model, tp, ep)
+    for i in range(first, first + n):
+        if model.is_moe_layer(i):
+            dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_dense]
+            expert += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_expert]
+        else:
+            dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in layer]
+    if stage == pp - 1:
+        dense += list(head)
+    return dense, expert
+
+
+@lru_cache(maxsize=1024)
+def _stage_buffers(model: ModelShape, lay: Layout, k, stage: int):
+    """(dense buffer, expert buffer or None) of a stage (one model chunk: vp is refused). With ep = 1
+    the experts are dense parameters (tensor_parallel/layers.py allreduce = not (is_expert and ep > 1))."""
+    dense, expert = stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)
+    if lay.ep == 1:
+        dense, expert = dense + expert, []
+        # (in named_parameters order the experts sit inside their layers: rebuild in that order)
+        dense = _ordered(model, lay, k, stage)
+    bucket = effective_bucket_size(k, lay.dp, stage)
+    dist = k.use_distributed_optimizer
+    d = build_buffer(np.array([n for _, n in dense], np.int64), bucket, lay.dp, dist)
+    e = build_buffer(np.array([n for _, n in expert], np.int64), bucket, lay.edp, dist) if expert else None
+    return d, e
+
+
+def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
+    """A stage's parameters in named_parameters() order, experts inside their layers (ep = 1)."""
+    emb, layer, head = _pieces(model, lay.tp)
+    n = stage_layers(model.layers, lay.pp, 1, stage, 0, k.pp_split)
+    first = sum(stage_layers(model.layers, lay.pp, 1, s, 0, k.pp_split) for s in range(stage))
+    moe_dense, moe_expert = _moe_layer(model, lay.tp, 1)
+    out = list(emb) if stage == 0 else []
+    for i in range(first, first + n):
+        out += list(moe_dense + moe_expert) if model.is_moe_layer(i) else list(layer)
+    return out + (list(head) if stage == lay.pp - 1 else [])
+
+
+# -- one rank ----------------------------------------------------------------------------------------
+def tokens(model: ModelShape, lay: Layout) -> int:
+    """T: the tokens of one micro-batch on one rank (sequence-parallel shards with SP)."""
+    return model.seq_len * lay.micro_batch_size // (lay.tp if lay.sequence_parallel else 1)
+
+
+def _moe_layers_of(model: ModelShape, lay: Layout, k, stage: int) -> int:
+    n = stage_layers(model.layers, lay.pp, 1, stage, 0, k.pp_split)
+    first = sum(stage_layers(model.layers, lay.pp, 1, s, 0, k.pp_split) for s in range(stage))
+    return sum(model.is_moe_layer(i) for i in range(first, first + n))
+
+
+def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
+    """utils.py GlobalMemoryBuffer "mpu" (activation dtype): the local spec's attention scores, the SP
+    all-gathers, and the allgather dispatcher's gathered hidden states [T*N, h] (mappings.py
+    gather_from_sequence_parallel_region(use_global_buffer=True)) on a stage with an MoE layer."""
+    from ledger.faithful.megatron import _mpu_numel
+
+    base = _mpu_numel(model, lay, k.transformer_impl, stage)
+    if k.moe_token_dispatcher_type == "allgather" and lay.ep > 1 and _moe_layers_of(model, lay, k, stage):
+        base = max(base, tokens(model, lay) * lay.etp * lay.ep * model.hidden)
+    return base
+
+
+def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_rank: int) -> RankState:
+    pdt, gdt, pb, gb = _dtypes(k)
+    bf16 = k.precision == "bf16"
+    dist = k.use_distributed_optimizer
+    dense, expert = _stage_buffers(model, lay, k, stage)
+    s = RankState(stage=stage)
+    owned = {}
+    for what, buf, group, rank in (("", dense, lay.dp, dp_rank), ("expert ", expert, lay.edp, edp_rank)):
+        if buf is None:
+            continue
+        p_bytes, g_bytes = _buffer_bytes(buf.numel, int(buf.prefix[-1]), dist, pb, gb)
+        s.add("params_bytes", f"{what}{pdt} param buffer (param_data)" if dist else f"{what}{pdt} module parameters",
+              p_bytes)
+        s.add("grads_bytes", f"{what}{gdt} grad buffer (grad_data)", g_bytes)
+        owned[what] = (owned_sizes([buf], group, rank) if dist
+                       else (int(buf.prefix[-1]), len(buf.starts)))
+    for what, (numel, pieces) in owned.items():
+        if bf16:
+            s.add("optim_bytes", f"{what}fp32 master params", 4 * numel)
+        s.add("optim_bytes", f"{what}adam exp_avg + exp_avg_sq", 8 * numel)
+        s.add("optim_bytes", f"{what}adam step", ADAM_STEP_BYTES * pieces)
+    if bf16:
+        # optimizer.py MixedPrecisionOptimizer.__init__: one _scale_one per DistributedOptimizer
+        s.add("other_bytes", "unity loss scale (_scale_one)", 4 * len(owned))
+    half = -(-model.head_dim // 2)
+    s.add("other_bytes", "rope inv_freq", 4 * half)
+    s.add("other_bytes", "rope emb (lru_cache)", 4 * model.seq_len * 2 * half)
+    # moe_utils.py MoEAuxLossAutoScaler.set_loss_scale: the first micro-batch's scale (fp32 [1]) is kept
+    s.add("other_bytes", "MoE aux-loss scale (MoEAuxLossAutoScaler)", 4)
+    mpu = mpu_numel(model, lay, k, stage)
+    if mpu:
+        s.add("other_bytes", "global memory buffer (mpu)", (2 if bf16 else 4) * mpu)
+    s.comm_fn = lambda: _comm(model, lay, k, stage)
+    return s
+
+
+def _comm(model: ModelShape, lay: Layout, k, stage: int):
+    pdt, gdt, pb, gb = _dtypes(k)
+    ab = pb  # activations in the params' dtype
+    dense, expert = _stage_buffers(model, lay, k, stage)
+    cb = CommBuilder()
+    grid = Grid(tp=lay.tp, dp=lay.dp, pp=lay.pp)
+    gathers = 2 if expert is not None else 1  # ChainedOptimizer: each DistributedOptimizer gathers all
+    for dim, buf, group in (("dp", dense, lay.dp), ("edp", expert, lay.edp)):
+        if buf is None:
+            continue
+        numels = (buf.bend - buf.bstart).tolist()
+        if k.use_distributed_optimizer:
+            cb.add_each(dim, "reduce_scatter", [gb * n for n in numels], group, gdt, "grad bucket (start_grad_sync)")
+            for _ in range(gathers):
+                cb.add_each(dim, "all_gather", [pb * n for n in numels], group, pdt,
+                            "param bucket (start_param_sync, once per DistributedOptimizer of the ChainedOptimizer)")
+        else:
+            cb.add_each(dim, "all_reduce", [gb * n for n in numels], group, gdt, "grad bucket (start_grad_sync)")
+    dims = ("tp", "dp", "pp") if k.use_distributed_optimizer else ("tp", "pp")
+    if k.clip_grad > 0:
+        cb.add(grid.label_of(dims), "all_reduce", 4, grid.size_of(dims), "fp32", what="grad norm (clip_grads.py)")
+    # finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: SP norms and routers, q/k norms
+    names = [n for n, _ in _ordered(model, lay, k, stage)] if lay.ep == 1 else \
+        [n for n, _ in stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)[0]]
+    sizes = dict(_ordered(model, lay, k, stage)) if lay.ep == 1 else \
+        dict(stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)[0])
+    tp_sum = sum(sizes[n] for n in names if (lay.sequence_parallel and ("layernorm" in n or "router" in n))
+                 or (model.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n)))
+    if tp_sum:
+        cb.add("tp", "all_reduce", gb * tp_sum, lay.tp, gdt, what="SP norm / router grads (finalize_model_grads)")
+    # per micro-batch: TP (attention everywhere, the MLP in dense layers), PP, the cross-entropy
+    m = lay.num_microbatches
+    moe = _moe_layers_of(model, lay, k, stage)
+
+    # an MoE layer's MLP makes no TP call (its experts' linears: explicit_expert_comm; SP is required
+    # with tp): of the SP calls _micro_batch_comm counts per layer (6 all-gathers, 4 reduce-scatters:
+    # attention's 3 and 2, the MLP's 3 and 2) an MoE layer makes attention's alone
+    mlp_calls = {("tp", "all_gather"): 3 * moe, ("tp", "reduce_scatter"): 2 * moe}
+
+    def per_mb(dim, kind, dtype, what, calls, unit, div, group, wires):
+        calls -= mlp_calls.get((dim, kind), 0) if what.startswith("SP ") else 0
+        if calls > 0 and group > 1:
+            x = lay.micro_batch_size * unit // div
+            cb.add(dim, kind, x, group, dtype, count=calls * m, what=what)
+
+    _micro_batch_comm(per_mb, model, lay.tp, lay.pp, 1, k, stage, lay.sequence_parallel)
+    if moe and lay.ep > 1:
+        _dispatcher_comm(cb, model, lay, k, moe * m)
+    if moe and k.moe_aux_loss_coeff > 0 and k.moe_router_load_balancing_type in AUX_LOSS_TOKENS:
+        # router.py TopKRouter._apply_aux_loss / _apply_seq_aux_loss -> moe_utils.py
+        # get_tokens_per_expert_and_token_count: the routing map's tokens per expert (int64; per
+        # sequence and expert for seq_aux_loss) all-reduced over the tp x cp group, every MoE layer's forward
+        n = model.num_experts * AUX_LOSS_TOKENS[k.moe_router_load_balancing_type](lay.micro_batch_size)
+        cb.add("tp", "all_reduce", 8 * n, lay.tp, "int64", count=moe * m,
+               what="tokens per expert for the aux loss (moe_utils.py get_tokens_per_expert_and_token_count)")
+    return cb.build()
+
+
+# the aux losses that all-reduce the tokens per expert, and how many counts per expert each reduces
+AUX_LOSS_TOKENS = {"aux_loss": lambda b: 1, "seq_aux_loss": lambda b: b}
+
+
+def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: int) -> None:
+    """The token dispatcher's collectives over `calls` = MoE layers x micro-batches (module docstring)."""
+    pdt, _, ab, _ = _dtypes(k)
+    prob_dt = {"fp32": "fp32", "fp64": "fp64"}.get(model.moe_router_dtype, pdt)
+    prob_b = {"fp32": 4, "fp64": 8}.get(prob_dt, ab)
+    T, kk, E, h, ep = tokens(model, lay), model.moe_router_topk, model.num_experts, model.hidden, lay.ep
+    n = lay.etp * ep  # the tp_ep group
+    if k.moe_token_dispatcher_type == "allgather":
+        rows = T * n
+        what = "allgather token dispatcher (token_dispatcher.py)"
+        cb.add("etp-ep", "all_gather", rows * E, n, "bool", count=calls, what=what)  # routing map
+        cb.add("etp-ep", "all_gather", rows * E * prob_b, n, prob_dt, count=calls, what=what)  # probs
+        cb.add("etp-ep", "reduce_scatter", rows * E * prob_b, n, prob_dt, count=calls, what=what)  # probs grad
+        cb.add("etp-ep", "all_gather", rows * h * ab, n, pdt, count=calls, what=what)  # hidden states
+        cb.add("etp-ep", "reduce_scatter", rows * h * ab, n, pdt, count=calls, what=what)  # their grad
+        cb.add("etp-ep", "reduce_scatter", rows * h * prob_b, n, prob_dt, count=calls, what=what)  # combine
+        cb.add("etp-ep", "all_gather", rows * h * prob_b, n, prob_dt, count=calls, what=what)  # combine grad
+        return
+    what = "alltoall token dispatcher (token_dispatcher.py)"
+    if k.moe_pad_expert_input_to_capacity:
+        # every rank sends each expert `capacity` rows and receives as many for each local expert
+        rows = _capacity(T * kk, E, k.moe_expert_capacity_factor) * E
+        cb.add("ep", "all_to_all", rows * h * ab, ep, pdt, count=4 * calls, what=what)
+        cb.add("ep", "all_to_all", rows * prob_b, ep, prob_dt, count=2 * calls, what=what)
+        return
+    # the count all-gather: each rank's tokens per expert (int64 [E]) over tp_ep, forward only
+    cb.add("etp-ep", "all_gather", E * 8 * n, n, "int64", count=calls, what="tokens per expert (preprocess)")
+    own = T * kk  # rows on the side of this rank's tokens
+    most = ep * T * min(kk, E // ep)  # rows its experts can be sent
+    cb.add_routed("ep", "all_to_all", pdt, ep, what,
+                  [(own * h * ab, 2 * calls, 0, 0), (own * h * ab, 2 * calls, -own * h * ab, (most - own) * h * ab)])
+    cb.add_routed("ep", "all_to_all", prob_dt, ep, what,
+                  [(own * prob_b, calls, 0, 0), (own * prob_b, calls, -own * prob_b, (most - own) * prob_b)])
+
+
+def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
+    """transformer/moe/moe_utils.py get_capacity: ceil(num_tokens / num_experts * capacity_factor)."""
+    import math
+
+    return math.ceil((num_tokens / num_experts) * factor)
+
+
+# -- the layout ------------------------------------------------------------------------------------
+def place(model: ModelShape, lay: Layout, fw) -> Placement:
+    k = knobs(fw)
+    check_framework(k)
+    check_interleaving(lay)
+    check_moe(model, lay, k)
+    check_moe_knobs(k)
+    notes = list(_NOTES[k.transformer_impl]) + [MOE_NOTE]
+    if sp_error(model, lay):
+        # a run or a run.sh of this layout is refused (launchers/job.py check); a prediction describes the
+        # one layout Megatron trains, the same with sequence parallelism, and says so
+        lay = dataclasses.replace(lay, sequence_parallel=True)
+        notes.insert(0, "layout.sequence_parallel=false: Megatron's MoELayer.forward raises in training with tp > 1 "
+                        "and no SP; predicted with sequence_parallel=true (a run or run.sh of this layout is refused)")
+    if k.moe_token_dispatcher_type == "alltoall" and not k.moe_pad_expert_input_to_capacity and lay.ep > 1:
+        notes.append(ROUTED_NOTE)
+    trained = padded_shape(model, lay.tp, k.make_vocab_size_divisible_by)
+    if trained is not model:
+        notes.append(f"vocab {model.vocab} padded to {trained.vocab} rows (make_vocab_size_divisible_by="
+                     f"{k.make_vocab_size_divisible_by} x tp={lay.tp})")
+    cache: dict[tuple, RankState] = {}
+    tp, dp, ep, edp = lay.tp, lay.dp, lay.ep, lay.edp
+
+    def key(rank: int) -> tuple[int, int, int]:
+        # dense grid tp, dp, pp (cp = 1); expert grid etp (= 1), ep, edp, pp
+        return rank // (tp * dp), rank // tp % dp, rank // (lay.etp * ep) % edp
+
+    def state(rank: int) -> RankState:
+        kk = key(rank)
+        s = cache.get(kk)
+        if s is None:
+            s = cache[kk] = rank_state(trained, lay, k, *kk)
+        return s
+
+    return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
+                     world=lay.world, rank_state=state, notes=notes, spec=k.transformer_impl)

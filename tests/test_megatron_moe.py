@@ -1,0 +1,340 @@
+"""Megatron Core 0.18.0 Mixture-of-Experts (issue 20): the MoE shapes, layout.ep, the faithful ledger
+(ledger/faithful/megatron_moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
+
+One shared sweep (14 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+(world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP; the alltoall
+dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
+fixed sizes); one capacity-padded alltoall job (every size fixed); the aux loss and the sequence aux
+loss; every second layer MoE (dense and MoE layers over pp2); ep1 (the experts are dense parameters);
+Qwen3's attention (kv_channels, q/k norms) in an MoE and a dense job. Every state row and every
+collective count and exact byte row (first and steady steps) on every rank reconciles with abs_err 0;
+the routed all-to-all bytes lie inside the predicted range and sum over each EP group to the balanced
+prediction exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+
+import pandas as pd
+import pytest
+
+import records
+from analysis import compare, reconcile
+from ledger.layout import ConfigError, resolve
+from ledger.model import ModelShape, preset
+from ledger.placement import CommBuilder
+from tests.conftest import launch, run_sweeps
+
+COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.steps=2")
+SWEEPS = (
+    ("w2", ("cluster.ranks=2", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall,allgather")),
+    # capacity 1.0 with padding: every expert gets ceil(32*2/8) = 8 rows from every rank
+    ("w2cap", ("cluster.ranks=2", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall",
+               "framework.moe_expert_capacity_factor=1.0", "framework.moe_pad_expert_input_to_capacity=true")),
+    # ep = 1: the experts are dense parameters (tensor_parallel/layers.py allreduce), no dispatcher traffic
+    ("w2ep1", ("cluster.ranks=2", "layout={}")),
+    ("w4a2a", ("cluster.ranks=4", "framework.moe_token_dispatcher_type=alltoall",
+               "layout={ep:2},{ep:4},{pp:2,ep:2},{tp:2,ep:2,sequence_parallel:true}")),
+    ("w4ag", ("cluster.ranks=4", "layout={ep:2},{tp:2,ep:2,sequence_parallel:true}")),
+    # the aux losses' all-reduce over TP (int64 tokens per expert; per sequence and expert for seq_aux_loss)
+    ("w4aux", ("cluster.ranks=4", "layout={tp:2,ep:2,sequence_parallel:true,micro_batch_size:2}",
+               "framework.moe_aux_loss_coeff=0.01", "framework.moe_router_load_balancing_type=seq_aux_loss")),
+    # every second layer MoE, over two stages (the pattern is over global layers)
+    ("w4freq", ("cluster.ranks=4", "model.moe_layer_freq=2", "framework.moe_token_dispatcher_type=alltoall",
+                "layout={pp:2,ep:2}")),
+    # Qwen3's attention: heads of kv_channels=64 (not 256/8) and per-head q/k norms, MoE with SP and dense
+    # without (the q/k norm grads are all-reduced over TP with or without SP)
+    ("w4qk", ("cluster.ranks=4", "model.kv_channels=64", "model.qk_layernorm=true",
+              "layout={tp:2,ep:2,sequence_parallel:true}")),
+    ("w2qkdense", ("cluster.ranks=2", "model=tiny", "model.kv_channels=64", "model.qk_layernorm=true", "layout={tp:2}")),
+)
+
+
+def _job(rec) -> tuple:
+    c = rec["config"]
+    fw, m = c["framework"], c["model"]
+    return (records.layout_name(rec), m["num_experts"], fw["moe_token_dispatcher_type"],
+            fw["moe_expert_capacity_factor"], fw["moe_aux_loss_coeff"] > 0, m["moe_layer_freq"], m["qk_layernorm"])
+
+
+EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False), ("ep2·dp2", 8, "allgather", None, False, 1, False),
+            ("ep2·dp2", 8, "alltoall", 1.0, False, 1, False), ("dp2", 8, "allgather", None, False, 1, False),
+            ("ep2·dp4", 8, "alltoall", None, False, 1, False), ("ep4·dp4", 8, "alltoall", None, False, 1, False),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False),
+            ("ep2·dp4", 8, "allgather", None, False, 1, False), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True), ("tp2", 0, "allgather", None, False, 1, True)}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return run_sweeps(tmp_path_factory.mktemp("megatron_moe_sweep"), SWEEPS, COMMON)
+
+
+# -- real runs -----------------------------------------------------------------------------------
+@pytest.mark.real
+def test_matrix_ran(sweep):
+    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
+    assert not bad, bad
+    jobs = [_job(r) for r in sweep["ok"]]
+    assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, sorted(set(jobs) ^ EXPECTED)
+
+
+@pytest.mark.real
+def test_every_state_and_collective_row_reconciles(sweep):
+    """States, counts and fixed bytes to the byte on every rank, first and steady steps; the routed
+    all-to-all bytes inside their predicted range (reconcile.off)."""
+    df = sweep["table"]
+    rows = df[~df.quantity.str.startswith("peak")]
+    for rec in sweep["ok"]:
+        d = rows[(rows.job == records.job_name(rec))]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
+        for q in reconcile.STATE_Q:
+            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
+    assert rows[reconcile.off(rows)].empty, rows[reconcile.off(rows)].to_string()
+    routed = rows["bound_low"].notna()
+    assert rows[~routed & (rows.abs_err != 0)].empty, rows[~routed & (rows.abs_err != 0)].to_string()
+    # the drop-less alltoall jobs have routed rows, nothing else does
+    assert set(rows[routed].quantity) == {"comm/ep/all_to_all/buffer_bytes"}
+    assert {tuple(x) for x in rows[routed][["job"]].drop_duplicates().values} == {
+        (records.job_name(r),) for r in sweep["ok"] if _job(r)[2:4] == ("alltoall", None) and "ep" in _job(r)[0]}
+
+
+@pytest.mark.real
+def test_routed_all_to_all_sums_to_the_balanced_prediction_over_each_ep_group(sweep):
+    """What a rank's experts receive follows the router, but an EP group sends what it receives: the
+    measured bytes of each EP group's ranks add up to the predicted (balanced) bytes exactly."""
+    df = sweep["table"]
+    rt = df[df["bound_low"].notna()]
+    assert len(rt), "no routed all-to-all rows"
+    moved = 0
+    for rec in sweep["ok"]:
+        lay = rec["prediction"]["layout"]
+        d = rt[rt.job == records.job_name(rec)]
+        if d.empty:
+            continue
+        assert lay["etp"] == 1
+        for step in sorted(set(d.step)):
+            groups = defaultdict(list)  # the expert grid: etp (1) fastest, then ep: an EP group is rank // ep
+            for row in d[d.step == step].itertuples():
+                groups[row.rank // lay["ep"]].append(row)
+            for members in groups.values():
+                assert len(members) == lay["ep"]
+                assert sum(r.measured for r in members) == sum(r.predicted for r in members), members
+                moved += sum(r.measured != r.predicted for r in members)
+    assert moved, "every routed row was balanced: the router's split never showed"
+
+
+@pytest.mark.real
+def test_expert_groups_are_named_and_every_kind_measured(sweep):
+    df = sweep["table"]
+    q = set(df[df.measured > 0].quantity)
+    for dim_kind in ("ep/all_to_all", "etp-ep/all_gather", "etp-ep/reduce_scatter", "edp/reduce_scatter",
+                     "edp/all_gather", "dp/reduce_scatter", "tp/all_reduce", "pp/send_recv"):
+        assert f"comm/{dim_kind}/count" in q, dim_kind
+
+
+@pytest.mark.real
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
+    """ep2 at world 2 (edp 1) keeps every expert's master and Adam state; ep2 at world 4 (edp 2) half."""
+    def master(layout):  # the fp32 master shard of the experts, predicted and measured on rank 0
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False))
+        p = rec["prediction"]["per_rank"][0]
+        assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
+        return p["detail"]["optim/expert fp32 master params"]
+    # 4 layers x 4 local experts x 3 x 256 x 512 elements, a multiple of lcm(2, 128): no padding
+    assert master("ep2·dp2") == 4 * 4 * 4 * 3 * 256 * 512 == 2 * master("ep2·dp4")
+
+
+@pytest.mark.real
+def test_cpu_redirects_of_moe_are_all_reached_and_declared(sweep):
+    from launchers import megatron_cpu
+
+    reached = set()
+    for rec in sweep["ok"]:
+        for r in rec["measurement"]["ranks"]:
+            reached |= {(h["module"], h["function"], h["what"]) for h in r["cpu_redirects"] if h["count"] > 0}
+    declared = {(d["module"], d["function"], d["what"]): d["scope"] for d in megatron_cpu.declared()}
+    moe = {k for k, scope in declared.items() if scope == "moe"}
+    assert moe - reached == set(), f"MoE redirects no longer reached (remove them): {moe - reached}"
+    assert reached - set(declared) == set(), f"undeclared CUDA sites reached (declare them): {reached - set(declared)}"
+
+
+@pytest.mark.real
+def test_losses_are_finite(sweep):
+    for rec in sweep["ok"]:
+        for r in rec["measurement"]["ranks"]:
+            if r["stage"] == rec["prediction"]["layout"]["pp"] - 1:
+                assert all(s["loss"] is not None and s["loss"] == s["loss"] for s in r["steps"]), records.job_name(rec)
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,total,active", [
+    # Mixtral-8x7B's published 46.7B (the safetensors' 46,702,792,704) and 12.9B active;
+    # Qwen3-30B-A3B's 30.5B (30,532,122,624) and 3.3B active
+    ("mixtral_8x7b", 46_702_792_704, 12_879_925_248), ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704)])
+def test_moe_presets_have_the_published_parameter_counts(name, total, active):
+    m = preset(name)
+    assert m.num_params() == total == sum(_numel(s) for _, s in m.params())
+    assert m.active_params() == active
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@pytest.mark.parametrize("over", [dict(moe_layer_freq=2), dict(moe_layer_freq=3, moe_shared_expert_hidden=128),
+                                  dict(kv_channels=64, qk_layernorm=True), dict(num_experts=0)])
+def test_num_params_counts_every_listed_parameter(over):
+    m = preset("tiny_moe", **over) if over.get("num_experts", 1) else preset("tiny")
+    assert m.num_params() == sum(_numel(s) for _, s in m.params())
+
+
+def test_megatron_ledger_counts_every_parameter_once():
+    """The dense and expert lists of every stage and EP rank add up to the model (tp 1)."""
+    from ledger.faithful.megatron_moe import stage_params
+
+    m = preset("tiny_moe", moe_layer_freq=2, layers=6)
+    for pp in (1, 2, 3):
+        n = 0
+        for st in range(pp):
+            dense, expert = stage_params(m, 1, pp, 2, st, (None, None, False, False))
+            n += sum(k for _, k in dense) + 2 * sum(k for _, k in expert)  # two EP ranks' experts
+        assert n == m.num_params(), pp
+
+
+# -- validation ----------------------------------------------------------------------------------
+def _lay(**kw):
+    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
+                micro_batch_size=1, global_batch_size=-1)
+    return resolve({**base, **kw}, 4)
+
+
+@pytest.mark.parametrize("model,fw,lay,msg", [
+    ("tiny", "megatron", dict(ep=2), "layout.ep=2: expert parallelism needs an MoE model"),
+    ("tiny_moe", "titan", dict(ep=2), "titan: model.num_experts=8: MoE is modelled for Megatron Core only"),
+    ("tiny_moe", "deepspeed", dict(), "deepspeed: model.num_experts=8"),
+    ("tiny_moe", "megatron", dict(ep=3, dp=3), "ep=3 does not divide model.num_experts=8"),
+    ("tiny", "titan", dict(), None)])
+def test_layout_refuses_ep_where_nothing_models_it(model, fw, lay, msg):
+    from ledger.layout import validate
+
+    if msg is None:
+        validate(preset(model), _lay(**lay), fw)
+        return
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
+        validate(preset(model), _lay(**lay), fw)
+
+
+@pytest.mark.parametrize("lay,fw,msg", [
+    (dict(ep=2, etp=2), {}, "layout.etp=2: expert tensor parallelism"),
+    (dict(tp=2, dp=2), {}, "layout.ep=1 with tp=2"),
+    (dict(ep=2), {"moe_grouped_gemm": True}, "moe_grouped_gemm=true needs TransformerEngine"),
+    (dict(ep=2), {"moe_expert_capacity_factor": 1.0}, "without moe_pad_expert_input_to_capacity"),
+    (dict(ep=2, pp=2, vp=2, global_batch_size=8), {}, "layout.vp=2: the interleaved schedule")])
+def test_faithful_moe_ledger_refuses_what_it_does_not_model(lay, fw, msg):
+    from conf.schema import MegatronConfig
+    from ledger.faithful import megatron_moe
+
+    with pytest.raises(ConfigError, match=msg):
+        megatron_moe.place(preset("tiny_moe"), _lay(**lay), MegatronConfig(**fw))
+
+
+def test_tp_without_sp_is_predicted_with_sp_and_refused_to_run(tmp_path):
+    """Megatron's MoELayer.forward raises in training with tp > 1 and no SP: mode=predict says so and
+    predicts the SP layout; mode=dry (and run) exit 2 naming the field, before anything is written."""
+    p = launch("mode=predict", "model=mixtral_8x7b", "framework=megatron", "layout.tp=2", "layout.ep=4", "layout.pp=2",
+               "layout.dp=8", f"hydra.run.dir={tmp_path / 'p'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "of which dense / routed experts: params 803,479,552 / 11,274,289,152" in p.stdout, p.stdout[:3000]
+    assert "predicted with sequence_parallel=true" in " ".join(p.stdout.split())  # (rich wraps notes)
+    d = launch("mode=dry", "model=mixtral_8x7b", "framework=megatron", "layout.tp=2", "layout.ep=4", "layout.pp=2",
+               "layout.dp=8", "cluster=local_gpu", f"hydra.run.dir={tmp_path / 'd'}", timeout=300)
+    assert d.returncode == 2 and "needs layout.sequence_parallel=true" in d.stdout + d.stderr
+    assert not (tmp_path / "d" / "run.sh").exists()
+
+
+def test_mixtral_states_per_rank_by_hand():
+    """Mixtral 8x7B, tp2·ep4·pp2·dp8 with SP, the last stage's heaviest rank, from the shapes alone: 16
+    layers of 2 local experts each [2*14336, 4096] + [4096, 14336] (bf16 params, fp32 grads), padded to
+    lcm(edp 4, 128); the dense part (attention / tp, norms, routers, final norm, output layer / tp)."""
+    from conf.schema import MegatronConfig
+    from ledger.parallel import predict
+
+    m = preset("mixtral_8x7b")
+    lay = resolve(dict(tp=2, pp=2, dp=8, dp_replicate=1, cp=1, ep=4, etp=1, vp=1, sequence_parallel=True,
+                       micro_batch_size=1, global_batch_size=-1))
+    pl = predict(m, lay, MegatronConfig())
+    expert = 16 * 2 * 3 * 4096 * 14336  # every param 64-aligned already; one bucket, padded to 128
+    s = pl.rank_state(16)  # stage 1, dp 0, edp 0
+    d = s.detail
+    assert d["params/expert bf16 param buffer (param_data)"] == 2 * expert
+    assert d["grads/expert fp32 grad buffer (grad_data)"] == 4 * expert
+    assert d["optim/expert fp32 master params"] == 4 * expert // 4  # edp = 32 / (ep 4 * pp 2) = 4
+    # every dense size a multiple of 64 (no alignment padding) and their sum of lcm(dp 8, 128)
+    attn = (4096 * 4096 + 2 * 1024 * 4096 + 4096 * 4096) // 2 + 2 * 4096 + 8 * 4096  # + router, norms
+    dense = 16 * attn + 4096 + 32000 * 4096 // 2
+    assert d["params/bf16 param buffer (param_data)"] == 2 * dense == 803_479_552
+
+
+# -- dry: run.sh ---------------------------------------------------------------------------------------
+def test_dry_writes_megatron_lm_moe_flags_its_parser_accepts(tmp_path):
+    p = launch("mode=dry", "framework=megatron", "model=qwen3_30b_a3b", "layout.tp=2", "layout.ep=8", "layout.pp=2",
+               "layout.dp=8", "layout.sequence_parallel=true", "framework.moe_token_dispatcher_type=alltoall",
+               "framework.moe_aux_loss_coeff=0.001", "cluster=local_gpu", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    from megatron.training.arguments import add_megatron_arguments
+
+    from tests.test_megatron import _run_sh_flags
+
+    flags = _run_sh_flags(str(tmp_path / "run.sh"))
+    args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)
+    m = preset("qwen3_30b_a3b")
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (128, 8, 768)
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (8, 1)
+    assert args.moe_token_dispatcher_type == "alltoall" and args.moe_layer_freq == 1
+    assert args.moe_router_load_balancing_type == ["aux_loss"] and args.moe_aux_loss_coeff == [0.001]
+    assert (args.kv_channels, args.qk_layernorm) == (m.kv_channels, True)
+    assert args.sequence_parallel and not args.moe_grouped_gemm
+
+
+# -- textbook ------------------------------------------------------------------------------------
+def test_textbook_splits_experts_by_ep_and_counts_the_all_to_all():
+    from conf.schema import MegatronConfig
+    from ledger.parallel import predict
+
+    m = preset("tiny_moe")
+    lay = resolve(dict(tp=1, pp=1, dp=4, dp_replicate=1, cp=1, ep=4, etp=1, vp=1, sequence_parallel=False,
+                       micro_batch_size=1, global_batch_size=-1))
+    s = predict(m, lay, MegatronConfig(), mode="textbook").rank_state(0)
+    experts = 4 * 8 * 3 * 256 * 512
+    assert s.params_bytes == 2 * ((m.num_params() - experts) + experts // 4)
+    a2a = next(c for c in s.comm if c.kind == "all_to_all")
+    # 2 x topk x tokens x hidden x 2 bytes each way, forward and backward: 4 calls per layer
+    assert (a2a.dim, a2a.count, a2a.buffer_bytes) == ("ep", 4 * 4, 4 * 4 * 2 * 128 * 256 * 2)
+
+
+# -- the reconcile's ranges ------------------------------------------------------------------------
+def test_routed_records_carry_their_range_and_the_reconcile_judges_by_it():
+    cb = CommBuilder()
+    cb.add("ep", "all_to_all", 100, 2, "bf16", count=2)
+    cb.add_routed("ep", "all_to_all", "bf16", 2, "x", [(50, 2, -50, 30)])
+    c, = cb.build()
+    assert (c.count, c.buffer_bytes, c.buffer_range) == (4, 300, (200, 360))
+    p = {"rank": 0, "comm": [c.to_dict()], **{q: 0 for q in compare.STATE_Q}}
+    rec = {"config": {"framework": {"name": "megatron"}, "layout": {}}, "job_dir": "j",
+           "prediction": {"per_rank": [p], "layout": {}},
+           "measurement": {"ranks": [{"rank": 0, "status": "ok", "steps": [
+               {"step": s, "comm": [{"dim": "ep", "kind": "all_to_all", "dtype": "bf16", "count": 4,
+                                     "buffer_bytes": b}]} for s, b in ((0, 360), (1, 361))]}]}}
+    df = pd.DataFrame(compare.rows(rec), columns=compare.COLUMNS)
+    byte_rows = df[df.quantity.str.endswith("buffer_bytes")]
+    assert list(byte_rows.bound_low) == [200, 200] and list(reconcile.off(byte_rows)) == [False, True]
+    assert not reconcile.off(df[df.quantity.str.endswith("count")]).any()
