@@ -1,12 +1,12 @@
 """Megatron Core 0.18.0 Mixture-of-Experts (issue 20): the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron_moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
-One shared sweep (14 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+One shared sweep (17 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
 (world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP; the alltoall
 dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
 fixed sizes); one capacity-padded alltoall job (every size fixed); the aux loss and the sequence aux
 loss; every second layer MoE (dense and MoE layers over pp2); ep1 (the experts are dense parameters);
-Qwen3's attention (kv_channels, q/k norms) in an MoE and a dense job. Every state row and every
+Qwen3's attention (kv_channels, q/k norms) in an MoE and a dense job; a shared expert. Every state row and every
 collective count and exact byte row (first and steady steps) on every rank reconciles with abs_err 0;
 the routed all-to-all bytes lie inside the predicted range and sum over each EP group to the balanced
 prediction exactly.
@@ -31,6 +31,9 @@ COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.ste
 SWEEPS = (
     ("w2", ("cluster.ranks=2", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall,allgather")),
     # capacity 1.0 with padding: every expert gets ceil(32*2/8) = 8 rows from every rank
+    # the router in fp32 (moe_router_dtype): the probs travel in fp32
+    ("w2fp32", ("cluster.ranks=2", "model.moe_router_dtype=fp32", "layout={ep:2}",
+                "framework.moe_token_dispatcher_type=alltoall,allgather")),
     ("w2cap", ("cluster.ranks=2", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall",
                "framework.moe_expert_capacity_factor=1.0", "framework.moe_pad_expert_input_to_capacity=true")),
     # ep = 1: the experts are dense parameters (tensor_parallel/layers.py allreduce), no dispatcher traffic
@@ -48,6 +51,9 @@ SWEEPS = (
     # without (the q/k norm grads are all-reduced over TP with or without SP)
     ("w4qk", ("cluster.ranks=4", "model.kv_channels=64", "model.qk_layernorm=true",
               "layout={tp:2,ep:2,sequence_parallel:true}")),
+    # a shared expert beside the routed ones (a dense TP-split MLP in each MoE layer)
+    ("w4shared", ("cluster.ranks=4", "model.moe_shared_expert_hidden=256", "framework.moe_token_dispatcher_type=alltoall",
+                  "layout={tp:2,ep:2,sequence_parallel:true}")),
     ("w2qkdense", ("cluster.ranks=2", "model=tiny", "model.kv_channels=64", "model.qk_layernorm=true", "layout={tp:2}")),
 )
 
@@ -56,18 +62,21 @@ def _job(rec) -> tuple:
     c = rec["config"]
     fw, m = c["framework"], c["model"]
     return (records.layout_name(rec), m["num_experts"], fw["moe_token_dispatcher_type"],
-            fw["moe_expert_capacity_factor"], fw["moe_aux_loss_coeff"] > 0, m["moe_layer_freq"], m["qk_layernorm"])
+            fw["moe_expert_capacity_factor"], fw["moe_aux_loss_coeff"] > 0, m["moe_layer_freq"],
+            m["qk_layernorm"] or ("shared" if m["moe_shared_expert_hidden"] else False), m["moe_router_dtype"])
 
 
-EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False), ("ep2·dp2", 8, "allgather", None, False, 1, False),
-            ("ep2·dp2", 8, "alltoall", 1.0, False, 1, False), ("dp2", 8, "allgather", None, False, 1, False),
-            ("ep2·dp4", 8, "alltoall", None, False, 1, False), ("ep4·dp4", 8, "alltoall", None, False, 1, False),
-            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False),
-            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False),
-            ("ep2·dp4", 8, "allgather", None, False, 1, False), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False),
-            ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False),
-            ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False),
-            ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True), ("tp2", 0, "allgather", None, False, 1, True)}
+EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None), ("ep2·dp2", 8, "allgather", None, False, 1, False, None),
+            ("ep2·dp2", 8, "alltoall", 1.0, False, 1, False, None), ("dp2", 8, "allgather", None, False, 1, False, None),
+            ("ep2·dp4", 8, "alltoall", None, False, 1, False, None), ("ep4·dp4", 8, "alltoall", None, False, 1, False, None),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None),
+            ("ep2·dp4", 8, "allgather", None, False, 1, False, None), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False, None),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False, None),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False, None),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True, None), ("tp2", 0, "allgather", None, False, 1, True, None),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, "shared", None),
+            ("ep2·dp2", 8, "alltoall", None, False, 1, False, "fp32"), ("ep2·dp2", 8, "allgather", None, False, 1, False, "fp32")}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +151,7 @@ def test_expert_groups_are_named_and_every_kind_measured(sweep):
 def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
     """ep2 at world 2 (edp 1) keeps every expert's master and Adam state; ep2 at world 4 (edp 2) half."""
     def master(layout):  # the fp32 master shard of the experts, predicted and measured on rank 0
-        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False))
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None))
         p = rec["prediction"]["per_rank"][0]
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
         return p["detail"]["optim/expert fp32 master params"]

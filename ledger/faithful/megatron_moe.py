@@ -50,7 +50,10 @@ Resident extras: the second optimizer's unity loss scale (_scale_one), MoEAuxLos
 (moe_utils.py set_loss_scale, called from schedules.py forward_step for every micro-batch of an MoE
 model: one fp32 element kept as a class attribute), the allgather dispatcher's "mpu" rows (T*N*h).
 
-Not modelled (refused, naming the knob): etp > 1, shared experts, interleaving (vp > 1),
+Shared experts (moe_shared_expert_hidden): a dense, TP-split MLP after the experts in each MoE layer,
+with the dense MLP's TP calls (shared_experts.py SharedExpertMLP; moe_shared_expert_overlap off).
+
+Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1),
 overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak within a step.
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
@@ -94,8 +97,6 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
         # tensor_parallel/layers.py: experts are expert-parallel params only with ep > 1; at ep = 1 they
         # are replicated over TP yet reduced over dp alone (and counted twice in the grad norm)
         no(f"layout.ep=1 with tp={lay.tp}: experts at ep=1 are dense parameters")
-    if model.moe_shared_expert_hidden:
-        no("model.moe_shared_expert_hidden: shared experts")
     if lay.vp > 1:
         no(f"layout.vp={lay.vp}: the interleaved schedule")
     if k.overlap_param_gather:
@@ -153,6 +154,16 @@ def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
         p = f"mlp.experts.local_experts.{j}"
         expert += [(f"{p}.linear_fc1.weight", fc1 * h)] + ([(f"{p}.linear_fc1.bias", fc1)] if model.bias else [])
         expert += [(f"{p}.linear_fc2.weight", h * f)] + ([(f"{p}.linear_fc2.bias", h)] if model.bias else [])
+    fs = model.moe_shared_expert_hidden
+    if fs:
+        # shared_experts.py SharedExpertMLP (registered after the experts, moe_layer.py): a dense MLP of
+        # width moe_shared_expert_intermediate_size, split by tp like the dense layers' (no gate: 
+        # moe_shared_expert_gate is off)
+        s1 = (2 if model.swiglu else 1) * fs // tp
+        dense += (("mlp.shared_experts.linear_fc1.weight", s1 * h),) + (
+            (("mlp.shared_experts.linear_fc1.bias", s1),) if model.bias else ())
+        dense += (("mlp.shared_experts.linear_fc2.weight", h * fs // tp),) + (
+            (("mlp.shared_experts.linear_fc2.bias", h),) if model.bias else ())
     return dense, tuple(expert)
 
 
@@ -301,7 +312,10 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     # an MoE layer's MLP makes no TP call (its experts' linears: explicit_expert_comm; SP is required
     # with tp): of the SP calls _micro_batch_comm counts per layer (6 all-gathers, 4 reduce-scatters:
     # attention's 3 and 2, the MLP's 3 and 2) an MoE layer makes attention's alone
-    mlp_calls = {("tp", "all_gather"): 3 * moe, ("tp", "reduce_scatter"): 2 * moe}
+    # A shared expert is an ordinary TP MLP (moe_layer.py runs it beside the routed ones, without
+    # moe_shared_expert_overlap): its calls are the dense MLP's
+    mlp_calls = {} if model.moe_shared_expert_hidden else {("tp", "all_gather"): 3 * moe,
+                                                           ("tp", "reduce_scatter"): 2 * moe}
 
     def per_mb(dim, kind, dtype, what, calls, unit, div, group, wires):
         calls -= mlp_calls.get((dim, kind), 0) if what.startswith("SP ") else 0
