@@ -220,7 +220,7 @@ def _gb(n) -> str:
 
 def _lay(r: Row) -> str:
     lay = r.layout
-    s = " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "dp") if lay[k] > 1 or k == "dp")
+    s = " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if lay[k] > 1 or k == "dp")
     if lay["dp_replicate"] > 1:
         s += f" rep{lay['dp_replicate']}"
     if lay["sequence_parallel"]:

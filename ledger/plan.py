@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from ledger.faithful.megatron_buffers import split_error, stage_layers
+from ledger.faithful.megatron_moe import sp_error
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
@@ -79,7 +80,9 @@ SPLIT_KNOBS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_l
                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 # grid dims whose collectives a framework can overlap with compute (gradient reduction, FSDP/ZeRO
 # gathers); TP, CP and PP traffic sits on the critical path of each layer / micro-batch
-_DP_FAMILY = frozenset(("dp", "dp_replicate", "cp-dp", "cp-dp-dp_replicate", "dp-dp_replicate"))
+# the expert data parallel dim (MoE: the expert buckets' reduce-scatter / all-gather) is one of them:
+# Megatron overlaps it as it does dp's
+_DP_FAMILY = frozenset(("dp", "dp_replicate", "cp-dp", "cp-dp-dp_replicate", "dp-dp_replicate", "edp"))
 
 
 class FrameworkView(dict):
@@ -227,6 +230,15 @@ def _split_knobs(split: tuple) -> dict:
     return out
 
 
+def expert_degrees(model: ModelShape, framework: str, ranks_per_stage: int) -> list[int]:
+    """The ep tried for a layout: every divisor of the experts that divides a stage's ranks (Megatron's
+    expert grid: world / (etp * ep * pp) expert data parallel ranks, etp 1); 1 for a dense model and the
+    frameworks without an MoE ledger (their refusal names the knob)."""
+    if not model.num_experts or framework != "megatron":
+        return [1]
+    return [e for e in divisors(model.num_experts) if ranks_per_stage % e == 0]
+
+
 def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, base: dict) -> Iterator[Candidate]:
     """Every layout of `framework` for the model on hw.gpus GPUs: tp x pp x cp x dp = gpus (tp inside a
     node unless hw.tp_across_nodes, pp up to the layers, cp up to space.max_cp), with vp, the
@@ -268,10 +280,10 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                         fw = fw_of.get(key)
                         if fw is None:
                             fw = fw_of[key] = FrameworkView(base, **kn)
-                        for dpr in dprs:
+                        for dpr, ep in ((d, e) for d in dprs for e in expert_degrees(model, framework, N // pp)):
                             for sp in (space.sequence_parallel if tp > 1 else (False,)):
                                 for mbs in space.micro_batch_sizes:
-                                    lay = Layout(tp, pp, dp, dpr, cp, 1, vp, sp, mbs, gbs)
+                                    lay = Layout(tp, pp, dp, dpr, cp, ep, vp, sp, mbs, gbs)
                                     if across and not hw.tp_across_nodes:
                                         yield Candidate(framework, lay, kn, None,
                                                         f"plan: tp={tp} does not fit in one node of "
@@ -303,6 +315,9 @@ def _strides(lay: Layout) -> dict:
     for d, n in zip(DIMS, (lay.tp, lay.cp, lay.dp_shard, lay.dp_replicate, lay.pp)):
         out[d] = (s, n)
         s *= n
+    # Megatron's expert grid (MoE): etp fastest, then ep, then edp, then pp (parallel_state.py, the
+    # same order string as the dense grid's)
+    out.update(etp=(1, lay.etp), ep=(lay.etp, lay.ep), edp=(lay.etp * lay.ep, lay.edp))
     return out
 
 
@@ -333,7 +348,8 @@ def step_flops(model: ModelShape, lay: Layout) -> float:
     backward 4; the input embedding is a lookup, not counted) plus attention's scores and
     score x V, 12 * layers * seq * hidden per token (forward 4, backward 8; no causal saving)."""
     tokens = lay.global_batch_size * model.seq_len
-    matmul_params = model.num_params() - model.vocab * model.hidden * (0 if model.tied_embeddings else 1)
+    # an MoE token passes through its top-k experts only (ModelShape.active_params)
+    matmul_params = model.active_params() - model.vocab * model.hidden * (0 if model.tied_embeddings else 1)
     return tokens * (6 * matmul_params + 12 * model.layers * model.seq_len * model.hidden)
 
 
@@ -348,7 +364,9 @@ def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
     attn = 4 * model.layers * model.seq_len * model.hidden
     mode = recompute_mode(fw.get("name"), fw)
     if mode == "full":
-        layer_params = sum(numel(s) for _n, s in model.layer_params(0)) * model.layers
+        # every decoder layer's weights a token passes through (the active ones of an MoE layer)
+        layer_params = model.active_params() - sum(numel(s) for n, s in model.params()
+                                                   if not n.startswith("layers."))
         return tokens * (2 * layer_params + attn)
     if mode == "selective":
         return tokens * attn
@@ -403,6 +421,10 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         return row
     try:
         validate(model, lay, c.framework, c.fw)
+        if c.framework == "megatron" and sp_error(model, lay):
+            # Megatron trains MoE with tp > 1 only under SP: such a layout is refused (launchers/job.py), and
+            # the SP one is its own candidate
+            raise ConfigError(sp_error(model, lay))
         pl = predict(model, lay, c.fw, mode)
         g = pl.per_gpu
         comm = g.comm

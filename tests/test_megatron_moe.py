@@ -347,3 +347,36 @@ def test_routed_records_carry_their_range_and_the_reconcile_judges_by_it():
     byte_rows = df[df.quantity.str.endswith("buffer_bytes")]
     assert list(byte_rows.bound_low) == [200, 200] and list(reconcile.off(byte_rows)) == [False, True]
     assert not reconcile.off(df[df.quantity.str.endswith("count")]).any()
+
+
+# -- the planner ------------------------------------------------------------------------------------
+def test_planner_enumerates_expert_parallelism_for_megatron_moe():
+    """Mixtral on 64 GPUs: ep among the divisors of 8 experts that divide a stage's ranks; tp > 1 only
+    with SP (the non-SP layouts refused with Megatron's reason); the fitting rows' resident state is the
+    ledger's for that layout; the step-time estimate's FLOPs count a token's active parameters."""
+    from dataclasses import asdict
+
+    from conf.schema import MegatronConfig
+    from ledger.plan import Hardware, Space, expert_degrees, search, step_flops
+
+    m = preset("mixtral_8x7b")
+    assert expert_degrees(m, "megatron", 8) == [1, 2, 4, 8] and expert_degrees(m, "megatron", 12) == [1, 2, 4]
+    assert expert_degrees(m, "titan", 8) == [1] and expert_degrees(preset("tiny"), "megatron", 8) == [1]
+    hw = Hardware(gpus=64, gpus_per_node=8, gpu_memory_bytes=80e9, memory_fraction=0.9, peak_tflops=989.0, mfu=0.4,
+                  nvlink_gbps=3600.0, network_gbps=400.0)
+    plan = search(m, hw, Space(global_batch_size=256, micro_batch_sizes=(1,), vps=(1,), max_cp=1),
+                  {"megatron": asdict(MegatronConfig())})
+    fit = [r for r in plan.rows if r.status != "refused" and r.fits]
+    assert fit and {r.layout["ep"] for r in fit} >= {2, 4, 8}
+    assert all(r.layout["sequence_parallel"] for r in fit if r.layout["tp"] > 1)
+    assert any("needs layout.sequence_parallel=true" in k for k in plan.refused["megatron"])
+    best = fit[0]
+    lay = resolve({**{k: best.layout[k] for k in ("tp", "pp", "dp", "dp_replicate", "cp", "ep", "vp",
+                                                    "sequence_parallel", "micro_batch_size", "global_batch_size")},
+                   "etp": 1})
+    from ledger.parallel import predict
+
+    assert best.resident_bytes == predict(m, lay, MegatronConfig()).per_gpu.resident_bytes
+    tokens = 256 * m.seq_len
+    assert step_flops(m, lay) == tokens * (6 * (m.active_params() - m.vocab * m.hidden)
+                                           + 12 * m.layers * m.seq_len * m.hidden)

@@ -53,7 +53,7 @@ model: one fp32 element kept as a class attribute), the allgather dispatcher's "
 Shared experts (moe_shared_expert_hidden): a dense, TP-split MLP after the experts in each MoE layer,
 with the dense MLP's TP calls (shared_experts.py SharedExpertMLP; moe_shared_expert_overlap off).
 
-Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1),
+Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1), recompute,
 overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak within a step.
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
@@ -105,6 +105,9 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
         no("model.tied_embeddings")
     if lay.cp > 1:
         no(f"layout.cp={lay.cp}")
+    if k.recompute_granularity is not None:
+        # a recomputed MoE layer dispatches its tokens again in backward: other collectives
+        no(f"framework.recompute_granularity={k.recompute_granularity}: recompute")
 
 
 def sp_error(model: ModelShape, lay: Layout) -> str | None:
