@@ -132,6 +132,12 @@ class DeepSpeedConfig(FrameworkConfig):
     # the plain Llama's decoder layers under deepspeed.checkpointing.checkpoint (its reentrant
     # CheckpointFunction), configured through the ds_config "activation_checkpointing" section
     activation_checkpointing: bool = False
+    # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
+    # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
+    capacity_factor: float = 1.0
+    min_capacity: int = 4
+    drop_tokens: bool = True
+    moe_loss_coeff: float = 0.01
 
 
 @dataclass

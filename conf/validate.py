@@ -126,6 +126,9 @@ def validate_framework(fw, mode: str = "run") -> None:
         # refuses it with its own reason (ledger/faithful/deepspeed.py place)
         _one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
         _at_least("framework", fw, ("gradient_clipping",), 0)
+        # DeepSpeed-MoE's layer arguments (moe/layer.py MoE)
+        _positive("framework", fw, ("capacity_factor",))
+        _at_least("framework", fw, ("min_capacity", "moe_loss_coeff"), 0)
         if not isinstance(fw.get("activation_checkpointing", False), bool):
             raise ConfigError(f"framework.activation_checkpointing={fw.activation_checkpointing!r} must be true or false "
                               "(every decoder layer under deepspeed.checkpointing.checkpoint, or none)")

@@ -224,9 +224,18 @@ def _train(cfg, lay: Layout, session) -> dict:
         with deepspeed.zero.Init(config_dict_or_path=conf):
             model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt)
     else:
-        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt, **moe_layers(cfg, lay))
+    params = model.parameters()
+    if shape.is_moe:
+        # as a DeepSpeed-MoE user writes it (moe/utils.py): the experts in param groups of their own,
+        # which ZeRO partitions over the expert data parallel group
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "parameters"})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
     session.watch([engine.module])
+    if shape.is_moe:
+        session.name_groups(expert_group_labels(lay))
 
     dp_rank, dp = rank, lay.dp  # pure data parallelism: the DP rank is the global rank
     for step in range(cfg.train.steps):
@@ -243,6 +252,30 @@ def _train(cfg, lay: Layout, session) -> dict:
         session.loss(sum(losses) / len(losses) if losses else None)
         session.state(lambda: state_groups(engine))
     return {"ds_config": conf, "global_steps": engine.global_steps}
+
+
+def moe_layers(cfg, lay: Layout) -> dict:
+    """Llama's MoE arguments for an MoE model: deepspeed.moe.layer.MoE around each MoE layer's expert
+    (num_experts, ep_size, k, capacity_factor, min_capacity, drop_tokens by DeepSpeed's names), its
+    l_aux added to the loss times framework.moe_loss_coeff (Megatron-DeepSpeed's --moe-loss-coeff)."""
+    m, fw = cfg.model, cfg.framework
+    if not m.num_experts:
+        return {}
+    from deepspeed.moe.layer import MoE
+
+    def moe(expert):
+        return MoE(m.hidden, expert=expert, num_experts=m.num_experts, ep_size=lay.ep, k=m.moe_router_topk,
+                   capacity_factor=fw.capacity_factor, min_capacity=fw.min_capacity, drop_tokens=fw.drop_tokens)
+    return {"moe": moe, "aux_loss_coeff": fw.moe_loss_coeff}
+
+
+def expert_group_labels(lay: Layout) -> dict:
+    """DeepSpeed's expert groups (utils/groups.py, made in deepspeed.initialize), each by the label the
+    ledger gives its collectives: with ep = world the EP group holds the DP group's ranks."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{lay.ep}"
+    return {groups._get_expert_parallel_group(name): "ep", groups._get_expert_data_parallel_group(name): "edp"}
 
 
 def _tensors(x) -> list:
@@ -279,6 +312,11 @@ def state_groups(engine) -> dict:
     grads += [p.grad for p in mparams if p.grad is not None]
     optim += optimizer_tensors(opt.optimizer)
     other = _tensors(getattr(opt, "_global_grad_norm", None)) + _tensors(getattr(opt, "inf_or_nan_tracker", None))
+    # DeepSpeed-MoE: each MOELayer keeps its last forward's l_aux and exp_counts (moe/sharded_moe.py
+    # MOELayer.forward: self.l_aux, self.exp_counts) until the next
+    for mod in engine.module.modules():
+        if type(mod).__name__ == "MOELayer":
+            other += _tensors(getattr(mod, "l_aux", None)) + _tensors(getattr(mod, "exp_counts", None))
     return {"params": params, "grads": grads, "optim": optim, "other": other}
 
 
@@ -295,6 +333,8 @@ from ledger.model import ModelShape
 ap = argparse.ArgumentParser()
 ap.add_argument("--deepspeed_config"); ap.add_argument("--model"); ap.add_argument("--steps", type=int)
 ap.add_argument("--local_rank", type=int, default=0)
+# DeepSpeed-MoE (an MoE shape): ep_size, capacity_factor, min_capacity, drop_tokens and the l_aux weight
+ap.add_argument("--moe", default="{}")
 a = ap.parse_args()
 deepspeed.init_distributed()
 conf = json.load(open(a.deepspeed_config))
@@ -303,12 +343,22 @@ ckpt = None
 if "activation_checkpointing" in conf:   # every decoder layer checkpointed
     deepspeed.checkpointing.configure(None, deepspeed_config=conf)
     ckpt = deepspeed.checkpointing.checkpoint
+kw, moe = {}, json.loads(a.moe)
+if shape.num_experts:   # deepspeed.moe.layer.MoE around each MoE layer's expert
+    from deepspeed.moe.layer import MoE
+    coeff = moe.pop("moe_loss_coeff")
+    kw = {"moe": lambda expert: MoE(shape.hidden, expert=expert, num_experts=shape.num_experts,
+                                    k=shape.moe_router_topk, **moe), "aux_loss_coeff": coeff}
 if conf["zero_optimization"]["stage"] == 3:
     with deepspeed.zero.Init(config_dict_or_path=conf):   # no dtype: the config decides
         model = Llama(shape, checkpoint=ckpt)
 else:
-    model = Llama(shape, checkpoint=ckpt)
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    model = Llama(shape, checkpoint=ckpt, **kw)
+params = model.parameters()
+if shape.num_experts:   # the experts in param groups of their own
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "parameters"})
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
 for step in range(a.steps):
     for micro in range(engine.gradient_accumulation_steps()):
         x, y = batch(shape.vocab, shape.seq_len, engine.train_micro_batch_size_per_gpu(), 1234, step, micro,
@@ -339,6 +389,11 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
     # every value on the command line is shlex-quoted: the model's JSON (its name included) is data
     line = RUN_LINE.format(gpus=int(gpus), nodes=int(cfg.cluster.nodes), steps=int(cfg.train.steps),
                            model=shlex.quote(json.dumps(asdict(ModelShape.from_config(cfg.model)))))
+    if cfg.model.num_experts:
+        fw = cfg.framework
+        line += " --moe " + shlex.quote(json.dumps(
+            {"ep_size": int(lay.ep), "capacity_factor": float(fw.capacity_factor), "min_capacity": int(fw.min_capacity),
+             "drop_tokens": bool(fw.drop_tokens), "moe_loss_coeff": float(fw.moe_loss_coeff)}))
     paths.append(write_script(os.path.join(out_dir, "run.sh"),
                               "#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
                               'HERE="$(cd "$(dirname "$0")" && pwd)"\n'

@@ -68,13 +68,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, ffn: int | None = None):
         super().__init__()
+        ffn = ffn or shape.ffn_hidden  # an MoE layer's expert: shape.expert_ffn
         self.swiglu = shape.swiglu
-        self.w1 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=shape.bias)
-        self.w2 = nn.Linear(shape.ffn_hidden, shape.hidden, bias=shape.bias)
+        self.w1 = nn.Linear(shape.hidden, ffn, bias=shape.bias)
+        self.w2 = nn.Linear(ffn, shape.hidden, bias=shape.bias)
         if shape.swiglu:
-            self.w3 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=shape.bias)
+            self.w3 = nn.Linear(shape.hidden, ffn, bias=shape.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -83,28 +84,40 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape, theta: float, eps: float):
+    def __init__(self, shape: ModelShape, theta: float, eps: float, moe_layer: nn.Module | None = None):
         super().__init__()
-        # registration order = ModelShape.layer_params() order
+        # registration order = ModelShape.layer_params() order (a dense block)
         self.attention_norm = _norm(shape, eps)
         self.attention = Attention(shape, theta)
         self.ffn_norm = _norm(shape, eps)
-        self.feed_forward = FeedForward(shape)
+        self.feed_forward = FeedForward(shape) if moe_layer is None else moe_layer
+        self.aux_loss = None  # an MoE layer's load-balancing loss of the last forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        y = self.feed_forward(self.ffn_norm(x))
+        if isinstance(y, tuple):  # an MoE layer: (output, l_aux, exp_counts), as DeepSpeed's MoE returns
+            y, self.aux_loss, _ = y
+        return x + y
 
 
 class Llama(nn.Module):
-    def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5, checkpoint=None):
+    def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5, checkpoint=None,
+                 moe=None, aux_loss_coeff: float = 0.0):
         super().__init__()
         self.shape = shape
         # checkpoint(layer, h) -> h: activation checkpointing of every decoder layer, as a user wraps
         # them (DeepSpeed: deepspeed.checkpointing.checkpoint); None: plain autograd
         self.checkpoint = checkpoint
+        # moe(expert) -> the MoE layer a framework builds around one expert FeedForward (DeepSpeed:
+        # deepspeed.moe.layer.MoE), for the layers shape.is_moe_layer(i); its load-balancing losses are
+        # added to the loss times aux_loss_coeff
+        self.aux_loss_coeff = aux_loss_coeff
         self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
-        self.layers = nn.ModuleList(Block(shape, rope_theta, norm_eps) for _ in range(shape.layers))
+        self.layers = nn.ModuleList(
+            Block(shape, rope_theta, norm_eps,
+                  moe(FeedForward(shape, shape.expert_ffn)) if moe is not None and shape.is_moe_layer(i) else None)
+            for i in range(shape.layers))
         self.norm = _norm(shape, norm_eps)
         self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
         if shape.tied_embeddings:
@@ -130,4 +143,6 @@ class Llama(nn.Module):
         logits = self.output(h)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+        aux = [b.aux_loss for b in self.layers if b.aux_loss is not None]
+        return loss + self.aux_loss_coeff * sum(aux) if aux else loss

@@ -218,10 +218,10 @@ def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
         which = "ep" if lay.ep > 1 else "etp"
         raise ConfigError(f"layout.{which}={getattr(lay, which)}: expert parallelism needs an MoE model "
                           "(model.num_experts > 0; e.g. model=tiny_moe)")
-    if framework != "megatron":
-        # issue 21: torchtitan's and DeepSpeed's MoE ledgers and runs
-        raise ConfigError(f"{framework}: model.num_experts={model.num_experts}: MoE is modelled for Megatron Core "
-                          "only so far (framework=megatron): neither its ledger nor its launcher builds experts")
+    if framework == "titan":
+        # issue 21: torchtitan's MoE ledger and runs
+        raise ConfigError(f"{framework}: model.num_experts={model.num_experts}: MoE is modelled for Megatron Core and "
+                          "DeepSpeed so far: neither the torchtitan ledger nor its launcher builds experts")
     # transformer/moe/moe_layer.py BaseMoELayer: num_moe_experts % expert_model_parallel_size == 0
     if not (model.num_experts % lay.ep == 0):
         raise ConfigError(f"ep={lay.ep} does not divide model.num_experts={model.num_experts} (each EP rank holds "

@@ -10,7 +10,8 @@ from ledger.model import ModelShape
 from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (the article's API: ledger.parallel.fmt, ...)
 
 FAITHFUL = {"megatron": "ledger.faithful.megatron", "deepspeed": "ledger.faithful.deepspeed",
-            "titan": "ledger.faithful.titan", "megatron_moe": "ledger.faithful.megatron_moe"}
+            "titan": "ledger.faithful.titan", "megatron_moe": "ledger.faithful.megatron_moe",
+            "deepspeed_moe": "ledger.faithful.deepspeed_moe"}
 
 
 def grad_dtype(fw) -> str:
@@ -43,8 +44,8 @@ def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: S
         return textbook.place(model, state or state_bytes(model, fw.precision, "adam", grad_dtype(fw)), lay, fw)
     if mode != "faithful":
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
-    if fw.name == "megatron" and model.is_moe:
-        return _faithful("megatron_moe").place(model, lay, fw)
+    if fw.name in ("megatron", "deepspeed") and model.is_moe:
+        return _faithful(f"{fw.name}_moe").place(model, lay, fw)
     return _faithful(fw.name).place(model, lay, fw)
 
 

@@ -1,0 +1,179 @@
+"""DeepSpeed 0.19.8 with DeepSpeed-MoE (issue 21): the faithful ledger (ledger/faithful/deepspeed_moe.py)
+against real CPU/gloo runs of the tiny MoE Llama, deepspeed.moe.layer.MoE in every MoE layer.
+
+One shared sweep (11 jobs, s=128, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
+expert reduction on the wire) and at world 4 (edp 2: the expert partitions over it), ep4, ZeRO-1 and
+ZeRO-2; small IPG buckets (200,000 elements: buckets mixing dense and expert gradients, the output
+weight an extra-large parameter) with and without overlap_comm at two micro-batches; top-1 routing
+with another capacity factor; every second layer MoE. Every state row and every collective row (first
+and steady steps) on every rank reconciles with abs_err 0: DeepSpeed's capacity makes every all-to-all
+the same size whatever the router decides.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+import records
+from analysis import reconcile
+from ledger.layout import ConfigError, resolve
+from ledger.model import preset
+from tests.conftest import launch, run_sweeps
+
+COMMON = ("framework=deepspeed", "model=tiny_moe", "train.steps=2")
+SWEEPS = (
+    ("w2", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=1,2")),
+    ("w4", ("cluster.ranks=4", "layout={ep:2},{ep:4}", "framework.zero_stage=2")),
+    ("w4z1", ("cluster.ranks=4", "layout={ep:2}", "framework.zero_stage=1")),
+    ("w4bucket", ("cluster.ranks=4", "layout={ep:2,global_batch_size:8}", "framework.zero_stage=1,2",
+                  "framework.overlap_comm=false,true", "framework.reduce_bucket_size=200000")),
+    # top-1 routing, capacity ceil(128 / 8 x 1.25) = 20 rows per expert
+    ("w2top1", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=2", "model.moe_router_topk=1",
+                "framework.capacity_factor=1.25")),
+    ("w2freq", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=2", "model.moe_layer_freq=2")),
+)
+
+
+def _job(rec) -> tuple:
+    c = rec["config"]
+    fw, m = c["framework"], c["model"]
+    return (records.layout_name(rec), fw["zero_stage"], fw["overlap_comm"], fw["reduce_bucket_size"],
+            m["moe_router_topk"], m["moe_layer_freq"])
+
+
+BIG = 500_000_000
+EXPECTED = {("ep2·dp2", 1, False, BIG, 2, 1), ("ep2·dp2", 2, False, BIG, 2, 1), ("ep2·dp4", 2, False, BIG, 2, 1),
+            ("ep4·dp4", 2, False, BIG, 2, 1), ("ep2·dp4", 1, False, BIG, 2, 1),
+            *(("ep2·dp4", z, o, 200_000, 2, 1) for z in (1, 2) for o in (False, True)),
+            ("ep2·dp2", 2, False, BIG, 1, 1), ("ep2·dp2", 2, False, BIG, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return run_sweeps(tmp_path_factory.mktemp("deepspeed_moe_sweep"), SWEEPS, COMMON)
+
+
+@pytest.mark.real
+def test_matrix_ran(sweep):
+    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
+    assert not bad, bad
+    jobs = [_job(r) for r in sweep["ok"]]
+    assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, sorted(set(jobs) ^ EXPECTED)
+
+
+@pytest.mark.real
+def test_every_state_and_collective_row_reconciles(sweep):
+    df = sweep["table"]
+    for rec in sweep["ok"]:
+        d = df[df.job == records.job_name(rec)]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
+        for q in reconcile.STATE_Q:
+            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
+    assert df[df.abs_err != 0].empty, df[df.abs_err != 0].to_string()
+    assert df["bound_low"].isna().all()  # capacity: nothing follows the router
+
+
+@pytest.mark.real
+def test_expert_groups_are_named_and_buckets_mix_groups(sweep):
+    """The EP all-to-alls, the experts' IPG all-reduces, grad-norm average and partition gathers over
+    edp are measured under their own dims; with small buckets a bucket holds both groups' gradients
+    (more all-reduce calls over dp and edp than with one bucket)."""
+    df = sweep["table"]
+    q = set(df[df.measured > 0].quantity)
+    for dim_kind in ("ep/all_to_all", "edp/all_reduce", "edp/all_gather", "dp/all_reduce", "dp/all_gather"):
+        assert f"comm/{dim_kind}/count" in q, dim_kind
+    steady = df[(df.phase == "steady") & (df.quantity == "comm/edp/all_reduce/count")]
+    by_bucket = {_job(r)[1:4]: int(steady[steady.job == records.job_name(r)].measured.iloc[0])
+                 for r in sweep["ok"] if _job(r)[0] == "ep2·dp4" and _job(r)[4:] == (2, 1)}
+    assert by_bucket[(2, False, 200_000)] > by_bucket[(2, False, BIG)], by_bucket
+
+
+@pytest.mark.real
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
+    def optim(layout):
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 2, False, BIG, 2, 1))
+        p = rec["prediction"]["per_rank"][0]
+        assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
+        return p["detail"]["optim/expert group 1: fp32 partition (single_partition_of_fp32_groups)"]
+    # 4 layers x 4 local experts x 3 x 256 x 512, over edp 1 and 2
+    assert optim("ep2·dp2") == 4 * 4 * 4 * 3 * 256 * 512 == 2 * optim("ep2·dp4")
+
+
+@pytest.mark.real
+def test_losses_are_finite(sweep):
+    for rec in sweep["ok"]:
+        for r in rec["measurement"]["ranks"]:
+            assert all(s["loss"] is not None and s["loss"] == s["loss"] for s in r["steps"]), records.job_name(rec)
+
+
+# -- without runs --------------------------------------------------------------------------------------
+def _lay(**kw):
+    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
+                micro_batch_size=1, global_batch_size=-1)
+    return resolve({**base, **kw}, 4)
+
+
+@pytest.mark.parametrize("fw,msg", [({"zero_stage": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+                                    ({"drop_tokens": False}, "drop_tokens=false"),
+                                    ({"activation_checkpointing": True}, "dispatches again in backward")])
+def test_faithful_ledger_refuses_what_it_does_not_model(fw, msg):
+    from omegaconf import OmegaConf
+
+    from conf.schema import DeepSpeedConfig
+    from ledger.faithful import deepspeed_moe
+
+    with pytest.raises(ConfigError, match=msg):
+        deepspeed_moe.place(preset("tiny_moe"), _lay(ep=2), OmegaConf.structured(DeepSpeedConfig(**fw)))
+
+
+def test_param_groups_are_split_as_deepspeed_splits_them():
+    """split_params_into_different_moe_groups_for_optimizer: the dense group first (the gates in it), the
+    experts after, cut greedily at 178,956,971 elements (Mixtral at ep 8: one expert's 176,160,768)."""
+    from ledger.faithful import deepspeed_moe as D
+
+    m = preset("tiny_moe")
+    g = D.groups(m, 2)
+    assert len(g) == 2 and sum(n for _, n in g[0]) == m.num_params() - 4 * 8 * 3 * 256 * 512 == 1_190_144
+    assert sum(n for _, n in g[1]) == 4 * 4 * 3 * 256 * 512 and all("deepspeed_experts" in n for n, _ in g[1])
+    big = D.groups(preset("mixtral_8x7b"), 8)
+    assert len(big) == 1 + 32 and all(sum(n for _, n in grp) == 3 * 4096 * 14336 for grp in big[1:])
+    # every parameter once in either order
+    for reg in (True, False):
+        assert sorted(D.order(m, 2, reg)) == sorted((gi, off, n) for gi, grp in enumerate(g)
+                                                    for off, n in zip(_offsets(grp), (n for _, n in grp)))
+
+
+def _offsets(grp):
+    out, o = [], 0
+    for _, n in grp:
+        out.append(o)
+        o += n
+    return out
+
+
+@pytest.mark.parametrize("k,cf,mc,want", [(2, 1.0, 4, 32), (1, 1.25, 4, 20), (2, 0.01, 4, 4), (2, 1.1, 0, 36)])
+def test_capacity_is_deepspeeds(k, cf, mc, want):
+    """moe/sharded_moe.py _capacity with top1gating's / top2gating's factor (x k) and min_capacity."""
+    import torch
+
+    from deepspeed.moe.sharded_moe import _capacity
+    from ledger.faithful.deepspeed_moe import capacity
+
+    m = preset("tiny_moe", moe_router_topk=k)
+    lay = _lay(ep=2)
+    got = capacity(m, lay, cf, mc)
+    ds = int(_capacity(torch.zeros(128, 8), torch.tensor(cf * k), torch.tensor(mc)))
+    assert got == ds == want
+
+
+def test_dry_hands_train_ds_the_moe_arguments(tmp_path):
+    p = launch("mode=dry", "framework=deepspeed", "framework.zero_stage=2", "model=tiny_moe", "layout.ep=2",
+               "framework.capacity_factor=1.5", "cluster=local_gpu", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    argv = shlex.split((tmp_path / "run.sh").read_text().splitlines()[-1])
+    moe = json.loads(argv[argv.index("--moe") + 1])
+    assert moe == {"ep_size": 2, "capacity_factor": 1.5, "min_capacity": 4, "drop_tokens": True, "moe_loss_coeff": 0.01}
+    src = (tmp_path / "train_ds.py").read_text()
+    assert "split_params_into_different_moe_groups_for_optimizer" in src and "deepspeed.moe.layer import MoE" in src
