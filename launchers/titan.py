@@ -30,6 +30,46 @@ def _py(v) -> str:
     return repr(v)
 
 
+def _moe_spec(m) -> str:
+    """An MoE shape's spec: torchtitan's qwen3 MoE (models/qwen3: GQA, its q/k norms as the shape's
+    qk_layernorm (models/common/attention.py qk_norm None: none), every layer MoE,
+    models/common/moe.py GroupedExperts w1/w2/w3 [E, F, D] / [E, D, F], the router's gate [E, D],
+    aux-loss-free balancing by expert bias and its optimizer hook), the standard all-to-all token
+    dispatcher (moe_comm_backend "standard": the others need CUDA); it replaces ledger_model_spec."""
+    hd = m.kv_channels or m.hidden // m.heads
+    return textwrap.indent(textwrap.dedent(f'''\
+        def ledger_model_spec() -> ModelSpec:  # noqa: F811 (the MoE shape's)
+            from torchtitan.components.optimizer import register_moe_load_balancing_hook
+            from torchtitan.models.common import CosSinRoPE
+            from torchtitan.models.qwen3 import (_EMBEDDING_INIT as _E, _LINEAR_INIT, _build_qwen3_moe_layers,
+                                                 _qwen3_norm, parallelize_qwen3)
+            from torchtitan.models.qwen3.model import Qwen3Model
+            from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+            dim, vocab = {m.hidden}, {m.vocab}
+            layers = _build_qwen3_moe_layers(
+                fuse_qkv=False, n_layers={m.layers}, dim=dim, n_heads={m.heads}, n_kv_heads={m.kv_heads},
+                head_dim={hd}, moe_hidden_dim={m.moe_ffn_hidden or m.ffn_hidden}, num_experts={m.num_experts},
+                top_k={m.moe_router_topk}, attn_backend="flex",
+                rope=CosSinRoPE.Config(dim={hd}, max_seq_len={m.seq_len}, theta={m.rope_theta}),
+                moe_comm_backend="standard")
+            if not {bool(m.qk_layernorm)}:  # the shape has no q/k norms: the attention's qk_norm off
+                import dataclasses
+
+                layers = [dataclasses.replace(b, attention=dataclasses.replace(b.attention, qk_norm=None))
+                          for b in layers]
+            config = Qwen3Model.Config(
+                vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
+                tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_E),
+                lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+                layers=layers,
+            )
+            return ModelSpec(name="qwen3", flavor={m.name!r}, model=config, parallelize_fn=parallelize_qwen3,
+                             pipelining_fn=pipeline_llm, post_optimizer_build_fn=register_moe_load_balancing_hook,
+                             state_dict_adapter=Qwen3StateDictAdapter)
+        '''), "        ").lstrip()
+
+
 def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> str:
     """The torchtitan config module for this job (a function returning Trainer.Config)."""
     m, fw, tr = cfg.model, cfg.framework, cfg.train
@@ -40,8 +80,10 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     # _validate_cuda_graphs), so they are disabled, as torchtitan's own PP configs do.
     pp = getattr(lay, "pp", 1)
     local_batch = lay.micro_batch_size * (lay.num_microbatches if pp > 1 else 1)
-    pp_training = "\n                    disable_cuda_graphs=True,  # trainer.py: CUDA graphs do not support PP" \
-        if pp > 1 else ""
+    ep = getattr(lay, "ep", 1)
+    # trainer.py _validate_cuda_graphs refuses PP, and EP's token dispatcher (its CPU sync), with CUDA graphs
+    pp_training = "\n                    disable_cuda_graphs=True,  # trainer.py: CUDA graphs do not support PP / EP" \
+        if pp > 1 or ep > 1 else ""
     pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
                    f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"
                    "\n                    pipeline_parallel_schedule='1F1B',") if pp > 1 else ""
@@ -104,6 +146,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                              state_dict_adapter=Llama3StateDictAdapter)
 
 
+        {_moe_spec(m) if m.num_experts else ""}
         def {CONFIG_FN}() -> Trainer.Config:
             model_spec = ledger_model_spec()
             return Trainer.Config(
@@ -131,6 +174,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                     enable_sequence_parallel={bool(lay.sequence_parallel)},
                     fsdp_reshard_after_forward={fw.reshard_after_forward!r},
                     spmd_backend={fw.spmd_backend!r},
+                    expert_parallel_degree={ep},
                 ),
                 dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path={_py(data_dir)}),
                 metrics=MetricsProcessor.Config(log_freq=1),
@@ -200,12 +244,14 @@ def _fsdp_resident(model) -> list:
         if not isinstance(mod, FSDPModule):
             continue
         state = mod._get_fsdp_state()
-        pg = state._fsdp_param_group
-        if pg is None:
-            continue
-        for obj in [pg, *pg.fsdp_params]:
-            for v in vars(obj).values():
-                collect(v)
+        # an MoE block under a per-param mesh (distributed/fsdp.py shard_placement_fn: the experts over
+        # efsdp, the rest over fsdp) has one param group per mesh
+        for pg in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+            if pg is None:
+                continue
+            for obj in [pg, *pg.fsdp_params]:
+                for v in vars(obj).values():
+                    collect(v)
     return out
 
 
@@ -283,6 +329,26 @@ def run_rank(cfg, lay, session) -> dict:
                       fsdp_mem_tracker=cfg.probe.fsdp_mem_tracker)
 
 
+def expert_group_labels(trainer) -> dict:
+    """With expert parallelism, the sparse mesh's ep and efsdp groups (distributed/parallel_dims.py:
+    ("pp", "dp_replicate", "efsdp", "ep")) by the ledger's labels (ledger/faithful/titan_moe.py): their
+    ranks can be those of the dense fsdp group, which the rank grid would name."""
+    dims = trainer.parallel_dims
+    if getattr(dims, "ep", 1) <= 1:
+        return {}
+    import torch.distributed as dist
+
+    # a mesh dim spanning the world is the default group (torch device_mesh.py _init_one_process_group),
+    # shared with the dense fsdp dim: its collectives keep the grid's label (ledger: titan_moe.expert_dims)
+    world = dist.group.WORLD
+    out = {}
+    for name, label in (("ep", "ep"), ("efsdp", "edp")):
+        g = dims.get_mesh(name).get_group()
+        if g is not world and g.group_name != world.group_name:
+            out[g] = label
+    return out
+
+
 def _fsdp_mem_tracker(trainer):
     """torch's FSDPMemTracker over the (one) model part and its optimizer, new each step so that its
     peak is the step's. Entered outside the probes' modes: they see each operator first."""
@@ -338,6 +404,7 @@ def _train(trainer_config, session, fake_world: bool, fsdp_mem_tracker: bool = F
 
     trainer.train_step = train_step
     session.watch(trainer.model_parts)
+    session.name_groups(expert_group_labels(trainer))
     try:
         trainer.train()
     finally:

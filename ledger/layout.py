@@ -129,7 +129,7 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
     if not (lay.ep == 1 and lay.etp == 1) or model.num_experts:
         _validate_experts(model, lay, framework)
     if not (model.kv_channels in (0, model.hidden // model.heads) and not model.qk_layernorm
-            or framework == "megatron"):
+            or framework == "megatron" or (framework == "titan" and model.is_moe)):
         which = "kv_channels" if model.kv_channels else "qk_layernorm"
         raise ConfigError(f"{framework}: model.{which}={getattr(model, which)}: heads of another width than "
                           "hidden/heads and q/k norms are modelled for Megatron only (the plain Llama and "
@@ -219,9 +219,7 @@ def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
         raise ConfigError(f"layout.{which}={getattr(lay, which)}: expert parallelism needs an MoE model "
                           "(model.num_experts > 0; e.g. model=tiny_moe)")
     if framework == "titan":
-        # issue 21: torchtitan's MoE ledger and runs
-        raise ConfigError(f"{framework}: model.num_experts={model.num_experts}: MoE is modelled for Megatron Core and "
-                          "DeepSpeed so far: neither the torchtitan ledger nor its launcher builds experts")
+        _validate_titan_experts(model, lay)
     # transformer/moe/moe_layer.py BaseMoELayer: num_moe_experts % expert_model_parallel_size == 0
     if not (model.num_experts % lay.ep == 0):
         raise ConfigError(f"ep={lay.ep} does not divide model.num_experts={model.num_experts} (each EP rank holds "
@@ -235,6 +233,26 @@ def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
     if not (lay.world % (lay.etp * lay.ep * lay.pp) == 0):
         raise ConfigError(f"etp*ep*pp={lay.etp}*{lay.ep}*{lay.pp} does not divide the world tp*pp*dp*cp={lay.world} "
                           "(Megatron's expert grid: expert data parallel = world / (etp*ep*pp))")
+
+
+def _validate_titan_experts(model: ModelShape, lay: Layout) -> None:
+    """torchtitan's MoE model here is its own qwen3 (models/qwen3; its q/k norms as model.qk_layernorm,
+    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan_moe.py)."""
+    def no(what: str) -> None:
+        raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
+
+    if model.moe_layer_freq != 1 or model.moe_shared_expert_hidden or model.bias or not model.swiglu \
+            or model.norm != "rmsnorm" or model.tied_embeddings:
+        no("torchtitan's qwen3 MoE has every layer MoE, no shared experts, SwiGLU, RMSNorm, no biases, untied "
+           "embeddings (model.moe_layer_freq=1, moe_shared_expert_hidden=0, swiglu, rmsnorm, bias=false, "
+           "tied_embeddings=false)")
+    if not (lay.tp == lay.pp == lay.cp == lay.dp_replicate == lay.vp == 1):
+        no(f"tp={lay.tp} pp={lay.pp} cp={lay.cp} dp_replicate={lay.dp_replicate}: MoE is modelled over FSDP "
+           "(dp_shard) with expert parallelism alone")
+    # distributed/parallel_dims.py: EP borrows from dp_shard x cp x tp (efsdp = dp_shard / ep here)
+    if not (lay.dp_shard % lay.ep == 0):
+        no(f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (torchtitan's EP borrows the FSDP ranks: "
+           "efsdp = dp_shard / ep)")
 
 
 # Megatron's pipeline-split knobs (MegatronConfig; megatron_buffers.EVEN_SPLIT order)

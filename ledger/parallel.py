@@ -11,7 +11,7 @@ from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (the
 
 FAITHFUL = {"megatron": "ledger.faithful.megatron", "deepspeed": "ledger.faithful.deepspeed",
             "titan": "ledger.faithful.titan", "megatron_moe": "ledger.faithful.megatron_moe",
-            "deepspeed_moe": "ledger.faithful.deepspeed_moe"}
+            "deepspeed_moe": "ledger.faithful.deepspeed_moe", "titan_moe": "ledger.faithful.titan_moe"}
 
 
 def grad_dtype(fw) -> str:
@@ -44,7 +44,7 @@ def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: S
         return textbook.place(model, state or state_bytes(model, fw.precision, "adam", grad_dtype(fw)), lay, fw)
     if mode != "faithful":
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
-    if fw.name in ("megatron", "deepspeed") and model.is_moe:
+    if model.is_moe:  # each framework's MoE ledger beside its dense one
         return _faithful(f"{fw.name}_moe").place(model, lay, fw)
     return _faithful(fw.name).place(model, lay, fw)
 

@@ -228,11 +228,12 @@ def _lay(**kw):
 
 @pytest.mark.parametrize("model,fw,lay,msg", [
     ("tiny", "megatron", dict(ep=2), "layout.ep=2: expert parallelism needs an MoE model"),
-    ("tiny_moe", "titan", dict(ep=2), "titan: model.num_experts=8: MoE is modelled for Megatron Core and DeepSpeed"),
+    ("tiny_moe", "titan", dict(ep=2, tp=2), "titan: model.num_experts=8: tp=2"),
+    ("tiny_moe", "titan", dict(ep=2), None),
     ("tiny_moe", "deepspeed", dict(ep=2), None),
     ("tiny_moe", "megatron", dict(ep=3, dp=3), "ep=3 does not divide model.num_experts=8"),
     ("tiny", "titan", dict(), None)])
-def test_layout_refuses_ep_where_nothing_models_it(model, fw, lay, msg):
+def test_layout_refuses_ep_where_no_ledger_models_it(model, fw, lay, msg):
     from ledger.layout import validate
 
     if msg is None:

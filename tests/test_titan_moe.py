@@ -1,0 +1,110 @@
+"""torchtitan 0.3.0 MoE (issue 21): its qwen3 MoE through its own Trainer with expert parallelism over
+dp_shard, against the faithful ledger (ledger/faithful/titan_moe.py), real CPU/gloo runs.
+
+One shared sweep (4 jobs, s=128, two steps): ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,
+the EP group is the whole world, torchtitan's default group; no q/k norms), and with Qwen3's q/k norms
+ep2 at world 4 (efsdp 2: the experts'
+own FSDP all-gathers and reduce-scatters), ep4 at world 4, and ep2 at world 4 with
+reshard_after_forward=never and micro-batch 2. Every state row and every collective count and fixed
+byte row (first and steady steps) reconciles with abs_err 0; the routed all-to-all bytes lie in the
+predicted range and sum over each EP group to the balanced prediction.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+import records
+from analysis import reconcile
+from ledger.layout import ConfigError, resolve, validate
+from ledger.model import preset
+from tests.conftest import run_sweeps
+
+COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2")
+# the world-4 jobs with Qwen3's per-head q/k norms (model.qk_layernorm: torchtitan's qwen3 builds them),
+# the world-2 one without (its attention's qk_norm off)
+SWEEPS = (
+    ("w2", ("cluster.ranks=2", "layout={ep:2}")),
+    ("w4", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2},{ep:4}")),
+    ("w4never", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2,micro_batch_size:2}",
+                 "framework.reshard_after_forward=never")),
+)
+EXPECTED = {("ep2·dp2", "default", 1), ("ep2·dp4", "default", 1), ("ep4·dp4", "default", 1), ("ep2·dp4", "never", 2)}
+
+
+def _job(rec) -> tuple:
+    return (records.layout_name(rec), rec["config"]["framework"]["reshard_after_forward"],
+            rec["config"]["layout"]["micro_batch_size"])
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    return run_sweeps(tmp_path_factory.mktemp("titan_moe_sweep"), SWEEPS, COMMON)
+
+
+@pytest.mark.real
+def test_matrix_ran(sweep):
+    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
+    assert not bad, bad
+    assert sorted(_job(r) for r in sweep["ok"]) == sorted(EXPECTED)
+
+
+@pytest.mark.real
+def test_every_state_and_collective_row_reconciles(sweep):
+    df = sweep["table"]
+    for rec in sweep["ok"]:
+        d = df[df.job == records.job_name(rec)]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
+        for q in reconcile.STATE_Q:
+            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
+    assert df[reconcile.off(df)].empty, df[reconcile.off(df)].to_string()
+    routed = df["bound_low"].notna()
+    assert df[~routed & (df.abs_err != 0)].empty
+    assert set(df[routed].quantity) <= {"comm/ep/all_to_all/buffer_bytes", "comm/dp/all_to_all/buffer_bytes"}
+    assert routed.any()
+
+
+@pytest.mark.real
+def test_routed_all_to_all_sums_to_the_balanced_prediction_over_each_ep_group(sweep):
+    df = sweep["table"]
+    rt = df[df["bound_low"].notna()]
+    for rec in sweep["ok"]:
+        ep = rec["prediction"]["layout"]["ep"]
+        d = rt[rt.job == records.job_name(rec)]
+        for step in sorted(set(d.step)):
+            groups = defaultdict(list)  # the sparse mesh (.., efsdp, ep): ep innermost
+            for row in d[d.step == step].itertuples():
+                groups[row.rank // ep].append(row)
+            for members in groups.values():
+                assert len(members) == ep
+                assert sum(r.measured for r in members) == sum(r.predicted for r in members), members
+
+
+@pytest.mark.real
+def test_experts_are_sharded_over_ep_then_efsdp(sweep):
+    """Each rank's expert fp32 shards: 4 layers x 3 x 8 x 512 x 256 elements over ep x efsdp = world."""
+    for rec in sweep["ok"]:
+        p = rec["prediction"]["per_rank"][0]
+        world = rec["measurement"]["world"]
+        assert p["detail"]["params/expert fp32 shards (ep, then efsdp dim-0 padded)"] == 4 * 4 * 3 * 8 * 512 * 256 // world
+        assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["params_bytes"] == p["params_bytes"]
+
+
+@pytest.mark.parametrize("over,msg", [(dict(moe_layer_freq=2), "every layer MoE"),
+                                      (dict(moe_shared_expert_hidden=256), "no shared experts")])
+def test_refuses_a_shape_its_qwen3_is_not(over, msg):
+    lay = resolve(dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=2, etp=1, vp=1, sequence_parallel=False,
+                       micro_batch_size=1, global_batch_size=-1), 2)
+    with pytest.raises(ConfigError, match=msg):
+        validate(preset("tiny_moe", **over), lay, "titan")
+
+
+def test_ep_must_divide_dp_shard_and_tp_is_refused():
+    m = preset("tiny_moe")
+    base = dict(pp=1, dp_replicate=1, cp=1, etp=1, vp=1, sequence_parallel=False, micro_batch_size=1,
+                global_batch_size=-1)
+    with pytest.raises(ConfigError, match="tp=2"):
+        validate(m, resolve(dict(base, tp=2, dp=2, ep=2), 4), "titan")
+    with pytest.raises(ConfigError, match="ep=4 does not divide dp_shard=2"):
+        validate(m, resolve(dict(base, tp=1, dp=2, ep=4), 2), "titan")
