@@ -86,3 +86,67 @@ def peak_evidence(recs, bad) -> str:
         lines.append(f"{row.job} rank {row.rank} step {row.step}: measured {mk}; "
                      f"predicted {p['bytes']} {p['phase']} {p['what']!r} {p['parts']}")
     return "\n".join(lines)
+
+
+# -- the MoE matrices' shared checks (tests/test_megatron_moe.py, test_deepspeed_moe.py, test_titan_moe.py)
+def assert_jobs(sweep, job_of, expected) -> None:
+    """Every job ran ok, and the sweep's jobs (job_of(record)) are `expected`, each once."""
+    import records
+
+    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
+    assert not bad, bad
+    jobs = [job_of(r) for r in sweep["ok"]]
+    assert len(jobs) == len(set(jobs)) and set(jobs) == set(expected), sorted(set(jobs) ^ set(expected))
+
+
+def assert_states_on_every_rank(sweep, steps: int = 2) -> None:
+    """Each job has every state row on every rank at every step."""
+    import records
+    from analysis import reconcile
+
+    df = sweep["table"]
+    for rec in sweep["ok"]:
+        d = df[df.job == records.job_name(rec)]
+        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
+        for q in reconcile.STATE_Q:
+            assert len(d[d.quantity == q]) == steps * rec["measurement"]["world"], (records.job_name(rec), q)
+
+
+def routed_rows_by_ep_group(sweep):
+    """(job, step, rows) of the routed all-to-all rows (bound_low set) of each EP group: the expert grid
+    puts ep innermost (etp 1), so a group is the ranks of one rank // ep."""
+    from collections import defaultdict
+
+    import records
+
+    df = sweep["table"]
+    rt = df[df["bound_low"].notna()]
+    for rec in sweep["ok"]:
+        lay = rec["prediction"]["layout"]
+        assert lay.get("etp", 1) == 1
+        d = rt[rt.job == records.job_name(rec)]
+        for step in sorted(set(d.step)):
+            groups = defaultdict(list)
+            for row in d[d.step == step].itertuples():
+                groups[row.rank // lay["ep"]].append(row)
+            for members in groups.values():
+                assert len(members) == lay["ep"], (records.job_name(rec), step, members)
+                yield records.job_name(rec), step, members
+
+
+def assert_losses_finite(sweep) -> None:
+    import records
+
+    for rec in sweep["ok"]:
+        for r in rec["measurement"]["ranks"]:
+            if r.get("stage", 0) == rec["prediction"]["layout"]["pp"] - 1:
+                assert all(s["loss"] is not None and s["loss"] == s["loss"] for s in r["steps"]), records.job_name(rec)
+
+
+def layout_of(world: int, **kw):
+    """A resolved layout from the schema's defaults and `kw` (dp fills the world)."""
+    from ledger.layout import resolve
+
+    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
+                micro_batch_size=1, global_batch_size=-1)
+    return resolve({**base, **kw}, world)

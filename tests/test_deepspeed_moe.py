@@ -17,10 +17,10 @@ import shlex
 import pytest
 
 import records
-from analysis import reconcile
-from ledger.layout import ConfigError, resolve
+from ledger.layout import ConfigError
 from ledger.model import preset
-from tests.conftest import launch, run_sweeps
+from tests.conftest import (assert_jobs, assert_losses_finite, assert_states_on_every_rank, launch, layout_of,
+                            run_sweeps)
 
 COMMON = ("framework=deepspeed", "model=tiny_moe", "train.steps=2")
 SWEEPS = (
@@ -57,20 +57,13 @@ def sweep(tmp_path_factory):
 
 @pytest.mark.real
 def test_matrix_ran(sweep):
-    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
-    assert not bad, bad
-    jobs = [_job(r) for r in sweep["ok"]]
-    assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, sorted(set(jobs) ^ EXPECTED)
+    assert_jobs(sweep, _job, EXPECTED)
 
 
 @pytest.mark.real
 def test_every_state_and_collective_row_reconciles(sweep):
+    assert_states_on_every_rank(sweep)
     df = sweep["table"]
-    for rec in sweep["ok"]:
-        d = df[df.job == records.job_name(rec)]
-        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
-        for q in reconcile.STATE_Q:
-            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
     assert df[df.abs_err != 0].empty, df[df.abs_err != 0].to_string()
     assert df["bound_low"].isna().all()  # capacity: nothing follows the router
 
@@ -103,16 +96,12 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
 
 @pytest.mark.real
 def test_losses_are_finite(sweep):
-    for rec in sweep["ok"]:
-        for r in rec["measurement"]["ranks"]:
-            assert all(s["loss"] is not None and s["loss"] == s["loss"] for s in r["steps"]), records.job_name(rec)
+    assert_losses_finite(sweep)
 
 
 # -- without runs --------------------------------------------------------------------------------------
 def _lay(**kw):
-    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
-                micro_batch_size=1, global_batch_size=-1)
-    return resolve({**base, **kw}, 4)
+    return layout_of(4, **kw)
 
 
 @pytest.mark.parametrize("fw,msg", [({"zero_stage": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),

@@ -14,8 +14,6 @@ prediction exactly.
 from __future__ import annotations
 
 import argparse
-import os
-from collections import defaultdict
 
 import pandas as pd
 import pytest
@@ -23,9 +21,10 @@ import pytest
 import records
 from analysis import compare, reconcile
 from ledger.layout import ConfigError, resolve
-from ledger.model import ModelShape, preset
+from ledger.model import preset
 from ledger.placement import CommBuilder
-from tests.conftest import launch, run_sweeps
+from tests.conftest import (assert_jobs, assert_losses_finite, assert_states_on_every_rank, launch, layout_of,
+                            routed_rows_by_ep_group, run_sweeps)
 
 COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.steps=2")
 SWEEPS = (
@@ -87,23 +86,16 @@ def sweep(tmp_path_factory):
 # -- real runs -----------------------------------------------------------------------------------
 @pytest.mark.real
 def test_matrix_ran(sweep):
-    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
-    assert not bad, bad
-    jobs = [_job(r) for r in sweep["ok"]]
-    assert len(jobs) == len(set(jobs)) and set(jobs) == EXPECTED, sorted(set(jobs) ^ EXPECTED)
+    assert_jobs(sweep, _job, EXPECTED)
 
 
 @pytest.mark.real
 def test_every_state_and_collective_row_reconciles(sweep):
     """States, counts and fixed bytes to the byte on every rank, first and steady steps; the routed
     all-to-all bytes inside their predicted range (reconcile.off)."""
+    assert_states_on_every_rank(sweep)
     df = sweep["table"]
     rows = df[~df.quantity.str.startswith("peak")]
-    for rec in sweep["ok"]:
-        d = rows[(rows.job == records.job_name(rec))]
-        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
-        for q in reconcile.STATE_Q:
-            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
     assert rows[reconcile.off(rows)].empty, rows[reconcile.off(rows)].to_string()
     routed = rows["bound_low"].notna()
     assert rows[~routed & (rows.abs_err != 0)].empty, rows[~routed & (rows.abs_err != 0)].to_string()
@@ -117,24 +109,12 @@ def test_every_state_and_collective_row_reconciles(sweep):
 def test_routed_all_to_all_sums_to_the_balanced_prediction_over_each_ep_group(sweep):
     """What a rank's experts receive follows the router, but an EP group sends what it receives: the
     measured bytes of each EP group's ranks add up to the predicted (balanced) bytes exactly."""
-    df = sweep["table"]
-    rt = df[df["bound_low"].notna()]
-    assert len(rt), "no routed all-to-all rows"
+    groups = list(routed_rows_by_ep_group(sweep))
+    assert groups, "no routed all-to-all rows"
     moved = 0
-    for rec in sweep["ok"]:
-        lay = rec["prediction"]["layout"]
-        d = rt[rt.job == records.job_name(rec)]
-        if d.empty:
-            continue
-        assert lay["etp"] == 1
-        for step in sorted(set(d.step)):
-            groups = defaultdict(list)  # the expert grid: etp (1) fastest, then ep: an EP group is rank // ep
-            for row in d[d.step == step].itertuples():
-                groups[row.rank // lay["ep"]].append(row)
-            for members in groups.values():
-                assert len(members) == lay["ep"]
-                assert sum(r.measured for r in members) == sum(r.predicted for r in members), members
-                moved += sum(r.measured != r.predicted for r in members)
+    for job, step, members in groups:
+        assert sum(r.measured for r in members) == sum(r.predicted for r in members), (job, step, members)
+        moved += sum(r.measured != r.predicted for r in members)
     assert moved, "every routed row was balanced: the router's split never showed"
 
 
@@ -175,10 +155,7 @@ def test_cpu_redirects_of_moe_are_all_reached_and_declared(sweep):
 
 @pytest.mark.real
 def test_losses_are_finite(sweep):
-    for rec in sweep["ok"]:
-        for r in rec["measurement"]["ranks"]:
-            if r["stage"] == rec["prediction"]["layout"]["pp"] - 1:
-                assert all(s["loss"] is not None and s["loss"] == s["loss"] for s in r["steps"]), records.job_name(rec)
+    assert_losses_finite(sweep)
 
 
 # -- shapes ----------------------------------------------------------------------------------------
@@ -221,9 +198,7 @@ def test_megatron_ledger_counts_every_parameter_once():
 
 # -- validation ----------------------------------------------------------------------------------
 def _lay(**kw):
-    base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
-                micro_batch_size=1, global_batch_size=-1)
-    return resolve({**base, **kw}, 4)
+    return layout_of(4, **kw)
 
 
 @pytest.mark.parametrize("model,fw,lay,msg", [

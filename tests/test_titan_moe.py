@@ -11,15 +11,13 @@ predicted range and sum over each EP group to the balanced prediction.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
 import records
 from analysis import reconcile
-from ledger.layout import ConfigError, resolve, validate
+from ledger.layout import ConfigError, validate
 from ledger.model import preset
-from tests.conftest import run_sweeps
+from tests.conftest import assert_jobs, assert_states_on_every_rank, layout_of, routed_rows_by_ep_group, run_sweeps
 
 COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2")
 # the world-4 jobs with Qwen3's per-head q/k norms (model.qk_layernorm: torchtitan's qwen3 builds them),
@@ -45,19 +43,13 @@ def sweep(tmp_path_factory):
 
 @pytest.mark.real
 def test_matrix_ran(sweep):
-    bad = [(records.job_name(r), r["status"], r["error"]) for r in sweep["records"] if r["status"] != "ok"]
-    assert not bad, bad
-    assert sorted(_job(r) for r in sweep["ok"]) == sorted(EXPECTED)
+    assert_jobs(sweep, _job, EXPECTED)
 
 
 @pytest.mark.real
 def test_every_state_and_collective_row_reconciles(sweep):
+    assert_states_on_every_rank(sweep)
     df = sweep["table"]
-    for rec in sweep["ok"]:
-        d = df[df.job == records.job_name(rec)]
-        assert set(d["rank"]) == set(range(rec["measurement"]["world"])), records.job_name(rec)
-        for q in reconcile.STATE_Q:
-            assert len(d[d.quantity == q]) == 2 * rec["measurement"]["world"], (records.job_name(rec), q)
     assert df[reconcile.off(df)].empty, df[reconcile.off(df)].to_string()
     routed = df["bound_low"].notna()
     assert df[~routed & (df.abs_err != 0)].empty
@@ -67,18 +59,11 @@ def test_every_state_and_collective_row_reconciles(sweep):
 
 @pytest.mark.real
 def test_routed_all_to_all_sums_to_the_balanced_prediction_over_each_ep_group(sweep):
-    df = sweep["table"]
-    rt = df[df["bound_low"].notna()]
-    for rec in sweep["ok"]:
-        ep = rec["prediction"]["layout"]["ep"]
-        d = rt[rt.job == records.job_name(rec)]
-        for step in sorted(set(d.step)):
-            groups = defaultdict(list)  # the sparse mesh (.., efsdp, ep): ep innermost
-            for row in d[d.step == step].itertuples():
-                groups[row.rank // ep].append(row)
-            for members in groups.values():
-                assert len(members) == ep
-                assert sum(r.measured for r in members) == sum(r.predicted for r in members), members
+    """The sparse mesh (.., efsdp, ep) puts ep innermost: an EP group is the ranks of one rank // ep."""
+    groups = list(routed_rows_by_ep_group(sweep))
+    assert groups
+    for job, step, members in groups:
+        assert sum(r.measured for r in members) == sum(r.predicted for r in members), (job, step, members)
 
 
 @pytest.mark.real
@@ -94,17 +79,13 @@ def test_experts_are_sharded_over_ep_then_efsdp(sweep):
 @pytest.mark.parametrize("over,msg", [(dict(moe_layer_freq=2), "every layer MoE"),
                                       (dict(moe_shared_expert_hidden=256), "no shared experts")])
 def test_refuses_a_shape_its_qwen3_is_not(over, msg):
-    lay = resolve(dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=2, etp=1, vp=1, sequence_parallel=False,
-                       micro_batch_size=1, global_batch_size=-1), 2)
     with pytest.raises(ConfigError, match=msg):
-        validate(preset("tiny_moe", **over), lay, "titan")
+        validate(preset("tiny_moe", **over), layout_of(2, ep=2), "titan")
 
 
 def test_ep_must_divide_dp_shard_and_tp_is_refused():
     m = preset("tiny_moe")
-    base = dict(pp=1, dp_replicate=1, cp=1, etp=1, vp=1, sequence_parallel=False, micro_batch_size=1,
-                global_batch_size=-1)
     with pytest.raises(ConfigError, match="tp=2"):
-        validate(m, resolve(dict(base, tp=2, dp=2, ep=2), 4), "titan")
+        validate(m, layout_of(4, tp=2, ep=2), "titan")
     with pytest.raises(ConfigError, match="ep=4 does not divide dp_shard=2"):
-        validate(m, resolve(dict(base, tp=1, dp=2, ep=4), 2), "titan")
+        validate(m, layout_of(2, ep=4), "titan")

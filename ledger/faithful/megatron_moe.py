@@ -53,19 +53,20 @@ model: one fp32 element kept as a class attribute), the allgather dispatcher's "
 Shared experts (moe_shared_expert_hidden): a dense, TP-split MLP after the experts in each MoE layer,
 with the dense MLP's TP calls (shared_experts.py SharedExpertMLP; moe_shared_expert_overlap off).
 
-Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1), recompute,
+Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1), recompute, fp32, plain DDP,
 overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak within a step.
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 
 import numpy as np
 
-from ledger.faithful.megatron import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _NOTES, check_framework,
-                                      check_interleaving, knobs)
+from ledger.faithful.megatron import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _mpu_numel, _NOTES,
+                                      check_framework, check_interleaving, knobs)
 from ledger.faithful.megatron_buffers import (_buffer_bytes, _pieces, build_buffer, effective_bucket_size,
                                               owned_sizes, padded_shape, stage_layers)
 from ledger.grid import Grid
@@ -93,6 +94,12 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
 
     if lay.etp > 1:
         no(f"layout.etp={lay.etp}: expert tensor parallelism")
+    # what no real MoE run here has confirmed: the plain DDP path (Float16OptimizerWithFloat16Params per
+    # group) and fp32 training (no Float16Module: the router and its probs in fp32)
+    if not k.use_distributed_optimizer:
+        no("framework.use_distributed_optimizer=false")
+    if k.precision != "bf16":
+        no(f"framework.precision={k.precision}")
     if lay.ep == 1 and lay.tp > 1:
         # tensor_parallel/layers.py: experts are expert-parallel params only with ep > 1; at ep = 1 they
         # are replicated over TP yet reduced over dp alone (and counted twice in the grad norm)
@@ -194,16 +201,20 @@ def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split
 def _stage_buffers(model: ModelShape, lay: Layout, k, stage: int):
     """(dense buffer, expert buffer or None) of a stage (one model chunk: vp is refused). With ep = 1
     the experts are dense parameters (tensor_parallel/layers.py allreduce = not (is_expert and ep > 1))."""
-    dense, expert = stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)
-    if lay.ep == 1:
-        dense, expert = dense + expert, []
-        # (in named_parameters order the experts sit inside their layers: rebuild in that order)
-        dense = _ordered(model, lay, k, stage)
+    dense, expert = _dense_and_expert(model, lay, k, stage)
     bucket = effective_bucket_size(k, lay.dp, stage)
     dist = k.use_distributed_optimizer
     d = build_buffer(np.array([n for _, n in dense], np.int64), bucket, lay.dp, dist)
     e = build_buffer(np.array([n for _, n in expert], np.int64), bucket, lay.edp, dist) if expert else None
     return d, e
+
+
+def _dense_and_expert(model: ModelShape, lay: Layout, k, stage: int) -> tuple[list, list]:
+    """A stage's (dense, expert) parameters as DDP buffers them: with ep = 1 every parameter is dense,
+    in named_parameters() order (the experts inside their layers)."""
+    if lay.ep == 1:
+        return _ordered(model, lay, k, stage), []
+    return stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)
 
 
 def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
@@ -234,8 +245,6 @@ def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
     """utils.py GlobalMemoryBuffer "mpu" (activation dtype): the local spec's attention scores, the SP
     all-gathers, and the allgather dispatcher's gathered hidden states [T*N, h] (mappings.py
     gather_from_sequence_parallel_region(use_global_buffer=True)) on a stage with an MoE layer."""
-    from ledger.faithful.megatron import _mpu_numel
-
     base = _mpu_numel(model, lay, k.transformer_impl, stage)
     if k.moe_token_dispatcher_type == "allgather" and lay.ep > 1 and _moe_layers_of(model, lay, k, stage):
         base = max(base, tokens(model, lay) * lay.etp * lay.ep * model.hidden)
@@ -280,7 +289,6 @@ def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_
 
 def _comm(model: ModelShape, lay: Layout, k, stage: int):
     pdt, gdt, pb, gb = _dtypes(k)
-    ab = pb  # activations in the params' dtype
     dense, expert = _stage_buffers(model, lay, k, stage)
     cb = CommBuilder()
     grid = Grid(tp=lay.tp, dp=lay.dp, pp=lay.pp)
@@ -300,11 +308,8 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     if k.clip_grad > 0:
         cb.add(grid.label_of(dims), "all_reduce", 4, grid.size_of(dims), "fp32", what="grad norm (clip_grads.py)")
     # finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: SP norms and routers, q/k norms
-    names = [n for n, _ in _ordered(model, lay, k, stage)] if lay.ep == 1 else \
-        [n for n, _ in stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)[0]]
-    sizes = dict(_ordered(model, lay, k, stage)) if lay.ep == 1 else \
-        dict(stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)[0])
-    tp_sum = sum(sizes[n] for n in names if (lay.sequence_parallel and ("layernorm" in n or "router" in n))
+    tp_sum = sum(size for n, size in _dense_and_expert(model, lay, k, stage)[0]
+                 if (lay.sequence_parallel and ("layernorm" in n or "router" in n))
                  or (model.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n)))
     if tp_sum:
         cb.add("tp", "all_reduce", gb * tp_sum, lay.tp, gdt, what="SP norm / router grads (finalize_model_grads)")
@@ -380,8 +385,6 @@ def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: 
 
 def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
     """transformer/moe/moe_utils.py get_capacity: ceil(num_tokens / num_experts * capacity_factor)."""
-    import math
-
     return math.ceil((num_tokens / num_experts) * factor)
 
 
