@@ -107,9 +107,15 @@ def fake_ranks_in_world(c, world: int) -> None:
         raise ConfigError(f"cluster.fake_ranks has {bad[0]}: the layout's world is {world} ranks (0..{world - 1})")
 
 
-def fake_layout_supported(framework: str, lay) -> None:
+def fake_layout_supported(framework: str, lay, model=None) -> None:
     """What a framework cannot run on the fake world, refused before any rank starts (found by
     trying; the README lists what was run)."""
+    if model is not None and model.num_experts:
+        # every framework's token dispatch reads the router's token counts (Megatron's split sizes and
+        # tokens_per_expert .cpu(), DeepSpeed's capacity, torchtitan's .tolist()): FakeTensors have no values
+        raise ConfigError(f"model.num_experts={model.num_experts}: MoE does not run on cluster=fake (the token "
+                          "dispatch reads the router's token counts, which FakeTensors do not have); predict it with "
+                          "mode=predict, or run it on cluster=local_cpu")
     if framework == "titan" and lay.pp > 1:
         raise ConfigError(f"layout.pp={lay.pp}: torchtitan on cluster=fake runs without pipeline parallelism only "
                           "(torch's pipelining schedules read values of FakeTensors: schedules.py "

@@ -116,7 +116,7 @@ def check(cfg):
 
         fake_ranks_in_world(cfg.cluster, lay.world)
         if cfg.mode == "run":
-            fake_layout_supported(cfg.framework.name, lay)
+            fake_layout_supported(cfg.framework.name, lay, model)
     return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
 
 

@@ -356,3 +356,10 @@ def test_planner_enumerates_expert_parallelism_for_megatron_moe():
     tokens = 256 * m.seq_len
     assert step_flops(m, lay) == tokens * (6 * (m.active_params() - m.vocab * m.hidden)
                                            + 12 * m.layers * m.seq_len * m.hidden)
+
+
+def test_moe_on_the_fake_world_is_refused_before_any_rank(tmp_path):
+    p = launch("framework=megatron", "model=tiny_moe", "layout.ep=2", "cluster=fake", f"hydra.run.dir={tmp_path}",
+               timeout=300)
+    assert p.returncode == 2 and "MoE does not run on cluster=fake" in p.stdout + p.stderr
+    assert not list(tmp_path.glob("rank*.json"))
