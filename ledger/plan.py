@@ -232,9 +232,10 @@ def _split_knobs(split: tuple) -> dict:
 
 def expert_degrees(model: ModelShape, framework: str, ranks_per_stage: int) -> list[int]:
     """The ep tried for a layout: every divisor of the experts that divides a stage's ranks (Megatron's
-    expert grid: world / (etp * ep * pp) expert data parallel ranks, etp 1); 1 for a dense model and the
-    frameworks without an MoE ledger (their refusal names the knob)."""
-    if not model.num_experts or framework != "megatron":
+    expert grid: world / (etp * ep * pp) expert data parallel ranks, etp 1; DeepSpeed's expert groups
+    over the DP ranks; torchtitan's EP over dp_shard, whose other rules its refusals name); 1 for a dense
+    model."""
+    if not model.num_experts:
         return [1]
     return [e for e in divisors(model.num_experts) if ranks_per_stage % e == 0]
 
@@ -252,7 +253,8 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                 kn = {"zero_stage": z, **rc}
                 fw = FrameworkView(base, **kn)
                 for mbs in space.micro_batch_sizes:
-                    yield Candidate(framework, Layout(1, 1, N, 1, 1, 1, 1, False, mbs, gbs), kn, fw)
+                    for ep in expert_degrees(model, framework, N):
+                        yield Candidate(framework, Layout(1, 1, N, 1, 1, ep, 1, False, mbs, gbs), kn, fw)
         return
     if framework == "megatron":
         # the planner chooses the pipeline split per layout: a split set in the base config is not

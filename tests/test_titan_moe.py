@@ -1,7 +1,8 @@
 """torchtitan 0.3.0 MoE (issue 21): its qwen3 MoE through its own Trainer with expert parallelism over
 dp_shard, against the faithful ledger (ledger/faithful/titan_moe.py), real CPU/gloo runs.
 
-One shared sweep (4 jobs, s=128, two steps): ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,
+One shared sweep (5 jobs, s=128, two steps): ep1 at world 2 (no expert parallelism: the experts in
+the blocks' FSDP groups), ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,
 the EP group is the whole world, torchtitan's default group; no q/k norms), and with Qwen3's q/k norms
 ep2 at world 4 (efsdp 2: the experts'
 own FSDP all-gathers and reduce-scatters), ep4 at world 4, and ep2 at world 4 with
@@ -23,12 +24,13 @@ COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2")
 # the world-4 jobs with Qwen3's per-head q/k norms (model.qk_layernorm: torchtitan's qwen3 builds them),
 # the world-2 one without (its attention's qk_norm off)
 SWEEPS = (
-    ("w2", ("cluster.ranks=2", "layout={ep:2}")),
+    # ep1: the experts are the blocks' params like the rest (one FSDP group, one grad-norm reduce)
+    ("w2", ("cluster.ranks=2", "layout={ep:2},{}")),
     ("w4", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2},{ep:4}")),
     ("w4never", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2,micro_batch_size:2}",
                  "framework.reshard_after_forward=never")),
 )
-EXPECTED = {("ep2·dp2", "default", 1), ("ep2·dp4", "default", 1), ("ep4·dp4", "default", 1), ("ep2·dp4", "never", 2)}
+EXPECTED = {("dp2", "default", 1), ("ep2·dp2", "default", 1), ("ep2·dp4", "default", 1), ("ep4·dp4", "default", 1), ("ep2·dp4", "never", 2)}
 
 
 def _job(rec) -> tuple:

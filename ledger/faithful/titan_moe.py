@@ -112,6 +112,10 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     dense, expert = block_params(model)
     layer = _full(dense, ds)
     x_layer = _full([(s[0] // ep, *s[1:]) for s in expert], efsdp)
+    if ep == 1:
+        # no expert parallelism: distributed/fsdp.py gives the experts no mesh of their own; they are
+        # the block's params like the rest (one FSDP group over fsdp)
+        layer, x_layer = layer + x_layer, 0
     emb = _full([(model.vocab, model.hidden)], ds)
     norm, lm = _full([(model.hidden,)], ds), _full([(model.vocab, model.hidden)], ds)
     head = norm + lm
@@ -128,14 +132,18 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
                     ((lm * F32, 1, "lm_head grad (last chunk)"), (norm * F32, 1, "norm grad"),
                      (layer * F32, L, "layer grads"), (emb * F32, 1, "tok_embeddings grad")))
     # the block's expert group over efsdp (its own FSDP param group)
-    acc.add(edp_dim, "all_gather", x_layer * BF16, efsdp, "bf16", L * (1 + reshard), "experts unshard")
-    acc.add(edp_dim, "reduce_scatter", x_layer * F32, efsdp, "fp32", L, "expert grads")
+    if x_layer:
+        acc.add(edp_dim, "all_gather", x_layer * BF16, efsdp, "bf16", L * (1 + reshard), "experts unshard")
+        acc.add(edp_dim, "reduce_scatter", x_layer * F32, efsdp, "fp32", L, "expert grads")
     # grad clipping with EP (distributed/utils.py _clip_grad_norm_with_ep): the stacked per-param norms
     # of each kind reduced once, the dense ones over fsdp, the experts' over their whole (efsdp, ep)
     # mesh: the same ranks (dp_shard), the default group here (measured: one call each)
     n_dense, n_expert = 3 + L * len(dense), L * len(expert)
-    acc.add("dp", "all_reduce", n_dense * F32, ds, "fp32", 1, "grad-norm (non-EP params)")
-    acc.add("dp", "all_reduce", n_expert * F32, ds, "fp32", 1, "grad-norm (EP params, over efsdp x ep)")
+    if ep == 1:  # clip_grad_norm_ without EP: every param's norm stacked, one reduce
+        acc.add("dp", "all_reduce", (n_dense + n_expert) * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    else:
+        acc.add("dp", "all_reduce", n_dense * F32, ds, "fp32", 1, "grad-norm (non-EP params)")
+        acc.add("dp", "all_reduce", n_expert * F32, ds, "fp32", 1, "grad-norm (EP params, over efsdp x ep)")
     # trainer.py: valid tokens, ntokens_seen (int64), loss sum and max (fp32) on the batch / loss mesh
     acc.add("dp", "all_reduce", 8, ds, "int64", 2, "valid tokens, ntokens_seen")
     acc.add("dp", "all_reduce", 4, ds, "fp32", 2, "loss sum, loss max")
