@@ -394,32 +394,53 @@ class PeakTracker:
             out["peak_allocated_bytes"] = self.peak_blocks
         if timeline:
             out["timeline"] = _thin(points, self.peak_index + 1)
+            # the timeline's most live bytes per category had the worker threads freed promptly (its
+            # thread-timing range: [prompt_most, the timeline's most])
+            start = {c: 0 for c in CATEGORIES}
+            for s, nb in self.start_serials.items():
+                start[cat.get(s, "temporary")] += nb
+            out["prompt_most"] = {c: b for c, b in self._prompt_replay(lambda s: cat.get(s, "temporary"),
+                                                                         start)[1].items() if b}
         return out
 
-    def prompt_peak(self) -> int:
-        """The step's peak had every storage a worker thread freed been freed right after the main
-        thread's last use of it: the events replayed with each such free moved there. A free is its
-        storage's last event (read from the events, not noted by the worker thread: the main thread
-        may append between the worker's append and any index it took)."""
+    def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int]]:
+        """The step's events replayed with every storage a worker thread freed freed right after the main
+        thread's last use of it: (the most live bytes in all, the most live bytes of each category
+        (category(serial) names a storage's)). A free is its storage's last event (read from the events,
+        not noted by the worker thread: the main thread may append between the worker's append and any
+        index it took)."""
         frees = dict(self.worker_frees)
-        if not frees:
-            return self.peak
         events = self.events[:]
         last = {ev[0]: i for i, ev in enumerate(events) if ev[0] in frees}
-        moved: dict[int, int] = {}  # event index -> bytes freed just before it
+        moved: dict[int, list[tuple[int, int]]] = {}  # event index -> (serial, bytes) freed just before it
         skip = set()
         for s, (use, nb) in frees.items():
             f = last.get(s)
             if f is not None and use <= f:
-                moved[use] = moved.get(use, 0) + nb
+                moved.setdefault(use, []).append((s, nb))
                 skip.add(f)
-        cur = best = self.start_bytes
+        live = dict(start)
+        cur = best = sum(start.values())
+        most = dict(live)
         for i, ev in enumerate(events):
-            cur -= moved.get(i, 0)
+            for s, nb in moved.get(i, ()):
+                live[category(s)] -= nb
+                cur -= nb
             if i not in skip:
+                c = category(ev[0])
+                live[c] += ev[1]
                 cur += ev[1]
+                if live[c] > most[c]:
+                    most[c] = live[c]
             best = max(best, cur)
-        return best
+        return best, most
+
+    def prompt_peak(self) -> int:
+        """The step's peak had every storage a worker thread freed been freed right after the main
+        thread's last use of it (_prompt_replay)."""
+        if not self.worker_frees:
+            return self.peak
+        return self._prompt_replay(lambda s: "all", {"all": self.start_bytes})[0]
 
 
 def _blocks(nbytes: int) -> int:

@@ -1059,7 +1059,11 @@ def test_most_live_activations_are_the_ledgers(runs):
             if finding:
                 assert most < pred, (R_name(rec), r["rank"])
             else:
-                assert most == pred, (R_name(rec), r["rank"])
+                # the thread-timing range (probes/peak.py prompt_most): a gathered weight mm saved can be
+                # freed late by gloo's worker thread (measured: ZeRO-3 tied, reuse 0, 2 ranks, 1 run in 4
+                # +524,288 B on one rank at the loss); had it freed promptly the most is the ledger's
+                prompt = r["steps"][-1]["peak"]["prompt_most"].get("activations", 0)
+                assert prompt == pred <= most, (R_name(rec), r["rank"], prompt, most)
         budgets += finding
         seen.add((fw["zero_stage"], _ckpt(rec), fw["stage3_max_reuse_distance"] == 0))
     assert seen >= {(1, False, False), (2, False, False), (3, False, False), (3, False, True), (2, True, False)}

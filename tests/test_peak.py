@@ -135,11 +135,14 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
         c = torch.ones(100)
         c.mul_(2)
     tr.end()
-    r = tr.result({}, timeline=False)
+    r = tr.result({}, timeline=True)
     assert r["worker_freed_bytes"] == 4000
     assert r["peak_bytes"] == base + 6000
     # freed right after a.add_: b and a never live together
     assert r["prompt_peak_bytes"] == base + 4000
+    # per category (a, b, c are the step's temporaries): the timeline's most, and the prompt one
+    most = max(p.get("temporary", 0) for p in r["timeline"])
+    assert most == 6000 and r["prompt_most"]["temporary"] == 4000
     tr.begin(scan=False)
     with tr.recording():
         d = torch.ones(100)
