@@ -141,11 +141,15 @@ class ModelShape:
         """Parameters of one routed expert (its fc1 / fc2 / gate projections)."""
         return (3 if self.swiglu else 2) * self.hidden * self.expert_ffn
 
+    def routed_expert_params(self) -> int:
+        """Parameters of every routed expert of every MoE layer."""
+        return self.moe_layers() * self.num_experts * self.expert_num_params()
+
     def active_params(self) -> int:
         """Parameters one token passes through: all but the routed experts it is not sent to
         (moe_router_topk of num_experts in each MoE layer)."""
-        idle = self.num_experts - self.moe_router_topk
-        return self.num_params() - self.moe_layers() * idle * self.expert_num_params()
+        return self.num_params() - self.routed_expert_params() + self.moe_layers() * self.moe_router_topk * \
+            self.expert_num_params()
 
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))

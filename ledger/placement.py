@@ -234,6 +234,17 @@ class CommBuilder:
                                                                       (low, high)))
         return self
 
+    def add_token_all_to_all(self, dim: str, dtype: str, group_size: int, what: str, own_rows: int,
+                             most_rows: int, row_bytes: int, calls_each_side: int) -> "CommBuilder":
+        """An MoE token dispatcher's all-to-alls, bytes sent by a rank: calls_each_side on the side of its
+        own tokens (own_rows, fixed: the dispatch, the combine's backward) and as many on its experts'
+        side, where the router decides the rows (0 to most_rows; predicted own_rows, the balanced case:
+        the combine, the dispatch's backward)."""
+        own = own_rows * row_bytes
+        return self.add_routed(dim, "all_to_all", dtype, group_size, what,
+                               [(own, calls_each_side, 0, 0),
+                                (own, calls_each_side, -own, (most_rows - own_rows) * row_bytes)])
+
     def add_each(self, dim: str, kind: str, buffers: list[int], group_size: int, dtype: str = "",
                  what: str = "") -> "CommBuilder":
         """One call per buffer (e.g. one per DDP bucket); the same as add() for each."""

@@ -50,17 +50,12 @@ def activation_bytes(model: ModelShape, lay: Layout, recompute: str | None = Non
     return x
 
 
-def routed_expert_params(model: ModelShape) -> int:
-    """Parameters of every routed expert of the model (split by ep and etp; the rest by tp)."""
-    return model.moe_layers() * model.num_experts * model.expert_num_params()
-
-
 def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     name = fw.name
     # MoE: the routed experts split over ep (each expert's FFN over etp), the rest over tp as for a
     # dense model; both over the pipeline stages
-    n_expert = routed_expert_params(model) // (lay.ep * lay.etp * lay.pp)
-    n_dense = (st.num_params - routed_expert_params(model)) // (lay.tp * lay.pp)
+    n_expert = model.routed_expert_params() // (lay.ep * lay.etp * lay.pp)
+    n_dense = (st.num_params - model.routed_expert_params()) // (lay.tp * lay.pp)
     n_local = n_dense + n_expert
     # CP splits the sequence, not the parameters: gradients are reduced, and Megatron's distributed
     # optimizer sharded, over the dp x cp ranks (parallel_state's "dp-cp" group)

@@ -150,3 +150,20 @@ def layout_of(world: int, **kw):
     base = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, etp=1, vp=1, sequence_parallel=False,
                 micro_batch_size=1, global_batch_size=-1)
     return resolve({**base, **kw}, world)
+
+
+def assert_megatron_redirects(sweep, scope: str, may_reach: tuple[str, ...]) -> None:
+    """The CPU redirects of launchers/megatron_cpu.py a matrix reached: every one declared with this
+    scope (dense: tests/test_megatron.py, moe: test_megatron_moe.py) is reached, and nothing reached is
+    outside the scopes it may reach (a dense matrix reaches no MoE site; an MoE one reaches dense ones)."""
+    from launchers import megatron_cpu
+
+    reached = set()
+    for rec in sweep["ok"]:
+        for r in rec["measurement"]["ranks"]:
+            reached |= {(h["module"], h["function"], h["what"]) for h in r["cpu_redirects"] if h["count"] > 0}
+    declared = {(d["module"], d["function"], d["what"]): d["scope"] for d in megatron_cpu.declared()}
+    mine = {k for k, s in declared.items() if s == scope}
+    assert mine - reached == set(), f"{scope} redirects no longer reached (remove them): {mine - reached}"
+    allowed = {k for k, s in declared.items() if s in may_reach}
+    assert reached - allowed == set(), f"undeclared CUDA sites reached (declare them): {reached - allowed}"

@@ -32,7 +32,7 @@ from ledger.faithful import megatron as L
 from ledger.faithful import megatron_buffers as B
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
-from tests.conftest import launch, peak_evidence, run_sweeps
+from tests.conftest import assert_megatron_redirects, launch, peak_evidence, run_sweeps
 
 COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000")
 # four multiruns; each sweeps layout dicts (merged into the layout node), so the 10 jobs cover the
@@ -271,15 +271,7 @@ def test_uneven_pipeline_jobs_built_their_stage_layers(sweep):
 
 @pytest.mark.real
 def test_cpu_redirects_are_all_reached_and_declared(sweep):
-    from launchers import megatron_cpu
-
-    reached = set()
-    for rec in sweep["ok"]:
-        for r in rec["measurement"]["ranks"]:
-            reached |= {(h["module"], h["function"], h["what"]) for h in r["cpu_redirects"] if h["count"] > 0}
-    declared = {(d["module"], d["function"], d["what"]) for d in megatron_cpu.declared() if d["scope"] == "dense"}
-    assert declared - reached == set(), f"redirects no longer reached (remove them): {declared - reached}"
-    assert reached - declared == set(), f"undeclared CUDA sites reached (declare them): {reached - declared}"
+    assert_megatron_redirects(sweep, "dense", ("dense",))
 
 
 @pytest.mark.real

@@ -23,8 +23,8 @@ from analysis import compare, reconcile
 from ledger.layout import ConfigError, resolve
 from ledger.model import preset
 from ledger.placement import CommBuilder
-from tests.conftest import (assert_jobs, assert_losses_finite, assert_states_on_every_rank, launch, layout_of,
-                            routed_rows_by_ep_group, run_sweeps)
+from tests.conftest import (assert_jobs, assert_losses_finite, assert_megatron_redirects, assert_states_on_every_rank,
+                            launch, layout_of, routed_rows_by_ep_group, run_sweeps)
 
 COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.steps=2")
 SWEEPS = (
@@ -141,16 +141,7 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
 
 @pytest.mark.real
 def test_cpu_redirects_of_moe_are_all_reached_and_declared(sweep):
-    from launchers import megatron_cpu
-
-    reached = set()
-    for rec in sweep["ok"]:
-        for r in rec["measurement"]["ranks"]:
-            reached |= {(h["module"], h["function"], h["what"]) for h in r["cpu_redirects"] if h["count"] > 0}
-    declared = {(d["module"], d["function"], d["what"]): d["scope"] for d in megatron_cpu.declared()}
-    moe = {k for k, scope in declared.items() if scope == "moe"}
-    assert moe - reached == set(), f"MoE redirects no longer reached (remove them): {moe - reached}"
-    assert reached - set(declared) == set(), f"undeclared CUDA sites reached (declare them): {reached - set(declared)}"
+    assert_megatron_redirects(sweep, "moe", ("dense", "moe"))
 
 
 @pytest.mark.real

@@ -177,16 +177,23 @@ def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
     return dense, tuple(expert)
 
 
+def _layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
+    """The global indexes of a stage's decoder layers (one chunk: vp is refused): the MoE pattern
+    (moe_layer_freq) is over global layers."""
+    first = sum(stage_layers(model.layers, pp, 1, s, 0, split) for s in range(stage))
+    return range(first, first + stage_layers(model.layers, pp, 1, stage, 0, split))
+
+
 def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split: tuple) -> tuple[list, list]:
     """(dense, expert) (name, local numel) lists of one pipeline stage, GPTModel order, its layers
     global index offset by the stages before it (the MoE pattern is over global layers)."""
     emb, layer, head = _pieces(model, tp)
-    n = stage_layers(model.layers, pp, 1, stage, 0, split)
-    first = sum(stage_layers(model.layers, pp, 1, s, 0, split) for s in range(stage))
+    layers = _layer_range(model, pp, stage, split)
+    first = layers.start
     dense = list(emb) if stage == 0 else []
     expert = []
     moe_dense, moe_expert = _moe_layer(model, tp, ep)
-    for i in range(first, first + n):
+    for i in layers:
         if model.is_moe_layer(i):
             dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_dense]
             expert += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_expert]
@@ -220,11 +227,9 @@ def _dense_and_expert(model: ModelShape, lay: Layout, k, stage: int) -> tuple[li
 def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
     """A stage's parameters in named_parameters() order, experts inside their layers (ep = 1)."""
     emb, layer, head = _pieces(model, lay.tp)
-    n = stage_layers(model.layers, lay.pp, 1, stage, 0, k.pp_split)
-    first = sum(stage_layers(model.layers, lay.pp, 1, s, 0, k.pp_split) for s in range(stage))
     moe_dense, moe_expert = _moe_layer(model, lay.tp, 1)
     out = list(emb) if stage == 0 else []
-    for i in range(first, first + n):
+    for i in _layer_range(model, lay.pp, stage, k.pp_split):
         out += list(moe_dense + moe_expert) if model.is_moe_layer(i) else list(layer)
     return out + (list(head) if stage == lay.pp - 1 else [])
 
@@ -236,9 +241,7 @@ def tokens(model: ModelShape, lay: Layout) -> int:
 
 
 def _moe_layers_of(model: ModelShape, lay: Layout, k, stage: int) -> int:
-    n = stage_layers(model.layers, lay.pp, 1, stage, 0, k.pp_split)
-    first = sum(stage_layers(model.layers, lay.pp, 1, s, 0, k.pp_split) for s in range(stage))
-    return sum(model.is_moe_layer(i) for i in range(first, first + n))
+    return sum(model.is_moe_layer(i) for i in _layer_range(model, lay.pp, stage, k.pp_split))
 
 
 def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
@@ -375,12 +378,9 @@ def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: 
         return
     # the count all-gather: each rank's tokens per expert (int64 [E]) over tp_ep, forward only
     cb.add("etp-ep", "all_gather", E * 8 * n, n, "int64", count=calls, what="tokens per expert (preprocess)")
-    own = T * kk  # rows on the side of this rank's tokens
-    most = ep * T * min(kk, E // ep)  # rows its experts can be sent
-    cb.add_routed("ep", "all_to_all", pdt, ep, what,
-                  [(own * h * ab, 2 * calls, 0, 0), (own * h * ab, 2 * calls, -own * h * ab, (most - own) * h * ab)])
-    cb.add_routed("ep", "all_to_all", prob_dt, ep, what,
-                  [(own * prob_b, calls, 0, 0), (own * prob_b, calls, -own * prob_b, (most - own) * prob_b)])
+    own, most = T * kk, ep * T * min(kk, E // ep)  # rows of this rank's tokens, the most its experts get
+    cb.add_token_all_to_all("ep", pdt, ep, what, own, most, h * ab, 2 * calls)  # tokens, expert outputs
+    cb.add_token_all_to_all("ep", prob_dt, ep, what, own, most, prob_b, calls)  # their probs
 
 
 def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:

@@ -153,10 +153,8 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     # the token dispatcher, every MoE layer's forward and backward
     T, k, E, h = lay.micro_batch_size * model.seq_len, model.moe_router_topk, model.num_experts, model.hidden
     acc.add(ep_dim, "all_to_all", E * 8, ep, "int64", L, "tokens per expert (token_dispatcher.py)")
-    own, most = T * k, ep * T * min(k, E // ep)
-    what = "tokens / expert outputs (token_dispatcher.py AllToAllTokenDispatcher)"
-    acc.add_routed(ep_dim, "all_to_all", "bf16", ep, what,
-                   [(own * h * BF16, 2 * L, 0, 0), (own * h * BF16, 2 * L, -own * h * BF16, (most - own) * h * BF16)])
+    acc.add_token_all_to_all(ep_dim, "bf16", ep, "tokens / expert outputs (token_dispatcher.py AllToAllTokenDispatcher)",
+                             T * k, ep * T * min(k, E // ep), h * BF16, 2 * L)
     return acc.build()
 
 
