@@ -542,6 +542,60 @@ def test_zero3_fetch_on_use_is_the_event_replay():
             (shape, th, ml, m)
 
 
+def test_zero3_watched_replay_makes_the_same_pass():
+    """Watching a pass (the memory walk's events) changes nothing the replay decides: the same calls and
+    end, and the watched fetches are those calls (as numel tuples), over budgets that keep everything,
+    nothing and some of it."""
+    import dataclasses
+
+    from ledger.faithful.deepspeed_coordinator import _z3_persistent, _z3_sim, _z3_trace
+
+    tiny = preset("tiny", layers=3)
+    for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True)):
+        for pf, ml, rd in ((5 * 10**7, 10**9, 10**9), (0, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000)):
+            tr = _z3_trace(shape, 100_000)
+            for acc in (False, True):
+                sim = _z3_sim(shape, 100_000, pf, ml, rd, acc, periodic=False)
+                start = _z3_persistent(tr)
+                calls, end = sim.run(start)
+                log: list = []
+                assert sim.run(start, watch=log) == (calls, end)
+                seen = Counter()
+                for ev in log:
+                    if ev[0] in "FB":
+                        for ps in ev[2:]:
+                            if ps:
+                                seen[tuple(sorted(tr.numel[p] for p in ps))] += 1
+                assert seen == calls, (shape, pf, ml, rd)
+    with pytest.raises(ValueError, match="periodic=False"):
+        _z3_sim(tiny, 100_000, 0, 10**9, 0, False, periodic=True).run(frozenset(), watch=[])
+
+
+def test_zero3_moments_by_hand():
+    """deepspeed_coordinator.z3_moments against what partition_parameters.py makes, counted by hand:
+    default budgets (one prefetch of every non-persistent param at the root: one flat buffer of the
+    padded partitions, live until the output's fetch pops its last param; each param cat'ed at the
+    embedding's wait: the Linear weights saved by mm, the embedding's copy not) and no prefetch or
+    reuse distance (each module's params gathered at its fetch, released after: nothing at the final
+    norm; the output's own single-param buffer at its backward)."""
+    from ledger.faithful.deepspeed_coordinator import Z3Live, z3_moments
+
+    tiny = preset("tiny")
+    th, dp, w = 100_000, 3, 2  # dp 3: every partition padded
+    big = [(n, sh) for n, sh in tiny.params() if numel(sh) > th]
+    assert {n.split(".")[-2] for n, _ in big} == {"tok_embeddings", "w1", "w2", "w3", "output"}
+    flat = w * dp * sum(-(-numel(sh) // dp) for _, sh in big)
+    emb = w * tiny.vocab * tiny.hidden
+    linear = sum(w * numel(sh) for n, sh in big) - emb
+    (fwd, start, out), = z3_moments(tiny, 1, th, 5 * 10**7, 10**9, 10**9, dp, w)
+    assert fwd == Z3Live(saved=linear, gathered=flat, temporary=emb)
+    # the backward's start: the flat buffer was freed at the output's fetch; nothing new to prefetch
+    assert start == out == Z3Live(saved=linear, gathered=0, temporary=emb)
+    (fwd, start, out), (fwd2, _, _) = z3_moments(tiny, 2, th, 0, 10**9, 0, dp, w)
+    assert fwd == fwd2 == start == Z3Live(0, 0, 0)
+    assert out == Z3Live(saved=0, gathered=w * dp * -(-tiny.vocab * tiny.hidden // dp), temporary=0)
+
+
 def test_zero3_first_pass_asks_no_skipped_block(monkeypatch):
     """The first complete pass computes each release entry it asks for without looking at the rules of
     the blocks it skipped (_to_release(skipped=False)): it never asks for one of those (_cached finds
@@ -979,11 +1033,13 @@ def test_zero3_step1_pass_from_the_accumulation_coordinator():
 # checked to stay what it is (a fix shows up here), never covered by a wider tolerance.
 # name -> (which jobs: f(zero, dp, precision, micro-batches, tied, reuse distance), "over 1%" | "within 1%")
 PEAK_FINDINGS = {
-    # ZeRO-3 at 4 ranks keeping gathered params from forward to backward (reuse distance): the optimizer
-    # step's temporaries halve and the peak moves into forward / backward, where the coordinator's live
-    # gathered parameters at that moment are not modelled (the backward candidate is an estimate for
-    # ZeRO-3, deepspeed_peak): 12-25% off
-    "zero3 forward/backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse != 0, "over 1%"),
+    # ZeRO-3 at 4 ranks with a reuse distance between none and the whole model (the budgets job): the
+    # peak is deeper in the backward than the candidates, at an IPG bucket's reduce-scatter (its split
+    # of __avg_scatter_grads), with some layers' gradients and activations live: 1.5% above the
+    # backward's start (the replayed gathered params there exact). With the default budgets the peak
+    # is the final norm's forward, exact (deepspeed_coordinator.z3_moments)
+    "zero3 deep backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse not in (0, 10**9),
+                            "over 1%"),
     # fp32 ZeRO-2, 4 ranks, 2 micro-batches: the peak is further into backward than the candidates
     # (grads_in_partition, the IPG bucket and the layers' gradients): 9% off
     "fp32 zero2 deep backward": (lambda z, dp, prec, m, tied, reuse: z == 2 and dp == 4 and prec == "fp32", "over 1%"),
@@ -991,11 +1047,31 @@ PEAK_FINDINGS = {
     # optimizer-step candidate the ledger picks (the gathered embedding / output weight in backward)
     "zero3 tied backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse == 0 and tied,
                             "within 1%"),
+    # ZeRO-3 at 4 ranks, 2 micro-batches: step 0's peak is micro-batch 1's final norm, in the first
+    # complete pass after the recording one (the persistent params gathered anew, their flat buffers
+    # and cat copies); the ledger replays the steady step's passes only (z3_moments), the first step's
+    # forward is not a candidate: 26% below there, steady exact
+    "zero3 step-0 forward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and m > 1 and reuse == 10**9,
+                             "within 1%"),
     # total exact, parts not: held param.grads of ZeRO-1 across micro-batches that the boundary all-reduce
     # touches (the extra-large ones, the IPG buffer) are `gathered` for the probe (its categories hold for
     # the whole step); the ledger counts them temporary
     "zero1 held grads": (lambda z, dp, prec, m, tied, reuse: z == 1 and m > 1 and dp == 4, "within 1%"),
 }
+
+
+def _exact(g) -> bool:
+    """Every peak row of a job to the byte: a total inside the probe's thread-timing range
+    (compare.peak_gap: a gloo worker thread may free a storage late, measured: 4 bytes of ZeRO-2 at 4
+    ranks, 1 run in 2), each part off by at most those bytes (the late storage's category)."""
+    from analysis.compare import peak_gap
+
+    tot = g[g.quantity == "peak_bytes"]
+    if not (peak_gap(tot) == 0).all():
+        return False
+    race = {(r.rank, r.step): r.race_bytes for r in tot.itertuples()}
+    parts = g[g.quantity != "peak_bytes"]
+    return all(abs(r.abs_err) <= race[(r.rank, r.step)] for r in parts.itertuples())
 
 
 def _peak_finding(rec):
@@ -1034,10 +1110,10 @@ def test_peak_rows(runs):
             if found:
                 assert (g.abs_err != 0).any(), f"{name}/{job} {found}: now exact, no finding"
                 continue
-            assert (g.abs_err == 0).all(), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
+            assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 17, exact
+    assert exact == 18, exact
 
 
 @pytest.mark.real
@@ -1050,21 +1126,18 @@ def test_most_live_activations_are_the_ledgers(runs):
     for rec in [r for k in recs for r in recs[k]]:
         pred = rec["prediction"]["per_rank"][0]["peak"]["detail"]["candidate/activations most live"]
         fw = rec["config"]["framework"]
-        # finding: a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights
-        # mm saved before the forward ends (free_param frees the storage under the saved leaf); which
-        # ones is the coordinator's replay, not carried into the activations (deepspeed_peak)
-        finding = fw["zero_stage"] == 3 and fw["stage3_max_reuse_distance"] not in (0, 1_000_000_000)
+        # a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights mm saved
+        # before the forward ends (free_param frees the storage under the saved leaf): which ones, the
+        # coordinator replay (deepspeed_coordinator.z3_moments)
+        budget = fw["zero_stage"] == 3 and fw["stage3_max_reuse_distance"] not in (0, 1_000_000_000)
         for r in rec["measurement"]["ranks"]:
             most = max(p.get("activations", 0) for p in r["steps"][-1]["timeline"])
-            if finding:
-                assert most < pred, (R_name(rec), r["rank"])
-            else:
-                # the thread-timing range (probes/peak.py prompt_most): a gathered weight mm saved can be
-                # freed late by gloo's worker thread (measured: ZeRO-3 tied, reuse 0, 2 ranks, 1 run in 4
-                # +524,288 B on one rank at the loss); had it freed promptly the most is the ledger's
-                prompt = r["steps"][-1]["peak"]["prompt_most"].get("activations", 0)
-                assert prompt == pred <= most, (R_name(rec), r["rank"], prompt, most)
-        budgets += finding
+            # the thread-timing range (probes/peak.py prompt_most): a gathered weight mm saved can be
+            # freed late by gloo's worker thread (measured: ZeRO-3 tied, reuse 0, 2 ranks, 1 run in 4
+            # +524,288 B on one rank at the loss); had it freed promptly the most is the ledger's
+            prompt = r["steps"][-1]["peak"]["prompt_most"].get("activations", 0)
+            assert prompt == pred <= most, (R_name(rec), r["rank"], prompt, most)
+        budgets += budget
         seen.add((fw["zero_stage"], _ckpt(rec), fw["stage3_max_reuse_distance"] == 0))
     assert seen >= {(1, False, False), (2, False, False), (3, False, False), (3, False, True), (2, True, False)}
     assert budgets == 4

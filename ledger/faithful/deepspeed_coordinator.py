@@ -340,10 +340,16 @@ class _Z3Sim:
                     return got
         return None
 
-    def run(self, start: frozenset, record: bool = False) -> tuple[Counter, frozenset]:
+    def run(self, start: frozenset, record: bool = False, watch: list | None = None) -> tuple[Counter, frozenset]:
         """One pass from `start` (params gathered when it begins): its all-gather calls as a Counter of
-        sorted numel tuples, and the params gathered after it."""
-        if not record and start in self.memo and self.release_cache:
+        sorted numel tuples, and the params gathered after it.
+
+        watch: a list that gets every event of the pass, for the memory walk (z3_forward_live): (kind,
+        module, own fetch's params, prefetched params) for a fetch, (kind, module, released params) for
+        a release or the leftovers' drain. Only on the event-by-event replay (periodic=False)."""
+        if watch is not None and self.periodic:
+            raise ValueError("watch needs the event-by-event replay (periodic=False)")
+        if not record and watch is None and start in self.memo and self.release_cache:
             return self.memo[start]
         fill = not record and not self.release_cache  # this pass decides __params_to_release
         tr = self.tr
@@ -445,6 +451,7 @@ class _Z3Sim:
                 if kind == "B":
                     bwd_active[mo] = None
                 todo = ()
+                need = ()
                 if len(own) == 1:  # the loop below, for one param (most modules)
                     p = own[0]
                     active[p] += 1
@@ -454,6 +461,7 @@ class _Z3Sim:
                         calls.append((numel_[p],))
                         avail[p] = True
                         n_avail += numel_[p]
+                        need = own
                 elif own:
                     todo = []
                     for p in own:
@@ -510,6 +518,12 @@ class _Z3Sim:
                         if got:
                             calls.append(tuple(sorted([numel_[p] for p in pre])) if len(pre) > 1 else (got,))
                             n_avail += got
+                        if watch is not None:
+                            watch.append((kind, mo, tuple(need), tuple(pre)))
+                    elif watch is not None:
+                        watch.append((kind, mo, tuple(need), ()))
+                elif watch is not None:
+                    watch.append((kind, mo, tuple(need), ()))
                 step += 1
             elif kind == "f" or kind == "b":
                 if kind == "b":
@@ -531,12 +545,17 @@ class _Z3Sim:
                             got = self._cached(key, unmarked)
                         if got != _unmarked(own, persist, recent, step):
                             self._now_first = False
+                freed = []
                 for p in own:
                     active[p] -= 1
                     if not active[p] and avail[p] and p in rel:  # __release_param
                         avail[p] = False
                         n_avail -= numel_[p]
+                        freed.append(p)
+                if watch is not None:
+                    watch.append((kind, mo, tuple(freed)))
             else:  # release_backward_leftovers: drain the backward stack, non-persistent params only
+                freed = []
                 while bwd_active:
                     mo, _ = bwd_active.popitem()
                     for p in mod_params[mo]:
@@ -544,6 +563,9 @@ class _Z3Sim:
                         if not active[p] and not persist[p] and avail[p]:
                             avail[p] = False
                             n_avail -= numel_[p]
+                            freed.append(p)
+                if watch is not None:
+                    watch.append((kind, -1, tuple(freed)))
         out_calls = Counter(calls)
         out_calls.update(skipped)
         out = (out_calls, frozenset(compress(range(len(avail)), avail)))
@@ -777,3 +799,125 @@ def _z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_li
         return record, Counter(), steady
     sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic)
     return record, _z3_passes(sim, after_record, m - 1), steady
+
+
+class Z3Live(NamedTuple):
+    """ZeRO-3's gathered parameter memory at one moment of a pass, by the probe's category of each
+    storage (probes/peak.py: a storage's category holds for the whole step): bytes of the params' own
+    storages that a forward mm saves (`saved`: the Linear weights), of the collective's outputs no op
+    saves (`gathered`: coalesced calls' flat buffers, single-param buffers) and of the torch.cat copies
+    no op saves (`temporary`)."""
+    saved: int
+    gathered: int
+    temporary: int
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.gathered + self.temporary
+
+
+def _z3_walk(model: ModelShape, tr: _Z3Trace, log: list, dp: int, w: int, ats: tuple[int, ...]) -> tuple[Z3Live, ...]:
+    """Live gathered memory after each fetch event of `ats` (indices into a watched pass's events,
+    _Z3Sim.run(watch=)), from partition_parameters.py's all-gather handles:
+
+    - one param (_all_gather_sequential): param.data is a view of its buffer of ceil(n/dp)*dp elements,
+      live from the call to the param's release (free_param);
+    - several (_all_gather_dtype): one flat buffer of sum(ceil(n/dp))*dp elements; the first wait() on
+      the handle (AllGatherCoalescedHandle.wait; fetch_sub_module pops a module's own params off
+      __inflight_param_registry and waits, before it issues the prefetch) makes every param of the call
+      its own storage, torch.cat of its parts (n elements, freed at its release); the flat buffer lives
+      while the registry holds the handle: until the last of its params is popped.
+
+    A param's storage is `saved` when a forward mm uses it (a Linear's weight: every 2-D param but the
+    embedding's own lookup, F.embedding saving the indices), looking past a forward moment up to the
+    forward's end; a storage gathered in the backward is never saved."""
+    two_d = [len(sh) == 2 for _, sh in model.params()]
+    emb = 1  # module 1: tok_embeddings (_z3_trace)
+    handle_of: dict[int, int] = {}  # in flight in a coalesced call: param -> handle id
+    handles: dict[int, list] = {}  # id -> [flat bytes, its params, params not popped yet]
+    storage: dict[int, tuple[int, int, str]] = {}  # param -> (serial, bytes, "gathered" | "temporary")
+    saved: set[int] = set()  # serials a forward mm saves
+    serial = 0
+    snaps: dict[int, tuple[dict, int]] = {}
+    forward = True
+    for i, ev in enumerate(log):
+        kind, mo = ev[0], ev[1]
+        if kind == "B":
+            forward = False
+            if len(snaps) == len(ats):
+                break
+        if kind == "F" or kind == "B":
+            for k, ps in enumerate((ev[2], ev[3])):  # the own fetch, then (after the wait loop) the prefetch
+                if len(ps) == 1:
+                    serial += 1
+                    storage[ps[0]] = (serial, w * _ceil(tr.numel[ps[0]], dp) * dp, "gathered")
+                elif ps:
+                    serial += 1
+                    handles[serial] = [w * sum(_ceil(tr.numel[p], dp) for p in ps) * dp, ps, set(ps)]
+                    for p in ps:
+                        handle_of[p] = serial
+                if k == 1:
+                    break
+                for p in tr.mod_params[mo]:  # the wait loop
+                    h = handle_of.pop(p, None)
+                    if h is None:
+                        continue
+                    hd = handles[h]
+                    if len(hd[2]) == len(hd[1]):  # the handle's first wait: every param cat'ed
+                        for q in hd[1]:
+                            serial += 1
+                            storage[q] = (serial, w * tr.numel[q], "temporary")
+                    hd[2].discard(p)
+                    if not hd[2]:
+                        del handles[h]
+            if forward and mo != emb:
+                saved.update(storage[p][0] for p in tr.mod_params[mo] if two_d[p] and p in storage)
+            if i in ats:
+                snaps[i] = (dict(storage), sum(hd[0] for hd in handles.values()))
+        else:
+            for p in ev[2]:
+                storage.pop(p, None)
+    out = []
+    for at in ats:
+        if at not in snaps:
+            raise ValueError(f"event {at} is not a fetch of the pass")
+        snap, flat = snaps[at]
+        got = {"saved": 0, "gathered": flat, "temporary": 0}
+        for sr, nb, cat in snap.values():
+            got["saved" if sr in saved else cat] += nb
+        out.append(Z3Live(**got))
+    return tuple(out)
+
+
+def _ceil(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+@lru_cache(maxsize=64)
+def z3_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
+               w: int) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
+    """Per micro-batch of a steady step (the passes of _z3_steady, on the event-by-event replay), the
+    gathered parameter memory at three moments (after the fetch and its prefetch):
+    - the final norm's forward: every layer's activations live, the output's all-gather not waited yet;
+    - the backward's start (the root's pre-backward hook on the loss, before the loss's own backward
+      nodes): what the forward left gathered and the root's prefetch;
+    - the output Linear's backward (its pre-backward hook on the logits' gradient)."""
+    tr = _z3_trace(model, threshold)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic=False)
+    norm, out_mod = 2 + tr.layers * _block_modules(tr), 3 + tr.layers * _block_modules(tr)
+    got = []
+    start = _z3_persistent(tr)
+    for _ in range(m):
+        log: list = []
+        _, end = sim.run(start, watch=log)
+        ats = (next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm),
+               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == 0),
+               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == out_mod))
+        got.append(_z3_walk(model, tr, log, dp, w, ats))
+        start = end
+    return tuple(got)
+
+
+def _block_modules(tr: _Z3Trace) -> int:
+    """Modules per block (M of _z3_trace): the final norm is module 2 + layers * M."""
+    return abs(tr.periods[0].dM)

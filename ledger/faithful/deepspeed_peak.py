@@ -17,10 +17,16 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   input gradients beside the logits' (fp32 makes that one larger), + what ZeRO-1 holds across
   micro-batches (param.grad, the IPG buffer). Measured exact: ZeRO-1/2 bf16 at one micro-batch (4
   samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (total; the probe counts
-  the held gradients the boundary all-reduce touches as `gathered`). An estimate elsewhere: ZeRO-3's
-  live gathered parameters (its forward / backward peak at 4 ranks is 12-25% above: a finding),
-  ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples), fp32 ZeRO-2 deeper in
-  backward (9%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
+  the held gradients the boundary all-reduce touches as `gathered`). ZeRO-3 (steady step): the
+  gathered parameters at this moment from the coordinator replay (deepspeed_coordinator.z3_moments);
+- ZeRO-3 only, each micro-batch's forward at the final norm (its last op): every layer's saves live,
+  and what the coordinator gathered: with the default budgets one prefetch at the root gathers every
+  non-persistent param in one all_gather_coalesced, whose flat buffer stays beside the params' torch.cat
+  copies until the output's fetch pops its last param. Where the 4-rank ZeRO-3 jobs peak, exact.
+An estimate elsewhere: ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples),
+fp32 ZeRO-2 deeper in backward (9%), ZeRO-3 with a partial reuse distance deeper in backward (at an
+IPG reduce-scatter, 1.5%), ZeRO-3's step 0 (its passes are not replayed for memory), a checkpointed
+layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
@@ -107,8 +113,8 @@ def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
     swaps param.data for an empty tensor, which frees the storage under the saved leaf too). With
     stage3_max_reuse_distance 0 every parameter is released after its module's forward: none; with a
     reuse distance above the model, none before its backward: all of them (the caller's choice, see
-    ledger/faithful/deepspeed.py _zero3); budgets in between keep some (not derived: the default
-    above, an estimate there)."""
+    ledger/faithful/deepspeed.py _zero3); budgets in between keep some: peak() takes the steady
+    step's from the coordinator replay (z3_moments), this stays step 0's estimate."""
     acts: dict[str, int] = {}
     held: dict[str, int] = {}
     per = layer_activations(model, mbs, w)
@@ -149,13 +155,15 @@ def _loss_scalars() -> int:
 
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, gathered_weights: int,
-         n: int, bucket: int) -> Peak | None:
+         n: int, bucket: int, z3_moments: tuple = ()) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
     optimizer state (bytes); grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for
     ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
-    bucket: reduce_bucket_size (elements)."""
+    bucket: reduce_bucket_size (elements); z3_moments: ZeRO-3's gathered parameters per micro-batch of a
+    steady step at the final norm's forward, the backward's start and the output's backward
+    (deepspeed_coordinator.z3_moments)."""
     if modelled(model) is not None:
         return None
     acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
@@ -207,6 +215,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     ipg = w * bucket if m == 1 and zero in (1, 2) else 0
     act_named = _per_kind(acts, model.layers)
     most = most_live_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
+    if zero == 3 and z3_moments:
+        # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
+        # backward's start adds only storages gathered for the backward, which no op saves)
+        most = max(most_live_activations(model, mbs, w, checkpointing) + z[1].saved for z in z3_moments)
     base_temp = sum(held.values()) + _loss_scalars() + held_grads
 
     def bwd(first: bool) -> Peak:
@@ -221,16 +233,34 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
         # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
         # logits' gradient still alive
-        a = (act - FP32, 2 * FP32 * b * s * V)
-        bb = (act - FP32 - FP32 * b * s * V, w * b * s * V + w * V * h + w * b * s * h + ipg)
-        bb_won = a[0] + a[1] < bb[0] + bb[1]
-        (acts_now, grads_now), at = (bb, "the output Linear's mm backward") if bb_won else \
+        # ZeRO-3 (steady step): the gathered params from the coordinator replay at each moment, the
+        # backward's start (the root's pre-backward hook fired before the loss's nodes) and the output's
+        # pre-backward hook; the mm-saved weights are those of the forward still gathered
+        za = zb = None
+        if zero == 3 and z3_moments and not first:
+            _, za, zb = z3_moments[-1]
+        replay = za is not None
+        base = act - (gathered_weights if replay else 0)
+        a = (base - FP32 + (za.saved if replay else 0), 2 * FP32 * b * s * V, za)
+        bb = (base - FP32 - FP32 * b * s * V + (zb.saved if replay else 0),
+              w * b * s * V + w * V * h + w * b * s * h + ipg, zb)
+
+        def total(c):
+            return c[0] + c[1] + (c[2].gathered + c[2].temporary if c[2] is not None else 0)
+
+        bb_won = total(a) < total(bb)
+        (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
             (a, "_log_softmax_backward_data")
-        # ZeRO-3: the non-persistent Linear weights stay alive through the saves (counted as
-        # activations); nothing else gathered is counted (an estimate)
-        parts = {"resident": res, "activations": acts_now, "gathered": 0, "temporary": grads_now + base_temp,
-                 "unnamed": 0}
+        # ZeRO-3 outside the replay (step 0's passes): the non-persistent Linear weights stay alive
+        # through the saves (counted as activations); nothing else gathered is counted (an estimate)
+        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered if replay else 0,
+                 "temporary": grads_now + base_temp + (z.temporary if replay else 0), "unnamed": 0}
         detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
+        if replay:
+            detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
+            detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
+            if z.temporary:
+                detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
         detail["temporary/cross-entropy and output gradients at " + at] = grads_now - (ipg if bb_won else 0)
         if ipg and bb_won:
             detail["temporary/IPG buffer (reduce_bucket_size elements, at the first gradient hook)"] = ipg
@@ -240,17 +270,55 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if held_grads:
             detail["temporary/gradients held across micro-batches"] = held_grads
         what = f"the last micro-batch's backward at {at}"
-        if zero == 3 or (m > 1 and zero == 2) or checkpointing:
+        if (zero == 3 and not replay) or (m > 1 and zero == 2) or checkpointing:
             # ZeRO-3's gathered parameters and a checkpointed layer's recompute are not in this
             # candidate; ZeRO-2's grads_in_partition above
             what += "; an estimate (ZeRO-3 gathered params, recompute, ZeRO-2 grads_in_partition not exact)"
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
+    def fwd(i: int, z) -> Peak:
+        # micro-batch i's forward at the final norm (`norm`: its last op, the mul by the weight), where
+        # every layer's saves are live and ZeRO-3 still holds what the coordinator gathered (z, from
+        # the replay: the output's coalesced all-gather not yet waited keeps its flat buffer beside
+        # the params' cat copies). The resident state as at the boundary (_global_grad_norm and the
+        # inf tracker in `other`); the previous loss still bound by the training loop: the last
+        # step's (live at the step's start: unnamed) or the last micro-batch's
+        res = params_resident + grads_resident + optim + norm_dtype + 1
+        acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
+                "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
+                "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
+        bsh = mbs * model.seq_len * model.hidden
+        # RMSNorm in bf16: xf * rsqrt (fp32, saved by no op: .type_as copies it) and the last block's
+        # output x (.float() copies it); in fp32 both are the tensors the norm saves
+        temp = {"norm's xf * rsqrt and its input": 0 if w == FP32 else FP32 * bsh + w * bsh,
+                "gathered params' torch.cat copies (ZeRO-3)": z.temporary}
+        if i:
+            temp["loss (the last micro-batch's)"] = FP32
+        parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
+                 "temporary": sum(temp.values()), "unnamed": 0 if i else FP32}
+        detail = {"resident/params": params_resident, "resident/grads": grads_resident, "resident/optim": optim,
+                  "resident/other": norm_dtype + 1}
+        detail.update({f"activations/{k}": v for k, v in acts.items()})
+        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+        detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
+        if not i:
+            detail["unnamed/the last step's loss"] = FP32
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
+                    what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params from the coordinator replay)",
+                    detail=detail)
+
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
-        best, other = (o, k) if o.bytes >= k.bytes else (k, o)
-        best.detail[f"candidate/{other.phase} ({'optimizer step' if other is o else 'backward start, estimate'})"] = \
-            other.bytes
+        cands = [o, k]
+        if not first and z3_moments:
+            # the first micro-batch reaching the most (the probe keeps the first maximum)
+            f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
+            cands.append(f)
+        best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
+        names = {id(o): "optimizer step", id(k): "backward start, estimate"}
+        for c in cands:
+            if c is not best:
+                best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
         best.detail["candidate/activations most live"] = most
         return best
 
