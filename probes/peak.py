@@ -336,7 +336,17 @@ class PeakTracker:
 
         def pack(t):
             tr.mark(t, tr.saved)
-            return t
+            # autograd keeps what pack returns. A tensor some op made (one with a grad_fn), returned as it
+            # is, keeps that grad_fn, which may be the very node saving it (an op's own output: tanh's,
+            # SDPA's): a cycle through C++ no collector sees, so a graph no backward frees (torch
+            # pipelining's forward metadata inference on the first stage, whose inputs need no grad:
+            # its backward inference runs no autograd) stays alive for good: the probe held one
+            # micro-batch of activations (measured: 572,172 B on torchtitan pp2's stage 0, every later
+            # step). Without hooks autograd saves an output without its grad_fn too (SavedVariable), so
+            # such a tensor is saved detached (the same storage). A leaf is saved as it is: ZeRO-3
+            # frees a gathered weight mm saved by swapping the Parameter's .data, which must reach the
+            # saved tensor as it does without hooks
+            return t if t.grad_fn is None else t.detach()
 
         @contextlib.contextmanager
         def ctx():
