@@ -30,7 +30,8 @@ every block's). While block k's is reduced a rank holds
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
-Not modelled here (RankState.peak is None, said in the Placement's notes): PP layouts, SP with CP.
+Not modelled here (RankState.peak is None, said in the Placement's notes): PP layouts (what was measured
+is in notes()), SP with CP.
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
 saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
 """
@@ -255,9 +256,14 @@ def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     if not modelled(lay):
         if lay.pp > 1:
-            return ["titan peak: not modelled with PP (no peak_bytes row): 1F1B keeps micro-batches in flight and "
-                    "perform_reduce_grad reduces every unit's accumulated unsharded fp32 grads after the last "
-                    "backward, where the measured peak is; not derived yet"]
+            # measured on tests/test_titan.py's PP jobs (the peak probe's storages at the peak)
+            return ["titan peak: not modelled with PP (no peak_bytes row). torch pipelining turns FSDP2's gradient "
+                    "sync and reshard-after-backward off for every micro-batch (stage.py backward_maybe_with_nosync), "
+                    "so a stage holds its unsharded bf16 params and its unsharded fp32 accumulated grads through the "
+                    "step (whatever dp_shard) and reduces each unit after the last backward (perform_reduce_grad: the "
+                    "unit's fp32 reduce-scatter input and its division or gloo copy beside the grads not yet reduced). "
+                    "Measured peaks: there (pp2 at world 2, pp4's stages 0, 2, 3) or in the backward with "
+                    "1F1B's micro-batches in flight (pp2·dp2's four ranks, pp4's stage 1); not derived yet"]
         return ["titan peak: not modelled with SP and CP together (no peak_bytes row): the tp2·cp2·sp job "
                 "measured 8% above the SP and CP rules combined (more saved, gathered and temporary bytes); not "
                 "derived yet"]
