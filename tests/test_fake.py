@@ -165,8 +165,7 @@ def deepspeed_jobs(tmp_path_factory):
 
 
 def _reconciles(rec, expected_ranks, peaks: str = "reported"):
-    """peaks: "exact" (the peak rows too, every step), "steady exact" (the steady peak rows exact, the
-    first step's within 1% and not: a named finding of issue 18) or "reported" (not asserted)."""
+    """peaks: "exact" (the peak rows too, every step) or "reported" (not asserted)."""
     assert rec["status"] == "ok", rec.get("error")
     assert rec["device"] == "fake" and rec["measurement"]["device"] == "fake"
     assert rec["fake"]["measured_ranks"] == expected_ranks == rec["measurement"]["measured_ranks"]
@@ -175,12 +174,6 @@ def _reconciles(rec, expected_ranks, peaks: str = "reported"):
     assert set(df.phase) == {"first", "steady"}
     assert set(df.quantity) >= {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"}
     assert any(q.startswith("comm/") for q in df.quantity)
-    if peaks == "steady exact":
-        pk = df[df.quantity.map(is_peak)]
-        steady, first = pk[pk.phase == "steady"], pk[(pk.phase == "first") & (pk.quantity == "peak_bytes")]
-        assert len(steady) and (steady.abs_err == 0).all(), steady.to_string()
-        assert len(first) and (first.rel_err.abs() <= 0.01).all(), first.to_string()
-        assert (first.abs_err != 0).any(), "the first step's peak is now exact: no finding"
     if peaks != "exact":
         # states and collectives to the byte, the first step too; peak rows otherwise reported: Megatron's
         # and torchtitan's peaks model gloo's copies, which a fake world's collectives do not make
@@ -238,10 +231,9 @@ def test_deepspeed_fake_job(deepspeed_jobs, stage, shims, reads):
     from launchers import deepspeed as ds
 
     rec, ranks = deepspeed_jobs[stage]
-    # ZeRO-3 at DP8: the steady peak is the final norm's forward with the gathered parameters the
-    # coordinator replay gives, exact; step 0's (its second micro-batch, the first complete pass) is not
-    # a candidate (tests/test_deepspeed.py PEAK_FINDINGS "zero3 step-0 forward")
-    _reconciles(rec, [0], peaks="steady exact" if stage == 3 else "exact")
+    # ZeRO-3 at DP8: every peak is a final norm's forward with the parameters the coordinator replay
+    # gathers (step 0: its second micro-batch, the first complete pass), exact
+    _reconciles(rec, [0], peaks="exact")
     assert set(ranks[0]["fake_shims"]) == shims
     reached = {(x["module"], x["function"]) for x in ranks[0]["fake_scalar_reads"]}
     assert reached == reads and reached <= ds.FAKE_SCALAR_SITES

@@ -46,7 +46,8 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ledger.faithful import deepspeed_peak
-from ledger.faithful.deepspeed_coordinator import _block, _z3_fetches, _z3_steady, _z3_trace, z3_moments
+from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_forward,
+                                                   z3_moments)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
@@ -514,14 +515,15 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     s.comm_warmup = (lambda: [_fresh(_zero3_warmup(*key))]) if m == 1 else None  # built on first read
     w = _DTYPES[prec]
     z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, w)
+    budgets = (model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
+               int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w)
     s.peak = lambda: deepspeed_peak.peak(
         model, lay.micro_batch_size, m, 3, w, False, part=z.part, params_resident=s.params_bytes,
         optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_numel,
         gathered_weights=w * deepspeed_peak.linear_weights(model, fw.stage3_param_persistence_threshold)
         if int(fw.stage3_max_reuse_distance) != 0 else 0,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
-        z3_moments=z3_moments(model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
-                                  int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w))
+        z3_moments=z3_moments(*budgets), z3_first=z3_first_forward(*budgets))
     return s
 
 

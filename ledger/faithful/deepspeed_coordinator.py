@@ -828,10 +828,12 @@ def _z3_walk(model: ModelShape, tr: _Z3Trace, log: list, dp: int, w: int, ats: t
       its own storage, torch.cat of its parts (n elements, freed at its release); the flat buffer lives
       while the registry holds the handle: until the last of its params is popped.
 
-    A param's storage is `saved` when a forward mm uses it (a Linear's weight: every 2-D param but the
-    embedding's own lookup, F.embedding saving the indices), looking past a forward moment up to the
-    forward's end; a storage gathered in the backward is never saved."""
-    two_d = [len(sh) == 2 for _, sh in model.params()]
+    A param's storage is `saved` when a forward op saves it: a Linear's weight (mm; every 2-D param but
+    the embedding's own lookup, F.embedding saving the indices) and an RMSNorm's weight (the mul by it),
+    looking past a forward moment up to the forward's end; a storage gathered in the backward is never
+    saved. (The norms' weights are persistent under the default threshold, gathered here only in step
+    0's passes.)"""
+    two_d = [len(sh) == 2 or n.endswith("norm.weight") for n, sh in model.params()]
     emb = 1  # module 1: tok_embeddings (_z3_trace)
     handle_of: dict[int, int] = {}  # in flight in a coalesced call: param -> handle id
     handles: dict[int, list] = {}  # id -> [flat bytes, its params, params not popped yet]
@@ -914,6 +916,27 @@ def z3_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_liv
                next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == 0),
                next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == out_mod))
         got.append(_z3_walk(model, tr, log, dp, w, ats))
+        start = end
+    return tuple(got)
+
+
+@lru_cache(maxsize=64)
+def z3_first_forward(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
+                     w: int) -> tuple[Z3Live, ...]:
+    """Step 0's micro-batches after the recording one (m > 1): the gathered parameter memory at the final
+    norm's forward of each. The first of them is the coordinator's first complete pass, from what the
+    recording pass left gathered (nothing persistent is gathered yet: _post_step gathers the persistent
+    params at step 0's end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
+    tr = _z3_trace(model, threshold)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic=False)
+    norm = 2 + tr.layers * _block_modules(tr)
+    got = []
+    start = _z3_record(model, threshold, periodic=False)[1]
+    for _ in range(m - 1):
+        log: list = []
+        _, end = sim.run(start, watch=log)
+        at = next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm)
+        got.append(_z3_walk(model, tr, log, dp, w, (at,))[0])
         start = end
     return tuple(got)
 

@@ -22,11 +22,13 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
 - ZeRO-3 only, each micro-batch's forward at the final norm (its last op): every layer's saves live,
   and what the coordinator gathered: with the default budgets one prefetch at the root gathers every
   non-persistent param in one all_gather_coalesced, whose flat buffer stays beside the params' torch.cat
-  copies until the output's fetch pops its last param. Where the 4-rank ZeRO-3 jobs peak, exact.
+  copies until the output's fetch pops its last param. Step 0 (several micro-batches): the ones after
+  the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
+  them only at step 0's end), from z3_first_forward. Where the 4-rank ZeRO-3 jobs peak, exact.
 An estimate elsewhere: ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples),
 fp32 ZeRO-2 deeper in backward (9%), ZeRO-3 with a partial reuse distance deeper in backward (at an
-IPG reduce-scatter, 1.5%), ZeRO-3's step 0 (its passes are not replayed for memory), a checkpointed
-layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
+IPG reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS
+names them.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
@@ -155,7 +157,7 @@ def _loss_scalars() -> int:
 
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, gathered_weights: int,
-         n: int, bucket: int, z3_moments: tuple = ()) -> Peak | None:
+         n: int, bucket: int, z3_moments: tuple = (), z3_first: tuple = ()) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
@@ -163,7 +165,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
     bucket: reduce_bucket_size (elements); z3_moments: ZeRO-3's gathered parameters per micro-batch of a
     steady step at the final norm's forward, the backward's start and the output's backward
-    (deepspeed_coordinator.z3_moments)."""
+    (deepspeed_coordinator.z3_moments); z3_first: at the final norm's forward of step 0's micro-batches
+    after the recording one (deepspeed_coordinator.z3_first_forward)."""
     if modelled(model) is not None:
         return None
     acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
@@ -276,7 +279,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             what += "; an estimate (ZeRO-3 gathered params, recompute, ZeRO-2 grads_in_partition not exact)"
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
-    def fwd(i: int, z) -> Peak:
+    def fwd(i: int, z, first: bool = False) -> Peak:
         # micro-batch i's forward at the final norm (`norm`: its last op, the mul by the weight), where
         # every layer's saves are live and ZeRO-3 still holds what the coordinator gathered (z, from
         # the replay: the output's coalesced all-gather not yet waited keeps its flat buffer beside
@@ -284,6 +287,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # inf tracker in `other`); the previous loss still bound by the training loop: the last
         # step's (live at the step's start: unnamed) or the last micro-batch's
         res = params_resident + grads_resident + optim + norm_dtype + 1
+        if first:
+            # step 0: the persistent params not gathered yet (_post_step gathers them at its end: the
+            # pass gathers them, z), AdamW's exp_avg, exp_avg_sq and step not made, no _global_grad_norm
+            res -= persist + 2 * FP32 * part + FP32 + norm_dtype
         acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
                 "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
                 "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
@@ -296,8 +303,9 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             temp["loss (the last micro-batch's)"] = FP32
         parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
                  "temporary": sum(temp.values()), "unnamed": 0 if i else FP32}
-        detail = {"resident/params": params_resident, "resident/grads": grads_resident, "resident/optim": optim,
-                  "resident/other": norm_dtype + 1}
+        detail = {"resident/params": params_resident - (persist if first else 0), "resident/grads": grads_resident,
+                  "resident/optim": optim - (2 * FP32 * part + FP32 if first else 0),
+                  "resident/other": 1 if first else norm_dtype + 1}
         detail.update({f"activations/{k}": v for k, v in acts.items()})
         detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
         detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
@@ -313,6 +321,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if not first and z3_moments:
             # the first micro-batch reaching the most (the probe keeps the first maximum)
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
+            cands.append(f)
+        if first and z3_first:
+            # step 0's micro-batches after the recording one (whose pass gathers module by module)
+            f = max((fwd(i + 1, z, True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
             cands.append(f)
         best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
         names = {id(o): "optimizer step", id(k): "backward start, estimate"}
