@@ -593,12 +593,18 @@ def test_zero3_moments_by_hand():
     assert start == out == Z3Live(saved=linear, gathered=0, temporary=emb)
     # step 0's second micro-batch: the coordinator's first complete pass, from nothing persistent gathered:
     # its root prefetch gathers every param, the persistent ones too; the norms' weights saved by the mul
-    from ledger.faithful.deepspeed_coordinator import z3_first_forward
+    from ledger.faithful.deepspeed_coordinator import z3_first_moments
 
     every = w * dp * sum(-(-numel(sh) // dp) for _, sh in tiny.params())
     saves = sum(w * numel(sh) for n, sh in tiny.params() if len(sh) == 2 or n.endswith("norm.weight")) - emb
-    assert z3_first_forward(tiny, 2, th, 5 * 10**7, 10**9, 10**9, dp, w) == (Z3Live(saves, every, emb),)
-    assert z3_first_forward(tiny, 1, th, 5 * 10**7, 10**9, 10**9, dp, w) == ()
+    (first,) = z3_first_moments(tiny, 2, th, 5 * 10**7, 10**9, 10**9, dp, w)
+    assert first[0] == Z3Live(saves, every, emb)
+    # one micro-batch: step 0 is the recording pass, every module's params gathered at its fetch (one
+    # param: its own padded buffer) and released after it: at the final norm only its weight, which the
+    # mul saves; at the output's backward only its weight, gathered again
+    (rec,) = z3_first_moments(tiny, 1, th, 5 * 10**7, 10**9, 10**9, dp, w)
+    pad = w * dp * -(-tiny.hidden // dp)
+    assert rec == (Z3Live(pad, 0, 0), Z3Live(0, 0, 0), Z3Live(0, w * dp * -(-tiny.vocab * tiny.hidden // dp), 0))
     (fwd, start, out), (fwd2, _, _) = z3_moments(tiny, 2, th, 0, 10**9, 0, dp, w)
     assert fwd == fwd2 == start == Z3Live(0, 0, 0)
     assert out == Z3Live(saved=0, gathered=w * dp * -(-tiny.vocab * tiny.hidden // dp), temporary=0)

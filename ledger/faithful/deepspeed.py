@@ -46,7 +46,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ledger.faithful import deepspeed_peak
-from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_forward,
+from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_moments,
                                                    z3_moments)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
@@ -523,7 +523,7 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
         gathered_weights=w * deepspeed_peak.linear_weights(model, fw.stage3_param_persistence_threshold)
         if int(fw.stage3_max_reuse_distance) != 0 else 0,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
-        z3_moments=z3_moments(*budgets), z3_first=z3_first_forward(*budgets))
+        z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets))
     return s
 
 

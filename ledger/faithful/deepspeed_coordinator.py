@@ -921,22 +921,33 @@ def z3_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_liv
 
 
 @lru_cache(maxsize=64)
-def z3_first_forward(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
-                     w: int) -> tuple[Z3Live, ...]:
-    """Step 0's micro-batches after the recording one (m > 1): the gathered parameter memory at the final
-    norm's forward of each. The first of them is the coordinator's first complete pass, from what the
-    recording pass left gathered (nothing persistent is gathered yet: _post_step gathers the persistent
-    params at step 0's end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
+def z3_first_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
+                     w: int) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
+    """z3_moments for step 0: its one micro-batch's recording pass (no prefetch, every fetched param
+    released after its module, persistent ones too), or with several the micro-batches after the
+    recording one, the first of which is the coordinator's first complete pass from what the recording
+    pass left gathered (nothing persistent gathered yet: _post_step gathers the persistent params at
+    step 0's end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
     tr = _z3_trace(model, threshold)
+    norm, out_mod = 2 + tr.layers * _block_modules(tr), 3 + tr.layers * _block_modules(tr)
+
+    def moments(log: list) -> tuple[Z3Live, Z3Live, Z3Live]:
+        ats = (next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm),
+               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == 0),
+               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == out_mod))
+        return _z3_walk(model, tr, log, dp, w, ats)
+
+    if m == 1:
+        log: list = []
+        _Z3Sim(tr, 0, 0, 0, periodic=False).run(frozenset(), record=True, watch=log)
+        return (moments(log),)
     sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic=False)
-    norm = 2 + tr.layers * _block_modules(tr)
     got = []
     start = _z3_record(model, threshold, periodic=False)[1]
     for _ in range(m - 1):
-        log: list = []
+        log = []
         _, end = sim.run(start, watch=log)
-        at = next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm)
-        got.append(_z3_walk(model, tr, log, dp, w, (at,))[0])
+        got.append(moments(log))
         start = end
     return tuple(got)
 

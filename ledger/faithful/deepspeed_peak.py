@@ -24,7 +24,7 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   non-persistent param in one all_gather_coalesced, whose flat buffer stays beside the params' torch.cat
   copies until the output's fetch pops its last param. Step 0 (several micro-batches): the ones after
   the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
-  them only at step 0's end), from z3_first_forward. Where the 4-rank ZeRO-3 jobs peak, exact.
+  them only at step 0's end), from z3_first_moments. Where the 4-rank ZeRO-3 jobs peak, exact.
 An estimate elsewhere: ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples),
 fp32 ZeRO-2 deeper in backward (9%), ZeRO-3 with a partial reuse distance deeper in backward (at an
 IPG reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS
@@ -165,8 +165,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
     bucket: reduce_bucket_size (elements); z3_moments: ZeRO-3's gathered parameters per micro-batch of a
     steady step at the final norm's forward, the backward's start and the output's backward
-    (deepspeed_coordinator.z3_moments); z3_first: at the final norm's forward of step 0's micro-batches
-    after the recording one (deepspeed_coordinator.z3_first_forward)."""
+    (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
+    (deepspeed_coordinator.z3_first_moments)."""
     if modelled(model) is not None:
         return None
     acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
@@ -240,9 +240,11 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # backward's start (the root's pre-backward hook fired before the loss's nodes) and the output's
         # pre-backward hook; the mm-saved weights are those of the forward still gathered
         za = zb = None
-        if zero == 3 and z3_moments and not first:
-            _, za, zb = z3_moments[-1]
+        if zero == 3 and (z3_first if first else z3_moments):
+            _, za, zb = (z3_first if first else z3_moments)[-1]
         replay = za is not None
+        if replay and first:
+            res -= persist  # step 0: the persistent params are gathered by the pass (za, zb), not yet resident
         base = act - (gathered_weights if replay else 0)
         a = (base - FP32 + (za.saved if replay else 0), 2 * FP32 * b * s * V, za)
         bb = (base - FP32 - FP32 * b * s * V + (zb.saved if replay else 0),
@@ -301,15 +303,16 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                 "gathered params' torch.cat copies (ZeRO-3)": z.temporary}
         if i:
             temp["loss (the last micro-batch's)"] = FP32
+        last_loss = 0 if i or first else FP32  # step 0 follows no step
         parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
-                 "temporary": sum(temp.values()), "unnamed": 0 if i else FP32}
+                 "temporary": sum(temp.values()), "unnamed": last_loss}
         detail = {"resident/params": params_resident - (persist if first else 0), "resident/grads": grads_resident,
                   "resident/optim": optim - (2 * FP32 * part + FP32 if first else 0),
                   "resident/other": 1 if first else norm_dtype + 1}
         detail.update({f"activations/{k}": v for k, v in acts.items()})
         detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
         detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
-        if not i:
+        if last_loss:
             detail["unnamed/the last step's loss"] = FP32
         return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
                     what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params from the coordinator replay)",
@@ -323,8 +326,9 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
             cands.append(f)
         if first and z3_first:
-            # step 0's micro-batches after the recording one (whose pass gathers module by module)
-            f = max((fwd(i + 1, z, True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
+            # step 0's replayed passes (with several micro-batches, those after the recording one)
+            off = 0 if m == 1 else 1
+            f = max((fwd(i + off, z[0], True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
             cands.append(f)
         best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
         names = {id(o): "optimizer step", id(k): "backward start, estimate"}
