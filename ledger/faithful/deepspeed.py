@@ -282,7 +282,7 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
     s.peak = lambda: deepspeed_peak.peak(
         model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w, bool(fw.get("activation_checkpointing", False)),
         part=part, params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
-        gathered_weights=0, n=model.num_params(), bucket=int(fw.reduce_bucket_size))
+        n=model.num_params(), bucket=int(fw.reduce_bucket_size))
     return s
 
 
@@ -520,8 +520,6 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
     s.peak = lambda: deepspeed_peak.peak(
         model, lay.micro_batch_size, m, 3, w, False, part=z.part, params_resident=s.params_bytes,
         optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_numel,
-        gathered_weights=w * deepspeed_peak.linear_weights(model, fw.stage3_param_persistence_threshold)
-        if int(fw.stage3_max_reuse_distance) != 0 else 0,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
         z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets))
     return s

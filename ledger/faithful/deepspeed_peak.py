@@ -40,7 +40,8 @@ torch.get_rng_state() on the CPU accelerator).
 """
 from __future__ import annotations
 
-from ledger.model import ModelShape, numel
+from ledger.model import ModelShape
+from ledger.faithful.deepspeed_coordinator import Z3Live
 from ledger.placement import Peak
 
 FP32, FP64, INT64 = 4, 8, 8
@@ -105,18 +106,14 @@ def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
     }
 
 
-def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
-                      gathered_weights: int = 0) -> tuple[dict[str, int], dict[str, int]]:
+def saved_activations(model: ModelShape, mbs: int, w: int,
+                      checkpointing: bool) -> tuple[dict[str, int], dict[str, int]]:
     """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
-
-    gathered_weights: ZeRO-3's non-persistent Linear weights (bytes) alive at the forward's end: mm
-    saves its weight (the Parameter itself, a leaf), so the saved tensor holds the gathered storage
-    only while the coordinator has not released the parameter (partition_parameters.py free_param
-    swaps param.data for an empty tensor, which frees the storage under the saved leaf too). With
-    stage3_max_reuse_distance 0 every parameter is released after its module's forward: none; with a
-    reuse distance above the model, none before its backward: all of them (the caller's choice, see
-    ledger/faithful/deepspeed.py _zero3); budgets in between keep some: peak() takes the steady
-    step's from the coordinator replay (z3_moments), this stays step 0's estimate."""
+    ZeRO-3's gathered weights that mm saves are not among them: mm saves the Parameter itself (a
+    leaf), so the saved tensor holds the gathered storage only while the coordinator has not released
+    the parameter (partition_parameters.py free_param swaps param.data for an empty tensor, which frees
+    the storage under the saved leaf too); which ones are live is the coordinator replay's
+    (deepspeed_coordinator.z3_moments, Z3Live.saved)."""
     acts: dict[str, int] = {}
     held: dict[str, int] = {}
     per = layer_activations(model, mbs, w)
@@ -130,19 +127,17 @@ def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
         for i in range(model.layers):
             for k, v in per.items():
                 acts[f"layer {i} {k}"] = v
-        if gathered_weights:
-            acts["gathered Linear weights saved by mm (ZeRO-3)"] = gathered_weights
     acts.update(head_activations(model, mbs, w))
     return acts, held
 
 
-def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool, gathered_weights: int = 0) -> int:
+def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool) -> int:
     """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
     micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
     of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
     recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
     saves, the batch; the head's saves were freed by its backward before)."""
-    acts, _ = saved_activations(model, mbs, w, checkpointing, gathered_weights)
+    acts, _ = saved_activations(model, mbs, w, checkpointing)
     if not checkpointing:
         return sum(acts.values())
     layer = sum(layer_activations(model, mbs, w).values())
@@ -156,20 +151,22 @@ def _loss_scalars() -> int:
 
 
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
-         params_resident: int, optim: int, grads_resident: int, persist: int, gathered_weights: int,
-         n: int, bucket: int, z3_moments: tuple = (), z3_first: tuple = ()) -> Peak | None:
+         params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
+         z3_moments: tuple = (), z3_first: tuple = ()) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
     optimizer state (bytes); grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for
     ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
-    bucket: reduce_bucket_size (elements); z3_moments: ZeRO-3's gathered parameters per micro-batch of a
-    steady step at the final norm's forward, the backward's start and the output's backward
-    (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
+    bucket: reduce_bucket_size (elements); z3_moments (ZeRO-3, required): the gathered parameters per
+    micro-batch of a steady step at the final norm's forward, the backward's start and the output's
+    backward (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
     (deepspeed_coordinator.z3_first_moments)."""
     if modelled(model) is not None:
         return None
-    acts, held = saved_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
+    if zero == 3 and not (z3_moments and z3_first):
+        raise ValueError("ZeRO-3's peak needs the coordinator replay's moments (z3_moments, z3_first)")
+    acts, held = saved_activations(model, mbs, w, checkpointing)
     act = sum(acts.values())
     batch = batch_bytes(model, mbs)
     norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
@@ -217,11 +214,11 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     # there; with several micro-batches it is in held_grads above (ZeRO-1) or grads_in_partition (ZeRO-2)
     ipg = w * bucket if m == 1 and zero in (1, 2) else 0
     act_named = _per_kind(acts, model.layers)
-    most = most_live_activations(model, mbs, w, checkpointing, gathered_weights if zero == 3 else 0)
-    if zero == 3 and z3_moments:
+    most = most_live_activations(model, mbs, w, checkpointing)
+    if zero == 3:
         # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
         # backward's start adds only storages gathered for the backward, which no op saves)
-        most = max(most_live_activations(model, mbs, w, checkpointing) + z[1].saved for z in z3_moments)
+        most += max(z[1].saved for z in z3_moments)
     base_temp = sum(held.values()) + _loss_scalars() + held_grads
 
     def bwd(first: bool) -> Peak:
@@ -236,32 +233,28 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
         # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
         # logits' gradient still alive
-        # ZeRO-3 (steady step): the gathered params from the coordinator replay at each moment, the
-        # backward's start (the root's pre-backward hook fired before the loss's nodes) and the output's
+        # ZeRO-3: the gathered params from the coordinator replay at each moment, the backward's
+        # start (the root's pre-backward hook fired before the loss's nodes) and the output's
         # pre-backward hook; the mm-saved weights are those of the forward still gathered
-        za = zb = None
-        if zero == 3 and (z3_first if first else z3_moments):
+        nothing = Z3Live(0, 0, 0)
+        za = zb = nothing
+        if zero == 3:
             _, za, zb = (z3_first if first else z3_moments)[-1]
-        replay = za is not None
-        if replay and first:
-            res -= persist  # step 0: the persistent params are gathered by the pass (za, zb), not yet resident
-        base = act - (gathered_weights if replay else 0)
-        a = (base - FP32 + (za.saved if replay else 0), 2 * FP32 * b * s * V, za)
-        bb = (base - FP32 - FP32 * b * s * V + (zb.saved if replay else 0),
-              w * b * s * V + w * V * h + w * b * s * h + ipg, zb)
+            if first:
+                res -= persist  # step 0: the persistent params are gathered by the pass (za, zb), not yet resident
+        a = (act - FP32 + za.saved, 2 * FP32 * b * s * V, za)
+        bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h + ipg, zb)
 
         def total(c):
-            return c[0] + c[1] + (c[2].gathered + c[2].temporary if c[2] is not None else 0)
+            return c[0] + c[1] + c[2].gathered + c[2].temporary
 
         bb_won = total(a) < total(bb)
         (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
             (a, "_log_softmax_backward_data")
-        # ZeRO-3 outside the replay (step 0's passes): the non-persistent Linear weights stay alive
-        # through the saves (counted as activations); nothing else gathered is counted (an estimate)
-        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered if replay else 0,
-                 "temporary": grads_now + base_temp + (z.temporary if replay else 0), "unnamed": 0}
+        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered,
+                 "temporary": grads_now + base_temp + z.temporary, "unnamed": 0}
         detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
-        if replay:
+        if zero == 3:
             detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
             detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
             if z.temporary:
@@ -275,10 +268,9 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if held_grads:
             detail["temporary/gradients held across micro-batches"] = held_grads
         what = f"the last micro-batch's backward at {at}"
-        if (zero == 3 and not replay) or (m > 1 and zero == 2) or checkpointing:
-            # ZeRO-3's gathered parameters and a checkpointed layer's recompute are not in this
-            # candidate; ZeRO-2's grads_in_partition above
-            what += "; an estimate (ZeRO-3 gathered params, recompute, ZeRO-2 grads_in_partition not exact)"
+        if (m > 1 and zero == 2) or checkpointing:
+            # a checkpointed layer's recompute is not in this candidate; ZeRO-2's grads_in_partition above
+            what += "; an estimate (recompute, ZeRO-2 grads_in_partition not exact)"
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
     def fwd(i: int, z, first: bool = False) -> Peak:
@@ -315,23 +307,23 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if last_loss:
             detail["unnamed/the last step's loss"] = FP32
         return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
-                    what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params from the coordinator replay)",
-                    detail=detail)
+                    what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
+                         "replay)", detail=detail)
 
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
         cands = [o, k]
-        if not first and z3_moments:
+        if zero == 3 and not first:
             # the first micro-batch reaching the most (the probe keeps the first maximum)
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
             cands.append(f)
-        if first and z3_first:
+        if zero == 3 and first:
             # step 0's replayed passes (with several micro-batches, those after the recording one)
             off = 0 if m == 1 else 1
             f = max((fwd(i + off, z[0], True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
             cands.append(f)
         best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
-        names = {id(o): "optimizer step", id(k): "backward start, estimate"}
+        names = {id(o): "optimizer step", id(k): "backward start"}
         for c in cands:
             if c is not best:
                 best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
@@ -350,17 +342,4 @@ def _per_kind(acts: dict[str, int], layers: int) -> dict[str, int]:
         if k.startswith("layer "):
             k = f"layers x{layers} " + k.split(" ", 2)[2]
         out[k] = out.get(k, 0) + v
-    return out
-
-
-def linear_weights(model: ModelShape, threshold: int) -> int:
-    """Elements of the Linear weights above the ZeRO-3 persistence threshold (saved by mm, gathered)."""
-    out = 0
-    for name, shape in model.params():
-        # the embedding's weight is an index lookup (F.embedding saves the indices), unless tied:
-        # then it is also the output Linear's weight
-        if name.startswith("tok_embeddings") and not model.tied_embeddings:
-            continue
-        if len(shape) == 2 and numel(shape) > threshold:
-            out += numel(shape)
     return out
