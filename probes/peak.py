@@ -50,6 +50,7 @@ CATEGORIES = RESIDENT + ("activations", "gathered", "temporary", "unnamed")
 # (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, round_size): what allocated_bytes counts
 CUDA_BLOCK = 512
 TIMELINE_POINTS = 400  # points kept per timeline (the peak and the extremes between kept points)
+CENSUS_GROUPS = 40  # groups kept in a peak census (the largest; the rest summed in one row)
 
 
 def _storage(t):
@@ -411,6 +412,45 @@ class PeakTracker:
                 start[cat.get(s, "temporary")] += nb
             out["prompt_most"] = {c: b for c, b in self._prompt_replay(lambda s: cat.get(s, "temporary"),
                                                                          start)[1].items() if b}
+            out["census"] = self.census(lambda s: cat.get(s, "temporary"), phases)
+        return out
+
+    def census(self, category, phases: list[str], n: int = CENSUS_GROUPS) -> list[dict]:
+        """What is live at the peak, by where it was made: the storages live at the peak event grouped
+        by (category, the phase, micro-batch, module and operator of the event that last allocated
+        them: a storage resized to nothing and back counts from its new allocation; `start` for what
+        was live when the step began), each group's bytes, storages and largest storage; the n
+        largest groups, the rest summed in one row. Sums to peak_bytes."""
+        live: dict[int, list] = {s: [nb, -1] for s, nb in self.start_serials.items()}
+        for i in range(self.peak_index + 1):
+            s, d = self.events[i][0], self.events[i][1]
+            e = live.get(s)
+            if e is None:
+                live[s] = [d, i]
+            else:
+                e[0] += d
+                if e[0] == 0:
+                    del live[s]
+        groups: dict[tuple, list[int]] = {}
+        for s, (nb, i) in live.items():
+            if i < 0:
+                key = (category(s), "start", None, None, None)
+            else:
+                _s, _d, _ph, mb, mod, op = self.events[i]
+                key = (category(s), phases[i], mb, self._names.get(mod) if mod is not None else None,
+                       str(op) if op is not None else None)
+            g = groups.setdefault(key, [0, 0, 0])
+            g[0] += nb
+            g[1] += 1
+            g[2] = max(g[2], nb)
+        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+        out = [{"category": c, "phase": ph, "micro_batch": mb, "module": mod, "op": op, "bytes": b,
+                "storages": k, "largest": big} for (c, ph, mb, mod, op), (b, k, big) in rows[:n]]
+        if len(rows) > n:
+            rest = rows[n:]
+            out.append({"category": "rest", "phase": None, "micro_batch": None, "module": None, "op": None,
+                        "bytes": sum([v[0] for _, v in rest]), "storages": sum([v[1] for _, v in rest]),
+                        "largest": max([v[2] for _, v in rest])})
         return out
 
     def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int]]:

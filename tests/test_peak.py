@@ -153,6 +153,34 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
     assert r["worker_freed_bytes"] == 0 and r["prompt_peak_bytes"] == r["peak_bytes"]
 
 
+def test_census_names_what_is_live_at_the_peak():
+    """The peak census: every storage live at the peak once, by category and where it was made; its
+    groups sum to the peak and to at_peak per category; the groups past CENSUS_GROUPS are one summed
+    row (a storage resized away and back: test_a_storage_resize_is_counted)."""
+    m, opt, x = _mlp()
+    _step(m, opt, x)
+    tr = PeakTracker()
+    tr.watch([m])
+    tr.begin(scan=True)
+    with tr.recording():
+        _step(m, opt, x, micro_batches=2)
+    tr.end()
+    named = {"params": tr.serials(m.parameters()), "grads": tr.serials(p.grad for p in m.parameters())}
+    r = tr.result(named, timeline=True)
+    rows = r["census"]
+    assert sum(g["bytes"] for g in rows) == r["peak_bytes"]
+    by_cat: dict[str, int] = {}
+    for g in rows:
+        by_cat[g["category"]] = by_cat.get(g["category"], 0) + g["bytes"]
+        assert g["largest"] <= g["bytes"] and g["storages"] >= 1
+    assert by_cat == r["at_peak"]
+    assert [g["bytes"] for g in rows] == sorted((g["bytes"] for g in rows), reverse=True)
+    assert any(g["phase"] == "start" for g in rows) and any(g["phase"] == "forward" for g in rows)
+    assert "census" not in tr.result(named, timeline=False)
+    small = tr.census(lambda s: "temporary", [e[2] for e in tr.events], n=1)
+    assert len(small) == 2 and small[1]["category"] == "rest" and sum(g["bytes"] for g in small) == r["peak_bytes"]
+
+
 def test_a_storage_resize_is_counted():
     # FSDP2 allocates and frees unsharded parameters by resizing their storage (not an operator)
     t = torch.empty(1000)
@@ -165,6 +193,9 @@ def test_a_storage_resize_is_counted():
     tr.end()
     assert [d for s, d, *_ in tr.events] == [-4000, 16000, -16000]
     assert tr.peak == tr.start_bytes + 12000
+    # the census at that peak counts the storage from its new allocation, not from the start
+    rows = tr.result({}, timeline=True)["census"]
+    assert {(g["phase"], g["bytes"]) for g in rows if g["largest"] == 16000} == {("setup", 16000)}
 
 
 def test_activations_named_by_the_saved_tensor_hook():

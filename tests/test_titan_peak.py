@@ -108,13 +108,60 @@ def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
 
 def test_peak_is_none_where_not_modelled_and_said_in_notes():
     m = ModelShape(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=256)
-    for kw, world in ((dict(pp=2), 2), (dict(tp=2, cp=2, sequence_parallel=True), 4)):
-        pl = L.place(m, _lay(world=world, **kw), _fw())
+    for kw, world, fw in ((dict(pp=2), 2, _fw(activation_checkpoint="full")),
+                          (dict(tp=2, cp=2, sequence_parallel=True), 4, _fw())):
+        pl = L.place(m, _lay(world=world, **kw), fw)
         assert pl.rank_state(0).peak is None
         assert any("titan peak: not modelled" in n for n in pl.notes)
-    for kw in (dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2)):
-        pl = L.place(m, _lay(world=4, **kw), _fw())
+    for kw in (dict(dp_replicate=2), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2), dict(pp=2)):
+        pl = L.place(m, _lay(world=4, **kw), _fw(activation_checkpoint="none"))
         assert pl.rank_state(0).peak is not None and any("on CUDA" in n for n in pl.notes)
+
+
+def _pp_moments(m, lay, rank):
+    from math import prod
+
+    st = L.place(m, lay, _fw(activation_checkpoint="none")).rank_state(rank)
+    s, ds = st.stage, lay.dp_shard
+    emb, block, head = [sum([prod(p.shape) for p in u]) for u in L._unit_params(m, 1)]
+    return st, P.pp_moments(m, lay, L.pp_stages(m.layers, lay.pp)[s], s, L._stage_sharded(m, ds, lay.pp, s),
+                            st.params_bytes + st.optim_bytes + st.other_bytes, st.grads_bytes, emb, block, head)
+
+
+def test_pp_moments_follow_pipelining():
+    """pp_peak's moments (tests/test_titan.py's real PP jobs measure them): the peak is the most; stage
+    by stage the kinds each stage has; perform_reduce_grad from unit to unit trades the next unit's
+    bf16 params and fp32 accumulators for this one's sharded grad (gloo's held last grad aside); a
+    micro-batch's backward after the first holds every unit's accumulators; the gloo-held grad is
+    there only with a shard group of more than one."""
+    m = ModelShape(layers=8, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1030, seq_len=32)
+    block = sum([math.prod(s) for _, s in m.layer_params(0)])
+    for ds in (1, 2):
+        lay = _lay(world=4 * ds // 2 if ds == 2 else 2, pp=2, global_batch_size=4)
+        for rank in range(lay.world):
+            st, ms = _pp_moments(m, lay, rank)
+            assert st.peak.bytes == max(x.bytes for x in ms) and st.peak.what == max(ms, key=lambda x: x.bytes).what
+            last = st.stage == lay.pp - 1
+            assert any(x.what.startswith("lm_head") for x in ms) == last
+            assert any("backward at block" in x.what for x in ms) == (not last)
+            red = [x for x in ms if x.what.startswith("perform_reduce_grad: block")]
+            sh = L._stage_sharded(m, ds, lay.pp, st.stage)
+            for a, b in zip(red, red[1:]):
+                assert a.bytes - b.bytes == block * 2 + block * 4 - sh.layer_full // ds * 4
+            bwd = {x.what: x for x in ms if "backward at block" in x.what}
+            if bwd:
+                k = L.pp_stages(m.layers, lay.pp)[st.stage][2] - 1
+                first, later = bwd[f"micro-batch 0 backward at block {k}'s attention_norm"], \
+                    bwd[f"micro-batch 1 backward at block {k}'s attention_norm"]
+                # micro-batch 1: every unit's accumulators (tok_embeddings' too on stage 0); 1F1B keeps
+                # min(P - s, n - i) micro-batches in flight, one fewer at this job's stage 0 ... the same
+                assert later.parts["temporary"] - first.parts["temporary"] == \
+                    (m.vocab * m.hidden * (st.stage == 0) + (k + 1) * block) * 4
+            if last:
+                loss = next(x for x in ms if x.what.startswith("lm_head"))
+                held = loss.detail["temporary/fp32 accumulated grads (blocks; lm_head's held)"] - \
+                    L.pp_stages(m.layers, lay.pp)[st.stage][2] * block * 4
+                assert held == (m.vocab * m.hidden * 4 if ds > 1 else 0)
 
 
 def test_tp_blocks_save_their_heads_and_ffn_columns():

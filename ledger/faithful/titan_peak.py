@@ -30,8 +30,9 @@ every block's). While block k's is reduced a rank holds
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
-Not modelled here (RankState.peak is None, said in the Placement's notes): PP layouts (what was measured
-is in notes()), SP with CP.
+PP layouts: pp_peak (its docstring: what pipelining does to FSDP2, the three moments).
+Not modelled here (RankState.peak is None, said in the Placement's notes): SP with CP, PP with
+activation checkpointing.
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
 saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
 """
@@ -140,6 +141,157 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     return best
 
 
+def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
+            emb_numel: int, block_numel: int, head_numel: int) -> Peak:
+    """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
+    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel),
+               key=lambda p: p.bytes)
+
+
+def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
+               emb_numel: int, block_numel: int, head_numel: int) -> list[Peak]:
+    """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
+    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing off. stage: titan.pp_stages' (has tok_embeddings, first layer, layers,
+    has [norm, lm_head]); sh: the stage's _Sharded (padded full numel per unit); kept: the rank's
+    params + optim + other state bytes, grads: its grad state bytes; *_numel: a unit's unpadded
+    numel (the shape of its unsharded params and grads).
+
+    What pipelining does to FSDP2 (torch/distributed/pipelining/stage.py backward_maybe_with_nosync:
+    set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch;
+    distributed/fsdp.py: no reshard after forward with PP): each unit is unsharded (bf16, padded
+    full) by its first forward and stays so until perform_reduce_grad after the last backward; each
+    unit's grads are kept unsharded: its first backward's bf16 grads become fp32 accumulators
+    (_fsdp_param.py to_accumulated_grad_if_needed: a to() copy, unpadded), later backwards add into
+    them. trainer.py zero_grad(set_to_none=True) (PP) leaves no sharded grad until a unit is reduced,
+    except [norm, lm_head], which ChunkedLossWrapper syncs at each micro-batch's last chunk.
+
+    The most of three moments (measured on tests/test_titan.py's PP jobs, the probe's census):
+    - perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
+      lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
+      chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
+      and a second full-size fp32 buffer (gloo's copy of the input with a shard group of more than
+      one; with one, foreach_reduce's reduce_scatter_input / gradient_divide_factor); the units after
+      it still unsharded with their accumulators, the units before it with their sharded grads;
+    - the backward of a micro-batch i (0, and 1 where there are more), at block k's attention_norm
+      backward (stages before the last): every unit's accumulator (i >= 1; the blocks after k at i = 0),
+      the saved tensors of the blocks before k and of the other micro-batches in flight
+      (Schedule1F1B: min(n, P - s) forwards of warm-up, so min(P - s, n - i) in flight at backward i),
+      the block's own: its seven linears' bf16 grads, its norms' bf16 weight grads, the residual
+      grad (bf16 [T, h]), the attention_norm's fp32 input it saved and the five fp32 [T, h] temporaries
+      of the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div);
+    - the last stage's loss at the last micro-batch's last chunk, where the wrapper reduce-scatters
+      lm_head's grad (with the norm's accumulated from the micro-batch before): the blocks' and the
+      root norm's saved tensors (one micro-batch in flight on the last stage), the accumulators of
+      the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's
+      logits and input grad, the reduce-scatter input, output and gloo copy (as _at_lm_head); with a
+      shard group of more than one lm_head's unsharded fp32 grad too (held()).
+    P2P (stage.py): a persistent [mbs, S, h] bf16 receive buffer per micro-batch and direction the
+    stage receives (activations from the stage before, grads from the one after); each in-flight
+    micro-batch's output, sent on, held until its backward; the input grad last sent back held until
+    the next one.
+    Not modelled (each a few KB in the matrix): the step's batch and micro-batch split (int64 ids,
+    labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from the step
+    before; the last stage's own blocks' backward (below its loss moment in every measured job)."""
+    has_emb, _, Ls, has_head = stage
+    B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
+    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
+    T = B * S
+    act = T * h * BF16  # one [mbs, S, h] bf16 activation or grad
+    act1 = saved_per_layer(model, B, S, "none")[0]
+    first, last = s == 0, s == P - 1
+    # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
+    # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
+    # attention_norm, ffn_norm, so a block's is ffn_norm's)
+    order = ([("tok_embeddings", sh.emb_full, emb_numel, emb_numel)] if has_emb else []) + \
+        [(f"block {j}", sh.layer_full, block_numel, h) for j in range(Ls)]
+
+    def held(last_numel: int) -> int:
+        # _fsdp_collectives.py foreach_reduce: with a shard group of more than one, the loop over
+        # (fsdp_param, unsharded_grad) that checks Shard(dim > 0) leaves its variable bound to the
+        # last param's unsharded grad until foreach_reduce returns (after the reduce-scatter), so
+        # unsharded_grads.clear() frees all but that one (measured: pp2·dp2's tok_embeddings grad)
+        return last_numel * F32 if ds > 1 else 0
+    head_full = sh.norm_full + sh.lm_full
+    shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
+    head_grads = grads - shard_bytes  # [norm, lm_head]'s synced grads (0 without the head)
+    recv = n * ((not first) + (not last)) * act
+    cands = []
+
+    # 1. perform_reduce_grad at unit u
+    for u, (name, full, _numel, last_numel) in enumerate(order):
+        after = order[u + 1:]
+        unsharded = sum([f for _, f, _, _ in after]) * BF16 + (head_full * BF16 if has_head else 0)
+        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if has_head else 0)  # the norm's own
+        acc += held(last_numel)
+        g = head_grads + sum([f // ds * F32 for _, f, _, _ in order[:u + 1]])
+        p2p = recv + ((not last) + (not first)) * act
+        last_out = act if last else 0  # the last micro-batch's final-norm output (the stage's output)
+        d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
+             "resident/unsharded params (units after)": unsharded,
+             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
+             "gathered/reduce-scatter input (fp32)": full * F32,
+             "temporary/gloo copy or divided input (fp32)": full * F32, "gathered/p2p buffers and held sends": p2p}
+        if last_out:
+            d["activations/last micro-batch's final norm output"] = last_out
+        parts = {"resident": kept + g + unsharded, "activations": last_out, "gathered": full * F32 + p2p,
+                 "temporary": acc + full * F32}
+        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+                          what=f"perform_reduce_grad: {name}", detail=d))
+
+    # 2. a micro-batch's backward at block k (stages before the last)
+    if not last and Ls:
+        warm = min(n, P - s)
+        linears = (block_numel - 2 * h) * BF16
+        for i in sorted({0, min(1, n - 1)}):
+            flight = min(warm, n - i)
+            for k in range(Ls - 1, -1, -1):
+                acc = (emb_numel * has_emb + Ls * block_numel) * F32 if i >= 1 else (Ls - 1 - k) * block_numel * F32
+                unsharded = sum([f for _, f, _, _ in order]) * BF16
+                saved = (flight - 1) * Ls * act1 + k * act1 + T * h * F32
+                work = linears + 2 * h * BF16 + act + 5 * T * h * F32
+                p2p = recv + flight * act + (act if i >= 1 and not first else 0)
+                d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
+                     "temporary/fp32 accumulated grads": acc,
+                     f"activations/{flight - 1} other micro-batches x {Ls} blocks": (flight - 1) * Ls * act1,
+                     f"activations/{k} blocks before and the attention_norm's input": k * act1 + T * h * F32,
+                     "temporary/the block's bf16 weight grads, residual grad, RMSNorm backward": work,
+                     "gathered/p2p buffers and held sends": p2p}
+                parts = {"resident": kept + unsharded, "activations": saved, "gathered": p2p,
+                         "temporary": acc + work}
+                cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                                  what=f"micro-batch {i} backward at block {k}'s attention_norm", detail=d))
+
+    # 3. the last stage's lm_head reduce-scatter at the last micro-batch's last chunk
+    if has_head:
+        m = n - 1
+        Vh = head_numel - h  # lm_head's numel
+        rs = head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
+        g = sh.lm_full // ds * F32 + (head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32
+        unsharded = sum([f for _, f, _, _ in order]) * BF16 + head_full * BF16
+        acc = (emb_numel * has_emb + Ls * block_numel) * F32 if m >= 1 else 0
+        acc += held(Vh)  # lm_head is [norm, lm_head]'s last param
+        root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
+        saved = Ls * act1 + root
+        chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+        # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
+        # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
+        # where held() keeps it)
+        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16
+        p2p = recv + (act if m >= 1 and not first else 0)
+        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+             "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
+             f"activations/{Ls} blocks and the final norm": saved,
+             "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
+             "gathered/reduce-scatter input (fp32)": rs * F32, "temporary/gloo copy or divided input (fp32)": rs * F32,
+             "gathered/p2p buffers and held sends": p2p}
+        parts = {"resident": kept + g + unsharded, "activations": saved, "gathered": rs * F32 + p2p,
+                 "temporary": acc + wrapper + rs * F32}
+        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                          what=f"lm_head reduce-scatter at micro-batch {m}'s last loss chunk", detail=d))
+    return cands
+
+
 # Peak.detail key of the other outcome of a race the ledger names (the probe may measure either)
 RACE = "race/gloo frees its reduce-scatter copy after the next block's unshard copy-out"
 
@@ -246,27 +398,31 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
                 what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
 
 
-def modelled(lay) -> bool:
-    """The layouts peak() models: all but PP, and SP with CP (tp2·cp2·sp measured 8% above this
-    model: SP's gathered inputs under CP's sharded sequence are not derived yet)."""
-    return lay.pp == 1 and not (lay.sequence_parallel and lay.tp > 1 and lay.cp > 1)
+def modelled(lay, fw=None) -> bool:
+    """The layouts peak() and pp_peak() model: all but SP with CP (tp2·cp2·sp measured 8% above this
+    model: SP's gathered inputs under CP's sharded sequence are not derived yet); PP without
+    activation checkpointing (pp_peak: the block's backward working set is derived without recompute)."""
+    if lay.pp > 1:
+        return getattr(fw, "activation_checkpoint", "none") == "none" if fw is not None else True
+    return not (lay.sequence_parallel and lay.tp > 1 and lay.cp > 1)
 
 
 def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
-    if not modelled(lay):
-        if lay.pp > 1:
-            # measured on tests/test_titan.py's PP jobs (the peak probe's storages at the peak)
-            return ["titan peak: not modelled with PP (no peak_bytes row). torch pipelining turns FSDP2's gradient "
-                    "sync and reshard-after-backward off for every micro-batch (stage.py backward_maybe_with_nosync), "
-                    "so a stage holds its unsharded bf16 params and its unsharded fp32 accumulated grads through the "
-                    "step (whatever dp_shard) and reduces each unit after the last backward (perform_reduce_grad: the "
-                    "unit's fp32 reduce-scatter input and its division or gloo copy beside the grads not yet reduced). "
-                    "Measured peaks: there (pp2 at world 2, pp4's stages 0, 2, 3) or in the backward with "
-                    "1F1B's micro-batches in flight (pp2·dp2's four ranks, pp4's stage 1); not derived yet"]
+    gpu = ("on CUDA the reduce-scatter runs in place (no gloo copy of its input), SDPA's flash/cuDNN kernels save "
+           "no dense mask, FlexAttention's own kernel runs (SelectiveAC saves its output) and the allocator rounds "
+           "to 512-byte blocks")
+    if lay.pp > 1:
+        if not modelled(lay, fw):
+            return ["titan peak: not modelled with PP and activation checkpointing (no peak_bytes row): the block's "
+                    "backward under recompute is not derived for the pipelined step"]
+        return ["titan peak (PP): predicted for CPU/gloo as pp_peak derives it: torch pipelining keeps every unit "
+                "unsharded (bf16) with fp32 accumulated grads through the step and reduces each unit after the last "
+                "backward (perform_reduce_grad); the peak is there, in a micro-batch's backward with 1F1B's "
+                "micro-batches in flight, or at the last stage's lm_head reduce-scatter. Not modelled: the batch's "
+                "and micro-batch split's small tensors (a few KB), the last stage's own blocks' backward; " + gpu]
+    if not modelled(lay, fw):
         return ["titan peak: not modelled with SP and CP together (no peak_bytes row): the tp2·cp2·sp job "
                 "measured 8% above the SP and CP rules combined (more saved, gathered and temporary bytes); not "
                 "derived yet"]
-    return ["titan peak: predicted for CPU/gloo (the configured variant); on CUDA the reduce-scatter runs in "
-            "place (no gloo copy of its input), SDPA's flash/cuDNN kernels save no dense mask, FlexAttention's "
-            "own kernel runs (SelectiveAC saves its output) and the allocator rounds to 512-byte blocks"]
+    return ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
