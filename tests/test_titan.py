@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (eleven small multiruns, 24 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (thirteen small multiruns, 28 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -9,7 +9,8 @@ not divide it: DTensor's torch.chunk rows, 501 and 500 per TP rank); and context
 at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
-1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides). Every row on
+1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); seq 2048 with and
+without pp2 at vocab 1024 and 32768 (the peak moments of long sequences). Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
 rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
@@ -57,6 +58,12 @@ SWEEPS = (
     # stage's [norm, lm_head] per micro-batch; step 0 adds the schedule's vote and metadata inference
     ("w2pp", ("cluster.ranks=2", "model.seq_len=32", "layout.pp=2", "layout.global_batch_size=3")),
     ("w4pp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=8", "layout.pp=2,4")),
+    # long sequences (issue 18's other peak moments): at seq 2048 the final norm's backward (vocab 1024)
+    # or a loss chunk's cross-entropy backward (vocab 32768) outweighs the reduce-scatters; with PP a
+    # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
+    ("w2long", ("cluster.ranks=2", "model.seq_len=2048", "model.vocab=1024,32768")),
+    ("w2pplong", ("cluster.ranks=2", "model.seq_len=2048", "model.vocab=1024,32768", "layout.pp=2",
+                  "layout.global_batch_size=2")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
@@ -161,6 +168,29 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
             kinds.add("reduce" if what.startswith("perform_reduce_grad") else
                       "loss" if what.startswith("lm_head reduce-scatter") else "backward")
     assert kinds == {"reduce", "loss", "backward"}, kinds
+
+
+@pytest.mark.real
+def test_long_sequences_peak_at_their_moments(sweep):
+    """Seq 2048 (titan_peak: _at_final_norm, _at_loss_chunk; pp_peak's SwiGLU, final-norm and loss-chunk
+    moments): each rank's measured steady peak is in the backward at the operator of the moment the
+    ledger predicts, and the four jobs reach every one of those moments."""
+    op_of = {"final norm": "aten.mul.Tensor", "cross-entropy": "aten._log_softmax_backward_data.default",
+             "SwiGLU": "aten.mul.Tensor"}
+    kinds = set()
+    for rec in sweep["ok"]:
+        if rec["config"]["model"]["seq_len"] != 2048:
+            continue
+        pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+        for r in rec["measurement"]["ranks"]:
+            where, what = r["steps"][-1]["peak"]["where"], pred[r["rank"]]["what"]
+            kind = [k for k in op_of if k in what]
+            assert len(kind) == 1, what
+            kinds.add((kind[0], rec["prediction"]["layout"]["pp"]))
+            assert where["phase"] == "backward" and where["op"] == op_of[kind[0]], \
+                (records.job_name(rec), r["rank"], what, where)
+    assert kinds == {("final norm", 1), ("cross-entropy", 1), ("SwiGLU", 2), ("final norm", 2), ("cross-entropy", 2)}, \
+        kinds
 
 
 @pytest.mark.real

@@ -121,9 +121,15 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
     head_numel: the unpadded TP-local numel of one TransformerBlock, tok_embeddings and [norm,
     lm_head] (FSDP2's unsharded parameters). The most live bytes over lm_head's reduce-scatter at
-    the loss's last chunk (_at_lm_head) and the blocks' post-backward reduce-scatters (_at_block),
-    the earliest on ties."""
+    the loss's last chunk (_at_lm_head), a loss chunk's cross-entropy backward (_at_loss_chunk), the
+    final norm's backward (_at_final_norm) and the blocks' post-backward reduce-scatters (_at_block):
+    the most of them, the earliest on ties. At long sequences and large vocabularies the second and
+    third win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk)."""
     best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)
+    for pk in (_at_loss_chunk(best, model, lay, sh, head_numel),
+               _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)):
+        if pk.bytes > best.bytes:
+            best = pk
     late = 0
     for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k)
@@ -151,10 +157,10 @@ def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: in
 def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
                emb_numel: int, block_numel: int, head_numel: int) -> list[Peak]:
     """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
-    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing off. stage: titan.pp_stages' (has tok_embeddings, first layer, layers,
-    has [norm, lm_head]); sh: the stage's _Sharded (padded full numel per unit); kept: the rank's
-    params + optim + other state bytes, grads: its grad state bytes; *_numel: a unit's unpadded
-    numel (the shape of its unsharded params and grads).
+    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing off. stage: titan.pp_stages'
+    (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's _Sharded (padded
+    full numel per unit); kept: the rank's params + optim + other state bytes, grads: its grad state
+    bytes; *_numel: a unit's unpadded numel (the shape of its unsharded params and grads).
 
     What pipelining does to FSDP2 (torch/distributed/pipelining/stage.py backward_maybe_with_nosync:
     set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch;
@@ -165,7 +171,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     them. trainer.py zero_grad(set_to_none=True) (PP) leaves no sharded grad until a unit is reduced,
     except [norm, lm_head], which ChunkedLossWrapper syncs at each micro-batch's last chunk.
 
-    The most of three moments (measured on tests/test_titan.py's PP jobs, the probe's census):
+    The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census):
     - perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
       lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
       chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
@@ -178,20 +184,25 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
       (Schedule1F1B: min(n, P - s) forwards of warm-up, so min(P - s, n - i) in flight at backward i),
       the block's own: its seven linears' bf16 grads, its norms' bf16 weight grads, the residual
       grad (bf16 [T, h]), the attention_norm's fp32 input it saved and the five fp32 [T, h] temporaries
-      of the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div);
+      of the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div); or,
+      at long sequences, earlier in the same block, at its SwiGLU backward (the block's saved tensors
+      but w2's input, three bf16 [T, ffn] grads, w2's weight grad);
     - the last stage's loss at the last micro-batch's last chunk, where the wrapper reduce-scatters
       lm_head's grad (with the norm's accumulated from the micro-batch before): the blocks' and the
       root norm's saved tensors (one micro-batch in flight on the last stage), the accumulators of
       the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's
       logits and input grad, the reduce-scatter input, output and gloo copy (as _at_lm_head); with a
-      shard group of more than one lm_head's unsharded fp32 grad too (held()).
+      shard group of more than one lm_head's unsharded fp32 grad too (held()); at long sequences and
+      large vocabularies that micro-batch's loss chunk's cross-entropy backward or its final norm's
+      backward instead (as the non-PP _at_loss_chunk and _at_final_norm);
     P2P (stage.py): a persistent [mbs, S, h] bf16 receive buffer per micro-batch and direction the
     stage receives (activations from the stage before, grads from the one after); each in-flight
     micro-batch's output, sent on, held until its backward; the input grad last sent back held until
     the next one.
-    Not modelled (each a few KB in the matrix): the step's batch and micro-batch split (int64 ids,
+    Not modelled (a few KB in the matrix, 239 KB at seq 2048): the step's batch and micro-batch split (int64 ids,
     labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from the step
-    before; the last stage's own blocks' backward (below its loss moment in every measured job)."""
+    before; the last stage's blocks' backward past its final norm (below its loss moments in every
+    measured job)."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
@@ -239,6 +250,14 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
                           what=f"perform_reduce_grad: {name}", detail=d))
 
     # 2. a micro-batch's backward at block k (stages before the last)
+    def in_block(what: str, acc: int, unsharded: int, p2p: int, saved_label: str, saved: int, work_label: str,
+                 work: int) -> Peak:
+        d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads": acc, f"activations/{saved_label}": saved,
+             f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": p2p}
+        parts = {"resident": kept + unsharded, "activations": saved, "gathered": p2p, "temporary": acc + work}
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=d)
+
     if not last and Ls:
         warm = min(n, P - s)
         linears = (block_numel - 2 * h) * BF16
@@ -250,16 +269,21 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
                 saved = (flight - 1) * Ls * act1 + k * act1 + T * h * F32
                 work = linears + 2 * h * BF16 + act + 5 * T * h * F32
                 p2p = recv + flight * act + (act if i >= 1 and not first else 0)
-                d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
-                     "temporary/fp32 accumulated grads": acc,
-                     f"activations/{flight - 1} other micro-batches x {Ls} blocks": (flight - 1) * Ls * act1,
-                     f"activations/{k} blocks before and the attention_norm's input": k * act1 + T * h * F32,
-                     "temporary/the block's bf16 weight grads, residual grad, RMSNorm backward": work,
-                     "gathered/p2p buffers and held sends": p2p}
-                parts = {"resident": kept + unsharded, "activations": saved, "gathered": p2p,
-                         "temporary": acc + work}
-                cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                                  what=f"micro-batch {i} backward at block {k}'s attention_norm", detail=d))
+                cands.append(in_block(f"micro-batch {i} backward at block {k}'s attention_norm", acc, unsharded, p2p,
+                                      f"{flight - 1} other micro-batches x {Ls} blocks, {k} before, the "
+                                      "attention_norm's input", saved,
+                                      "the block's bf16 weight grads, residual grad, RMSNorm backward", work))
+                # the same block earlier, at its SwiGLU backward's second mul (w2's input, saved, freed by
+                # its mm backward; w2's bf16 weight grad, the grads of silu's and w3's outputs and their
+                # product, bf16 [T, ffn] each): at long sequences the block's own saved tensors outweigh
+                # the attention_norm moment's grads and fp32 temporaries. The grad flowing in is the P2P
+                # receive buffer at the stage's last block, the residual grad (bf16) below it.
+                f = model.ffn_hidden
+                saved_f = (flight - 1) * Ls * act1 + (k + 1) * act1 - T * f * BF16
+                work_f = f * h * BF16 + 3 * T * f * BF16 + (act if k < Ls - 1 else 0)
+                cands.append(in_block(f"micro-batch {i} backward at block {k}'s SwiGLU", acc, unsharded, p2p,
+                                      f"{flight - 1} other micro-batches x {Ls} blocks, {k + 1} but w2's input",
+                                      saved_f, "w2's bf16 weight grad, SwiGLU backward bf16 [T, ffn] x 3", work_f))
 
     # 3. the last stage's lm_head reduce-scatter at the last micro-batch's last chunk
     if has_head:
@@ -271,12 +295,12 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         acc = (emb_numel * has_emb + Ls * block_numel) * F32 if m >= 1 else 0
         acc += held(Vh)  # lm_head is [norm, lm_head]'s last param
         root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
-        saved = Ls * act1 + root
+        saved = Ls * act1 + root + _chunk_copies(lay, T, h)[0]
         chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
         # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
         # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
         # where held() keeps it)
-        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16
+        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + _chunk_copies(lay, T, h)[1]
         p2p = recv + (act if m >= 1 and not first else 0)
         d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
              "resident/unsharded params (every unit)": unsharded,
@@ -289,6 +313,44 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
                  "temporary": acc + wrapper + rs * F32}
         cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
                           what=f"lm_head reduce-scatter at micro-batch {m}'s last loss chunk", detail=d))
+
+        # 4. the same micro-batch's loss at a chunk's cross-entropy backward (after the first chunk; as
+        # _at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its reduce-scatter:
+        # the micro-batch before's reduce-scatter input still held (until this foreach_reduce), lm_head's
+        # fp32 unsharded grad accumulating
+        copies = _chunk_copies(lay, T, h)
+        prev_rs = ((sh.lm_full if m == 1 else head_full) * F32) if m >= 1 else 0
+        g_before = g - rs // ds * F32
+        ce = 3 * chunk * (Vh // h) * F32
+        wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
+        acc_blocks = acc - held(Vh)
+        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
+             "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads (blocks)": acc_blocks,
+             f"activations/{Ls} blocks, the final norm, chunk copies": saved,
+             "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
+             "gathered/the micro-batch before's reduce-scatter input (held)": prev_rs,
+             "gathered/p2p buffers and held sends": p2p}
+        parts = {"resident": kept + g_before + unsharded, "activations": saved, "gathered": prev_rs + p2p,
+                 "temporary": acc_blocks + wrap}
+        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                          what=f"micro-batch {m}'s loss chunk cross-entropy backward", detail=d))
+
+        # 5. the same micro-batch's final norm backward (after its loss: as _at_final_norm): its
+        # reduce-scatter input held, the blocks' saved tensors, the norm's fp32 input and backward
+        # temporaries; every unit already unsharded (no prefetch)
+        # (the norm's bf16 output, freed here without PP, is the stage's output, which pipelining keeps)
+        work = 5 * T * h * F32 + h * BF16
+        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+             "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads (blocks)": acc_blocks,
+             f"activations/{Ls} blocks, the final norm's fp32 input and bf16 output": Ls * act1 + T * h * (F32 + BF16),
+             "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
+             "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": p2p}
+        parts = {"resident": kept + g + unsharded, "activations": Ls * act1 + T * h * (F32 + BF16),
+                 "gathered": rs * F32 + p2p, "temporary": acc_blocks + work}
+        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                          what=f"micro-batch {m}'s final norm backward", detail=d))
     return cands
 
 
@@ -321,23 +383,104 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # every block's saved tensors, the root norm's (fp32 x, rsqrt, x*rsqrt) and its bf16 output (the
     # hidden states the wrapper backpropagates from), the valid-token count
     root = Tn * h * F32 * 2 + Tn * F32 + T * h * BF16
-    acts = L * act1 + root + I64
+    copies = _chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
+    acts = L * act1 + root + I64 + copies[0]
     detail[f"activations/{L} blocks saved ({ac})"] = L * act1
     detail["activations/root norm and hidden states"] = root
+    if copies[0]:
+        detail["activations/the wrapper's hidden and label chunk copies"] = copies[0]
+        detail["temporary/the wrapper's loss-input chunk copies"] = copies[1]
     # lm_head's grad reduce-scatter: fp32 input (padded full), output (shard), gloo's copy
     rs_in, rs_out = sh.lm_full * F32, sh.lm_full * F32 // ds
     gathered = rs_in + rs_out
+    detail["gathered/lm_head's reduce-scatter input and output (fp32)"] = gathered
+    detail["temporary/gloo copy or divided input (fp32)"] = rs_in
     # GradAccumulator's fp32 [B, S, h] buffer, lm_head's unsharded fp32 grad accumulated over the
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
     chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
     temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_in + L * kept1
-            + _batch_bytes(model, B, model.seq_len) - h * BF16)
+            + _batch_bytes(model, B, model.seq_len) - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": 12}
     return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
                 what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=detail)
+
+
+def _chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
+    """ChunkedLossWrapper splits the hidden states and the labels along the sequence (dim 1) and makes
+    each chunk contiguous (components/loss.py _chunk_local: c.contiguous()): with a micro-batch of more
+    than one sequence the chunks are copies, with one they are views. Held by the wrapper's chunk lists
+    to its end: (the hidden states' bf16 [B, S, h] and the labels' int64 [B, S], which lm_head and the
+    loss save; one more int64 [B, S] loss input's)."""
+    return (T * h * BF16 + T * I64, T * I64) if lay.micro_batch_size > 1 else (0, 0)
+
+
+def _at_loss_chunk(at_lm_head: Peak, model, lay, sh, head_numel: int) -> Peak:
+    """Live bytes at a loss chunk's cross-entropy backward, any chunk after the first (the first has
+    no fp32 lm_head grad yet): what _at_lm_head holds but the reduce-scatter's buffers and the last
+    chunk's input grad, with the cross-entropy's fp32 [chunk, V] buffers instead. Plain cross-entropy
+    (tp 1: aten log_softmax + nll_loss): the saved log-softmax, nll_loss_backward's output and
+    _log_softmax_backward_data's, three; loss parallel (torchtitan's default with TP: DTensor's
+    vocab-parallel log-softmax, decomposed: sub of the all-reduced max, exp, sum, log) at its
+    backward's add: the saved log-probabilities, the zeros_like grad, exp and the add, four, each over
+    the TP rank's vocab rows. Measured: the tp 1 run at seq 2048 and vocab 32768 and the article's
+    FSDP4·TP2·SP at s=8192 (both peak here)."""
+    h, tp = model.hidden, lay.tp
+    T = lay.micro_batch_size * model.seq_len // lay.cp
+    chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+    V = head_numel // h  # lm_head's TP-local rows
+    d = dict(at_lm_head.detail)
+    rs = {k: v for k, v in d.items() if k.startswith("gathered/") or k.startswith("temporary/gloo")}
+    for k in rs:
+        del d[k]
+    ce = (3 if tp == 1 else 4) * chunk * V * F32
+    drop_temp = sum([v for k, v in rs.items() if k.startswith("temporary/")]) + chunk * h * BF16
+    d["temporary/grad accumulator, lm_head unsharded grad, last chunk"] -= chunk * h * BF16
+    d[f"temporary/cross-entropy backward, fp32 [chunk, V] x {ce // (chunk * V * F32)}"] = ce
+    parts = dict(at_lm_head.parts)
+    parts["gathered"] -= sum([v for k, v in rs.items() if k.startswith("gathered/")])
+    parts["temporary"] += ce - drop_temp
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what="a loss chunk's cross-entropy backward (ChunkedLossWrapper, after the first chunk)", detail=d)
+
+
+def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
+    """Live bytes in the final norm's backward (the decoder's backward starting from the wrapper's
+    accumulated hidden grad), at the RMSNorm composite's last mul: every block's saved tensors, the
+    norm's saved fp32 input, the five fp32 [T, h] temporaries of its backward (as pp_peak's block
+    moment), its bf16 weight grad; [norm, lm_head] unsharded again for it; the last block's
+    all-gather prefetched (reshard after forward, a shard group of more than one); lm_head's
+    reduce-scatter input of the last chunk held until the next foreach_reduce (HSDP: its all-reduce
+    input too). Measured: the dp2 run at seq 2048 peaks here."""
+    B, S, L, h, tp = lay.micro_batch_size, model.seq_len, model.layers, model.hidden, lay.tp
+    sp = bool(lay.sequence_parallel) and tp > 1
+    ds = lay.dp_shard * lay.cp
+    T = B * S // lay.cp
+    Tn = T // tp if sp else T
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")
+    act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp)
+    unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
+    acts = L * act1 + Tn * h * F32 + I64
+    work = 5 * Tn * h * F32 + h * BF16
+    ag = sh.layer_full * BF16 if reshard and ds > 1 else 0
+    held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
+    # (the wrapper has returned: its chunk copies and GradAccumulator are gone, the accumulated grad it
+    # hands the decoder, bf16, is freed by the norm's backward before this moment)
+    small = _batch_bytes(model, B, S) - h * BF16 + L * kept1
+    detail = {"resident/state": resident, "resident/unsharded params": unsharded,
+              f"activations/{L} blocks saved ({ac})": L * act1, "activations/the final norm's fp32 input": Tn * h * F32,
+              "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
+              "gathered/lm_head's reduce-scatter input held (HSDP: its all-reduce input)": held,
+              "temporary/batch, selective AC's kept outputs": small}
+    if ag:
+        detail["gathered/the last block's all-gather (backward prefetch)"] = ag
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": ag + held, "temporary": work + small,
+             "unnamed": 12}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what="the final norm's backward",
+                detail=detail)
 
 
 def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
