@@ -37,7 +37,8 @@ def run(job_dir: str) -> int:
     session = ProbeSession(lay.grid, rank, out_path, comm_steps=list(cfg.probe.comm_steps),
                            memory=cfg.probe.memory, comm=cfg.probe.comm,
                            cuda_profile_steps=list(cfg.probe.cuda_profile_steps), peak=cfg.probe.peak,
-                           steps=cfg.train.steps, timeline_step=cfg.probe.timeline_step)
+                           steps=cfg.train.steps, timeline_step=cfg.probe.timeline_step,
+                           fake_world=cfg.cluster.device == "fake")
     try:
         mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
         extra = mod.run_rank(cfg, lay, session) or {}

@@ -33,7 +33,7 @@ from probes.peak import PeakTracker
 class ProbeSession:
     def __init__(self, grid: Grid, rank: int, out_path: str, comm_steps=(), memory: bool = True,
                  comm: bool = True, cuda_profile_steps=(), peak: bool = True, steps: int | None = None,
-                 timeline_step: int = -1):
+                 timeline_step: int = -1, fake_world: bool = False):
         self.grid = grid
         self.rank = rank
         self.out_path = out_path
@@ -45,7 +45,7 @@ class ProbeSession:
         self.errors: list[str] = []
         self.info: dict = {"rank": rank, "coords": grid.coords(rank)}
         self._cur: dict | None = None
-        self.tracker = self._guard("peak probe", PeakTracker) if peak else None
+        self.tracker = self._guard("peak probe", PeakTracker, fake_world) if peak else None
         self.last_step = None if steps is None else steps - 1
         # -1: the last step (steady; step 0 also allocates the optimizer's state)
         self.timeline_step = (self.last_step if timeline_step < 0 else timeline_step) if steps else timeline_step

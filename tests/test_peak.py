@@ -181,6 +181,44 @@ def test_census_names_what_is_live_at_the_peak():
     assert len(small) == 2 and small[1]["category"] == "rest" and sum(g["bytes"] for g in small) == r["peak_bytes"]
 
 
+def test_a_wrapper_subclass_is_its_inner_tensor():
+    """torch's functional collectives hand back an AsyncCollectiveTensor, a wrapper subclass: its own
+    storage has the wrapped size and no data, and every view or detach of it is a new wrapper. The probe
+    counts the inner tensor once and the wrappers not at all (it once counted each: five phantom [T, h]
+    copies a layer of torchtitan's SP all-gather with one sequence per micro-batch)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    elem = torch.ones(1000)
+    tr = PeakTracker()
+    tr.begin(scan=True)
+    start = tr.cur
+    with tr.recording():
+        a = AsyncCollectiveTensor(elem)
+        tr.see(a)
+        v = a.view(10, 100)
+        d = v.detach()
+        w = a * 2  # a real result: 4,000 bytes
+    tr.end()
+    assert type(v) is AsyncCollectiveTensor and type(d) is AsyncCollectiveTensor and type(w) is torch.Tensor
+    assert tr.cur - start == w.untyped_storage().nbytes() == 4000
+    assert tr.serials([a, v, d]) == tr.serials([elem]) and len(tr.serials([elem])) == 1
+
+
+def test_fake_tensors_count_only_in_a_fake_world():
+    """cluster=fake counts its FakeTensors (shapes, no data: the full-shape runs); elsewhere a FakeTensor
+    is no memory (DTensor's sharding propagation makes some inside each op the probe sees)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.ones(1000))
+    for world, counted in ((False, 0), (True, 4000)):
+        tr = PeakTracker(fake_world=world)
+        tr.begin(scan=False)
+        before = tr.cur
+        tr.see(fake)
+        tr.end()
+        assert tr.cur - before == counted
+
+
 def test_a_storage_resize_is_counted():
     # FSDP2 allocates and frees unsharded parameters by resizing their storage (not an operator)
     t = torch.empty(1000)

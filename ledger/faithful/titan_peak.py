@@ -31,8 +31,9 @@ every block's). While block k's is reduced a rank holds
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
 PP layouts: pp_peak (its docstring: what pipelining does to FSDP2, the three moments).
-Not modelled here (RankState.peak is None, said in the Placement's notes): SP with CP, PP with
-activation checkpointing.
+Not modelled here (RankState.peak is None, said in the Placement's notes): PP with activation
+checkpointing. (SP with CP, once 8% off, was the probe counting AsyncCollectiveTensor wrappers:
+probes/peak.py _unwrap; the SP and CP rules together are within 0.03% since.)
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
 saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
 """
@@ -542,12 +543,11 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
 
 
 def modelled(lay, fw=None) -> bool:
-    """The layouts peak() and pp_peak() model: all but SP with CP (tp2·cp2·sp measured 8% above this
-    model: SP's gathered inputs under CP's sharded sequence are not derived yet); PP without
-    activation checkpointing (pp_peak: the block's backward working set is derived without recompute)."""
+    """The layouts peak() and pp_peak() model: all, but PP with activation checkpointing (pp_peak: the
+    block's backward working set is derived without recompute)."""
     if lay.pp > 1:
         return getattr(fw, "activation_checkpoint", "none") == "none" if fw is not None else True
-    return not (lay.sequence_parallel and lay.tp > 1 and lay.cp > 1)
+    return True
 
 
 def notes(lay, fw) -> list[str]:
@@ -564,8 +564,4 @@ def notes(lay, fw) -> list[str]:
                 "backward (perform_reduce_grad); the peak is there, in a micro-batch's backward with 1F1B's "
                 "micro-batches in flight, or at the last stage's lm_head reduce-scatter. Not modelled: the batch's "
                 "and micro-batch split's small tensors (a few KB), the last stage's own blocks' backward; " + gpu]
-    if not modelled(lay, fw):
-        return ["titan peak: not modelled with SP and CP together (no peak_bytes row): the tp2·cp2·sp job "
-                "measured 8% above the SP and CP rules combined (more saved, gathered and temporary bytes); not "
-                "derived yet"]
     return ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
