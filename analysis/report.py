@@ -10,7 +10,8 @@ Three figures (matplotlib, PNG), frameworks side by side:
   comm.png     collective buffer bytes per optimizer step by dimension and kind, predicted beside measured
   timeline.png live bytes by category through one step (probes/peak.py) for each job's most-loaded rank:
                the ledger's timeline (where it gives one) above the measured one, predicted peak dashed
-and the per-job summary, the mismatching rows and the whole table (reconcile.csv).
+and the per-job summary, what is live at each job's measured peak (the probe's census beside the
+predicted peak), the mismatching rows and the whole table (reconcile.csv).
 """
 from __future__ import annotations
 
@@ -209,6 +210,34 @@ def _timeline_rank(rec: dict):
     return best
 
 
+def census_table(recs: list[dict], top: int = 8) -> pd.DataFrame:
+    """What is live at each job's highest measured peak (the timeline step's census, probes/peak.py):
+    its `top` largest groups by category and where they were allocated, beside the ledger's predicted
+    peak and the moment it names (python -m analysis.census prints every group and the predicted detail)."""
+    rows = []
+    for rec in recs:
+        got = _timeline_rank(rec)
+        if got is None or not got[1]["peak"].get("census"):
+            continue
+        rank, st = got
+        pk = st["peak"]
+        pred = next((p.get("peak") for p in (rec.get("prediction") or {}).get("per_rank", []) if p["rank"] == rank),
+                    None) or {}
+        w = pk["where"]
+        head = {"job": R.job_name(rec), "rank": rank, "measured peak": pk["peak_bytes"],
+                "measured at": f"{w['phase']} · {w['op'] or '-'}", "predicted peak": pred.get("bytes"),
+                "predicted at": pred.get("what", "")}
+        for i, g in enumerate(pk["census"][:top]):
+            where = (g["phase"], f"mb {g['micro_batch']}", g["module"], g["op"])
+            made = "live at the step's start" if g["phase"] == "start" else \
+                " · ".join(str(x) for x in where if x is not None)
+            rows.append({**(head if i == 0 else {k: "" for k in head}), "category": g["category"], "bytes": g["bytes"],
+                         "storages": g["storages"], "allocated at": made})
+    cols = ["job", "rank", "measured peak", "measured at", "predicted peak", "predicted at", "category", "bytes",
+            "storages", "allocated at"]
+    return pd.DataFrame(rows, columns=cols)
+
+
 def _stack(ax, points: list[dict], cats: list[str], phases: bool) -> None:
     """Live bytes by category against the fraction of the step (a step plot: each point holds until the next)."""
     n = max(len(points) - 1, 1)
@@ -383,6 +412,16 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
              f"<p>{verdict}</p>", "<h2>Jobs</h2>", _html_table(summ)]
     for title, png, caption in figs:
         parts += [f"<h2>{title}</h2>", f"<p class='muted'>{caption}</p>", f"<img src='{png}' alt='{title}'>"]
+    census = census_table(recs)
+    if len(census):
+        parts += ["<h2>What is live at the peak</h2>",
+                  "<p class='muted'>Each job's most-loaded rank at its measured peak: the largest groups of live "
+                  "storages by category and by where they were allocated (the peak probe's census), beside the "
+                  "ledger's predicted peak and the moment it names. <code>python -m analysis.census DIR</code> "
+                  "prints every group and the prediction's detail.</p>",
+                  census.to_html(index=False, border=0, na_rep="", escape=True,
+                                 formatters={c: (lambda v: f"{v:,}" if isinstance(v, (int, np.integer)) else v)
+                                             for c in ("measured peak", "predicted peak", "bytes")})]
     parts += ["<h2>Mismatching rows</h2>",
               _html_table(bad) if len(bad) else "<p class='ok'>none</p>",
               "<p class='muted'>every row, every step: <a href='reconcile.csv'>reconcile.csv</a></p></body></html>"]

@@ -53,6 +53,15 @@ def test_report_cli_writes_the_page_and_prints_where(sweep):
     assert f"all {n_steady} steady rows agree: states and collectives to the byte" in html
     got = pd.read_csv(os.path.join(sweep, "report", "reconcile.csv"), keep_default_na=False)
     assert len(got) == len(reconcile.table(recs))
+    # what is live at each job's peak: its largest census groups, each job once, within its measured peak
+    assert "<h2>What is live at the peak</h2>" in html
+    census = REP.census_table(recs)
+    block = (census.job != "").cumsum()  # each job's rows: its head row and the groups under it
+    heads = census[census.job != ""]
+    assert sorted(heads.job) == sorted(records.job_name(r) for r in recs)
+    for b, rows in census.groupby(block):
+        head = rows.iloc[0]
+        assert 1 <= len(rows) <= 8 and 0 < rows.bytes.sum() <= head["measured peak"] and head["predicted peak"] > 0
 
 
 @pytest.mark.real
