@@ -1054,8 +1054,15 @@ PEAK_FINDINGS = {
     # is the final norm's forward, exact (deepspeed_coordinator.z3_moments)
     "zero3 deep backward": (lambda z, dp, prec, m, tied, reuse: z == 3 and dp == 4 and reuse not in (0, 10**9),
                             "over 1%"),
-    # fp32 ZeRO-2, 4 ranks, 2 micro-batches: the peak is further into backward than the candidates
-    # (grads_in_partition, the IPG bucket and the layers' gradients): 9% off
+    # fp32 ZeRO-2, 4 ranks, 2 micro-batches: the peak is further into backward than the candidates: 9%
+    # off on rank 3. The census (python -m analysis.census) shows why: with gradient accumulation
+    # ZeRO-2 keeps micro-batch 0's grads_in_partition (referenced by all_grad_tensors,
+    # stage_1_and_2.py independent_gradient_partition_epilogue) after _release_ipg_buffers sets it to
+    # None, and the next micro-batch's first reduction into this rank's partition allocates a second
+    # one (copy_grads_in_partition), both sized as the whole params overlapping the partition (rank 3:
+    # 3,672,064 B each, its partition 3,541,248 B). Rank 3's partition holds the output layer, reduced
+    # first, so both are live through the last layer's SwiGLU backward with every activation; the
+    # ledger holds one, partition-sized, and no moment after the output layer's mm backward
     "fp32 zero2 deep backward": (lambda z, dp, prec, m, tied, reuse: z == 2 and dp == 4 and prec == "fp32", "over 1%"),
     # ZeRO-3, 4 ranks, tied, nothing kept (reuse 0): the peak is in backward at 0.63% below the
     # optimizer-step candidate the ledger picks (the gathered embedding / output weight in backward)

@@ -26,7 +26,9 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
   them only at step 0's end), from z3_first_moments. Where the 4-rank ZeRO-3 jobs peak, exact.
 An estimate elsewhere: ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples),
-fp32 ZeRO-2 deeper in backward (9%), ZeRO-3 with a partial reuse distance deeper in backward (at an
+fp32 ZeRO-2 deeper in backward (9%: micro-batch 0's grads_in_partition stays referenced by
+all_grad_tensors and the last micro-batch's first reduction into the partition allocates a second,
+both sized as the params overlapping the partition; tests/test_deepspeed.py PEAK_FINDINGS), ZeRO-3 with a partial reuse distance deeper in backward (at an
 IPG reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS
 names them.
 

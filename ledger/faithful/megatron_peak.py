@@ -26,6 +26,10 @@ tensor (its softmax statistics [b, heads/tp, s] fp32 and the output instead): `l
 the spec. Recompute (framework.recompute_*): selective core_attn (attention.py
 _checkpointed_attention_forward) and full uniform / block (recompute.py checkpointed_forward), both
 through tensor_parallel/random.py CheckpointFunction (ctx.save_for_backward of its tensor inputs).
+Not a candidate (a finding): a forward at a layer's softmax with the local spec. At full shape (the
+article's TP2·PP2·DP2·SP run on cluster=fake, s=8192) stage 0 peaks at layer 7's softmax cast back to
+bf16 in its third micro-batch's forward (the bf16 scores and their fp32 copy beside two micro-batches'
+saved s^2 probabilities), 63 MB (0.05%) above the backward moment the ledger picks.
 """
 from __future__ import annotations
 
