@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (thirteen small multiruns, 28 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (fourteen small multiruns, 30 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -10,7 +10,8 @@ at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, bo
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); seq 2048 with and
-without pp2 at vocab 1024 and 32768 (the peak moments of long sequences). Every row on
+without pp2 at vocab 1024 and 32768 (the peak moments of long sequences), pp2 with full and selective
+activation checkpointing at seq 2048. Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
 rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
@@ -64,6 +65,10 @@ SWEEPS = (
     ("w2long", ("cluster.ranks=2", "model.seq_len=2048", "model.vocab=1024,32768")),
     ("w2pplong", ("cluster.ranks=2", "model.seq_len=2048", "model.vocab=1024,32768", "layout.pp=2",
                   "layout.global_batch_size=2")),
+    # PP with activation checkpointing at seq 2048: a checkpointed block's recompute in its backward (the
+    # SwiGLU moment) on both stages
+    ("w2ppac", ("cluster.ranks=2", "model.seq_len=2048", "layout.pp=2", "layout.global_batch_size=2",
+                "framework.activation_checkpoint=full,selective")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
@@ -170,8 +175,9 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
 @pytest.mark.real
 def test_long_sequences_peak_at_their_moments(sweep):
     """Seq 2048 (titan_peak: _at_final_norm, _at_loss_chunk; pp_peak's SwiGLU, final-norm and loss-chunk
-    moments): each rank's measured steady peak is in the backward at the operator of the moment the
-    ledger predicts, and the four jobs reach every one of those moments."""
+    moments, with and without activation checkpointing): each rank's measured steady peak is in the
+    backward at the operator of the moment the ledger predicts, and the six jobs reach every one of
+    those moments."""
     op_of = {"final norm": "aten.mul.Tensor", "cross-entropy": "aten._log_softmax_backward_data.default",
              "SwiGLU": "aten.mul.Tensor"}
     kinds = set()

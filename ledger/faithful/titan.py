@@ -281,19 +281,16 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
-    modelled_peak = titan_peak.modelled(lay, fw)  # ledger/faithful/titan_peak.py
-
     def state(s: int, k: int) -> RankState:
         st = _state(_state_parts(model, sh, k, ds), steady_comm, first)
-        if modelled_peak:
-            resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
+        resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
 
-            def peak():
-                emb, block, head = _unit_params(model, lay.tp, t)
-                return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
-                                                                       for u in (block, emb, head)])
+        def peak():  # ledger/faithful/titan_peak.py
+            emb, block, head = _unit_params(model, lay.tp, t)
+            return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
+                                                                   for u in (block, emb, head)])
 
-            st.peak = peak
+        st.peak = peak
         return st
 
     pl = _placement(model, lay, grid, lambda s: sh, 0, state)
@@ -775,21 +772,18 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
             memo[s, first] = _pp_comm(model, lay, _stage_sharded(model, ds, P, s), stages[s], s, first, grid)
         return memo[s, first]
 
-    modelled_peak = titan_peak.modelled(lay, fw)  # ledger/faithful/titan_peak.py pp_peak
-
     def state(s: int, k: int) -> RankState:
         st = _state(_pp_parts(model, ds, P, s, k, views), lambda: comm_of(s, False), lambda: comm_of(s, True))
         st.stage = s
-        if modelled_peak:
-            kept = st.params_bytes + st.optim_bytes + st.other_bytes
-            grads = st.grads_bytes
+        kept = st.params_bytes + st.optim_bytes + st.other_bytes
+        grads = st.grads_bytes
 
-            def peak():
-                emb, block, head = [sum([prod(p.shape) for p in u]) for u in _unit_params(model, 1)]
-                return titan_peak.pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
-                                          emb, block, head)
+        def peak():  # ledger/faithful/titan_peak.py pp_peak
+            emb, block, head = [sum([prod(p.shape) for p in u]) for u in _unit_params(model, 1)]
+            return titan_peak.pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
+                                      emb, block, head, getattr(fw, "activation_checkpoint", "none"))
 
-            st.peak = peak
+        st.peak = peak
         return st
 
     pl = _placement(model, lay, grid, lambda s: _stage_sharded(model, ds, P, s), _heaviest_stage(model, ds, P, views),

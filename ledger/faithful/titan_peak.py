@@ -31,9 +31,8 @@ every block's). While block k's is reduced a rank holds
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
 PP layouts: pp_peak (its docstring: what pipelining does to FSDP2, the three moments).
-Not modelled here (RankState.peak is None, said in the Placement's notes): PP with activation
-checkpointing. (SP with CP, once 8% off, was the probe counting AsyncCollectiveTensor wrappers:
-probes/peak.py _unwrap; the SP and CP rules together are within 0.03% since.)
+Every layout has a peak. (SP with CP, once 8% off, was the probe counting AsyncCollectiveTensor
+wrappers: probes/peak.py _unwrap; the SP and CP rules together are within 0.03% since.)
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
 saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves its output).
 """
@@ -149,16 +148,16 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
 
 
 def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-            emb_numel: int, block_numel: int, head_numel: int) -> Peak:
+            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> Peak:
     """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
-    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel),
+    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac),
                key=lambda p: p.bytes)
 
 
 def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-               emb_numel: int, block_numel: int, head_numel: int) -> list[Peak]:
+               emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> list[Peak]:
     """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
-    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing off. stage: titan.pp_stages'
+    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing `ac`. stage: titan.pp_stages'
     (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's _Sharded (padded
     full numel per unit); kept: the rank's params + optim + other state bytes, grads: its grad state
     bytes; *_numel: a unit's unpadded numel (the shape of its unsharded params and grads).
@@ -195,21 +194,41 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
       logits and input grad, the reduce-scatter input, output and gloo copy (as _at_lm_head); with a
       shard group of more than one lm_head's unsharded fp32 grad too (held()); at long sequences and
       large vocabularies that micro-batch's loss chunk's cross-entropy backward or its final norm's
-      backward instead (as the non-PP _at_loss_chunk and _at_final_norm);
+      backward instead (as the non-PP _at_loss_chunk and _at_final_norm), or its blocks' backward after
+      the final norm (the block moments above);
+    - with activation checkpointing a block holds its checkpoint's saves between its forward and its
+      backward (saved_per_layer), is recomputed first in its backward (its saves as without, beside the
+      checkpoint's input), and block 0's input on a stage after the first is the P2P receive buffer;
     P2P (stage.py): a persistent [mbs, S, h] bf16 receive buffer per micro-batch and direction the
     stage receives (activations from the stage before, grads from the one after); each in-flight
     micro-batch's output, sent on, held until its backward; the input grad last sent back held until
     the next one.
-    Not modelled (a few KB in the matrix, 239 KB at seq 2048): the step's batch and micro-batch split (int64 ids,
-    labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from the step
-    before; the last stage's blocks' backward past its final norm (below its loss moments in every
-    measured job)."""
+    Not modelled (a few KB in the matrix, 239 KB at seq 2048): the step's batch and micro-batch split
+    (int64 ids, labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from
+    the step before."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
     ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
     T = B * S
     act = T * h * BF16  # one [mbs, S, h] bf16 activation or grad
+    # a block's saves without checkpointing (what its backward, after a checkpoint's recompute, holds),
+    # and what it holds between its forward and its backward under the configured checkpointing
+    # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
+    # checkpointed block is backpropagated its checkpoint still holds the block's input
     act1 = saved_per_layer(model, B, S, "none")[0]
+    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac)
+    blk = ac_saved + ac_kept
+    ck_in = ac_saved if ac != "none" else 0  # a checkpoint's stored input (the block's input)
+    first_in = 0 if s == 0 else ck_in  # on a stage after the first, block 0's input is the P2P receive buffer
+
+    def chunk_saves() -> int:  # one micro-batch's saves on this stage between its forward and backward
+        return Ls * blk - first_in
+
+    def before(k: int) -> int:  # the saves of blocks 0..k-1 of the micro-batch in backward
+        return k * blk - (first_in if k else 0)
+
+    def own(k: int) -> int:  # block k's checkpoint input while the block is recomputed and backpropagated
+        return ck_in if (k or s == 0) else 0
     first, last = s == 0, s == P - 1
     # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
     # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
@@ -267,7 +286,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
             for k in range(Ls - 1, -1, -1):
                 acc = (emb_numel * has_emb + Ls * block_numel) * F32 if i >= 1 else (Ls - 1 - k) * block_numel * F32
                 unsharded = sum([f for _, f, _, _ in order]) * BF16
-                saved = (flight - 1) * Ls * act1 + k * act1 + T * h * F32
+                saved = (flight - 1) * chunk_saves() + before(k) + own(k) + T * h * F32
                 work = linears + 2 * h * BF16 + act + 5 * T * h * F32
                 p2p = recv + flight * act + (act if i >= 1 and not first else 0)
                 cands.append(in_block(f"micro-batch {i} backward at block {k}'s attention_norm", acc, unsharded, p2p,
@@ -280,7 +299,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
                 # the attention_norm moment's grads and fp32 temporaries. The grad flowing in is the P2P
                 # receive buffer at the stage's last block, the residual grad (bf16) below it.
                 f = model.ffn_hidden
-                saved_f = (flight - 1) * Ls * act1 + (k + 1) * act1 - T * f * BF16
+                saved_f = (flight - 1) * chunk_saves() + before(k) + own(k) + act1 - T * f * BF16
                 work_f = f * h * BF16 + 3 * T * f * BF16 + (act if k < Ls - 1 else 0)
                 cands.append(in_block(f"micro-batch {i} backward at block {k}'s SwiGLU", acc, unsharded, p2p,
                                       f"{flight - 1} other micro-batches x {Ls} blocks, {k + 1} but w2's input",
@@ -296,7 +315,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         acc = (emb_numel * has_emb + Ls * block_numel) * F32 if m >= 1 else 0
         acc += held(Vh)  # lm_head is [norm, lm_head]'s last param
         root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
-        saved = Ls * act1 + root + _chunk_copies(lay, T, h)[0]
+        saved = chunk_saves() + root + _chunk_copies(lay, T, h)[0]
         chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
         # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
         # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
@@ -345,13 +364,38 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
              "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads (blocks)": acc_blocks,
-             f"activations/{Ls} blocks, the final norm's fp32 input and bf16 output": Ls * act1 + T * h * (F32 + BF16),
+             f"activations/{Ls} blocks, the final norm's fp32 input and bf16 output":
+                 chunk_saves() + T * h * (F32 + BF16),
              "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
              "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": p2p}
-        parts = {"resident": kept + g + unsharded, "activations": Ls * act1 + T * h * (F32 + BF16),
+        parts = {"resident": kept + g + unsharded, "activations": chunk_saves() + T * h * (F32 + BF16),
                  "gathered": rs * F32 + p2p, "temporary": acc_blocks + work}
         cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
                           what=f"micro-batch {m}'s final norm backward", detail=d))
+
+        # 6. the same micro-batch's blocks after its final norm (block k's attention_norm and SwiGLU
+        # moments, as 2.): what 5. holds but the norm's saves and temporaries, the norm's fp32 accumulator,
+        # the grad flowing into the block (bf16). With checkpointing the block is recomputed first (its
+        # saves as without, the checkpoint's input beside them): there it outweighs the loss moments
+        f = model.ffn_hidden
+        base = kept + g + unsharded
+        other = acc_blocks + h * F32
+        gat = rs * F32 + p2p
+        for k in range(Ls - 1, -1, -1):
+            for name, saved_k, work_k in (
+                    ("attention_norm", before(k) + own(k) + T * h * F32,
+                     (block_numel - 2 * h) * BF16 + 2 * h * BF16 + act + 5 * T * h * F32),
+                    ("SwiGLU", before(k) + own(k) + act1 - T * f * BF16, f * h * BF16 + 3 * T * f * BF16 + act)):
+                saves = saved_k + act  # + the stage's output (the final norm's, which pipelining keeps)
+                d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+                     "resident/unsharded params (every unit)": unsharded,
+                     "temporary/fp32 accumulated grads (blocks, the norm)": other,
+                     f"activations/blocks before {k}, block {k}'s own, the stage's output": saves,
+                     f"temporary/block {k}'s backward at its {name}": work_k,
+                     "gathered/lm_head's reduce-scatter input held, p2p": gat}
+                parts = {"resident": base, "activations": saves, "gathered": gat, "temporary": other + work_k}
+                cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                                  what=f"micro-batch {m} backward at block {k}'s {name}", detail=d))
     return cands
 
 
@@ -542,26 +586,15 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
                 what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
 
 
-def modelled(lay, fw=None) -> bool:
-    """The layouts peak() and pp_peak() model: all, but PP with activation checkpointing (pp_peak: the
-    block's backward working set is derived without recompute)."""
-    if lay.pp > 1:
-        return getattr(fw, "activation_checkpoint", "none") == "none" if fw is not None else True
-    return True
-
-
 def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     gpu = ("on CUDA the reduce-scatter runs in place (no gloo copy of its input), SDPA's flash/cuDNN kernels save "
            "no dense mask, FlexAttention's own kernel runs (SelectiveAC saves its output) and the allocator rounds "
            "to 512-byte blocks")
     if lay.pp > 1:
-        if not modelled(lay, fw):
-            return ["titan peak: not modelled with PP and activation checkpointing (no peak_bytes row): the block's "
-                    "backward under recompute is not derived for the pipelined step"]
         return ["titan peak (PP): predicted for CPU/gloo as pp_peak derives it: torch pipelining keeps every unit "
                 "unsharded (bf16) with fp32 accumulated grads through the step and reduces each unit after the last "
                 "backward (perform_reduce_grad); the peak is there, in a micro-batch's backward with 1F1B's "
-                "micro-batches in flight, or at the last stage's lm_head reduce-scatter. Not modelled: the batch's "
-                "and micro-batch split's small tensors (a few KB), the last stage's own blocks' backward; " + gpu]
+                "micro-batches in flight (a checkpointed block recomputed first), or at the last stage's loss. Not "
+                "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
     return ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
