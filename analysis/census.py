@@ -20,6 +20,13 @@ def _fmt(n) -> str:
     return f"{n:,}" if isinstance(n, int) else str(n)
 
 
+def origin(g: dict) -> str:
+    """Where a census group's storages were allocated, in words."""
+    if g["phase"] == "start":
+        return "live at the step's start"
+    return " · ".join(str(x) for x in (g["phase"], f"mb {g['micro_batch']}", g["module"], g["op"]) if x is not None)
+
+
 def lines(rec: dict, rank: int | None = None) -> list[str]:
     """The census of one record's ranks as text lines."""
     out = [f"== {R.job_name(rec)}"]
@@ -36,10 +43,8 @@ def lines(rec: dict, rank: int | None = None) -> list[str]:
         out.append(f"rank {m['rank']} step {st['step']}: measured peak {_fmt(pk['peak_bytes'])} B at {w['phase']} "
                    f"mb {w['micro_batch']} {w['module']} {w['op']}")
         for g in pk["census"]:
-            where = "start of step" if g["phase"] == "start" else \
-                f"{g['phase']} mb {g['micro_batch']} {g['module'] or '-'} {g['op'] or '-'}"
             out.append(f"  {g['category']:<11} {_fmt(g['bytes']):>16} {g['storages']:>5} x (largest "
-                       f"{_fmt(g['largest'])})  {where}")
+                       f"{_fmt(g['largest'])})  {origin(g)}")
         lp = (pred.get(m["rank"]) or {}).get("peak")
         if lp:
             out.append(f"  predicted {_fmt(lp['bytes'])} B ({lp.get('what')}):")

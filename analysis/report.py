@@ -31,7 +31,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 import records as R  # noqa: E402
-from analysis import reconcile, wandb_io  # noqa: E402
+from analysis import census, reconcile, wandb_io  # noqa: E402
 from analysis.compare import PEAK_REL_TOL  # noqa: E402
 
 FAMILIES = ("megatron", "deepspeed", "titan")  # column order: the three frameworks side by side
@@ -228,11 +228,8 @@ def census_table(recs: list[dict], top: int = 8) -> pd.DataFrame:
                 "measured at": f"{w['phase']} · {w['op'] or '-'}", "predicted peak": pred.get("bytes"),
                 "predicted at": pred.get("what", "")}
         for i, g in enumerate(pk["census"][:top]):
-            where = (g["phase"], f"mb {g['micro_batch']}", g["module"], g["op"])
-            made = "live at the step's start" if g["phase"] == "start" else \
-                " · ".join(str(x) for x in where if x is not None)
             rows.append({**(head if i == 0 else {k: "" for k in head}), "category": g["category"], "bytes": g["bytes"],
-                         "storages": g["storages"], "allocated at": made})
+                         "storages": g["storages"], "allocated at": census.origin(g)})
     cols = ["job", "rank", "measured peak", "measured at", "predicted peak", "predicted at", "category", "bytes",
             "storages", "allocated at"]
     return pd.DataFrame(rows, columns=cols)
@@ -363,10 +360,10 @@ th{background:#f3f3f3}td:first-child,td:nth-child(2),td:nth-child(3){text-align:
 .muted{color:#666;font-size:13px}"""
 
 
-def _html_table(df: pd.DataFrame) -> str:
+def _html_table(df: pd.DataFrame, byte_cols=("predicted", "measured", "abs_err", "predicted_resident")) -> str:
     return df.to_html(index=False, border=0, na_rep="", escape=True,
                       formatters={c: (lambda v: f"{v:,}" if isinstance(v, (int, np.integer)) else v)
-                                  for c in df.columns if c in ("predicted", "measured", "abs_err", "predicted_resident")})
+                                  for c in df.columns if c in byte_cols})
 
 
 def write(recs: list[dict], out_dir: str, source: str) -> str:
@@ -412,16 +409,14 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
              f"<p>{verdict}</p>", "<h2>Jobs</h2>", _html_table(summ)]
     for title, png, caption in figs:
         parts += [f"<h2>{title}</h2>", f"<p class='muted'>{caption}</p>", f"<img src='{png}' alt='{title}'>"]
-    census = census_table(recs)
-    if len(census):
+    live = census_table(recs)
+    if len(live):
         parts += ["<h2>What is live at the peak</h2>",
                   "<p class='muted'>Each job's most-loaded rank at its measured peak: the largest groups of live "
                   "storages by category and by where they were allocated (the peak probe's census), beside the "
                   "ledger's predicted peak and the moment it names. <code>python -m analysis.census DIR</code> "
                   "prints every group and the prediction's detail.</p>",
-                  census.to_html(index=False, border=0, na_rep="", escape=True,
-                                 formatters={c: (lambda v: f"{v:,}" if isinstance(v, (int, np.integer)) else v)
-                                             for c in ("measured peak", "predicted peak", "bytes")})]
+                  _html_table(live, ("measured peak", "predicted peak", "bytes"))]
     parts += ["<h2>Mismatching rows</h2>",
               _html_table(bad) if len(bad) else "<p class='ok'>none</p>",
               "<p class='muted'>every row, every step: <a href='reconcile.csv'>reconcile.csv</a></p></body></html>"]

@@ -231,13 +231,14 @@ class PeakTracker:
         nb = st.nbytes()
         if type(nb) is not int:  # a symbolic size (a FakeTensor under a ShapeEnv, left by a trace): no bytes
             return
-        if not self.fake_world and st.device.type == "meta":  # a FakeTensor's: no memory (fake_world above)
-            return
         e = self._live.get(k)
         if e is None:
+            dev = st.device.type
+            if dev == "meta" and not self.fake_world:  # a FakeTensor's: no memory (fake_world above)
+                return
             self._serial += 1
             s = self._serial
-            cuda = st.device.type == "cuda"
+            cuda = dev == "cuda"
             self.cuda_seen |= cuda
             e = self._live[k] = [nb, weakref.ref(st, lambda _r, k=k, s=s: self._freed(k, s)), s, cuda, 0]
             self._change(s, nb, _blocks(nb) if cuda else nb)

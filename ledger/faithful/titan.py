@@ -281,6 +281,7 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         return memo[False]
 
     first = first_comm if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) else None
+
     def state(s: int, k: int) -> RankState:
         st = _state(_state_parts(model, sh, k, ds), steady_comm, first)
         resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes

@@ -41,6 +41,7 @@ from __future__ import annotations
 from ledger.placement import Peak
 
 F32, BF16, I64 = 4, 2, 8
+LOSS_CHUNKS = 8  # components/loss.py ChunkedLossWrapper.Config.num_chunks (torchtitan's default)
 
 
 def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = False, cp: int = 1
@@ -126,7 +127,7 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     the most of them, the earliest on ties. At long sequences and large vocabularies the second and
     third win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk)."""
     best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)
-    for pk in (_at_loss_chunk(best, model, lay, sh, head_numel),
+    for pk in (_at_loss_chunk(best, model, lay, head_numel),
                _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)):
         if pk.bytes > best.bytes:
             best = pk
@@ -229,6 +230,21 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
 
     def own(k: int) -> int:  # block k's checkpoint input while the block is recomputed and backpropagated
         return ck_in if (k or s == 0) else 0
+
+    ffn = model.ffn_hidden
+
+    def block_moments(k: int, incoming: int) -> tuple:
+        """Block k's two moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
+        input then, its backward's working set). At its attention_norm: its seven linears' and two
+        norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
+        temporaries (aten rms_norm decomposed: mul, sum, pow, mul, div), of its own saves only that
+        norm's fp32 input. At its SwiGLU backward's second mul: w2's bf16 weight grad, the grads of
+        silu's and w3's outputs and their product (bf16 [T, ffn] each), its saves but w2's input
+        (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
+        of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
+        return (("attention_norm", before(k) + own(k) + T * h * F32, block_numel * BF16 + act + 5 * T * h * F32),
+                ("SwiGLU", before(k) + own(k) + act1 - T * ffn * BF16, ffn * h * BF16 + 3 * T * ffn * BF16 + incoming))
+
     first, last = s == 0, s == P - 1
     # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
     # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
@@ -245,65 +261,61 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     head_full = sh.norm_full + sh.lm_full
     shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
     head_grads = grads - shard_bytes  # [norm, lm_head]'s synced grads (0 without the head)
+    # every unit unsharded, as in the micro-batches' backward ([norm, lm_head] too on the last stage)
+    unsharded = sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0)
+    acc_all = (emb_numel * has_emb + Ls * block_numel) * F32  # every unit's fp32 accumulator (no head)
     recv = n * ((not first) + (not last)) * act
     cands = []
 
     # 1. perform_reduce_grad at unit u
     for u, (name, full, _numel, last_numel) in enumerate(order):
         after = order[u + 1:]
-        unsharded = sum([f for _, f, _, _ in after]) * BF16 + (head_full * BF16 if has_head else 0)
+        unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (head_full * BF16 if has_head else 0)
         acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if has_head else 0)  # the norm's own
         acc += held(last_numel)
         g = head_grads + sum([f // ds * F32 for _, f, _, _ in order[:u + 1]])
         p2p = recv + ((not last) + (not first)) * act
         last_out = act if last else 0  # the last micro-batch's final-norm output (the stage's output)
         d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
-             "resident/unsharded params (units after)": unsharded,
+             "resident/unsharded params (units after)": unsharded_after,
              "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
              "gathered/reduce-scatter input (fp32)": full * F32,
              "temporary/gloo copy or divided input (fp32)": full * F32, "gathered/p2p buffers and held sends": p2p}
         if last_out:
             d["activations/last micro-batch's final norm output"] = last_out
-        parts = {"resident": kept + g + unsharded, "activations": last_out, "gathered": full * F32 + p2p,
+        parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
                  "temporary": acc + full * F32}
         cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
                           what=f"perform_reduce_grad: {name}", detail=d))
 
-    # 2. a micro-batch's backward at block k (stages before the last)
-    def in_block(what: str, acc: int, unsharded: int, p2p: int, saved_label: str, saved: int, work_label: str,
+    def in_block(what: str, g: int, acc: int, gathered: int, saved_label: str, saved: int, work_label: str,
                  work: int) -> Peak:
+        """A moment inside a block's backward (2. and 6.): every unit unsharded, g: [norm, lm_head]'s
+        grads (the last stage), acc: the fp32 accumulators, gathered: P2P buffers and held sends (the
+        last stage: lm_head's reduce-scatter input held too)."""
         d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads": acc, f"activations/{saved_label}": saved,
-             f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": p2p}
-        parts = {"resident": kept + unsharded, "activations": saved, "gathered": p2p, "temporary": acc + work}
+             f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": gathered}
+        if g:
+            d["resident/grads ([norm, lm_head]'s outputs)"] = g
+        parts = {"resident": kept + unsharded + g, "activations": saved, "gathered": gathered,
+                 "temporary": acc + work}
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=d)
 
+    # 2. a micro-batch i's backward at block k (stages before the last)
     if not last and Ls:
         warm = min(n, P - s)
-        linears = (block_numel - 2 * h) * BF16
         for i in sorted({0, min(1, n - 1)}):
             flight = min(warm, n - i)
+            p2p = recv + flight * act + (act if i >= 1 and not first else 0)
             for k in range(Ls - 1, -1, -1):
-                acc = (emb_numel * has_emb + Ls * block_numel) * F32 if i >= 1 else (Ls - 1 - k) * block_numel * F32
-                unsharded = sum([f for _, f, _, _ in order]) * BF16
-                saved = (flight - 1) * chunk_saves() + before(k) + own(k) + T * h * F32
-                work = linears + 2 * h * BF16 + act + 5 * T * h * F32
-                p2p = recv + flight * act + (act if i >= 1 and not first else 0)
-                cands.append(in_block(f"micro-batch {i} backward at block {k}'s attention_norm", acc, unsharded, p2p,
-                                      f"{flight - 1} other micro-batches x {Ls} blocks, {k} before, the "
-                                      "attention_norm's input", saved,
-                                      "the block's bf16 weight grads, residual grad, RMSNorm backward", work))
-                # the same block earlier, at its SwiGLU backward's second mul (w2's input, saved, freed by
-                # its mm backward; w2's bf16 weight grad, the grads of silu's and w3's outputs and their
-                # product, bf16 [T, ffn] each): at long sequences the block's own saved tensors outweigh
-                # the attention_norm moment's grads and fp32 temporaries. The grad flowing in is the P2P
-                # receive buffer at the stage's last block, the residual grad (bf16) below it.
-                f = model.ffn_hidden
-                saved_f = (flight - 1) * chunk_saves() + before(k) + own(k) + act1 - T * f * BF16
-                work_f = f * h * BF16 + 3 * T * f * BF16 + (act if k < Ls - 1 else 0)
-                cands.append(in_block(f"micro-batch {i} backward at block {k}'s SwiGLU", acc, unsharded, p2p,
-                                      f"{flight - 1} other micro-batches x {Ls} blocks, {k + 1} but w2's input",
-                                      saved_f, "w2's bf16 weight grad, SwiGLU backward bf16 [T, ffn] x 3", work_f))
+                acc = acc_all if i >= 1 else (Ls - 1 - k) * block_numel * F32
+                # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
+                for name, saved, work in block_moments(k, act if k < Ls - 1 else 0):
+                    cands.append(in_block(f"micro-batch {i} backward at block {k}'s {name}", 0, acc, p2p,
+                                          f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
+                                          (flight - 1) * chunk_saves() + saved, f"block {k}'s backward at its {name}",
+                                          work))
 
     # 3. the last stage's lm_head reduce-scatter at the last micro-batch's last chunk
     if has_head:
@@ -311,17 +323,17 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         Vh = head_numel - h  # lm_head's numel
         rs = head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
         g = sh.lm_full // ds * F32 + (head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32
-        unsharded = sum([f for _, f, _, _ in order]) * BF16 + head_full * BF16
-        acc = (emb_numel * has_emb + Ls * block_numel) * F32 if m >= 1 else 0
-        acc += held(Vh)  # lm_head is [norm, lm_head]'s last param
+        acc_blocks = acc_all if m >= 1 else 0
+        copies = _chunk_copies(lay, T, h)
         root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
-        saved = chunk_saves() + root + _chunk_copies(lay, T, h)[0]
-        chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+        saved = chunk_saves() + root + copies[0]
+        chunk = T // LOSS_CHUNKS
         # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
         # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
         # where held() keeps it)
-        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + _chunk_copies(lay, T, h)[1]
+        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + copies[1]
         p2p = recv + (act if m >= 1 and not first else 0)
+        acc = acc_blocks + held(Vh)  # lm_head is [norm, lm_head]'s last param
         d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
              "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
@@ -338,12 +350,10 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         # _at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its reduce-scatter:
         # the micro-batch before's reduce-scatter input still held (until this foreach_reduce), lm_head's
         # fp32 unsharded grad accumulating
-        copies = _chunk_copies(lay, T, h)
         prev_rs = ((sh.lm_full if m == 1 else head_full) * F32) if m >= 1 else 0
         g_before = g - rs // ds * F32
         ce = 3 * chunk * (Vh // h) * F32
         wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
-        acc_blocks = acc - held(Vh)
         d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
              "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads (blocks)": acc_blocks,
@@ -373,29 +383,15 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
         cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
                           what=f"micro-batch {m}'s final norm backward", detail=d))
 
-        # 6. the same micro-batch's blocks after its final norm (block k's attention_norm and SwiGLU
-        # moments, as 2.): what 5. holds but the norm's saves and temporaries, the norm's fp32 accumulator,
-        # the grad flowing into the block (bf16). With checkpointing the block is recomputed first (its
-        # saves as without, the checkpoint's input beside them): there it outweighs the loss moments
-        f = model.ffn_hidden
-        base = kept + g + unsharded
-        other = acc_blocks + h * F32
-        gat = rs * F32 + p2p
+        # 6. the same micro-batch's blocks after its final norm (2.'s moments): what 5. holds but the
+        # norm's saves and temporaries, with the norm's fp32 accumulator, the stage's output (the final
+        # norm's, which pipelining keeps) and the grad flowing into each block (bf16, its own tensor).
+        # With checkpointing the block is recomputed first: there it outweighs the loss moments
         for k in range(Ls - 1, -1, -1):
-            for name, saved_k, work_k in (
-                    ("attention_norm", before(k) + own(k) + T * h * F32,
-                     (block_numel - 2 * h) * BF16 + 2 * h * BF16 + act + 5 * T * h * F32),
-                    ("SwiGLU", before(k) + own(k) + act1 - T * f * BF16, f * h * BF16 + 3 * T * f * BF16 + act)):
-                saves = saved_k + act  # + the stage's output (the final norm's, which pipelining keeps)
-                d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
-                     "resident/unsharded params (every unit)": unsharded,
-                     "temporary/fp32 accumulated grads (blocks, the norm)": other,
-                     f"activations/blocks before {k}, block {k}'s own, the stage's output": saves,
-                     f"temporary/block {k}'s backward at its {name}": work_k,
-                     "gathered/lm_head's reduce-scatter input held, p2p": gat}
-                parts = {"resident": base, "activations": saves, "gathered": gat, "temporary": other + work_k}
-                cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                                  what=f"micro-batch {m} backward at block {k}'s {name}", detail=d))
+            for name, saved_k, work_k in block_moments(k, act):
+                cands.append(in_block(f"micro-batch {m} backward at block {k}'s {name}", g, acc_blocks + h * F32,
+                                      rs * F32 + p2p, f"blocks 0..{k}, the stage's output", saved_k + act,
+                                      f"block {k}'s backward at its {name}", work_k))
     return cands
 
 
@@ -438,11 +434,11 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # lm_head's grad reduce-scatter: fp32 input (padded full), output (shard), gloo's copy
     rs_in, rs_out = sh.lm_full * F32, sh.lm_full * F32 // ds
     gathered = rs_in + rs_out
-    detail["gathered/lm_head's reduce-scatter input and output (fp32)"] = gathered
-    detail["temporary/gloo copy or divided input (fp32)"] = rs_in
+    detail[_LM_RS] = gathered
+    detail[_LM_RS_COPY] = rs_in
     # GradAccumulator's fp32 [B, S, h] buffer, lm_head's unsharded fp32 grad accumulated over the
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
-    chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+    chunk = T // LOSS_CHUNKS
     temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_in + L * kept1
             + _batch_bytes(model, B, model.seq_len) - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
@@ -462,7 +458,12 @@ def _chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
     return (T * h * BF16 + T * I64, T * I64) if lay.micro_batch_size > 1 else (0, 0)
 
 
-def _at_loss_chunk(at_lm_head: Peak, model, lay, sh, head_numel: int) -> Peak:
+# _at_lm_head's detail keys of lm_head's reduce-scatter buffers, which _at_loss_chunk takes out
+_LM_RS = "gathered/lm_head's reduce-scatter input and output (fp32)"
+_LM_RS_COPY = "temporary/gloo copy or divided input (fp32)"
+
+
+def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
     """Live bytes at a loss chunk's cross-entropy backward, any chunk after the first (the first has
     no fp32 lm_head grad yet): what _at_lm_head holds but the reduce-scatter's buffers and the last
     chunk's input grad, with the cross-entropy's fp32 [chunk, V] buffers instead. Plain cross-entropy
@@ -474,19 +475,17 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, sh, head_numel: int) -> Peak:
     FSDP4·TP2·SP at s=8192 (both peak here)."""
     h, tp = model.hidden, lay.tp
     T = lay.micro_batch_size * model.seq_len // lay.cp
-    chunk = T // 8  # ChunkedLossWrapper.Config.num_chunks = 8
+    chunk = T // LOSS_CHUNKS
     V = head_numel // h  # lm_head's TP-local rows
     d = dict(at_lm_head.detail)
-    rs = {k: v for k, v in d.items() if k.startswith("gathered/") or k.startswith("temporary/gloo")}
-    for k in rs:
-        del d[k]
-    ce = (3 if tp == 1 else 4) * chunk * V * F32
-    drop_temp = sum([v for k, v in rs.items() if k.startswith("temporary/")]) + chunk * h * BF16
+    rs, rs_copy = d.pop(_LM_RS), d.pop(_LM_RS_COPY)
+    n_ce = 3 if tp == 1 else 4
+    ce = n_ce * chunk * V * F32
     d["temporary/grad accumulator, lm_head unsharded grad, last chunk"] -= chunk * h * BF16
-    d[f"temporary/cross-entropy backward, fp32 [chunk, V] x {ce // (chunk * V * F32)}"] = ce
+    d[f"temporary/cross-entropy backward, fp32 [chunk, V] x {n_ce}"] = ce
     parts = dict(at_lm_head.parts)
-    parts["gathered"] -= sum([v for k, v in rs.items() if k.startswith("gathered/")])
-    parts["temporary"] += ce - drop_temp
+    parts["gathered"] -= rs
+    parts["temporary"] += ce - rs_copy - chunk * h * BF16
     return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
                 what="a loss chunk's cross-entropy backward (ChunkedLossWrapper, after the first chunk)", detail=d)
 
