@@ -17,7 +17,11 @@ STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
 # asynchronous collectives complete and the cyclic GC runs; states and collectives stay exact)
 PEAK_REL_TOL = 0.01
 # race_bytes (peak_bytes rows): how much of the measured peak only a c10d worker thread's timing held
-# (probes/peak.py "thread timing": peak_bytes - prompt_peak_bytes); 0 on every other row
+# (probes/peak.py "thread timing": peak_bytes - prompt_peak_bytes); 0 on every other row. Where a worker
+# thread freed late, the peak's parts are measured at the prompt peak's moment (prompt_at_peak): the
+# late storage can move the measured peak to another moment (CI, DeepSpeed ZeRO-2 with checkpointing:
+# 512 B of it put a moment with a gathered bucket 512 B above the one the ledger predicts), and the
+# ledger predicts the framework's order, not the thread's timing
 
 
 def is_peak(quantity: str) -> bool:
@@ -90,8 +94,9 @@ def _predicted_comm(p: dict, step: int) -> list[dict]:
 
 
 def measured_peak_parts(peak: dict) -> dict[str, int]:
-    """The probe's bytes by category at the peak (probes/peak.py), as the ledger's Peak parts."""
-    at = peak.get("at_peak") or {}
+    """The probe's bytes by category at the peak (probes/peak.py), as the ledger's Peak parts: at the
+    prompt peak where a worker thread freed late (race_bytes above), else at the measured one."""
+    at = peak.get("prompt_at_peak") or peak.get("at_peak") or {}
     out = {"resident": sum(at.get(g, 0) for g in ("params", "grads", "optim", "other"))}
     for c in ("activations", "gathered", "temporary", "unnamed"):
         out[c] = at.get(c, 0)

@@ -436,18 +436,28 @@ class PeakTracker:
         else:
             out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
         out["worker_freed_bytes"] = sum(w[1] for w in self.worker_frees.values())
-        out["prompt_peak_bytes"] = self.prompt_peak()
+        start = {c: 0 for c in CATEGORIES}
+        for s, nb in self.start_serials.items():
+            start[cat.get(s, "temporary")] += nb
+        if self.worker_frees:
+            # the peak and its parts in the framework's own order, without the worker threads' timing:
+            # a late free can move the measured peak to another moment, whose parts are that moment's
+            # (the reconcile compares the ledger's parts with these, analysis/compare.py)
+            best, most, at_best = self._prompt_replay(lambda s: cat.get(s, "temporary"), start)
+            out["prompt_peak_bytes"] = best
+            out["prompt_at_peak"] = {c: b for c, b in at_best.items() if b}
+        else:
+            most = None
+            out["prompt_peak_bytes"] = self.peak
         if self.cuda_seen:  # to compare with torch.cuda.max_memory_allocated() after its per-step reset
             out["peak_allocated_bytes"] = self.peak_blocks
         if timeline:
             out["timeline"] = _thin(points, self.peak_index + 1)
             # the timeline's most live bytes per category had the worker threads freed promptly (its
             # thread-timing range: [prompt_most, the timeline's most])
-            start = {c: 0 for c in CATEGORIES}
-            for s, nb in self.start_serials.items():
-                start[cat.get(s, "temporary")] += nb
-            out["prompt_most"] = {c: b for c, b in self._prompt_replay(lambda s: cat.get(s, "temporary"),
-                                                                         start)[1].items() if b}
+            if most is None:
+                most = self._prompt_replay(lambda s: cat.get(s, "temporary"), start)[1]
+            out["prompt_most"] = {c: b for c, b in most.items() if b}
             out["census"] = self.census(lambda s: cat.get(s, "temporary"), phases)
         return out
 
@@ -489,10 +499,10 @@ class PeakTracker:
                         "largest": max([v[2] for _, v in rest])})
         return out
 
-    def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int]]:
+    def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int], dict[str, int]]:
         """The step's events replayed with every storage a worker thread freed freed right after the main
         thread's last use of it: (the most live bytes in all, the most live bytes of each category
-        (category(serial) names a storage's)). A free is its storage's last event (read from the events,
+        (category(serial) names a storage's), each category's live bytes at that most in all). A free is its storage's last event (read from the events,
         not noted by the worker thread: the main thread may append between the worker's append and any
         index it took)."""
         frees = dict(self.worker_frees)
@@ -508,6 +518,7 @@ class PeakTracker:
         live = dict(start)
         cur = best = sum(start.values())
         most = dict(live)
+        at_best = dict(live)
         for i, ev in enumerate(events):
             for s, nb in moved.get(i, ()):
                 live[category(s)] -= nb
@@ -518,15 +529,11 @@ class PeakTracker:
                 cur += ev[1]
                 if live[c] > most[c]:
                     most[c] = live[c]
-            best = max(best, cur)
-        return best, most
+            if cur > best:  # the first moment at the most, as the measured peak's (peak_index)
+                best = cur
+                at_best = dict(live)
+        return best, most, at_best
 
-    def prompt_peak(self) -> int:
-        """The step's peak had every storage a worker thread freed been freed right after the main
-        thread's last use of it (_prompt_replay)."""
-        if not self.worker_frees:
-            return self.peak
-        return self._prompt_replay(lambda s: "all", {"all": self.start_bytes})[0]
 
 
 def _blocks(nbytes: int) -> int:

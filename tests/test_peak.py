@@ -144,6 +144,9 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
     # per category (a, b, c are the step's temporaries): the timeline's most, and the prompt one
     most = max(p.get("temporary", 0) for p in r["timeline"])
     assert most == 6000 and r["prompt_most"]["temporary"] == 4000
+    # the prompt peak's parts are its own moment's (a alone), not the measured peak's (a and b)
+    assert r["at_peak"]["temporary"] == 6000 and r["prompt_at_peak"]["temporary"] == 4000
+    assert sum(r["prompt_at_peak"].values()) == r["prompt_peak_bytes"]
     tr.begin(scan=False)
     with tr.recording():
         d = torch.ones(100)
@@ -151,6 +154,7 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
     tr.end()
     r = tr.result({}, timeline=False)
     assert r["worker_freed_bytes"] == 0 and r["prompt_peak_bytes"] == r["peak_bytes"]
+    assert "prompt_at_peak" not in r  # one moment: the reconcile reads at_peak
 
 
 def test_census_names_what_is_live_at_the_peak():
