@@ -41,11 +41,13 @@ module's non-persistent params (_z3_fetch_on_use, tested against the replay).
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
-from ledger.faithful import deepspeed_peak
+from ledger.faithful import deepspeed_backward, deepspeed_peak
 from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_moments,
                                                    z3_moments)
 from ledger.layout import ConfigError, Layout
@@ -257,20 +259,22 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                           "a fetch order the coordinator replay does not model; ZeRO-1/2 are modelled")
     if z == 3:
         s = _zero3(model, lay, fw)
+        state = lambda r: s  # noqa: E731 (every rank's the same)
     elif z in (1, 2):
-        s = _zero12(model, lay, fw)
+        state = _zero12(model, lay, fw)
     else:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3 "
                           "(stage 0, DeepSpeed as plain data parallelism, only with ledger.mode=textbook)")
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                   world=lay.world, rank_state=lambda r: s, representatives=[0])
+                   world=lay.world, rank_state=state, representatives=[0])
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")
     return pl
 
 
 # -- ZeRO-1/2 ----------------------------------------------------------------------------------
 
-def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
+def _zero12(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState]:
+    """rank -> its state: the states and collectives are every rank's, ZeRO-2's peak its partition's."""
     s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
     # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
@@ -279,11 +283,29 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> RankState:
     key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, rounds, fw.precision)
     s.comm_fn = lambda: _fresh(_zero12_comm(*key))
     w, part = _DTYPES[fw.precision], _ceil_to(model.num_params(), 2 * lay.dp) // lay.dp
-    s.peak = lambda: deepspeed_peak.peak(
-        model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w, bool(fw.get("activation_checkpointing", False)),
-        part=part, params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
-        n=model.num_params(), bucket=int(fw.reduce_bucket_size))
-    return s
+    bucket = int(fw.reduce_bucket_size)
+
+    def peak(flush=None, hooks=None):
+        return deepspeed_peak.peak(
+            model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w,
+            bool(fw.get("activation_checkpointing", False)), part=part, params_resident=s.params_bytes,
+            optim=s.optim_bytes, grads_resident=0, persist=0, n=model.num_params(), bucket=bucket,
+            flush=flush, hooks=hooks)
+
+    if fw.zero_stage == 1:
+        s.peak = peak
+        return lambda r: s
+    # ZeRO-2: a rank's peak depends on its partition (where its grads_in_partition is made, its size):
+    # one state per distinct (size, hook), sharing the rest
+    order = backward_order(model)
+    hk = deepspeed_backward.hooks(order, model.layers)
+    flushes = deepspeed_backward.partition_flushes(model, lay.dp, bucket, order)
+    by_flush: dict = {}
+    for f in flushes:
+        if f not in by_flush:
+            st = by_flush[f] = copy.copy(s) if by_flush else s
+            st.peak = (lambda f=f: peak(f, hk))
+    return lambda r: by_flush[flushes[r % lay.dp]]
 
 
 @lru_cache(maxsize=256)

@@ -25,12 +25,13 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   copies until the output's fetch pops its last param. Step 0 (several micro-batches): the ones after
   the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
   them only at step 0's end), from z3_first_moments. Where the 4-rank ZeRO-3 jobs peak, exact.
-An estimate elsewhere: ZeRO-2's grads_in_partition across micro-batches (256 B short at 4 samples),
-fp32 ZeRO-2 deeper in backward (9%: micro-batch 0's grads_in_partition stays referenced by
-all_grad_tensors and the last micro-batch's first reduction into the partition allocates a second,
-both sized as the params overlapping the partition; tests/test_deepspeed.py PEAK_FINDINGS), ZeRO-3 with a partial reuse distance deeper in backward (at an
-IPG reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS
-names them.
+- ZeRO-2 only, deeper in the last micro-batch's backward (deep()): the final norm's backward and each
+  block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
+  the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
+  kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
+  its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
+An estimate elsewhere: ZeRO-3 with a partial reuse distance deeper in backward (at an IPG
+reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
@@ -43,6 +44,7 @@ torch.get_rng_state() on the CPU accelerator).
 from __future__ import annotations
 
 from ledger.model import ModelShape
+from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush
 from ledger.faithful.deepspeed_coordinator import Z3Live
 from ledger.placement import Peak
 
@@ -154,7 +156,8 @@ def _loss_scalars() -> int:
 
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
-         z3_moments: tuple = (), z3_first: tuple = ()) -> Peak | None:
+         z3_moments: tuple = (), z3_first: tuple = (), flush: PartitionFlush | None = None,
+         hooks: Hooks | None = None) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
@@ -163,11 +166,15 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     bucket: reduce_bucket_size (elements); z3_moments (ZeRO-3, required): the gathered parameters per
     micro-batch of a steady step at the final norm's forward, the backward's start and the output's
     backward (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
-    (deepspeed_coordinator.z3_first_moments)."""
+    (deepspeed_coordinator.z3_first_moments); flush (ZeRO-2, required): this rank's grads_in_partition
+    size and the hook that allocates it (deepspeed_backward.partition_flushes); hooks (ZeRO-2, required):
+    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks)."""
     if modelled(model) is not None:
         return None
     if zero == 3 and not (z3_moments and z3_first):
         raise ValueError("ZeRO-3's peak needs the coordinator replay's moments (z3_moments, z3_first)")
+    if zero == 2 and (flush is None or hooks is None):
+        raise ValueError("ZeRO-2's peak needs the rank's grads_in_partition (deepspeed_backward.partition_flushes)")
     acts, held = saved_activations(model, mbs, w, checkpointing)
     act = sum(acts.values())
     batch = batch_bytes(model, mbs)
@@ -205,11 +212,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # elements), released only by the boundary reduction's _release_ipg_buffers
         held_grads = w * n + w * bucket
     elif m > 1 and zero == 2:
-        # grads_in_partition (contiguous_gradients), allocated at the first reduction, kept across
-        # micro-batches; DeepSpeed sizes it as the whole params overlapping the partition
-        # (stage_1_and_2.py copy_grads_in_partition): a straddling param makes it up to one param
-        # larger, per rank; the ledger keeps w * partition (measured 256 B short, rank 0, tiny)
-        held_grads = w * part
+        # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
+        # all_grad_tensors; sized as the whole params overlapping the partition
+        # (deepspeed_backward: per rank)
+        held_grads = w * flush.overlap
     # one micro-batch: the output Linear's weight gradient is the first a hook sees
     # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), which with
     # contiguous_gradients allocates the IPG buffer of reduce_bucket_size elements in the model dtype
@@ -270,9 +276,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if held_grads:
             detail["temporary/gradients held across micro-batches"] = held_grads
         what = f"the last micro-batch's backward at {at}"
-        if (m > 1 and zero == 2) or checkpointing:
-            # a checkpointed layer's recompute is not in this candidate; ZeRO-2's grads_in_partition above
-            what += "; an estimate (recompute, ZeRO-2 grads_in_partition not exact)"
+        if checkpointing:
+            what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
         return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
     def fwd(i: int, z, first: bool = False) -> Peak:
@@ -312,9 +317,63 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
                          "replay)", detail=detail)
 
+    def deep(first: bool) -> Peak:
+        # ZeRO-2, the last micro-batch's backward past the output Linear (deepspeed_backward): the
+        # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements, all-reduced
+        # in place: `gathered`); an extra-large gradient (above reduce_bucket_size) stays its own
+        # tensor, all-reduced in place, until the next hook reduces it; the rest are copied into the
+        # IPG buffer by their hook (their own storage freed). grads_in_partition: micro-batch 0's
+        # (several micro-batches) and this backward's once a reduction copied into it. Two moments:
+        # (1) the final norm's backward at its weight gradient's sum: the output Linear's input
+        # gradient, the mul's two (b, s, h) gradients, the sum (h), in the model dtype, every block's
+        # saves; (2) a block's SwiGLU backward at its mul: the residual stream's gradient, w2's input
+        # gradient and the mul's two (b, s, ffn) gradients, w2's weight gradient if extra-large, the
+        # saves of the blocks below and of this one but w2's input. The probe keeps the first maximum:
+        # the norm's moment, then the blocks from the last
+        res = params_resident + optim + norm_dtype
+        if first:
+            res -= 2 * FP32 * part + FP32 + norm_dtype
+        bsh, bsf = b * s * h, b * s * model.ffn_hidden
+        per_layer = sum(layer_activations(model, mbs, w).values())
+        head = head_activations(model, mbs, w)
+        tied = model.tied_embeddings
+
+        def moment(fired: int, acts_now: int, temp: dict[str, int], large: int, what: str) -> Peak:
+            # fired: the backward_order index of the last hook that has run (-1: none)
+            bufs = (1 if m > 1 else 0) + (1 if flush.first_hook <= fired else 0)
+            ipg = w * bucket if fired >= 0 else 0
+            # the output Linear's weight gradient: tied, it waits in the embedding's AccumulateGrad
+            # input until the embedding's backward; untied, extra-large, it waits for the next hook
+            out_grad = w * V * h if tied or (fired == hooks.norm - 1 and V * h > bucket) else 0
+            temp = {**temp, "grads_in_partition (micro-batch 0's, this backward's)": bufs * w * flush.overlap,
+                    "loss scalars": _loss_scalars()}
+            gathered = {"IPG buffer (reduce_bucket_size elements)": ipg,
+                        "extra-large gradients waiting for the next hook": large + out_grad}
+            parts = {"resident": res, "activations": acts_now, "gathered": sum(gathered.values()),
+                     "temporary": sum(temp.values()), "unnamed": 0}
+            detail = {"activations/saved (what backward has not released)": acts_now}
+            detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+            detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
+            return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                        what=f"the last micro-batch's backward at {what}", detail=detail)
+
+        past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
+        cands = [moment(hooks.norm - 1, past_head - w * bsh,
+                        {"output Linear's input gradient, the norm's mul gradients and their sum":
+                         3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)")]
+        large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > bucket else 0
+        for j in reversed(range(model.layers)):
+            acts_now = past_head - head["norm"] - (model.layers - 1 - j) * per_layer - w * bsf
+            cands.append(moment(hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
+                                                         "w2 input gradient and the mul's two": 3 * w * bsf},
+                                large_w2, f"block {j}'s SwiGLU mul"))
+        return max(cands, key=lambda p: p.bytes)
+
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
         cands = [o, k]
+        if zero == 2 and not checkpointing:
+            cands.append(deep(first))
         if zero == 3 and not first:
             # the first micro-batch reaching the most (the probe keeps the first maximum)
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
@@ -326,6 +385,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             cands.append(f)
         best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
         names = {id(o): "optimizer step", id(k): "backward start"}
+        if zero == 2 and not checkpointing:
+            names[id(cands[2])] = "deeper in backward"
         for c in cands:
             if c is not best:
                 best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
