@@ -285,26 +285,30 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState]:
     w, part = _DTYPES[fw.precision], _ceil_to(model.num_params(), 2 * lay.dp) // lay.dp
     bucket = int(fw.reduce_bucket_size)
 
-    def peak(flush=None, hooks=None):
+    def peak(flush=None, hooks=None, order=None):
         return deepspeed_peak.peak(
             model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w,
             bool(fw.get("activation_checkpointing", False)), part=part, params_resident=s.params_bytes,
             optim=s.optim_bytes, grads_resident=0, persist=0, n=model.num_params(), bucket=bucket,
-            flush=flush, hooks=hooks)
+            flush=flush, hooks=hooks, dp=lay.dp,
+            ipg_touched=deepspeed_backward.ipg_touched(model, lay.dp, bucket, order) if order else True,
+            grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model)))
 
-    if fw.zero_stage == 1:
+    # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
+    # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no
+    # overlap_comm) in reduce_gradients' walk of the params at the boundary
+    if fw.zero_stage == 1 and fw.overlap_comm:
+        # stage 1 then reduces in the hooks at the boundary (double IPG buffers): not a candidate
         s.peak = peak
         return lambda r: s
-    # ZeRO-2: a rank's peak depends on its partition (where its grads_in_partition is made, its size):
-    # one state per distinct (size, hook), sharing the rest
-    order = backward_order(model)
-    hk = deepspeed_backward.hooks(order, model.layers)
+    order = backward_order(model) if fw.zero_stage == 2 else tuple(model.params())
+    hk = deepspeed_backward.hooks(backward_order(model), model.layers)
     flushes = deepspeed_backward.partition_flushes(model, lay.dp, bucket, order)
     by_flush: dict = {}
     for f in flushes:
         if f not in by_flush:
             st = by_flush[f] = copy.copy(s) if by_flush else s
-            st.peak = (lambda f=f: peak(f, hk))
+            st.peak = (lambda f=f: peak(f, hk, order))
     return lambda r: by_flush[flushes[r % lay.dp]]
 
 
@@ -429,26 +433,9 @@ def _split12(model: ModelShape, bucket: int, registration: bool):
 
 
 def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
-    """Elements per all-reduce for an extra-large gradient of n elements at `offset` in the flat group.
-
-    average_tensor(reduce_scatter=True) cuts the bucket into one slice per partition it touches
-    (param_to_partition_ids / grad_start_offset, partitions of `part` elements); with
-    use_multi_rank_bucket_allreduce all slices go to allreduce_and_scatter(numel_per_bucket=
-    reduce_bucket_size), which adds slices until their sum exceeds reduce_bucket_size, all-reduces
-    those (allreduce_and_copy_with_multiple_ranks -> allreduce_bucket: one flattened all_reduce) and
-    starts again; the rest goes in a last call. A bucket of copied gradients never exceeds
-    reduce_bucket_size: one call."""
-    out, acc, pos, end = [], 0, offset, offset + n
-    while pos < end:
-        nxt = min(end, (pos // part + 1) * part)
-        acc += nxt - pos
-        pos = nxt
-        if acc > bucket:
-            out.append(acc)
-            acc = 0
-    if acc:
-        out.append(acc)
-    return out
+    """Elements per all-reduce for an extra-large gradient of n elements at `offset` in the flat group
+    (deepspeed_backward.allreduce_calls)."""
+    return [e for e, _ in deepspeed_backward.allreduce_calls(n, offset, part, bucket)]
 
 
 @lru_cache(maxsize=256)

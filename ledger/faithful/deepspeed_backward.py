@@ -24,7 +24,8 @@ from ledger.model import ModelShape, numel
 
 class PartitionFlush(NamedTuple):
     overlap: int  # elements of grads_in_partition: every parameter overlapping the partition, whole
-    first_hook: int  # backward_order index of the hook whose reduction first copies into it (len: the epilogue's)
+    first_hook: int  # `order` index of the hook whose reduction first copies into it (len: the epilogue's)
+    copied: int  # elements of the gradients copied into the IPG buffer before then (their own storage freed)
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -35,7 +36,9 @@ def _ceil_to(x: int, m: int) -> int:
 def partition_flushes(model: ModelShape, dp: int, bucket: int,
                       order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[PartitionFlush, ...]:
     """Per rank of a dp group: its grads_in_partition's elements and the hook that allocates it.
-    order: the parameters in the order their hooks fire (deepspeed.backward_order).
+    order: the parameters in the order their gradients reach reduce_independent_p_g_buckets_and_remove_grads
+    (ZeRO-2: the hooks', deepspeed.backward_order; ZeRO-1: reduce_gradients' walk of bit16_groups at
+    the boundary, the registration order).
 
     The flat group is the params in registration order (stage_1_and_2.py: one param group, padded to
     a multiple of 2 * dp; partitions of flat / dp elements; is_param_in_current_partition: the param
@@ -56,17 +59,18 @@ def partition_flushes(model: ModelShape, dp: int, bucket: int,
             overlap[r] += k
         off += k
     first = [len(order)] * dp
+    copied_at = [0] * dp
     left = dp
     content: list[str] = []
-    elements = 0
+    elements = copied = 0
 
     def reduce(at: int) -> int:
         done = 0
         for name in content:
             lo, hi = span[name]
             for r in range(lo, hi + 1):
-                if first[r] == len(order) and at < len(order):
-                    first[r] = at
+                if first[r] == len(order):
+                    first[r], copied_at[r] = at, copied
                     done += 1
         return done
 
@@ -79,7 +83,12 @@ def partition_flushes(model: ModelShape, dp: int, bucket: int,
                 break
         content.append(name)
         elements += k
-    return tuple(PartitionFlush(overlap[r], first[r]) for r in range(dp))
+        if k <= bucket:  # copied into the IPG buffer at its hook; an extra-large one stays its own
+            copied += k
+    for r in range(dp):
+        if first[r] == len(order):  # the epilogue's reduction, after every hook
+            copied_at[r] = copied
+    return tuple(PartitionFlush(overlap[r], first[r], copied_at[r]) for r in range(dp))
 
 
 class Hooks(NamedTuple):
@@ -92,3 +101,104 @@ class Hooks(NamedTuple):
 def hooks(order: tuple[tuple[str, tuple[int, ...]], ...], layers: int) -> Hooks:
     at = {name: i for i, (name, _) in enumerate(order)}
     return Hooks(at["norm.weight"], tuple(at[f"layers.{j}.feed_forward.w2.weight"] for j in range(layers)))
+
+
+def allreduce_calls(n: int, offset: int, part: int, bucket: int) -> list[tuple[int, int]]:
+    """(elements, slices) per all-reduce for an extra-large gradient of n elements at `offset` in the flat group.
+
+    average_tensor(reduce_scatter=True) cuts the bucket into one slice per partition it touches
+    (param_to_partition_ids / grad_start_offset, partitions of `part` elements); with
+    use_multi_rank_bucket_allreduce all slices go to allreduce_and_scatter(numel_per_bucket=
+    reduce_bucket_size), which adds slices until their sum exceeds reduce_bucket_size, all-reduces
+    those (allreduce_and_copy_with_multiple_ranks -> allreduce_bucket: one flattened all_reduce) and
+    starts again; the rest goes in a last call. A bucket of copied gradients never exceeds
+    reduce_bucket_size: one call. A call of one slice all-reduces a view of the gradient (flatten of one
+    tensor); of several, a flattened copy, copied back."""
+    out, acc, k, pos, end = [], 0, 0, offset, offset + n
+    while pos < end:
+        nxt = min(end, (pos // part + 1) * part)
+        acc += nxt - pos
+        k += 1
+        pos = nxt
+        if acc > bucket:
+            out.append((acc, k))
+            acc = k = 0
+    if acc:
+        out.append((acc, k))
+    return out
+
+
+@lru_cache(maxsize=64)
+def extra_large(model: ModelShape, dp: int, bucket: int) -> tuple[int, int]:
+    """Elements of the extra-large gradients (numel above reduce_bucket_size, reduced as they are, not
+    through the IPG buffer): (those a collective touches itself, those only a flattened copy of
+    several partition slices carries: allreduce_calls)."""
+    regs = model.params()
+    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
+    touched = copied = off = 0
+    for _, sh in regs:
+        k = numel(sh)
+        if k > bucket:
+            if any(slices == 1 for _, slices in allreduce_calls(k, off, part, bucket)):
+                touched += k
+            else:
+                copied += k
+        off += k
+    return touched, copied
+
+
+def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(partition elements, name -> (offset, numel) in the flat group, registration order)."""
+    regs = model.params()
+    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
+    at, off = {}, 0
+    for name, sh in regs:
+        at[name] = (off, numel(sh))
+        off += numel(sh)
+    return part, at
+
+
+@lru_cache(maxsize=64)
+def ipg_touched(model: ModelShape, dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], ...]) -> bool:
+    """Whether a collective reduces the IPG buffer itself in a step: average_tensor merges a bucket's
+    consecutive pieces of one partition into one slice, and a bucket (at most reduce_bucket_size) is
+    one call (allreduce_calls): a view of the buffer when its gradients lie in one partition, else a
+    flattened copy. (The probe files the buffer under `gathered` only when touched.)"""
+    part, at = _flat(model, dp)
+    content: list[str] = []
+    elements = 0
+
+    def one_partition() -> bool:
+        ids = set()
+        for name in content:
+            off, k = at[name]
+            ids.update(range(off // part, (off + k - 1) // part + 1))
+        return len(ids) == 1
+
+    for name, sh in order + (("", (bucket + 1,)),):  # a sentinel: the epilogue's reduction
+        k = numel(sh)
+        if elements + k > bucket:
+            if content and elements <= bucket and one_partition():
+                return True
+            content, elements = [], 0
+        content.append(name)
+        elements += k
+    return False
+
+
+@lru_cache(maxsize=64)
+def hooked(model: ModelShape, dp: int, bucket: int,
+           order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per hook index i of `order`, the elements of the gradients made through it (i inclusive) and
+    of those among them that are extra-large and reduced in place (extra_large's `touched`)."""
+    part, at = _flat(model, dp)
+    cum, cum_touched, a, t = [], [], 0, 0
+    for name, sh in order:
+        k = numel(sh)
+        a += k
+        if k > bucket and any(sl == 1 for _, sl in allreduce_calls(k, at[name][0], part, bucket)):
+            t += k
+        cum.append(a)
+        cum_touched.append(t)
+    return tuple(cum), tuple(cum_touched)
+

@@ -25,7 +25,13 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   copies until the output's fetch pops its last param. Step 0 (several micro-batches): the ones after
   the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
   them only at step 0's end), from z3_first_moments. Where the 4-rank ZeRO-3 jobs peak, exact.
-- ZeRO-2 only, deeper in the last micro-batch's backward (deep()): the final norm's backward and each
+- ZeRO-1 (no overlap_comm), reduce_gradients at the boundary (boundary()): every gradient backward
+  made is still live (param.grad) but those already copied into the IPG buffer in registration order,
+  when the first reduction into the rank's partition allocates grads_in_partition. Exact at 4 ranks,
+  fp32, one micro-batch; with one micro-batch ZeRO-1's backward moments are deep()'s too, its hooks
+  keeping every gradient they see (DeepSpeed's default bucket: 131,072 B short, the peak is a block's
+  ffn_norm backward in fp32, not a candidate; tests/test_deepspeed.py test_peak_prediction_tiny).
+- ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the final norm's backward and each
   block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
   the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
   kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
@@ -43,8 +49,8 @@ torch.get_rng_state() on the CPU accelerator).
 """
 from __future__ import annotations
 
-from ledger.model import ModelShape
-from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush
+from ledger.model import ModelShape, numel
+from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush, extra_large
 from ledger.faithful.deepspeed_coordinator import Z3Live
 from ledger.placement import Peak
 
@@ -157,7 +163,8 @@ def _loss_scalars() -> int:
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
          z3_moments: tuple = (), z3_first: tuple = (), flush: PartitionFlush | None = None,
-         hooks: Hooks | None = None) -> Peak | None:
+         hooks: Hooks | None = None, dp: int = 1, ipg_touched: bool = True,
+         grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
@@ -168,7 +175,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     backward (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
     (deepspeed_coordinator.z3_first_moments); flush (ZeRO-2, required): this rank's grads_in_partition
     size and the hook that allocates it (deepspeed_backward.partition_flushes); hooks (ZeRO-2, required):
-    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks)."""
+    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks);
+    dp: the ranks the partitions are cut for (ZeRO-1's extra-large gradients' all-reduces); ipg_touched:
+    whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched); grads_hooked
+    (ZeRO-1): the elements of the gradients made through each hook (deepspeed_backward.hooked)."""
     if modelled(model) is not None:
         return None
     if zero == 3 and not (z3_moments and z3_first):
@@ -216,11 +226,9 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # all_grad_tensors; sized as the whole params overlapping the partition
         # (deepspeed_backward: per rank)
         held_grads = w * flush.overlap
-    # one micro-batch: the output Linear's weight gradient is the first a hook sees
-    # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), which with
-    # contiguous_gradients allocates the IPG buffer of reduce_bucket_size elements in the model dtype
-    # there; with several micro-batches it is in held_grads above (ZeRO-1) or grads_in_partition (ZeRO-2)
-    ipg = w * bucket if m == 1 and zero in (1, 2) else 0
+    # the IPG buffer: the output Linear's weight gradient is the first a hook sees, whose
+    # setup_buckets allocates it (reduce_bucket_size elements), after the MmBackward's outputs and the
+    # release of the logits' gradient: in deep() (ZeRO-2) and boundary() (ZeRO-1), not here
     act_named = _per_kind(acts, model.layers)
     most = most_live_activations(model, mbs, w, checkpointing)
     if zero == 3:
@@ -251,7 +259,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             if first:
                 res -= persist  # step 0: the persistent params are gathered by the pass (za, zb), not yet resident
         a = (act - FP32 + za.saved, 2 * FP32 * b * s * V, za)
-        bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h + ipg, zb)
+        bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h, zb)
 
         def total(c):
             return c[0] + c[1] + c[2].gathered + c[2].temporary
@@ -267,9 +275,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
             if z.temporary:
                 detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
-        detail["temporary/cross-entropy and output gradients at " + at] = grads_now - (ipg if bb_won else 0)
-        if ipg and bb_won:
-            detail["temporary/IPG buffer (reduce_bucket_size elements, at the first gradient hook)"] = ipg
+        detail["temporary/cross-entropy and output gradients at " + at] = grads_now
         detail["temporary/loss scalars"] = _loss_scalars()
         if held:
             detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
@@ -318,9 +324,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                          "replay)", detail=detail)
 
     def deep(first: bool) -> Peak:
-        # ZeRO-2, the last micro-batch's backward past the output Linear (deepspeed_backward): the
-        # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements, all-reduced
-        # in place: `gathered`); an extra-large gradient (above reduce_bucket_size) stays its own
+        # ZeRO-2 (and ZeRO-1 with one micro-batch: its hooks reduce nothing, every gradient made is
+        # kept), the last micro-batch's backward past the output Linear (deepspeed_backward): the
+        # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements; `gathered`
+        # where a collective reduces it in place, deepspeed_backward.ipg_touched); an extra-large gradient (above reduce_bucket_size) stays its own
         # tensor, all-reduced in place, until the next hook reduces it; the rest are copied into the
         # IPG buffer by their hook (their own storage freed). grads_in_partition: micro-batch 0's
         # (several micro-batches) and this backward's once a reduction copied into it. Two moments:
@@ -340,15 +347,25 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
 
         def moment(fired: int, acts_now: int, temp: dict[str, int], large: int, what: str) -> Peak:
             # fired: the backward_order index of the last hook that has run (-1: none)
-            bufs = (1 if m > 1 else 0) + (1 if flush.first_hook <= fired else 0)
             ipg = w * bucket if fired >= 0 else 0
             # the output Linear's weight gradient: tied, it waits in the embedding's AccumulateGrad
             # input until the embedding's backward; untied, extra-large, it waits for the next hook
-            out_grad = w * V * h if tied or (fired == hooks.norm - 1 and V * h > bucket) else 0
-            temp = {**temp, "grads_in_partition (micro-batch 0's, this backward's)": bufs * w * flush.overlap,
-                    "loss scalars": _loss_scalars()}
-            gathered = {"IPG buffer (reduce_bucket_size elements)": ipg,
-                        "extra-large gradients waiting for the next hook": large + out_grad}
+            tied_grad = w * V * h if tied else 0
+            out_grad = w * V * h if not tied and fired == hooks.norm - 1 and V * h > bucket else 0
+            gathered = {}
+            if zero == 2:
+                bufs = (1 if m > 1 else 0) + (1 if flush.first_hook <= fired else 0)
+                temp = {**temp, "grads_in_partition (micro-batch 0's, this backward's)": bufs * w * flush.overlap}
+                gathered["extra-large gradients waiting for the next hook"] = large + out_grad
+            else:
+                # ZeRO-1, one micro-batch: the hooks only set up the bucket; every gradient made stays
+                # (param.grad) until reduce_gradients at the boundary
+                made, made_touched = (grads_hooked[0][fired], grads_hooked[1][fired]) if fired >= 0 else (0, 0)
+                temp = {**temp, "gradients made (param.grad)": w * (made - made_touched)}
+                gathered["extra-large gradients made (reduced in place at the boundary)"] = w * made_touched
+            temp["loss scalars"] = _loss_scalars()
+            temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
+            (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
             parts = {"resident": res, "activations": acts_now, "gathered": sum(gathered.values()),
                      "temporary": sum(temp.values()), "unnamed": 0}
             detail = {"activations/saved (what backward has not released)": acts_now}
@@ -369,11 +386,41 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                                 large_w2, f"block {j}'s SwiGLU mul"))
         return max(cands, key=lambda p: p.bytes)
 
+    def boundary(first: bool) -> Peak:
+        # ZeRO-1 (no overlap_comm): backward keeps every param.grad; at the boundary reduce_gradients
+        # walks bit16_groups in registration order through the IPG bucket (setup_buckets allocated it
+        # at backward's first hook): a gradient copied into it frees its own storage, an extra-large
+        # one stays; the first reduction into this rank's partition allocates grads_in_partition
+        # (deepspeed_backward, registration order) with the rest of the gradients still live. The
+        # activations are released; the batch and the loss scalars stay
+        res = params_resident + optim + norm_dtype
+        if first:
+            res -= 2 * FP32 * part + FP32 + norm_dtype
+        touched, _ = extra_large(model, dp, bucket)
+        temp = {"gradients not yet copied into the IPG buffer": w * (n - flush.copied - touched),
+                "grads_in_partition (copy_grads_in_partition)": w * flush.overlap,
+                # the loss, its scaled copy and product: backward has released the gradient seed
+                "loss scalars": _loss_scalars() - FP32}
+        gathered = {"extra-large gradients a collective reduces in place": w * touched}
+        (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * bucket
+        parts = {"resident": res, "activations": batch, "gathered": sum(gathered.values()),
+                 "temporary": sum(temp.values()), "unnamed": 0}
+        detail = {"activations/batch (tokens, labels)": batch}
+        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+        detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+                    what="reduce_gradients at the boundary: the first copy into grads_in_partition", detail=detail)
+
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
         cands = [o, k]
-        if zero == 2 and not checkpointing:
+        names = {id(o): "optimizer step", id(k): "backward start"}
+        if (zero == 2 or zero == 1 and m == 1 and flush is not None) and not checkpointing:
             cands.append(deep(first))
+        if zero == 1 and flush is not None:
+            cands.append(boundary(first))
+        names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
+        names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
         if zero == 3 and not first:
             # the first micro-batch reaching the most (the probe keeps the first maximum)
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
@@ -384,9 +431,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             f = max((fwd(i + off, z[0], True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
             cands.append(f)
         best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
-        names = {id(o): "optimizer step", id(k): "backward start"}
-        if zero == 2 and not checkpointing:
-            names[id(cands[2])] = "deeper in backward"
+        if zero == 1 and flush is None:
+            best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a candidate)"
         for c in cands:
             if c is not best:
                 best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
