@@ -414,13 +414,18 @@ class PeakTracker:
             for s in named.get(g, ()):
                 cat[s] = g
         phases = _phases(self.events)
-        live = {c: 0 for c in CATEGORIES}
+
+        def category(s: int) -> str:
+            return cat.get(s, "temporary")
+
+        start = {c: 0 for c in CATEGORIES}  # live bytes per category when the step began
         for s, nb in self.start_serials.items():
-            live[cat.get(s, "temporary")] += nb
+            start[category(s)] += nb
+        live = dict(start)
         points = [(0, dict(live), "setup")]
         at_peak = dict(live)
         for i, (s, d, _ph, _mb, _mod, _op) in enumerate(self.events):
-            live[cat.get(s, "temporary")] += d
+            live[category(s)] += d
             if i == self.peak_index:
                 at_peak = dict(live)
             if timeline:
@@ -436,14 +441,11 @@ class PeakTracker:
         else:
             out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
         out["worker_freed_bytes"] = sum(w[1] for w in self.worker_frees.values())
-        start = {c: 0 for c in CATEGORIES}
-        for s, nb in self.start_serials.items():
-            start[cat.get(s, "temporary")] += nb
         if self.worker_frees:
             # the peak and its parts in the framework's own order, without the worker threads' timing:
             # a late free can move the measured peak to another moment, whose parts are that moment's
             # (the reconcile compares the ledger's parts with these, analysis/compare.py)
-            best, most, at_best = self._prompt_replay(lambda s: cat.get(s, "temporary"), start)
+            best, most, at_best = self._prompt_replay(category, start)
             out["prompt_peak_bytes"] = best
             out["prompt_at_peak"] = {c: b for c, b in at_best.items() if b}
         else:
@@ -456,9 +458,9 @@ class PeakTracker:
             # the timeline's most live bytes per category had the worker threads freed promptly (its
             # thread-timing range: [prompt_most, the timeline's most])
             if most is None:
-                most = self._prompt_replay(lambda s: cat.get(s, "temporary"), start)[1]
+                most = self._prompt_replay(category, start)[1]
             out["prompt_most"] = {c: b for c, b in most.items() if b}
-            out["census"] = self.census(lambda s: cat.get(s, "temporary"), phases)
+            out["census"] = self.census(category, phases)
         return out
 
     def census(self, category, phases: list[str], n: int = CENSUS_GROUPS) -> list[dict]:
@@ -502,9 +504,9 @@ class PeakTracker:
     def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int], dict[str, int]]:
         """The step's events replayed with every storage a worker thread freed freed right after the main
         thread's last use of it: (the most live bytes in all, the most live bytes of each category
-        (category(serial) names a storage's), each category's live bytes at that most in all). A free is its storage's last event (read from the events,
-        not noted by the worker thread: the main thread may append between the worker's append and any
-        index it took)."""
+        (category(serial) names a storage's), each category's live bytes at that most in all). A free
+        is its storage's last event (read from the events, not noted by the worker thread: the main
+        thread may append between the worker's append and any index it took)."""
         frees = dict(self.worker_frees)
         events = self.events[:]
         last = {ev[0]: i for i, ev in enumerate(events) if ev[0] in frees}
@@ -533,7 +535,6 @@ class PeakTracker:
                 best = cur
                 at_best = dict(live)
         return best, most, at_best
-
 
 
 def _blocks(nbytes: int) -> int:

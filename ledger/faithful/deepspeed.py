@@ -48,6 +48,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ledger.faithful import deepspeed_backward, deepspeed_peak
+from ledger.faithful.deepspeed_backward import _ceil_to
 from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_moments,
                                                    z3_moments)
 from ledger.layout import ConfigError, Layout
@@ -59,10 +60,6 @@ BF16, FP32, FP64, INT64 = 2, 4, 8, 8
 # its flat params / partitions, gradients and IPG buckets and communicates in it (grad_accum_dtype and
 # communication_data_type default to the model dtype)
 _DTYPES = {"bf16": BF16, "fp32": FP32}
-
-
-def _ceil_to(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 # a block's modules in the order their gradients become ready (autograd on launchers.llama.Block)
@@ -290,7 +287,7 @@ def _zero12(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState]:
             model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w,
             bool(fw.get("activation_checkpointing", False)), part=part, params_resident=s.params_bytes,
             optim=s.optim_bytes, grads_resident=0, persist=0, n=model.num_params(), bucket=bucket,
-            flush=flush, hooks=hooks, dp=lay.dp,
+            flush=flush, hooks=hooks,
             ipg_touched=deepspeed_backward.ipg_touched(model, lay.dp, bucket, order) if order else True,
             grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model)))
 

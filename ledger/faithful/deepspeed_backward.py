@@ -29,7 +29,27 @@ class PartitionFlush(NamedTuple):
 
 
 def _ceil_to(x: int, m: int) -> int:
+    """x rounded up to a multiple of m (the flat group's padding; ledger.faithful.deepspeed's too)."""
     return -(-x // m) * m
+
+
+@lru_cache(maxsize=64)
+def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The flat group (stage_1_and_2.py: one param group, the params in registration order, padded to a
+    multiple of 2 * dp): (partition elements, name -> (offset, numel))."""
+    regs = model.params()
+    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
+    at, off = {}, 0
+    for name, sh in regs:
+        at[name] = (off, numel(sh))
+        off += numel(sh)
+    return part, at
+
+
+def _reduced_in_place(k: int, off: int, part: int, bucket: int) -> bool:
+    """An extra-large gradient of k elements at `off` that a collective reduces itself (a call of one
+    slice of it, allreduce_calls), not only through a flattened copy."""
+    return k > bucket and any(slices == 1 for _, slices in allreduce_calls(k, off, part, bucket))
 
 
 @lru_cache(maxsize=64)
@@ -40,24 +60,18 @@ def partition_flushes(model: ModelShape, dp: int, bucket: int,
     (ZeRO-2: the hooks', deepspeed.backward_order; ZeRO-1: reduce_gradients' walk of bit16_groups at
     the boundary, the registration order).
 
-    The flat group is the params in registration order (stage_1_and_2.py: one param group, padded to
-    a multiple of 2 * dp; partitions of flat / dp elements; is_param_in_current_partition: the param
-    overlaps the partition). The bucket: a hook whose numel would take the bucket's elements past
+    The partitions are flat / dp elements of the flat group (_flat); is_param_in_current_partition: the
+    param overlaps the partition. The bucket: a hook whose numel would take the bucket's elements past
     reduce_bucket_size reduces the bucket first (an extra-large gradient alone counts its own numel,
     so the next hook always reduces it)."""
-    regs = model.params()
-    n = sum(numel(sh) for _, sh in regs)
-    part = _ceil_to(n, 2 * dp) // dp
+    part, at = _flat(model, dp)
     span: dict[str, tuple[int, int]] = {}  # name -> (first rank, last rank) its elements lie in
     overlap = [0] * dp
-    off = 0
-    for name, sh in regs:
-        k = numel(sh)
+    for name, (off, k) in at.items():
         lo, hi = off // part, (off + k - 1) // part
         span[name] = (lo, hi)
         for r in range(lo, hi + 1):
             overlap[r] += k
-        off += k
     first = [len(order)] * dp
     copied_at = [0] * dp
     left = dp
@@ -129,36 +143,6 @@ def allreduce_calls(n: int, offset: int, part: int, bucket: int) -> list[tuple[i
 
 
 @lru_cache(maxsize=64)
-def extra_large(model: ModelShape, dp: int, bucket: int) -> tuple[int, int]:
-    """Elements of the extra-large gradients (numel above reduce_bucket_size, reduced as they are, not
-    through the IPG buffer): (those a collective touches itself, those only a flattened copy of
-    several partition slices carries: allreduce_calls)."""
-    regs = model.params()
-    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
-    touched = copied = off = 0
-    for _, sh in regs:
-        k = numel(sh)
-        if k > bucket:
-            if any(slices == 1 for _, slices in allreduce_calls(k, off, part, bucket)):
-                touched += k
-            else:
-                copied += k
-        off += k
-    return touched, copied
-
-
-def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(partition elements, name -> (offset, numel) in the flat group, registration order)."""
-    regs = model.params()
-    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
-    at, off = {}, 0
-    for name, sh in regs:
-        at[name] = (off, numel(sh))
-        off += numel(sh)
-    return part, at
-
-
-@lru_cache(maxsize=64)
 def ipg_touched(model: ModelShape, dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], ...]) -> bool:
     """Whether a collective reduces the IPG buffer itself in a step: average_tensor merges a bucket's
     consecutive pieces of one partition into one slice, and a bucket (at most reduce_bucket_size) is
@@ -189,14 +173,15 @@ def ipg_touched(model: ModelShape, dp: int, bucket: int, order: tuple[tuple[str,
 @lru_cache(maxsize=64)
 def hooked(model: ModelShape, dp: int, bucket: int,
            order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per hook index i of `order`, the elements of the gradients made through it (i inclusive) and
-    of those among them that are extra-large and reduced in place (extra_large's `touched`)."""
+    """Per hook index i of `order` (every parameter once), the elements of the gradients made through
+    it (i inclusive) and of those among them a collective reduces in place (_reduced_in_place; the
+    last entry: every such gradient)."""
     part, at = _flat(model, dp)
     cum, cum_touched, a, t = [], [], 0, 0
     for name, sh in order:
         k = numel(sh)
         a += k
-        if k > bucket and any(sl == 1 for _, sl in allreduce_calls(k, at[name][0], part, bucket)):
+        if _reduced_in_place(k, at[name][0], part, bucket):
             t += k
         cum.append(a)
         cum_touched.append(t)

@@ -31,8 +31,8 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   fp32, one micro-batch; with one micro-batch ZeRO-1's backward moments are deep()'s too, its hooks
   keeping every gradient they see (DeepSpeed's default bucket: 131,072 B short, the peak is a block's
   ffn_norm backward in fp32, not a candidate; tests/test_deepspeed.py test_peak_prediction_tiny).
-- ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the final norm's backward and each
-  block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
+- ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the
+  final norm's backward and each block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
   the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
   kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
   its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
@@ -49,8 +49,8 @@ torch.get_rng_state() on the CPU accelerator).
 """
 from __future__ import annotations
 
-from ledger.model import ModelShape, numel
-from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush, extra_large
+from ledger.model import ModelShape
+from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush
 from ledger.faithful.deepspeed_coordinator import Z3Live
 from ledger.placement import Peak
 
@@ -163,7 +163,7 @@ def _loss_scalars() -> int:
 def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
          params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
          z3_moments: tuple = (), z3_first: tuple = (), flush: PartitionFlush | None = None,
-         hooks: Hooks | None = None, dp: int = 1, ipg_touched: bool = True,
+         hooks: Hooks | None = None, ipg_touched: bool = True,
          grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
@@ -175,10 +175,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     backward (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
     (deepspeed_coordinator.z3_first_moments); flush (ZeRO-2, required): this rank's grads_in_partition
     size and the hook that allocates it (deepspeed_backward.partition_flushes); hooks (ZeRO-2, required):
-    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks);
-    dp: the ranks the partitions are cut for (ZeRO-1's extra-large gradients' all-reduces); ipg_touched:
+    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks); ipg_touched:
     whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched); grads_hooked
-    (ZeRO-1): the elements of the gradients made through each hook (deepspeed_backward.hooked)."""
+    (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in place
+    (deepspeed_backward.hooked)."""
     if modelled(model) is not None:
         return None
     if zero == 3 and not (z3_moments and z3_first):
@@ -323,23 +323,37 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
                          "replay)", detail=detail)
 
+    def resident_after_forward(first: bool) -> int:
+        # the params, the optimizer state and _global_grad_norm; step 0: AdamW's state not made yet
+        res = params_resident + optim + norm_dtype
+        return res - (2 * FP32 * part + FP32 + norm_dtype if first else 0)
+
+    def zero12_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
+                      phase: str, what: str) -> Peak:
+        # a moment of deep() or boundary(): its named temporaries and gathered buffers, summed into the parts
+        parts = {"resident": res, "activations": acts[1], "gathered": sum(gathered.values()),
+                 "temporary": sum(temp.values()), "unnamed": 0}
+        detail = {f"activations/{acts[0]}": acts[1]}
+        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+        detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
+        return Peak(bytes=sum(parts.values()), parts=parts, phase=phase, what=what, detail=detail)
+
     def deep(first: bool) -> Peak:
         # ZeRO-2 (and ZeRO-1 with one micro-batch: its hooks reduce nothing, every gradient made is
         # kept), the last micro-batch's backward past the output Linear (deepspeed_backward): the
         # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements; `gathered`
-        # where a collective reduces it in place, deepspeed_backward.ipg_touched); an extra-large gradient (above reduce_bucket_size) stays its own
-        # tensor, all-reduced in place, until the next hook reduces it; the rest are copied into the
-        # IPG buffer by their hook (their own storage freed). grads_in_partition: micro-batch 0's
-        # (several micro-batches) and this backward's once a reduction copied into it. Two moments:
+        # where a collective reduces it in place, deepspeed_backward.ipg_touched); an extra-large
+        # gradient (above reduce_bucket_size) stays its own tensor, all-reduced in place, until the
+        # next hook reduces it; the rest are copied into the IPG buffer by their hook (their own
+        # storage freed). grads_in_partition: micro-batch 0's (several micro-batches) and this
+        # backward's once a reduction copied into it. Two moments:
         # (1) the final norm's backward at its weight gradient's sum: the output Linear's input
         # gradient, the mul's two (b, s, h) gradients, the sum (h), in the model dtype, every block's
         # saves; (2) a block's SwiGLU backward at its mul: the residual stream's gradient, w2's input
         # gradient and the mul's two (b, s, ffn) gradients, w2's weight gradient if extra-large, the
         # saves of the blocks below and of this one but w2's input. The probe keeps the first maximum:
         # the norm's moment, then the blocks from the last
-        res = params_resident + optim + norm_dtype
-        if first:
-            res -= 2 * FP32 * part + FP32 + norm_dtype
+        res = resident_after_forward(first)
         bsh, bsf = b * s * h, b * s * model.ffn_hidden
         per_layer = sum(layer_activations(model, mbs, w).values())
         head = head_activations(model, mbs, w)
@@ -366,13 +380,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             temp["loss scalars"] = _loss_scalars()
             temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
             (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
-            parts = {"resident": res, "activations": acts_now, "gathered": sum(gathered.values()),
-                     "temporary": sum(temp.values()), "unnamed": 0}
-            detail = {"activations/saved (what backward has not released)": acts_now}
-            detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
-            detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
-            return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                        what=f"the last micro-batch's backward at {what}", detail=detail)
+            return zero12_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
+                                 "backward", f"the last micro-batch's backward at {what}")
 
         past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
         cands = [moment(hooks.norm - 1, past_head - w * bsh,
@@ -393,23 +402,15 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # one stays; the first reduction into this rank's partition allocates grads_in_partition
         # (deepspeed_backward, registration order) with the rest of the gradients still live. The
         # activations are released; the batch and the loss scalars stay
-        res = params_resident + optim + norm_dtype
-        if first:
-            res -= 2 * FP32 * part + FP32 + norm_dtype
-        touched, _ = extra_large(model, dp, bucket)
+        touched = grads_hooked[1][-1]  # every extra-large gradient a collective reduces in place
         temp = {"gradients not yet copied into the IPG buffer": w * (n - flush.copied - touched),
                 "grads_in_partition (copy_grads_in_partition)": w * flush.overlap,
                 # the loss, its scaled copy and product: backward has released the gradient seed
                 "loss scalars": _loss_scalars() - FP32}
         gathered = {"extra-large gradients a collective reduces in place": w * touched}
         (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * bucket
-        parts = {"resident": res, "activations": batch, "gathered": sum(gathered.values()),
-                 "temporary": sum(temp.values()), "unnamed": 0}
-        detail = {"activations/batch (tokens, labels)": batch}
-        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
-        detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
-                    what="reduce_gradients at the boundary: the first copy into grads_in_partition", detail=detail)
+        return zero12_moment(resident_after_forward(first), ("batch (tokens, labels)", batch), temp, gathered,
+                             "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
