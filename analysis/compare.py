@@ -103,6 +103,13 @@ def measured_peak_parts(peak: dict) -> dict[str, int]:
     return out
 
 
+def measured_peak_where(peak: dict) -> dict:
+    """Where the probe's peak is (phase, micro_batch, module, op, event), in the framework's own order:
+    the prompt peak's moment where a worker thread freed late (its late free can move the measured
+    maximum to another moment), else the measured one's."""
+    return peak.get("prompt_where") or peak["where"]
+
+
 def _peak_rows(p: dict, st: dict) -> list[dict]:
     """peak_bytes, and each part the ledger names (peak/<part>_bytes), where both sides have them."""
     pk, mk = p.get("peak"), st.get("peak")

@@ -433,21 +433,24 @@ class PeakTracker:
         out = {"peak_bytes": self.peak, "start_bytes": self.start_bytes, "end_bytes": self.cur if self.active else self.end_bytes,
                "events": len(self.events), "gc_runs": self.gc_runs, "gc_freed_bytes": self.gc_freed,
                "at_peak": {c: b for c, b in at_peak.items() if b}}
-        if self.peak_index >= 0:
-            _s, _d, _ph, mb, mod, op = self.events[self.peak_index]
-            out["where"] = {"phase": phases[self.peak_index], "micro_batch": mb,
-                            "module": self._names.get(mod, None) if mod is not None else None,
-                            "op": str(op) if op is not None else None, "event": self.peak_index + 1}
-        else:
-            out["where"] = {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
+
+        def where(i: int) -> dict:
+            if i < 0:
+                return {"phase": "setup", "micro_batch": None, "module": None, "op": None, "event": 0}
+            _s, _d, _ph, mb, mod, op = self.events[i]
+            return {"phase": phases[i], "micro_batch": mb, "module": self._names.get(mod, None) if mod is not None
+                    else None, "op": str(op) if op is not None else None, "event": i + 1}
+
+        out["where"] = where(self.peak_index)
         out["worker_freed_bytes"] = sum(w[1] for w in self.worker_frees.values())
         if self.worker_frees:
             # the peak and its parts in the framework's own order, without the worker threads' timing:
             # a late free can move the measured peak to another moment, whose parts are that moment's
             # (the reconcile compares the ledger's parts with these, analysis/compare.py)
-            best, most, at_best = self._prompt_replay(category, start)
+            best, most, at_best, best_at = self._prompt_replay(category, start)
             out["prompt_peak_bytes"] = best
             out["prompt_at_peak"] = {c: b for c, b in at_best.items() if b}
+            out["prompt_where"] = where(best_at)  # where the peak is in the framework's own order
         else:
             most = None
             out["prompt_peak_bytes"] = self.peak
@@ -501,10 +504,11 @@ class PeakTracker:
                         "largest": max([v[2] for _, v in rest])})
         return out
 
-    def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int], dict[str, int]]:
+    def _prompt_replay(self, category, start: dict[str, int]) -> tuple[int, dict[str, int], dict[str, int], int]:
         """The step's events replayed with every storage a worker thread freed freed right after the main
         thread's last use of it: (the most live bytes in all, the most live bytes of each category
-        (category(serial) names a storage's), each category's live bytes at that most in all). A free
+        (category(serial) names a storage's), each category's live bytes at that most in all, the
+        index of the event reaching it, -1 for none). A free
         is its storage's last event (read from the events, not noted by the worker thread: the main
         thread may append between the worker's append and any index it took)."""
         frees = dict(self.worker_frees)
@@ -521,6 +525,7 @@ class PeakTracker:
         cur = best = sum(start.values())
         most = dict(live)
         at_best = dict(live)
+        best_at = -1
         for i, ev in enumerate(events):
             for s, nb in moved.get(i, ()):
                 live[category(s)] -= nb
@@ -534,7 +539,8 @@ class PeakTracker:
             if cur > best:  # the first moment at the most, as the measured peak's (peak_index)
                 best = cur
                 at_best = dict(live)
-        return best, most, at_best
+                best_at = i
+        return best, most, at_best, best_at
 
 
 def _blocks(nbytes: int) -> int:

@@ -29,6 +29,7 @@ import torch
 
 import records
 from analysis import reconcile
+from analysis.compare import measured_peak_where
 from ledger.faithful import titan as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
@@ -160,7 +161,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
         pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
         for r in rec["measurement"]["ranks"]:
             pk = r["steps"][-1]["peak"]
-            where, want = pk["where"], pred[r["rank"]]
+            where, want = measured_peak_where(pk), pred[r["rank"]]
             name = (records.job_name(rec), r["rank"])
             assert pk["at_peak"].get("unnamed", 0) <= 64, (name, pk["at_peak"])
             assert where["phase"] == want["phase"], (name, where, want["what"])
@@ -186,7 +187,7 @@ def test_long_sequences_peak_at_their_moments(sweep):
             continue
         pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
         for r in rec["measurement"]["ranks"]:
-            where, what = r["steps"][-1]["peak"]["where"], pred[r["rank"]]["what"]
+            where, what = measured_peak_where(r["steps"][-1]["peak"]), pred[r["rank"]]["what"]
             kind = [k for k in op_of if k in what]
             assert len(kind) == 1, what
             kinds.add((kind[0], rec["prediction"]["layout"]["pp"]))

@@ -49,8 +49,8 @@ from typing import NamedTuple
 
 from ledger.faithful import deepspeed_backward, deepspeed_peak
 from ledger.faithful.deepspeed_backward import _ceil_to
-from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, z3_first_moments,
-                                                   z3_moments)
+from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, backward_module,
+                                                   z3_backward_moments, z3_first_moments, z3_moments)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
@@ -172,27 +172,6 @@ def _ipg_fill(sizes, bucket: int, cur: int, out: list) -> int:
     return cur
 
 
-def _ipg_counts(parts, bucket: int, layers: int) -> Counter:
-    """Counter(ipg_buckets(head + block * layers + tail, bucket)) for parts = (head, block, tail),
-    the blocks counted by _by_blocks."""
-    head, blk, tail = parts
-    out: list[int] = []
-    cur = _ipg_fill(head, bucket, 0, out)
-    counts = Counter(out)
-
-    def fill(c):
-        closed: list[int] = []
-        return _ipg_fill(blk, bucket, c, closed), closed
-
-    cur = _by_blocks(fill, cur, layers, counts)
-    out = []
-    cur = _ipg_fill(tail, bucket, cur, out)
-    counts.update(out)
-    if cur:
-        counts[cur] += 1
-    return counts
-
-
 # -- collective sums -------------------------------------------------------------------------------
 
 class _Calls(NamedTuple):
@@ -265,6 +244,13 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=state, representatives=[0])
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")
+    if z == 3 and deepspeed_peak.modelled(model) is None:
+        flushes = deepspeed_backward.z3_flushes(lay.dp, int(fw.reduce_bucket_size), backward_order(model))
+        other = sum(not deepspeed_peak.z3_hook_modelled(f.name) for f in flushes)
+        if other:
+            pl.notes.append(f"peak: {other} of the {len(flushes)} IPG reduce-scatters a backward makes are at hooks "
+                            "whose moment is not a candidate (the attention's, the norms' in the blocks, the "
+                            "embedding's, the epilogue); those at the final norm's and the SwiGLU Linears' are")
     return pl
 
 
@@ -480,7 +466,9 @@ class _Z3Shape(NamedTuple):
     """What ZeRO-3 derives from the model for one dp and persistence threshold (elements)."""
     part: int  # ds_tensor elements per rank (sum of padded sizes / dp)
     total: int  # sum of padded sizes
-    persist_numel: int  # persistent params, full
+    # persistent params as kept gathered: each param.data a view of its own all-gather's buffer
+    # (partition_parameters.py _all_gather_sequential: ceil(n/dp)*dp elements), so padded to dp
+    persist_gathered: int
     persist: _Calls  # _post_step: one all-gather per persistent param (model dtype)
     ipg: _Calls  # one backward's IPG reduce-scatters
 
@@ -499,13 +487,14 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     persist = [(n, k) for n, k in counts.items() if n <= threshold]
     total = sum(pad(n) * k for n, k in counts.items())
     return _Z3Shape(
-        part=total // dp, total=total, persist_numel=sum(n * k for n, k in persist),
+        part=total // dp, total=total, persist_gathered=sum(pad(n) * k for n, k in persist),
         persist=_counted("all_gather", ((w * pad(n), k) for n, k in persist), dp),
         # stage3.py __avg_scatter_grads -> reduce_scatter_coalesced: one reduce-scatter per IPG bucket
-        # (per-param padded to dp). A parameter above reduce_bucket_size is not copied into the IPG
-        # buffer (__add_grad_to_ipg_bucket) but is bucketed alike: alone, one reduce-scatter of it
-        ipg=_counted("reduce_scatter", ((w * b, k) for b, k in _ipg_counts(
-            [tuple(pad(n) for n in part) for part in _size_parts(model, False)], bucket, model.layers).items()), dp),
+        # (each gradient padded to dp; the bucket fills by ds_numel, unpadded). A parameter above
+        # reduce_bucket_size is not copied into the IPG buffer (__add_grad_to_ipg_bucket) but is
+        # bucketed alike: alone, one reduce-scatter of it (deepspeed_backward.z3_flushes)
+        ipg=_counted("reduce_scatter", ((w * b, k) for b, k in Counter(
+            f.flat for f in deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))).items()), dp),
     )
 
 
@@ -525,10 +514,21 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
                int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w)
     s.peak = lambda: deepspeed_peak.peak(
         model, lay.micro_batch_size, m, 3, w, False, part=z.part, params_resident=s.params_bytes,
-        optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_numel,
+        optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_gathered,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
-        z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets))
+        z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets),
+        z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size)))
     return s
+
+
+def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int) -> tuple:
+    """ZeRO-3's IPG reductions at the hooks whose moment deepspeed_peak models (Z3_FLUSH_HOOKS), with the
+    coordinator's gathered params at each, per micro-batch of a steady step and of step 0."""
+    threshold, dp = budgets[2], budgets[6]
+    flushes = tuple(f for f in deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))
+                    if deepspeed_peak.z3_hook_modelled(f.name))
+    mods = tuple(backward_module(model, threshold, f.name) for f in flushes)
+    return flushes, z3_backward_moments(*budgets, False, mods), z3_backward_moments(*budgets, True, mods)
 
 
 @lru_cache(maxsize=256)
@@ -541,7 +541,7 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     s.add("params_bytes", f"{precision} partitions (ds_tensor, fp16_partitioned_groups_flat)", w * z.part)
     # ds_persist params stay gathered after _post_step (full tensors); whatever else the coordinator
     # gathered was released by step()'s _partition_all_parameters (release_and_reset_all)
-    s.add("params_bytes", "persistent params (full)", w * z.persist_numel)
+    s.add("params_bytes", "persistent params (full, each in its dp-padded all-gather buffer)", w * z.persist_gathered)
     # grad_partitions_flat_buffer (gradient_accumulation_dtype = model dtype) and the IPG bucket of
     # reduce_bucket_size elements, allocated at init and kept (IPGBucketZ3), also when a parameter is
     # larger than the bucket; micro-batches accumulate into the same partitions (partition_grads:

@@ -1,4 +1,5 @@
-"""DeepSpeed 0.19.8 ZeRO-2: where a rank's grads_in_partition is made in a backward (issue 18).
+"""DeepSpeed 0.19.8's gradient hooks in a backward (issue 18): where ZeRO-1/2 make a rank's
+grads_in_partition, and ZeRO-3's IPG reductions (z3_flushes).
 
 With contiguous_gradients (the default), stage_1_and_2.py reduces a backward's gradients through the
 IPG bucket as their hooks fire (reduce_independent_p_g_buckets_and_remove_grads): a hook whose
@@ -187,3 +188,44 @@ def hooked(model: ModelShape, dp: int, bucket: int,
         cum_touched.append(t)
     return tuple(cum), tuple(cum_touched)
 
+
+
+class Z3Flush(NamedTuple):
+    """One ZeRO-3 IPG reduction in a backward (stage3.py __reduce_and_partition_ipg_grads), made at a hook."""
+    hook: int  # `order` index of the hook whose gradient would overflow the bucket (len: the epilogue's)
+    name: str  # that hook's parameter ("" for the epilogue)
+    flat: int  # elements of reduce_scatter_coalesced's input: each gradient padded to a multiple of dp
+    cat: bool  # whether that input is a torch.cat copy (several gradients, or one not a multiple of dp)
+    own: int  # elements of the bucket's gradients kept in their own storage (an extra-large one, alone)
+
+
+@lru_cache(maxsize=64)
+def z3_flushes(dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[Z3Flush, ...]:
+    """ZeRO-3's IPG reductions in one backward, in order (stage3.py, DeepSpeed 0.19.8):
+    reduce_independent_p_g_buckets_and_remove_grads reduces the bucket first when `bucket.elements +
+    param.ds_numel > reduce_bucket_size and bucket.elements > 0`; __add_grad_to_ipg_bucket copies the
+    gradient into the IPG buffer when it fits (contiguous_gradients), else it stays its own tensor (an
+    extra-large one: alone in its bucket, reduced at the next hook); the epilogue reduces the rest.
+    __avg_scatter_grads -> reduce_scatter_coalesced: one tensor whose numel is a multiple of dp is
+    reduce-scattered as it is (a view), otherwise the padded parts are torch.cat into a flat buffer.
+    order: the parameters in the order their gradients become ready (deepspeed.backward_order)."""
+    out: list[Z3Flush] = []
+    sizes: list[int] = []  # the open bucket's gradients (numel)
+    elements = own = 0
+
+    def flush(i: int, name: str) -> None:
+        flat = sum(_ceil_to(k, dp) for k in sizes)
+        out.append(Z3Flush(i, name, flat, len(sizes) > 1 or sizes[0] % dp != 0, own))
+
+    for i, (name, sh) in enumerate(order):
+        k = numel(sh)
+        if elements + k > bucket and elements > 0:
+            flush(i, name)
+            sizes, elements, own = [], 0, 0
+        if elements + k > bucket:
+            own += k
+        sizes.append(k)
+        elements += k
+    if sizes:
+        flush(len(order), "")
+    return tuple(out)

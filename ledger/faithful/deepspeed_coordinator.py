@@ -66,6 +66,7 @@ class _Z3Trace(NamedTuple):
     layers: int
     nb: int  # params per block
     periods: tuple[_Period, _Period]  # forward and backward runs of blocks
+    block_modules: tuple[str, ...]  # a block's modules by local number ("" the block itself, "attention.wq")
 
     @property
     def order(self) -> list[int]:
@@ -220,7 +221,7 @@ def _z3_trace(model: ModelShape, threshold: int) -> _Z3Trace:
                                  _tile([j for j, k in enumerate(blk_persist) if k], L, nb, 0, 1),
                                  [p for p in range(p_norm, len(numels)) if persist[p]]))
     return _Z3Trace(numels, persist, persistent, mod_params, kinds, mods, at[0], qp, qs, prefix, qstart, L, nb,
-                    tuple(periods))
+                    tuple(periods), tuple(local))
 
 
 def _unmarked(own: tuple[int, ...], persist: list[bool], recent: list[int], step: int) -> tuple[int, ...]:
@@ -895,61 +896,76 @@ def _ceil(n: int, k: int) -> int:
     return -(-n // k)
 
 
+def _pass_logs(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+               first: bool) -> list[list]:
+    """The watched event logs (_Z3Sim.run(watch=)) of a step's passes: a steady step's m (the passes of
+    _z3_steady); step 0's (first) recording pass alone with one micro-batch, else the m - 1 after it,
+    the first of which is the coordinator's first complete pass from what the recording pass left
+    gathered (nothing persistent gathered yet: _post_step gathers the persistent params at step 0's
+    end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
+    tr = _z3_trace(model, threshold)
+    if first and m == 1:
+        log: list = []
+        _Z3Sim(tr, 0, 0, 0, periodic=False).run(frozenset(), record=True, watch=log)
+        return [log]
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True if first else m > 1, periodic=False)
+    start = _z3_record(model, threshold, periodic=False)[1] if first else _z3_persistent(tr)
+    logs = []
+    for _ in range(m - 1 if first else m):
+        log = []
+        _, end = sim.run(start, watch=log)
+        logs.append(log)
+        start = end
+    return logs
+
+
+def _fetch_at(log: list, kind: str, mod: int) -> int:
+    return next(i for i, ev in enumerate(log) if ev[0] == kind and ev[1] == mod)
+
+
 @lru_cache(maxsize=64)
 def z3_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
-               w: int) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
+               w: int, first: bool = False) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
     """Per micro-batch of a steady step (the passes of _z3_steady, on the event-by-event replay), the
     gathered parameter memory at three moments (after the fetch and its prefetch):
     - the final norm's forward: every layer's activations live, the output's all-gather not waited yet;
     - the backward's start (the root's pre-backward hook on the loss, before the loss's own backward
       nodes): what the forward left gathered and the root's prefetch;
-    - the output Linear's backward (its pre-backward hook on the logits' gradient)."""
+    - the output Linear's backward (its pre-backward hook on the logits' gradient).
+    first: the same for step 0's passes (_pass_logs: its recording pass with one micro-batch, no
+    prefetch, every fetched param released after its module, persistent ones too)."""
     tr = _z3_trace(model, threshold)
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic=False)
     norm, out_mod = 2 + tr.layers * _block_modules(tr), 3 + tr.layers * _block_modules(tr)
-    got = []
-    start = _z3_persistent(tr)
-    for _ in range(m):
-        log: list = []
-        _, end = sim.run(start, watch=log)
-        ats = (next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm),
-               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == 0),
-               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == out_mod))
-        got.append(_z3_walk(model, tr, log, dp, w, ats))
-        start = end
-    return tuple(got)
+    return tuple(_z3_walk(model, tr, log, dp, w, (_fetch_at(log, "F", norm), _fetch_at(log, "B", 0),
+                                                  _fetch_at(log, "B", out_mod)))
+                 for log in _pass_logs(model, m, threshold, prefetch, max_live, reuse, first))
+
+
+def z3_first_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
+                     w: int) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
+    """z3_moments for step 0's passes."""
+    return z3_moments(model, m, threshold, prefetch, max_live, reuse, dp, w, True)
+
+
+def backward_module(model: ModelShape, threshold: int, param: str) -> int:
+    """The module (as _z3_trace numbers them) whose pre-backward hook fetches `param` in the backward."""
+    tr = _z3_trace(model, threshold)
+    M = _block_modules(tr)
+    if param.startswith("layers."):
+        _, j, rest = param.split(".", 2)
+        return 2 + int(j) * M + tr.block_modules.index(_module(rest))
+    return {"tok_embeddings": 1, "norm": 2 + tr.layers * M, "output": 3 + tr.layers * M}[_module(param)]
 
 
 @lru_cache(maxsize=64)
-def z3_first_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
-                     w: int) -> tuple[tuple[Z3Live, Z3Live, Z3Live], ...]:
-    """z3_moments for step 0: its one micro-batch's recording pass (no prefetch, every fetched param
-    released after its module, persistent ones too), or with several the micro-batches after the
-    recording one, the first of which is the coordinator's first complete pass from what the recording
-    pass left gathered (nothing persistent gathered yet: _post_step gathers the persistent params at
-    step 0's end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
+def z3_backward_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
+                        dp: int, w: int, first: bool, mods: tuple[int, ...]) -> tuple[tuple[Z3Live, ...], ...]:
+    """Per micro-batch (z3_moments' passes), the gathered parameter memory at each module of `mods`'s
+    pre-backward fetch (and its prefetch): what the coordinator holds while that module's backward
+    runs, its parameters' gradient hooks included (their post-backward release comes after)."""
     tr = _z3_trace(model, threshold)
-    norm, out_mod = 2 + tr.layers * _block_modules(tr), 3 + tr.layers * _block_modules(tr)
-
-    def moments(log: list) -> tuple[Z3Live, Z3Live, Z3Live]:
-        ats = (next(i for i, ev in enumerate(log) if ev[0] == "F" and ev[1] == norm),
-               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == 0),
-               next(i for i, ev in enumerate(log) if ev[0] == "B" and ev[1] == out_mod))
-        return _z3_walk(model, tr, log, dp, w, ats)
-
-    if m == 1:
-        log: list = []
-        _Z3Sim(tr, 0, 0, 0, periodic=False).run(frozenset(), record=True, watch=log)
-        return (moments(log),)
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic=False)
-    got = []
-    start = _z3_record(model, threshold, periodic=False)[1]
-    for _ in range(m - 1):
-        log = []
-        _, end = sim.run(start, watch=log)
-        got.append(moments(log))
-        start = end
-    return tuple(got)
+    return tuple(_z3_walk(model, tr, log, dp, w, tuple(_fetch_at(log, "B", mo) for mo in mods))
+                 for log in _pass_logs(model, m, threshold, prefetch, max_live, reuse, first))
 
 
 def _block_modules(tr: _Z3Trace) -> int:

@@ -16,8 +16,8 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   _log_softmax_backward_data: b·s·V fp32 each), or a moment later the output Linear's weight and
   input gradients beside the logits' (fp32 makes that one larger), + what ZeRO-1 holds across
   micro-batches (param.grad, the IPG buffer). Measured exact: ZeRO-1/2 bf16 at one micro-batch (4
-  samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (total; the probe counts
-  the held gradients the boundary all-reduce touches as `gathered`). ZeRO-3 (steady step): the
+  samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (the held gradients a
+  boundary collective reduces in place `gathered`, as the probe files them). ZeRO-3 (steady step): the
   gathered parameters at this moment from the coordinator replay (deepspeed_coordinator.z3_moments);
 - ZeRO-3 only, each micro-batch's forward at the final norm (its last op): every layer's saves live,
   and what the coordinator gathered: with the default budgets one prefetch at the root gathers every
@@ -36,8 +36,15 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
   kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
   its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
-An estimate elsewhere: ZeRO-3 with a partial reuse distance deeper in backward (at an IPG
-reduce-scatter, 1.5%), a checkpointed layer's recompute. tests/test_deepspeed.py PEAK_FINDINGS names them.
+- ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (z3_flush;
+  deepspeed_backward.z3_flushes): the padded gradients' torch.cat and gloo's copy of it, the hook's own
+  gradient and what autograd holds there, the coordinator's gathered params at that module
+  (deepspeed_coordinator.z3_backward_moments). Modelled at the final norm's and the SwiGLU Linears'
+  hooks (z3_hook_modelled). Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
+  nothing kept: exact on every rank (was 1.5% and 0.63% under).
+An estimate elsewhere: a reduction at the attention's, a block norm's or the embedding's hook (place()
+notes how many a backward makes), a checkpointed layer's recompute. tests/test_deepspeed.py
+PEAK_FINDINGS names the jobs that are not exact.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
@@ -50,13 +57,20 @@ torch.get_rng_state() on the CPU accelerator).
 from __future__ import annotations
 
 from ledger.model import ModelShape
-from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush
+from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush, Z3Flush
 from ledger.faithful.deepspeed_coordinator import Z3Live
 from ledger.placement import Peak
 
 FP32, FP64, INT64 = 4, 8, 8
 # torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
 CPU_RNG_STATE = 5056
+
+
+def z3_hook_modelled(name: str) -> bool:
+    """Whether the moment of a ZeRO-3 IPG reduction at this parameter's hook is a peak candidate
+    (peak's z3_hook_moment): the final norm's weight and a block's SwiGLU Linears. Elsewhere (the
+    attention's hooks, the norms', the embedding's, the epilogue) not: an estimate there."""
+    return name == "norm.weight" or (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
 
 
 def modelled(model: ModelShape) -> str | None:
@@ -164,7 +178,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
          params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
          z3_moments: tuple = (), z3_first: tuple = (), flush: PartitionFlush | None = None,
          hooks: Hooks | None = None, ipg_touched: bool = True,
-         grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> Peak | None:
+         grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+         z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())) -> Peak | None:
     """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
 
     part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
@@ -178,7 +193,9 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks); ipg_touched:
     whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched); grads_hooked
     (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in place
-    (deepspeed_backward.hooked)."""
+    (deepspeed_backward.hooked); z3_flushes (ZeRO-3): the IPG reductions whose hook's moment is modelled
+    (deepspeed_backward.z3_flushes, Z3_FLUSH_HOOKS) and, per micro-batch of a steady step and of step
+    0, the gathered params at each (deepspeed_coordinator.z3_backward_moments)."""
     if modelled(model) is not None:
         return None
     if zero == 3 and not (z3_moments and z3_first):
@@ -215,12 +232,15 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
 
     # the last micro-batch's backward, its first nodes: the cross-entropy, then the output Linear
     b, s, V, h = mbs, model.seq_len, model.vocab, model.hidden
-    held_grads = 0
+    held_grads = held_touched = 0
     if m > 1 and zero == 1:
         # param.grad of every parameter, accumulated until the boundary's reduce_gradients, and the
         # IPG buffer setup_buckets allocated in micro-batch 0's backward (reduce_bucket_size
-        # elements), released only by the boundary reduction's _release_ipg_buffers
+        # elements), released only by the boundary reduction's _release_ipg_buffers. Those a boundary
+        # collective reduces in place (the extra-large gradients, the IPG buffer where touched) are
+        # `gathered` for the probe, whose categories hold for the whole step
         held_grads = w * n + w * bucket
+        held_touched = w * grads_hooked[1][-1] + (w * bucket if ipg_touched else 0)
     elif m > 1 and zero == 2:
         # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
         # all_grad_tensors; sized as the whole params overlapping the partition
@@ -235,7 +255,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
         # backward's start adds only storages gathered for the backward, which no op saves)
         most += max(z[1].saved for z in z3_moments)
-    base_temp = sum(held.values()) + _loss_scalars() + held_grads
+    base_temp = sum(held.values()) + _loss_scalars() + held_grads - held_touched
 
     def bwd(first: bool) -> Peak:
         # step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first update
@@ -267,7 +287,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         bb_won = total(a) < total(bb)
         (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
             (a, "_log_softmax_backward_data")
-        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered,
+        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered + held_touched,
                  "temporary": grads_now + base_temp + z.temporary, "unnamed": 0}
         detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
         if zero == 3:
@@ -279,8 +299,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         detail["temporary/loss scalars"] = _loss_scalars()
         if held:
             detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
-        if held_grads:
-            detail["temporary/gradients held across micro-batches"] = held_grads
+        if held_grads - held_touched:
+            detail["temporary/gradients held across micro-batches"] = held_grads - held_touched
+        if held_touched:
+            detail["gathered/gradients held across micro-batches that a boundary collective reduces"] = held_touched
         what = f"the last micro-batch's backward at {at}"
         if checkpointing:
             what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
@@ -412,6 +434,71 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         return zero12_moment(resident_after_forward(first), ("batch (tokens, labels)", batch), temp, gathered,
                              "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
+    def z3_flush(first: bool) -> list[Peak]:
+        # ZeRO-3, each micro-batch's backward: an IPG reduction at a hook (deepspeed_backward.z3_flushes,
+        # stage3.py __reduce_and_partition_ipg_grads), at reduce_scatter_coalesced's collective: its
+        # flat input (a torch.cat of the padded gradients, `gathered`; or one gradient as it is: the IPG
+        # buffer's view, resident, or an extra-large gradient's own storage) and gloo's copy of the
+        # whole input (ProcessGroupGloo's reduce-scatter of a tensor). The hook's gradient is still its
+        # own tensor (copied into the IPG buffer after the reduction); what autograd holds at the hook
+        # (AccumulateGrad runs as soon as the node making the gradient has run, before the module's
+        # post-backward release): z3_hook_moment. The gathered params: the coordinator at the hook's
+        # module's pre-backward fetch (deepspeed_coordinator.z3_backward_moments)
+        flushes, steady_z, first_z = z3_flushes
+        res = params_resident + grads_resident + optim + norm_dtype + 1
+        if first:  # step 0: no AdamW state, no _global_grad_norm; the persistent params gathered by the pass
+            res -= 2 * FP32 * part + FP32 + norm_dtype + persist
+        out = []
+        for i, per in enumerate(first_z if first else steady_z):
+            for f, z in zip(flushes, per):
+                acts_now, temp, at = z3_hook_moment(f.name)
+                temp = {**temp, "gloo's copy of the reduce-scatter input": w * f.flat,
+                        "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
+                        "gathered params' torch.cat copies (ZeRO-3)": z.temporary, "loss scalars": _loss_scalars(),
+                        "the tied weight's output gradient (AccumulateGrad's input)": w * V * h if model.tied_embeddings
+                        else 0}
+                gathered = {"reduce_scatter_coalesced's input (torch.cat)" if f.cat else
+                            "reduce_scatter_coalesced's input (an extra-large gradient)": w * (f.flat if f.cat else f.own),
+                            "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
+                mb = i + (1 if first and m > 1 else 0)  # step 0: the passes after the recording one
+                p = zero12_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
+                                  "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}")
+                p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
+                out.append(p)
+        return out
+
+    def z3_hook_moment(name: str) -> tuple[int, dict[str, int], str]:
+        # (activations, autograd's temporaries, where) at a ZeRO-3 hook of Z3_FLUSH_HOOKS (launchers/llama.py):
+        # - the final norm's weight: the output Linear's MmBackward released its saved input and the
+        #   logits' gradient; the norm's `* weight` MulBackward its saved y.type_as(x): its input
+        #   gradient (b, s, h) and the weight's (h) live
+        # - a block's w2: its MmBackward released its saved input (the SwiGLU product): the block's
+        #   output gradient (the residual stream's), w2's input gradient (b, s, ffn) and weight gradient
+        # - w3 (autograd runs the later-made branch first): the MulBackward released w2's input
+        #   gradient and its saves (silu's output, w3's): its gradient for silu (b, s, ffn), w3's input
+        #   gradient and weight gradient beside the residual stream's
+        # - w1: SiluBackward released w1's output and silu's gradient, both Linears their input (the
+        #   ffn_norm's output); w1's input gradient beside w3's, not summed yet: each Linear's input
+        #   passes through its own PostBackwardFunctionModule node (parameter_offload.py), and w1's
+        #   runs after the hook (AccumulateGrad first)
+        bsh, bsf, fh = b * s * h, b * s * model.ffn_hidden, model.ffn_hidden * h
+        past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
+        if name == "norm.weight":
+            return past_head - 2 * w * bsh, {"the norm's input gradient and weight gradient": w * bsh + w * h}, \
+                "the final norm's weight hook"
+        j, lin = int(name.split(".")[1]), name.split(".")[3]
+        per_layer = sum(layer_activations(model, mbs, w).values())
+        base = past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * per_layer
+        residual = {"residual stream gradient": w * bsh}
+        acts_now, temp = {
+            "w2": (base - w * bsf, {"w2's input gradient": w * bsf, "w2's weight gradient": w * fh}),
+            "w3": (base - 3 * w * bsf, {"the mul's gradient for silu": w * bsf, "w3's input gradient": w * bsh,
+                                        "w3's weight gradient": w * fh}),
+            "w1": (base - 4 * w * bsf - w * bsh, {"w3's and w1's input gradients": 2 * w * bsh,
+                                                  "w1's weight gradient": w * fh}),
+        }[lin]
+        return acts_now, {**residual, **temp}, f"block {j}'s {lin} weight hook"
+
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
         cands = [o, k]
@@ -422,6 +509,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             cands.append(boundary(first))
         names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
         names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
+        if zero == 3:
+            flushes = z3_flush(first)
+            cands += flushes
+            names.update({id(c): "IPG reduce-scatter" for c in flushes})
         if zero == 3 and not first:
             # the first micro-batch reaching the most (the probe keeps the first maximum)
             f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
