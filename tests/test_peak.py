@@ -147,6 +147,9 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
     # the prompt peak's parts are its own moment's (a alone), not the measured peak's (a and b)
     assert r["at_peak"]["temporary"] == 6000 and r["prompt_at_peak"]["temporary"] == 4000
     assert sum(r["prompt_at_peak"].values()) == r["prompt_peak_bytes"]
+    # and its moment a's allocation (aten.ones' fill: the first event), the measured one b's
+    assert r["prompt_where"]["event"] == 1 and r["prompt_where"]["op"] == r["where"]["op"] == "aten.ones.default"
+    assert r["where"]["event"] > r["prompt_where"]["event"]
     tr.begin(scan=False)
     with tr.recording():
         d = torch.ones(100)
@@ -154,7 +157,7 @@ def test_a_free_on_another_thread_and_the_prompt_peak():
     tr.end()
     r = tr.result({}, timeline=False)
     assert r["worker_freed_bytes"] == 0 and r["prompt_peak_bytes"] == r["peak_bytes"]
-    assert "prompt_at_peak" not in r  # one moment: the reconcile reads at_peak
+    assert "prompt_at_peak" not in r and "prompt_where" not in r  # one moment: the reconcile reads at_peak
 
 
 def test_census_names_what_is_live_at_the_peak():
