@@ -101,6 +101,10 @@ FP32_ONE = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=4"
 ODD_BUCKET = 65_536 + 256
 ODD = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=3", f"framework.reduce_bucket_size={ODD_BUCKET}",
        "layout.global_batch_size=3", f"train.steps={STEPS}"]
+# ZeRO-3 with DeepSpeed's default bucket (every gradient in one) and short sequences: the peak is the
+# backward epilogue's reduce-scatter (the whole model's padded gradients cat'ed and gloo's copy of them)
+EPILOGUE = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
+            f"train.steps={STEPS}"]
 
 
 def _fw(**kw):
@@ -747,8 +751,9 @@ def runs(tmp_path_factory):
     _sweep(AC, root / "ac")
     _sweep(FP32_ONE, root / "fp32_one")
     _sweep(ODD, root / "odd")
+    _sweep(EPILOGUE, root / "epilogue")
     recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small", "ac",
-                                               "fp32_one", "odd")}
+                                               "fp32_one", "odd", "epilogue")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -789,6 +794,7 @@ def test_matrix_ran_every_rank(runs):
     assert sorted((*_key(r), _tied(r)) for r in recs["budgets_small"]) == [(3, 2, False), (3, 2, True)]
     assert sorted((*_key(r), _ckpt(r)) for r in recs["ac"]) == [(2, 2, False), (2, 2, True)]
     assert [_key(r) for r in recs["odd"]] == [(3, 3)]
+    assert [_key(r) for r in recs["epilogue"]] == [(3, 4)]
     assert all(r["prediction"]["layout"]["micro_batch_size"] == 4 for r in recs["ac"])
     for rec in recs["knobs0"] + recs["gas2"] + recs["budgets"] + recs["budgets_small"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
@@ -1116,7 +1122,7 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 26, exact
+    assert exact == 27, exact
 
 
 @pytest.mark.real
@@ -1157,25 +1163,26 @@ def test_zero12_peak_is_where_each_partition_says(runs):
 def test_zero3_peak_at_the_ipg_reduce_scatter(runs):
     """ZeRO-3 at 4 ranks with a partial reuse distance (budgets) and tied with nothing kept (knobs0)
     peak in backward at an IPG bucket's reduce-scatter (deepspeed_peak.z3_flush: the cat of the
-    padded gradients and gloo's copy of it, at a SwiGLU Linear's weight hook): the measured peak's
-    phase, micro-batch and operator (reduce_scatter_fn's torch.chunk, just before the collective) are
-    the predicted moment's on every rank of the steady steps, and both jobs reach it."""
+    padded gradients and gloo's copy of it, at a SwiGLU Linear's weight hook); with the default bucket
+    and short sequences (epilogue) at the backward epilogue's. The measured peak's phase, micro-batch
+    and operator (reduce_scatter_fn's torch.chunk, just before the collective) are the predicted
+    moment's on every rank of the steady steps, and the three jobs reach it."""
     from analysis.compare import measured_peak_where
 
     recs, _ = runs
-    jobs = 0
-    for rec in (r for name in ("budgets", "knobs0") for r in recs[name]):
+    jobs = set()
+    for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue") for r in recs[name]):
         pred = rec["prediction"]["per_rank"]
         if "IPG reduce-scatter" not in pred[0]["peak"]["what"]:
             continue
-        jobs += 1
+        jobs.add((name, "epilogue" in pred[0]["peak"]["what"]))
         mb = int(pred[0]["peak"]["what"].split()[1][:-2])
         for r in rec["measurement"]["ranks"]:
             for st in r["steps"][1:]:
                 where = measured_peak_where(st["peak"])
-                assert (where["phase"], where["micro_batch"], where["op"]) == ("backward", mb, "aten.split.Tensor"), \
-                    (R_name(rec), r["rank"], st["step"], where)
-    assert jobs == 2, jobs
+                assert (where["phase"], where["micro_batch"], where["op"]) == \
+                    (pred[0]["peak"]["phase"], mb, "aten.split.Tensor"), (R_name(rec), r["rank"], st["step"], where)
+    assert jobs == {("budgets", False), ("knobs0", False), ("epilogue", True)}, jobs
 
 
 def test_zero3_ipg_flushes_follow_ds_numel():

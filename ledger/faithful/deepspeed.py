@@ -250,7 +250,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         if other:
             pl.notes.append(f"peak: {other} of the {len(flushes)} IPG reduce-scatters a backward makes are at hooks "
                             "whose moment is not a candidate (the attention's, the norms' in the blocks, the "
-                            "embedding's, the epilogue); those at the final norm's and the SwiGLU Linears' are")
+                            "embedding's); those at the final norm's, the SwiGLU Linears' and the epilogue are")
     return pl
 
 
@@ -527,7 +527,8 @@ def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int) -> tuple:
     threshold, dp = budgets[2], budgets[6]
     flushes = tuple(f for f in deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))
                     if deepspeed_peak.z3_hook_modelled(f.name))
-    mods = tuple(backward_module(model, threshold, f.name) for f in flushes)
+    # the epilogue's ("") coordinator is the embedding's fetch's, the backward's last
+    mods = tuple(backward_module(model, threshold, f.name or "tok_embeddings.weight") for f in flushes)
     return flushes, z3_backward_moments(*budgets, False, mods), z3_backward_moments(*budgets, True, mods)
 
 

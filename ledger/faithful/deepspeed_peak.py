@@ -40,7 +40,8 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   deepspeed_backward.z3_flushes): the padded gradients' torch.cat and gloo's copy of it, the hook's own
   gradient and what autograd holds there, the coordinator's gathered params at that module
   (deepspeed_coordinator.z3_backward_moments). Modelled at the final norm's and the SwiGLU Linears'
-  hooks (z3_hook_modelled). Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
+  hooks and at the backward's epilogue (z3_hook_modelled): with DeepSpeed's default bucket every
+  gradient waits for the epilogue, where ZeRO-3 at 4 ranks and short sequences peaks, exact. Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
   nothing kept: exact on every rank (was 1.5% and 0.63% under).
 An estimate elsewhere: a reduction at the attention's, a block norm's or the embedding's hook (place()
 notes how many a backward makes), a checkpointed layer's recompute. tests/test_deepspeed.py
@@ -67,10 +68,10 @@ CPU_RNG_STATE = 5056
 
 
 def z3_hook_modelled(name: str) -> bool:
-    """Whether the moment of a ZeRO-3 IPG reduction at this parameter's hook is a peak candidate
-    (peak's z3_hook_moment): the final norm's weight and a block's SwiGLU Linears. Elsewhere (the
-    attention's hooks, the norms', the embedding's, the epilogue) not: an estimate there."""
-    return name == "norm.weight" or (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
+    """Whether the moment of a ZeRO-3 IPG reduction at this parameter's hook ("": the backward's epilogue)
+    is a peak candidate (peak's z3_flush): the final norm's weight, a block's SwiGLU Linears and the
+    epilogue. Elsewhere (the attention's hooks, the block norms', the embedding's) not: an estimate."""
+    return name in ("", "norm.weight") or (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
 
 
 def modelled(model: ModelShape) -> str | None:
@@ -451,18 +452,29 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         out = []
         for i, per in enumerate(first_z if first else steady_z):
             for f, z in zip(flushes, per):
-                acts_now, temp, at = z3_hook_moment(f.name)
-                temp = {**temp, "gloo's copy of the reduce-scatter input": w * f.flat,
-                        "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
-                        "gathered params' torch.cat copies (ZeRO-3)": z.temporary, "loss scalars": _loss_scalars(),
-                        "the tied weight's output gradient (AccumulateGrad's input)": w * V * h if model.tied_embeddings
-                        else 0}
+                mb = i + (1 if first and m > 1 else 0)  # step 0: the passes after the recording one
+                if f.name:
+                    acts_now, temp, at = z3_hook_moment(f.name)
+                    temp["loss scalars"] = _loss_scalars()
+                    # the tied weight's output gradient waits in the embedding's AccumulateGrad input
+                    temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
+                        w * V * h if model.tied_embeddings else 0
+                    phase, what = "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}"
+                else:
+                    # the epilogue (independent_gradient_partition_epilogue, queued on the autograd engine:
+                    # after backward): every saved tensor released but the batch, the gradient seed
+                    # freed; the coordinator as after the embedding's fetch (its post-backward never
+                    # fires: release_backward_leftovers runs after the epilogue)
+                    acts_now, temp = batch, {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
+                    phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
+                temp.update({"gloo's copy of the reduce-scatter input": w * f.flat,
+                             "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
+                             "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
                 gathered = {"reduce_scatter_coalesced's input (torch.cat)" if f.cat else
                             "reduce_scatter_coalesced's input (an extra-large gradient)": w * (f.flat if f.cat else f.own),
                             "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
-                mb = i + (1 if first and m > 1 else 0)  # step 0: the passes after the recording one
                 p = zero12_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
-                                  "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}")
+                                  phase, what)
                 p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
                 out.append(p)
         return out
