@@ -102,9 +102,13 @@ ODD_BUCKET = 65_536 + 256
 ODD = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=3", f"framework.reduce_bucket_size={ODD_BUCKET}",
        "layout.global_batch_size=3", f"train.steps={STEPS}"]
 # ZeRO-3 with DeepSpeed's default bucket (every gradient in one) and short sequences: the peak is the
-# backward epilogue's reduce-scatter (the whole model's padded gradients cat'ed and gloo's copy of them)
+# backward epilogue's reduce-scatter (the whole model's padded gradients cat'ed and gloo's copy of them);
+# with a bucket of every gradient but the embedding's, the reduce-scatter at the embedding's hook (untied,
+# and tied in EMB_TIED: there both uses' gradients are one)
 EPILOGUE = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
-            f"train.steps={STEPS}"]
+            "framework.reduce_bucket_size=500000000,3279104", f"train.steps={STEPS}"]
+EMB_TIED = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
+            "model.tied_embeddings=true", "framework.reduce_bucket_size=3016960", f"train.steps={STEPS}"]
 
 
 def _fw(**kw):
@@ -752,8 +756,9 @@ def runs(tmp_path_factory):
     _sweep(FP32_ONE, root / "fp32_one")
     _sweep(ODD, root / "odd")
     _sweep(EPILOGUE, root / "epilogue")
+    _sweep(EMB_TIED, root / "emb_tied")
     recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small", "ac",
-                                               "fp32_one", "odd", "epilogue")}
+                                               "fp32_one", "odd", "epilogue", "emb_tied")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -794,7 +799,8 @@ def test_matrix_ran_every_rank(runs):
     assert sorted((*_key(r), _tied(r)) for r in recs["budgets_small"]) == [(3, 2, False), (3, 2, True)]
     assert sorted((*_key(r), _ckpt(r)) for r in recs["ac"]) == [(2, 2, False), (2, 2, True)]
     assert [_key(r) for r in recs["odd"]] == [(3, 3)]
-    assert [_key(r) for r in recs["epilogue"]] == [(3, 4)]
+    assert sorted(r["config"]["framework"]["reduce_bucket_size"] for r in recs["epilogue"]) == [3279104, 500000000]
+    assert [(*_key(r), _tied(r)) for r in recs["emb_tied"]] == [(3, 4, True)]
     assert all(r["prediction"]["layout"]["micro_batch_size"] == 4 for r in recs["ac"])
     for rec in recs["knobs0"] + recs["gas2"] + recs["budgets"] + recs["budgets_small"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
@@ -1122,7 +1128,7 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 27, exact
+    assert exact == 29, exact
 
 
 @pytest.mark.real
@@ -1163,26 +1169,31 @@ def test_zero12_peak_is_where_each_partition_says(runs):
 def test_zero3_peak_at_the_ipg_reduce_scatter(runs):
     """ZeRO-3 at 4 ranks with a partial reuse distance (budgets) and tied with nothing kept (knobs0)
     peak in backward at an IPG bucket's reduce-scatter (deepspeed_peak.z3_flush: the cat of the
-    padded gradients and gloo's copy of it, at a SwiGLU Linear's weight hook); with the default bucket
-    and short sequences (epilogue) at the backward epilogue's. The measured peak's phase, micro-batch
-    and operator (reduce_scatter_fn's torch.chunk, just before the collective) are the predicted
-    moment's on every rank of the steady steps, and the three jobs reach it."""
+    padded gradients and gloo's copy of it, at a SwiGLU Linear's weight hook); with short sequences at
+    the backward epilogue's (the default bucket) or the embedding's hook (a bucket of all but the
+    embedding, untied and tied). The measured peak's phase, micro-batch and operator
+    (reduce_scatter_fn's torch.chunk, just before the collective) are the predicted moment's on every
+    rank of the steady steps, and the five jobs reach it."""
     from analysis.compare import measured_peak_where
 
     recs, _ = runs
     jobs = set()
-    for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue") for r in recs[name]):
+    for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue", "emb_tied") for r in recs[name]):
         pred = rec["prediction"]["per_rank"]
         if "IPG reduce-scatter" not in pred[0]["peak"]["what"]:
             continue
-        jobs.add((name, "epilogue" in pred[0]["peak"]["what"]))
+        jobs.add((name, pred[0]["peak"]["what"].split(": ")[-1]))
         mb = int(pred[0]["peak"]["what"].split()[1][:-2])
         for r in rec["measurement"]["ranks"]:
             for st in r["steps"][1:]:
                 where = measured_peak_where(st["peak"])
                 assert (where["phase"], where["micro_batch"], where["op"]) == \
                     (pred[0]["peak"]["phase"], mb, "aten.split.Tensor"), (R_name(rec), r["rank"], st["step"], where)
-    assert jobs == {("budgets", False), ("knobs0", False), ("epilogue", True)}, jobs
+    assert jobs == {("budgets", "the IPG reduce-scatter at block 3's w3 weight hook"),
+                    ("knobs0", "the IPG reduce-scatter at block 3's w1 weight hook"),
+                    ("epilogue", "the last IPG reduce-scatter"),
+                    ("epilogue", "the IPG reduce-scatter at the embedding's weight hook"),
+                    ("emb_tied", "the IPG reduce-scatter at the embedding's weight hook")}, jobs
 
 
 def test_zero3_ipg_flushes_follow_ds_numel():

@@ -249,8 +249,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         other = sum(not deepspeed_peak.z3_hook_modelled(f.name) for f in flushes)
         if other:
             pl.notes.append(f"peak: {other} of the {len(flushes)} IPG reduce-scatters a backward makes are at hooks "
-                            "whose moment is not a candidate (the attention's, the norms' in the blocks, the "
-                            "embedding's); those at the final norm's, the SwiGLU Linears' and the epilogue are")
+                            "whose moment is not a candidate (the attention's, the norms' in the blocks); those "
+                            "at the final norm's, the SwiGLU Linears', the embedding's and the epilogue are")
     return pl
 
 

@@ -69,9 +69,10 @@ CPU_RNG_STATE = 5056
 
 def z3_hook_modelled(name: str) -> bool:
     """Whether the moment of a ZeRO-3 IPG reduction at this parameter's hook ("": the backward's epilogue)
-    is a peak candidate (peak's z3_flush): the final norm's weight, a block's SwiGLU Linears and the
-    epilogue. Elsewhere (the attention's hooks, the block norms', the embedding's) not: an estimate."""
-    return name in ("", "norm.weight") or (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
+    is a peak candidate (peak's z3_flush): the final norm's weight, a block's SwiGLU Linears, the
+    embedding and the epilogue. Elsewhere (the attention's hooks, the block norms') not: an estimate."""
+    return name in ("", "norm.weight", "tok_embeddings.weight") or \
+        (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
 
 
 def modelled(model: ModelShape) -> str | None:
@@ -458,7 +459,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     temp["loss scalars"] = _loss_scalars()
                     # the tied weight's output gradient waits in the embedding's AccumulateGrad input
                     temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
-                        w * V * h if model.tied_embeddings else 0
+                        w * V * h if model.tied_embeddings and f.name != "tok_embeddings.weight" else 0
                     phase, what = "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}"
                 else:
                     # the epilogue (independent_gradient_partition_epilogue, queued on the autograd engine:
@@ -495,6 +496,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         #   runs after the hook (AccumulateGrad first)
         bsh, bsf, fh = b * s * h, b * s * model.ffn_hidden, model.ffn_hidden * h
         past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
+        if name == "tok_embeddings.weight":
+            # the backward's last node ran: every save released but the batch (the tokens the embedding
+            # saved, the labels); its weight gradient (tied: both uses' gradients summed into one)
+            return batch, {"the embedding's weight gradient": w * V * h}, "the embedding's weight hook"
         if name == "norm.weight":
             return past_head - 2 * w * bsh, {"the norm's input gradient and weight gradient": w * bsh + w * h}, \
                 "the final norm's weight hook"
