@@ -109,6 +109,13 @@ EPILOGUE = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", 
             "framework.reduce_bucket_size=500000000,3279104", f"train.steps={STEPS}"]
 EMB_TIED = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
             "model.tied_embeddings=true", "framework.reduce_bucket_size=3016960", f"train.steps={STEPS}"]
+# buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
+# that hook peaks (nothing prefetched or kept, so no forward moment above it)
+HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3_196_928, "wq": 3_213_312,
+                "attention_norm": 3_278_848}
+HOOKS = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
+         "framework.stage3_prefetch_bucket_size=0", "framework.stage3_max_reuse_distance=0",
+         "framework.reduce_bucket_size=" + ",".join(map(str, HOOK_BUCKETS.values())), f"train.steps={STEPS}"]
 
 
 def _fw(**kw):
@@ -757,8 +764,9 @@ def runs(tmp_path_factory):
     _sweep(ODD, root / "odd")
     _sweep(EPILOGUE, root / "epilogue")
     _sweep(EMB_TIED, root / "emb_tied")
+    _sweep(HOOKS, root / "hooks")
     recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small", "ac",
-                                               "fp32_one", "odd", "epilogue", "emb_tied")}
+                                               "fp32_one", "odd", "epilogue", "emb_tied", "hooks")}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
@@ -801,6 +809,7 @@ def test_matrix_ran_every_rank(runs):
     assert [_key(r) for r in recs["odd"]] == [(3, 3)]
     assert sorted(r["config"]["framework"]["reduce_bucket_size"] for r in recs["epilogue"]) == [3279104, 500000000]
     assert [(*_key(r), _tied(r)) for r in recs["emb_tied"]] == [(3, 4, True)]
+    assert sorted(r["config"]["framework"]["reduce_bucket_size"] for r in recs["hooks"]) == sorted(HOOK_BUCKETS.values())
     assert all(r["prediction"]["layout"]["micro_batch_size"] == 4 for r in recs["ac"])
     for rec in recs["knobs0"] + recs["gas2"] + recs["budgets"] + recs["budgets_small"]:
         assert rec["prediction"]["layout"]["num_microbatches"] == 4 // _key(rec)[1]
@@ -1128,7 +1137,7 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 29, exact
+    assert exact == 35, exact
 
 
 @pytest.mark.real
@@ -1170,15 +1179,15 @@ def test_zero3_peak_at_the_ipg_reduce_scatter(runs):
     """ZeRO-3 at 4 ranks with a partial reuse distance (budgets) and tied with nothing kept (knobs0)
     peak in backward at an IPG bucket's reduce-scatter (deepspeed_peak.z3_flush: the cat of the
     padded gradients and gloo's copy of it, at a SwiGLU Linear's weight hook); with short sequences at
-    the backward epilogue's (the default bucket) or the embedding's hook (a bucket of all but the
-    embedding, untied and tied). The measured peak's phase, micro-batch and operator
-    (reduce_scatter_fn's torch.chunk, just before the collective) are the predicted moment's on every
-    rank of the steady steps, and the five jobs reach it."""
+    the backward epilogue's (the default bucket), the embedding's hook (a bucket of all but the
+    embedding, untied and tied) or each of block 0's other hooks (hooks). The measured peak's phase,
+    micro-batch and operator (reduce_scatter_fn's torch.chunk, just before the collective) are the
+    predicted moment's on every rank of the steady steps, and every job reaches its own."""
     from analysis.compare import measured_peak_where
 
     recs, _ = runs
     jobs = set()
-    for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue", "emb_tied") for r in recs[name]):
+    for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue", "emb_tied", "hooks") for r in recs[name]):
         pred = rec["prediction"]["per_rank"]
         if "IPG reduce-scatter" not in pred[0]["peak"]["what"]:
             continue
@@ -1193,7 +1202,8 @@ def test_zero3_peak_at_the_ipg_reduce_scatter(runs):
                     ("knobs0", "the IPG reduce-scatter at block 3's w1 weight hook"),
                     ("epilogue", "the last IPG reduce-scatter"),
                     ("epilogue", "the IPG reduce-scatter at the embedding's weight hook"),
-                    ("emb_tied", "the IPG reduce-scatter at the embedding's weight hook")}, jobs
+                    ("emb_tied", "the IPG reduce-scatter at the embedding's weight hook"),
+                    *(("hooks", f"the IPG reduce-scatter at block 0's {k} weight hook") for k in HOOK_BUCKETS)}, jobs
 
 
 def test_zero3_ipg_flushes_follow_ds_numel():
@@ -1236,7 +1246,7 @@ def test_most_live_activations_are_the_ledgers(runs):
     (checkpointing: one layer's recompute in backward), ZeRO-3's saved gathered weights included."""
     recs, _ = runs
     seen, budgets = set(), 0
-    for rec in [r for k in recs for r in recs[k]]:
+    for name, rec in [(k, r) for k in recs for r in recs[k]]:
         pred = rec["prediction"]["per_rank"][0]["peak"]["detail"]["candidate/activations most live"]
         fw = rec["config"]["framework"]
         # a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights mm saved
@@ -1249,6 +1259,13 @@ def test_most_live_activations_are_the_ledgers(runs):
             # freed late by gloo's worker thread (measured: ZeRO-3 tied, reuse 0, 2 ranks, 1 run in 4
             # +524,288 B on one rank at the loss); had it freed promptly the most is the ledger's
             prompt = r["steps"][-1]["peak"]["prompt_most"].get("activations", 0)
+            if name == "hooks":
+                # a finding (this candidate only, not the peak): at 32-token sequences with nothing
+                # prefetched or kept, a gathered weight mm saved (393,216 B, a w1/w2/w3) is still live at
+                # the loss's forward and released before the backward starts, whose saved weights the
+                # ledger adds (z3_moments' second moment); checked to stay so until modelled
+                assert prompt > pred, (R_name(rec), r["rank"], prompt, pred)
+                continue
             assert prompt == pred <= most, (R_name(rec), r["rank"], prompt, most)
         budgets += budget
         seen.add((fw["zero_stage"], _ckpt(rec), fw["stage3_max_reuse_distance"] == 0))

@@ -244,13 +244,6 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=state, representatives=[0])
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")
-    if z == 3 and deepspeed_peak.modelled(model) is None:
-        flushes = deepspeed_backward.z3_flushes(lay.dp, int(fw.reduce_bucket_size), backward_order(model))
-        other = sum(not deepspeed_peak.z3_hook_modelled(f.name) for f in flushes)
-        if other:
-            pl.notes.append(f"peak: {other} of the {len(flushes)} IPG reduce-scatters a backward makes are at hooks "
-                            "whose moment is not a candidate (the attention's, the norms' in the blocks); those "
-                            "at the final norm's, the SwiGLU Linears', the embedding's and the epilogue are")
     return pl
 
 
@@ -522,12 +515,11 @@ def _zero3(model: ModelShape, lay: Layout, fw) -> RankState:
 
 
 def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int) -> tuple:
-    """ZeRO-3's IPG reductions at the hooks whose moment deepspeed_peak models (Z3_FLUSH_HOOKS), with the
-    coordinator's gathered params at each, per micro-batch of a steady step and of step 0."""
+    """ZeRO-3's IPG reductions in a backward, with the coordinator's gathered params at each (at its hook's
+    module; the epilogue's, "", at the embedding's fetch, the backward's last), per micro-batch of a steady
+    step and of step 0."""
     threshold, dp = budgets[2], budgets[6]
-    flushes = tuple(f for f in deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))
-                    if deepspeed_peak.z3_hook_modelled(f.name))
-    # the epilogue's ("") coordinator is the embedding's fetch's, the backward's last
+    flushes = deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))
     mods = tuple(backward_module(model, threshold, f.name or "tok_embeddings.weight") for f in flushes)
     return flushes, z3_backward_moments(*budgets, False, mods), z3_backward_moments(*budgets, True, mods)
 

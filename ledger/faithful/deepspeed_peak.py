@@ -39,13 +39,13 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
 - ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (z3_flush;
   deepspeed_backward.z3_flushes): the padded gradients' torch.cat and gloo's copy of it, the hook's own
   gradient and what autograd holds there, the coordinator's gathered params at that module
-  (deepspeed_coordinator.z3_backward_moments). Modelled at the final norm's and the SwiGLU Linears'
-  hooks and at the backward's epilogue (z3_hook_modelled): with DeepSpeed's default bucket every
-  gradient waits for the epilogue, where ZeRO-3 at 4 ranks and short sequences peaks, exact. Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
+  (deepspeed_coordinator.z3_backward_moments), at every hook (z3_hook_moment) and at the backward's
+  epilogue: with DeepSpeed's default bucket every gradient waits for the epilogue, where ZeRO-3 at 4
+  ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact. Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
   nothing kept: exact on every rank (was 1.5% and 0.63% under).
-An estimate elsewhere: a reduction at the attention's, a block norm's or the embedding's hook (place()
-notes how many a backward makes), a checkpointed layer's recompute. tests/test_deepspeed.py
-PEAK_FINDINGS names the jobs that are not exact.
+An estimate elsewhere: a checkpointed layer's recompute; ZeRO-1's reductions in the hooks with
+overlap_comm; a block's ffn_norm backward in fp32 at ZeRO-1 (DeepSpeed's default config, 0.013%).
+tests/test_deepspeed.py PEAK_FINDINGS names the matrix jobs that are not exact.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
 (torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
@@ -65,14 +65,6 @@ from ledger.placement import Peak
 FP32, FP64, INT64 = 4, 8, 8
 # torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
 CPU_RNG_STATE = 5056
-
-
-def z3_hook_modelled(name: str) -> bool:
-    """Whether the moment of a ZeRO-3 IPG reduction at this parameter's hook ("": the backward's epilogue)
-    is a peak candidate (peak's z3_flush): the final norm's weight, a block's SwiGLU Linears, the
-    embedding and the epilogue. Elsewhere (the attention's hooks, the block norms') not: an estimate."""
-    return name in ("", "norm.weight", "tok_embeddings.weight") or \
-        (name.startswith("layers.") and name.split(".")[2] == "feed_forward")
 
 
 def modelled(model: ModelShape) -> str | None:
@@ -195,8 +187,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
     where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks); ipg_touched:
     whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched); grads_hooked
     (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in place
-    (deepspeed_backward.hooked); z3_flushes (ZeRO-3): the IPG reductions whose hook's moment is modelled
-    (deepspeed_backward.z3_flushes, Z3_FLUSH_HOOKS) and, per micro-batch of a steady step and of step
+    (deepspeed_backward.hooked); z3_flushes (ZeRO-3): a backward's IPG reductions
+    (deepspeed_backward.z3_flushes) and, per micro-batch of a steady step and of step
     0, the gathered params at each (deepspeed_coordinator.z3_backward_moments)."""
     if modelled(model) is not None:
         return None
@@ -481,7 +473,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         return out
 
     def z3_hook_moment(name: str) -> tuple[int, dict[str, int], str]:
-        # (activations, autograd's temporaries, where) at a ZeRO-3 hook of Z3_FLUSH_HOOKS (launchers/llama.py):
+        # (activations, autograd's temporaries, where) at a ZeRO-3 gradient hook (launchers/llama.py):
         # - the final norm's weight: the output Linear's MmBackward released its saved input and the
         #   logits' gradient; the norm's `* weight` MulBackward its saved y.type_as(x): its input
         #   gradient (b, s, h) and the weight's (h) live
@@ -503,18 +495,48 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         if name == "norm.weight":
             return past_head - 2 * w * bsh, {"the norm's input gradient and weight gradient": w * bsh + w * h}, \
                 "the final norm's weight hook"
-        j, lin = int(name.split(".")[1]), name.split(".")[3]
-        per_layer = sum(layer_activations(model, mbs, w).values())
-        base = past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * per_layer
-        residual = {"residual stream gradient": w * bsh}
+        j, mod = int(name.split(".")[1]), name.split(".", 2)[2].rsplit(".", 1)[0]
+        lin = mod.rsplit(".", 1)[-1]
+        per = layer_activations(model, mbs, w)
+        base = past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * sum(per.values())
+        # the attention's pieces (layer_activations): rope's cos and sin for q and for k (s, d/2) fp32
+        # each; SDPA's saves (q, the expanded k and v, its output: b*s*heads*d each) and logsumexp
+        d, H, KV = model.head_dim, model.heads, model.kv_heads
+        bsq, bskv = b * s * H * d, b * s * KV * d
+        cos_sin = 2 * FP32 * s * (d // 2)  # one rope's
+        sdpa = 4 * w * bsq + FP32 * b * H * s
+        past_ffn = base - per["feed_forward"] - per["ffn_norm"]  # the block's FFN and ffn_norm backpropagated
         acts_now, temp = {
             "w2": (base - w * bsf, {"w2's input gradient": w * bsf, "w2's weight gradient": w * fh}),
             "w3": (base - 3 * w * bsf, {"the mul's gradient for silu": w * bsf, "w3's input gradient": w * bsh,
                                         "w3's weight gradient": w * fh}),
             "w1": (base - 4 * w * bsf - w * bsh, {"w3's and w1's input gradients": 2 * w * bsh,
                                                   "w1's weight gradient": w * fh}),
+            # the norms' `* weight` MulBackward released the normalised value it saved; the Linears
+            # after it their input, the norm's output: the norm's input gradient and weight gradient
+            "ffn_norm": (base - per["feed_forward"] - 2 * w * bsh,
+                         {"the norm's input gradient and weight gradient": w * bsh + w * h}),
+            "attention_norm": (base - sum(per.values()) + FP32 * b * s * h + FP32 * b * s,
+                               {"the norm's input gradient and weight gradient": w * bsh + w * h}),
+            # wo: its input (SDPA's output) still saved by SDPA
+            "wo": (past_ffn, {"wo's input gradient": w * bsq, "wo's weight gradient": w * h * H * d}),
+            # SDPA's backward released its saves; autograd runs the later-made nodes first: v's
+            # repeat_interleave backward (its sum over the repeats), k's, then wv's MmBackward, while
+            # q's gradient waits for rope(q)'s backward and k's (summed) for rope(k)'s
+            "wv": (past_ffn - sdpa, {"q's gradient (SDPA's)": w * bsq, "k's gradient (summed over the repeats)": w * bskv,
+                                     "wv's input gradient": w * bsh, "wv's weight gradient": w * h * KV * d}),
+            # rope(k)'s backward released its cos and sin; wv's input gradient waits in its own
+            # PostBackwardFunctionModule node (parameter_offload.py), as w3's does
+            "wk": (past_ffn - sdpa - cos_sin, {"q's gradient (SDPA's)": w * bsq,
+                                               "wv's and wk's input gradients": 2 * w * bsh,
+                                               "wk's weight gradient": w * h * KV * d}),
+            # every attention save released, and the attention_norm's output the three Linears saved;
+            # wv's and wk's input gradients summed (out of place) into the norm output's
+            "wq": (past_ffn - per["attention"] - w * bsh, {"wv's + wk's input gradients": w * bsh,
+                                                          "wq's input gradient": w * bsh,
+                                                          "wq's weight gradient": w * h * H * d}),
         }[lin]
-        return acts_now, {**residual, **temp}, f"block {j}'s {lin} weight hook"
+        return acts_now, {"residual stream gradient": w * bsh, **temp}, f"block {j}'s {lin} weight hook"
 
     def pick(first: bool) -> Peak:
         o, k = opt(first), bwd(first)
