@@ -32,7 +32,8 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   keeping every gradient they see (DeepSpeed's default bucket: 131,072 B short, the peak is a block's
   ffn_norm backward in fp32, not a candidate; tests/test_deepspeed.py test_peak_prediction_tiny).
 - ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the
-  final norm's backward and each block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
+  first hook (setup_buckets allocates the IPG buffer: where ZeRO-2 with DeepSpeed's default bucket
+  peaks, exact), the final norm's backward and each block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
   the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
   kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
   its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
@@ -400,9 +401,23 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                                  "backward", f"the last micro-batch's backward at {what}")
 
         past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
-        cands = [moment(hooks.norm - 1, past_head - w * bsh,
+        # (0) the backward's first hook, where setup_buckets allocates the IPG buffer: its gradient is
+        # still its own tensor (copied into the buffer after). Untied, the output Linear's: its
+        # MmBackward released its saved input (the final norm's output), its input gradient beside the
+        # weight's; tied, the final norm's (the output's gradient waits for the embedding): the norm's
+        # input gradient and weight gradient, the norm's output and saved y.type_as(x) released. A
+        # gradient the moment already counts (ZeRO-1: every one made; ZeRO-2: an extra-large output
+        # gradient waiting) is not added again
+        if tied:
+            acts0, temp0, hooked0 = past_head - 2 * w * bsh, {"the norm's input gradient": w * bsh}, w * h
+        else:
+            acts0, temp0, hooked0 = past_head - w * bsh, {"the output Linear's input gradient": w * bsh}, w * V * h
+        if zero == 2 and (tied or V * h <= bucket):
+            temp0["the first hook's gradient (copied into the IPG buffer next)"] = hooked0
+        cands = [moment(0, acts0, temp0, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
+        cands.append(moment(hooks.norm - 1, past_head - w * bsh,
                         {"output Linear's input gradient, the norm's mul gradients and their sum":
-                         3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)")]
+                         3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)"))
         large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > bucket else 0
         for j in reversed(range(model.layers)):
             acts_now = past_head - head["norm"] - (model.layers - 1 - j) * per_layer - w * bsf
