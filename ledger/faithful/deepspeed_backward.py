@@ -110,12 +110,14 @@ class Hooks(NamedTuple):
     """backward_order indexes of the hooks the backward moments are placed by."""
     norm: int  # the final norm's weight (0 when tied: the output's weight is the embedding's, last)
     w2: tuple[int, ...]  # per layer, its feed_forward.w2 weight's: the block's first gradient
+    ffn_norm: tuple[int, ...]  # per layer, its ffn_norm weight's
 
 
 @lru_cache(maxsize=64)
 def hooks(order: tuple[tuple[str, tuple[int, ...]], ...], layers: int) -> Hooks:
     at = {name: i for i, (name, _) in enumerate(order)}
-    return Hooks(at["norm.weight"], tuple(at[f"layers.{j}.feed_forward.w2.weight"] for j in range(layers)))
+    return Hooks(at["norm.weight"], tuple(at[f"layers.{j}.feed_forward.w2.weight"] for j in range(layers)),
+                 tuple(at[f"layers.{j}.ffn_norm.weight"] for j in range(layers)))
 
 
 def allreduce_calls(n: int, offset: int, part: int, bucket: int) -> list[tuple[int, int]]:

@@ -29,12 +29,12 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   made is still live (param.grad) but those already copied into the IPG buffer in registration order,
   when the first reduction into the rank's partition allocates grads_in_partition. Exact at 4 ranks,
   fp32, one micro-batch; with one micro-batch ZeRO-1's backward moments are deep()'s too, its hooks
-  keeping every gradient they see (DeepSpeed's default bucket: 131,072 B short, the peak is a block's
-  ffn_norm backward in fp32, not a candidate; tests/test_deepspeed.py test_peak_prediction_tiny).
+  keeping every gradient they see (DeepSpeed's default config peaks in a block's ffn_norm backward).
 - ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the
   first hook (setup_buckets allocates the IPG buffer: where ZeRO-2 with DeepSpeed's default bucket
-  peaks, exact), the final norm's backward and each block's SwiGLU backward, with the IPG buffer, the extra-large gradient waiting for the next hook and
-  the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
+  peaks, exact), the final norm's backward, each block's SwiGLU backward and its ffn_norm's backward
+  (PowBackward: where ZeRO-1 with the default bucket peaks, exact), with the IPG buffer, the
+  extra-large gradient waiting for the next hook and the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
   kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
   its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
 - ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (z3_flush;
@@ -45,7 +45,7 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact. Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
   nothing kept: exact on every rank (was 1.5% and 0.63% under).
 An estimate elsewhere: a checkpointed layer's recompute; ZeRO-1's reductions in the hooks with
-overlap_comm; a block's ffn_norm backward in fp32 at ZeRO-1 (DeepSpeed's default config, 0.013%).
+overlap_comm.
 tests/test_deepspeed.py PEAK_FINDINGS names the matrix jobs that are not exact.
 
 Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
@@ -424,6 +424,14 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             cands.append(moment(hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
                                                          "w2 input gradient and the mul's two": 3 * w * bsf},
                                 large_w2, f"block {j}'s SwiGLU mul"))
+            # (3) its ffn_norm's backward at PowBackward's last mul (RMSNorm in fp32: x.float().pow(2)):
+            # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
+            # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
+            # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
+            acts_n = past_head - head["norm"] - (model.layers - 1 - j) * per_layer - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
+            cands.append(moment(hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
+                                                            "the norm's fp32 gradients (xf's, mean's, pow's three)":
+                                                            5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
         return max(cands, key=lambda p: p.bytes)
 
     def boundary(first: bool) -> Peak:
