@@ -756,21 +756,12 @@ def runs(tmp_path_factory):
     from analysis.reconcile import table
 
     root = tmp_path_factory.mktemp("ds")
-    _sweep(MATRIX, root / "matrix")
-    _sweep(KNOBS0, root / "knobs0")
-    _sweep(GAS2, root / "gas2")
-    _sweep(FP32, root / "fp32")
-    _sweep(BUDGETS, root / "budgets")
-    _sweep(BUDGETS_SMALL, root / "budgets_small")
-    _sweep(AC, root / "ac")
-    _sweep(FP32_ONE, root / "fp32_one")
-    _sweep(ODD, root / "odd")
-    _sweep(EPILOGUE, root / "epilogue")
-    _sweep(EMB_TIED, root / "emb_tied")
-    _sweep(HOOKS, root / "hooks")
-    _sweep(DEFAULT_BUCKET, root / "default_bucket")
-    recs = {k: R.load(str(root / k)) for k in ("matrix", "knobs0", "gas2", "fp32", "budgets", "budgets_small", "ac",
-                                               "fp32_one", "odd", "epilogue", "emb_tied", "hooks", "default_bucket")}
+    sweeps = {"matrix": MATRIX, "knobs0": KNOBS0, "gas2": GAS2, "fp32": FP32, "budgets": BUDGETS,
+              "budgets_small": BUDGETS_SMALL, "ac": AC, "fp32_one": FP32_ONE, "odd": ODD, "epilogue": EPILOGUE,
+              "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET}
+    for name, args in sweeps.items():
+        _sweep(args, root / name)
+    recs = {name: R.load(str(root / name)) for name in sweeps}
     return recs, {k: table(v) for k, v in recs.items()}
 
 
