@@ -34,16 +34,18 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   first hook (setup_buckets allocates the IPG buffer: where ZeRO-2 with DeepSpeed's default bucket
   peaks, exact), the final norm's backward, each block's SwiGLU backward and its ffn_norm's backward
   (PowBackward: where ZeRO-1 with the default bucket peaks, exact), with the IPG buffer, the
-  extra-large gradient waiting for the next hook and the rank's grads_in_partition buffers as its hooks have made them (deepspeed_backward: micro-batch 0's
-  kept by all_grad_tensors, this backward's from the first reduction into the partition; per rank, as
-  its partition lies). Where fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
+  extra-large gradient waiting for the next hook and the rank's grads_in_partition buffers as its
+  hooks have made them (deepspeed_backward: micro-batch 0's kept by all_grad_tensors, this
+  backward's from the first reduction into the partition; per rank, as its partition lies). Where
+  fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
 - ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (z3_flush;
   deepspeed_backward.z3_flushes): the padded gradients' torch.cat and gloo's copy of it, the hook's own
   gradient and what autograd holds there, the coordinator's gathered params at that module
   (deepspeed_coordinator.z3_backward_moments), at every hook (z3_hook_moment) and at the backward's
   epilogue: with DeepSpeed's default bucket every gradient waits for the epilogue, where ZeRO-3 at 4
-  ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact. Where ZeRO-3 at 4 ranks peaks with a partial reuse distance, and tied with
-  nothing kept: exact on every rank (was 1.5% and 0.63% under).
+  ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact; so are
+  ZeRO-3 at 4 ranks with a partial reuse distance and tied with nothing kept (were 1.5% and 0.63%
+  under).
 An estimate elsewhere: a checkpointed layer's recompute; ZeRO-1's reductions in the hooks with
 overlap_comm.
 tests/test_deepspeed.py PEAK_FINDINGS names the matrix jobs that are not exact.
@@ -345,9 +347,10 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         res = params_resident + optim + norm_dtype
         return res - (2 * FP32 * part + FP32 + norm_dtype if first else 0)
 
-    def zero12_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
-                      phase: str, what: str) -> Peak:
-        # a moment of deep() or boundary(): its named temporaries and gathered buffers, summed into the parts
+    def named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
+                     phase: str, what: str) -> Peak:
+        # a moment of deep(), boundary() or z3_flush(): its named temporaries and gathered buffers, summed
+        # into the parts
         parts = {"resident": res, "activations": acts[1], "gathered": sum(gathered.values()),
                  "temporary": sum(temp.values()), "unnamed": 0}
         detail = {f"activations/{acts[0]}": acts[1]}
@@ -397,7 +400,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             temp["loss scalars"] = _loss_scalars()
             temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
             (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
-            return zero12_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
+            return named_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
                                  "backward", f"the last micro-batch's backward at {what}")
 
         past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
@@ -428,7 +431,8 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
             # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
             # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
-            acts_n = past_head - head["norm"] - (model.layers - 1 - j) * per_layer - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
+            acts_n = (past_head - head["norm"] - (model.layers - 1 - j) * per_layer - 4 * w * bsf - 2 * w * bsh
+                      - FP32 * b * s)
             cands.append(moment(hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
                                                             "the norm's fp32 gradients (xf's, mean's, pow's three)":
                                                             5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
@@ -448,7 +452,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                 "loss scalars": _loss_scalars() - FP32}
         gathered = {"extra-large gradients a collective reduces in place": w * touched}
         (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * bucket
-        return zero12_moment(resident_after_forward(first), ("batch (tokens, labels)", batch), temp, gathered,
+        return named_moment(resident_after_forward(first), ("batch (tokens, labels)", batch), temp, gathered,
                              "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
     def z3_flush(first: bool) -> list[Peak]:
@@ -481,15 +485,16 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     # after backward): every saved tensor released but the batch, the gradient seed
                     # freed; the coordinator as after the embedding's fetch (its post-backward never
                     # fires: release_backward_leftovers runs after the epilogue)
-                    acts_now, temp = batch, {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
+                    acts_now = batch
+                    temp = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
                     phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
                 temp.update({"gloo's copy of the reduce-scatter input": w * f.flat,
                              "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
                              "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
-                gathered = {"reduce_scatter_coalesced's input (torch.cat)" if f.cat else
-                            "reduce_scatter_coalesced's input (an extra-large gradient)": w * (f.flat if f.cat else f.own),
+                flat_input = "(torch.cat)" if f.cat else "(an extra-large gradient)"
+                gathered = {f"reduce_scatter_coalesced's input {flat_input}": w * (f.flat if f.cat else f.own),
                             "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
-                p = zero12_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
+                p = named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
                                   phase, what)
                 p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
                 out.append(p)
