@@ -253,13 +253,27 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # backward's start adds only storages gathered for the backward, which no op saves)
         most += max(z[1].saved for z in z3_moments)
     base_temp = sum(held.values()) + _loss_scalars() + held_grads - held_touched
+    # past the loss's backward: nll_loss's total_weight and log_softmax's output released
+    past_head = act - FP32 - FP32 * b * s * V
+    per = layer_activations(model, mbs, w)
+    per_layer = sum(per.values())
+
+    def block_saves(j: int) -> int:
+        # in block j's backward, before it released anything: its saves and the blocks' below, the
+        # batch; the final norm's and the later blocks' released
+        return past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * per_layer
+
+    def resident_in_step(first: bool) -> int:
+        # within a step's passes: the params (ZeRO-3: partitions and persistent params), ZeRO-3's grad
+        # partitions and IPG bucket, the optimizer state, _global_grad_norm and ZeRO-3's
+        # inf_or_nan_tracker (bool). Step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first
+        # update (torch/optim/adam.py _init_group), no _global_grad_norm yet, ZeRO-3's persistent params
+        # not resident (_post_step gathers them at its end: the pass gathers them)
+        res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
+        return res - (2 * FP32 * part + FP32 + norm_dtype + persist if first else 0)
 
     def bwd(first: bool) -> Peak:
-        # step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first update
-        # (torch/optim/adam.py _init_group), no _global_grad_norm yet
-        res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
-        if first:
-            res -= 2 * FP32 * part + FP32 + norm_dtype
+        res = resident_in_step(first)
         # NllLossBackward has run first and released total_weight. (a) at _log_softmax_backward_data:
         # its input gradient and its output, b*s*V fp32 each. (b) then LogSoftmaxBackward releases the
         # log_softmax output; ToCopyBackward (logits.float()) casts the gradient to the model dtype
@@ -272,9 +286,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         nothing = Z3Live(0, 0, 0)
         za = zb = nothing
         if zero == 3:
-            _, za, zb = (z3_first if first else z3_moments)[-1]
-            if first:
-                res -= persist  # step 0: the persistent params are gathered by the pass (za, zb), not yet resident
+            _, za, zb = (z3_first if first else z3_moments)[-1]  # step 0: they hold the persistent params
         a = (act - FP32 + za.saved, 2 * FP32 * b * s * V, za)
         bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h, zb)
 
@@ -312,11 +324,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # the params' cat copies). The resident state as at the boundary (_global_grad_norm and the
         # inf tracker in `other`); the previous loss still bound by the training loop: the last
         # step's (live at the step's start: unnamed) or the last micro-batch's
-        res = params_resident + grads_resident + optim + norm_dtype + 1
-        if first:
-            # step 0: the persistent params not gathered yet (_post_step gathers them at its end: the
-            # pass gathers them, z), AdamW's exp_avg, exp_avg_sq and step not made, no _global_grad_norm
-            res -= persist + 2 * FP32 * part + FP32 + norm_dtype
+        res = resident_in_step(first)  # step 0: the pass gathers the persistent params (z)
         acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
                 "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
                 "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
@@ -342,11 +350,6 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                     what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
                          "replay)", detail=detail)
 
-    def resident_after_forward(first: bool) -> int:
-        # the params, the optimizer state and _global_grad_norm; step 0: AdamW's state not made yet
-        res = params_resident + optim + norm_dtype
-        return res - (2 * FP32 * part + FP32 + norm_dtype if first else 0)
-
     def named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
                      phase: str, what: str) -> Peak:
         # a moment of deep(), boundary() or z3_flush(): its named temporaries and gathered buffers, summed
@@ -366,17 +369,15 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # gradient (above reduce_bucket_size) stays its own tensor, all-reduced in place, until the
         # next hook reduces it; the rest are copied into the IPG buffer by their hook (their own
         # storage freed). grads_in_partition: micro-batch 0's (several micro-batches) and this
-        # backward's once a reduction copied into it. Two moments:
+        # backward's once a reduction copied into it. The moments:
         # (1) the final norm's backward at its weight gradient's sum: the output Linear's input
         # gradient, the mul's two (b, s, h) gradients, the sum (h), in the model dtype, every block's
         # saves; (2) a block's SwiGLU backward at its mul: the residual stream's gradient, w2's input
         # gradient and the mul's two (b, s, ffn) gradients, w2's weight gradient if extra-large, the
-        # saves of the blocks below and of this one but w2's input. The probe keeps the first maximum:
-        # the norm's moment, then the blocks from the last
-        res = resident_after_forward(first)
+        # saves of the blocks below and of this one but w2's input; (3) its ffn_norm's backward; and
+        # (0) the first hook. The probe keeps the first maximum: the moments in backward order
+        res = resident_in_step(first)
         bsh, bsf = b * s * h, b * s * model.ffn_hidden
-        per_layer = sum(layer_activations(model, mbs, w).values())
-        head = head_activations(model, mbs, w)
         tied = model.tied_embeddings
 
         def moment(fired: int, acts_now: int, temp: dict[str, int], large: int, what: str) -> Peak:
@@ -403,7 +404,6 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             return named_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
                                  "backward", f"the last micro-batch's backward at {what}")
 
-        past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
         # (0) the backward's first hook, where setup_buckets allocates the IPG buffer: its gradient is
         # still its own tensor (copied into the buffer after). Untied, the output Linear's: its
         # MmBackward released its saved input (the final norm's output), its input gradient beside the
@@ -423,7 +423,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                          3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)"))
         large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > bucket else 0
         for j in reversed(range(model.layers)):
-            acts_now = past_head - head["norm"] - (model.layers - 1 - j) * per_layer - w * bsf
+            acts_now = block_saves(j) - w * bsf
             cands.append(moment(hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
                                                          "w2 input gradient and the mul's two": 3 * w * bsf},
                                 large_w2, f"block {j}'s SwiGLU mul"))
@@ -431,8 +431,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
             # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
             # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
-            acts_n = (past_head - head["norm"] - (model.layers - 1 - j) * per_layer - 4 * w * bsf - 2 * w * bsh
-                      - FP32 * b * s)
+            acts_n = block_saves(j) - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
             cands.append(moment(hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
                                                             "the norm's fp32 gradients (xf's, mean's, pow's three)":
                                                             5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
@@ -452,7 +451,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                 "loss scalars": _loss_scalars() - FP32}
         gathered = {"extra-large gradients a collective reduces in place": w * touched}
         (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * bucket
-        return named_moment(resident_after_forward(first), ("batch (tokens, labels)", batch), temp, gathered,
+        return named_moment(resident_in_step(first), ("batch (tokens, labels)", batch), temp, gathered,
                              "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
     def z3_flush(first: bool) -> list[Peak]:
@@ -466,9 +465,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         # post-backward release): z3_hook_moment. The gathered params: the coordinator at the hook's
         # module's pre-backward fetch (deepspeed_coordinator.z3_backward_moments)
         flushes, steady_z, first_z = z3_flushes
-        res = params_resident + grads_resident + optim + norm_dtype + 1
-        if first:  # step 0: no AdamW state, no _global_grad_norm; the persistent params gathered by the pass
-            res -= 2 * FP32 * part + FP32 + norm_dtype + persist
+        res = resident_in_step(first)
         out = []
         for i, per in enumerate(first_z if first else steady_z):
             for f, z in zip(flushes, per):
@@ -515,7 +512,6 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
         #   passes through its own PostBackwardFunctionModule node (parameter_offload.py), and w1's
         #   runs after the hook (AccumulateGrad first)
         bsh, bsf, fh = b * s * h, b * s * model.ffn_hidden, model.ffn_hidden * h
-        past_head = act - FP32 - FP32 * b * s * V  # total_weight and log_softmax released
         if name == "tok_embeddings.weight":
             # the backward's last node ran: every save released but the batch (the tokens the embedding
             # saved, the labels); its weight gradient (tied: both uses' gradients summed into one)
@@ -525,8 +521,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
                 "the final norm's weight hook"
         j, mod = int(name.split(".")[1]), name.split(".", 2)[2].rsplit(".", 1)[0]
         lin = mod.rsplit(".", 1)[-1]
-        per = layer_activations(model, mbs, w)
-        base = past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * sum(per.values())
+        base = block_saves(j)
         # the attention's pieces (layer_activations): rope's cos and sin for q and for k (s, d/2) fp32
         # each; SDPA's saves (q, the expanded k and v, its output: b*s*heads*d each) and logsumexp
         d, H, KV = model.head_dim, model.heads, model.kv_heads
@@ -544,7 +539,7 @@ def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: 
             # after it their input, the norm's output: the norm's input gradient and weight gradient
             "ffn_norm": (base - per["feed_forward"] - 2 * w * bsh,
                          {"the norm's input gradient and weight gradient": w * bsh + w * h}),
-            "attention_norm": (base - sum(per.values()) + FP32 * b * s * h + FP32 * b * s,
+            "attention_norm": (base - per_layer + FP32 * b * s * h + FP32 * b * s,
                                {"the norm's input gradient and weight gradient": w * bsh + w * h}),
             # wo: its input (SDPA's output) still saved by SDPA
             "wo": (past_ffn, {"wo's input gradient": w * bsq, "wo's weight gradient": w * h * H * d}),
