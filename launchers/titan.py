@@ -308,6 +308,7 @@ def run_rank(cfg, lay, session) -> dict:
         titan_cpu.pipeline_step_microbatches()
         titan_cpu.eager_cp_block_mask()
         titan_cpu.visible_cp_allgather()
+        titan_cpu.skip_end_sleep()
     import torch
 
     job_dir = os.path.dirname(session.out_path)
@@ -407,6 +408,10 @@ def _train(trainer_config, session, fake_world: bool, fsdp_mem_tracker: bool = F
     session.name_groups(expert_group_labels(trainer))
     try:
         trainer.train()
+        if torch.distributed.is_initialized() and not fake_world:
+            # in place of train()'s closing sleep on rank 0 (titan_cpu.skip_end_sleep): no rank leaves
+            # (rank 0 holds the store) before every rank is done
+            torch.distributed.barrier()
     finally:
         trainer.close()
     if torch.distributed.is_initialized():

@@ -55,17 +55,27 @@ def run_launch():
     return launch
 
 
+def launch_many(argvs: list[list[str]], timeout: int = 1800) -> None:
+    """Several launch.py multiruns, each argv as a user gives launch.py, in one process
+    (tests/run_many.py: one start-up instead of one per multirun); fails naming the one that did."""
+    import json
+
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    p = subprocess.run([sys.executable, "-m", "tests.run_many", json.dumps(argvs)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
 def run_sweeps(root, sweeps, common=()) -> dict:
     """Run named multiruns into root/<name> once; return their records, the ok ones and their reconcile table."""
     import records
     from analysis import reconcile
 
-    for name, overrides in sweeps:
-        # wandb.mode=disabled: these matrices check ledger against probes; W&B logging and read-back
-        # are test_wandb's and the report tests' (offline logging costs ~2 s a job)
-        p = launch("-m", *common, *overrides, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}",
-                   f"hydra.sweep.subdir={name}_${{hydra.job.num}}", timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
+    # wandb.mode=disabled: these matrices check ledger against probes; W&B logging and read-back
+    # are test_wandb's and the report tests' (offline logging costs ~2 s a job)
+    launch_many([["-m", *common, *overrides, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}",
+                  f"hydra.sweep.subdir={name}_${{hydra.job.num}}"] for name, overrides in sweeps],
+                timeout=900 * len(sweeps))
     recs = records.load(str(root))
     ok = [r for r in recs if r["status"] == "ok"]
     return {"records": recs, "ok": ok, "table": reconcile.table(ok)}

@@ -63,6 +63,7 @@ import pytest
 
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, numel, preset
+from tests.conftest import launch_many
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
@@ -743,13 +744,6 @@ def test_dry_writes_a_config_deepspeed_accepts(tmp_path):
 
 # -- the real matrix -----------------------------------------------------------------------------
 
-def _sweep(args, out) -> None:
-    # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
-    r = subprocess.run([sys.executable, "launch.py", "-m", *args, "wandb.mode=disabled", f"hydra.sweep.dir={out}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "WANDB_MODE": "offline"})
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     import records as R
@@ -759,8 +753,9 @@ def runs(tmp_path_factory):
     sweeps = {"matrix": MATRIX, "knobs0": KNOBS0, "gas2": GAS2, "fp32": FP32, "budgets": BUDGETS,
               "budgets_small": BUDGETS_SMALL, "ac": AC, "fp32_one": FP32_ONE, "odd": ODD, "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET}
-    for name, args in sweeps.items():
-        _sweep(args, root / name)
+    # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
+    launch_many([["-m", *args, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}"] for name, args in sweeps.items()],
+                timeout=900 * len(sweeps))
     recs = {name: R.load(str(root / name)) for name in sweeps}
     return recs, {k: table(v) for k, v in recs.items()}
 
