@@ -34,6 +34,7 @@ def _measured(rank: dict):
 @pytest.mark.real
 def test_forked_ranks_measure_what_spawned_ranks_measure(tmp_path):
     p = launch("-m", "framework=megatron,deepspeed,titan", "cluster.fork_ranks=false,true", "layout.tp=1",
+               "train.steps=2",  # the first step and a steady one
                f"hydra.sweep.dir={tmp_path}", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = records.load(str(tmp_path))

@@ -17,6 +17,7 @@ rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -652,43 +653,55 @@ def test_pipeline_parallel_limits_are_config_errors(world, kw, fw, needle):
 
 
 # -- dry ------------------------------------------------------------------------------------------
-def test_dry_writes_a_module_torchtitan_loads(tmp_path):
-    out = tmp_path / "dry"
-    launch("mode=dry", "framework=titan", "model=llama3_1b", "layout.tp=2", "layout.dp=4",
-           f"hydra.run.dir={out}", check=True)
+_P, _T = "c.parallelism", "c.training"
+# each dry job: its overrides, and the expressions over the config torchtitan parses from its module
+DRY_JOBS = {
+    "tp": (("layout.tp=2", "layout.dp=4"),
+           (f"{_P}.tensor_parallel_degree", f"{_P}.data_parallel_shard_degree", f"{_P}.data_parallel_replicate_degree",
+            "c.training.dtype", "c.training.mixed_precision_param", "c.model_spec.model.dim",
+            "len(c.model_spec.model.layers)")),
+    # pp2 x dp4, micro-batch 2, global 32
+    "pp": (("layout.pp=2", "layout.dp=4", "layout.micro_batch_size=2", "layout.global_batch_size=32"),
+           (f"{_P}.pipeline_parallel_degree", f"{_P}.pipeline_parallel_microbatch_size",
+            f"{_P}.pipeline_parallel_schedule", f"{_P}.data_parallel_shard_degree", f"{_T}.local_batch_size",
+            f"{_T}.global_batch_size", f"{_T}.disable_cuda_graphs")),
+}
+
+
+@pytest.fixture(scope="module")
+def dry_configs(tmp_path_factory):
+    """name -> (job dir, the DRY_JOBS expressions as printed): each dry module as torchtitan's own
+    ConfigManager loads it, all in one fresh process (one torchtitan import for both)."""
+    dirs = {}
+    for name, (overrides, _) in DRY_JOBS.items():
+        dirs[name] = tmp_path_factory.mktemp(f"dry_{name}")
+        launch("mode=dry", "framework=titan", "model=llama3_1b", *overrides, f"hydra.run.dir={dirs[name]}", check=True)
+    code = "import json, sys\nfrom torchtitan.config import ConfigManager\nout = {}\n"
+    for name, (_, exprs) in DRY_JOBS.items():
+        # the modules of every dry job share their names: forget the previous job's before importing
+        code += (f"sys.path.insert(0, {str(dirs[name])!r}); [sys.modules.pop(m, None) for m in ('ledger_titan', "
+                 "'ledger_config')]\n"
+                 "c = ConfigManager().parse_args(['--module', 'ledger_titan', '--config', 'ledger_config'])\n"
+                 f"out[{name!r}] = [str(v) for v in ({', '.join(exprs)},)]\nsys.path.pop(0)\n")
+    code += "print(json.dumps(out))\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return {name: (dirs[name], got[name]) for name in DRY_JOBS}
+
+
+def test_dry_writes_a_module_torchtitan_loads(dry_configs):
+    out, got = dry_configs["tp"]
     assert (out / "ledger_titan.py").exists()
     sh = (out / "run_train.sh").read_text()
     assert "NGPU=8" in sh and "MODULE=ledger_titan" in sh and "CONFIG=ledger_config" in sh
-    p = "c.parallelism"
-    got = _dry_config(out, f"{p}.tensor_parallel_degree", f"{p}.data_parallel_shard_degree",
-                      f"{p}.data_parallel_replicate_degree", "c.training.dtype", "c.training.mixed_precision_param",
-                      "c.model_spec.model.dim", "len(c.model_spec.model.layers)")
     assert got == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
 
 
-def _dry_config(out, *exprs: str) -> list[str]:
-    """The dry module as torchtitan's own ConfigManager loads it (a fresh process): each expression
-    over the parsed config `c`, as printed."""
-    code = (f"import sys; sys.path.insert(0, {str(out)!r})\n"
-            "from torchtitan.config import ConfigManager\n"
-            "c = ConfigManager().parse_args(['--module', 'ledger_titan', '--config', 'ledger_config'])\n"
-            f"print({', '.join(exprs)})")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.split()[-len(exprs):]
-
-
-def test_dry_pp_module_splits_the_local_batch_into_pipeline_microbatches(tmp_path):
+def test_dry_pp_module_splits_the_local_batch_into_pipeline_microbatches(dry_configs):
     """pp2 x dp4, micro-batch 2, global 32: local batch 8 in 4 pipeline micro-batches of 2, 1F1B,
     CUDA graphs off (torchtitan refuses PP with them)."""
-    out = tmp_path / "dry"
-    launch("mode=dry", "framework=titan", "model=llama3_1b", "layout.pp=2", "layout.dp=4", "layout.micro_batch_size=2",
-           "layout.global_batch_size=32", f"hydra.run.dir={out}", check=True)
-    p, t = "c.parallelism", "c.training"
-    got = _dry_config(out, f"{p}.pipeline_parallel_degree", f"{p}.pipeline_parallel_microbatch_size",
-                      f"{p}.pipeline_parallel_schedule", f"{p}.data_parallel_shard_degree", f"{t}.local_batch_size",
-                      f"{t}.global_batch_size", f"{t}.disable_cuda_graphs")
-    assert got == ["2", "2", "1F1B", "4", "8", "32", "True"]
+    assert dry_configs["pp"][1] == ["2", "2", "1F1B", "4", "8", "32", "True"]
 
 
 def test_tp_backward_strategy_follows_dtensor_cost_model():
