@@ -241,6 +241,14 @@ def _lay(r: Row) -> str:
     return s
 
 
+def _fits_cell(r: Row) -> str:
+    """The table's fits column: "yes" within the budget at the predicted peak; "state only" within it
+    at the resident state alone (the layout's ledger predicts no peak: activations not counted)."""
+    if r.status == "fits":
+        return "state only" if r.peak_includes == RESIDENT_ONLY else "yes"
+    return {"too_big": "no"}.get(r.status, "refused")
+
+
 def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardware, notes: list[str],
            sweep: dict | None, gbs: int, best: dict) -> str:
     import io
@@ -264,7 +272,7 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                                                                                   key=lambda kv: -kv[1])
                             if b >= 0.01 * r.wire_total)
             t.add_row(str(rank[id(r)]) if r.status != "refused" else "-", r.framework, _lay(r), _gb(r.peak_bytes),
-                      "" if r.stage is None else str(r.stage), {"fits": "yes", "too_big": "no"}.get(r.status, "refused"),
+                      "" if r.stage is None else str(r.stage), _fits_cell(r),
                       wire if r.status != "refused" else (r.reason or "")[:70],
                       "" if r.bubble is None else f"{r.bubble:.3f}",
                       "" if r.est_step_s is None else f"{r.est_step_s:.3g}")
@@ -284,8 +292,12 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                 con.print(f"  #{rank[id(r)]} {_lay(r)}: peak per stage (GB) "
                           + " ".join(_gb(s["peak_bytes"]) for s in r.per_stage), markup=False)
     for fw, c in plan.counts.items():
-        con.print(f"{fw}: {c['layouts']:,} layouts: {c['fits']:,} fit, {c['too_big']:,} too big, "
-                  f"{c['refused']:,} refused" + ("" if c["fits"] else ": none fits") , markup=False)
+        # an MoE ledger predicts no peak: such a row "fits" on its resident state alone, said so
+        on_state = sum(1 for r in plan.rows if r.framework == fw and r.fits and r.peak_includes == RESIDENT_ONLY)
+        con.print(f"{fw}: {c['layouts']:,} layouts: {c['fits']:,} fit"
+                  + (f" ({on_state:,} on their resident state only: no peak predicted)" if on_state else "")
+                  + f", {c['too_big']:,} too big, {c['refused']:,} refused" + ("" if c["fits"] else ": none fits"),
+                  markup=False)
         for k, v in sorted(plan.refused[fw].items(), key=lambda kv: -kv[1]["count"]):
             con.print(f"  {v['count']:6,} refused: {v['example']}", markup=False)
     for n in notes:

@@ -241,6 +241,25 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
                                                                      for r in sweep["runs"])
 
 
+def test_moe_rows_say_they_fit_on_their_resident_state_only(tmp_path, capsys):
+    """An MoE ledger predicts no peak: a Mixtral row within the budget fits on its resident state alone,
+    which the table's fits column ("state only", never "yes") and the framework's count line say; a
+    dense model's fitting rows say "yes"."""
+    rec, rows = _plan_job(tmp_path / "moe", "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
+                          "framework=deepspeed")
+    out = capsys.readouterr().out
+    fits = [r for r in rows if r["fits"]]
+    assert fits and all(r["peak_includes"] == RESIDENT_ONLY for r in fits)
+    cells = [ln.split("│")[6].strip() for ln in out.splitlines() if ln.count("│") > 8 and "deepspeed" in ln]
+    assert cells and set(cells) <= {"state only", "no"} and "state only" in cells
+    assert f"{len(fits):,} fit ({len(fits):,} on their resident state only: no peak predicted)" in out
+    rec, rows = _plan_job(tmp_path / "dense", "model=llama3_8b", "plan.gpus=8", "plan.global_batch_tokens=65536",
+                          "framework=deepspeed")
+    out = capsys.readouterr().out
+    cells = [ln.split("│")[6].strip() for ln in out.splitlines() if ln.count("│") > 8 and "deepspeed" in ln]
+    assert "yes" in cells and "state only" not in cells and "on their resident state only" not in out
+
+
 def test_llama3_405b_production_layout(tmp_path):
     """TP8 · CP1 · PP16 · DP128 on 16,384 GPUs, seq 8192 (16M tokens per step): in plan.json with its peak
     per stage (126 layers as 7 + 14 x 8 + 7), for each recompute setting: the activations of the 16
