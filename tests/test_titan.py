@@ -658,7 +658,7 @@ _P, _T = "c.parallelism", "c.training"
 DRY_JOBS = {
     "tp": (("layout.tp=2", "layout.dp=4"),
            (f"{_P}.tensor_parallel_degree", f"{_P}.data_parallel_shard_degree", f"{_P}.data_parallel_replicate_degree",
-            "c.training.dtype", "c.training.mixed_precision_param", "c.model_spec.model.dim",
+            f"{_T}.dtype", f"{_T}.mixed_precision_param", "c.model_spec.model.dim",
             "len(c.model_spec.model.layers)")),
     # pp2 x dp4, micro-batch 2, global 32
     "pp": (("layout.pp=2", "layout.dp=4", "layout.micro_batch_size=2", "layout.global_batch_size=32"),
