@@ -94,13 +94,20 @@ class _Mode(TorchDispatchMode):
         # reductions) would go unseen; deferring to DTensor lets its inner ops come back here.
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        ns = getattr(func, "namespace", "")
-        if ns in ("c10d", "_c10d_functional"):
-            try:
-                self.probe._record(ns, func._opname, args, kwargs)
-            except Exception as e:  # a probe never breaks training
-                self.probe.errors.append(f"comm probe: {func}: {type(e).__name__}: {e}")
+        if is_collective(func):
+            self.probe.observe(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_COLLECTIVE: dict = {}  # operator -> whether it is a collective (OpOverload.namespace is a slow property)
+
+
+def is_collective(func) -> bool:
+    """Whether a dispatched operator is a collective (a c10d or functional-collectives op)."""
+    c = _COLLECTIVE.get(func)
+    if c is None:
+        c = _COLLECTIVE[func] = getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
+    return c
 
 
 class CommProbe:
@@ -118,7 +125,16 @@ class CommProbe:
         self.group_labels: dict[str, str] = {}
 
     def recording(self):
+        """This probe's own dispatch mode. Where the peak probe records the same step, the session
+        hands `observe` to the peak probe's mode instead (one Python mode per operator, not two)."""
         return _Mode(self)
+
+    def observe(self, func, args, kwargs) -> None:
+        """Record one collective operator (is_collective(func)), called before it runs."""
+        try:
+            self._record(func.namespace, func._opname, args, kwargs)
+        except Exception as e:  # a probe never breaks training
+            self.errors.append(f"comm probe: {func}: {type(e).__name__}: {e}")
 
     def _group_info(self, pg) -> tuple[str, int]:
         key = pg.group_name

@@ -44,6 +44,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from probes.comm import is_collective
+
 RESIDENT = ("params", "grads", "optim", "other")
 CATEGORIES = RESIDENT + ("activations", "gathered", "temporary", "unnamed")
 # CUDA's caching allocator hands out blocks in multiples of 512 bytes, at least 512
@@ -109,13 +111,17 @@ def _tensors(x, out: list) -> list:
     return out
 
 
-_COLLECTIVE: dict = {}  # operator -> whether it is a collective (OpOverload.namespace is a slow property)
+class _ReferenceMode(TorchDispatchMode):
+    """The readable per-operator path: every tensor an operator takes or returns goes through
+    PeakTracker.see. _Mode below is the one recording() uses; tests/test_peak.py checks that the two
+    record the same events."""
 
-
-class _Mode(TorchDispatchMode):
-    def __init__(self, tracker: "PeakTracker"):
+    def __init__(self, tracker: "PeakTracker", on_collective=None):
         super().__init__()
         self.tracker = tracker
+        # the comm probe's CommProbe.observe when it records the same step (probes/session.py): one
+        # Python mode per operator instead of two
+        self.on_collective = on_collective
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
@@ -134,17 +140,68 @@ class _Mode(TorchDispatchMode):
             kwargs = {}
         for t in ins:  # a storage made outside the dispatcher, or resized since, shows here first
             tr.see(t)
+        coll = is_collective(func)
+        if coll and self.on_collective is not None:
+            self.on_collective(func, args, kwargs)
         out = func(*args, **kwargs)
         outs = _tensors((out,), [])
         for t in outs:
             tr.see(t)
-        coll = _COLLECTIVE.get(func)
-        if coll is None:
-            coll = _COLLECTIVE[func] = getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
         if coll:
             for t in ins + outs:
                 tr.mark(t, tr.comm)
         return out
+
+
+class _Mode(_ReferenceMode):
+    """_ReferenceMode with the common case inlined: a plain tensor (or Parameter) whose storage the
+    tracker knows at the same size only updates that storage's last use, which is what see() does
+    for it; everything else takes see(). The probe's cost is mostly this loop (two to four tensors
+    an operator, thousands of operators a step)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dt = self._dtensor
+        for t in types:
+            if issubclass(t, dt):
+                return NotImplemented
+        tr = self.tracker
+        tr.op = func
+        ins = _tensors(args, [])
+        if kwargs:
+            _tensors(kwargs.values(), ins)
+        else:
+            kwargs = {}
+        _see_all(tr, ins)
+        coll = is_collective(func)
+        if coll and self.on_collective is not None:
+            self.on_collective(func, args, kwargs)
+        out = func(*args, **kwargs)
+        outs = _tensors((out,), [])
+        _see_all(tr, outs)
+        if coll:
+            for t in ins + outs:
+                tr.mark(t, tr.comm)
+        return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _see_all(tr: "PeakTracker", tensors: list) -> None:
+    """tr.see(t) for each t, the known-storage case inlined (_Mode)."""
+    live = tr._live
+    events = tr.events
+    for t in tensors:
+        if type(t) in _PLAIN:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # no storage (sparse, nested): see() would find none
+            e = live.get(st._cdata)
+            if e is not None and e[0] == st.nbytes():
+                e[4] = tr._base + len(events)
+                continue
+        tr.see(t)
 
 
 _TRACKERS: list["PeakTracker"] = []
@@ -363,8 +420,10 @@ class PeakTracker:
         self.active = False
         self.end_bytes = self.cur
 
-    def recording(self):
-        """The step's context: dispatch mode, saved-tensor hook, module hooks."""
+    def recording(self, on_collective=None, reference: bool = False):
+        """The step's context: dispatch mode, saved-tensor hook, module hooks. on_collective(func, args,
+        kwargs) is called before each collective operator runs (the comm probe's observe, when it
+        records the same step); reference: the readable per-operator path (_ReferenceMode)."""
         import contextlib
 
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -390,7 +449,8 @@ class PeakTracker:
             h1 = register_module_forward_pre_hook(self._pre)
             h2 = register_module_forward_hook(self._post, always_call=True)
             try:
-                with _Mode(self), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                mode = (_ReferenceMode if reference else _Mode)(self, on_collective)
+                with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     yield
             finally:
                 h1.remove()

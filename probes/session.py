@@ -80,13 +80,19 @@ class ProbeSession:
         self._guard("cuda stats", cuda_stats)  # resets the peak for this step
         if self.comm is not None:
             self.comm.take()  # drop anything recorded outside the step
-        mode = self.comm.recording() if self._records_comm(step) else contextlib.nullcontext()
+        records_comm = self._records_comm(step)
         prof = self._profiler() if step in self.cuda_profile_steps else contextlib.nullcontext()
         tr = self.tracker
         if tr is not None:
             self._finish_peak(None)
             self._guard("peak probe", tr.begin, scan=not self.steps)
-        peak_ctx = tr.recording() if tr is not None else contextlib.nullcontext()
+            # one Python dispatch mode for both probes: the peak probe's calls the comm probe's observe
+            # before each collective (a second mode costs every operator of the step its dispatch again)
+            peak_ctx = tr.recording(on_collective=self.comm.observe if records_comm else None)
+            mode = contextlib.nullcontext()
+        else:
+            peak_ctx = contextlib.nullcontext()
+            mode = self.comm.recording() if records_comm else contextlib.nullcontext()
         t0 = time.perf_counter()
         with prof as p, mode, peak_ctx:
             yield rec

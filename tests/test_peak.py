@@ -405,3 +405,61 @@ def test_a_tensor_of_symbolic_size_is_not_counted():
     tr.end()
     json.dumps(tr.result({}, timeline=True))
     assert all(type(e[0]) is int for e in tr._live.values())
+
+
+def _normalized(tr: PeakTracker) -> tuple[list, dict]:
+    """A step's events with its new storages numbered by first appearance (serials count on across
+    steps), and the main thread's last use of each storage live at the start, counted from the step."""
+    names: dict[int, tuple] = {}
+    evs = []
+    for s, d, ph, mb, mod, op in tr.events:
+        names.setdefault(s, ("start" if s in tr.start_serials else "new", len(names)))
+        evs.append((names[s], d, ph, mb, mod, str(op)))
+    last = sorted((names.get(e[2], ()), e[4] - tr._base) for e in list(tr._live.values()) if e[2] in tr.start_serials)
+    return evs, last
+
+
+def test_the_fast_dispatch_path_records_what_the_reference_records():
+    """probes/peak.py _Mode (the inlined known-storage case) against _ReferenceMode, the same steady
+    step: the same events (bytes, phase, micro-batch, module, operator) in the same order, the same
+    last uses, the same peak and saved / collective storages."""
+    m, opt, x = _mlp()
+    _step(m, opt, x, micro_batches=2)
+    tr = PeakTracker()
+    tr.watch([m])
+    runs = []
+    for reference in (True, False, True):
+        tr.begin(scan=not runs)
+        with tr.recording(reference=reference):
+            _step(m, opt, x, micro_batches=2)
+        tr.end()
+        runs.append((_normalized(tr), tr.peak - tr.start_bytes, len(tr.saved), len(tr.comm)))
+    assert runs[0][0][0], "no events recorded"
+    assert runs[1] == runs[2]  # steady steps after the first, one per path
+
+
+def test_one_dispatch_mode_records_both_probes(tmp_path, monkeypatch):
+    """With the peak probe on, the comm probe records through the peak probe's mode (session.step):
+    its collectives are still seen (a world of one ignores them: counted in ignored_single), and the
+    comm probe's own mode is not entered."""
+    import torch.distributed as dist
+
+    from probes import comm as comm_mod
+
+    entered = []
+    monkeypatch.setattr(comm_mod._Mode, "__enter__", lambda self: entered.append(1) or self)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        m, opt, x = _mlp()
+        s = ProbeSession(Grid(dp=1), 0, str(tmp_path / "r.json"), steps=1)
+        with s.step(0):
+            _step(m, opt, x)
+            dist.all_reduce(torch.ones(3))
+        s.dump({"status": "ok"})
+    finally:
+        dist.destroy_process_group()
+    assert not entered and s.comm.ignored_single == 1
+    rec = json.load(open(tmp_path / "r.json"))
+    assert not rec["errors"] and rec["steps"][0]["comm"] == [] and "peak" in rec["steps"][0]
