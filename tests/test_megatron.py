@@ -80,6 +80,10 @@ SWEEPS = (
     ("w2rcfull", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
                   "framework.recompute_granularity=full", "framework.recompute_method=uniform,block",
                   "framework.recompute_num_layers=1", "layout={pp:2,global_batch_size:4}")),
+    # s=512: the s^2 attention tensors outweigh the backward's moments, so both stages peak in a forward,
+    # at the last layer's softmax cast (megatron_peak.softmax_forward): stage 0 with one micro-batch in
+    # flight and the previous iteration's p2p locals, the last stage with its own only
+    ("w2fwd", ("cluster.ranks=2", "model.seq_len=512", "layout={pp:2,global_batch_size:4}")),
 )
 # (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
 # (layers, first, last, embedding, loss) of the pipeline split) of every job
@@ -105,7 +109,8 @@ EXPECTED = {(*job, 1024, EVEN) for job in {("dp2", False, True, 1, False, False)
 NO_RC = (32, None, None)
 RC_JOBS = {("pp2", True, True, 1, False, False, 1024, EVEN, rc) for rc in
            ((128, None, None), (128, "selective", None), (128, "full", "uniform"), (128, "full", "block"))}
-EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS
+FWD_JOB = ("pp2", False, True, 1, False, False, 1024, EVEN, (512, None, None))
+EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS | {FWD_JOB}
 
 
 def _split(rec) -> tuple:
@@ -184,6 +189,29 @@ def test_recompute_jobs_hold_less_in_backward(sweep):
         assert pk["at_peak"]["activations"] == pred["parts"]["activations"], (_rc(rec), pk["at_peak"], pred["parts"])
         at[_rc(rec)[1:]] = pk["at_peak"]["activations"]
     assert at[(None, None)] > at[("selective", None)] > at[("full", "uniform")], at
+
+
+@pytest.mark.real
+def test_long_sequence_peaks_at_the_forward_softmax_cast(sweep):
+    """s=512, pp2, 4 micro-batches: every rank peaks where the ledger says, at the last layer's softmax
+    cast to bf16 in a forward (megatron_peak.softmax_forward), its saved activations and p2p buffers
+    to the byte; the temporaries and what was live at the step's start (`unnamed`) off only by the
+    launcher's batches (launchers/megatron.py batches: 8·b·(s + 1) B, at most one in each) and a few
+    4-byte scalars, which the ledger does not model."""
+    rec = next(r for r in sweep["ok"] if _rc(r)[0] == 512)
+    pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+    batch = 8 * 1 * (512 + 1)
+    for m in rec["measurement"]["ranks"]:
+        pk, p = m["steps"][-1]["peak"], pred[m["rank"]]
+        w = measured_peak_where(pk)
+        assert (w["phase"], w["op"]) == ("forward", "aten._to_copy.default") and w["module"].endswith(
+            "layers.1.self_attention.core_attention.scale_mask_softmax"), w
+        assert p["phase"] == "forward" and "softmax cast" in p["what"], p["what"]
+        at = pk["at_peak"]
+        assert at["activations"] == p["parts"]["activations"] and at.get("gathered", 0) == p["parts"]["gathered"], (
+            at, p["parts"])
+        assert 0 <= at["temporary"] - p["parts"]["temporary"] <= batch + 64, (m["rank"], at, p["parts"])
+        assert at.get("unnamed", 0) <= batch + 64, (m["rank"], at)
 
 
 @pytest.mark.real

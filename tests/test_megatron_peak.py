@@ -182,6 +182,10 @@ def test_acceptance_command_prints_the_peak_per_stage():
      {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}),
     (preset("llama3_1b", seq_len=1024), dict(tp=1, pp=4, dp=1, global_batch_size=3),
      {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}),
+    # where a forward's softmax cast is the peak (softmax_forward): pp1, 1F1B, the article's run
+    (preset("tiny", seq_len=512), dict(tp=2, pp=1, dp=1, sequence_parallel=True, global_batch_size=2), {}),
+    (preset("tiny", seq_len=512), dict(tp=1, pp=2, dp=1, global_batch_size=4), {}),
+    (preset("llama3_1b", seq_len=8192), dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16), {}),
 ])
 def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
     """_step_moments_fast (the planner's path) against _step_moments, the readable reference: the same
@@ -198,3 +202,7 @@ def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
         assert max(ref[:-1], key=lambda x: x[0]) == max(fast[:-1], key=lambda x: x[0])
         bw = [x for x in ref[:-1] if x[2] == "backward"]
         assert max(bw, key=lambda x: x[0]) == max((x for x in fast[:-1] if x[2] == "backward"), key=lambda x: x[0])
+        fw_ref = [x for x in ref[:-1] if x[2] == "forward"]
+        fw_fast = [x for x in fast[:-1] if x[2] == "forward"]
+        assert (max(fw_ref, key=lambda x: x[0]) if fw_ref else None) == (
+            max(fw_fast, key=lambda x: x[0]) if fw_fast else None)

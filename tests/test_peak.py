@@ -409,13 +409,15 @@ def test_a_tensor_of_symbolic_size_is_not_counted():
 
 def _normalized(tr: PeakTracker) -> tuple[list, dict]:
     """A step's events with its new storages numbered by first appearance (serials count on across
-    steps), and the main thread's last use of each storage live at the start, counted from the step."""
+    steps), and the main thread's last use within the step of each storage live at its start."""
     names: dict[int, tuple] = {}
     evs = []
     for s, d, ph, mb, mod, op in tr.events:
         names.setdefault(s, ("start" if s in tr.start_serials else "new", len(names)))
         evs.append((names[s], d, ph, mb, mod, str(op)))
-    last = sorted((names.get(e[2], ()), e[4] - tr._base) for e in list(tr._live.values()) if e[2] in tr.start_serials)
+    # the uses within this step (a storage the step did not touch keeps an earlier step's number)
+    last = sorted((names.get(e[2], ()), e[4] - tr._base) for e in list(tr._live.values())
+                  if e[2] in tr.start_serials and e[4] >= tr._base)
     return evs, last
 
 

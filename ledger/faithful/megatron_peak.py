@@ -16,8 +16,10 @@ What a rank holds at a moment is modelled as
                  reduce-scatter copy of a grad bucket, the single-tensor Adam's denominators
 and the peak is the largest moment over the step's phases (`stage_peak`). The moments are the ones
 the local spec's backward goes through (`_layer_moments`: fc2, fc1, the attention-score grads, proj,
-qkv, each norm); forward transients other than the cross-entropy's are not modelled (the backward of
-the same layer holds more). Checked against the peak probe on the CPU matrix (tests/test_megatron.py).
+qkv, each norm), the cross-entropy forward and, with the local spec, each forward's last-layer softmax
+cast (`softmax_forward`: the s^2 tensors of a forward, where long sequences peak); other forward
+transients are not modelled (the backward of the same layer holds more). Checked against the peak
+probe on the CPU matrix (tests/test_megatron.py).
 
 The variant that runs: transformer_impl=local (CPU runs, mode=run) keeps the attention probabilities
 (fp32 softmax + bf16 copy, [b, heads/tp, s, s]); transformer_impl=transformer_engine (Megatron-LM's
@@ -26,10 +28,11 @@ tensor (its softmax statistics [b, heads/tp, s] fp32 and the output instead): `l
 the spec. Recompute (framework.recompute_*): selective core_attn (attention.py
 _checkpointed_attention_forward) and full uniform / block (recompute.py checkpointed_forward), both
 through tensor_parallel/random.py CheckpointFunction (ctx.save_for_backward of its tensor inputs).
-Not a candidate (a finding): a forward at a layer's softmax with the local spec. At full shape (the
-article's TP2·PP2·DP2·SP run on cluster=fake, s=8192) stage 0 peaks at layer 7's softmax cast back to
-bf16 in its third micro-batch's forward (the bf16 scores and their fp32 copy beside two micro-batches'
-saved s^2 probabilities), 63 MB (0.05%) above the backward moment the ledger picks.
+The forward softmax moment is modelled for the 1F1B and no-pipelining schedules (vp = 1) without
+recompute; the interleaved schedule's and a recomputed layer's forward are not (their backward moments
+stand). At full shape (the article's TP2·PP2·DP2·SP run on cluster=fake, s=8192) both stages peak there
+(stage 0 in its third micro-batch's forward, the last stage in any after its first), 63 MB (0.05%)
+above the backward moment that was the prediction before.
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ GRANULARITIES = (None, "selective", "full")
 
 _PEAK_COMMON = ("peak (megatron_peak.py): resident + saved activations of the micro-batches in flight + p2p "
                 "buffers + the largest temporary of the moment, over every backward moment, the cross-entropy "
-                "forward, the grad sync and Adam's step; no allocator rounding (CUDA: 512-byte blocks); other "
-                "forward transients and a few hundred bytes of step leftovers are not modelled")
+                "forward, the local spec's forward softmax (1F1B / no pipelining, no recompute), the grad sync and "
+                "Adam's step; no allocator rounding (CUDA: 512-byte blocks); other forward transients, the launcher's "
+                "batch and a few 4-byte step leftovers are not modelled")
 PEAK_NOTES = {
     "local": (_PEAK_COMMON, "peak, transformer_impl=local (the CPU gloo runs): gloo's copy of each grad bucket in "
               "its reduce-scatter and torch's single-tensor AdamW denominators (param by param) are modelled; "
@@ -320,6 +324,57 @@ def chunk_saved(units: list[Unit]) -> int:
     return sum(u.saved for u in units)
 
 
+def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple[int, int] | None:
+    """(this micro-batch's saved bytes in the chunk, temporaries) when its last layer's softmax is cast
+    back to the activation dtype in the forward: the local spec's largest forward moment (None where
+    it is not modelled: TransformerEngine's attention has no s^2 tensor; recompute not derived).
+
+    fusions/fused_softmax.py FusedScaleMaskSoftmax.forward_torch_softmax: `input.float()` (fp32
+    [b, heads/tp, s, s]), the fp32 softmax (saved), then `probs.bfloat16()` (saved by the context
+    bmm): at that cast the layer holds its norm, rope and core saves but the context (linear_proj's
+    input, not made yet), and the earlier layers (and the embedding on the first chunk) all of theirs.
+    Temporaries then: DotProductAttention's baddbmm scores [b·heads/tp, s, s] (activation dtype) and
+    their fp32 copy; Attention.forward's `qkv_output` tuple (attention.py: it keeps what
+    get_query_key_value_tensors returned, the query's reshape of its split [s, b, heads/tp,
+    head_dim], a copy where the split cannot be viewed as that shape, and key / value views of linear_qkv's output [s, b, (heads + 2 kv)/tp · head_dim]); the
+    rotated key (rope_utils.py _apply_rotary_pos_emb_bshd's torch.cat, [s, b, kv/tp, head_dim],
+    expanded by repeat_interleave, which saves nothing); TransformerLayer.forward's residual (the
+    layer's input [s, b, h], the sequence shard with SP: the previous layer's output) and on the first
+    chunk GPTModel.forward's decoder_input (the embedding's output, the same tensor for layer 0).
+    Measured exact at the article's shape (cluster=fake, TP2·PP2·DP2·SP, s=8192: stage 0's third
+    micro-batch, the last stage's eighth), up to the launcher's batch (8·b·(s + 1) B, not modelled)."""
+    if sh.te or rc.granularity is not None or layers < 1:
+        return None
+    g = layer_groups(sh, rc)
+    e, sb = sh.e, sh.s * sh.b
+    s2 = sh.b * sh.a * sh.s * sh.s
+    own = (layers - 1) * sum(g.values()) + g["norm1"] + g["rope"] + g["core"] - e * sb * sh.hq
+    if first:
+        own += sum(embedding_groups(sh).values())
+    # the query split from [s, b, groups, (heads/groups + 2) head_dim] reshapes to [s, b, heads/tp,
+    # head_dim] as a view where one group (kv heads / tp = 1) or one head a group; else a copy
+    groups = sh.hkv // sh.hd
+    q_copy = e * sb * sh.hq if groups > 1 and sh.a // groups > 1 else 0
+    tmp = (4 + e) * s2 + q_copy + e * sb * (sh.hq + 2 * sh.hkv) + e * sb * sh.hkv
+    tmp += e * sh.sbh_n * ((layers > 1) + first)
+    return own, tmp
+
+
+def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_live: int) -> int:
+    """p2p tensors a 1F1B stage holds during forward k (pipeline_parallel/schedules.py
+    forward_backward_pipelining_without_interleaving): each earlier micro-batch not yet backpropagated
+    keeps its received input and sent output (per_live: p2p() of one), this one its received input;
+    from the steady loop's second iteration the previous iteration's locals are still bound while
+    forward_step runs: output_tensor and the output_tensor_grad received for it (not on the last
+    stage), input_tensor_grad, and through output_tensor's autograd graph (the input's AccumulateGrad
+    node) that micro-batch's input (not on the first)."""
+    done = max(0, k - w)  # backwards before forward k: the steady loop runs forward w + i, then backward i
+    g = (k - done) * per_live + (0 if first else e_p)
+    if done:
+        g += (0 if last else 2 * e_p) + (0 if first else 2 * e_p)
+    return g
+
+
 # -- the schedule ----------------------------------------------------------------------------------
 def schedule(pp: int, vp: int, stage: int, m: int) -> tuple[int, list[int], list[int]]:
     """(warm-up forwards, the chunk of each forward, of each backward) of one stage's step.
@@ -486,6 +541,15 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             for name, own, tmp, gat in u.moments:
                 t = tmp - recv if name.endswith(("fc2", "fc1")) else tmp
                 add(others + rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
+    if lay.vp == 1:
+        # each forward's softmax moment (softmax_forward), after the backward moments
+        n, first, last = _stage_shape(model, lay.pp, stage, 1, 0, k.pp_split)
+        sf = softmax_forward(sh, rc, n, first)
+        if sf is not None:
+            for kk in range(len(fwd)):
+                live = kk - max(0, kk - w)  # earlier micro-batches not yet backpropagated
+                add(live * saved[0] + sf[0], sf[1], _forward_gathered(kk, w, first, last, e_p, p2p([0])),
+                    "forward", f"layer {n - 1}: softmax cast (micro-batch {kk})")
     return (*moments, e_p)
 
 
@@ -546,6 +610,19 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             act, tmp, gat = others + top[1], top[2], g_base + top[3]
             moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, "backward",
                             f"{top[4]} (micro-batch {j})"))
+    if lay.vp == 1:
+        # the reference's forward softmax moments grow with the micro-batches in flight up to forward w
+        # and stay level from forward w + 1 (w in flight, the previous iteration's p2p locals): the
+        # first of each, in its order
+        n, first, last = _stage_shape(model, lay.pp, stage, 1, 0, k.pp_split)
+        sf = softmax_forward(sh, rc, n, first)
+        total = len(fwd)
+        if sf is not None:
+            for kk in sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])}):
+                live = kk - max(0, kk - w)
+                act, gat = live * saved[0] + sf[0], _forward_gathered(kk, w, first, last, e_p, pw[0])
+                moments.append((act + sf[1] + gat, {"activations": act, "temporary": sf[1], "gathered": gat},
+                                "forward", f"layer {n - 1}: softmax cast (micro-batch {kk})"))
     return (*moments, e_p)
 
 
