@@ -113,8 +113,8 @@ def _tensors(x, out: list) -> list:
 
 class _ReferenceMode(TorchDispatchMode):
     """The readable per-operator path: every tensor an operator takes or returns goes through
-    PeakTracker.see. _Mode below is the one recording() uses; tests/test_peak.py checks that the two
-    record the same events."""
+    PeakTracker.see (_see_tensors). _Mode below is the one recording() uses; tests/test_peak.py checks
+    that the two record the same events."""
 
     def __init__(self, tracker: "PeakTracker", on_collective=None):
         super().__init__()
@@ -126,38 +126,10 @@ class _ReferenceMode(TorchDispatchMode):
 
         self._dtensor = DTensor
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        dt = self._dtensor
-        for t in types:
-            if issubclass(t, dt):
-                return NotImplemented
-        tr = self.tracker
-        tr.op = func
-        ins = _tensors(args, [])
-        if kwargs:
-            _tensors(kwargs.values(), ins)
-        else:
-            kwargs = {}
-        for t in ins:  # a storage made outside the dispatcher, or resized since, shows here first
+    @staticmethod
+    def _see_tensors(tr: "PeakTracker", tensors: list) -> None:
+        for t in tensors:  # a storage made outside the dispatcher, or resized since, shows here first
             tr.see(t)
-        coll = is_collective(func)
-        if coll and self.on_collective is not None:
-            self.on_collective(func, args, kwargs)
-        out = func(*args, **kwargs)
-        outs = _tensors((out,), [])
-        for t in outs:
-            tr.see(t)
-        if coll:
-            for t in ins + outs:
-                tr.mark(t, tr.comm)
-        return out
-
-
-class _Mode(_ReferenceMode):
-    """_ReferenceMode with the common case inlined: a plain tensor (or Parameter) whose storage the
-    tracker knows at the same size only updates that storage's last use, which is what see() does
-    for it; everything else takes see(). The probe's cost is mostly this loop (two to four tensors
-    an operator, thousands of operators a step)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dt = self._dtensor
@@ -171,13 +143,13 @@ class _Mode(_ReferenceMode):
             _tensors(kwargs.values(), ins)
         else:
             kwargs = {}
-        _see_all(tr, ins)
+        self._see_tensors(tr, ins)
         coll = is_collective(func)
         if coll and self.on_collective is not None:
             self.on_collective(func, args, kwargs)
         out = func(*args, **kwargs)
         outs = _tensors((out,), [])
-        _see_all(tr, outs)
+        self._see_tensors(tr, outs)
         if coll:
             for t in ins + outs:
                 tr.mark(t, tr.comm)
@@ -188,7 +160,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _see_all(tr: "PeakTracker", tensors: list) -> None:
-    """tr.see(t) for each t, the known-storage case inlined (_Mode)."""
+    """tr.see(t) for each t, the known-storage case inlined (_Mode's)."""
     live = tr._live
     events = tr.events
     for t in tensors:
@@ -202,6 +174,15 @@ def _see_all(tr: "PeakTracker", tensors: list) -> None:
                 e[4] = tr._base + len(events)
                 continue
         tr.see(t)
+
+
+class _Mode(_ReferenceMode):
+    """_ReferenceMode with the common case inlined (_see_all): a plain tensor (or Parameter) whose
+    storage the tracker knows at the same size only updates that storage's last use, which is what
+    see() does for it; everything else takes see(). The probe's cost is mostly this loop (two to four
+    tensors an operator, thousands of operators a step)."""
+
+    _see_tensors = staticmethod(_see_all)
 
 
 _TRACKERS: list["PeakTracker"] = []
