@@ -407,7 +407,7 @@ def test_a_tensor_of_symbolic_size_is_not_counted():
     assert all(type(e[0]) is int for e in tr._live.values())
 
 
-def _normalized(tr: PeakTracker) -> tuple[list, dict]:
+def _normalized(tr: PeakTracker) -> tuple[list, list]:
     """A step's events with its new storages numbered by first appearance (serials count on across
     steps), and the main thread's last use within the step of each storage live at its start."""
     names: dict[int, tuple] = {}
@@ -460,9 +460,8 @@ def test_one_dispatch_mode_records_both_probes(tmp_path, monkeypatch):
 
     entered = []
     monkeypatch.setattr(comm_mod._Mode, "__enter__", lambda self: entered.append(1) or self)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # an in-process store: no port for the suite's other worker to collide with
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         m, opt, x = _mlp()
         s = ProbeSession(Grid(dp=1), 0, str(tmp_path / "r.json"), steps=1)

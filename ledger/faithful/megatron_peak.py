@@ -336,9 +336,10 @@ def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple
     Temporaries then: DotProductAttention's baddbmm scores [b·heads/tp, s, s] (activation dtype) and
     their fp32 copy; Attention.forward's `qkv_output` tuple (attention.py: it keeps what
     get_query_key_value_tensors returned, the query's reshape of its split [s, b, heads/tp,
-    head_dim], a copy where the split cannot be viewed as that shape, and key / value views of linear_qkv's output [s, b, (heads + 2 kv)/tp · head_dim]); the
-    rotated key (rope_utils.py _apply_rotary_pos_emb_bshd's torch.cat, [s, b, kv/tp, head_dim],
-    expanded by repeat_interleave, which saves nothing); TransformerLayer.forward's residual (the
+    head_dim], a copy where the split cannot be viewed as that shape, and key / value views of
+    linear_qkv's output [s, b, (heads + 2 kv)/tp · head_dim]); the rotated key (rope_utils.py
+    _apply_rotary_pos_emb_bshd's torch.cat, [s, b, kv/tp, head_dim], expanded by repeat_interleave,
+    which saves nothing); TransformerLayer.forward's residual (the
     layer's input [s, b, h], the sequence shard with SP: the previous layer's output) and on the first
     chunk GPTModel.forward's decoder_input (the embedding's output, the same tensor for layer 0).
     Measured exact at the article's shape (cluster=fake, TP2·PP2·DP2·SP, s=8192: stage 0's third
@@ -373,6 +374,25 @@ def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_liv
     if done:
         g += (0 if last else 2 * e_p) + (0 if first else 2 * e_p)
     return g
+
+
+def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: int, saved: int, per_live: int,
+                     e_p: int) -> list[tuple]:
+    """The moments (bytes over resident, parts, phase, what) of the given forwards' softmax casts on a
+    vp = 1 stage (stage_shape: its chunk's layers, first, last; saved: one micro-batch's saved bytes;
+    per_live: p2p() of one in flight): the micro-batches not yet backpropagated keep theirs, the
+    forward's own (softmax_forward) and the p2p tensors of that moment (_forward_gathered)."""
+    n, first, last = stage_shape
+    sf = softmax_forward(sh, rc, n, first)
+    if sf is None:
+        return []
+    out = []
+    for kk in forwards:
+        act = (kk - max(0, kk - w)) * saved + sf[0]
+        gat = _forward_gathered(kk, w, first, last, e_p, per_live)
+        out.append((act + sf[1] + gat, {"activations": act, "temporary": sf[1], "gathered": gat}, "forward",
+                    f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+    return out
 
 
 # -- the schedule ----------------------------------------------------------------------------------
@@ -490,9 +510,10 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     rc = recompute_of(k)
     sh = shape_of(model, lay, k)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))  # one p2p tensor ([s/tp, b, h] with SP)
-    chunks = []
+    chunks, shapes = [], []
     for ch in range(lay.vp):
-        n, first, last = _stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)
+        shapes.append(_stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
+        n, first, last = shapes[-1]
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
     w, fwd, bwd = schedule(lay.pp, lay.vp, stage, lay.num_microbatches)
@@ -541,15 +562,8 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             for name, own, tmp, gat in u.moments:
                 t = tmp - recv if name.endswith(("fc2", "fc1")) else tmp
                 add(others + rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
-    if lay.vp == 1:
-        # each forward's softmax moment (softmax_forward), after the backward moments
-        n, first, last = _stage_shape(model, lay.pp, stage, 1, 0, k.pp_split)
-        sf = softmax_forward(sh, rc, n, first)
-        if sf is not None:
-            for kk in range(len(fwd)):
-                live = kk - max(0, kk - w)  # earlier micro-batches not yet backpropagated
-                add(live * saved[0] + sf[0], sf[1], _forward_gathered(kk, w, first, last, e_p, p2p([0])),
-                    "forward", f"layer {n - 1}: softmax cast (micro-batch {kk})")
+    if lay.vp == 1:  # each forward's softmax moment (softmax_forward), after the backward moments
+        moments += _softmax_moments(sh, rc, shapes[0], range(len(fwd)), w, saved[0], p2p([0]), e_p)
     return (*moments, e_p)
 
 
@@ -565,9 +579,10 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     rc = recompute_of(k)
     sh = shape_of(model, lay, k)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))
-    chunks = []
+    chunks, shapes = [], []
     for ch in range(lay.vp):
-        n, first, last = _stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)
+        shapes.append(_stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
+        n, first, last = shapes[-1]
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
     pw = [(0 if first else e_p) + (0 if last else e_p) for _u, first, last in chunks]  # p2p() per chunk
@@ -614,15 +629,9 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         # the reference's forward softmax moments grow with the micro-batches in flight up to forward w
         # and stay level from forward w + 1 (w in flight, the previous iteration's p2p locals): the
         # first of each, in its order
-        n, first, last = _stage_shape(model, lay.pp, stage, 1, 0, k.pp_split)
-        sf = softmax_forward(sh, rc, n, first)
         total = len(fwd)
-        if sf is not None:
-            for kk in sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])}):
-                live = kk - max(0, kk - w)
-                act, gat = live * saved[0] + sf[0], _forward_gathered(kk, w, first, last, e_p, pw[0])
-                moments.append((act + sf[1] + gat, {"activations": act, "temporary": sf[1], "gathered": gat},
-                                "forward", f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+        ks = sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])})
+        moments += _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p)
     return (*moments, e_p)
 
 
