@@ -65,6 +65,9 @@ JobAcctGatherType=jobacct_gather/none
 # time limits are enforced promptly: a short-limit test should not wait minutes
 KillWait=5
 OverTimeLimit=0
+# a task runs at the nice value of the command that submitted it (sbatch, srun): a test whose job only
+# has to outlive its time limit submits at nice 19, so its spinning ranks take what the others leave
+PropagatePrioProcess=1
 InactiveLimit=0
 MinJobAge=600
 SchedulerParameters=defer

@@ -40,11 +40,12 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda it: rank.get(os.path.basename(str(it.path)), len(rank)))  # stable: in-file order kept
 
 
-def launch(*args: str, timeout: int = 1800, check: bool = False) -> subprocess.CompletedProcess:
-    """Run launch.py as a user would; returns the completed process (stdout+stderr captured)."""
+def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0) -> subprocess.CompletedProcess:
+    """Run launch.py as a user would; returns the completed process (stdout+stderr captured). nice: the
+    process's nice value (what it runs, and on the local Slurm what it submits, inherit it)."""
     env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
     p = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     if check and p.returncode != 0:
         raise AssertionError(f"launch.py {' '.join(args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p

@@ -474,3 +474,33 @@ def test_one_dispatch_mode_records_both_probes(tmp_path, monkeypatch):
     assert not entered and s.comm.ignored_single == 1
     rec = json.load(open(tmp_path / "r.json"))
     assert not rec["errors"] and rec["steps"][0]["comm"] == [] and "peak" in rec["steps"][0]
+
+
+_FREEZE = r"""
+import gc, json, torch
+from probes.peak import PeakTracker, freeze_imports
+kept = torch.zeros(1000)           # made before the freeze, as an import-time tensor
+storage = torch.UntypedStorage(24)  # a bare storage too
+kept_n = freeze_imports()
+listed = any(o is kept for o in gc.get_objects())
+later = torch.zeros(10)            # made after it, as a job's tensor
+tr = PeakTracker()
+print(json.dumps({"kept": kept_n, "listed": listed, "scanned": tr.scan(), "frozen": gc.get_freeze_count() > 0}))
+"""
+
+
+def test_a_frozen_servers_tensors_are_still_scanned():
+    """launchers.forkserver freezes what it imported (gc.freeze: gc.get_objects() no longer lists it);
+    the peak probe's scan still finds the tensors and storages among it (probes.peak.freeze_imports),
+    beside what was made after. In a subprocess: a freeze is for the whole process."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    p = subprocess.run([sys.executable, "-c", _FREEZE], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["frozen"] and not got["listed"] and got["kept"] >= 2
+    assert got["scanned"] == 4000 + 24 + 40, got  # both frozen ones and the later tensor, each once

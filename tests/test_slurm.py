@@ -81,9 +81,11 @@ def test_world_mismatch_rejected_before_sbatch(slurm, tmp_path):
 
 
 def test_too_short_time_limit_is_recorded_with_slurms_state(slurm, tmp_path):
-    # Slurm's --time accepts minutes:seconds; 0:10 is far less than the job needs
+    # Slurm's --time accepts minutes:seconds; 0:10 is far less than the job needs. Submitted at nice 19
+    # (PropagatePrioProcess, scripts/slurm.sh): its ranks would spin until Slurm kills them (10-45 s
+    # after the start: slurmctld checks limits every 30 s), taking CPU the other tests need
     p = launch("-m", "framework=deepspeed", "train.steps=5000", "hydra/launcher=submitit_slurm", "cluster=local_slurm",
-               "+cluster.additional_parameters.time=0:10", f"hydra.sweep.dir={tmp_path}", timeout=600)
+               "+cluster.additional_parameters.time=0:10", f"hydra.sweep.dir={tmp_path}", timeout=600, nice=19)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.load(open(tmp_path / "0_deepspeed" / "record.json"))
     assert rec["slurm"]["JobState"] == "TIMEOUT"
