@@ -1,6 +1,6 @@
 """Megatron Core 0.18.0: the faithful ledger against real CPU/gloo runs, the CPU redirects, dry run.sh.
 
-One shared sweep (a few small multiruns, 29 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
+One shared sweep (a few small multiruns, 32 jobs) covers dp2, tp2, pp2 (world 2) and tp2·dp2,
 pp2·dp2, tp2·pp2 (world 4), sequence parallel on and off, overlap_grad_reduce on and off (with
 small buckets, so several padded buckets per buffer), the interleaved schedule (pp2·vp2 world 2,
 pp2·vp2·dp2 world 4: one DDP buffer per model chunk), tied embeddings (dp2: no output weight; pp2,
@@ -10,7 +10,8 @@ the previous step's in the forward pre-hooks after) and a vocab tp does not divi
 tp2·sp, tp2·dp2: trained padded to 1024 rows) and uneven pipeline stages (3 layers over pp2: first
 1 / last 2 and the reverse, by num_layers_in_first/last_pipeline_stage and by
 account_for_embedding/loss_in_pipeline_split), and the peak under recompute (pp2, 4 micro-batches,
-s=128: none, selective core_attn, full uniform and block). Every state and collective row (first and
+s=128: none, selective core_attn, full uniform and block; s=512, where a softmax cast is the peak:
+none, full uniform and block). Every state and collective row (first and
 steady steps) on every rank must reconcile with abs_err 0, and every steady peak_bytes row within 1%
 (ledger/faithful/megatron_peak.py; `python -m analysis.reconcile DIR` shows them).
 """
@@ -84,6 +85,12 @@ SWEEPS = (
     # at the last layer's softmax cast (megatron_peak.softmax_forward): stage 0 with one micro-batch in
     # flight and the previous iteration's p2p locals, the last stage with its own only
     ("w2fwd", ("cluster.ranks=2", "model.seq_len=512", "layout={pp:2,global_batch_size:4}")),
+    # the same with full recompute of one layer: uniform (both layers of a stage checkpointed) peaks at
+    # the last layer's softmax cast in its recompute in backward; block (layer 0 checkpointed, layer 1
+    # not) at that recompute on stage 0 and at layer 1's forward cast on the last stage
+    ("w2fwdrc", ("cluster.ranks=2", "model.seq_len=512", "framework.recompute_granularity=full",
+                 "framework.recompute_method=uniform,block", "framework.recompute_num_layers=1",
+                 "layout={pp:2,global_batch_size:4}")),
 )
 # (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
 # (layers, first, last, embedding, loss) of the pipeline split) of every job
@@ -109,8 +116,9 @@ EXPECTED = {(*job, 1024, EVEN) for job in {("dp2", False, True, 1, False, False)
 NO_RC = (32, None, None)
 RC_JOBS = {("pp2", True, True, 1, False, False, 1024, EVEN, rc) for rc in
            ((128, None, None), (128, "selective", None), (128, "full", "uniform"), (128, "full", "block"))}
-FWD_JOB = ("pp2", False, True, 1, False, False, 1024, EVEN, (512, None, None))
-EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS | {FWD_JOB}
+FWD_JOBS = {("pp2", False, True, 1, False, False, 1024, EVEN, rc) for rc in
+            ((512, None, None), (512, "full", "uniform"), (512, "full", "block"))}
+EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS | FWD_JOBS
 
 
 def _split(rec) -> tuple:
@@ -198,20 +206,41 @@ def test_long_sequence_peaks_at_the_forward_softmax_cast(sweep):
     to the byte; the temporaries and what was live at the step's start (`unnamed`) off only by the
     launcher's batches (launchers/megatron.py batches: 8·b·(s + 1) B, at most one in each) and a few
     4-byte scalars, which the ledger does not model."""
-    rec = next(r for r in sweep["ok"] if _rc(r)[0] == 512)
+    _at_softmax_casts(sweep, (512, None, None), {0: ("forward", 1), 1: ("forward", 1)})
+
+
+def _at_softmax_casts(sweep, rc, where) -> None:
+    """Each rank of the job with recompute `rc` peaks at a softmax cast where[rank] = (phase, layer),
+    predicted there, its saved activations and p2p buffers to the byte; the temporaries and what was
+    live at the step's start (`unnamed`) off only by the launcher's batches (launchers/megatron.py
+    batches: 8·b·(s + 1) B, at most one in each) and a few 4-byte scalars, which the ledger does not
+    model."""
+    rec = next(r for r in sweep["ok"] if _rc(r) == rc)
     pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
-    batch = 8 * 1 * (512 + 1)
+    batch = 8 * 1 * (rc[0] + 1)
     for m in rec["measurement"]["ranks"]:
         pk, p = m["steps"][-1]["peak"], pred[m["rank"]]
+        phase, layer = where[m["rank"]]
         w = measured_peak_where(pk)
-        assert (w["phase"], w["op"]) == ("forward", "aten._to_copy.default") and w["module"].endswith(
-            "layers.1.self_attention.core_attention.scale_mask_softmax"), w
-        assert p["phase"] == "forward" and "softmax cast" in p["what"], p["what"]
+        assert (w["phase"], w["op"]) == (phase, "aten._to_copy.default") and w["module"].endswith(
+            f"layers.{layer}.self_attention.core_attention.scale_mask_softmax"), (rc, m["rank"], w)
+        assert p["phase"] == phase and f"layer {layer}" in p["what"] and "softmax cast" in p["what"], (rc, p["what"])
         at = pk["at_peak"]
         assert at["activations"] == p["parts"]["activations"] and at.get("gathered", 0) == p["parts"]["gathered"], (
-            at, p["parts"])
-        assert 0 <= at["temporary"] - p["parts"]["temporary"] <= batch + 64, (m["rank"], at, p["parts"])
-        assert at.get("unnamed", 0) <= batch + 64, (m["rank"], at)
+            rc, m["rank"], at, p["parts"])
+        assert 0 <= at["temporary"] - p["parts"]["temporary"] <= batch + 64, (rc, m["rank"], at, p["parts"])
+        assert at.get("unnamed", 0) <= batch + 64, (rc, m["rank"], at)
+
+
+@pytest.mark.real
+def test_full_recompute_peaks_at_a_recomputed_softmax_cast(sweep):
+    """s=512, pp2, full recompute of one layer (megatron_peak.chunk_units): uniform checkpoints both
+    layers of a stage, and each stage peaks in backward at the last layer's softmax cast in its
+    recompute (the earlier layers' checkpoint inputs, the layer's own saves so far, the checkpoint's
+    output grad); block checkpoints layer 0 only: stage 0 peaks at layer 0's recompute (its saves
+    beside micro-batches in flight), the last stage at layer 1's cast in a forward (softmax_forward)."""
+    _at_softmax_casts(sweep, (512, "full", "uniform"), {0: ("backward", 1), 1: ("backward", 1)})
+    _at_softmax_casts(sweep, (512, "full", "block"), {0: ("backward", 0), 1: ("forward", 1)})
 
 
 @pytest.mark.real

@@ -186,6 +186,12 @@ def test_acceptance_command_prints_the_peak_per_stage():
     (preset("tiny", seq_len=512), dict(tp=2, pp=1, dp=1, sequence_parallel=True, global_batch_size=2), {}),
     (preset("tiny", seq_len=512), dict(tp=1, pp=2, dp=1, global_batch_size=4), {}),
     (preset("llama3_1b", seq_len=8192), dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16), {}),
+    # full recompute: a recomputed layer's softmax cast in backward (the article's run), a forward's
+    # softmax cast beside a checkpointed layer 0 (block)
+    (preset("llama3_1b", seq_len=8192), dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16),
+     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    (preset("tiny", seq_len=512), dict(tp=1, pp=2, dp=1, global_batch_size=4),
+     {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}),
 ])
 def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
     """_step_moments_fast (the planner's path) against _step_moments, the readable reference: the same

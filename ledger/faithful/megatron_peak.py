@@ -28,11 +28,15 @@ tensor (its softmax statistics [b, heads/tp, s] fp32 and the output instead): `l
 the spec. Recompute (framework.recompute_*): selective core_attn (attention.py
 _checkpointed_attention_forward) and full uniform / block (recompute.py checkpointed_forward), both
 through tensor_parallel/random.py CheckpointFunction (ctx.save_for_backward of its tensor inputs).
-The forward softmax moment is modelled for the 1F1B and no-pipelining schedules (vp = 1) without
-recompute; the interleaved schedule's and a recomputed layer's forward are not (their backward moments
-stand). At full shape (the article's TP2·PP2·DP2·SP run on cluster=fake, s=8192) both stages peak there
-(stage 0 in its third micro-batch's forward, the last stage in any after its first), 63 MB (0.05%)
-above the backward moment that was the prediction before.
+The forward softmax moment is modelled for the 1F1B and no-pipelining schedules (vp = 1), without
+recompute or with full block recompute whose last layer is not checkpointed; the interleaved schedule's
+and selective recompute's forward are not (their backward moments stand). At full shape (the article's
+TP2·PP2·DP2·SP run on cluster=fake, s=8192) both stages peak there (stage 0 in its third micro-batch's
+forward, the last stage in any after its first), 63 MB (0.05%) above the backward moment that was the
+prediction before. Under full recompute the same cast in a checkpointed layer's recompute (in its
+backward, chunk_units) is the peak of the article's run with uniform recompute of one layer: measured
+exact but the launcher's batches on both stages (it was 12.7 MB / 29.5 MB above the attention-score
+backward moment predicted before).
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ GRANULARITIES = (None, "selective", "full")
 
 _PEAK_COMMON = ("peak (megatron_peak.py): resident + saved activations of the micro-batches in flight + p2p "
                 "buffers + the largest temporary of the moment, over every backward moment, the cross-entropy "
-                "forward, the local spec's forward softmax (1F1B / no pipelining, no recompute), the grad sync and "
+                "forward, the local spec's forward softmax (1F1B / no pipelining; not selective recompute) and a "
+                "fully recomputed layer's softmax cast in its backward, the grad sync and "
                 "Adam's step; no allocator rounding (CUDA: 512-byte blocks); other forward transients, the launcher's "
                 "batch and a few 4-byte step leftovers are not modelled")
 PEAK_NOTES = {
@@ -64,6 +69,11 @@ PEAK_NOTES = {
                            "moments stand for them (no CPU run confirms TE)"),
 }
 MODELLED_MODULES = ("core_attn",)
+RECOMPUTED_CAST = "softmax cast (recompute)"
+# the moments (by their name's end) of a chunk's first backward unit whose incoming grad is the received
+# output grad itself (gathered), not a new tensor: the last layer's fc2 and fc1, and under full recompute
+# its recomputed forward before them
+INCOMING_IS_RECEIVED = ("fc2", "fc1", RECOMPUTED_CAST)
 
 
 class Recompute(NamedTuple):
@@ -292,11 +302,20 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
                 units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(lo, hi))]
                 continue
             # the first chunk's input on a stage that receives it is the received buffer (gathered)
-            own = 0 if (lo == 0 and not first) else ck
+            own = ck  # the group's input; on a stage that receives it, the p2p buffer itself (received_in_p2p)
             # backward of the checkpoint: recompute every layer of it, then walk them
             ms = []
             # (CheckpointFunction.backward: torch.autograd.backward of the recomputed output, [s, b, h])
             out_h = sh.e * sh.sbh_n
+            if not sh.te:
+                # each recomputed layer's softmax cast (softmax_cast), in forward order: the layers of the
+                # group recomputed before it hold all their saves, the one before its output (this
+                # layer's residual; the group's first layer's is the checkpoint's input), and the
+                # checkpoint's output grad is live. Measured where it is the peak: the article's
+                # TP2-PP2-DP2-SP run with full uniform recompute (cluster=fake, s=8192), both stages
+                cast_own, cast_tmp = softmax_cast(sh, rc)
+                ms += [(f"layer {i} {RECOMPUTED_CAST}", own + (i - lo) * total + cast_own,
+                        cast_tmp + out_h + (out_h if i > lo else 0), 0) for i in range(lo, hi)]
             for j in range(k):  # the layer j from the end of the group
                 rest = (k - 1 - j) * total
                 ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h, g) for name, live, t, g in moments]
@@ -327,7 +346,8 @@ def chunk_saved(units: list[Unit]) -> int:
 def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple[int, int] | None:
     """(this micro-batch's saved bytes in the chunk, temporaries) when its last layer's softmax is cast
     back to the activation dtype in the forward: the local spec's largest forward moment (None where
-    it is not modelled: TransformerEngine's attention has no s^2 tensor; recompute not derived).
+    it is not modelled: TransformerEngine's attention has no s^2 tensor; selective recompute; full
+    recompute whose last layer is checkpointed, whose recompute in backward holds more: chunk_units).
 
     fusions/fused_softmax.py FusedScaleMaskSoftmax.forward_torch_softmax: `input.float()` (fp32
     [b, heads/tp, s, s]), the fp32 softmax (saved), then `probs.bfloat16()` (saved by the context
@@ -344,36 +364,68 @@ def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple
     chunk GPTModel.forward's decoder_input (the embedding's output, the same tensor for layer 0).
     Measured exact at the article's shape (cluster=fake, TP2·PP2·DP2·SP, s=8192: stage 0's third
     micro-batch, the last stage's eighth), up to the launcher's batch (8·b·(s + 1) B, not modelled)."""
-    if sh.te or rc.granularity is not None or layers < 1:
+    if sh.te or rc.granularity == "selective" or layers < 1:
         return None
+    # full recompute (recompute.py checkpointed_forward): the checkpointed layers save their input only;
+    # where the last layer is checkpointed too (uniform; block over every layer) its forward runs under
+    # no_grad and holds less than its recompute in backward (chunk_units), so no forward moment
+    n = rc.num_layers if rc.granularity == "full" else 0
+    if n and (rc.method != "block" or layers <= n):
+        return None
+    ck = sh.e * sh.sbh_n  # a checkpoint's input; on a stage that receives it, layer 0's is the p2p buffer
+    own, tmp = softmax_cast(sh, rc)
+    own += n * ck + (layers - 1 - n) * sum(layer_groups(sh, rc).values())
+    if first:
+        own += sum(embedding_groups(sh).values())
+    # the last layer's residual (the previous layer's output) and, on the first chunk without a
+    # checkpoint around layer 0 (which saves it), GPTModel.forward's decoder_input
+    return own, tmp + ck * ((layers > 1) + (first and not n))
+
+
+def softmax_cast(sh: Shape, rc: Recompute) -> tuple[int, int]:
+    """(the layer's own saved bytes, temporaries) at its softmax cast (softmax_forward says which),
+    without its input (the residual) and what earlier layers hold: shared by a forward's last layer
+    and a fully recomputed layer's forward in its backward (chunk_units)."""
     g = layer_groups(sh, rc)
     e, sb = sh.e, sh.s * sh.b
     s2 = sh.b * sh.a * sh.s * sh.s
-    own = (layers - 1) * sum(g.values()) + g["norm1"] + g["rope"] + g["core"] - e * sb * sh.hq
-    if first:
-        own += sum(embedding_groups(sh).values())
+    own = g["norm1"] + g["rope"] + g["core"] - e * sb * sh.hq
     # the query split from [s, b, groups, (heads/groups + 2) head_dim] reshapes to [s, b, heads/tp,
     # head_dim] as a view where one group (kv heads / tp = 1) or one head a group; else a copy
     groups = sh.hkv // sh.hd
     q_copy = e * sb * sh.hq if groups > 1 and sh.a // groups > 1 else 0
-    tmp = (4 + e) * s2 + q_copy + e * sb * (sh.hq + 2 * sh.hkv) + e * sb * sh.hkv
-    tmp += e * sh.sbh_n * ((layers > 1) + first)
-    return own, tmp
+    return own, (4 + e) * s2 + q_copy + e * sb * (sh.hq + 2 * sh.hkv) + e * sb * sh.hkv
 
 
-def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_live: int) -> int:
+def received_in_p2p(first: bool, rc: Recompute) -> bool:
+    """Whether a chunk's received input (schedules.py input_tensor) counts as a p2p buffer (gathered):
+    not on the first stage, which receives none, nor under full recompute, whose checkpoint around
+    layer 0 (recompute.py: uniform and block both start at layer 0) saves that buffer itself
+    (CheckpointFunction's save_for_backward, which the peak probe sees as saved: activations, and
+    chunk_units / softmax_forward count it so)."""
+    return not first and rc.granularity != "full"
+
+
+def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_live: int,
+                      in_p2p: bool) -> tuple[int, int]:
     """p2p tensors a 1F1B stage holds during forward k (pipeline_parallel/schedules.py
     forward_backward_pipelining_without_interleaving): each earlier micro-batch not yet backpropagated
     keeps its received input and sent output (per_live: p2p() of one), this one its received input;
     from the steady loop's second iteration the previous iteration's locals are still bound while
     forward_step runs: output_tensor and the output_tensor_grad received for it (not on the last
     stage), input_tensor_grad, and through output_tensor's autograd graph (the input's AccumulateGrad
-    node) that micro-batch's input (not on the first)."""
+    node) that micro-batch's input (not on the first). Returns (gathered, saved): a received input
+    goes in saved where a checkpoint saved it (in_p2p false: received_in_p2p), the stale one too (the
+    probe names a tensor by what it was)."""
     done = max(0, k - w)  # backwards before forward k: the steady loop runs forward w + i, then backward i
-    g = (k - done) * per_live + (0 if first else e_p)
+    recv = 0 if first else e_p  # a received input (this forward's, where saved, is softmax_forward's)
+    g = (k - done) * per_live + (recv if in_p2p else 0)
+    stale_saved = 0
     if done:
-        g += (0 if last else 2 * e_p) + (0 if first else 2 * e_p)
-    return g
+        # output_tensor and its grad, input_tensor_grad, and the stale input
+        g += (0 if last else 2 * e_p) + recv + (recv if in_p2p else 0)
+        stale_saved = 0 if in_p2p else recv
+    return g, stale_saved
 
 
 def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: int, saved: int, per_live: int,
@@ -388,8 +440,8 @@ def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: 
         return []
     out = []
     for kk in forwards:
-        act = (kk - max(0, kk - w)) * saved + sf[0]
-        gat = _forward_gathered(kk, w, first, last, e_p, per_live)
+        gat, stale = _forward_gathered(kk, w, first, last, e_p, per_live, received_in_p2p(first, rc))
+        act = (kk - max(0, kk - w)) * saved + sf[0] + stale
         out.append((act + sf[1] + gat, {"activations": act, "temporary": sf[1], "gathered": gat}, "forward",
                     f"layer {n - 1}: softmax cast (micro-batch {kk})"))
     return out
@@ -528,7 +580,7 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         g = 0
         for ch in live_chunks:
             _, first, last = chunks[ch]
-            g += (0 if first else e_p) + (0 if last else e_p)
+            g += (e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
         return g
 
     for j in range(len(fwd)):
@@ -560,7 +612,7 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             # see that buffer itself as their incoming grad, later moments a new one (the residual add)
             recv = e_p if i == 0 and not last else 0
             for name, own, tmp, gat in u.moments:
-                t = tmp - recv if name.endswith(("fc2", "fc1")) else tmp
+                t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
                 add(others + rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
     if lay.vp == 1:  # each forward's softmax moment (softmax_forward), after the backward moments
         moments += _softmax_moments(sh, rc, shapes[0], range(len(fwd)), w, saved[0], p2p([0]), e_p)
@@ -585,7 +637,8 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         n, first, last = shapes[-1]
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
-    pw = [(0 if first else e_p) + (0 if last else e_p) for _u, first, last in chunks]  # p2p() per chunk
+    pw = [(e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
+          for _u, first, last in chunks]  # p2p() per chunk
     best = []  # per chunk: (inner bytes, activations part, temporary, gathered, what) of its top moment
     for ch, (units, first, last) in enumerate(chunks):
         top = None
@@ -594,7 +647,7 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             rest -= u.saved
             recv = e_p if i == 0 and not last else 0
             for name, own, tmp, gat in u.moments:
-                t = tmp - recv if name.endswith(("fc2", "fc1")) else tmp
+                t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
                 v = rest + own + t + gat
                 if top is None or v > top[0]:
                     top = (v, rest + own, t, gat, f"{u.name}: {name}")
