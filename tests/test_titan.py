@@ -71,6 +71,10 @@ SWEEPS = (
     # SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", "model.seq_len=2048", "layout.pp=2", "layout.global_batch_size=2",
                 "framework.activation_checkpoint=full,selective")),
+    # a checkpointed block's recompute runs its forward collectives again (titan._recomputed): TP's
+    # two rowwise all-reduces a block (full AC), CP's K/V all-gathers (selective AC: not in its save list)
+    ("w2tpac", ("cluster.ranks=2", "model.seq_len=32", "layout.tp=2", "framework.activation_checkpoint=full")),
+    ("w2cpac", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.activation_checkpoint=selective")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
