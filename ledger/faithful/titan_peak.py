@@ -130,16 +130,24 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     head_numel: the unpadded TP-local numel of one TransformerBlock, tok_embeddings and [norm,
     lm_head] (FSDP2's unsharded parameters). The most live bytes over lm_head's reduce-scatter at
     the loss's last chunk (_at_lm_head), a loss chunk's cross-entropy backward (_at_loss_chunk), the
-    final norm's backward (_at_final_norm) and the blocks' post-backward reduce-scatters (_at_block):
-    the most of them, the earliest on ties. At long sequences and large vocabularies the second and
-    third win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk)."""
+    final norm's backward (_at_final_norm), the blocks' post-backward reduce-scatters (_at_block) and,
+    with activation checkpointing, each block's SwiGLU backward in its recompute (_at_recompute): the
+    most of them, the earliest on ties. At long sequences and large vocabularies the second and third
+    win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk), with a small vocabulary and
+    checkpointing the recompute (dp2 at seq 2048)."""
     best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)
     for pk in (_at_loss_chunk(best, model, lay, head_numel),
                _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)):
         if pk.bytes > best.bytes:
             best = pk
     late = 0
+    ac = getattr(fw, "activation_checkpoint", "none") != "none"
     for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
+        # (with activation checkpointing, the block's recompute comes first in its backward)
+        if ac:
+            rc = _at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k)
+            if rc.bytes > best.bytes:
+                best = rc
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k)
         if pk.bytes > best.bytes:
             best = pk
@@ -592,6 +600,53 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
                 what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
 
 
+def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
+    """Live bytes at a checkpointed block k's SwiGLU backward in its recompute (activation checkpointing,
+    no PP): pp_moments' SwiGLU moment with FSDP2's steady-step state. The block's recompute holds its
+    saves as without checkpointing (saved_per_layer "none"; w2's input freed by w2's mm backward),
+    beside w2's bf16 weight grad, the grads of silu's and w3's outputs and their product (bf16 [T, ffn]
+    each) and the incoming residual grad; blocks 0..k-1 hold their checkpoint's saves, block k its input;
+    its parameters are unsharded, the block before's all-gather prefetched, and the reduce-scatter input
+    of the block after still held (_fsdp_param_group.py: the reduce-scatter state is kept until the next
+    post_backward)."""
+    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
+    ds = lay.dp_shard * lay.cp
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")
+    sp = bool(lay.sequence_parallel) and lay.tp > 1
+    full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp)[0]
+    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp)
+    T = B * S // lay.cp
+    f = model.ffn_hidden // lay.tp
+    resid = (T // lay.tp if sp else T) * model.hidden * BF16
+    detail: dict[str, int] = {"resident/state": resident}
+    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
+    acts = (k + 1) * ck1 + I64
+    detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
+    ag = (sh.layer_full if k else sh.emb_full) * BF16 if reshard and ds > 1 else 0
+    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
+    rs_out = sh.layer_full * F32 // ds
+    held = (sh.norm_full * F32 // ds + (L - 1 - k) * rs_out) if lay.dp_replicate > 1 else 0
+    gathered = ag + rs_held + held
+    if ag:
+        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
+    detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
+    if held:
+        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
+    work = full1 - T * f * BF16 + f * model.hidden * BF16 + 3 * T * f * BF16 + resid
+    small = _batch_bytes(model, B, S)
+    temp = work + k * kept1 + small
+    detail["temporary/the recompute's saves (w2's input freed), w2's weight grad, SwiGLU grads, residual grad"] = work
+    if kept1:
+        detail["temporary/selective AC kept outputs (earlier blocks)"] = k * kept1
+    detail["temporary/batch, document mask, scalars"] = small
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
+             "unnamed": 12}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what=f"layers.{k}: SwiGLU backward in its recompute", detail=detail)
+
+
 def notes(lay, fw) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     gpu = ("on CUDA the reduce-scatter runs in place (no gloo copy of its input), SDPA's flash/cuDNN kernels save "
@@ -604,12 +659,11 @@ def notes(lay, fw) -> list[str]:
                 "micro-batches in flight (a checkpointed block recomputed first), or at the last stage's loss. Not "
                 "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
     out = ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
-    if getattr(fw, "activation_checkpoint", "none") != "none":
-        # a finding, not modelled yet: without PP the moments are the loss's, the final norm's and the
-        # blocks' reduce-scatters; a checkpointed block's recompute and backward (pp_moments has it for
-        # PP) is not among them, and at long sequences with a small vocabulary it is the peak
-        out.append("titan peak with activation checkpointing and no PP: a checkpointed block's recompute in its "
-                   "backward is not modelled; where it is the peak the prediction is under (measured on the CPU at "
-                   "dp2, seq 2048, vocab 1024: 39% under with full AC, 25% with selective; the article's FSDP4-TP2-SP "
-                   "run at s=8192 peaks at a loss chunk instead, exact)")
+    if getattr(fw, "activation_checkpoint", "none") != "none" and lay.tp > 1:
+        # a finding: _at_recompute is exact at dp2 (seq 2048, full and selective: 3,808 B under, the
+        # batch); with TP and SP its moment holds more than modelled (SP's gathered inputs in the recompute)
+        out.append("titan peak with activation checkpointing, TP and no PP: a checkpointed block's recompute moment "
+                   "(_at_recompute) is modelled as without TP's extra buffers; where it is the peak the prediction "
+                   "is under (measured on the CPU at tp2-SP, seq 2048: 1,400,544 B, 1.9% with selective AC, 2.3% "
+                   "with full; the article's FSDP4-TP2-SP run at s=8192 peaks at a loss chunk instead, exact)")
     return out
