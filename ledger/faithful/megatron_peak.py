@@ -301,8 +301,9 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
             if not c:
                 units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(lo, hi))]
                 continue
-            # the first chunk's input on a stage that receives it is the received buffer (gathered)
-            own = ck  # the group's input; on a stage that receives it, the p2p buffer itself (received_in_p2p)
+            # the group's saved input; the first group's, on a stage that receives it, is the p2p buffer
+            # itself, counted here and not as p2p (received_in_p2p)
+            own = ck
             # backward of the checkpoint: recompute every layer of it, then walk them
             ms = []
             # (CheckpointFunction.backward: torch.autograd.backward of the recomputed output, [s, b, h])
