@@ -542,6 +542,22 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
                 detail=detail)
 
 
+def _fsdp_backward_held(sh, lay, fw, layers: int, k: int) -> tuple[int, int]:
+    """(the prefetched all-gather, HSDP's held all-reduce inputs) while block k is backpropagated, no PP:
+    the backward prefetch's all-gather output of the unit before (the block before, bf16 padded full;
+    before block 0, tok_embeddings), where it reshards after forward (a shard group of one gathers
+    nothing: _fsdp_param_group.py unshard returns the sharded data as its all-gather result and
+    wait_for_unshard copies it into the unsharded storages); with HSDP each group keeps its last
+    all-reduce input (its reduce-scatter output, _fsdp_param_group.py post_backward:
+    self._all_reduce_state) until its own next post_backward or finalize_backward: the norm's (the
+    [norm, lm_head] group's last) and every block's after k."""
+    ds = lay.dp_shard * lay.cp
+    reshard = fw.reshard_after_forward in ("default", "always")
+    ag = (sh.layer_full if k else sh.emb_full) * BF16 if reshard and ds > 1 else 0
+    held = (sh.norm_full * F32 // ds + (layers - 1 - k) * (sh.layer_full * F32 // ds)) if lay.dp_replicate > 1 else 0
+    return ag, held
+
+
 def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
     """Live bytes while gloo reduce-scatters block k's grads (its post-backward, after its reshard)."""
     B, S, L = lay.micro_batch_size, model.seq_len, model.layers
@@ -565,17 +581,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
     acts = before * act1 + I64
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
-    # gathered: the prefetched all-gather output of the unit before (the block before, bf16 padded
-    # full; before block 0, tok_embeddings), the reduce-scatter input (fp32, padded full) and output
-    # (its shard)
-    # (a shard group of one gathers nothing: _fsdp_param_group.py unshard returns the sharded data
-    # as its all-gather result and wait_for_unshard copies it into the unsharded storages)
-    ag = (sh.layer_full if before else sh.emb_full) * BF16 if reshard and ds > 1 else 0
+    # gathered: the prefetched all-gather output of the unit before and HSDP's held all-reduce inputs
+    # (_fsdp_backward_held), the reduce-scatter input (fp32, padded full) and output (its shard)
+    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_in, rs_out = sh.layer_full * F32, sh.layer_full * F32 // ds
-    # HSDP: each group keeps its last all-reduce input (its reduce-scatter output,
-    # _fsdp_param_group.py post_backward: self._all_reduce_state) until its own next post_backward
-    # or finalize_backward: the norm's (the [norm, lm_head] group's last) and every block's after k
-    held = (sh.norm_full * F32 // ds + (L - 1 - k) * rs_out) if lay.dp_replicate > 1 else 0
     gathered = ag + rs_in + rs_out + held
     if held:
         detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
@@ -610,7 +619,6 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     of the block after still held (_fsdp_param_group.py: the reduce-scatter state is kept until the next
     post_backward)."""
     B, S, L = lay.micro_batch_size, model.seq_len, model.layers
-    ds = lay.dp_shard * lay.cp
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")
     sp = bool(lay.sequence_parallel) and lay.tp > 1
@@ -624,10 +632,8 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
     acts = (k + 1) * ck1 + I64
     detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
-    ag = (sh.layer_full if k else sh.emb_full) * BF16 if reshard and ds > 1 else 0
+    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
-    rs_out = sh.layer_full * F32 // ds
-    held = (sh.norm_full * F32 // ds + (L - 1 - k) * rs_out) if lay.dp_replicate > 1 else 0
     gathered = ag + rs_held + held
     if ag:
         detail["gathered/backward prefetch all-gather (the unit before)"] = ag
