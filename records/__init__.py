@@ -23,10 +23,15 @@ FINAL_STATUSES = ("ok", "failed", "invalid", "timeout")
 UNREADABLE = "unreadable"
 
 
+def json_text(obj) -> str:
+    """A record's JSON text as write_json writes it (tests/golden.py compares predictions by it)."""
+    return json.dumps(obj, indent=1, default=str)
+
+
 def write_json(path: str, obj) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
+        f.write(json_text(obj))
     os.replace(tmp, path)
 
 
