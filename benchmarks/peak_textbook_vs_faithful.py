@@ -1,5 +1,5 @@
 """Megatron's activations and peak per rank, textbook (Korthikanti et al. 2022) beside faithful
-(ledger/faithful/megatron_peak.py, both specs), for the design article's Llama-3 1B layout at s=8192 and
+(ledger/faithful/megatron/peak.py, both specs), for the design article's Llama-3 1B layout at s=8192 and
 its recompute variants. Predict-only (no ranks run).
 
     python -m benchmarks.peak_textbook_vs_faithful [--model llama3_1b] [--seq 8192]

@@ -80,7 +80,7 @@ class MegatronConfig(FrameworkConfig):
     average_in_collective: bool = False
     clip_grad: float = 1.0
     # Megatron-LM --make-vocab-size-divisible-by: the embedding and output layer hold the vocab padded
-    # to a multiple of this times tp (ledger/faithful/megatron_buffers.py padded_vocab)
+    # to a multiple of this times tp (ledger/faithful/megatron/buffers.py padded_vocab)
     make_vocab_size_divisible_by: int = 128
     # Megatron-LM --transformer-impl: local | transformer_engine (the layer spec GPTModel is built with);
     # None = transformer_engine for mode=predict|dry (run.sh's), local for mode=run (launchers/job.py)
@@ -88,7 +88,7 @@ class MegatronConfig(FrameworkConfig):
     # the pipeline split (Megatron-LM --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers:
     # TransformerConfig num_layers_in_first/last_pipeline_stage; None = the even split), or the embedding /
     # the loss counted as one layer each in an even split (--account-for-embedding-in-pipeline-split,
-    # --account-for-loss-in-pipeline-split); ledger/faithful/megatron_buffers.py stage_layers, split_error
+    # --account-for-loss-in-pipeline-split); ledger/faithful/megatron/buffers.py stage_layers, split_error
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     account_for_embedding_in_pipeline_split: bool = False
@@ -98,7 +98,7 @@ class MegatronConfig(FrameworkConfig):
     # granularity None | selective | full; method uniform | block (full only); num_layers: layers per
     # uniform chunk, or layers per stage recomputed by block (full only); modules: what selective
     # recomputes (megatron-core 0.18: core_attn, layernorm, mlp for a dense model; None = [core_attn]).
-    # ledger/faithful/megatron_peak.py models each (conf/validate.py checks Megatron's rules)
+    # ledger/faithful/megatron/peak.py models each (conf/validate.py checks Megatron's rules)
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -107,7 +107,7 @@ class MegatronConfig(FrameworkConfig):
     # (--moe-token-dispatcher-type allgather | alltoall; --moe-router-load-balancing-type aux_loss |
     # seq_aux_loss | none; --moe-aux-loss-coeff; --moe-expert-capacity-factor, None: drop-less;
     # --moe-pad-expert-input-to-capacity). moe_grouped_gemm needs TransformerEngine (TEGroupedMLP) or
-    # the grouped_gemm package: the local spec's experts are a SequentialMLP (ledger/faithful/megatron_moe.py)
+    # the grouped_gemm package: the local spec's experts are a SequentialMLP (ledger/faithful/megatron/moe.py)
     moe_token_dispatcher_type: str = "allgather"
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0

@@ -129,7 +129,7 @@ def validate_framework(fw, mode: str = "run") -> None:
     _one_of("framework", fw, "precision", ("bf16", "fp32"))
     if fw.name == "deepspeed":
         # stage 0 (DeepSpeed as plain DDP) is predicted by the textbook ledger; the faithful one
-        # refuses it with its own reason (ledger/faithful/deepspeed.py place)
+        # refuses it with its own reason (ledger/faithful/deepspeed/zero.py place)
         _one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
         _at_least("framework", fw, ("gradient_clipping",), 0)
         # DeepSpeed-MoE's layer arguments (moe/layer.py MoE)
@@ -156,7 +156,7 @@ def validate_framework(fw, mode: str = "run") -> None:
 
 
 def validate_moe(fw) -> None:
-    """Megatron's MoE knobs (TransformerConfig's names and sets; ledger/faithful/megatron_moe.py refuses
+    """Megatron's MoE knobs (TransformerConfig's names and sets; ledger/faithful/megatron/moe.py refuses
     what it does not model, with the layout)."""
     # flex needs DeepEP / HybridEP (CUDA kernels): transformer/moe/token_dispatcher.py MoEFlexTokenDispatcher
     _one_of("framework", fw, "moe_token_dispatcher_type", ("allgather", "alltoall"))
@@ -176,7 +176,7 @@ RECOMPUTE_MODULES_NOT_DENSE = ("moe_act", "mla_up_proj", "moe", "shared_experts"
 def validate_recompute(fw) -> None:
     """Megatron's recompute knobs, by the rules of megatron-core 0.18.0 transformer_config.py
     TransformerConfig.__post_init__ (the bound on recompute_num_layers by the layers of a stage is
-    checked with the layout: ledger/faithful/megatron_peak.py check_recompute)."""
+    checked with the layout: ledger/faithful/megatron/peak.py check_recompute)."""
     g, meth, n, mods = (fw.get("recompute_granularity"), fw.get("recompute_method"),
                         fw.get("recompute_num_layers"), fw.get("recompute_modules"))
     if g not in (None, "selective", "full"):

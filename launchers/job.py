@@ -79,7 +79,7 @@ def fill_mode_defaults(cfg) -> None:
     # mode=plan keeps an unset transformer_impl unset: the ledger predicts Megatron-LM's default and
     # the plan's sweep leaves the choice to the run (local on a CPU)
     if fw.name == "megatron" and fw.get("transformer_impl") is None and cfg.mode != "plan":
-        from ledger.faithful.megatron import default_transformer_impl
+        from ledger.faithful.megatron.states import default_transformer_impl
 
         fw.transformer_impl = default_transformer_impl(cfg.mode)
 
@@ -107,7 +107,7 @@ def check(cfg):
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if fw.name == "megatron" and cfg.mode in ("run", "dry"):
-        from ledger.faithful.megatron_moe import sp_error
+        from ledger.faithful.megatron.moe import sp_error
 
         if sp_error(model, lay):
             raise ConfigError(sp_error(model, lay))

@@ -55,7 +55,7 @@ def transformer_config(cfg, lay: Layout):
         # the local spec computes attention with Megatron's own DotProductAttention
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        # activation recompute, by TransformerConfig's own names (ledger/faithful/megatron_peak.py);
+        # activation recompute, by TransformerConfig's own names (ledger/faithful/megatron/peak.py);
         # recompute_modules None is TransformerConfig's default ["core_attn"]
         recompute_granularity=fw.recompute_granularity, recompute_method=fw.recompute_method,
         recompute_num_layers=fw.recompute_num_layers,
@@ -238,7 +238,7 @@ def rope_tensors(model, seq_len: int) -> list[torch.Tensor]:
 
 
 def state_groups(chunks, optimizer, seq_len: int) -> dict:
-    """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron.py).
+    """The containers Megatron keeps between steps, classified (see ledger/faithful/megatron/states.py).
     `chunks`: the DDP-wrapped model chunks of this rank (vp of them with interleaving)."""
     params, grads, other = [], [], []
     for model in chunks:
@@ -277,8 +277,8 @@ def state_groups(chunks, optimizer, seq_len: int) -> dict:
 
 
 def run_rank(cfg, lay: Layout, session) -> dict:
-    from ledger.faithful.megatron import check_framework, check_interleaving
-    from ledger.faithful.megatron_peak import check_recompute, recompute_of
+    from ledger.faithful.megatron.states import check_framework, check_interleaving
+    from ledger.faithful.megatron.peak import check_recompute, recompute_of
 
     # ConfigErrors naming the field, before Megatron's own checks (arguments.py, the schedule)
     check_framework(cfg.framework)
@@ -307,13 +307,13 @@ def run_rank(cfg, lay: Layout, session) -> dict:
 
 def expert_group_labels(cfg) -> dict:
     """An MoE model's expert groups (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp), each by
-    the label the ledger gives its collectives (ledger/faithful/megatron_moe.py EXPERT_DIMS): the dense
+    the label the ledger gives its collectives (ledger/faithful/megatron/moe.py EXPERT_DIMS): the dense
     grid cannot name them (with ep = dp the EP group holds the DP group's ranks)."""
     if not cfg.model.num_experts:
         return {}
     from megatron.core import parallel_state as ps
 
-    from ledger.faithful.megatron_moe import EXPERT_DIMS
+    from ledger.faithful.megatron.moe import EXPERT_DIMS
 
     getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
                "etp-ep": ps.get_expert_tensor_and_model_parallel_group, "edp": ps.get_expert_data_parallel_group}

@@ -332,7 +332,7 @@ def run_rank(cfg, lay, session) -> dict:
 
 def expert_group_labels(trainer) -> dict:
     """With expert parallelism, the sparse mesh's ep and efsdp groups (distributed/parallel_dims.py:
-    ("pp", "dp_replicate", "efsdp", "ep")) by the ledger's labels (ledger/faithful/titan_moe.py): their
+    ("pp", "dp_replicate", "efsdp", "ep")) by the ledger's labels (ledger/faithful/titan/moe.py): their
     ranks can be those of the dense fsdp group, which the rank grid would name."""
     dims = trainer.parallel_dims
     if getattr(dims, "ep", 1) <= 1:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ledger.faithful.megatron_buffers import split_error
+from ledger.faithful.megatron.buffers import split_error
 from ledger.frozen import direct_init
 from ledger.grid import Grid
 from ledger.model import ModelShape
@@ -103,7 +103,7 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
         raise ConfigError(f"tp={lay.tp} does not divide num_kv_heads={model.kv_heads}")
     if not (model.ffn_hidden % lay.tp == 0):
         raise ConfigError(f"tp={lay.tp} does not divide ffn_hidden={model.ffn_hidden}")
-    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron_buffers.py padded_vocab);
+    # Megatron pads the vocab to a multiple of tp itself (ledger/faithful/megatron/buffers.py padded_vocab);
     # torchtitan shards it as torch.chunk (DTensor Shard(0)) and its loss refuses an empty shard:
     # components/loss.py _LossParallelCrossEntropy.forward (the last TP rank's rows: vocab - (tp-1)*ceil(vocab/tp))
     if not (model.vocab % lay.tp == 0 or framework == "megatron"
@@ -237,7 +237,7 @@ def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
 
 def _validate_titan_experts(model: ModelShape, lay: Layout) -> None:
     """torchtitan's MoE model here is its own qwen3 (models/qwen3; its q/k norms as model.qk_layernorm,
-    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan_moe.py)."""
+    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan/moe.py)."""
     def no(what: str) -> None:
         raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
 

@@ -9,9 +9,9 @@ from ledger.memory import StateBytes, state_bytes
 from ledger.model import ModelShape
 from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (the article's API: ledger.parallel.fmt, ...)
 
-FAITHFUL = {"megatron": "ledger.faithful.megatron", "deepspeed": "ledger.faithful.deepspeed",
-            "titan": "ledger.faithful.titan", "megatron_moe": "ledger.faithful.megatron_moe",
-            "deepspeed_moe": "ledger.faithful.deepspeed_moe", "titan_moe": "ledger.faithful.titan_moe"}
+FAITHFUL = {"megatron": "ledger.faithful.megatron.states", "deepspeed": "ledger.faithful.deepspeed.zero",
+            "titan": "ledger.faithful.titan.states", "megatron_moe": "ledger.faithful.megatron.moe",
+            "deepspeed_moe": "ledger.faithful.deepspeed.moe", "titan_moe": "ledger.faithful.titan.moe"}
 
 
 def grad_dtype(fw) -> str:

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from ledger.faithful.megatron_buffers import split_error, stage_layers
-from ledger.faithful.megatron_moe import sp_error
+from ledger.faithful.megatron.buffers import split_error, stage_layers
+from ledger.faithful.megatron.moe import sp_error
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel

@@ -24,7 +24,7 @@ def _span(lo: int, hi: int) -> str:
 
 def expert_split(s) -> dict[str, tuple[int, int]]:
     """State -> (dense bytes, routed experts' bytes) of an MoE rank (its detail names the experts' parts
-    "expert ...": ledger/faithful/megatron_moe.py); empty for a dense one."""
+    "expert ...": ledger/faithful/megatron/moe.py); empty for a dense one."""
     out = {}
     for k in STATES:
         prefix = k[:-len("_bytes")] + "/"

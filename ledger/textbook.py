@@ -142,7 +142,7 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     if name == "megatron":
         # the peak: resident + Korthikanti et al.'s activations, with Megatron's recompute knobs (the
         # other frameworks' textbook peaks are their ledgers' issue-18 work)
-        from ledger.faithful.megatron_peak import recompute_of
+        from ledger.faithful.megatron.peak import recompute_of
 
         rc = recompute_of(fw).granularity
         act = activation_bytes(model, lay, rc)

@@ -38,7 +38,7 @@ The real matrix (one fixture, eight Hydra multiruns, 25 jobs):
         framework.activation_checkpointing=false,true framework.reduce_bucket_size=65536 \
         layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=3
 
-Every job also reconciles its per-rank peak within a step (issue 18; ledger/faithful/deepspeed_peak.py):
+Every job also reconciles its per-rank peak within a step (issue 18; ledger/faithful/deepspeed/peak.py):
 peak_bytes and its parts; and the most live activations against the last step's timeline.
 
 The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
@@ -141,7 +141,7 @@ def _lay(dp: int, mbs: int = 1, gbs: int | None = None) -> Layout:
 @pytest.mark.parametrize("z", [1, 2, 3])
 def test_rank_stage_is_the_pipeline_stage(z):
     """RankState.stage is the pipeline stage (tables group ranks by it), not the ZeRO stage."""
-    from ledger.faithful import deepspeed as L
+    from ledger.faithful.deepspeed import zero as L
 
     pl = L.place(preset("tiny"), _lay(2), _fw(zero_stage=z))
     assert {pl.rank_state(r).stage for r in range(2)} == {0} and pl.to_dict()["per_rank"][1]["stage"] == 0
@@ -190,7 +190,7 @@ def test_batches_are_seeded():
 # -- faithful ledger rules -----------------------------------------------------------------------
 
 def test_ipg_bucket_rule():
-    from ledger.faithful.deepspeed import ipg_buckets
+    from ledger.faithful.deepspeed.zero import ipg_buckets
 
     assert ipg_buckets([3, 3, 3], 6) == [6, 3]  # fits exactly: no flush
     assert ipg_buckets([4, 3, 1], 6) == [4, 4]  # would overflow: flush first
@@ -200,7 +200,7 @@ def test_ipg_bucket_rule():
 def test_extra_large_gradient_all_reduce_chunks():
     """average_tensor cuts an extra-large gradient at partition boundaries; allreduce_and_scatter adds
     slices until their sum exceeds reduce_bucket_size and all-reduces them."""
-    from ledger.faithful.deepspeed import allreduce_chunks
+    from ledger.faithful.deepspeed.zero import allreduce_chunks
 
     # tiny, 4 ranks: layer 0's w1 at flat offset 819,712 straddles the first boundary (885,312)
     assert allreduce_chunks(196_608, 819_712, 885_312, 65_536) == [65_600, 131_008]
@@ -216,7 +216,7 @@ def test_extra_large_gradient_all_reduce_chunks():
 
 def test_flat_offsets_follow_registration():
     """Each parameter's offset in the flat group (registration order), found from either order."""
-    from ledger.faithful.deepspeed import _flat_offset, backward_order
+    from ledger.faithful.deepspeed.zero import _flat_offset, backward_order
 
     for over in ({}, {"bias": True, "norm": "layernorm"}, {"tied_embeddings": True}, {"swiglu": False}):
         shape = preset("tiny", **over)
@@ -231,7 +231,7 @@ def test_flat_offsets_follow_registration():
 def test_parameters_larger_than_the_bucket(stage):
     """Each extra-large gradient is reduced on its own (ZeRO-1/2: one more all-reduce at 4 ranks where
     w1 straddles a partition boundary); bytes unchanged; ZeRO-3 keeps its IPG buffer allocated."""
-    from ledger.faithful.deepspeed import _buckets12, _grad_sizes, ipg_buckets, place
+    from ledger.faithful.deepspeed.zero import _buckets12, _grad_sizes, ipg_buckets, place
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -251,7 +251,7 @@ def test_parameters_larger_than_the_bucket(stage):
 def test_fp32_prediction(stage):
     """fp32: the flat params / partitions, gradients and collectives in fp32, still an fp32 master
     copy; ZeRO-1/2 skip the overflow all-reduce."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -280,7 +280,7 @@ def test_llama3_70b_with_default_knobs():
     """The 70B embedding (1.05e9 elements) exceeds the default reduce_bucket_size (5e8): predicted, not refused;
     ZeRO-3 at DeepSpeed's default budgets (a 5e7 prefetch bucket is smaller than one w1): the coordinator
     replay gathers nearly every param twice per micro-batch (forward and backward)."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("llama3_70b")
     n = shape.num_params()
@@ -295,7 +295,7 @@ def test_llama3_70b_with_default_knobs():
 
 
 def test_backward_order_covers_every_parameter_once():
-    from ledger.faithful.deepspeed import _grad_sizes, _registration_sizes, backward_order
+    from ledger.faithful.deepspeed.zero import _grad_sizes, _registration_sizes, backward_order
 
     for over in ({}, {"bias": True, "norm": "layernorm"}, {"swiglu": False}, {"tied_embeddings": True}):
         shape = preset("tiny", **over)
@@ -311,7 +311,7 @@ def test_backward_order_covers_every_parameter_once():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_is_sharded_as_zero_says(stage):
     """Resident bytes follow the stage: optimizer state / N_d always, params / N_d at stage 3."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -327,7 +327,7 @@ def test_state_is_sharded_as_zero_says(stage):
 
 
 def test_ledger_refuses_what_it_does_not_model():
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     with pytest.raises(ConfigError, match="precision"):
@@ -342,7 +342,7 @@ def test_ledger_refuses_what_it_does_not_model():
 
 
 def test_zero3_3n_versus_2n_prediction():
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -361,7 +361,7 @@ def test_zero3_3n_versus_2n_prediction():
 def test_zero3_accumulation_prediction(knobs0):
     """Two micro-batches: the trace completes inside step 0 (no warm-up step after it); every
     micro-batch fetches and reduce-scatters, persistent params are gathered once per step."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -391,7 +391,7 @@ def test_zero3_hook_order():
     run): forward in pre-order (releases in post-order); backward root, output, norm, blocks last to first,
     each module fetched when its output's gradient arrives and released once its inputs' gradients are
     computed; the root's and the embedding's releases left to release_backward_leftovers."""
-    from ledger.faithful.deepspeed_coordinator import _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_trace
 
     shape = preset("tiny", layers=1)
     tr = _z3_trace(shape, 100_000)
@@ -421,7 +421,7 @@ def test_zero3_coordinator_replay():
     steady state the reuse distance keeps output and final norm from forward into backward."""
     from collections import Counter
 
-    from ledger.faithful.deepspeed_coordinator import _z3_fetches
+    from ledger.faithful.deepspeed.coordinator import _z3_fetches
 
     shape = preset("tiny")
     record, rest0, steady = _z3_fetches(shape, 2, 100_000, 300_000, 600_000, 400_000)
@@ -443,7 +443,7 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
     releases every param after each use, but the embedding's last fetch (its backward) is released by
     release_backward_leftovers, which keeps persistent params: micro-batch 1 does not gather it again
     (dumped from the coordinator)."""
-    from ledger.faithful.deepspeed_coordinator import _z3_fetches
+    from ledger.faithful.deepspeed.coordinator import _z3_fetches
 
     shape = preset("tiny")
     e = shape.vocab * shape.hidden
@@ -459,7 +459,7 @@ def test_zero3_trace_param_starts_are_the_bisect():
     import dataclasses
     from bisect import bisect_left
 
-    from ledger.faithful.deepspeed_coordinator import _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_trace
 
     tiny = preset("tiny", layers=5)
     for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -474,7 +474,7 @@ def test_zero3_recording_pass_end_without_replay():
     is its event replay's end, over models (tied too) and thresholds below and above the embedding."""
     import dataclasses
 
-    from ledger.faithful.deepspeed_coordinator import _z3_after_record, _z3_record, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_record, _z3_trace
 
     tiny = preset("tiny", layers=3)
     ends = set()
@@ -496,8 +496,8 @@ def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
     equal; the fast path does skip blocks and take backwards."""
     import dataclasses
 
-    from ledger.faithful import deepspeed_coordinator
-    from ledger.faithful.deepspeed_coordinator import _z3_fetches, _z3_sim
+    from ledger.faithful.deepspeed import coordinator as deepspeed_coordinator
+    from ledger.faithful.deepspeed.coordinator import _z3_fetches, _z3_sim
 
     taken = []
     same = deepspeed_coordinator._Caps.same
@@ -530,7 +530,7 @@ def test_zero3_one_param_shortcuts_are_the_general_loops():
     state and first-pass verdict equal."""
     import dataclasses
 
-    from ledger.faithful.deepspeed_coordinator import _z3_after_record, _z3_persistent, _Z3Sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_persistent, _Z3Sim, _z3_trace
 
     class General(tuple):  # a module's params that never take a one-param shortcut (len(own) == 1)
         def __len__(self):
@@ -560,7 +560,7 @@ def test_zero3_fetch_on_use_is_the_event_replay():
     above the params' sizes and micro-batches."""
     import dataclasses
 
-    from ledger.faithful.deepspeed_coordinator import _z3_steady
+    from ledger.faithful.deepspeed.coordinator import _z3_steady
 
     tiny = preset("tiny", layers=5)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -576,7 +576,7 @@ def test_zero3_watched_replay_makes_the_same_pass():
     nothing and some of it."""
     import dataclasses
 
-    from ledger.faithful.deepspeed_coordinator import _z3_persistent, _z3_sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_persistent, _z3_sim, _z3_trace
 
     tiny = preset("tiny", layers=3)
     for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True)):
@@ -606,7 +606,7 @@ def test_zero3_moments_by_hand():
     embedding's wait: the Linear weights saved by mm, the embedding's copy not) and no prefetch or
     reuse distance (each module's params gathered at its fetch, released after: nothing at the final
     norm; the output's own single-param buffer at its backward)."""
-    from ledger.faithful.deepspeed_coordinator import Z3Live, z3_moments
+    from ledger.faithful.deepspeed.coordinator import Z3Live, z3_moments
 
     tiny = preset("tiny")
     th, dp, w = 100_000, 3, 2  # dp 3: every partition padded
@@ -621,7 +621,7 @@ def test_zero3_moments_by_hand():
     assert start == out == Z3Live(saved=linear, gathered=0, temporary=emb)
     # step 0's second micro-batch: the coordinator's first complete pass, from nothing persistent gathered:
     # its root prefetch gathers every param, the persistent ones too; the norms' weights saved by the mul
-    from ledger.faithful.deepspeed_coordinator import z3_first_moments
+    from ledger.faithful.deepspeed.coordinator import z3_first_moments
 
     every = w * dp * sum(-(-numel(sh) // dp) for _, sh in tiny.params())
     saves = sum(w * numel(sh) for n, sh in tiny.params() if len(sh) == 2 or n.endswith("norm.weight")) - emb
@@ -644,8 +644,8 @@ def test_zero3_first_pass_asks_no_skipped_block(monkeypatch):
     nothing for any key it asks), over the models, thresholds and budgets of the block-skipping test."""
     import dataclasses
 
-    from ledger.faithful import deepspeed_coordinator
-    from ledger.faithful.deepspeed_coordinator import _z3_fetches
+    from ledger.faithful.deepspeed import coordinator as deepspeed_coordinator
+    from ledger.faithful.deepspeed.coordinator import _z3_fetches
 
     found = []
     ask = deepspeed_coordinator._Z3Sim._to_release
@@ -670,7 +670,7 @@ def test_block_counted_buckets_are_the_walk():
     gradient (_buckets12), over models, bucket sizes around the params' sizes and both orders."""
     import dataclasses
 
-    from ledger.faithful.deepspeed import _buckets12, _registration_sizes, _split12
+    from ledger.faithful.deepspeed.zero import _buckets12, _registration_sizes, _split12
 
     tiny = preset("tiny", layers=12)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -689,7 +689,7 @@ def test_block_counted_buckets_are_the_walk():
 def test_place_is_lazy_and_shares_cached_lists():
     """place() computes steady collectives on first use; model-derived lists are computed once per
     (model, dp, knobs), whatever the micro-batch size."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
     for stage in (1, 2, 3):
@@ -957,7 +957,7 @@ def test_extra_large_params_reduced_on_their_own(runs):
     IPG buffer, cut where it straddles a partition boundary (4 ranks: layer 0's w1, first slice 65,600 >
     65,536 elements: one more call than buckets; at 100000 it stays one call); ZeRO-3 reduce-scatters it
     alone and keeps its IPG buffer of reduce_bucket_size elements."""
-    from ledger.faithful.deepspeed import _buckets12, _grad_sizes, ipg_buckets
+    from ledger.faithful.deepspeed.zero import _buckets12, _grad_sizes, ipg_buckets
 
     recs, _ = runs
     shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
@@ -1040,7 +1040,7 @@ def test_zero3_step1_pass_from_the_accumulation_coordinator():
     first (m = 2) as a search does; the shortcut is taken in most of them."""
     import dataclasses
 
-    from ledger.faithful.deepspeed_coordinator import _z3_fetches, _z3_persistent, _z3_sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_fetches, _z3_persistent, _z3_sim, _z3_trace
 
     tiny = preset("tiny", layers=12)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -1096,7 +1096,7 @@ def _peak_finding(rec):
 @pytest.mark.real
 def test_peak_rows(runs):
     """Every rank and step has a peak_bytes row and the five parts; every steady row within 1% (issue 18)
-    and exact, a deterministic order of allocations (ledger/faithful/deepspeed_peak.py): the peak is in
+    and exact, a deterministic order of allocations (ledger/faithful/deepspeed/peak.py): the peak is in
     torch AdamW's update, at the start of backward (4 samples a micro-batch without checkpointing), or
     deeper in ZeRO-2's backward (fp32, 4 ranks, 2 micro-batches), at ZeRO-3's IPG reduce-scatter in
     backward (4 ranks, a partial reuse distance or tied), but for the named findings."""
@@ -1210,8 +1210,8 @@ def test_zero3_ipg_flushes_follow_ds_numel():
     unless one gradient whose numel dp divides; an extra-large gradient alone and in its own storage.
     At 3 ranks a bucket of one wq and one norm closes 27 buckets, not the 35 of the padded sizes (the
     odd job measures 27: test_every_row_reconciles_to_the_byte)."""
-    from ledger.faithful.deepspeed import _grad_sizes, backward_order, ipg_buckets
-    from ledger.faithful.deepspeed_backward import z3_flushes
+    from ledger.faithful.deepspeed.zero import _grad_sizes, backward_order, ipg_buckets
+    from ledger.faithful.deepspeed.backward import z3_flushes
 
     for shape in (preset("tiny"), preset("tiny", tied_embeddings=True), preset("llama3_1b")):
         sizes = _grad_sizes(shape)
@@ -1284,7 +1284,7 @@ def test_activation_checkpointing_config():
 
     from conf.validate import validate_framework
     from launchers.deepspeed import ds_config
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     validate_framework(_fw(activation_checkpointing=True))
     bad = OmegaConf.create({**OmegaConf.to_container(_fw()), "activation_checkpointing": "yes"})
@@ -1324,7 +1324,7 @@ def test_peak_prediction_tiny():
     1,770,624): resident (bf16 flat 2n + fp32 partition, exp_avg, exp_avg_sq 12p + step 4 + two grad
     norms 8) + fp32 gradient partition and AdamW's two temporaries (12p) + loss and norm scalars (8) +
     the batch (129 int64)."""
-    from ledger.faithful.deepspeed import place
+    from ledger.faithful.deepspeed.zero import place
 
     n, p = 3_541_248, 1_770_624
     for z in (1, 2):
@@ -1370,7 +1370,7 @@ def test_peak_prediction_tiny():
 def test_activations_derivation():
     """Per layer (bf16, b=1): norms 2 x (fp32 copy 4bsh + rsqrt 4bs + 2 x 2bsh), rope angles 4 x 4s(d/2),
     q/k/v/out 4 x 2bsHd, logsumexp 4bHs, SwiGLU 4 x 2bsf; checkpointing keeps no layer's saves."""
-    from ledger.faithful import deepspeed_peak as P
+    from ledger.faithful.deepspeed import peak as P
 
     m = preset("tiny")
     per = P.layer_activations(m, 1, 2)

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 with DeepSpeed-MoE (issue 21): the faithful ledger (ledger/faithful/deepspeed_moe.py)
+"""DeepSpeed 0.19.8 with DeepSpeed-MoE (issue 21): the faithful ledger (ledger/faithful/deepspeed/moe.py)
 against real CPU/gloo runs of the tiny MoE Llama, deepspeed.moe.layer.MoE in every MoE layer.
 
 One shared sweep (11 jobs, s=128, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
@@ -111,7 +111,7 @@ def test_faithful_ledger_refuses_what_it_does_not_model(fw, msg):
     from omegaconf import OmegaConf
 
     from conf.schema import DeepSpeedConfig
-    from ledger.faithful import deepspeed_moe
+    from ledger.faithful.deepspeed import moe as deepspeed_moe
 
     with pytest.raises(ConfigError, match=msg):
         deepspeed_moe.place(preset("tiny_moe"), _lay(ep=2), OmegaConf.structured(DeepSpeedConfig(**fw)))
@@ -120,7 +120,7 @@ def test_faithful_ledger_refuses_what_it_does_not_model(fw, msg):
 def test_param_groups_are_split_as_deepspeed_splits_them():
     """split_params_into_different_moe_groups_for_optimizer: the dense group first (the gates in it), the
     experts after, cut greedily at 178,956,971 elements (Mixtral at ep 8: one expert's 176,160,768)."""
-    from ledger.faithful import deepspeed_moe as D
+    from ledger.faithful.deepspeed import moe as D
 
     m = preset("tiny_moe")
     g = D.groups(m, 2)
@@ -148,7 +148,7 @@ def test_capacity_is_deepspeeds(k, cf, mc, want):
     import torch
 
     from deepspeed.moe.sharded_moe import _capacity
-    from ledger.faithful.deepspeed_moe import capacity
+    from ledger.faithful.deepspeed.moe import capacity
 
     m = preset("tiny_moe", moe_router_topk=k)
     lay = _lay(ep=2)

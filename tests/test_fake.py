@@ -248,7 +248,7 @@ def test_titan_article_run_with_selective_ac_keeps_the_reduce_scatter_outputs(ti
     after wo and w2 ([T/tp, h] bf16 each, titan_peak.saved_per_layer) in every block: the steady peak within
     1% (measured 57,312 B over, the loss chunk's index and mask vectors as without AC); without those two
     tensors the prediction is 8.9% under."""
-    from ledger.faithful.titan_peak import BF16
+    from ledger.faithful.titan.peak import BF16
     from ledger.model import ModelShape
 
     rec = titan_article_sac_job

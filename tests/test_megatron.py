@@ -13,7 +13,7 @@ account_for_embedding/loss_in_pipeline_split), and the peak under recompute (pp2
 s=128: none, selective core_attn, full uniform and block; s=512, where a softmax cast is the peak:
 none, full uniform and block). Every state and collective row (first and
 steady steps) on every rank must reconcile with abs_err 0, and every steady peak_bytes row within 1%
-(ledger/faithful/megatron_peak.py; `python -m analysis.reconcile DIR` shows them).
+(ledger/faithful/megatron/peak.py; `python -m analysis.reconcile DIR` shows them).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch
 import records
 from analysis import reconcile
 from analysis.compare import measured_peak_where
-from ledger.faithful import megatron as L
-from ledger.faithful import megatron_buffers as B
+from ledger.faithful.megatron import states as L
+from ledger.faithful.megatron import buffers as B
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
 from tests.conftest import assert_megatron_redirects, launch, peak_evidence, run_sweeps

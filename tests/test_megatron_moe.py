@@ -1,5 +1,5 @@
 """Megatron Core 0.18.0 Mixture-of-Experts (issue 20): the MoE shapes, layout.ep, the faithful ledger
-(ledger/faithful/megatron_moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
+(ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
 One shared sweep (17 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
 (world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP; the alltoall
@@ -176,7 +176,7 @@ def test_num_params_counts_every_listed_parameter(over):
 
 def test_megatron_ledger_counts_every_parameter_once():
     """The dense and expert lists of every stage and EP rank add up to the model (tp 1)."""
-    from ledger.faithful.megatron_moe import stage_params
+    from ledger.faithful.megatron.moe import stage_params
 
     m = preset("tiny_moe", moe_layer_freq=2, layers=6)
     for pp in (1, 2, 3):
@@ -217,7 +217,7 @@ def test_layout_refuses_ep_where_no_ledger_models_it(model, fw, lay, msg):
     (dict(ep=2, pp=2, vp=2, global_batch_size=8), {}, "layout.vp=2: the interleaved schedule")])
 def test_faithful_moe_ledger_refuses_what_it_does_not_model(lay, fw, msg):
     from conf.schema import MegatronConfig
-    from ledger.faithful import megatron_moe
+    from ledger.faithful.megatron import moe as megatron_moe
 
     with pytest.raises(ConfigError, match=msg):
         megatron_moe.place(preset("tiny_moe"), _lay(**lay), MegatronConfig(**fw))

@@ -1,5 +1,5 @@
 """Megatron's peak within a step (issue 18), predict-only: the recompute knobs' validation, what the
-faithful ledger's peak is made of (ledger/faithful/megatron_peak.py), the textbook formulas, the
+faithful ledger's peak is made of (ledger/faithful/megatron/peak.py), the textbook formulas, the
 acceptance command's printout. The real runs that confirm the peak are tests/test_megatron.py's
 matrix (every steady peak_bytes row within 1%, the recompute jobs' activations as predicted)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from conf.schema import MegatronConfig
 from conf.validate import validate_recompute
 from ledger import textbook as T
-from ledger.faithful import megatron as L
-from ledger.faithful import megatron_peak as P
+from ledger.faithful.megatron import states as L
+from ledger.faithful.megatron import peak as P
 from ledger.layout import ConfigError
 from ledger.model import preset
 from ledger.placement import PEAK_PARTS
@@ -78,7 +78,7 @@ def test_peak_parts_sum_and_every_rank_has_one():
 def _stage0_act(m, lay, **fw):
     """The saved activations at stage 0's heaviest backward moment (its peak may be the optimizer's)."""
     k = L.knobs(_fw(**fw))
-    from ledger.faithful.megatron_buffers import padded_shape
+    from ledger.faithful.megatron.buffers import padded_shape
 
     ms = P.stage_moments(padded_shape(m, lay.tp, 128), lay, k, 0, 0)
     return max((x for x in ms if x[2] == "backward"), key=lambda x: x[0])[1]["activations"]
@@ -197,7 +197,7 @@ def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
     """_step_moments_fast (the planner's path) against _step_moments, the readable reference: the same
     largest moment (bytes, parts, phase, what), first in order as max() takes it, on every stage, and the
     same largest backward moment."""
-    from ledger.faithful.megatron_buffers import padded_shape
+    from ledger.faithful.megatron.buffers import padded_shape
 
     lay = _lay(**lay)
     k = L.knobs(_fw(**fw))

@@ -145,7 +145,7 @@ def test_megatron_uneven_first_and_last_stages():
     assert megatron_splits(80, 16, 1) == [(None, None, False, False)]
     assert megatron_splits(80, 1, 1) == [(None, None, False, False)]
     assert (None, None, True, True) in megatron_splits(126, 16, 2)  # 7 is odd: no 7/7 with vp=2
-    from ledger.faithful.megatron_buffers import split_error
+    from ledger.faithful.megatron.buffers import split_error
 
     for s in megatron_splits(126, 16, 1) + megatron_splits(126, 16, 2):
         assert split_error(126, 16, 2 if s[2] else 1, s) is None

@@ -31,7 +31,7 @@ import torch
 import records
 from analysis import reconcile
 from analysis.compare import measured_peak_where
-from ledger.faithful import titan as L
+from ledger.faithful.titan import states as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
 from tests.conftest import REPO, launch, peak_evidence, run_sweeps
@@ -137,7 +137,7 @@ def test_every_row_reconciles_to_the_byte(sweep):
 
 @pytest.mark.real
 def test_steady_peak_within_one_percent(sweep):
-    """Issue 18: every steady peak_bytes row within 1% (ledger/faithful/titan_peak.py), on every rank
+    """Issue 18: every steady peak_bytes row within 1% (ledger/faithful/titan/peak.py), on every rank
     of every job (FSDP2 / HSDP, TP with and without SP, CP with and without SP, reshard always /
     never, AC none / selective / full, PP 1F1B): each has its rows."""
     df = sweep["table"]

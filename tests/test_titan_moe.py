@@ -1,5 +1,5 @@
 """torchtitan 0.3.0 MoE (issue 21): its qwen3 MoE through its own Trainer with expert parallelism over
-dp_shard, against the faithful ledger (ledger/faithful/titan_moe.py), real CPU/gloo runs.
+dp_shard, against the faithful ledger (ledger/faithful/titan/moe.py), real CPU/gloo runs.
 
 One shared sweep (5 jobs, s=128, two steps): ep1 at world 2 (no expert parallelism: the experts in
 the blocks' FSDP groups), ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,

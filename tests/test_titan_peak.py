@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from conf.schema import FRAMEWORK_SCHEMAS
 from conf.validate import validate_framework
-from ledger.faithful import titan as L
-from ledger.faithful import titan_peak as P
+from ledger.faithful.titan import states as L
+from ledger.faithful.titan import peak as P
 from ledger.layout import ConfigError
 from ledger.model import ModelShape, preset
 from ledger.placement import PEAK_PARTS

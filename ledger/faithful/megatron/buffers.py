@@ -1,4 +1,4 @@
-"""A Megatron Core 0.18.0 pipeline stage's parameters and its DDP buffers (ledger.faithful.megatron's
+"""A Megatron Core 0.18.0 pipeline stage's parameters and its DDP buffers (ledger.faithful.megatron.states's
 first half): which parameters a stage (model chunk) holds in GPTModel order, how
 distributed/param_and_grad_buffer.py lays them out in padded buckets, which byte ranges each DP rank
 owns under the distributed optimizer, and which DP rank owns the most. Each rule names the megatron

@@ -1,6 +1,6 @@
 """The peak within a step of a Megatron Core 0.18.0 rank (issue 18): resident state + activations saved
 for backward + pipeline buffers + the largest temporary at the peak moment, and the optimizer step's
-own transients. ledger.faithful.megatron's RankState.peak is built here (stage_peak); each rule names
+own transients. ledger.faithful.megatron.states's RankState.peak is built here (stage_peak); each rule names
 the megatron (or torch) source it follows, paths under megatron/core/ unless said otherwise.
 
 What a rank holds at a moment is modelled as
@@ -43,7 +43,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from ledger.faithful.megatron_buffers import (_stage_shape, buffer_layout, effective_bucket_size, shard_ranges,
+from ledger.faithful.megatron.buffers import (_stage_shape, buffer_layout, effective_bucket_size, shard_ranges,
                                               stage_params)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -472,7 +472,7 @@ def schedule(pp: int, vp: int, stage: int, m: int) -> tuple[int, list[int], list
 
 # -- the optimizer step ----------------------------------------------------------------------------
 def _chunk_params(model: ModelShape, lay: Layout, k, stage: int, ch: int):
-    from ledger.faithful.megatron_buffers import _shared
+    from ledger.faithful.megatron.buffers import _shared
 
     params = stage_params(model, lay.tp, lay.pp, stage, lay.vp, ch, k.pp_split)
     _, first, last = _stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)

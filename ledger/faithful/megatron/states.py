@@ -13,12 +13,12 @@ Resident state at a step boundary:
           all-gathers)
 
 The peak within a step (RankState.peak: activations, pipeline buffers, temporaries, the optimizer
-step's transients, recompute) is ledger.faithful.megatron_peak's, built lazily per rank in rank_state.
+step's transients, recompute) is ledger.faithful.megatron.peak's, built lazily per rank in rank_state.
 
 Tied embeddings (pp=1: one weight; pp>1: the last stage's copy, `shared_embedding` buckets, the
 embedding-group all-reduce) and overlap_param_gather (the param all-gathers in the next step's
 forward, none in the first step: `comm_first`) are modelled where Megatron does them: _head,
-shared_embedding, build_buffer (ledger.faithful.megatron_buffers: a stage's parameters, its DDP
+shared_embedding, build_buffer (ledger.faithful.megatron.buffers: a stage's parameters, its DDP
 buffers and the DP ranks' shards), _fixed_comm (through _comm_plan), rank_state.
 
 Speed: a layout search predicts thousands of layouts. What no micro-batch setting changes is
@@ -37,11 +37,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ledger.faithful.megatron_buffers import (
+from ledger.faithful.megatron.buffers import (
     Buffer, _best_rank, _buffer, _buffer_bytes, _chunk_bound, _chunk_buckets, _chunk_contiguous, _chunk_summary,
     EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
     _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
-from ledger.faithful.megatron_peak import PEAK_NOTES, check_recompute, recompute_of, stage_peak
+from ledger.faithful.megatron.peak import PEAK_NOTES, check_recompute, recompute_of, stage_peak
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict

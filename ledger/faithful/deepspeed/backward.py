@@ -30,7 +30,7 @@ class PartitionFlush(NamedTuple):
 
 
 def _ceil_to(x: int, m: int) -> int:
-    """x rounded up to a multiple of m (the flat group's padding; ledger.faithful.deepspeed's too)."""
+    """x rounded up to a multiple of m (the flat group's padding; ledger.faithful.deepspeed.zero's too)."""
     return -(-x // m) * m
 
 

@@ -15,7 +15,7 @@ ZeRO-3's parameter fetches are a replay of the coordinator (deepspeed_coordinato
 launchers.llama.Llama: any stage3_prefetch_bucket_size / stage3_max_live_parameters /
 stage3_max_reuse_distance, DeepSpeed's defaults included.
 
-The peak within a step (RankState.peak, issue 18) is ledger/faithful/deepspeed_peak.py's: the
+The peak within a step (RankState.peak, issue 18) is ledger/faithful/deepspeed/peak.py's: the
 optimizer step's temporaries or the backward's first nodes over the resident state, activations derived
 from launchers/llama.py; framework.activation_checkpointing (deepspeed.checkpointing.checkpoint around
 every layer) at ZeRO-1/2.
@@ -47,9 +47,10 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
-from ledger.faithful import deepspeed_backward, deepspeed_peak
-from ledger.faithful.deepspeed_backward import _ceil_to
-from ledger.faithful.deepspeed_coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, backward_module,
+from ledger.faithful.deepspeed import backward as deepspeed_backward
+from ledger.faithful.deepspeed import peak as deepspeed_peak
+from ledger.faithful.deepspeed.backward import _ceil_to
+from ledger.faithful.deepspeed.coordinator import (_block, _z3_fetches, _z3_steady, _z3_trace, backward_module,
                                                    z3_backward_moments, z3_first_moments, z3_moments)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel

@@ -2,7 +2,7 @@
 replayed: which all-gathers one forward + backward makes for any stage3_prefetch_bucket_size /
 stage3_max_live_parameters / stage3_max_reuse_distance, over the module hook order of
 launchers.llama.Llama (as dumped from the coordinator on a real run). Used by
-ledger.faithful.deepspeed for ZeRO-3's collectives; each rule names the DeepSpeed function it follows.
+ledger.faithful.deepspeed.zero for ZeRO-3's collectives; each rule names the DeepSpeed function it follows.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Faithful ledger for DeepSpeed 0.19.8 ZeRO-1/2 with DeepSpeed-MoE (model.num_experts > 0), as a DeepSpeed
 user writes it: deepspeed.moe.layer.MoE around each MoE layer's expert FeedForward (launchers/deepspeed.py
 moe_layers), the parameters split by moe/utils.py split_params_into_different_moe_groups_for_optimizer.
-Paths under deepspeed/ unless said otherwise. ledger.faithful.deepspeed's dense rules (the IPG bucket fill,
+Paths under deepspeed/ unless said otherwise. ledger.faithful.deepspeed.zero's dense rules (the IPG bucket fill,
 allreduce_chunks, the step's collectives) are reused per parameter group.
 
 Groups (utils/groups.py, made in deepspeed.initialize: engine._configure_distributed_model ->
@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ledger.faithful.deepspeed import _DTYPES, FP32, INT64, _ceil_to, allreduce_chunks
+from ledger.faithful.deepspeed.zero import _DTYPES, FP32, INT64, _ceil_to, allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState

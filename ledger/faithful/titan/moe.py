@@ -1,7 +1,7 @@
 """Faithful torchtitan 0.3.0 ledger for its MoE model (model.num_experts > 0): torchtitan's qwen3 MoE
 (models/qwen3: GQA with q/k norms, every layer MoE: models/common/moe.py MoE) under FSDP2 with expert
 parallelism over dp_shard (tp = pp = cp = dp_replicate = 1), the partial_dtensor backend, driven through
-its Trainer as the dense jobs are (launchers/titan.py). ledger.faithful.titan's rules (FSDP2's dim-0
+its Trainer as the dense jobs are (launchers/titan.py). ledger.faithful.titan.states's rules (FSDP2's dim-0
 padded shards, the unit order of the all-gathers and reduce-scatters, the step's loss and token
 all-reduces) hold for the dense part; what MoE changes is here. Paths under torchtitan/ unless said.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from math import prod
 
-from ledger.faithful.titan import (_REGATHER, BF16, F32, _chunk_rows, _lm_head_regathers, _rows_of)
+from ledger.faithful.titan.states import (_REGATHER, BF16, F32, _chunk_rows, _lm_head_regathers, _rows_of)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict

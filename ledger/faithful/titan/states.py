@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
-from ledger.faithful import titan_peak
+from ledger.faithful.titan import peak as titan_peak
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
 F32, BF16 = 4, 2
@@ -286,7 +286,7 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         st = _state(_state_parts(model, sh, k, ds), steady_comm, first)
         resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
 
-        def peak():  # ledger/faithful/titan_peak.py
+        def peak():  # ledger/faithful/titan/peak.py
             emb, block, head = _unit_params(model, lay.tp, t)
             return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
                                                                    for u in (block, emb, head)])
@@ -797,7 +797,7 @@ def _place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
         kept = st.params_bytes + st.optim_bytes + st.other_bytes
         grads = st.grads_bytes
 
-        def peak():  # ledger/faithful/titan_peak.py pp_peak
+        def peak():  # ledger/faithful/titan/peak.py pp_peak
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in _unit_params(model, 1)]
             return titan_peak.pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
                                       emb, block, head, getattr(fw, "activation_checkpoint", "none"))

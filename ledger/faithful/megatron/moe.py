@@ -1,6 +1,6 @@
 """Faithful ledger for Megatron Core 0.18.0 Mixture-of-Experts models (model.num_experts > 0): what DDP
 and the chained distributed optimizer keep per rank, and which collectives one optimizer step calls,
-with expert parallelism (layout.ep). ledger.faithful.megatron's rules for the dense part (its buffers'
+with expert parallelism (layout.ep). ledger.faithful.megatron.states's rules for the dense part (its buffers'
 padding and buckets, the optimizer's per-byte-range shards, RoPE, the "mpu" scratch, TP / PP traffic)
 are reused; what MoE changes is here. Paths under megatron/core/ unless said otherwise.
 
@@ -65,9 +65,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ledger.faithful.megatron import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _mpu_numel, _NOTES,
+from ledger.faithful.megatron.states import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _mpu_numel, _NOTES,
                                       check_framework, check_interleaving, knobs)
-from ledger.faithful.megatron_buffers import (_buffer_bytes, _pieces, build_buffer, effective_bucket_size,
+from ledger.faithful.megatron.buffers import (_buffer_bytes, _pieces, build_buffer, effective_bucket_size,
                                               owned_sizes, padded_shape, stage_layers)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout

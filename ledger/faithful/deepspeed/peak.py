@@ -61,8 +61,8 @@ torch.get_rng_state() on the CPU accelerator).
 from __future__ import annotations
 
 from ledger.model import ModelShape
-from ledger.faithful.deepspeed_backward import Hooks, PartitionFlush, Z3Flush
-from ledger.faithful.deepspeed_coordinator import Z3Live
+from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
+from ledger.faithful.deepspeed.coordinator import Z3Live
 from ledger.placement import Peak
 
 FP32, FP64, INT64 = 4, 8, 8
