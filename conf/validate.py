@@ -9,32 +9,14 @@ from __future__ import annotations
 
 import re
 
+from ledger import frameworks
+from ledger.checks import at_least as _at_least, one_of as _one_of, positive as _positive
 from ledger.layout import ConfigError
 
 # a name that reaches file names, shell lines and Python source of generated scripts: data only
 NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 MODES = ("predict", "run", "dry", "plan")
-
-
-def _at_least(group: str, cfg, names, least: int | float) -> None:
-    for n in names:
-        v = cfg[n]
-        if v is None or isinstance(v, bool) or not v >= least:
-            raise ConfigError(f"{group}.{n}={v} must be >= {least}")
-
-
-def _positive(group: str, cfg, names) -> None:
-    for n in names:
-        v = cfg[n]
-        if v is None or not v > 0:
-            raise ConfigError(f"{group}.{n}={v} must be > 0")
-
-
-def _one_of(group: str, cfg, name: str, allowed) -> None:
-    v = cfg[name]
-    if v not in allowed:
-        raise ConfigError(f"{group}.{name}={v!r} must be one of {', '.join(map(str, allowed))}")
 
 
 def validate_name(field: str, v) -> None:
@@ -116,103 +98,18 @@ def fake_layout_supported(framework: str, lay, model=None) -> None:
         raise ConfigError(f"model.num_experts={model.num_experts}: MoE does not run on cluster=fake (the token "
                           "dispatch reads the router's token counts, which FakeTensors do not have); predict it with "
                           "mode=predict, or run it on cluster=local_cpu")
-    if framework == "titan" and lay.pp > 1:
-        raise ConfigError(f"layout.pp={lay.pp}: torchtitan on cluster=fake runs without pipeline parallelism only "
-                          "(torch's pipelining schedules read values of FakeTensors: schedules.py "
-                          "_PipelineSchedule._warmup_p2p); run torchtitan PP on cluster=local_cpu")
+    why = frameworks.get(framework).fake_error(lay)
+    if why is not None:
+        raise ConfigError(why)
 
 
 def validate_framework(fw, mode: str = "run") -> None:
     if fw.name == "all" and mode != "plan":
         raise ConfigError(f"framework=all plans over the three frameworks: it needs mode=plan (got mode={mode!r})")
-    _one_of("framework", fw, "name", ("megatron", "deepspeed", "titan", "all"))
+    _one_of("framework", fw, "name", (*frameworks.names(), "all"))
     _one_of("framework", fw, "precision", ("bf16", "fp32"))
-    if fw.name == "deepspeed":
-        # stage 0 (DeepSpeed as plain DDP) is predicted by the textbook ledger; the faithful one
-        # refuses it with its own reason (ledger/faithful/deepspeed/zero.py place)
-        _one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
-        _at_least("framework", fw, ("gradient_clipping",), 0)
-        # DeepSpeed-MoE's layer arguments (moe/layer.py MoE)
-        _positive("framework", fw, ("capacity_factor",))
-        _at_least("framework", fw, ("min_capacity", "moe_loss_coeff"), 0)
-        if not isinstance(fw.get("activation_checkpointing", False), bool):
-            raise ConfigError(f"framework.activation_checkpointing={fw.activation_checkpointing!r} must be true or false "
-                              "(every decoder layer under deepspeed.checkpointing.checkpoint, or none)")
-    elif fw.name == "megatron":
-        _at_least("framework", fw, ("clip_grad",), 0)
-        validate_recompute(fw)
-        validate_moe(fw)
-    elif fw.name == "titan":
-        _one_of("framework", fw, "reshard_after_forward", ("default", "always", "never"))
-        for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
-            _one_of("framework", fw, n, ("float32", "bfloat16"))
-        _one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
-        _one_of("framework", fw, "activation_checkpoint", ("none", "selective", "full"))
-        # torchtitan 0.3.0 SelectiveAC.Config has no selective_ac_option: the per-op policy is the only
-        # selective variant (distributed/activation_checkpoint.py SelectiveAC._wrap_block)
-        if str(fw.selective_ac_option) != "op":
-            raise ConfigError(f"framework.selective_ac_option={fw.selective_ac_option!r} must be 'op': torchtitan "
-                              "0.3.0's SelectiveAC is per-op only (the every-n-layers integer option is gone)")
-
-
-def validate_moe(fw) -> None:
-    """Megatron's MoE knobs (TransformerConfig's names and sets; ledger/faithful/megatron/moe.py refuses
-    what it does not model, with the layout)."""
-    # flex needs DeepEP / HybridEP (CUDA kernels): transformer/moe/token_dispatcher.py MoEFlexTokenDispatcher
-    _one_of("framework", fw, "moe_token_dispatcher_type", ("allgather", "alltoall"))
-    # sinkhorn and global_aux_loss are Megatron's too; the faithful ledger models these three
-    _one_of("framework", fw, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none"))
-    _at_least("framework", fw, ("moe_aux_loss_coeff",), 0)
-    if fw.moe_expert_capacity_factor is not None:
-        _positive("framework", fw, ("moe_expert_capacity_factor",))
-
-
-# megatron-core 0.18.0 transformer_config.py TransformerConfig.__post_init__: the recompute_modules it
-# allows; the MoE / MLA ones need a model this project does not build (no experts, no MLA)
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
-RECOMPUTE_MODULES_NOT_DENSE = ("moe_act", "mla_up_proj", "moe", "shared_experts")
-
-
-def validate_recompute(fw) -> None:
-    """Megatron's recompute knobs, by the rules of megatron-core 0.18.0 transformer_config.py
-    TransformerConfig.__post_init__ (the bound on recompute_num_layers by the layers of a stage is
-    checked with the layout: ledger/faithful/megatron/peak.py check_recompute)."""
-    g, meth, n, mods = (fw.get("recompute_granularity"), fw.get("recompute_method"),
-                        fw.get("recompute_num_layers"), fw.get("recompute_modules"))
-    if g not in (None, "selective", "full"):
-        raise ConfigError(f"framework.recompute_granularity={g!r} must be one of null, selective, full")
-    if meth not in (None, "uniform", "block"):
-        raise ConfigError(f"framework.recompute_method={meth!r} must be one of null, uniform, block")
-    if n is not None and (isinstance(n, bool) or n < 1):
-        raise ConfigError(f"framework.recompute_num_layers={n} must be >= 1")
-    if g is None:
-        for name, v in (("recompute_method", meth), ("recompute_num_layers", n), ("recompute_modules", mods)):
-            if v is not None:
-                raise ConfigError(f"framework.{name}={v!r} needs framework.recompute_granularity "
-                                  "(selective or full): without it Megatron recomputes nothing")
-        return
-    if g == "full":
-        if meth is None:
-            raise ConfigError("framework.recompute_granularity=full needs framework.recompute_method "
-                              "(uniform or block; transformer_config.py)")
-        if n is None:
-            raise ConfigError("framework.recompute_granularity=full needs framework.recompute_num_layers "
-                              "(between 1 and the layers of a pipeline stage; transformer_config.py)")
-        if mods is not None:
-            raise ConfigError(f"framework.recompute_modules={list(mods)} is for recompute_granularity=selective "
-                              "(full recomputes whole layers)")
-    else:
-        # a recompute_method with selective is accepted and unused, as TransformerConfig does
-        if n is not None:
-            raise ConfigError(f"framework.recompute_num_layers={n} must be null with recompute_granularity=selective "
-                              "(transformer_config.py)")
-        for m in list(mods or []):
-            if m in RECOMPUTE_MODULES_NOT_DENSE:
-                raise ConfigError(f"framework.recompute_modules has {m!r}: it recomputes a MoE / MLA part, and the "
-                                  f"models here are dense; use {', '.join(RECOMPUTE_MODULES)}")
-            if m not in RECOMPUTE_MODULES:
-                raise ConfigError(f"framework.recompute_modules has {m!r}: each must be one of "
-                                  f"{', '.join(RECOMPUTE_MODULES)} (megatron-core 0.18.0 transformer_config.py)")
+    if fw.name != "all":
+        frameworks.get(fw.name).validate_knobs(fw)  # ledger/faithful/<name>/rules.py
 
 
 def validate_ledger(lc) -> None:

@@ -96,9 +96,9 @@ def _monitor(conn: socket.socket) -> None:
 
 
 def serve(framework: str, sock_path: str, device: str, shared: bool) -> None:
-    from launchers import FRAMEWORKS
+    from ledger import frameworks
 
-    importlib.import_module(FRAMEWORKS[framework]).preload(device)
+    importlib.import_module(frameworks.get(framework).launcher).preload(device)
     # what launchers.worker.run imports on its first line (inside the function): conf.schema brings
     # hydra, omegaconf and antlr4, 1.9 s of CPU a rank spent after every fork
     import conf.schema  # noqa: F401

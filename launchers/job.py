@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 import records
 from conf.validate import validate_config
-from launchers import FRAMEWORKS
+from ledger import frameworks
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape
 from ledger.parallel import predict
@@ -74,14 +74,10 @@ def world_of(cfg) -> int:
 
 def fill_mode_defaults(cfg) -> None:
     """Knobs whose default depends on the job's mode, set before the record copies the config (so
-    the record says what was predicted and run): Megatron's transformer_impl (default_transformer_impl)."""
-    fw = cfg.framework
-    # mode=plan keeps an unset transformer_impl unset: the ledger predicts Megatron-LM's default and
-    # the plan's sweep leaves the choice to the run (local on a CPU)
-    if fw.name == "megatron" and fw.get("transformer_impl") is None and cfg.mode != "plan":
-        from ledger.faithful.megatron.states import default_transformer_impl
-
-        fw.transformer_impl = default_transformer_impl(cfg.mode)
+    the record says what was predicted and run): the framework's ledger fills them (Megatron's
+    transformer_impl: ledger/faithful/megatron/rules.py fill_mode_defaults)."""
+    if cfg.framework.name in frameworks.names():
+        frameworks.get(cfg.framework.name).fill_mode_defaults(cfg.framework, cfg.mode)
 
 
 def check(cfg):
@@ -92,11 +88,11 @@ def check(cfg):
     if cfg.mode == "plan":
         return None  # a plan predicts many layouts, not cfg.layout: its checks are validate_config's (plan.*)
     fill_mode_defaults(cfg)
-    fw = cfg.framework
-    if cfg.mode == "run" and fw.name == "megatron" and fw.transformer_impl == "transformer_engine" \
-            and cfg.cluster.device != "cuda":
-        raise ConfigError("megatron: framework.transformer_impl=transformer_engine needs CUDA (TransformerEngine); "
-                          "a CPU run builds the local spec: set framework.transformer_impl=local")
+    spec = frameworks.get(cfg.framework.name)
+    if cfg.mode == "run":
+        why = spec.run_error(cfg.framework, cfg.cluster)
+        if why is not None:
+            raise ConfigError(why)
     model = ModelShape.from_config(cfg.model)
     world = world_of(cfg)
     # predict and dry describe the layout as given; only dp=-1 borrows the cluster's world size, and
@@ -106,11 +102,10 @@ def check(cfg):
     mp = lc.tp * lc.pp * lc.cp
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
-    if fw.name == "megatron" and cfg.mode in ("run", "dry"):
-        from ledger.faithful.megatron.moe import sp_error
-
-        if sp_error(model, lay):
-            raise ConfigError(sp_error(model, lay))
+    if cfg.mode in ("run", "dry"):  # what the framework itself refuses to start (Megatron: MoE with TP, no SP)
+        why = spec.dispatch_error(model, lay)
+        if why is not None:
+            raise ConfigError(why)
     if cfg.cluster.kind == "fake":
         from conf.validate import fake_layout_supported, fake_ranks_in_world
 
@@ -162,7 +157,7 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         if writes_record:
             print(pl.report())
         if cfg.mode == "dry":
-            mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
+            mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
             record["artifacts"] = mod.dry(cfg, lay, job_dir)
         elif cfg.mode == "run":
             t1 = time.time()

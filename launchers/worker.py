@@ -22,7 +22,7 @@ def rank_env() -> tuple[int, int]:
 
 def run(job_dir: str) -> int:
     from conf.schema import load
-    from launchers import FRAMEWORKS
+    from ledger import frameworks
     from ledger.layout import resolve
     from probes.session import ProbeSession
 
@@ -40,7 +40,7 @@ def run(job_dir: str) -> int:
                            steps=cfg.train.steps, timeline_step=cfg.probe.timeline_step,
                            fake_world=cfg.cluster.device == "fake")
     try:
-        mod = importlib.import_module(FRAMEWORKS[cfg.framework.name])
+        mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
         extra = mod.run_rank(cfg, lay, session) or {}
         session.dump({"status": "ok", **extra})
         return 0

@@ -1,5 +1,7 @@
-"""Bytes per element of the dtypes the ledger speaks about."""
-BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "uint8": 1, "int64": 8, "int32": 4}
+"""Bytes per element of the dtypes the ledgers speak about: the one home of these sizes."""
+BF16, FP32, FP64, INT64 = 2, 4, 8, 8
+BYTES = {"fp32": FP32, "float32": FP32, "bf16": BF16, "bfloat16": BF16, "fp16": 2, "float16": 2, "uint8": 1,
+         "int64": INT64, "int32": 4, "fp64": FP64, "float64": FP64}
 
 
 def nbytes(dtype: str) -> int:

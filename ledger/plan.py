@@ -24,8 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from ledger.faithful.megatron.buffers import split_error, stage_layers
-from ledger.faithful.megatron.moe import sp_error
+from ledger import frameworks
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
@@ -42,33 +41,19 @@ RECOMPUTE = ("none", "selective", "full")
 
 def recompute_mode(framework: str, knobs) -> str:
     """The RECOMPUTE setting a framework's knobs (a row's knobs, or its whole config) name: the
-    inverse of recompute_knobs."""
-    if framework == "megatron":
-        return knobs.get("recompute_granularity") or "none"
-    if framework == "titan":
-        return knobs.get("activation_checkpoint") or "none"
-    return "full" if knobs.get("activation_checkpointing") else "none"
+    inverse of recompute_knobs (ledger/faithful/<name>/rules.py)."""
+    return frameworks.get(framework).recompute_mode(knobs)
 
 
 def recompute_knobs(framework: str, mode: str) -> dict | None:
-    """The framework knobs of a recompute setting (None: the framework has no such setting).
-    Megatron: TransformerConfig recompute_granularity (full: method uniform, one layer per chunk, as
-    Megatron-LM's examples set it); torchtitan: activation_checkpoint.mode; DeepSpeed: the plain Llama's
-    layers under deepspeed.checkpointing (all or none: it has no selective setting)."""
+    """The framework knobs of a recompute setting (None: the framework has no such setting), as the
+    framework's rules name them (ledger/faithful/<name>/rules.py recompute_knobs)."""
     if mode not in RECOMPUTE:
         raise ValueError(f"recompute {mode!r} must be one of {', '.join(RECOMPUTE)}")
-    if framework == "megatron":
-        if mode == "none":
-            return {"recompute_granularity": None}
-        if mode == "selective":
-            return {"recompute_granularity": "selective"}
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    if framework == "titan":
-        return {"activation_checkpoint": mode}
-    if mode == "selective":
-        return None
-    return {"activation_checkpointing": mode == "full"}
-FRAMEWORK_NAMES = ("megatron", "deepspeed", "titan")
+    return frameworks.get(framework).recompute_knobs(mode)
+
+
+FRAMEWORK_NAMES = frameworks.names()  # the registered ledgers, in their tables' order
 # what a plan.watch entry may name: the framework, a layout field or a knob a row sets
 WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
               "global_batch_size", "zero_stage", "decoder_first_pipeline_num_layers",
@@ -183,53 +168,6 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def megatron_splits(layers: int, pp: int, vp: int) -> list[tuple]:
-    """The pipeline splits worth trying (megatron_buffers.EVEN_SPLIT order): the even one where pp*vp
-    divides the layers; else the uneven ones Megatron builds: the two most balanced first = last = x
-    splits, the middle stages sharing the rest (Llama 3 405B: 126 layers over 16 stages as 7 + 14 x 8
-    + 7, then 14 + 14 x 7 + 14; pp = 2: the halves), and the embedding and loss each counted as a layer. Splits that give the same layers per stage are tried
-    once. Where none is valid the even split stands, so the refusal is Megatron's own reason."""
-    even = (None, None, False, False)
-    if pp == 1 or split_error(layers, pp, vp, even) is None:
-        return [even]
-    out, seen = [], set()
-    cands = []
-    if pp > 2:
-        # first = last = x, the middle pp-2 stages sharing the rest evenly; the most balanced x first
-        for x in range(1, layers // 2 + 1):
-            if (layers - 2 * x) % (pp - 2) == 0:
-                mid = (layers - 2 * x) // (pp - 2)
-                if mid > 0:
-                    cands.append((max(x, mid) - min(x, mid), -x, (x, x, False, False)))
-        cands.sort()
-        cands = [c[2] for c in cands[:2]]
-    else:
-        cands = [(x, layers - x, False, False) for x in (layers // 2, layers // 2 + 1) if 0 < x < layers]
-    cands.append((None, None, True, True))
-    for s in cands:
-        if split_error(layers, pp, vp, s) is not None:
-            continue
-        per_stage = tuple(sum(stage_layers(layers, pp, vp, st, ch, s) for ch in range(vp)) for st in range(pp))
-        if per_stage not in seen:
-            seen.add(per_stage)
-            out.append(s)
-    return out or [even]
-
-
-def _split_knobs(split: tuple) -> dict:
-    first, last, emb, loss = split
-    out = {}
-    if first is not None:
-        out["decoder_first_pipeline_num_layers"] = first
-    if last is not None:
-        out["decoder_last_pipeline_num_layers"] = last
-    if emb:
-        out["account_for_embedding_in_pipeline_split"] = True
-    if loss:
-        out["account_for_loss_in_pipeline_split"] = True
-    return out
-
-
 def expert_degrees(model: ModelShape, framework: str, ranks_per_stage: int) -> list[int]:
     """The ep tried for a layout: every divisor of the experts that divides a stage's ranks (Megatron's
     expert grid: world / (etp * ep * pp) expert data parallel ranks, etp 1; DeepSpeed's expert groups
@@ -247,20 +185,17 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
     sequence parallelism. `base` is the framework's config (a plain dict) the varied knobs override."""
     G, N, gbs = hw.gpus_per_node, hw.gpus, space.global_batch_size
     rcs = [kn for kn in (recompute_knobs(framework, r) for r in space.recompute) if kn is not None]
-    if framework == "deepspeed":
-        for z in space.zero_stages:
+    spec = frameworks.get(framework)
+    if spec.plan_data_parallel_only:  # DeepSpeed ZeRO: every GPU one data-parallel rank, over its stages
+        for kn0 in spec.plan_knob_sets(space):
             for rc in rcs:
-                kn = {"zero_stage": z, **rc}
+                kn = {**kn0, **rc}
                 fw = FrameworkView(base, **kn)
                 for mbs in space.micro_batch_sizes:
                     for ep in expert_degrees(model, framework, N):
                         yield Candidate(framework, Layout(1, 1, N, 1, 1, ep, 1, False, mbs, gbs), kn, fw)
         return
-    if framework == "megatron":
-        # the planner chooses the pipeline split per layout: a split set in the base config is not
-        # carried into layouts it was not written for
-        base = {**base, "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
-                "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+    base = spec.plan_base(base)
     fw_of: dict[tuple, FrameworkView] = {}
     for tp in divisors(N):
         across = tp > G or G % tp
@@ -271,13 +206,13 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                 if cp > space.max_cp:
                     break
                 dp = N // (tp * pp * cp)
-                dprs = divisors(dp) if framework == "titan" and space.hsdp else [1]
+                dprs = divisors(dp) if spec.plan_hsdp and space.hsdp else [1]
                 for vp in space.vps:
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
-                    splits = megatron_splits(model.layers, pp, vp) if framework == "megatron" else [None]
+                    splits = spec.plan_splits(model.layers, pp, vp)
                     for split, rc in ((s, r) for s in splits for r in rcs):
-                        kn = {**(_split_knobs(split) if split is not None else {}), **rc}
+                        kn = {**split, **rc}
                         key = tuple(kn.items())
                         fw = fw_of.get(key)
                         if fw is None:
@@ -355,7 +290,7 @@ def step_flops(model: ModelShape, lay: Layout) -> float:
     return tokens * (6 * matmul_params + 12 * model.layers * model.seq_len * model.hidden)
 
 
-def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
+def recompute_flops(model: ModelShape, lay: Layout, framework: str, fw) -> float:
     """The FLOPs recompute adds to a step (step_flops' terms, run again in backward): full recompute of
     every decoder layer (Megatron full, torchtitan FullAC, DeepSpeed's checkpointed layers) runs each
     layer's forward again, 2 per layer weight per token + attention's forward 4 * seq * hidden;
@@ -364,7 +299,7 @@ def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
     The output layer and the loss are not recomputed."""
     tokens = lay.global_batch_size * model.seq_len
     attn = 4 * model.layers * model.seq_len * model.hidden
-    mode = recompute_mode(fw.get("name"), fw)
+    mode = recompute_mode(framework, fw)
     if mode == "full":
         # every decoder layer's weights a token passes through (the active ones of an MoE layer)
         layer_params = model.active_params() - sum(numel(s) for n, s in model.params()
@@ -376,14 +311,10 @@ def recompute_flops(model: ModelShape, lay: Layout, fw) -> float:
 
 
 def overlaps(framework: str, fw) -> bool:
-    """Whether the framework overlaps its data-parallel collectives with compute as configured:
-    Megatron overlap_grad_reduce, DeepSpeed overlap_comm, torchtitan's FSDP2 always (prefetching
-    unshards, reduce-scatter in backward)."""
-    if framework == "megatron":
-        return bool(fw.overlap_grad_reduce)
-    if framework == "deepspeed":
-        return bool(fw.overlap_comm)
-    return True
+    """Whether the framework overlaps its data-parallel collectives with compute as configured
+    (ledger/faithful/<name>/rules.py overlaps: Megatron overlap_grad_reduce, DeepSpeed overlap_comm,
+    torchtitan's FSDP2 always)."""
+    return frameworks.get(framework).overlaps(fw)
 
 
 def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict) -> dict:
@@ -398,7 +329,7 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
         est_step_s = compute_s + exposed
 
     wire bytes are the most-loaded rank's (ring algorithm, what one rank sends)."""
-    flops = step_flops(model, lay) + recompute_flops(model, lay, fw)
+    flops = step_flops(model, lay) + recompute_flops(model, lay, framework, fw)
     compute = flops / (hw.gpus * hw.peak_tflops * 1e12 * hw.mfu) * (1 + bubble(lay))
     ov = overlaps(framework, fw)
     dp_s = other_s = 0.0
@@ -423,10 +354,11 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         return row
     try:
         validate(model, lay, c.framework, c.fw)
-        if c.framework == "megatron" and sp_error(model, lay):
-            # Megatron trains MoE with tp > 1 only under SP: such a layout is refused (launchers/job.py), and
-            # the SP one is its own candidate
-            raise ConfigError(sp_error(model, lay))
+        why = frameworks.get(c.framework).dispatch_error(model, lay)
+        if why is not None:
+            # what the framework refuses to start (Megatron: MoE with tp > 1 and no SP) is refused here
+            # as by launchers/job.py; the layout that it accepts is its own candidate
+            raise ConfigError(why)
         pl = predict(model, lay, c.fw, mode)
         g = pl.per_gpu
         comm = g.comm

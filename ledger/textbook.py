@@ -11,10 +11,11 @@ micro-batch 2 x topk x tokens x hidden all-to-all each way.
 """
 from __future__ import annotations
 
+from ledger import frameworks
 from ledger.layout import Layout
 from ledger.memory import StateBytes
 from ledger.model import ModelShape, model_dict
-from ledger.placement import CommBuilder, Peak, Placement, RankState
+from ledger.placement import CommBuilder, Placement, RankState
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -52,63 +53,17 @@ def activation_bytes(model: ModelShape, lay: Layout, recompute: str | None = Non
 
 def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
     name = fw.name
+    rules = frameworks.get(name).textbook  # the framework's own formulas: ledger/faithful/<name>/textbook.py
     # MoE: the routed experts split over ep (each expert's FFN over etp), the rest over tp as for a
     # dense model; both over the pipeline stages
     n_expert = model.routed_expert_params() // (lay.ep * lay.etp * lay.pp)
     n_dense = (st.num_params - model.routed_expert_params()) // (lay.tp * lay.pp)
-    n_local = n_dense + n_expert
-    # CP splits the sequence, not the parameters: gradients are reduced, and Megatron's distributed
-    # optimizer sharded, over the dp x cp ranks (parallel_state's "dp-cp" group)
-    nd = lay.dp * (lay.cp if name == "megatron" else 1)
-    dp_dim = "cp-dp" if name == "megatron" and lay.cp > 1 else "dp"
+    nd = lay.dp * (lay.cp if rules.DP_OVER_CP else 1)
+    dp_dim = "cp-dp" if rules.DP_OVER_CP and lay.cp > 1 else "dp"
     s = RankState()
     cb = CommBuilder()
     act = 2  # bf16 activations
-    if name == "megatron":
-        # DDP + distributed optimizer: full bf16 params and grads, 12/N_d optimizer
-        s.add("params_bytes", "bf16 params", 2 * n_local)
-        s.add("grads_bytes", "grads", st.grad * n_local)
-        # the experts' gradients reduce, and their optimizer state shards, over the expert data
-        # parallel ranks (edp = world / (etp*ep*pp)); the dense part over dp (x cp)
-        dist = fw.use_distributed_optimizer
-        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_dense // (nd if dist else 1))
-        if n_expert:
-            s.add("optim_bytes", "experts: fp32 master + adam",
-                  (st.master + st.optim) * n_expert // (lay.edp if dist else 1))
-        for dim, n, group in ((dp_dim, n_dense, nd), ("edp", n_expert, lay.edp)):
-            if not n:
-                continue
-            if dist:
-                cb.add(dim, "reduce_scatter", st.grad * n, group, what="grads")
-                cb.add(dim, "all_gather", 2 * n, group, what="bf16 params")
-            else:
-                cb.add(dim, "all_reduce", st.grad * n, group, what="grads")
-    elif name == "deepspeed":
-        z = fw.zero_stage
-        s.add("params_bytes", "bf16 params", 2 * n_local // (nd if z >= 3 else 1))
-        s.add("grads_bytes", "grads", st.grad * n_local // (nd if z >= 2 else 1))
-        s.add("optim_bytes", "fp32 master + adam", (st.master + st.optim) * n_local // (nd if z >= 1 else 1))
-        if z >= 3:
-            cb.add("dp", "all_gather", 2 * n_local, nd, count=2, what="forward + backward gather")
-            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
-        elif z >= 1:
-            cb.add("dp", "reduce_scatter", st.grad * n_local, nd, what="grads")
-            cb.add("dp", "all_gather", 2 * n_local, nd, what="bf16 params")
-        else:
-            cb.add("dp", "all_reduce", st.grad * n_local, nd, what="grads")
-    elif name == "titan":
-        # HSDP (dp_replicate > 1) shards over dp_shard = dp / dp_replicate only; each shard is
-        # replicated dp_replicate times (torchtitan distributed/fsdp.py: fully_shard over the
-        # (dp_replicate, dp_shard) mesh, FSDP2's HSDP), its grad shard all-reduced across the replicas
-        ns = lay.dp_shard
-        # fp32 shard is both the model parameter and the master copy
-        s.add("params_bytes", "fp32 shards", 4 * n_local // ns)
-        s.add("grads_bytes", "fp32 grads", 4 * n_local // ns)
-        s.add("optim_bytes", "adam", st.optim * n_local // ns)
-        gathers = 1 if fw.reshard_after_forward == "never" else 2
-        cb.add("dp", "all_gather", 2 * n_local, ns, count=gathers, what="bf16 unshard")
-        cb.add("dp", "reduce_scatter", 4 * n_local, ns, what="fp32 grads")
-        cb.add("dp_replicate", "all_reduce", 4 * n_local // ns, lay.dp_replicate, what="fp32 grad shard (HSDP)")
+    rules.state(s, cb, st, lay, fw, n_dense, n_expert, nd, dp_dim)
     # TP: per layer per micro-batch 4 AG + 4 RS (SP) or 4 AR of s*b*h
     m = lay.num_microbatches
     sbh = model.seq_len // lay.cp * lay.micro_batch_size * model.hidden * act  # each CP rank: s/cp
@@ -139,23 +94,12 @@ def place(model: ModelShape, st: StateBytes, lay: Layout, fw) -> Placement:
         cb.add_p2p("cp", kv, kv, what="ring attention K/V (+ dK/dV in backward)",
                    times=3 * (lay.cp - 1) * layers_local * m)
     s.comm = cb.build()
-    if name == "megatron":
-        # the peak: resident + Korthikanti et al.'s activations, with Megatron's recompute knobs (the
-        # other frameworks' textbook peaks are their ledgers' issue-18 work)
-        from ledger.faithful.megatron.peak import recompute_of
-
-        rc = recompute_of(fw).granularity
-        act = activation_bytes(model, lay, rc)
-        s.peak = Peak(s.resident_bytes + act, {"resident": s.resident_bytes, "activations": act}, "backward",
-                      "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
-                      + (f", {rc} recompute" if rc else ""))
+    if rules.peak is not None:
+        s.peak = rules.peak(model, lay, fw, s.resident_bytes)
     pl = Placement(framework=name, mode="textbook", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=lambda r: s, representatives=[0])
     pl.notes.append("textbook: the design article's formulas; N_local = N/(tp*pp) split evenly")
-    if name == "megatron":
-        pl.notes.append("textbook peak: resident + Korthikanti et al.'s per-layer activations (34sbh + 5as^2b, "
-                        "tp / SP / selective / full variants) x layers x micro-batches the first stage holds; no "
-                        "temporaries, no logits, the same for every stage")
+    pl.notes.extend(rules.NOTES)
     if lay.cp > 1:
         pl.notes.append("textbook: CP attention as a plain K/V ring (3*(cp-1) hops per layer per micro-batch); "
                         "load balancing, causal-mask skips and all-gather variants are not in these formulas")

@@ -6,6 +6,9 @@ import tempfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what a subprocess of the suite runs with on its path: the repository, then the caller's PYTHONPATH
+# (scripts/slow_cpu's sitecustomize, where the suite is timed as a CPU without a bf16 GEMM path)
+REPO_PATH = os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 sys.path.insert(0, REPO)
 
 from launchers import forkserver  # noqa: E402
@@ -43,7 +46,7 @@ def pytest_collection_modifyitems(session, config, items):
 def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0) -> subprocess.CompletedProcess:
     """Run launch.py as a user would; returns the completed process (stdout+stderr captured). nice: the
     process's nice value (what it runs, and on the local Slurm what it submits, inherit it)."""
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
     p = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=timeout, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     if check and p.returncode != 0:
@@ -61,7 +64,7 @@ def launch_many(argvs: list[list[str]], timeout: int = 1800) -> None:
     (tests/run_many.py: one start-up instead of one per multirun); fails naming the one that did."""
     import json
 
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
     p = subprocess.run([sys.executable, "-m", "tests.run_many", json.dumps(argvs)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]

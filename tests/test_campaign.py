@@ -13,7 +13,7 @@ import pytest
 
 import records
 from analysis import status
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, REPO_PATH, launch
 
 
 def _predict_sweep(d, *extra):
@@ -48,7 +48,7 @@ def test_unreadable_record_is_named_and_the_rest_go_on(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     bad = tmp_path / "1_deepspeed" / "record.json"
     bad.write_text(bad.read_text()[:200])  # cut short
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO_PATH)
     for mod in ("analysis.reconcile", "analysis.report", "analysis.status"):
         r = subprocess.run([sys.executable, "-m", mod, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=300)
@@ -90,7 +90,7 @@ def test_sigterm_mid_sweep_then_resume(tmp_path):
     """SIGTERM to launch.py while job #1 runs: job #1 is recorded as interrupted, its ranks are gone;
     the rerun skips job #0 (its record and its one W&B run untouched) and completes job #1."""
     args = ["-m", "framework=deepspeed", "framework.zero_stage=1,2", "train.steps=2", f"hydra.sweep.dir={tmp_path}"]
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
     proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     j0, j1 = tmp_path / "0_deepspeed", tmp_path / "1_deepspeed"

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conf.schema import MegatronConfig
-from conf.validate import validate_recompute
+from ledger.faithful.megatron.rules import validate_recompute
 from ledger import textbook as T
 from ledger.faithful.megatron import states as L
 from ledger.faithful.megatron import peak as P

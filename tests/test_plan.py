@@ -13,8 +13,9 @@ from conf.validate import validate_config
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
+from ledger.faithful.megatron.rules import pipeline_splits
 from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, evaluate, link_of,
-                         megatron_splits, per_stage_walk, reason_key, search, step_flops)
+                         per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, launch
 
 register()
@@ -141,13 +142,13 @@ def test_megatron_uneven_first_and_last_stages():
     """126 layers over 16 stages (Llama 3 405B): first = last = 7 and 14 x 8 in the middle, as Megatron
     builds it; an even split alone where pp divides the layers; Megatron's own reason where nothing
     splits."""
-    assert (7, 7, False, False) in megatron_splits(126, 16, 1)
-    assert megatron_splits(80, 16, 1) == [(None, None, False, False)]
-    assert megatron_splits(80, 1, 1) == [(None, None, False, False)]
-    assert (None, None, True, True) in megatron_splits(126, 16, 2)  # 7 is odd: no 7/7 with vp=2
+    assert (7, 7, False, False) in pipeline_splits(126, 16, 1)
+    assert pipeline_splits(80, 16, 1) == [(None, None, False, False)]
+    assert pipeline_splits(80, 1, 1) == [(None, None, False, False)]
+    assert (None, None, True, True) in pipeline_splits(126, 16, 2)  # 7 is odd: no 7/7 with vp=2
     from ledger.faithful.megatron.buffers import split_error
 
-    for s in megatron_splits(126, 16, 1) + megatron_splits(126, 16, 2):
+    for s in pipeline_splits(126, 16, 1) + pipeline_splits(126, 16, 2):
         assert split_error(126, 16, 2 if s[2] else 1, s) is None
 
 

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, REPO_PATH
 
 
 @pytest.fixture(scope="module")
 def probe_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO_PATH, OMP_NUM_THREADS="1")
     from launchers.local import free_port
 
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",

@@ -12,7 +12,7 @@ import pytest
 
 import records
 from analysis import reconcile
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, REPO_PATH, launch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.real]
 
@@ -103,7 +103,7 @@ def test_scancel_one_job_then_resume(slurm, tmp_path):
 
     args = ["-m", "framework=deepspeed", "framework.zero_stage=1,2", "train.steps=2", "hydra/launcher=submitit_slurm",
             "cluster=local_slurm", f"hydra.sweep.dir={tmp_path}"]
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
     proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

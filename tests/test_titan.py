@@ -34,7 +34,7 @@ from analysis.compare import measured_peak_where
 from ledger.faithful.titan import states as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
-from tests.conftest import REPO, launch, peak_evidence, run_sweeps
+from tests.conftest import REPO, REPO_PATH, launch, peak_evidence, run_sweeps
 
 COMMON = ("framework=titan", "train.steps=2")
 SWEEPS = (
@@ -466,7 +466,7 @@ for name, fn in (("opaque", flex_cp_allgather), ("visible", api.flex_cp_allgathe
 """
     from launchers.local import free_port
 
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PORT=str(free_port()), PYTHONPATH=REPO)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PORT=str(free_port()), PYTHONPATH=REPO_PATH)
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     got = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.split()[:1] in

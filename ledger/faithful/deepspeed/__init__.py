@@ -1,0 +1,12 @@
+"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: ZeRO-1/2 buckets and ZeRO-3's fetches (zero), the ZeRO-3
+parameter coordinator's replay (coordinator), the gradient hooks in a backward (backward), the peak within
+a step (peak), DeepSpeed-MoE (moe), what it accepts (rules), its textbook formulas (textbook). Registered
+once as the framework "deepspeed"."""
+from ledger.faithful.deepspeed import moe, rules, textbook, zero
+from ledger.frameworks import FrameworkLedger, register
+
+LEDGER = register(FrameworkLedger(
+    name="deepspeed", launcher="launchers.deepspeed", place=zero.place, place_moe=moe.place,
+    grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
+    textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
+    overlaps=rules.overlaps, plan_data_parallel_only=True, plan_knob_sets=rules.plan_knob_sets))

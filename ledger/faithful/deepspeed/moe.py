@@ -41,7 +41,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ledger.faithful.deepspeed.zero import _DTYPES, FP32, INT64, _ceil_to, allreduce_chunks
+from ledger.dtypes import FP32, INT64
+from ledger.faithful.deepspeed.zero import _DTYPES, _ceil_to, allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState

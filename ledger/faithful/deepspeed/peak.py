@@ -60,12 +60,12 @@ torch.get_rng_state() on the CPU accelerator).
 """
 from __future__ import annotations
 
+from ledger.dtypes import FP32, FP64, INT64
 from ledger.model import ModelShape
 from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
 from ledger.faithful.deepspeed.coordinator import Z3Live
 from ledger.placement import Peak
 
-FP32, FP64, INT64 = 4, 8, 8
 # torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
 CPU_RNG_STATE = 5056
 

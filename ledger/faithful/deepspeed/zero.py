@@ -47,6 +47,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
+from ledger.dtypes import BF16, FP32, FP64, INT64
 from ledger.faithful.deepspeed import backward as deepspeed_backward
 from ledger.faithful.deepspeed import peak as deepspeed_peak
 from ledger.faithful.deepspeed.backward import _ceil_to
@@ -56,7 +57,6 @@ from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
-BF16, FP32, FP64, INT64 = 2, 4, 8, 8
 # engine.get_data_types(): the model dtype is bf16 with a `bf16` section, fp32 without one; ZeRO keeps
 # its flat params / partitions, gradients and IPG buckets and communicates in it (grad_accum_dtype and
 # communication_data_type default to the model dtype)

@@ -1,0 +1,13 @@
+"""Megatron Core 0.18.0, faithful: the pipeline split and DDP buffers (buffers), a rank's states and
+collectives (states), its peak within a step (peak), Mixture-of-Experts (moe), what it accepts (rules),
+its textbook formulas (textbook). Registered once as the framework "megatron"."""
+from ledger.faithful.megatron import moe, rules, states, textbook
+from ledger.frameworks import FrameworkLedger, register
+
+LEDGER = register(FrameworkLedger(
+    name="megatron", launcher="launchers.megatron", place=states.place, place_moe=moe.place,
+    grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
+    vocab_error=rules.vocab_error, uneven_layers=True, other_head_width=rules.head_width_modelled,
+    dispatch_error=moe.sp_error, run_error=rules.run_error, fill_mode_defaults=rules.fill_mode_defaults,
+    textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
+    overlaps=rules.overlaps, plan_base=rules.plan_base, plan_splits=rules.plan_splits))

@@ -405,7 +405,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     if k.moe_token_dispatcher_type == "alltoall" and not k.moe_pad_expert_input_to_capacity and lay.ep > 1:
         notes.append(ROUTED_NOTE)
     trained = padded_shape(model, lay.tp, k.make_vocab_size_divisible_by)
-    if trained is not model:
+    if trained.vocab != model.vocab:  # (an equal shape from the cache may be another object)
         notes.append(f"vocab {model.vocab} padded to {trained.vocab} rows (make_vocab_size_divisible_by="
                      f"{k.make_vocab_size_divisible_by} x tp={lay.tp})")
     cache: dict[tuple, RankState] = {}

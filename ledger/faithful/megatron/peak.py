@@ -49,7 +49,6 @@ from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
 from ledger.placement import Peak
 
-GRANULARITIES = (None, "selective", "full")
 
 _PEAK_COMMON = ("peak (megatron_peak.py): resident + saved activations of the micro-batches in flight + p2p "
                 "buffers + the largest temporary of the moment, over every backward moment, the cross-entropy "

@@ -42,6 +42,8 @@ from ledger.faithful.megatron.buffers import (
     EVEN_SPLIT, _bucket_shares, _class_bound, _most_loaded, _pattern, _pattern_cum, _pieces, _ranks_of_shares,
     _stage_shape, _stage_totals, _tiled_ranks, argmax_rank, effective_bucket_size, owned_sizes, padded_shape)
 from ledger.faithful.megatron.peak import PEAK_NOTES, check_recompute, recompute_of, stage_peak
+from ledger.faithful.megatron.rules import default_transformer_impl
+from ledger.dtypes import nbytes
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -95,16 +97,6 @@ class Knobs(NamedTuple):
 
 MOE_KNOBS = ("moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
              "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_grouped_gemm")
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-
-
-def default_transformer_impl(mode: str = "predict") -> str:
-    """framework.transformer_impl when none is given: what the job builds. mode=predict|dry describe
-    Megatron-LM's own default (arguments.py --transformer-impl transformer_engine, run.sh's); a run
-    here builds the local spec (launchers/megatron.py: TransformerEngine needs CUDA)."""
-    return "local" if mode == "run" else "transformer_engine"
-
-
 def knobs(fw) -> Knobs:
     if isinstance(fw, Knobs):
         return fw
@@ -124,11 +116,6 @@ def pp_split(fw) -> tuple:
 
 
 # -- one rank ------------------------------------------------------------------------------------
-_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return _DTYPE_BYTES[dtype]
 
 
 def stage_buffers(model: ModelShape, lay: Layout, fw, stage: int) -> list[Buffer]:
@@ -309,7 +296,7 @@ def _dtypes(fw: Knobs) -> tuple[str, str, int, int]:
     bf16 = fw.precision == "bf16"
     pdt = "bf16" if bf16 else "fp32"
     gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
-    return pdt, gdt, _dtype_bytes(pdt), _dtype_bytes(gdt)
+    return pdt, gdt, nbytes(pdt), nbytes(gdt)
 
 
 def _owned_by(buffers, dist_opt: bool, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -626,7 +613,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     # every rule below sees the shape Megatron trains: the embedding, the output layer and the tied
     # word-embedding grads hold the padded vocab (the record keeps the configured shape)
     trained = padded_shape(model, tp, k.make_vocab_size_divisible_by)
-    if trained is not model:
+    if trained.vocab != model.vocab:  # (an equal shape from the cache may be another object)
         notes.append(f"vocab {model.vocab} padded to {trained.vocab} rows (a multiple of "
                      f"make_vocab_size_divisible_by={k.make_vocab_size_divisible_by} x tp={tp}: Megatron's "
                      "tokenizers/utils/build_tokenizer.py vocab_size_with_padding)")

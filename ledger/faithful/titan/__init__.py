@@ -1,0 +1,13 @@
+"""torchtitan 0.3.0 (torch 2.13 FSDP2), faithful: FSDP, TP / CP collectives, DTensor strategies and the
+pipeline (states), the peak within a step (peak), MoE (moe), what it accepts (rules), its textbook
+formulas (textbook). Registered once as the framework "titan"."""
+from ledger.faithful.titan import moe, rules, states, textbook
+from ledger.frameworks import FrameworkLedger, register
+
+LEDGER = register(FrameworkLedger(
+    name="titan", launcher="launchers.titan", place=states.place, place_moe=moe.place,
+    grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
+    vocab_error=rules.vocab_error, other_head_width=rules.head_width_modelled,
+    validate_experts=rules.validate_experts, fake_error=rules.fake_error,
+    textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
+    overlaps=rules.overlaps, plan_hsdp=True))

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from math import prod
 
-from ledger.faithful.titan.states import (_REGATHER, BF16, F32, _chunk_rows, _lm_head_regathers, _rows_of)
+from ledger.dtypes import BF16, FP32 as F32
+from ledger.faithful.titan.states import (_REGATHER, _chunk_rows, _lm_head_regathers, _rows_of)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict

@@ -38,9 +38,9 @@ saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves
 """
 from __future__ import annotations
 
+from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
 from ledger.placement import Peak
 
-F32, BF16, I64 = 4, 2, 8
 LOSS_CHUNKS = 8  # components/loss.py ChunkedLossWrapper.Config.num_chunks (torchtitan's default)
 
 

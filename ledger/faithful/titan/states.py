@@ -20,13 +20,13 @@ from math import prod
 from operator import attrgetter
 from typing import Callable, NamedTuple
 
+from ledger.dtypes import BF16, FP32 as F32
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.faithful.titan import peak as titan_peak
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
-F32, BF16 = 4, 2
 
 
 class Param(NamedTuple):

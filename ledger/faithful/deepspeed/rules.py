@@ -1,0 +1,66 @@
+"""What DeepSpeed 0.19.8 accepts as train-ledger drives it (ZeRO as pure data parallelism): its knobs'
+values, its layout limits beside the shared rules (ledger/layout.py), and the planner's view of its
+recompute and overlap knobs. ledger/faithful/deepspeed/__init__.py registers them."""
+from __future__ import annotations
+
+from ledger.checks import at_least, check_sizes, one_of, positive
+from ledger.layout import ConfigError
+
+# sizes and budgets it takes in elements: (field, least value, what it is). A bucket of 0 elements
+# would loop in the bucket walk; a negative budget means nothing
+SIZES = (("reduce_bucket_size", 1, "elements per gradient bucket"),
+         ("allgather_bucket_size", 1, "elements per ZeRO-1/2 all-gather bucket"),
+         ("stage3_prefetch_bucket_size", 0, "elements prefetched ahead; 0: no prefetch"),
+         ("stage3_max_live_parameters", 0, "elements gathered at once"),
+         ("stage3_max_reuse_distance", 0, "elements of reuse window; 0: release after use"),
+         ("stage3_param_persistence_threshold", 0, "params of at most this many elements stay gathered"))
+
+
+def grad_dtype(fw) -> str:
+    """The engine's gradients are the params' dtype (bf16 or fp32)."""
+    return "bf16" if fw.precision == "bf16" else "fp32"
+
+
+def validate_knobs(fw) -> None:
+    # stage 0 (DeepSpeed as plain DDP) is predicted by the textbook ledger; the faithful one
+    # refuses it with its own reason (ledger/faithful/deepspeed/zero.py place)
+    one_of("framework", fw, "zero_stage", (0, 1, 2, 3))
+    at_least("framework", fw, ("gradient_clipping",), 0)
+    # DeepSpeed-MoE's layer arguments (moe/layer.py MoE)
+    positive("framework", fw, ("capacity_factor",))
+    at_least("framework", fw, ("min_capacity", "moe_loss_coeff"), 0)
+    if not isinstance(fw.get("activation_checkpointing", False), bool):
+        raise ConfigError(f"framework.activation_checkpointing={fw.activation_checkpointing!r} must be true or false "
+                          "(every decoder layer under deepspeed.checkpointing.checkpoint, or none)")
+
+
+def validate_layout(model, lay, fw_cfg) -> None:
+    if fw_cfg is not None:
+        check_sizes(fw_cfg, SIZES)
+    if not (lay.tp == 1 and lay.pp == 1 and lay.cp == 1):
+        raise ConfigError(f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed "
+                          "ZeRO as pure data "
+                          "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
+    if not (lay.dp_replicate == 1):
+        raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+
+
+def recompute_knobs(mode: str) -> dict | None:
+    """The plain Llama's layers under deepspeed.checkpointing: all or none (no selective setting)."""
+    if mode == "selective":
+        return None
+    return {"activation_checkpointing": mode == "full"}
+
+
+def recompute_mode(knobs) -> str:
+    return "full" if knobs.get("activation_checkpointing") else "none"
+
+
+def overlaps(fw) -> bool:
+    """ZeRO overlaps its gradient reduction with the backward under overlap_comm only."""
+    return bool(fw.overlap_comm)
+
+
+def plan_knob_sets(space) -> list[dict]:
+    """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank)."""
+    return [{"zero_stage": z} for z in space.zero_stages]

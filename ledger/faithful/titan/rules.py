@@ -1,0 +1,126 @@
+"""What torchtitan 0.3.0 accepts as this ledger models it: its knobs' values, its layout limits beside
+the shared rules (ledger/layout.py), its MoE limits, and the planner's view of its activation
+checkpointing. ledger/faithful/titan/__init__.py registers them."""
+from __future__ import annotations
+
+from ledger.checks import one_of
+from ledger.layout import ConfigError
+
+CP_BLOCK = 128  # torch _context_parallel/_attention.py: FlexAttention's CP BlockMask in 128-token blocks
+
+
+def grad_dtype(fw) -> str:
+    """FSDP2 keeps fp32 sharded gradients (MixedPrecisionPolicy reduce_dtype float32)."""
+    return "fp32"
+
+
+def validate_knobs(fw) -> None:
+    one_of("framework", fw, "reshard_after_forward", ("default", "always", "never"))
+    for n in ("mixed_precision_param", "mixed_precision_reduce", "dtype"):
+        one_of("framework", fw, n, ("float32", "bfloat16"))
+    one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
+    one_of("framework", fw, "activation_checkpoint", ("none", "selective", "full"))
+    # torchtitan 0.3.0 SelectiveAC.Config has no selective_ac_option: the per-op policy is the only
+    # selective variant (distributed/activation_checkpoint.py SelectiveAC._wrap_block)
+    if str(fw.selective_ac_option) != "op":
+        raise ConfigError(f"framework.selective_ac_option={fw.selective_ac_option!r} must be 'op': torchtitan "
+                          "0.3.0's SelectiveAC is per-op only (the every-n-layers integer option is gone)")
+
+
+def vocab_error(model, lay) -> str | None:
+    """torchtitan shards the vocab as torch.chunk (DTensor Shard(0)) and its loss refuses an empty
+    shard: components/loss.py _LossParallelCrossEntropy.forward (the last TP rank's rows:
+    vocab - (tp-1)*ceil(vocab/tp))."""
+    if model.vocab > (lay.tp - 1) * -(-model.vocab // lay.tp):
+        return None
+    return (f"titan: tp={lay.tp} vocab={model.vocab}: torch.chunk leaves the last TP rank no vocab "
+            "rows; torchtitan components/loss.py: \"_LossParallelCrossEntropy does not support "
+            "empty vocab shards.\"")
+
+
+def head_width_modelled(model) -> bool:
+    """torchtitan's qwen3 MoE model has q/k norms and its own head width; its Llama has neither."""
+    return model.is_moe
+
+
+def validate_layout(model, lay, fw_cfg) -> None:
+    # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
+    # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
+    if not (lay.pp == 1 or lay.vp == 1):
+        raise ConfigError(f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages "
+                          "per rank) "
+                          "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
+    if not (lay.pp == 1 or (lay.tp == 1 and lay.cp == 1 and lay.dp_replicate == 1)):
+        raise ConfigError(f"titan: pp={lay.pp} with tp={lay.tp} cp={lay.cp} "
+                          f"dp_replicate={lay.dp_replicate}: pipeline "
+                          "parallelism is modelled over FSDP (dp_shard) only; tp, cp and dp_replicate with "
+                          "pp are not modelled")
+    # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
+    # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
+    if not (lay.cp == 1 or model.seq_len % (CP_BLOCK * lay.cp) == 0):
+        raise ConfigError(f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 "
+                          "(FlexAttention's "
+                          "CP BlockMask is sharded in whole 128-token blocks)")
+    # without PP one local batch per step (no gradient accumulation); with PP the local batch
+    # (global / dp) is split into num_microbatches pipeline micro-batches of micro_batch_size
+    # (parallelism.pipeline_parallel_microbatch_size; trainer.py num_pipeline_parallel_microbatches)
+    if not (lay.pp > 1 or lay.num_microbatches == 1):
+        raise ConfigError(f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
+                          "micro-batches; "
+                          "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+    # torch pipelining/schedules.py Schedule1F1B.__init__: ValueError unless n_microbatches >= stages
+    if not (lay.pp == 1 or lay.num_microbatches >= lay.pp):
+        raise ConfigError(f"titan: pp={lay.pp}: global_batch_size={lay.global_batch_size} gives "
+                          f"{lay.num_microbatches} "
+                          f"pipeline micro-batches per rank; 1F1B needs at least pp={lay.pp} (global >= "
+                          "micro_batch_size*dp*pp)")
+    if fw_cfg is not None:
+        if not (fw_cfg.reshard_after_forward in ("default", "always", "never")):
+            raise ConfigError(f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be "
+                              "default|always|never")
+        if not (lay.pp == 1 or fw_cfg.reshard_after_forward != "always"):
+            raise ConfigError(f"titan: pp={lay.pp} with framework.reshard_after_forward='always' is not "
+                              "modelled (per "
+                              "micro-batch re-gathers under 1F1B); use default or never (False with PP)")
+
+
+def fake_error(lay) -> str | None:
+    if lay.pp > 1:
+        return (f"layout.pp={lay.pp}: torchtitan on cluster=fake runs without pipeline parallelism only "
+                "(torch's pipelining schedules read values of FakeTensors: schedules.py "
+                "_PipelineSchedule._warmup_p2p); run torchtitan PP on cluster=local_cpu")
+    return None
+
+
+def recompute_knobs(mode: str) -> dict:
+    """activation_checkpoint.mode: none, selective (per op) or full."""
+    return {"activation_checkpoint": mode}
+
+
+def recompute_mode(knobs) -> str:
+    return knobs.get("activation_checkpoint") or "none"
+
+
+def overlaps(fw) -> bool:
+    """FSDP2 always overlaps: it prefetches unshards and reduce-scatters in the backward."""
+    return True
+
+
+def validate_experts(model, lay) -> None:
+    """torchtitan's MoE model here is its own qwen3 (models/qwen3; its q/k norms as model.qk_layernorm,
+    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan/moe.py)."""
+    def no(what: str) -> None:
+        raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
+
+    if model.moe_layer_freq != 1 or model.moe_shared_expert_hidden or model.bias or not model.swiglu \
+            or model.norm != "rmsnorm" or model.tied_embeddings:
+        no("torchtitan's qwen3 MoE has every layer MoE, no shared experts, SwiGLU, RMSNorm, no biases, untied "
+           "embeddings (model.moe_layer_freq=1, moe_shared_expert_hidden=0, swiglu, rmsnorm, bias=false, "
+           "tied_embeddings=false)")
+    if not (lay.tp == lay.pp == lay.cp == lay.dp_replicate == lay.vp == 1):
+        no(f"tp={lay.tp} pp={lay.pp} cp={lay.cp} dp_replicate={lay.dp_replicate}: MoE is modelled over FSDP "
+           "(dp_shard) with expert parallelism alone")
+    # distributed/parallel_dims.py: EP borrows from dp_shard x cp x tp (efsdp = dp_shard / ep here)
+    if not (lay.dp_shard % lay.ep == 0):
+        no(f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (torchtitan's EP borrows the FSDP ranks: "
+           "efsdp = dp_shard / ep)")
