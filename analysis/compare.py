@@ -13,7 +13,7 @@ import records as R
 
 STATE_Q = ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")
 # peak_bytes and peak/<part>_bytes rows come from the peak probe where the ledger predicts a peak.
-# Issue 18's acceptance for them: |rel_err| <= 1% on steady steps (the moment of a peak depends on when
+# held to |rel_err| <= 1% on steady steps (the moment of a peak depends on when
 # asynchronous collectives complete and the cyclic GC runs; states and collectives stay exact)
 PEAK_REL_TOL = 0.01
 # race_bytes (peak_bytes rows): how much of the measured peak only a c10d worker thread's timing held

@@ -3,8 +3,8 @@
     python -m analysis.plan JOB_DIR       # (re)draws JOB_DIR/plan.png from JOB_DIR/plan.json
 
 Fitting layouts are filled, the too-big ones hollow; the line is the Pareto front of the fitting
-ones (no other fitting layout is both smaller and faster). Peak is resident state until issue 18;
-the time is the planner's roofline estimate, not a measurement.
+ones (no other fitting layout is both smaller and faster). Peak is the predicted peak within a step
+(resident state where a framework's ledger predicts none for the layout); the time is the planner's roofline estimate, not a measurement.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def plot(rows: list[dict], path: str, budget_bytes: float | None = None) -> str:
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("estimated step time, s (roofline estimate, not measured)")
-    ax.set_ylabel("peak per rank, GB (resident state only until issue 18)")
+    ax.set_ylabel("predicted peak per rank, GB")
     ax.legend(fontsize=7, loc="best")
     ax.set_title("plan: every predicted layout")
     fig.tight_layout()

@@ -5,7 +5,7 @@
 Quantities: params_bytes grads_bytes optim_bytes resident_bytes (at the step boundary),
 comm/<dim>/<kind>/count, comm/<dim>/<kind>/buffer_bytes (per optimizer step), and where the
 ledger predicts one, peak_bytes and peak/<part>_bytes (the most live bytes within the step, probes/peak.py).
-A steady mismatch is any byte off for states and collectives, more than 1% for peaks (issue 18). Step 0 is the
+A steady mismatch is any byte off for states and collectives, more than 1% for peaks. Step 0 is the
 first (tracing / warm-up) step: it is compared with the ledger's first-step prediction and
 reported as phase "first", as are further warm-up steps the prediction lists (comm_warmup);
 later steps are phase "steady".

@@ -5,8 +5,8 @@
 The search is ledger/plan.py's (what `mode=plan framework=all` runs): plan.* at its defaults
 (tp inside 8-GPU nodes, pp up to the layers, cp up to 8, vp 1 and 2, Megatron's uneven splits,
 torchtitan's dp_replicate, DeepSpeed's ZeRO stages 1-3, sequence parallel on and off) with
-micro-batch sizes 1-4, global batch 16M tokens (2,048 sequences of 8,192), 80 GB GPUs. Recompute
-is not enumerated until issue 18 models activations (its only effect). Printed: layouts evaluated
+micro-batch sizes 1-4, global batch 16M tokens (2,048 sequences of 8,192), 80 GB GPUs, recompute none,
+selective and full (plan.recompute's default). Printed: layouts evaluated
 (predicted or refused with the ledger's reason), layouts per second and the total, best of
 --repeat runs from cold ledger caches; --files adds the whole job (per-stage detail of the top
 rows, plan.json, plan.csv, the plot) into a temporary directory. Target: under 10 s on one core.

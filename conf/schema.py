@@ -257,8 +257,8 @@ class PlanConfig:
     # decimal GB (1e9 bytes), as the ledger prints them: an "80 GB" H100 holds 80 GiB = 85.9e9 bytes, so
     # the decimal reading leaves a little more headroom than memory_fraction alone
     gpu_memory_gb: float = 80.0
-    # a layout fits when its peak per rank <= memory_fraction x gpu_memory_gb (peak = resident state
-    # until issue 18 models activations)
+    # a layout fits when its predicted peak per rank <= memory_fraction x gpu_memory_gb (resident state
+    # where a framework's ledger predicts no peak for the layout)
     memory_fraction: float = 0.9
     # tokens per optimizer step; the global batch is global_batch_tokens / model.seq_len sequences.
     # None: layout.global_batch_size (which must then be set)

@@ -82,7 +82,7 @@ class _Lazy:
 
 @dataclass
 class Peak:
-    """A rank's most live bytes within one optimizer step (issue 18), and its parts at that moment.
+    """A rank's most live bytes within one optimizer step, and its parts at that moment.
 
     parts: PEAK_PARTS -> bytes, summing to `bytes`; detail: finer named pieces for people
     ("activations/layer 0 mlp", "temporary/logits fp32"); phase: forward | backward | schedule |

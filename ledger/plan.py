@@ -11,7 +11,7 @@ reason (numbers replaced by N) rather than dropped. The planner adds only what n
     interleaved; m = micro-batches per step),
   * a roofline step-time *estimate* (est_step_s; never a measurement), documented in estimate().
 
-Peak memory (issue 18): `peak_bytes` is the largest predicted peak within a step of any stage's
+Peak memory: `peak_bytes` is the largest predicted peak within a step of any stage's
 heaviest rank (RankState.peak: resident state + activations in flight + transient buffers + the
 largest temporary), and a layout fits when it is within plan.memory_fraction x plan.gpu_memory_gb.
 Where a framework's ledger predicts no peak for a layout, the resident state stands in and the row

@@ -100,7 +100,7 @@ def stage_peak_ranks(pl: "Placement", stage: int, ranks: tuple[int, int]) -> lis
 
 
 def _peaks(con, pl: "Placement", stages, max_rows: int) -> None:
-    """Per stage the peak within a step (RankState.peak, issue 18) of its heaviest rank and its parts
+    """Per stage the peak within a step (RankState.peak) of its heaviest rank and its parts
     (placement.PEAK_PARTS), where the ledger predicts one; any framework's Peak prints the same way."""
     from ledger.units import PEAK_PARTS
 

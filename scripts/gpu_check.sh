@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 18, one script, at most ~8 minutes on a machine with one GPU:
+# The GPU check of the peak probe against the CUDA allocator, one script, at most ~8 minutes on a machine with one GPU:
 #   scripts/gpu_check.sh [OUT_DIR]        (PYTHON=... to use another interpreter than .venv's)
 # One world-1 job per framework on CUDA (the tiny Llama) and one llama3_1b-shaped torchtitan job that
 # fits one GPU, then per job / rank / step: the ledger's peak, the peak probe's (exact and in the CUDA

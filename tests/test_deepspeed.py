@@ -38,7 +38,7 @@ The real matrix (one fixture, eight Hydra multiruns, 25 jobs):
         framework.activation_checkpointing=false,true framework.reduce_bucket_size=65536 \
         layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=3
 
-Every job also reconciles its per-rank peak within a step (issue 18; ledger/faithful/deepspeed/peak.py):
+Every job also reconciles its per-rank peak within a step (ledger/faithful/deepspeed/peak.py):
 peak_bytes and its parts; and the most live activations against the last step's timeline.
 
 The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
@@ -1061,7 +1061,7 @@ def test_zero3_step1_pass_from_the_accumulation_coordinator():
     assert taken > 100 and refused > 0, (taken, refused)
 
 
-# Peak findings (issue 18): jobs whose peak is at a moment the ledger does not model exactly. Each is
+# Peak findings: jobs whose peak is at a moment the ledger does not model exactly. Each is
 # checked to stay what it is (a fix shows up here), never covered by a wider tolerance.
 # name -> (which jobs: f(zero, dp, precision, micro-batches, tied, reuse distance), "over 1%" | "within 1%")
 PEAK_FINDINGS: dict = {
@@ -1095,7 +1095,7 @@ def _peak_finding(rec):
 
 @pytest.mark.real
 def test_peak_rows(runs):
-    """Every rank and step has a peak_bytes row and the five parts; every steady row within 1% (issue 18)
+    """Every rank and step has a peak_bytes row and the five parts; every steady row within 1%
     and exact, a deterministic order of allocations (ledger/faithful/deepspeed/peak.py): the peak is in
     torch AdamW's update, at the start of backward (4 samples a micro-batch without checkpointing), or
     deeper in ZeRO-2's backward (fp32, 4 ranks, 2 micro-batches), at ZeRO-3's IPG reduce-scatter in

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 with DeepSpeed-MoE (issue 21): the faithful ledger (ledger/faithful/deepspeed/moe.py)
+"""DeepSpeed 0.19.8 with DeepSpeed-MoE: the faithful ledger (ledger/faithful/deepspeed/moe.py)
 against real CPU/gloo runs of the tiny MoE Llama, deepspeed.moe.layer.MoE in every MoE layer.
 
 One shared sweep (11 jobs, s=128, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no

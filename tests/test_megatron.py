@@ -74,7 +74,7 @@ SWEEPS = (
                   "layout={pp:2}")),
     ("w2accloss", ("cluster.ranks=2", "model.layers=3", "framework.overlap_grad_reduce=true",
                    "framework.account_for_loss_in_pipeline_split=true", "layout={pp:2}")),
-    # the peak (issue 18) under recompute: s=128 so that the backward, not the optimizer step, holds the
+    # the peak under recompute: s=128 so that the backward, not the optimizer step, holds the
     # peak of stage 0; 4 micro-batches over pp2 (a second count: 1F1B holds 2 in flight on stage 0)
     ("w2rcsel", ("cluster.ranks=2", "model.seq_len=128", "framework.overlap_grad_reduce=true",
                  "framework.recompute_granularity=null,selective", "layout={pp:2,global_batch_size:4}")),
@@ -167,7 +167,7 @@ def test_every_steady_row_on_every_rank_reconciles(sweep):
         assert set(d["rank"]) == set(range(rec["measurement"]["world"])), f"{job}: ranks without rows"
         for q in reconcile.STATE_Q:
             assert len(d[d.quantity == q]) == rec["measurement"]["world"], f"{job}: {q} not measured on every rank"
-    # resident state and collectives to the byte, first step included; the peak (issue 18) within 1% on
+    # resident state and collectives to the byte, first step included; the peak within 1% on
     # every steady step (its parts and the first step's peak are reported, not held to it)
     peak = df.quantity.str.startswith("peak")
     bad = steady[~peak & (steady.abs_err != 0)]

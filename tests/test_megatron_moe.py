@@ -1,4 +1,4 @@
-"""Megatron Core 0.18.0 Mixture-of-Experts (issue 20): the MoE shapes, layout.ep, the faithful ledger
+"""Megatron Core 0.18.0 Mixture-of-Experts: the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
 One shared sweep (17 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4

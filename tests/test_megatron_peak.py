@@ -1,4 +1,4 @@
-"""Megatron's peak within a step (issue 18), predict-only: the recompute knobs' validation, what the
+"""Megatron's peak within a step, predict-only: the recompute knobs' validation, what the
 faithful ledger's peak is made of (ledger/faithful/megatron/peak.py), the textbook formulas, the
 acceptance command's printout. The real runs that confirm the peak are tests/test_megatron.py's
 matrix (every steady peak_bytes row within 1%, the recompute jobs' activations as predicted)."""

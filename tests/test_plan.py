@@ -1,4 +1,4 @@
-"""mode=plan (issue 19): the search agrees with the per-layout prediction, its refusals are the ledger's
+"""mode=plan: the search agrees with the per-layout prediction, its refusals are the ledger's
 own, the numbers per row, the acceptance questions (the article's 70B on 1,024 GPUs, the Llama 3 405B
 production layout), and the top-3 of a tiny plan run for real and reconciled."""
 import json
@@ -309,7 +309,7 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
     assert [r["status"] for r in recs] == ["ok"] * 3
     df = reconcile.table(recs)
     steady = df[df.phase == "steady"]
-    # states and collectives to the byte, peaks within issue 18's 1%
+    # states and collectives to the byte, peaks within 1%
     assert len(steady) and not reconcile.off(steady).any(), steady[reconcile.off(steady)].to_string()
     assert (steady.quantity == "peak_bytes").any()
     by_rank = {r["rank"]: r for r in rows if r["rank"]}

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0 MoE (issue 21): its qwen3 MoE through its own Trainer with expert parallelism over
+"""torchtitan 0.3.0 MoE: its qwen3 MoE through its own Trainer with expert parallelism over
 dp_shard, against the faithful ledger (ledger/faithful/titan/moe.py), real CPU/gloo runs.
 
 One shared sweep (5 jobs, s=128, two steps): ep1 at world 2 (no expert parallelism: the experts in

@@ -1,4 +1,4 @@
-"""torchtitan peak (issue 18), predict-only: activation-checkpointing knobs, the peak model's parts.
+"""torchtitan peak, predict-only: activation-checkpointing knobs, the peak model's parts.
 
 The real-run checks (every steady peak_bytes row within 1%) are tests/test_titan.py's, on the
 shared matrix sweep."""
