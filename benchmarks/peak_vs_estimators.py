@@ -72,7 +72,7 @@ def megatron_theoretical(rec: dict) -> int | None:
     cfg, pred = rec["config"], rec["prediction"]
     m, lay = cfg["model"], pred["layout"]
     fw = cfg["framework"]
-    from ledger.faithful.megatron.buffers import padded_shape
+    from ledger.faithful.megatron.pipeline import padded_shape
     from ledger.model import ModelShape
 
     shape = ModelShape.from_config(m)

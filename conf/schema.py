@@ -80,7 +80,7 @@ class MegatronConfig(FrameworkConfig):
     average_in_collective: bool = False
     clip_grad: float = 1.0
     # Megatron-LM --make-vocab-size-divisible-by: the embedding and output layer hold the vocab padded
-    # to a multiple of this times tp (ledger/faithful/megatron/buffers.py padded_vocab)
+    # to a multiple of this times tp (ledger/faithful/megatron/pipeline.py padded_vocab)
     make_vocab_size_divisible_by: int = 128
     # Megatron-LM --transformer-impl: local | transformer_engine (the layer spec GPTModel is built with);
     # None = transformer_engine for mode=predict|dry (run.sh's), local for mode=run (launchers/job.py)
@@ -88,7 +88,7 @@ class MegatronConfig(FrameworkConfig):
     # the pipeline split (Megatron-LM --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers:
     # TransformerConfig num_layers_in_first/last_pipeline_stage; None = the even split), or the embedding /
     # the loss counted as one layer each in an even split (--account-for-embedding-in-pipeline-split,
-    # --account-for-loss-in-pipeline-split); ledger/faithful/megatron/buffers.py stage_layers, split_error
+    # --account-for-loss-in-pipeline-split); ledger/faithful/megatron/pipeline.py stage_layers, split_error
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     account_for_embedding_in_pipeline_split: bool = False
@@ -98,7 +98,7 @@ class MegatronConfig(FrameworkConfig):
     # granularity None | selective | full; method uniform | block (full only); num_layers: layers per
     # uniform chunk, or layers per stage recomputed by block (full only); modules: what selective
     # recomputes (megatron-core 0.18: core_attn, layernorm, mlp for a dense model; None = [core_attn]).
-    # ledger/faithful/megatron/peak.py models each (conf/validate.py checks Megatron's rules)
+    # ledger/faithful/megatron/activations.py models each (conf/validate.py checks Megatron's rules)
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None

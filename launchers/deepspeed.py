@@ -127,7 +127,7 @@ def _rank0_list_is_local() -> None:
     # the fake world the broadcast moves nothing (the read would be 0s, and the check then fails on
     # "a disagreement on list contents"); every rank runs the same program, so rank 0's list is
     # this rank's. The broadcast is issued as the original issues it (the ledger counts it,
-    # ledger/faithful/deepspeed/zero.py _trace_checks); the list returned is the local one
+    # ledger/faithful/deepspeed/zero3.py _trace_checks); the list returned is the local one
     import torch
 
     from deepspeed import comm as dist

@@ -55,7 +55,7 @@ def transformer_config(cfg, lay: Layout):
         # the local spec computes attention with Megatron's own DotProductAttention
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        # activation recompute, by TransformerConfig's own names (ledger/faithful/megatron/peak.py);
+        # activation recompute, by TransformerConfig's own names (ledger/faithful/megatron/activations.py);
         # recompute_modules None is TransformerConfig's default ["core_attn"]
         recompute_granularity=fw.recompute_granularity, recompute_method=fw.recompute_method,
         recompute_num_layers=fw.recompute_num_layers,
@@ -278,7 +278,7 @@ def state_groups(chunks, optimizer, seq_len: int) -> dict:
 
 def run_rank(cfg, lay: Layout, session) -> dict:
     from ledger.faithful.megatron.states import check_framework, check_interleaving
-    from ledger.faithful.megatron.peak import check_recompute, recompute_of
+    from ledger.faithful.megatron.activations import check_recompute, recompute_of
 
     # ConfigErrors naming the field, before Megatron's own checks (arguments.py, the schedule)
     check_framework(cfg.framework)

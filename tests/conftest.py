@@ -54,6 +54,17 @@ def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0) 
     return p
 
 
+def compose_config(*overrides):
+    """The job config launch.py composes from these overrides (Hydra, the typed schema registered)."""
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 @pytest.fixture
 def run_launch():
     return launch

@@ -1,18 +1,15 @@
 """The structured config: composition, typos and types rejected, presets in one place."""
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from conf.schema import register
-from tests.conftest import REPO
+from tests.conftest import compose_config
 
 register()
 
 
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+_compose = compose_config
 
 
 def test_default_composition():

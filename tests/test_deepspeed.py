@@ -190,7 +190,7 @@ def test_batches_are_seeded():
 # -- faithful ledger rules -----------------------------------------------------------------------
 
 def test_ipg_bucket_rule():
-    from ledger.faithful.deepspeed.zero import ipg_buckets
+    from ledger.faithful.deepspeed.common import ipg_buckets
 
     assert ipg_buckets([3, 3, 3], 6) == [6, 3]  # fits exactly: no flush
     assert ipg_buckets([4, 3, 1], 6) == [4, 4]  # would overflow: flush first
@@ -200,7 +200,7 @@ def test_ipg_bucket_rule():
 def test_extra_large_gradient_all_reduce_chunks():
     """average_tensor cuts an extra-large gradient at partition boundaries; allreduce_and_scatter adds
     slices until their sum exceeds reduce_bucket_size and all-reduces them."""
-    from ledger.faithful.deepspeed.zero import allreduce_chunks
+    from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 
     # tiny, 4 ranks: layer 0's w1 at flat offset 819,712 straddles the first boundary (885,312)
     assert allreduce_chunks(196_608, 819_712, 885_312, 65_536) == [65_600, 131_008]
@@ -216,7 +216,8 @@ def test_extra_large_gradient_all_reduce_chunks():
 
 def test_flat_offsets_follow_registration():
     """Each parameter's offset in the flat group (registration order), found from either order."""
-    from ledger.faithful.deepspeed.zero import _flat_offset, backward_order
+    from ledger.faithful.deepspeed.common import backward_order
+    from ledger.faithful.deepspeed.zero12 import _flat_offset
 
     for over in ({}, {"bias": True, "norm": "layernorm"}, {"tied_embeddings": True}, {"swiglu": False}):
         shape = preset("tiny", **over)
@@ -231,7 +232,9 @@ def test_flat_offsets_follow_registration():
 def test_parameters_larger_than_the_bucket(stage):
     """Each extra-large gradient is reduced on its own (ZeRO-1/2: one more all-reduce at 4 ranks where
     w1 straddles a partition boundary); bytes unchanged; ZeRO-3 keeps its IPG buffer allocated."""
-    from ledger.faithful.deepspeed.zero import _buckets12, _grad_sizes, ipg_buckets, place
+    from ledger.faithful.deepspeed.common import grad_sizes as _grad_sizes, ipg_buckets
+    from ledger.faithful.deepspeed.zero import place
+    from ledger.faithful.deepspeed.zero12 import _buckets12
 
     shape = preset("tiny")
     n = shape.num_params()
@@ -295,7 +298,8 @@ def test_llama3_70b_with_default_knobs():
 
 
 def test_backward_order_covers_every_parameter_once():
-    from ledger.faithful.deepspeed.zero import _grad_sizes, _registration_sizes, backward_order
+    from ledger.faithful.deepspeed.common import backward_order, grad_sizes as _grad_sizes
+    from ledger.faithful.deepspeed.common import registration_sizes as _registration_sizes
 
     for over in ({}, {"bias": True, "norm": "layernorm"}, {"swiglu": False}, {"tied_embeddings": True}):
         shape = preset("tiny", **over)
@@ -391,7 +395,7 @@ def test_zero3_hook_order():
     run): forward in pre-order (releases in post-order); backward root, output, norm, blocks last to first,
     each module fetched when its output's gradient arrives and released once its inputs' gradients are
     computed; the root's and the embedding's releases left to release_backward_leftovers."""
-    from ledger.faithful.deepspeed.coordinator import _z3_trace
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     shape = preset("tiny", layers=1)
     tr = _z3_trace(shape, 100_000)
@@ -421,7 +425,7 @@ def test_zero3_coordinator_replay():
     steady state the reuse distance keeps output and final norm from forward into backward."""
     from collections import Counter
 
-    from ledger.faithful.deepspeed.coordinator import _z3_fetches
+    from ledger.faithful.deepspeed.coordinator import z3_fetches as _z3_fetches
 
     shape = preset("tiny")
     record, rest0, steady = _z3_fetches(shape, 2, 100_000, 300_000, 600_000, 400_000)
@@ -443,7 +447,7 @@ def test_zero3_persistent_embedding_kept_by_leftovers():
     releases every param after each use, but the embedding's last fetch (its backward) is released by
     release_backward_leftovers, which keeps persistent params: micro-batch 1 does not gather it again
     (dumped from the coordinator)."""
-    from ledger.faithful.deepspeed.coordinator import _z3_fetches
+    from ledger.faithful.deepspeed.coordinator import z3_fetches as _z3_fetches
 
     shape = preset("tiny")
     e = shape.vocab * shape.hidden
@@ -459,7 +463,7 @@ def test_zero3_trace_param_starts_are_the_bisect():
     import dataclasses
     from bisect import bisect_left
 
-    from ledger.faithful.deepspeed.coordinator import _z3_trace
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     tiny = preset("tiny", layers=5)
     for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -474,7 +478,8 @@ def test_zero3_recording_pass_end_without_replay():
     is its event replay's end, over models (tied too) and thresholds below and above the embedding."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_record, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_record
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     tiny = preset("tiny", layers=3)
     ends = set()
@@ -497,7 +502,7 @@ def test_zero3_block_skipping_is_the_event_replay(monkeypatch):
     import dataclasses
 
     from ledger.faithful.deepspeed import coordinator as deepspeed_coordinator
-    from ledger.faithful.deepspeed.coordinator import _z3_fetches, _z3_sim
+    from ledger.faithful.deepspeed.coordinator import _z3_sim, z3_fetches as _z3_fetches
 
     taken = []
     same = deepspeed_coordinator._Caps.same
@@ -530,7 +535,8 @@ def test_zero3_one_param_shortcuts_are_the_general_loops():
     state and first-pass verdict equal."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_persistent, _Z3Sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_after_record, _z3_persistent, _Z3Sim
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     class General(tuple):  # a module's params that never take a one-param shortcut (len(own) == 1)
         def __len__(self):
@@ -560,7 +566,7 @@ def test_zero3_fetch_on_use_is_the_event_replay():
     above the params' sizes and micro-batches."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.coordinator import _z3_steady
+    from ledger.faithful.deepspeed.coordinator import z3_steady as _z3_steady
 
     tiny = preset("tiny", layers=5)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -576,7 +582,8 @@ def test_zero3_watched_replay_makes_the_same_pass():
     nothing and some of it."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.coordinator import _z3_persistent, _z3_sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_persistent, _z3_sim
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     tiny = preset("tiny", layers=3)
     for shape in (tiny, dataclasses.replace(tiny, tied_embeddings=True)):
@@ -606,7 +613,7 @@ def test_zero3_moments_by_hand():
     embedding's wait: the Linear weights saved by mm, the embedding's copy not) and no prefetch or
     reuse distance (each module's params gathered at its fetch, released after: nothing at the final
     norm; the output's own single-param buffer at its backward)."""
-    from ledger.faithful.deepspeed.coordinator import Z3Live, z3_moments
+    from ledger.faithful.deepspeed.gathered import Z3Live, z3_moments
 
     tiny = preset("tiny")
     th, dp, w = 100_000, 3, 2  # dp 3: every partition padded
@@ -621,7 +628,7 @@ def test_zero3_moments_by_hand():
     assert start == out == Z3Live(saved=linear, gathered=0, temporary=emb)
     # step 0's second micro-batch: the coordinator's first complete pass, from nothing persistent gathered:
     # its root prefetch gathers every param, the persistent ones too; the norms' weights saved by the mul
-    from ledger.faithful.deepspeed.coordinator import z3_first_moments
+    from ledger.faithful.deepspeed.gathered import z3_first_moments
 
     every = w * dp * sum(-(-numel(sh) // dp) for _, sh in tiny.params())
     saves = sum(w * numel(sh) for n, sh in tiny.params() if len(sh) == 2 or n.endswith("norm.weight")) - emb
@@ -645,7 +652,7 @@ def test_zero3_first_pass_asks_no_skipped_block(monkeypatch):
     import dataclasses
 
     from ledger.faithful.deepspeed import coordinator as deepspeed_coordinator
-    from ledger.faithful.deepspeed.coordinator import _z3_fetches
+    from ledger.faithful.deepspeed.coordinator import z3_fetches as _z3_fetches
 
     found = []
     ask = deepspeed_coordinator._Z3Sim._to_release
@@ -670,7 +677,8 @@ def test_block_counted_buckets_are_the_walk():
     gradient (_buckets12), over models, bucket sizes around the params' sizes and both orders."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.zero import _buckets12, _registration_sizes, _split12
+    from ledger.faithful.deepspeed.common import registration_sizes as _registration_sizes
+    from ledger.faithful.deepspeed.zero12 import _buckets12, _split12
 
     tiny = preset("tiny", layers=12)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -957,7 +965,8 @@ def test_extra_large_params_reduced_on_their_own(runs):
     IPG buffer, cut where it straddles a partition boundary (4 ranks: layer 0's w1, first slice 65,600 >
     65,536 elements: one more call than buckets; at 100000 it stays one call); ZeRO-3 reduce-scatters it
     alone and keeps its IPG buffer of reduce_bucket_size elements."""
-    from ledger.faithful.deepspeed.zero import _buckets12, _grad_sizes, ipg_buckets
+    from ledger.faithful.deepspeed.common import grad_sizes as _grad_sizes, ipg_buckets
+    from ledger.faithful.deepspeed.zero12 import _buckets12
 
     recs, _ = runs
     shape = ModelShape.from_config(recs["matrix"][0]["config"]["model"])
@@ -1040,7 +1049,8 @@ def test_zero3_step1_pass_from_the_accumulation_coordinator():
     first (m = 2) as a search does; the shortcut is taken in most of them."""
     import dataclasses
 
-    from ledger.faithful.deepspeed.coordinator import _z3_fetches, _z3_persistent, _z3_sim, _z3_trace
+    from ledger.faithful.deepspeed.coordinator import _z3_persistent, _z3_sim, z3_fetches as _z3_fetches
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
 
     tiny = preset("tiny", layers=12)
     models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, norm="layernorm", bias=True),
@@ -1210,7 +1220,7 @@ def test_zero3_ipg_flushes_follow_ds_numel():
     unless one gradient whose numel dp divides; an extra-large gradient alone and in its own storage.
     At 3 ranks a bucket of one wq and one norm closes 27 buckets, not the 35 of the padded sizes (the
     odd job measures 27: test_every_row_reconciles_to_the_byte)."""
-    from ledger.faithful.deepspeed.zero import _grad_sizes, backward_order, ipg_buckets
+    from ledger.faithful.deepspeed.common import backward_order, grad_sizes as _grad_sizes, ipg_buckets
     from ledger.faithful.deepspeed.backward import z3_flushes
 
     for shape in (preset("tiny"), preset("tiny", tied_embeddings=True), preset("llama3_1b")):
@@ -1370,7 +1380,7 @@ def test_peak_prediction_tiny():
 def test_activations_derivation():
     """Per layer (bf16, b=1): norms 2 x (fp32 copy 4bsh + rsqrt 4bs + 2 x 2bsh), rope angles 4 x 4s(d/2),
     q/k/v/out 4 x 2bsHd, logsumexp 4bHs, SwiGLU 4 x 2bsf; checkpointing keeps no layer's saves."""
-    from ledger.faithful.deepspeed import peak as P
+    from ledger.faithful.deepspeed import activations as P
 
     m = preset("tiny")
     per = P.layer_activations(m, 1, 2)

@@ -13,7 +13,6 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import records
 from analysis.compare import is_peak
@@ -22,14 +21,12 @@ from conf.schema import register
 from launchers.fake import select_ranks
 from launchers.job import check, world_of
 from ledger.layout import ConfigError
-from tests.conftest import REPO, launch
+from tests.conftest import launch, compose_config
 
 register()
 
 
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+_compose = compose_config
 
 
 def _placement(*overrides):

@@ -14,12 +14,11 @@ import re
 import subprocess
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from conf.schema import register
 from ledger.layout import ConfigError, resolve
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, compose_config
 
 register()
 
@@ -44,9 +43,7 @@ HOSTILE_DIRS = {
 }
 
 
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+_compose = compose_config
 
 
 _BASE = {}

@@ -32,6 +32,10 @@ from analysis import reconcile
 from analysis.compare import measured_peak_where
 from ledger.faithful.megatron import states as L
 from ledger.faithful.megatron import buffers as B
+from ledger.faithful.megatron import comm as C
+from ledger.faithful.megatron import heaviest as H
+from ledger.faithful.megatron import knobs as K
+from ledger.faithful.megatron import pipeline as PL
 from ledger.layout import ConfigError, resolve
 from ledger.model import ModelShape, preset
 from tests.conftest import assert_megatron_redirects, launch, peak_evidence, run_sweeps
@@ -261,7 +265,7 @@ def test_sweep_exercises_padding_buckets_and_every_collective(sweep):
         pr = rec["prediction"]["per_rank"]
         lay = rec["prediction"]["layout"]
         shape = ModelShape.from_config(rec["config"]["model"])
-        n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in B.stage_params(shape, lay["tp"], lay["pp"], s,
+        n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in PL.stage_params(shape, lay["tp"], lay["pp"], s,
                                                                                    lay["vp"], ch))
                    for s in {p["stage"] for p in pr}}
         padded |= any(p["grads_bytes"] > 4 * n_local[p["stage"]] for p in pr)
@@ -286,7 +290,7 @@ def test_tied_embeddings_and_overlap_param_gather_are_exercised(sweep):
             # (4 bytes) is a pp group too
             m, tp = rec["config"]["model"], rec["prediction"]["layout"]["tp"]
             ar = d[(d.quantity == "comm/pp/all_reduce/buffer_bytes") & (d.phase == "steady")]
-            emb = 4 * (B.padded_vocab(m["vocab"], tp, 128) // tp) * m["hidden"]
+            emb = 4 * (PL.padded_vocab(m["vocab"], tp, 128) // tp) * m["hidden"]
             assert len(ar) == world and ar.measured.isin([emb, emb + 4]).all(), (job, ar.to_string())
         if rec["config"]["framework"]["overlap_param_gather"]:
             ag = d[d.quantity == "comm/dp/all_gather/count"]
@@ -315,9 +319,9 @@ def test_uneven_pipeline_jobs_built_their_stage_layers(sweep):
     assert len(jobs) == 4
     for rec in jobs:
         job, shape = records.job_name(rec), ModelShape.from_config(rec["config"]["model"])
-        split = L.pp_split(types.SimpleNamespace(**rec["config"]["framework"]))
-        want = {st: 2 * sum(n for _, n in B.stage_params(shape, 1, 2, st, split=split)) for st in (0, 1)}
-        assert sorted(B.stage_layers(3, 2, 1, st, 0, split) for st in (0, 1)) == [1, 2], job
+        split = K.pp_split(types.SimpleNamespace(**rec["config"]["framework"]))
+        want = {st: 2 * sum(n for _, n in PL.stage_params(shape, 1, 2, st, split=split)) for st in (0, 1)}
+        assert sorted(PL.stage_layers(3, 2, 1, st, 0, split) for st in (0, 1)) == [1, 2], job
         d = df[(df.job == job) & (df.quantity == "params_bytes")]
         world = rec["measurement"]["world"]
         assert len(d) == 2 * world, (job, d.to_string())  # every rank x (first, steady)
@@ -359,7 +363,7 @@ def _megatron_layout(params, shared, bucket, dp):
 @pytest.mark.parametrize("dp,bucket", [(1, None), (2, None), (2, 100_000), (4, 70_000), (3, 50_000)])
 def test_buffer_layout_matches_megatron(dp, bucket):
     model = preset("tiny")
-    params = B.stage_params(model, tp=2, pp=1, stage=0)
+    params = PL.stage_params(model, tp=2, pp=1, stage=0)
     fake, ref = _megatron_layout(params, (False, False), bucket, dp)
     ours = B.buffer_layout(params, bucket, dp, dist_opt=True)
     assert [(b.start, b.end) for b in ours] == ref.bucket_indices
@@ -382,9 +386,9 @@ def test_tied_shared_embedding_buckets_match_megatron(dp, bucket, pp, vp):
                        tied_embeddings=True)
     for stage in range(pp):
         for ch in range(vp):
-            params = B.stage_params(shape, 2, pp, stage, vp, ch)
-            shared = B.shared_embedding(shape, pp, stage, vp, ch)
-            _, n_first, n_last = B._stage_shape(shape, pp, stage, vp, ch)
+            params = PL.stage_params(shape, 2, pp, stage, vp, ch)
+            shared = PL.shared_embedding(shape, pp, stage, vp, ch)
+            _, n_first, n_last = PL.stage_shape(shape, pp, stage, vp, ch)
             assert shared == (n_first, n_last)
             fake, ref = _megatron_layout(params, shared, bucket, dp)
             ours = B.buffer_layout(params, bucket, dp, True, *shared)
@@ -392,7 +396,7 @@ def test_tied_shared_embedding_buckets_match_megatron(dp, bucket, pp, vp):
             got = {name: (s, e) for b in ours for name, s, e in b.params}
             for (name, _), p in zip(params, fake):
                 assert got[name] == ref.param_index_map[p][:2], name
-            buf = B._buffer(shape, 2, *B._stage_shape(shape, pp, stage, vp, ch), bucket, dp, True)
+            buf = B.buffer(shape, 2, *PL.stage_shape(shape, pp, stage, vp, ch), bucket, dp, True)
             assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == ref.bucket_indices
             if any(shared):  # the shared param alone in its bucket
                 name = params[0][0] if shared[0] else params[-1][0]
@@ -406,15 +410,15 @@ def test_tied_embeddings_params_and_collectives():
     word-embedding grad (fp32 main_grad, vocab/tp x h) over the embedding group once per step."""
     model = dataclasses.replace(preset("tiny"), tied_embeddings=True)
     untied = preset("tiny")
-    names = [n for n, _ in B.stage_params(model, 2, 1, 0)]
+    names = [n for n, _ in PL.stage_params(model, 2, 1, 0)]
     assert "output_layer.weight" not in names and "embedding.word_embeddings.weight" in names
-    assert len(names) == len(B.stage_params(untied, 2, 1, 0)) - 1
-    assert B.shared_embedding(model, 1, 0, 1, 0) == (False, False)
+    assert len(names) == len(PL.stage_params(untied, 2, 1, 0)) - 1
+    assert PL.shared_embedding(model, 1, 0, 1, 0) == (False, False)
     pl = L.place(model, _lay(tp=2, dp=2), _fw())
     s = pl.rank_state(0)
     assert not any(c.dim == "pp" for c in s.comm)
-    assert s.grads_bytes == 4 * B.build_buffer(B._sizes(model, 2, 4, True, True), None, 2, True).numel
-    assert B.stage_params(model, 2, 2, 1) == B.stage_params(untied, 2, 2, 1)  # the last stage's copy
+    assert s.grads_bytes == 4 * B.build_buffer(PL.sizes(model, 2, 4, True, True), None, 2, True).numel
+    assert PL.stage_params(model, 2, 2, 1) == PL.stage_params(untied, 2, 2, 1)  # the last stage's copy
     lay = _lay(tp=2, pp=2, dp=1)
     pl = L.place(model, lay, _fw())
     emb = 4 * (model.vocab // 2) * model.hidden
@@ -604,13 +608,13 @@ def test_interleaved_buffers_one_per_chunk():
     assert [B.effective_bucket_size(fw, 2, st, ch) for st in range(2) for ch in range(2)] == [100_000, None, None, None]
     pl = L.place(model, lay, fw)
     for st in range(2):
-        layouts = [B.buffer_layout(B.stage_params(model, 1, 2, st, 2, ch), B.effective_bucket_size(fw, 2, st, ch), 2,
+        layouts = [B.buffer_layout(PL.stage_params(model, 1, 2, st, 2, ch), B.effective_bucket_size(fw, 2, st, ch), 2,
                                    True) for ch in range(2)]
         numel = sum(b.numel for bs in layouts for b in bs)
         s = pl.rank_state(lay.grid.rank({"pp": st, "dp": 0}))
         assert s.grads_bytes == 4 * numel and s.params_bytes == 2 * numel
     # the embedding sits in stage 0 chunk 0, the output layer in stage 1 chunk 1 only
-    names = {(st, ch): {n for n, _ in B.stage_params(model, 1, 2, st, 2, ch)} for st in range(2) for ch in range(2)}
+    names = {(st, ch): {n for n, _ in PL.stage_params(model, 1, 2, st, 2, ch)} for st in range(2) for ch in range(2)}
     assert [("embedding.word_embeddings.weight" in names[k], "output_layer.weight" in names[k])
             for k in sorted(names)] == [(True, False), (False, False), (False, False), (False, True)]
 
@@ -660,7 +664,7 @@ def test_owned_sizes_by_bisection_equal_the_range_walk(dp, bucket):
     shape = preset("llama3_1b") if dp == 16 else ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8,
                                                               kv_heads=2, vocab=1030, seq_len=32)
     for stage in range(2):
-        params = B.stage_params(shape, 2, 2, stage)
+        params = PL.stage_params(shape, 2, 2, stage)
         buckets = B.buffer_layout(params, bucket, dp, True)
         buf = B.build_buffer(np.array([n for _, n in params]), bucket, dp, True)
         assert [(int(a), int(b)) for a, b in zip(buf.bstart, buf.bend)] == [(b.start, b.end) for b in buckets]
@@ -680,8 +684,8 @@ def test_heaviest_dp_rank_is_the_max_over_every_rank(dp, bucket, tp):
         for stage, vp in ((0, 1), (1, 1), (0, 2)):
             pp = 2 if vp == 1 else 1
             # tied: the shared-embedding buckets of pp = 2 (none with pp = 1)
-            bufs = [B.build_buffer(np.array([n for _, n in B.stage_params(shape, tp, pp, stage, vp, ch)]),
-                                   bucket if ch == 0 else None, dp, True, *B.shared_embedding(shape, pp, stage, vp, ch))
+            bufs = [B.build_buffer(np.array([n for _, n in PL.stage_params(shape, tp, pp, stage, vp, ch)]),
+                                   bucket if ch == 0 else None, dp, True, *PL.shared_embedding(shape, pp, stage, vp, ch))
                     for ch in range(vp)]
             for w in ((12, 4), (8, 4), (0, 1)):
                 scores = [w[0] * e + w[1] * k for e, k in (B.owned_sizes(bufs, dp, r) for r in range(dp))]
@@ -718,17 +722,17 @@ def test_build_buffer_period_copies_the_searched_buckets(name):
 
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in PL.pieces(model, 1)[1])
         for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 64), (2, 1, 1000)):
             if model.layers % pp:
                 continue
             for bucket in (1, per_layer // 7, per_layer // 2 + 1, per_layer, 3 * per_layer + 5, None):
                 for stage in sorted({0, pp - 1}):
-                    n, first, last = B._stage_shape(model, pp, stage, 1, 0)
+                    n, first, last = PL.stage_shape(model, pp, stage, 1, 0)
                     shared = model.tied_embeddings and not (first and last)
-                    args = (B._sizes(model, tp, n, first, last), bucket, dp, True, shared and first, shared and last)
+                    args = (PL.sizes(model, tp, n, first, last), bucket, dp, True, shared and first, shared and last)
                     plain = B.build_buffer(*args)
-                    fast = B._buffer(model, tp, n, first, last, bucket, dp, True)
+                    fast = B.buffer(model, tp, n, first, last, bucket, dp, True)
                     for f in ("starts", "ends", "bstart", "bend", "first", "prefix", "n"):
                         assert np.array_equal(getattr(plain, f), getattr(fast, f)), (tied, tp, pp, dp, bucket, stage, f)
 
@@ -742,14 +746,14 @@ def test_contiguous_ranks_equal_owned_sizes_of_every_rank(name):
 
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in PL.pieces(model, 1)[1])
         for tp, pp, dp in ((1, 1, 8), (2, 2, 3), (1, 4, 96), (2, 1, 1000), (1, 2, 1)):
             if model.layers % pp:
                 continue
             for bucket in (1, per_layer // 7, per_layer + 5, None):
                 for stage in sorted({0, pp - 1}):
-                    n, first, last = B._stage_shape(model, pp, stage, 1, 0)
-                    buf = B._buffer(model, tp, n, first, last, bucket, dp, True)
+                    n, first, last = PL.stage_shape(model, pp, stage, 1, 0)
+                    buf = B.buffer(model, tp, n, first, last, bucket, dp, True)
                     assert buf.contiguous
                     e, p = B._contiguous_ranks(buf, dp)
                     want = [B._owned_sizes.__wrapped__((buf,), dp, r) for r in range(dp)]
@@ -758,8 +762,8 @@ def test_contiguous_ranks_equal_owned_sizes_of_every_rank(name):
 
 def test_alignment_padding_makes_a_buffer_non_contiguous():
     shape = ModelShape(layers=2, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
-    assert not B._buffer(shape, 1, 2, True, True, None, 4, True).contiguous
-    assert B._buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt
+    assert not B.buffer(shape, 1, 2, True, True, None, 4, True).contiguous
+    assert B.buffer(shape, 1, 2, True, True, None, 4, False).contiguous  # no padding without the dist-opt
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3_1b", "llama3_70b"])
@@ -771,14 +775,14 @@ def test_chunk_summary_walks_the_buckets_the_buffer_has(name):
 
     odd = ModelShape(layers=6, hidden=208, ffn_hidden=624, heads=8, kv_heads=2, vocab=1030, seq_len=32)
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd):
-        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in PL.pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
             for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False),
                                         (0, True, False), (0, False, True)):
                 for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
                     for dist_opt in (True, False):
-                        buf = B._buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
-                        got = B._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        buf = B.buffer(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        got = H._chunk_summary(model, tp, layers, first, last, bucket, dp, dist_opt)
                         want = (buf.numel, int(buf.prefix[-1]), len(buf.starts), int(((buf.bend - buf.bstart) // dp).sum()),
                                 len(buf.bstart))
                         assert got == want, (model.name, tp, dp, layers, first, last, bucket)
@@ -797,9 +801,9 @@ def test_stage_best_from_the_pattern_is_the_buffers_best(name):
             if model.layers % (pp * vp):
                 continue
             for fw in (_fw(), _fw(overlap_grad_reduce=True, bucket_size=50_000)):
-                k = L.knobs(fw)
+                k = K.knobs(fw)
                 for st in range(pp):
-                    want = B._best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *L._optim_weights(k))
+                    want = B.best_rank(L._stage_buffers(model, tp, pp, dp, vp, k, st), dp, *K.optim_weights(k))
                     assert L._stage_best(model, tp, pp, dp, vp, k, st) == want, (tied, tp, pp, dp, vp, st)
 
 
@@ -812,9 +816,9 @@ def _comm_by_builder(model, lay, k, stage):
     tp, pp, m, vp = lay.tp, lay.pp, lay.num_microbatches, lay.vp
     cb = CommBuilder()
     layers, sp = model.layers // pp, lay.sequence_parallel
-    L._fixed_comm(lambda dim, kind, dtype, what, group, buffers: cb.add_each(dim, kind, buffers, group, dtype, what),
-                  model, tp, pp, lay.dp, vp, k, L._stage_class(pp, stage), sp)
-    pdt = L._dtypes(k)[0]
+    C._fixed_comm(lambda dim, kind, dtype, what, group, buffers: cb.add_each(dim, kind, buffers, group, dtype, what),
+                  model, tp, pp, lay.dp, vp, k, H.stage_class(pp, stage), sp)
+    pdt = K.dtypes(k)[0]
     first, last = stage == 0, stage == pp - 1
     sbh = model.seq_len * lay.micro_batch_size * model.hidden * (2 if k.precision == "bf16" else 4)
     if sp:
@@ -846,13 +850,13 @@ def test_comm_plan_counts_what_a_builder_per_layout_counts():
     for model in (preset("tiny"), dataclasses.replace(preset("tiny"), tied_embeddings=True), odd):
         for fw in (_fw(), _fw(precision="fp32"), _fw(grad_reduce_in_fp32=False, use_distributed_optimizer=False),
                    _fw(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000), _fw(clip_grad=0.0)):
-            k = L.knobs(fw)
+            k = K.knobs(fw)
             for tp, pp, dp, vp in ((1, 1, 1, 1), (2, 1, 3, 1), (1, 2, 1, 1), (2, 4, 2, 1), (2, 2, 1, 2), (1, 4, 3, 2)):
                 for sp, mbs, gbs in ((False, 1, -1), (tp > 1, 3, 12 * dp * pp), (tp > 1, 2, 2 * dp)):
                     lay = _lay(tp=tp, pp=pp, dp=dp, vp=vp, sequence_parallel=sp, micro_batch_size=mbs,
                                global_batch_size=gbs)
                     for stage in range(pp):
-                        got = [c.to_dict() for c in L._comm(model, lay, k, stage)]
+                        got = [c.to_dict() for c in C.comm(model, lay, k, stage)]
                         want = [c.to_dict() for c in _comm_by_builder(model, lay, k, stage)]
                         assert got == want, (model.name, fw, lay, stage)
 
@@ -882,14 +886,14 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
             head, layer, tail = (tuple(int(x) for x in rng.integers(1, 40, n) * 64) for n in (2, 6, 1))
             cases += [(_runs(head, layer, tail), layers), (_runs((), layer, tail), layers), (_runs(head, layer, ()), layers)]
     model = preset("llama3_70b")
-    cases += [(B._pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
+    cases += [(H.pattern(model, tp, first, last, True), layers) for tp in (1, 8) for first, last in ((True, False), (False, True))
               for layers in (5, 40)]
     # a stage's chunks repeat one layer: the other chunks take the first's layer run and count
     stages = [[c] for c in cases] + [[cases[i], cases[j]] for i, j in rng.integers(0, len(cases), (20, 2))] + \
              [[cases[i], cases[j], cases[k]] for i, j, k in rng.integers(0, len(cases), (10, 3))]
     stages = [[((h, stage[0][0][1], t), stage[0][1]) for (h, _, t), _ in stage] for stage in stages]
     for stage in stages:
-        cums = [B._pattern_cum(parts, layers) for parts, layers in stage]
+        cums = [H.pattern_cum(parts, layers) for parts, layers in stage]
         layer, layers = stage[0][0][1], stage[0][1]
         for dp in (1, 2, 3, 8, 64, 1000):
             div = np.lcm(dp, 128)
@@ -898,7 +902,7 @@ def test_one_bucket_best_is_the_argmax_over_every_rank():
                 for w in ((12, 4), (8, 4), (1, 1000), (1, 1)):
                     e = p = 0
                     for cum, numel in zip(cums, numels):
-                        ce, cp = B._tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
+                        ce, cp = B.tiled_ranks(cum, np.array([0]), np.array([0]), np.array([numel]), dp)
                         e, p = e + ce, p + cp
                     d = int(np.argmax(w[0] * e + w[1] * p))
                     chunks = [(head, tail, numel) for ((head, _, tail), _), numel in zip(stage, numels)]
@@ -917,14 +921,14 @@ def test_chunk_bound_bounds_the_summary(name):
     # sizes all multiples of 3, whose gcd does not divide the 64-element alignment
     threes = ModelShape(layers=6, hidden=96, ffn_hidden=288, heads=3, kv_heads=1, vocab=999, seq_len=24)
     for model in (preset(name), dataclasses.replace(preset(name), tied_embeddings=True), odd, threes):
-        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in PL.pieces(model, 1)[1])
         for tp, dp in ((1, 8), (2, 3), (1, 1000)):
             for layers, first, last in ((2, True, True), (2, True, False), (2, False, True), (1, False, False)):
                 for bucket in (1, per_layer // 7, per_layer + 5, 10 * per_layer, None):
                     for dist_opt in (True, False):
-                        numel, real, params, full, _ = B._chunk_summary(model, tp, layers, first, last, bucket, dp,
+                        numel, real, params, full, _ = H._chunk_summary(model, tp, layers, first, last, bucket, dp,
                                                                         dist_opt)
-                        b = B._chunk_bound(model, tp, layers, first, last, bucket, dp, dist_opt)
+                        b = H.chunk_bound(model, tp, layers, first, last, bucket, dp, dist_opt)
                         assert b[0] >= numel and b[1:3] == (real, params) and b[3] >= full, (model.name, tp, dp, bucket)
                         if not dist_opt:
                             assert b[0] == numel
@@ -938,16 +942,16 @@ def test_tiled_best_is_the_argmax_over_every_rank(name):
     checked = 0
     for tied in (False, True):
         model = dataclasses.replace(preset(name), tied_embeddings=tied)
-        per_layer = sum(n for _, n in B._pieces(model, 1)[1])
+        per_layer = sum(n for _, n in PL.pieces(model, 1)[1])
         for tp, layers, first, last in ((1, 2, True, True), (1, 2, True, False), (2, 2, False, True), (1, 1, False, False)):
-            if not B._chunk_contiguous(model, tp, first, last):
+            if not H.chunk_contiguous(model, tp, first, last):
                 continue
-            cum = B._pattern_cum(B._pattern(model, tp, first, last, True), layers)
+            cum = H.pattern_cum(H.pattern(model, tp, first, last, True), layers)
             for bucket in (per_layer // 7, per_layer // 2, per_layer + 5, None):
                 for dp in (1, 2, 3, 8, 64, 1000):
-                    buckets = B._chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
+                    buckets = H.chunk_buckets(model, tp, layers, first, last, bucket, dp, True)
                     for w in ((12, 4), (1, 1000), (1, 1)):
-                        e, p = B._tiled_ranks(cum, *buckets, dp)
+                        e, p = B.tiled_ranks(cum, *buckets, dp)
                         d = int(np.argmax(w[0] * e + w[1] * p))
                         assert L._tiled_best(cum, *buckets, dp, *w) == (d, int(e[d]), int(p[d])), (tied, tp, bucket, dp, w)
                         checked += 1
@@ -964,8 +968,8 @@ def test_chunk_contiguous_is_the_buffers_contiguity():
     for model in (preset("tiny"), preset("llama3_70b"), tied, odd):
         for tp in (1, 2, 8):
             for first, last in ((True, True), (True, False), (False, True), (False, False)):
-                want = B._buffer(model, tp, 1, first, last, None, 8, True).contiguous
-                assert B._chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
+                want = B.buffer(model, tp, 1, first, last, None, 8, True).contiguous
+                assert H.chunk_contiguous(model, tp, first, last) == want, (model.name, tp, first, last)
                 seen.add(want)
     assert seen == {True, False}
 
@@ -979,7 +983,7 @@ def test_padded_vocab_is_megatrons_vocab_size_with_padding(divisible_by):
         for tp in (1, 2, 3, 4, 8):
             args = types.SimpleNamespace(make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
                                          rank=1)
-            assert B.padded_vocab(vocab, tp, divisible_by) == vocab_size_with_padding(vocab, args), (vocab, tp)
+            assert PL.padded_vocab(vocab, tp, divisible_by) == vocab_size_with_padding(vocab, args), (vocab, tp)
 
 
 def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
@@ -994,7 +998,7 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     pred = json.load(open(tmp_path / "prediction.json"))
     m, lay = preset("llama3_8b"), _lay(tp=8, dp=1)
-    assert B.padded_vocab(m.vocab, 8, 128) == 129024
+    assert PL.padded_vocab(m.vocab, 8, 128) == 129024
     te = "transformer_engine"  # mode=predict's default (default_transformer_impl)
     padded = L.place(dataclasses.replace(m, vocab=129024), lay, _fw(transformer_impl=te)).to_dict()
     unpadded = L.place(m, lay, _fw(make_vocab_size_divisible_by=1, transformer_impl=te)).to_dict()
@@ -1005,7 +1009,7 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     r, u = pred["per_rank"][0], unpadded["per_rank"][0]  # TP ranks hold equal shapes
     assert (r["params_bytes"] - u["params_bytes"], r["grads_bytes"] - u["grads_bytes"]) == (2 * 2 * rows, 2 * 4 * rows)
     assert any("vocab 128256 padded to 129024 rows" in n for n in pred["notes"])
-    emb = [n for name, n in B.stage_params(dataclasses.replace(m, vocab=129024), 8, 1, 0) if "word_embeddings" in name]
+    emb = [n for name, n in PL.stage_params(dataclasses.replace(m, vocab=129024), 8, 1, 0) if "word_embeddings" in name]
     assert emb == [129024 * 4096 // 8]
 
 
@@ -1100,7 +1104,7 @@ def test_pipeline_split_is_megatrons_own():
         for pp in (1, 2, 3, 4):
             for vp in ((1, 2) if pp > 1 else (1,)):
                 for split in _splits():
-                    why = B.split_error(layers, pp, vp, split)
+                    why = PL.split_error(layers, pp, vp, split)
                     try:
                         cfg = TransformerConfig(
                             num_layers=layers, hidden_size=64, num_attention_heads=4, activation_func=F.gelu,
@@ -1116,7 +1120,7 @@ def test_pipeline_split_is_megatrons_own():
                         refused += 1
                         continue
                     assert why is None, (layers, pp, vp, split, why)
-                    assert got == {(st, ch): B.stage_layers(layers, pp, vp, st, ch, split)
+                    assert got == {(st, ch): PL.stage_layers(layers, pp, vp, st, ch, split)
                                    for st in range(pp) for ch in range(vp)}, (layers, pp, vp, split)
                     built += 1
     assert built > 50 and refused > 50, (built, refused)
@@ -1149,9 +1153,9 @@ def test_uneven_stages_hold_their_layers(split, layers):
     model = dataclasses.replace(preset("tiny"), layers=3)
     lay = _lay(pp=2, tp=2, dp=1, sequence_parallel=True)
     pl = L.place(model, lay, _fw(**split))
-    sp = L.pp_split(_fw(**split))
+    sp = K.pp_split(_fw(**split))
     for stage, n in enumerate(layers):
-        params = B.stage_params(model, 2, 2, stage, split=sp)
+        params = PL.stage_params(model, 2, 2, stage, split=sp)
         assert sum(name.endswith("self_attention.linear_qkv.weight") for name, _ in params) == n
         s = pl.rank_state(stage * 2)
         assert s.grads_bytes == 4 * sum(k for _, k in params)  # one bucket, 2*... aligned: dp=1 pads nothing

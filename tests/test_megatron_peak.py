@@ -13,6 +13,8 @@ from ledger.faithful.megatron.rules import validate_recompute
 from ledger import textbook as T
 from ledger.faithful.megatron import states as L
 from ledger.faithful.megatron import peak as P
+from ledger.faithful.megatron import activations as A
+from ledger.faithful.megatron import knobs as K
 from ledger.layout import ConfigError
 from ledger.model import preset
 from ledger.placement import PEAK_PARTS
@@ -77,8 +79,8 @@ def test_peak_parts_sum_and_every_rank_has_one():
 
 def _stage0_act(m, lay, **fw):
     """The saved activations at stage 0's heaviest backward moment (its peak may be the optimizer's)."""
-    k = L.knobs(_fw(**fw))
-    from ledger.faithful.megatron.buffers import padded_shape
+    k = K.knobs(_fw(**fw))
+    from ledger.faithful.megatron.pipeline import padded_shape
 
     ms = P.stage_moments(padded_shape(m, lay.tp, 128), lay, k, 0, 0)
     return max((x for x in ms if x[2] == "backward"), key=lambda x: x[0])[1]["activations"]
@@ -94,8 +96,8 @@ def test_recompute_reduces_the_activations_as_megatron_does():
     sel = _stage0_act(m, lay, recompute_granularity="selective")
     full = _stage0_act(m, lay, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert none > sel > full
-    sh = P.shape_of(m, lay, L.knobs(_fw()))
-    per_layer = sum(P.layer_groups(sh, P.Recompute()).values())
+    sh = A.shape_of(m, lay, K.knobs(_fw()))
+    per_layer = sum(A.layer_groups(sh, A.Recompute()).values())
     # full: each in-flight micro-batch keeps one sequence-sharded [s, b, h] input per layer
     assert full < 2 * 8 * 2 * sh.sbh_n + 2 * per_layer
     # block with every layer checkpointed equals uniform with chunks of one layer
@@ -108,7 +110,7 @@ def test_transformer_engine_saves_no_s2_probabilities():
     lay = _lay(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16)
     local = L.place(m, lay, _fw()).rank_state(0).peak
     te = L.place(m, lay, _fw(transformer_impl="transformer_engine")).rank_state(0).peak
-    sh = P.shape_of(m, lay, L.knobs(_fw()))
+    sh = A.shape_of(m, lay, K.knobs(_fw()))
     s2 = (4 + 2) * sh.b * sh.a * sh.s ** 2  # fp32 softmax + its bf16 copy, one layer
     assert local.parts["activations"] - te.parts["activations"] > 8 * s2  # 8 layers of stage 0, 2 micro-batches
 
@@ -197,10 +199,10 @@ def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
     """_step_moments_fast (the planner's path) against _step_moments, the readable reference: the same
     largest moment (bytes, parts, phase, what), first in order as max() takes it, on every stage, and the
     same largest backward moment."""
-    from ledger.faithful.megatron.buffers import padded_shape
+    from ledger.faithful.megatron.pipeline import padded_shape
 
     lay = _lay(**lay)
-    k = L.knobs(_fw(**fw))
+    k = K.knobs(_fw(**fw))
     m = padded_shape(model, lay.tp, 128)
     for st in range(lay.pp):
         ref, fast = P._step_moments(m, lay, k, st), P._step_moments_fast(m, lay, k, st)

@@ -2,11 +2,9 @@
 own, the numbers per row, the acceptance questions (the article's 70B on 1,024 GPUs, the Llama 3 405B
 production layout), and the top-3 of a tiny plan run for real and reconciled."""
 import json
-import os
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 
 from conf.schema import register
 from conf.validate import validate_config
@@ -14,9 +12,9 @@ from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
 from ledger.faithful.megatron.rules import pipeline_splits
-from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, evaluate, link_of,
+from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
                          per_stage_walk, reason_key, search, step_flops)
-from tests.conftest import REPO, launch
+from tests.conftest import launch, compose_config
 
 register()
 
@@ -25,9 +23,7 @@ ROW_KEYS = {"framework", "layout", "knobs", "fits", "peak_bytes", "resident_byte
 LAYOUT_KEYS = {"tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel"}
 
 
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+_compose = compose_config
 
 
 def _bases(*names):
@@ -146,7 +142,7 @@ def test_megatron_uneven_first_and_last_stages():
     assert pipeline_splits(80, 16, 1) == [(None, None, False, False)]
     assert pipeline_splits(80, 1, 1) == [(None, None, False, False)]
     assert (None, None, True, True) in pipeline_splits(126, 16, 2)  # 7 is odd: no 7/7 with vp=2
-    from ledger.faithful.megatron.buffers import split_error
+    from ledger.faithful.megatron.pipeline import split_error
 
     for s in pipeline_splits(126, 16, 1) + pipeline_splits(126, 16, 2):
         assert split_error(126, 16, 2 if s[2] else 1, s) is None

@@ -9,9 +9,9 @@ not divide it: DTensor's torch.chunk rows, 501 and 500 per TP rank); and context
 at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
-1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); seq 2048 with and
-without pp2 at vocab 1024 and 32768 (the peak moments of long sequences), pp2 with full and selective
-activation checkpointing at seq 2048. Every row on
+1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); long sequences on
+narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
+pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
 rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
@@ -31,6 +31,10 @@ import torch
 import records
 from analysis import reconcile
 from analysis.compare import measured_peak_where
+from ledger.faithful.titan import comm as C
+from ledger.faithful.titan import dtensor as D
+from ledger.faithful.titan import fsdp as F
+from ledger.faithful.titan import pp as PP
 from ledger.faithful.titan import states as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
@@ -41,6 +45,10 @@ COMMON = ("framework=titan", "train.steps=2")
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
 LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.heads=4", "model.kv_heads=2")
+# with PP the same moments at seq 1024, hidden 128 (vocab 512 / 16384): the PP peak leaves out the step's
+# setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
+# 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
+LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
 LONG_JOBS = ("w2long", "w2pplong", "w2ppac", "w2longac")
 SWEEPS = (
     # activation checkpointing (the peak's recompute moments): none, SelectiveAC, FullAC, each with both reshard settings
@@ -70,11 +78,10 @@ SWEEPS = (
     # or a loss chunk's cross-entropy backward (a large vocab) outweighs the reduce-scatters; with PP a
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
     ("w2long", ("cluster.ranks=2", *LONG, "model.vocab=320,8192")),
-    ("w2pplong", ("cluster.ranks=2", "model.seq_len=2048", "model.vocab=1024,32768", "layout.pp=2",
-                  "layout.global_batch_size=2")),
-    # PP with activation checkpointing at seq 2048: a checkpointed block's recompute in its backward (the
-    # SwiGLU moment) on both stages
-    ("w2ppac", ("cluster.ranks=2", "model.seq_len=2048", "layout.pp=2", "layout.global_batch_size=2",
+    ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,16384", "layout.pp=2", "layout.global_batch_size=2")),
+    # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
+    # (the SwiGLU moment) on both stages
+    ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",
                 "framework.activation_checkpoint=full,selective")),
     # a checkpointed block's recompute runs its forward collectives again (titan._recomputed): TP's
     # two rowwise all-reduces a block (full AC), CP's K/V all-gathers (selective AC: not in its save list)
@@ -532,7 +539,7 @@ def test_uneven_vocab_is_sharded_as_torch_chunk_and_an_empty_shard_refused():
     ceil(vocab/tp)); torchtitan's loss-parallel cross-entropy refuses a TP rank without rows, and so
     does validate, quoting it."""
     for vocab, tp in ((1001, 2), (1030, 4), (1001, 4), (10, 4)):
-        assert [L._shard_tp((vocab, 8), 0, tp, t)[0] for t in range(tp)] == [
+        assert [F._shard_tp((vocab, 8), 0, tp, t)[0] for t in range(tp)] == [
             c.shape[0] for c in torch.empty(vocab).chunk(tp)]
     m = ModelShape(layers=1, hidden=64, ffn_hidden=128, heads=4, kv_heads=4, vocab=1001, seq_len=32)
     pl = L.place(m, _lay(tp=2, world=4), _fw())
@@ -613,16 +620,16 @@ def test_pp_stage_split_is_torchtitans():
                 ref = split(pp, layers, 1, 1)
             except ValueError:
                 with pytest.raises(ConfigError, match=f"pp={pp}"):
-                    L.pp_stages(layers, pp)
+                    PP.pp_stages(layers, pp)
                 continue
             got = [["tok_embeddings"] * e + [f"layers.{i}" for i in range(a, a + n)] + ["norm", "lm_head"] * h
-                   for e, a, n, h in L.pp_stages(layers, pp)]
+                   for e, a, n, h in PP.pp_stages(layers, pp)]
             assert got == ref, (layers, pp)
 
 
 def test_pp_metadata_pickles_are_torchs():
     """The step-0 metadata: 167 / 168 bytes for [1, 32, 64] bf16, as the real pp2 run sent them."""
-    assert L._pp_meta_bytes(1, 32, 64) == (167, 168)
+    assert PP._pp_meta_bytes(1, 32, 64) == (167, 168)
 
 
 def test_pipeline_parallel_ledger():
@@ -630,7 +637,7 @@ def test_pipeline_parallel_ledger():
     lay = _lay(world=8, pp=4, global_batch_size=8)  # dp_shard 2, 4 micro-batches
     pl = L.place(m, lay, _fw())
     assert [pl.rank_state(r).stage for r in range(0, 8, 2)] == [0, 1, 2, 3]
-    assert [L.pp_stages(8, 4)[s][2] for s in range(4)] == [2, 3, 2, 1]
+    assert [PP.pp_stages(8, 4)[s][2] for s in range(4)] == [2, 3, 2, 1]
     act = 32 * 64 * 2
     for r, nb in ((0, 1), (2, 2), (4, 2), (6, 1)):
         s = pl.rank_state(r)
@@ -721,18 +728,18 @@ def test_tp_backward_strategy_follows_dtensor_cost_model():
     shape: at tp2 seq 16 the wo input grad all-reduces the Partial grad instead of all-gathering wo,
     at seq 256 the w2 weight grad all-reduces instead of all-gathering the activation."""
     m = lambda seq: ModelShape(layers=1, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=seq)
-    kinds = lambda seq: sorted(k for k, _ in L._layer_backward_comm(m(seq), seq, 2)[0])
+    kinds = lambda seq: sorted(k for k, _ in D.layer_backward_comm(m(seq), seq, 2)[0])
     assert kinds(32).count("all_reduce") == 1 and kinds(32).count("reduce_scatter") == 3
     assert kinds(16).count("all_reduce") == 2 and kinds(256).count("all_reduce") == 2
-    assert not L._layer_backward_comm(m(32), 32, 2)[1]  # every path derived at these shapes
+    assert not D.layer_backward_comm(m(32), 32, 2)[1]  # every path derived at these shapes
     # the colwise linears' backward mm's take their inputs as they come, whatever the shapes
     # (_layer_backward_comm leaves them out): W's Shard(0) grad, the Partial residual grad
     for na, nb in ((64, 64), (1 << 20, 4096), (4096, 1 << 20)):
         for n in (2, 8):
-            assert L._mm(("S0", na), ("R", nb), n) == ("S0", [], False)
-            assert L._mm(("S1", na), ("S0", nb), n) == ("P", [], False)
+            assert D._mm(("S0", na), ("R", nb), n) == ("S0", [], False)
+            assert D._mm(("S1", na), ("S0", nb), n) == ("P", [], False)
     # the device topology enters the cost: one device per host (cpu) prices collectives inter-host
-    assert L._coll_cost("all_reduce", 1 << 20, 2) > L._coll_cost("all_gather", 1 << 20, 2)
+    assert D._coll_cost("all_reduce", 1 << 20, 2) > D._coll_cost("all_gather", 1 << 20, 2)
 
 
 def test_sequence_parallel_tp_collectives():
@@ -745,9 +752,9 @@ def test_sequence_parallel_tp_collectives():
     assert (tp["all_gather", "bf16"].count, tp["all_gather", "bf16"].buffer_bytes) == (n, n * act)
     assert (tp["reduce_scatter", "bf16"].count, tp["reduce_scatter", "bf16"].buffer_bytes) == (n, n * act)
     assert tp["all_reduce", "bf16"].buffer_bytes == 7 * 256 * 2  # norm weight grads only
-    assert L._layer_backward_comm(m, 64, 2, True) == ((), (), False)
+    assert D.layer_backward_comm(m, 64, 2, True) == ((), (), False)
     assert not [n for n in pl.notes if n.startswith("titan tp:")]  # the peak's CPU/GPU note aside
-    assert L._layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
+    assert D.layer_backward_comm(m, 64, 2, False)[2]  # without SP the cost model picks
     assert any("cost model" in n for n in L.place(m, _lay(world=4, tp=2), _fw()).notes)
 
 
@@ -758,9 +765,9 @@ def test_first_step_list_is_the_steady_list_less_the_lm_head_regather(raf, kw):
     m = ModelShape(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=1030, seq_len=512)
     lay, fw = _lay(world=8, **kw), _fw(reshard_after_forward=raf)
     ds = lay.dp_shard * lay.cp
-    sh = L._sharded(m, lay.tp, ds)
-    first = L._comm(m, lay, fw, sh, steady=False)
-    assert L._first_step(L._comm(m, lay, fw, sh, steady=True), sh, ds, lay.grid.label_of(("cp", "dp"))) == first
+    sh = F.sharded(m, lay.tp, ds)
+    first = C.step_comm(m, lay, fw, sh, steady=False)
+    assert C.first_step(C.step_comm(m, lay, fw, sh, steady=True), sh, ds, lay.grid.label_of(("cp", "dp"))) == first
     assert L.place(m, lay, fw).rank_state(0).comm_first == first
 
 
@@ -832,9 +839,9 @@ def test_context_parallel_ledger():
 def test_cached_block_stands_for_every_layer():
     m = preset("tiny")
     for tp in (1, 2):
-        us = L.units(m, tp)
+        us = F.units(m, tp)
         blocks = [tuple(p.shape for p in u) for n, u in us if n.startswith("layers.")]
-        assert len(blocks) == m.layers and set(blocks) == {tuple(p.shape for p in L._unit_params(m, tp)[1])}
+        assert len(blocks) == m.layers and set(blocks) == {tuple(p.shape for p in F.unit_params(m, tp)[1])}
 
 
 # -- fast paths against their references ----------------------------------------------------------
@@ -846,12 +853,12 @@ def test_mm_fast_is_mm():
         for pb in places:
             for na, nb in ((64, 64), (1 << 20, 4096), (4096, 1 << 20), (3, 1 << 30)):
                 for n in (2, 4, 8, 64):
-                    assert L._mm_fast((pa, na), (pb, nb), n) == L._mm((pa, na), (pb, nb), n), (pa, pb, na, nb, n)
+                    assert D._mm_fast((pa, na), (pb, nb), n) == D._mm((pa, na), (pb, nb), n), (pa, pb, na, nb, n)
 
 
 def _sharded_reference(m, tp, ds, has_emb, first, n_layers, has_head):
     """_Sharded's sums over every param of the model part, listed by units() (each layer its own)."""
-    us = dict(L.units(m, tp))
+    us = dict(F.units(m, tp))
     params = ([*us["tok_embeddings"]] * has_emb + [p for i in range(first, first + n_layers)
                                                       for p in us[f"layers.{i}"]] + [*us["norm+lm_head"]] * has_head)
     rest = lambda p: math.prod(p.shape[1:])
@@ -866,7 +873,7 @@ def _sharded_reference(m, tp, ds, has_emb, first, n_layers, has_head):
                 even=sum(p.shape[0] // ds * rest(p) for p in params if p.shape[0] % ds == 0),
                 uneven=tuple(sorted(uneven.items())), emb_full=full([emb]), norm_full=full([norm]),
                 lm_full=full([lm]), layer_full=full(us["layers.0"]),
-                held=[sum(L._rows_of(p.shape[0], ds, k) * rest(p) for p in params) for k in range(ds)])
+                held=[sum(F.rows_of(p.shape[0], ds, k) * rest(p) for p in params) for k in range(ds)])
 
 
 def test_sharded_part_is_the_sum_over_every_param():
@@ -881,11 +888,11 @@ def test_sharded_part_is_the_sum_over_every_param():
         for tp in (1, 2):
             for ds in (1, 2, 3, 7, 8, 64):
                 for e, first, n, h in stages:
-                    sh = L._sharded_part(m, tp, ds, e, n, h)
+                    sh = F.sharded_part(m, tp, ds, e, n, h)
                     ref = _sharded_reference(m, tp, ds, e, first, n, h)
                     held = ref.pop("held")
                     assert {f: getattr(sh, f) for f in ref} == ref, (m, tp, ds, e, n, h)
-                    assert held == [sh.even + sum(L._rows_of(d0, ds, k) * r for d0, r in sh.uneven)
+                    assert held == [sh.even + sum(F.rows_of(d0, ds, k) * r for d0, r in sh.uneven)
                                     for k in range(ds)]
 
 
@@ -897,7 +904,7 @@ def test_mesh_labels_are_the_grids():
 
     for tp, cp, dp, rep, pp in product((1, 2), (1, 2, 4), (1, 3), (1, 2), (1, 2)):
         g = Grid(tp=tp, cp=cp, dp=dp, dp_replicate=rep, pp=pp)
-        assert L._mesh_labels(g) == (g.label_of(("cp", "dp")), g.label_of(("dp", "dp_replicate")),
+        assert C.mesh_labels(g) == (g.label_of(("cp", "dp")), g.label_of(("dp", "dp_replicate")),
                                      g.label_of(("cp", "dp", "dp_replicate"))), g
 
 
@@ -909,16 +916,16 @@ def test_stage_kinds_group_pp_stages():
     for layers in (1, 2, 5, 8, 80, 126):
         for pp in (2, 3, 4, 7, 8, 16):
             try:
-                stages = L.pp_stages(layers, pp)
+                stages = PP.pp_stages(layers, pp)
             except ConfigError:
                 continue
-            kinds, firsts, kind_of = L._stage_kinds(layers, pp)
+            kinds, firsts, kind_of = PP._stage_kinds(layers, pp)
             assert [kinds[i] for i in kind_of] == [(e, n, h) for e, _, n, h in stages]
             assert list(firsts) == [kind_of.index(i) for i in range(len(kinds))]
     for pp, ds in ((2, 3), (4, 2), (8, 1)):
         for views in (False, True):
-            loads = [sum(b for _, _, b in L._pp_parts(m, ds, pp, s, 0, views)) for s in range(pp)]
-            assert L._heaviest_stage(m, ds, pp, views) == loads.index(max(loads))
+            loads = [sum(b for _, _, b in PP._pp_parts(m, ds, pp, s, 0, views)) for s in range(pp)]
+            assert PP._heaviest_stage(m, ds, pp, views) == loads.index(max(loads))
 
 
 @pytest.mark.real

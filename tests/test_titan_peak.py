@@ -11,6 +11,9 @@ from omegaconf import OmegaConf
 
 from conf.schema import FRAMEWORK_SCHEMAS
 from conf.validate import validate_framework
+from ledger.faithful.titan import fsdp as F
+from ledger.faithful.titan import pp as PP
+from ledger.faithful.titan import pp_peak as PK
 from ledger.faithful.titan import states as L
 from ledger.faithful.titan import peak as P
 from ledger.layout import ConfigError
@@ -44,7 +47,7 @@ def test_ac_knobs_default_none_and_are_validated_naming_the_field():
 def test_ac_mode_reaches_the_trainer_config(mode, expr):
     from launchers.titan import render_module
 
-    from tests.test_config import _compose
+    from tests.conftest import compose_config as _compose
 
     cfg = _compose("framework=titan", f"framework.activation_checkpoint={mode}")
     src = render_module(cfg, _lay(world=2), "/tok", "/data", "/job/titan_dump")
@@ -84,8 +87,8 @@ def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
     unsharded and prefetches no all-gather; at lm_head's (the loss's last chunk) [norm, lm_head] is
     unsharded whatever the setting, and every block with "never"."""
     m = preset("tiny")
-    sh = L._sharded(m, 1, 2)
-    emb, block, head = (sum(math.prod(p.shape) for p in u) for u in L._unit_params(m, 1, 0))
+    sh = F.sharded(m, 1, 2)
+    emb, block, head = (sum(math.prod(p.shape) for p in u) for u in F.unit_params(m, 1, 0))
     args = (m, _lay(world=2))
     res = 28_395_676  # tiny dp2's resident state (the state rows reconcile it to the byte)
 
@@ -120,8 +123,8 @@ def _pp_moments(m, lay, rank):
 
     st = L.place(m, lay, _fw(activation_checkpoint="none")).rank_state(rank)
     s, ds = st.stage, lay.dp_shard
-    emb, block, head = [sum([prod(p.shape) for p in u]) for u in L._unit_params(m, 1)]
-    return st, P.pp_moments(m, lay, L.pp_stages(m.layers, lay.pp)[s], s, L._stage_sharded(m, ds, lay.pp, s),
+    emb, block, head = [sum([prod(p.shape) for p in u]) for u in F.unit_params(m, 1)]
+    return st, PK.pp_moments(m, lay, PP.pp_stages(m.layers, lay.pp)[s], s, PP._stage_sharded(m, ds, lay.pp, s),
                             st.params_bytes + st.optim_bytes + st.other_bytes, st.grads_bytes, emb, block, head)
 
 
@@ -145,12 +148,12 @@ def test_pp_moments_follow_pipelining():
             want = {f"micro-batch {lay.num_microbatches - 1}"} if last else {"micro-batch 0", "micro-batch 1"}
             assert blocks == want
             red = [x for x in ms if x.what.startswith("perform_reduce_grad: block")]
-            sh = L._stage_sharded(m, ds, lay.pp, st.stage)
+            sh = PP._stage_sharded(m, ds, lay.pp, st.stage)
             for a, b in zip(red, red[1:]):
                 assert a.bytes - b.bytes == block * 2 + block * 4 - sh.layer_full // ds * 4
             bwd = {x.what: x for x in ms if "backward at block" in x.what}
             if not last:
-                k = L.pp_stages(m.layers, lay.pp)[st.stage][2] - 1
+                k = PP.pp_stages(m.layers, lay.pp)[st.stage][2] - 1
                 first, later = bwd[f"micro-batch 0 backward at block {k}'s attention_norm"], \
                     bwd[f"micro-batch 1 backward at block {k}'s attention_norm"]
                 # micro-batch 1: every unit's accumulators (tok_embeddings' too on stage 0); 1F1B keeps
@@ -160,7 +163,7 @@ def test_pp_moments_follow_pipelining():
             if last:
                 loss = next(x for x in ms if x.what.startswith("lm_head"))
                 held = loss.detail["temporary/fp32 accumulated grads (blocks; lm_head's held)"] - \
-                    L.pp_stages(m.layers, lay.pp)[st.stage][2] * block * 4
+                    PP.pp_stages(m.layers, lay.pp)[st.stage][2] * block * 4
                 assert held == (m.vocab * m.hidden * 4 if ds > 1 else 0)
 
 

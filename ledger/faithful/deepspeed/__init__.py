@@ -1,7 +1,9 @@
-"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: ZeRO-1/2 buckets and ZeRO-3's fetches (zero), the ZeRO-3
-parameter coordinator's replay (coordinator), the gradient hooks in a backward (backward), the peak within
-a step (peak), DeepSpeed-MoE (moe), what it accepts (rules), its textbook formulas (textbook). Registered
-once as the framework "deepspeed"."""
+"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: the placement (zero), ZeRO-1/2's buckets and collectives
+(zero12), ZeRO-3's states and collectives (zero3), what both derive from the model (common), ZeRO-3's
+module hook trace (trace), the parameter coordinator's replay (coordinator, its fast path skip), the
+gathered parameter memory at a moment (gathered), the gradient hooks in a backward (backward), the peak
+within a step (peak, its activations activations), DeepSpeed-MoE (moe), what it accepts (rules), its
+textbook formulas (textbook). Registered once as the framework "deepspeed"."""
 from ledger.faithful.deepspeed import moe, rules, textbook, zero
 from ledger.frameworks import FrameworkLedger, register
 

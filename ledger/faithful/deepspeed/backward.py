@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8's gradient hooks in a backward (issue 18): where ZeRO-1/2 make a rank's
+"""DeepSpeed 0.19.8's gradient hooks in a backward: where ZeRO-1/2 make a rank's
 grads_in_partition, and ZeRO-3's IPG reductions (z3_flushes).
 
 With contiguous_gradients (the default), stage_1_and_2.py reduces a backward's gradients through the
@@ -29,8 +29,8 @@ class PartitionFlush(NamedTuple):
     copied: int  # elements of the gradients copied into the IPG buffer before then (their own storage freed)
 
 
-def _ceil_to(x: int, m: int) -> int:
-    """x rounded up to a multiple of m (the flat group's padding; ledger.faithful.deepspeed.zero's too)."""
+def ceil_to(x: int, m: int) -> int:
+    """x rounded up to a multiple of m (the flat group's padding; zero12's, zero3's and moe's too)."""
     return -(-x // m) * m
 
 
@@ -39,7 +39,7 @@ def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
     """The flat group (stage_1_and_2.py: one param group, the params in registration order, padded to a
     multiple of 2 * dp): (partition elements, name -> (offset, numel))."""
     regs = model.params()
-    part = _ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
+    part = ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
     at, off = {}, 0
     for name, sh in regs:
         at[name] = (off, numel(sh))
@@ -216,7 +216,7 @@ def z3_flushes(dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], .
     elements = own = 0
 
     def flush(i: int, name: str) -> None:
-        flat = sum(_ceil_to(k, dp) for k in sizes)
+        flat = sum(ceil_to(k, dp) for k in sizes)
         out.append(Z3Flush(i, name, flat, len(sizes) > 1 or sizes[0] % dp != 0, own))
 
     for i, (name, sh) in enumerate(order):

@@ -1,7 +1,7 @@
 """Faithful ledger for DeepSpeed 0.19.8 ZeRO-1/2 with DeepSpeed-MoE (model.num_experts > 0), as a DeepSpeed
 user writes it: deepspeed.moe.layer.MoE around each MoE layer's expert FeedForward (launchers/deepspeed.py
 moe_layers), the parameters split by moe/utils.py split_params_into_different_moe_groups_for_optimizer.
-Paths under deepspeed/ unless said otherwise. ledger.faithful.deepspeed.zero's dense rules (the IPG bucket fill,
+Paths under deepspeed/ unless said otherwise. The dense ZeRO-1/2 rules (zero12.py: the IPG bucket fill,
 allreduce_chunks, the step's collectives) are reused per parameter group.
 
 Groups (utils/groups.py, made in deepspeed.initialize: engine._configure_distributed_model ->
@@ -42,7 +42,9 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.dtypes import FP32, INT64
-from ledger.faithful.deepspeed.zero import _DTYPES, _ceil_to, allreduce_chunks
+from ledger.faithful.deepspeed.backward import ceil_to
+from ledger.faithful.deepspeed.common import DTYPES
+from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState
@@ -158,7 +160,7 @@ def order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[int, in
 def flat(model: ModelShape, lay: Layout, g: int) -> int:
     """Group g's flat buffer: padded to 2 x its process group's size (stage_1_and_2.py
     flatten_dense_tensors_aligned, alignment = nccl_start_alignment_factor x its dp world)."""
-    return _ceil_to(sum(n for _, n in groups(model, lay.ep)[g]), 2 * _size(lay, g))
+    return ceil_to(sum(n for _, n in groups(model, lay.ep)[g]), 2 * _size(lay, g))
 
 
 def _size(lay: Layout, g: int) -> int:
@@ -168,7 +170,7 @@ def _size(lay: Layout, g: int) -> int:
 
 # -- one rank ----------------------------------------------------------------------------------------
 def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
-    w = _DTYPES[fw.precision]
+    w = DTYPES[fw.precision]
     s = RankState()
     for g in range(len(groups(model, lay.ep))):
         f, what = flat(model, lay, g), "" if g == 0 else f"expert group {g}: "
@@ -196,7 +198,7 @@ def capacity(model: ModelShape, lay: Layout, capacity_factor: float, min_capacit
 @lru_cache(maxsize=256)
 def _comm(model: ModelShape, lay: Layout, stage: int, overlap: bool, bucket: int, precision: str,
           capacity_factor: float, min_capacity: int):
-    w = _DTYPES[precision]
+    w = DTYPES[precision]
     cb = CommBuilder()
     dims = ("dp", "edp")  # a dense group's process group, an MoE group's
     ngroups = len(groups(model, lay.ep))

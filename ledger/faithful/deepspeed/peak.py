@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: the most live bytes of a rank within one optimizer step (issue 18).
+"""DeepSpeed 0.19.8 ZeRO-1/2/3, faithful: the most live bytes of a rank within one optimizer step.
 
 What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), one candidate per moment:
 
@@ -18,19 +18,19 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   micro-batches (param.grad, the IPG buffer). Measured exact: ZeRO-1/2 bf16 at one micro-batch (4
   samples: the matrix's ac job), fp32 ZeRO-1 at 4 ranks and 2 micro-batches (the held gradients a
   boundary collective reduces in place `gathered`, as the probe files them). ZeRO-3 (steady step): the
-  gathered parameters at this moment from the coordinator replay (deepspeed_coordinator.z3_moments);
+  gathered parameters at this moment from the coordinator replay (gathered.z3_moments);
 - ZeRO-3 only, each micro-batch's forward at the final norm (its last op): every layer's saves live,
   and what the coordinator gathered: with the default budgets one prefetch at the root gathers every
   non-persistent param in one all_gather_coalesced, whose flat buffer stays beside the params' torch.cat
   copies until the output's fetch pops its last param. Step 0 (several micro-batches): the ones after
   the recording one, whose first complete pass also gathers the persistent params (_post_step gathers
   them only at step 0's end), from z3_first_moments. Where the 4-rank ZeRO-3 jobs peak, exact.
-- ZeRO-1 (no overlap_comm), reduce_gradients at the boundary (boundary()): every gradient backward
+- ZeRO-1 (no overlap_comm), reduce_gradients at the boundary (reduce_gradients_at_boundary): every gradient backward
   made is still live (param.grad) but those already copied into the IPG buffer in registration order,
   when the first reduction into the rank's partition allocates grads_in_partition. Exact at 4 ranks,
-  fp32, one micro-batch; with one micro-batch ZeRO-1's backward moments are deep()'s too, its hooks
+  fp32, one micro-batch; with one micro-batch ZeRO-1's backward moments are deep_in_backward's too, its hooks
   keeping every gradient they see (DeepSpeed's default config peaks in a block's ffn_norm backward).
-- ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep()): the
+- ZeRO-2 (and ZeRO-1 with one micro-batch), deeper in the last micro-batch's backward (deep_in_backward): the
   first hook (setup_buckets allocates the IPG buffer: where ZeRO-2 with DeepSpeed's default bucket
   peaks, exact), the final norm's backward, each block's SwiGLU backward and its ffn_norm's backward
   (PowBackward: where ZeRO-1 with the default bucket peaks, exact), with the IPG buffer, the
@@ -38,10 +38,10 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   hooks have made them (deepspeed_backward: micro-batch 0's kept by all_grad_tensors, this
   backward's from the first reduction into the partition; per rank, as its partition lies). Where
   fp32 ZeRO-2 at 4 ranks and 2 micro-batches peaks, exact on every rank.
-- ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (z3_flush;
+- ZeRO-3, each micro-batch's backward at an IPG bucket's reduce-scatter (ipg_reduce_scatter;
   deepspeed_backward.z3_flushes): the padded gradients' torch.cat and gloo's copy of it, the hook's own
   gradient and what autograd holds there, the coordinator's gathered params at that module
-  (deepspeed_coordinator.z3_backward_moments), at every hook (z3_hook_moment) and at the backward's
+  (gathered.z3_backward_moments), at every hook (z3_hook_moment) and at the backward's
   epilogue: with DeepSpeed's default bucket every gradient waits for the epilogue, where ZeRO-3 at 4
   ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact; so are
   ZeRO-3 at 4 ranks with a partial reuse distance and tied with nothing kept (were 1.5% and 0.63%
@@ -49,120 +49,22 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
 An estimate elsewhere: a checkpointed layer's recompute; ZeRO-1's reductions in the hooks with
 overlap_comm.
 tests/test_deepspeed.py PEAK_FINDINGS names the matrix jobs that are not exact.
-
-Activations are derived op by op from launchers/llama.py and the tensors autograd saves for each op
-(torch's derivatives.yaml), as the probe's saved_tensors_hooks sees them (saved_activations). With
-framework.activation_checkpointing, every decoder layer runs under deepspeed.checkpointing.checkpoint
-(runtime/activation_checkpointing/checkpointing.py CheckpointFunction.forward: the layer under
-torch.no_grad, its inputs kept on ctx.deepspeed_saved_tensors, not through save_for_backward, so the
-probe sees them as temporaries; plus ctx.fwd_cpu_rng_state and ctx.fwd_cuda_rng_state, both
-torch.get_rng_state() on the CPU accelerator).
+One function per moment: optimizer_step, backward_start, forward_at_final_norm, deep_in_backward,
+reduce_gradients_at_boundary, ipg_reduce_scatter (z3_hook_moment: what autograd holds at a ZeRO-3
+hook); peak takes the largest of a step's, the steady step's and step 0's, from PeakInputs. The
+activations they count are activations.py's.
 """
 from __future__ import annotations
 
-from ledger.dtypes import FP32, FP64, INT64
-from ledger.model import ModelShape
+from dataclasses import dataclass
+
+from ledger.dtypes import FP32, FP64
+from ledger.faithful.deepspeed.activations import (batch_bytes, head_activations, layer_activations, modelled,
+                                                   most_live_activations, per_kind, saved_activations)
 from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
-from ledger.faithful.deepspeed.coordinator import Z3Live
+from ledger.faithful.deepspeed.gathered import Z3Live
+from ledger.model import ModelShape
 from ledger.placement import Peak
-
-# torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
-CPU_RNG_STATE = 5056
-
-
-def modelled(model: ModelShape) -> str | None:
-    """None where saved_activations follows the model's code; else why not."""
-    if model.norm != "rmsnorm":
-        return f"model.norm={model.norm!r}: the peak ledger derives RMSNorm's saved tensors only"
-    if not model.swiglu:
-        return "model.swiglu=false: the peak ledger derives SwiGLU's saved tensors only"
-    if model.kv_heads == model.heads:
-        return "kv_heads == heads: repeat_interleave(1) copies or not, not derived"
-    return None
-
-
-def batch_bytes(model: ModelShape, mbs: int) -> int:
-    """launchers/data.py batch: a randint of (mbs, seq + 1) int64, tokens = t[:, :-1].contiguous() and
-    labels = t[:, 1:].contiguous(): views of it at one sample (already contiguous), two copies of
-    (mbs, seq) and the randint freed above (the embedding saves the tokens, nll_loss the labels)."""
-    if mbs == 1:
-        return INT64 * (model.seq_len + 1)
-    return 2 * INT64 * mbs * model.seq_len
-
-
-def layer_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
-    """Bytes one Block's forward saves for backward (launchers/llama.py Block), w: model dtype bytes."""
-    b, s, h, f = mbs, model.seq_len, model.hidden, model.ffn_hidden
-    H, d = model.heads, model.head_dim
-    bsh = b * s * h
-    # RMSNorm.forward: xf = x.float() (a copy in bf16; x itself in fp32) saved by pow and by the mul
-    # with rsqrt; rsqrt (b, s, 1) fp32 saved by that mul; y.type_as(x) (w) saved by the mul with the
-    # weight; the norm's output (w) saved by the next Linear (mm saves its input)
-    norm = FP32 * bsh + FP32 * b * s + 2 * w * bsh
-    return {
-        "attention_norm": norm,
-        # rope(): cos and sin (s, d/2) fp32 saved by the muls with x0 / x1 (which require grad, the
-        # angles do not), for q and for k; q = rope(...).type_as(x) saved by SDPA; k and v
-        # repeat_interleave copies (b, s, heads, d) saved by SDPA; SDPA (CPU flash kernel,
-        # _scaled_dot_product_flash_attention_for_cpu) saves its output (also wo's input) and the
-        # logsumexp (b, heads, s) fp32
-        "attention": 4 * FP32 * s * (d // 2) + 4 * w * b * s * H * d + FP32 * b * H * s,
-        "ffn_norm": norm,
-        # FeedForward: w1(x) saved by silu, silu's output and w3(x) by the mul, the product by w2
-        "feed_forward": 4 * w * b * s * f,
-    }
-
-
-def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
-    """The final norm, the output Linear's input, the cross-entropy in fp32 and the batch."""
-    b, s = mbs, model.seq_len
-    bsh = b * s * model.hidden
-    return {
-        "norm": FP32 * bsh + FP32 * b * s + 2 * w * bsh,
-        # F.cross_entropy(logits.float()): log_softmax saves its fp32 output; nll_loss saves it, the
-        # labels and total_weight (an fp32 scalar)
-        "log_softmax (fp32)": FP32 * b * s * model.vocab,
-        "nll_loss total_weight": FP32,
-        "batch (tokens, labels)": batch_bytes(model, mbs),
-    }
-
-
-def saved_activations(model: ModelShape, mbs: int, w: int,
-                      checkpointing: bool) -> tuple[dict[str, int], dict[str, int]]:
-    """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
-    ZeRO-3's gathered weights that mm saves are not among them: mm saves the Parameter itself (a
-    leaf), so the saved tensor holds the gathered storage only while the coordinator has not released
-    the parameter (partition_parameters.py free_param swaps param.data for an empty tensor, which frees
-    the storage under the saved leaf too); which ones are live is the coordinator replay's
-    (deepspeed_coordinator.z3_moments, Z3Live.saved)."""
-    acts: dict[str, int] = {}
-    held: dict[str, int] = {}
-    per = layer_activations(model, mbs, w)
-    if checkpointing:
-        # CheckpointFunction.forward: no grad inside; ctx keeps the layer input (the residual stream,
-        # w) and two CPU RNG states
-        for i in range(model.layers):
-            held[f"layer {i} input (ctx.deepspeed_saved_tensors)"] = w * mbs * model.seq_len * model.hidden
-            held[f"layer {i} rng states"] = 2 * CPU_RNG_STATE
-    else:
-        for i in range(model.layers):
-            for k, v in per.items():
-                acts[f"layer {i} {k}"] = v
-    acts.update(head_activations(model, mbs, w))
-    return acts, held
-
-
-def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool) -> int:
-    """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
-    micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
-    of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
-    recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
-    saves, the batch; the head's saves were freed by its backward before)."""
-    acts, _ = saved_activations(model, mbs, w, checkpointing)
-    if not checkpointing:
-        return sum(acts.values())
-    layer = sum(layer_activations(model, mbs, w).values())
-    return max(sum(acts.values()), layer + batch_bytes(model, mbs))
 
 
 def _loss_scalars() -> int:
@@ -171,438 +73,504 @@ def _loss_scalars() -> int:
     return 4 * FP32
 
 
-def peak(model: ModelShape, mbs: int, m: int, zero: int, w: int, checkpointing: bool, *, part: int,
-         params_resident: int, optim: int, grads_resident: int, persist: int, n: int, bucket: int,
-         z3_moments: tuple = (), z3_first: tuple = (), flush: PartitionFlush | None = None,
-         hooks: Hooks | None = None, ipg_touched: bool = True,
-         grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
-         z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())) -> Peak | None:
-    """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet).
+@dataclass(frozen=True)
+class PeakInputs:
+    """What one rank's peak is computed from (zero.py's ZeRO-1/2 and zero3.py's ZeRO-3 build it).
 
-    part: fp32 partition elements; params_resident: the params at the boundary (bytes); optim: the
-    optimizer state (bytes); grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for
-    ZeRO-1/2, freed in step()); persist: ZeRO-3's persistent params (full, bytes); n: model elements;
-    bucket: reduce_bucket_size (elements); z3_moments (ZeRO-3, required): the gathered parameters per
-    micro-batch of a steady step at the final norm's forward, the backward's start and the output's
-    backward (deepspeed_coordinator.z3_moments); z3_first: the same for step 0's replayed passes
-    (deepspeed_coordinator.z3_first_moments); flush (ZeRO-2, required): this rank's grads_in_partition
+    mbs: micro-batch size; m: micro-batches per step; zero: the ZeRO stage; w: model dtype bytes;
+    checkpointing: framework.activation_checkpointing. part: fp32 partition elements;
+    params_resident: the params at the boundary (bytes); optim: the optimizer state (bytes);
+    grads_resident: ZeRO-3's grad partitions + IPG bucket (bytes; 0 for ZeRO-1/2, freed in step());
+    persist: ZeRO-3's persistent params (full, bytes); n: model elements; bucket: reduce_bucket_size
+    (elements); z3_moments (ZeRO-3, required): the gathered parameters per micro-batch of a steady step
+    at the final norm's forward, the backward's start and the output's backward
+    (gathered.z3_moments); z3_first: the same for step 0's replayed passes
+    (gathered.z3_first_moments); flush (ZeRO-2, required): this rank's grads_in_partition
     size and the hook that allocates it (deepspeed_backward.partition_flushes); hooks (ZeRO-2, required):
-    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks); ipg_touched:
-    whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched); grads_hooked
-    (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in place
-    (deepspeed_backward.hooked); z3_flushes (ZeRO-3): a backward's IPG reductions
-    (deepspeed_backward.z3_flushes) and, per micro-batch of a steady step and of step
-    0, the gathered params at each (deepspeed_coordinator.z3_backward_moments)."""
-    if modelled(model) is not None:
-        return None
-    if zero == 3 and not (z3_moments and z3_first):
-        raise ValueError("ZeRO-3's peak needs the coordinator replay's moments (z3_moments, z3_first)")
-    if zero == 2 and (flush is None or hooks is None):
-        raise ValueError("ZeRO-2's peak needs the rank's grads_in_partition (deepspeed_backward.partition_flushes)")
-    acts, held = saved_activations(model, mbs, w, checkpointing)
-    act = sum(acts.values())
-    batch = batch_bytes(model, mbs)
-    norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
+    where the final norm's and each block's first hook are in the backward (deepspeed_backward.hooks);
+    ipg_touched: whether a collective reduces the IPG buffer itself (deepspeed_backward.ipg_touched);
+    grads_hooked (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in
+    place (deepspeed_backward.hooked); z3_flushes (ZeRO-3): a backward's IPG reductions
+    (deepspeed_backward.z3_flushes) and, per micro-batch of a steady step and of step 0, the gathered
+    params at each (gathered.z3_backward_moments)."""
+    model: ModelShape
+    mbs: int
+    m: int
+    zero: int
+    w: int
+    checkpointing: bool
+    part: int
+    params_resident: int
+    optim: int
+    grads_resident: int
+    persist: int
+    n: int
+    bucket: int
+    z3_moments: tuple = ()
+    z3_first: tuple = ()
+    flush: PartitionFlush | None = None
+    hooks: Hooks | None = None
+    ipg_touched: bool = True
+    grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())
 
-    def opt(first: bool) -> Peak:
-        # the previous step's _global_grad_norm is replaced only after the new one is computed
-        other = norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0)  # + inf_or_nan_tracker (bool)
-        params = params_resident - (persist if zero == 3 else 0)  # _partition_all_parameters
-        resident = params + grads_resident + optim + other
-        temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * part,
-                "AdamW exp_avg_sq.sqrt() and its / bias_correction2_sqrt": 2 * FP32 * part,
-                "loss (last micro-batch)": FP32}
+
+class _Step:
+    """What every moment of one rank's step reads besides PeakInputs, derived once: the activations a
+    micro-batch's forward saved, what is held across micro-batches, where the backward stands."""
+
+    def __init__(self, i: PeakInputs):
+        model, mbs, w, zero, m = i.model, i.mbs, i.w, i.zero, i.m
+        self.i = i
+        self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing)
+        self.act = sum(self.acts.values())
+        self.batch = batch_bytes(model, mbs)
+        self.norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
+        b, s, V = mbs, model.seq_len, model.vocab
+        self.b, self.s, self.V, self.h = b, s, V, model.hidden
+        held_grads = held_touched = 0
+        if m > 1 and zero == 1:
+            # param.grad of every parameter, accumulated until the boundary's reduce_gradients, and the
+            # IPG buffer setup_buckets allocated in micro-batch 0's backward (reduce_bucket_size
+            # elements), released only by the boundary reduction's _release_ipg_buffers. Those a boundary
+            # collective reduces in place (the extra-large gradients, the IPG buffer where touched) are
+            # `gathered` for the probe, whose categories hold for the whole step
+            held_grads = w * i.n + w * i.bucket
+            held_touched = w * i.grads_hooked[1][-1] + (w * i.bucket if i.ipg_touched else 0)
+        elif m > 1 and zero == 2:
+            # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
+            # all_grad_tensors; sized as the whole params overlapping the partition
+            # (deepspeed_backward: per rank)
+            held_grads = w * i.flush.overlap
+        self.held_grads, self.held_touched = held_grads, held_touched
+        # the IPG buffer: the output Linear's weight gradient is the first a hook sees, whose
+        # setup_buckets allocates it (reduce_bucket_size elements), after the MmBackward's outputs and the
+        # release of the logits' gradient: in deep_in_backward (ZeRO-2) and reduce_gradients_at_boundary
+        # (ZeRO-1), not in backward_start
+        self.act_named = per_kind(self.acts, model.layers)
+        most = most_live_activations(model, mbs, w, i.checkpointing)
         if zero == 3:
-            # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
-            # utils.combine_grad_norm_groups' where result (scaled_global_grad_norm), fp64
-            temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * FP64
-        else:
-            temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
-        parts = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
-                 "unnamed": 0}
-        detail = {"resident/params": params, "resident/grads": grads_resident, "resident/optim": optim,
-                  "resident/other": other, "activations/batch (tokens, labels)": batch}
-        detail.update({f"temporary/{k}": v for k, v in temp.items()})
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
-                    what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
-                    detail=detail)
+            # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
+            # backward's start adds only storages gathered for the backward, which no op saves)
+            most += max(z[1].saved for z in i.z3_moments)
+        self.most = most
+        self.base_temp = sum(self.held.values()) + _loss_scalars() + held_grads - held_touched
+        # past the loss's backward: nll_loss's total_weight and log_softmax's output released
+        self.past_head = self.act - FP32 - FP32 * b * s * V
+        self.per = layer_activations(model, mbs, w)
+        self.per_layer = sum(self.per.values())
 
-    # the last micro-batch's backward, its first nodes: the cross-entropy, then the output Linear
-    b, s, V, h = mbs, model.seq_len, model.vocab, model.hidden
-    held_grads = held_touched = 0
-    if m > 1 and zero == 1:
-        # param.grad of every parameter, accumulated until the boundary's reduce_gradients, and the
-        # IPG buffer setup_buckets allocated in micro-batch 0's backward (reduce_bucket_size
-        # elements), released only by the boundary reduction's _release_ipg_buffers. Those a boundary
-        # collective reduces in place (the extra-large gradients, the IPG buffer where touched) are
-        # `gathered` for the probe, whose categories hold for the whole step
-        held_grads = w * n + w * bucket
-        held_touched = w * grads_hooked[1][-1] + (w * bucket if ipg_touched else 0)
-    elif m > 1 and zero == 2:
-        # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
-        # all_grad_tensors; sized as the whole params overlapping the partition
-        # (deepspeed_backward: per rank)
-        held_grads = w * flush.overlap
-    # the IPG buffer: the output Linear's weight gradient is the first a hook sees, whose
-    # setup_buckets allocates it (reduce_bucket_size elements), after the MmBackward's outputs and the
-    # release of the logits' gradient: in deep() (ZeRO-2) and boundary() (ZeRO-1), not here
-    act_named = _per_kind(acts, model.layers)
-    most = most_live_activations(model, mbs, w, checkpointing)
-    if zero == 3:
-        # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
-        # backward's start adds only storages gathered for the backward, which no op saves)
-        most += max(z[1].saved for z in z3_moments)
-    base_temp = sum(held.values()) + _loss_scalars() + held_grads - held_touched
-    # past the loss's backward: nll_loss's total_weight and log_softmax's output released
-    past_head = act - FP32 - FP32 * b * s * V
-    per = layer_activations(model, mbs, w)
-    per_layer = sum(per.values())
-
-    def block_saves(j: int) -> int:
+    def block_saves(self, j: int) -> int:
         # in block j's backward, before it released anything: its saves and the blocks' below, the
         # batch; the final norm's and the later blocks' released
-        return past_head - head_activations(model, mbs, w)["norm"] - (model.layers - 1 - j) * per_layer
+        i = self.i
+        return self.past_head - head_activations(i.model, i.mbs, i.w)["norm"] - (i.model.layers - 1 - j) * self.per_layer
 
-    def resident_in_step(first: bool) -> int:
+    def resident_in_step(self, first: bool) -> int:
         # within a step's passes: the params (ZeRO-3: partitions and persistent params), ZeRO-3's grad
         # partitions and IPG bucket, the optimizer state, _global_grad_norm and ZeRO-3's
         # inf_or_nan_tracker (bool). Step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first
         # update (torch/optim/adam.py _init_group), no _global_grad_norm yet, ZeRO-3's persistent params
         # not resident (_post_step gathers them at its end: the pass gathers them)
-        res = params_resident + grads_resident + optim + norm_dtype + (1 if zero == 3 else 0)
-        return res - (2 * FP32 * part + FP32 + norm_dtype + persist if first else 0)
+        i, norm_dtype = self.i, self.norm_dtype
+        res = i.params_resident + i.grads_resident + i.optim + norm_dtype + (1 if i.zero == 3 else 0)
+        return res - (2 * FP32 * i.part + FP32 + norm_dtype + i.persist if first else 0)
 
-    def bwd(first: bool) -> Peak:
-        res = resident_in_step(first)
-        # NllLossBackward has run first and released total_weight. (a) at _log_softmax_backward_data:
-        # its input gradient and its output, b*s*V fp32 each. (b) then LogSoftmaxBackward releases the
-        # log_softmax output; ToCopyBackward (logits.float()) casts the gradient to the model dtype
-        # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
-        # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
-        # logits' gradient still alive
-        # ZeRO-3: the gathered params from the coordinator replay at each moment, the backward's
-        # start (the root's pre-backward hook fired before the loss's nodes) and the output's
-        # pre-backward hook; the mm-saved weights are those of the forward still gathered
-        nothing = Z3Live(0, 0, 0)
-        za = zb = nothing
-        if zero == 3:
-            _, za, zb = (z3_first if first else z3_moments)[-1]  # step 0: they hold the persistent params
-        a = (act - FP32 + za.saved, 2 * FP32 * b * s * V, za)
-        bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h, zb)
 
-        def total(c):
-            return c[0] + c[1] + c[2].gathered + c[2].temporary
+def optimizer_step(st: _Step, first: bool) -> Peak:
+    """torch AdamW's update on the fp32 partition (engine.step() at the accumulation boundary)."""
+    i, zero, batch = st.i, st.i.zero, st.batch
+    # the previous step's _global_grad_norm is replaced only after the new one is computed
+    other = st.norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0)  # + inf_or_nan_tracker (bool)
+    params = i.params_resident - (i.persist if zero == 3 else 0)  # _partition_all_parameters
+    resident = params + i.grads_resident + i.optim + other
+    temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * i.part,
+            "AdamW exp_avg_sq.sqrt() and its / bias_correction2_sqrt": 2 * FP32 * i.part,
+            "loss (last micro-batch)": FP32}
+    if zero == 3:
+        # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
+        # utils.combine_grad_norm_groups' where result (scaled_global_grad_norm), fp64
+        temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * FP64
+    else:
+        temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
+    parts = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
+             "unnamed": 0}
+    detail = {"resident/params": params, "resident/grads": i.grads_resident, "resident/optim": i.optim,
+              "resident/other": other, "activations/batch (tokens, labels)": batch}
+    detail.update({f"temporary/{k}": v for k, v in temp.items()})
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+                what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
+                detail=detail)
 
-        bb_won = total(a) < total(bb)
-        (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
-            (a, "_log_softmax_backward_data")
-        parts = {"resident": res, "activations": acts_now, "gathered": z.gathered + held_touched,
-                 "temporary": grads_now + base_temp + z.temporary, "unnamed": 0}
-        detail = {f"activations/{k}": v for k, v in act_named.items() if k != "nll_loss total_weight"}
-        if zero == 3:
-            detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
-            detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
-            if z.temporary:
-                detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
-        detail["temporary/cross-entropy and output gradients at " + at] = grads_now
-        detail["temporary/loss scalars"] = _loss_scalars()
-        if held:
-            detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
-        if held_grads - held_touched:
-            detail["temporary/gradients held across micro-batches"] = held_grads - held_touched
-        if held_touched:
-            detail["gathered/gradients held across micro-batches that a boundary collective reduces"] = held_touched
-        what = f"the last micro-batch's backward at {at}"
-        if checkpointing:
-            what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
-    def fwd(i: int, z, first: bool = False) -> Peak:
-        # micro-batch i's forward at the final norm (`norm`: its last op, the mul by the weight), where
-        # every layer's saves are live and ZeRO-3 still holds what the coordinator gathered (z, from
-        # the replay: the output's coalesced all-gather not yet waited keeps its flat buffer beside
-        # the params' cat copies). The resident state as at the boundary (_global_grad_norm and the
-        # inf tracker in `other`); the previous loss still bound by the training loop: the last
-        # step's (live at the step's start: unnamed) or the last micro-batch's
-        res = resident_in_step(first)  # step 0: the pass gathers the persistent params (z)
-        acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
-                "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
-                "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
-        bsh = mbs * model.seq_len * model.hidden
-        # RMSNorm in bf16: xf * rsqrt (fp32, saved by no op: .type_as copies it) and the last block's
-        # output x (.float() copies it); in fp32 both are the tensors the norm saves
-        temp = {"norm's xf * rsqrt and its input": 0 if w == FP32 else FP32 * bsh + w * bsh,
-                "gathered params' torch.cat copies (ZeRO-3)": z.temporary}
-        if i:
-            temp["loss (the last micro-batch's)"] = FP32
-        last_loss = 0 if i or first else FP32  # step 0 follows no step
-        parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
-                 "temporary": sum(temp.values()), "unnamed": last_loss}
-        detail = {"resident/params": params_resident - (persist if first else 0), "resident/grads": grads_resident,
-                  "resident/optim": optim - (2 * FP32 * part + FP32 if first else 0),
-                  "resident/other": 1 if first else norm_dtype + 1}
-        detail.update({f"activations/{k}": v for k, v in acts.items()})
-        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+def backward_start(st: _Step, first: bool) -> Peak:
+    """The last micro-batch's backward, its first nodes: the cross-entropy's, then the output Linear's."""
+    i, w, act, held, held_touched = st.i, st.i.w, st.act, st.held, st.held_touched
+    b, s, V, h = st.b, st.s, st.V, st.h
+    res = st.resident_in_step(first)
+    # NllLossBackward has run first and released total_weight. (a) at _log_softmax_backward_data:
+    # its input gradient and its output, b*s*V fp32 each. (b) then LogSoftmaxBackward releases the
+    # log_softmax output; ToCopyBackward (logits.float()) casts the gradient to the model dtype
+    # (bf16: the fp32 one is freed; fp32: it is that one); the output Linear's MmBackward makes
+    # the weight's gradient (V*h) and the input's (b*s*h), both in the model dtype, with the
+    # logits' gradient still alive
+    # ZeRO-3: the gathered params from the coordinator replay at each moment, the backward's
+    # start (the root's pre-backward hook fired before the loss's nodes) and the output's
+    # pre-backward hook; the mm-saved weights are those of the forward still gathered
+    nothing = Z3Live(0, 0, 0)
+    za = zb = nothing
+    if i.zero == 3:
+        _, za, zb = (i.z3_first if first else i.z3_moments)[-1]  # step 0: they hold the persistent params
+    a = (act - FP32 + za.saved, 2 * FP32 * b * s * V, za)
+    bb = (act - FP32 - FP32 * b * s * V + zb.saved, w * b * s * V + w * V * h + w * b * s * h, zb)
+
+    def total(c):
+        return c[0] + c[1] + c[2].gathered + c[2].temporary
+
+    bb_won = total(a) < total(bb)
+    (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
+        (a, "_log_softmax_backward_data")
+    parts = {"resident": res, "activations": acts_now, "gathered": z.gathered + held_touched,
+             "temporary": grads_now + st.base_temp + z.temporary, "unnamed": 0}
+    detail = {f"activations/{k}": v for k, v in st.act_named.items() if k != "nll_loss total_weight"}
+    if i.zero == 3:
+        detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
         detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
-        if last_loss:
-            detail["unnamed/the last step's loss"] = FP32
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
-                    what=f"micro-batch {i}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
-                         "replay)", detail=detail)
+        if z.temporary:
+            detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
+    detail["temporary/cross-entropy and output gradients at " + at] = grads_now
+    detail["temporary/loss scalars"] = _loss_scalars()
+    if held:
+        detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
+    if st.held_grads - held_touched:
+        detail["temporary/gradients held across micro-batches"] = st.held_grads - held_touched
+    if held_touched:
+        detail["gathered/gradients held across micro-batches that a boundary collective reduces"] = held_touched
+    what = f"the last micro-batch's backward at {at}"
+    if i.checkpointing:
+        what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
 
-    def named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
-                     phase: str, what: str) -> Peak:
-        # a moment of deep(), boundary() or z3_flush(): its named temporaries and gathered buffers, summed
-        # into the parts
-        parts = {"resident": res, "activations": acts[1], "gathered": sum(gathered.values()),
-                 "temporary": sum(temp.values()), "unnamed": 0}
-        detail = {f"activations/{acts[0]}": acts[1]}
-        detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
-        detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
-        return Peak(bytes=sum(parts.values()), parts=parts, phase=phase, what=what, detail=detail)
 
-    def deep(first: bool) -> Peak:
-        # ZeRO-2 (and ZeRO-1 with one micro-batch: its hooks reduce nothing, every gradient made is
-        # kept), the last micro-batch's backward past the output Linear (deepspeed_backward): the
-        # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements; `gathered`
-        # where a collective reduces it in place, deepspeed_backward.ipg_touched); an extra-large
-        # gradient (above reduce_bucket_size) stays its own tensor, all-reduced in place, until the
-        # next hook reduces it; the rest are copied into the IPG buffer by their hook (their own
-        # storage freed). grads_in_partition: micro-batch 0's (several micro-batches) and this
-        # backward's once a reduction copied into it. The moments:
-        # (1) the final norm's backward at its weight gradient's sum: the output Linear's input
-        # gradient, the mul's two (b, s, h) gradients, the sum (h), in the model dtype, every block's
-        # saves; (2) a block's SwiGLU backward at its mul: the residual stream's gradient, w2's input
-        # gradient and the mul's two (b, s, ffn) gradients, w2's weight gradient if extra-large, the
-        # saves of the blocks below and of this one but w2's input; (3) its ffn_norm's backward; and
-        # (0) the first hook. The probe keeps the first maximum: the moments in backward order
-        res = resident_in_step(first)
-        bsh, bsf = b * s * h, b * s * model.ffn_hidden
-        tied = model.tied_embeddings
+def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
+    """ZeRO-3: micro-batch mb's forward at the final norm, z the coordinator's gathered params there."""
+    i, model, mbs, w, batch = st.i, st.i.model, st.i.mbs, st.i.w, st.batch
+    # micro-batch mb's forward at the final norm (`norm`: its last op, the mul by the weight), where
+    # every layer's saves are live and ZeRO-3 still holds what the coordinator gathered (z, from
+    # the replay: the output's coalesced all-gather not yet waited keeps its flat buffer beside
+    # the params' cat copies). The resident state as at the boundary (_global_grad_norm and the
+    # inf tracker in `other`); the previous loss still bound by the training loop: the last
+    # step's (live at the step's start: unnamed) or the last micro-batch's
+    res = st.resident_in_step(first)  # step 0: the pass gathers the persistent params (z)
+    acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
+            "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
+            "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
+    bsh = mbs * model.seq_len * model.hidden
+    # RMSNorm in bf16: xf * rsqrt (fp32, saved by no op: .type_as copies it) and the last block's
+    # output x (.float() copies it); in fp32 both are the tensors the norm saves
+    temp = {"norm's xf * rsqrt and its input": 0 if w == FP32 else FP32 * bsh + w * bsh,
+            "gathered params' torch.cat copies (ZeRO-3)": z.temporary}
+    if mb:
+        temp["loss (the last micro-batch's)"] = FP32
+    last_loss = 0 if mb or first else FP32  # step 0 follows no step
+    parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
+             "temporary": sum(temp.values()), "unnamed": last_loss}
+    detail = {"resident/params": i.params_resident - (i.persist if first else 0), "resident/grads": i.grads_resident,
+              "resident/optim": i.optim - (2 * FP32 * i.part + FP32 if first else 0),
+              "resident/other": 1 if first else st.norm_dtype + 1}
+    detail.update({f"activations/{k}": v for k, v in acts.items()})
+    detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+    detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
+    if last_loss:
+        detail["unnamed/the last step's loss"] = FP32
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
+                what=f"micro-batch {mb}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
+                     "replay)", detail=detail)
 
-        def moment(fired: int, acts_now: int, temp: dict[str, int], large: int, what: str) -> Peak:
-            # fired: the backward_order index of the last hook that has run (-1: none)
-            ipg = w * bucket if fired >= 0 else 0
-            # the output Linear's weight gradient: tied, it waits in the embedding's AccumulateGrad
-            # input until the embedding's backward; untied, extra-large, it waits for the next hook
-            tied_grad = w * V * h if tied else 0
-            out_grad = w * V * h if not tied and fired == hooks.norm - 1 and V * h > bucket else 0
-            gathered = {}
-            if zero == 2:
-                bufs = (1 if m > 1 else 0) + (1 if flush.first_hook <= fired else 0)
-                temp = {**temp, "grads_in_partition (micro-batch 0's, this backward's)": bufs * w * flush.overlap}
-                gathered["extra-large gradients waiting for the next hook"] = large + out_grad
-            else:
-                # ZeRO-1, one micro-batch: the hooks only set up the bucket; every gradient made stays
-                # (param.grad) until reduce_gradients at the boundary
-                made, made_touched = (grads_hooked[0][fired], grads_hooked[1][fired]) if fired >= 0 else (0, 0)
-                temp = {**temp, "gradients made (param.grad)": w * (made - made_touched)}
-                gathered["extra-large gradients made (reduced in place at the boundary)"] = w * made_touched
-            temp["loss scalars"] = _loss_scalars()
-            temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
-            (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
-            return named_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
-                                 "backward", f"the last micro-batch's backward at {what}")
 
-        # (0) the backward's first hook, where setup_buckets allocates the IPG buffer: its gradient is
-        # still its own tensor (copied into the buffer after). Untied, the output Linear's: its
-        # MmBackward released its saved input (the final norm's output), its input gradient beside the
-        # weight's; tied, the final norm's (the output's gradient waits for the embedding): the norm's
-        # input gradient and weight gradient, the norm's output and saved y.type_as(x) released. A
-        # gradient the moment already counts (ZeRO-1: every one made; ZeRO-2: an extra-large output
-        # gradient waiting) is not added again
-        if tied:
-            acts0, temp0, hooked0 = past_head - 2 * w * bsh, {"the norm's input gradient": w * bsh}, w * h
-        else:
-            acts0, temp0, hooked0 = past_head - w * bsh, {"the output Linear's input gradient": w * bsh}, w * V * h
-        if zero == 2 and (tied or V * h <= bucket):
-            temp0["the first hook's gradient (copied into the IPG buffer next)"] = hooked0
-        cands = [moment(0, acts0, temp0, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
-        cands.append(moment(hooks.norm - 1, past_head - w * bsh,
+def _named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
+                  phase: str, what: str) -> Peak:
+    # a moment of deep_in_backward, reduce_gradients_at_boundary or ipg_reduce_scatter: its named
+    # temporaries and gathered buffers, summed into the parts
+    parts = {"resident": res, "activations": acts[1], "gathered": sum(gathered.values()),
+             "temporary": sum(temp.values()), "unnamed": 0}
+    detail = {f"activations/{acts[0]}": acts[1]}
+    detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
+    detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
+    return Peak(bytes=sum(parts.values()), parts=parts, phase=phase, what=what, detail=detail)
+
+
+def _deep_moment(st: _Step, res: int, fired: int, acts_now: int, temp: dict[str, int], large: int,
+                 what: str) -> Peak:
+    """One moment of deep_in_backward. fired: the backward_order index of the last hook that has run
+    (-1: none)."""
+    i, w, V, h = st.i, st.i.w, st.V, st.h
+    ipg = w * i.bucket if fired >= 0 else 0
+    # the output Linear's weight gradient: tied, it waits in the embedding's AccumulateGrad
+    # input until the embedding's backward; untied, extra-large, it waits for the next hook
+    tied = i.model.tied_embeddings
+    tied_grad = w * V * h if tied else 0
+    out_grad = w * V * h if not tied and fired == i.hooks.norm - 1 and V * h > i.bucket else 0
+    gathered = {}
+    if i.zero == 2:
+        bufs = (1 if i.m > 1 else 0) + (1 if i.flush.first_hook <= fired else 0)
+        temp = {**temp, "grads_in_partition (micro-batch 0's, this backward's)": bufs * w * i.flush.overlap}
+        gathered["extra-large gradients waiting for the next hook"] = large + out_grad
+    else:
+        # ZeRO-1, one micro-batch: the hooks only set up the bucket; every gradient made stays
+        # (param.grad) until reduce_gradients at the boundary
+        made, made_touched = (i.grads_hooked[0][fired], i.grads_hooked[1][fired]) if fired >= 0 else (0, 0)
+        temp = {**temp, "gradients made (param.grad)": w * (made - made_touched)}
+        gathered["extra-large gradients made (reduced in place at the boundary)"] = w * made_touched
+    temp["loss scalars"] = _loss_scalars()
+    temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
+    (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
+    return _named_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
+                         "backward", f"the last micro-batch's backward at {what}")
+
+
+def deep_in_backward(st: _Step, first: bool) -> Peak:
+    """ZeRO-2 (and ZeRO-1 with one micro-batch): the last micro-batch's backward past the output Linear."""
+    i, model, w, past_head = st.i, st.i.model, st.i.w, st.past_head
+    b, s, V, h = st.b, st.s, st.V, st.h
+    # ZeRO-2 (and ZeRO-1 with one micro-batch: its hooks reduce nothing, every gradient made is
+    # kept), the last micro-batch's backward past the output Linear (deepspeed_backward): the
+    # first hook allocated the IPG buffer (setup_buckets: reduce_bucket_size elements; `gathered`
+    # where a collective reduces it in place, deepspeed_backward.ipg_touched); an extra-large
+    # gradient (above reduce_bucket_size) stays its own tensor, all-reduced in place, until the
+    # next hook reduces it; the rest are copied into the IPG buffer by their hook (their own
+    # storage freed). grads_in_partition: micro-batch 0's (several micro-batches) and this
+    # backward's once a reduction copied into it. The moments:
+    # (1) the final norm's backward at its weight gradient's sum: the output Linear's input
+    # gradient, the mul's two (b, s, h) gradients, the sum (h), in the model dtype, every block's
+    # saves; (2) a block's SwiGLU backward at its mul: the residual stream's gradient, w2's input
+    # gradient and the mul's two (b, s, ffn) gradients, w2's weight gradient if extra-large, the
+    # saves of the blocks below and of this one but w2's input; (3) its ffn_norm's backward; and
+    # (0) the first hook. The probe keeps the first maximum: the moments in backward order
+    res = st.resident_in_step(first)
+    bsh, bsf = b * s * h, b * s * model.ffn_hidden
+    tied = model.tied_embeddings
+
+    def moment(fired: int, acts_now: int, temp: dict[str, int], large: int, what: str) -> Peak:
+        return _deep_moment(st, res, fired, acts_now, temp, large, what)
+
+    # (0) the backward's first hook, where setup_buckets allocates the IPG buffer: its gradient is
+    # still its own tensor (copied into the buffer after). Untied, the output Linear's: its
+    # MmBackward released its saved input (the final norm's output), its input gradient beside the
+    # weight's; tied, the final norm's (the output's gradient waits for the embedding): the norm's
+    # input gradient and weight gradient, the norm's output and saved y.type_as(x) released. A
+    # gradient the moment already counts (ZeRO-1: every one made; ZeRO-2: an extra-large output
+    # gradient waiting) is not added again
+    if tied:
+        acts0, temp0, hooked0 = past_head - 2 * w * bsh, {"the norm's input gradient": w * bsh}, w * h
+    else:
+        acts0, temp0, hooked0 = past_head - w * bsh, {"the output Linear's input gradient": w * bsh}, w * V * h
+    if i.zero == 2 and (tied or V * h <= i.bucket):
+        temp0["the first hook's gradient (copied into the IPG buffer next)"] = hooked0
+    cands = [moment(0, acts0, temp0, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
+    cands.append(moment(i.hooks.norm - 1, past_head - w * bsh,
                         {"output Linear's input gradient, the norm's mul gradients and their sum":
                          3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)"))
-        large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > bucket else 0
-        for j in reversed(range(model.layers)):
-            acts_now = block_saves(j) - w * bsf
-            cands.append(moment(hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
-                                                         "w2 input gradient and the mul's two": 3 * w * bsf},
-                                large_w2, f"block {j}'s SwiGLU mul"))
-            # (3) its ffn_norm's backward at PowBackward's last mul (RMSNorm in fp32: x.float().pow(2)):
-            # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
-            # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
-            # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
-            acts_n = block_saves(j) - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
-            cands.append(moment(hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
-                                                            "the norm's fp32 gradients (xf's, mean's, pow's three)":
-                                                            5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
-        return max(cands, key=lambda p: p.bytes)
+    large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > i.bucket else 0
+    for j in reversed(range(model.layers)):
+        acts_now = st.block_saves(j) - w * bsf
+        cands.append(moment(i.hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
+                                                       "w2 input gradient and the mul's two": 3 * w * bsf},
+                            large_w2, f"block {j}'s SwiGLU mul"))
+        # (3) its ffn_norm's backward at PowBackward's last mul (RMSNorm in fp32: x.float().pow(2)):
+        # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
+        # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
+        # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
+        acts_n = st.block_saves(j) - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
+        cands.append(moment(i.hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
+                                                          "the norm's fp32 gradients (xf's, mean's, pow's three)":
+                                                          5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
+    return max(cands, key=lambda p: p.bytes)
 
-    def boundary(first: bool) -> Peak:
-        # ZeRO-1 (no overlap_comm): backward keeps every param.grad; at the boundary reduce_gradients
-        # walks bit16_groups in registration order through the IPG bucket (setup_buckets allocated it
-        # at backward's first hook): a gradient copied into it frees its own storage, an extra-large
-        # one stays; the first reduction into this rank's partition allocates grads_in_partition
-        # (deepspeed_backward, registration order) with the rest of the gradients still live. The
-        # activations are released; the batch and the loss scalars stay
-        touched = grads_hooked[1][-1]  # every extra-large gradient a collective reduces in place
-        temp = {"gradients not yet copied into the IPG buffer": w * (n - flush.copied - touched),
-                "grads_in_partition (copy_grads_in_partition)": w * flush.overlap,
-                # the loss, its scaled copy and product: backward has released the gradient seed
-                "loss scalars": _loss_scalars() - FP32}
-        gathered = {"extra-large gradients a collective reduces in place": w * touched}
-        (gathered if ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * bucket
-        return named_moment(resident_in_step(first), ("batch (tokens, labels)", batch), temp, gathered,
-                             "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
-    def z3_flush(first: bool) -> list[Peak]:
-        # ZeRO-3, each micro-batch's backward: an IPG reduction at a hook (deepspeed_backward.z3_flushes,
-        # stage3.py __reduce_and_partition_ipg_grads), at reduce_scatter_coalesced's collective: its
-        # flat input (a torch.cat of the padded gradients, `gathered`; or one gradient as it is: the IPG
-        # buffer's view, resident, or an extra-large gradient's own storage) and gloo's copy of the
-        # whole input (ProcessGroupGloo's reduce-scatter of a tensor). The hook's gradient is still its
-        # own tensor (copied into the IPG buffer after the reduction); what autograd holds at the hook
-        # (AccumulateGrad runs as soon as the node making the gradient has run, before the module's
-        # post-backward release): z3_hook_moment. The gathered params: the coordinator at the hook's
-        # module's pre-backward fetch (deepspeed_coordinator.z3_backward_moments)
-        flushes, steady_z, first_z = z3_flushes
-        res = resident_in_step(first)
-        out = []
-        for i, per in enumerate(first_z if first else steady_z):
-            for f, z in zip(flushes, per):
-                mb = i + (1 if first and m > 1 else 0)  # step 0: the passes after the recording one
-                if f.name:
-                    acts_now, temp, at = z3_hook_moment(f.name)
-                    temp["loss scalars"] = _loss_scalars()
-                    # the tied weight's output gradient waits in the embedding's AccumulateGrad input
-                    temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
-                        w * V * h if model.tied_embeddings and f.name != "tok_embeddings.weight" else 0
-                    phase, what = "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}"
-                else:
-                    # the epilogue (independent_gradient_partition_epilogue, queued on the autograd engine:
-                    # after backward): every saved tensor released but the batch, the gradient seed
-                    # freed; the coordinator as after the embedding's fetch (its post-backward never
-                    # fires: release_backward_leftovers runs after the epilogue)
-                    acts_now = batch
-                    temp = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
-                    phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
-                temp.update({"gloo's copy of the reduce-scatter input": w * f.flat,
-                             "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
-                             "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
-                flat_input = "(torch.cat)" if f.cat else "(an extra-large gradient)"
-                gathered = {f"reduce_scatter_coalesced's input {flat_input}": w * (f.flat if f.cat else f.own),
-                            "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
-                p = named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
-                                  phase, what)
-                p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
-                out.append(p)
-        return out
+def reduce_gradients_at_boundary(st: _Step, first: bool) -> Peak:
+    """ZeRO-1 (no overlap_comm): reduce_gradients at the boundary, at the first copy into
+    grads_in_partition."""
+    i, w = st.i, st.i.w
+    # ZeRO-1 (no overlap_comm): backward keeps every param.grad; at the boundary reduce_gradients
+    # walks bit16_groups in registration order through the IPG bucket (setup_buckets allocated it
+    # at backward's first hook): a gradient copied into it frees its own storage, an extra-large
+    # one stays; the first reduction into this rank's partition allocates grads_in_partition
+    # (deepspeed_backward, registration order) with the rest of the gradients still live. The
+    # activations are released; the batch and the loss scalars stay
+    touched = i.grads_hooked[1][-1]  # every extra-large gradient a collective reduces in place
+    temp = {"gradients not yet copied into the IPG buffer": w * (i.n - i.flush.copied - touched),
+            "grads_in_partition (copy_grads_in_partition)": w * i.flush.overlap,
+            # the loss, its scaled copy and product: backward has released the gradient seed
+            "loss scalars": _loss_scalars() - FP32}
+    gathered = {"extra-large gradients a collective reduces in place": w * touched}
+    (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * i.bucket
+    return _named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch), temp, gathered,
+                         "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
 
-    def z3_hook_moment(name: str) -> tuple[int, dict[str, int], str]:
-        # (activations, autograd's temporaries, where) at a ZeRO-3 gradient hook (launchers/llama.py):
-        # - the final norm's weight: the output Linear's MmBackward released its saved input and the
-        #   logits' gradient; the norm's `* weight` MulBackward its saved y.type_as(x): its input
-        #   gradient (b, s, h) and the weight's (h) live
-        # - a block's w2: its MmBackward released its saved input (the SwiGLU product): the block's
-        #   output gradient (the residual stream's), w2's input gradient (b, s, ffn) and weight gradient
-        # - w3 (autograd runs the later-made branch first): the MulBackward released w2's input
-        #   gradient and its saves (silu's output, w3's): its gradient for silu (b, s, ffn), w3's input
-        #   gradient and weight gradient beside the residual stream's
-        # - w1: SiluBackward released w1's output and silu's gradient, both Linears their input (the
-        #   ffn_norm's output); w1's input gradient beside w3's, not summed yet: each Linear's input
-        #   passes through its own PostBackwardFunctionModule node (parameter_offload.py), and w1's
-        #   runs after the hook (AccumulateGrad first)
-        bsh, bsf, fh = b * s * h, b * s * model.ffn_hidden, model.ffn_hidden * h
-        if name == "tok_embeddings.weight":
-            # the backward's last node ran: every save released but the batch (the tokens the embedding
-            # saved, the labels); its weight gradient (tied: both uses' gradients summed into one)
-            return batch, {"the embedding's weight gradient": w * V * h}, "the embedding's weight hook"
-        if name == "norm.weight":
-            return past_head - 2 * w * bsh, {"the norm's input gradient and weight gradient": w * bsh + w * h}, \
-                "the final norm's weight hook"
-        j, mod = int(name.split(".")[1]), name.split(".", 2)[2].rsplit(".", 1)[0]
-        lin = mod.rsplit(".", 1)[-1]
-        base = block_saves(j)
-        # the attention's pieces (layer_activations): rope's cos and sin for q and for k (s, d/2) fp32
-        # each; SDPA's saves (q, the expanded k and v, its output: b*s*heads*d each) and logsumexp
-        d, H, KV = model.head_dim, model.heads, model.kv_heads
-        bsq, bskv = b * s * H * d, b * s * KV * d
-        cos_sin = 2 * FP32 * s * (d // 2)  # one rope's
-        sdpa = 4 * w * bsq + FP32 * b * H * s
-        past_ffn = base - per["feed_forward"] - per["ffn_norm"]  # the block's FFN and ffn_norm backpropagated
-        acts_now, temp = {
-            "w2": (base - w * bsf, {"w2's input gradient": w * bsf, "w2's weight gradient": w * fh}),
-            "w3": (base - 3 * w * bsf, {"the mul's gradient for silu": w * bsf, "w3's input gradient": w * bsh,
-                                        "w3's weight gradient": w * fh}),
-            "w1": (base - 4 * w * bsf - w * bsh, {"w3's and w1's input gradients": 2 * w * bsh,
-                                                  "w1's weight gradient": w * fh}),
-            # the norms' `* weight` MulBackward released the normalised value it saved; the Linears
-            # after it their input, the norm's output: the norm's input gradient and weight gradient
-            "ffn_norm": (base - per["feed_forward"] - 2 * w * bsh,
-                         {"the norm's input gradient and weight gradient": w * bsh + w * h}),
-            "attention_norm": (base - per_layer + FP32 * b * s * h + FP32 * b * s,
-                               {"the norm's input gradient and weight gradient": w * bsh + w * h}),
-            # wo: its input (SDPA's output) still saved by SDPA
-            "wo": (past_ffn, {"wo's input gradient": w * bsq, "wo's weight gradient": w * h * H * d}),
-            # SDPA's backward released its saves; autograd runs the later-made nodes first: v's
-            # repeat_interleave backward (its sum over the repeats), k's, then wv's MmBackward, while
-            # q's gradient waits for rope(q)'s backward and k's (summed) for rope(k)'s
-            "wv": (past_ffn - sdpa, {"q's gradient (SDPA's)": w * bsq, "k's gradient (summed over the repeats)": w * bskv,
-                                     "wv's input gradient": w * bsh, "wv's weight gradient": w * h * KV * d}),
-            # rope(k)'s backward released its cos and sin; wv's input gradient waits in its own
-            # PostBackwardFunctionModule node (parameter_offload.py), as w3's does
-            "wk": (past_ffn - sdpa - cos_sin, {"q's gradient (SDPA's)": w * bsq,
-                                               "wv's and wk's input gradients": 2 * w * bsh,
-                                               "wk's weight gradient": w * h * KV * d}),
-            # every attention save released, and the attention_norm's output the three Linears saved;
-            # wv's and wk's input gradients summed (out of place) into the norm output's
-            "wq": (past_ffn - per["attention"] - w * bsh, {"wv's + wk's input gradients": w * bsh,
-                                                          "wq's input gradient": w * bsh,
-                                                          "wq's weight gradient": w * h * H * d}),
-        }[lin]
-        return acts_now, {"residual stream gradient": w * bsh, **temp}, f"block {j}'s {lin} weight hook"
 
-    def pick(first: bool) -> Peak:
-        o, k = opt(first), bwd(first)
-        cands = [o, k]
-        names = {id(o): "optimizer step", id(k): "backward start"}
-        if (zero == 2 or zero == 1 and m == 1 and flush is not None) and not checkpointing:
-            cands.append(deep(first))
-        if zero == 1 and flush is not None:
-            cands.append(boundary(first))
-        names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
-        names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
-        if zero == 3:
-            flushes = z3_flush(first)
-            cands += flushes
-            names.update({id(c): "IPG reduce-scatter" for c in flushes})
-        if zero == 3 and not first:
-            # the first micro-batch reaching the most (the probe keeps the first maximum)
-            f = max((fwd(i, z[0]) for i, z in enumerate(z3_moments)), key=lambda p: p.bytes)
-            cands.append(f)
-        if zero == 3 and first:
-            # step 0's replayed passes (with several micro-batches, those after the recording one)
-            off = 0 if m == 1 else 1
-            f = max((fwd(i + off, z[0], True) for i, z in enumerate(z3_first)), key=lambda p: p.bytes)
-            cands.append(f)
-        best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
-        if zero == 1 and flush is None:
-            best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a candidate)"
-        for c in cands:
-            if c is not best:
-                best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
-        best.detail["candidate/activations most live"] = most
-        return best
+def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
+    """ZeRO-3: each micro-batch's backward at each IPG reduce-scatter, its epilogue's included."""
+    i, model, w, batch = st.i, st.i.model, st.i.w, st.batch
+    V, h = st.V, st.h
+    # ZeRO-3, each micro-batch's backward: an IPG reduction at a hook (deepspeed_backward.z3_flushes,
+    # stage3.py __reduce_and_partition_ipg_grads), at reduce_scatter_coalesced's collective: its
+    # flat input (a torch.cat of the padded gradients, `gathered`; or one gradient as it is: the IPG
+    # buffer's view, resident, or an extra-large gradient's own storage) and gloo's copy of the
+    # whole input (ProcessGroupGloo's reduce-scatter of a tensor). The hook's gradient is still its
+    # own tensor (copied into the IPG buffer after the reduction); what autograd holds at the hook
+    # (AccumulateGrad runs as soon as the node making the gradient has run, before the module's
+    # post-backward release): z3_hook_moment. The gathered params: the coordinator at the hook's
+    # module's pre-backward fetch (gathered.z3_backward_moments)
+    flushes, steady_z, first_z = i.z3_flushes
+    res = st.resident_in_step(first)
+    out = []
+    for k, per in enumerate(first_z if first else steady_z):
+        for f, z in zip(flushes, per):
+            mb = k + (1 if first and i.m > 1 else 0)  # step 0: the passes after the recording one
+            if f.name:
+                acts_now, temp, at = z3_hook_moment(st, f.name)
+                temp["loss scalars"] = _loss_scalars()
+                # the tied weight's output gradient waits in the embedding's AccumulateGrad input
+                temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
+                    w * V * h if model.tied_embeddings and f.name != "tok_embeddings.weight" else 0
+                phase, what = "backward", f"micro-batch {mb}'s backward: the IPG reduce-scatter at {at}"
+            else:
+                # the epilogue (independent_gradient_partition_epilogue, queued on the autograd engine:
+                # after backward): every saved tensor released but the batch, the gradient seed
+                # freed; the coordinator as after the embedding's fetch (its post-backward never
+                # fires: release_backward_leftovers runs after the epilogue)
+                acts_now = batch
+                temp = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
+                phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
+            temp.update({"gloo's copy of the reduce-scatter input": w * f.flat,
+                         "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
+                         "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
+            flat_input = "(torch.cat)" if f.cat else "(an extra-large gradient)"
+            gathered = {f"reduce_scatter_coalesced's input {flat_input}": w * (f.flat if f.cat else f.own),
+                        "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
+            p = _named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
+                              phase, what)
+            p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
+            out.append(p)
+    return out
 
-    steady, first = pick(False), pick(True)
+
+def z3_hook_moment(st: _Step, name: str) -> tuple[int, dict[str, int], str]:
+    """(activations, autograd's temporaries, where) at the ZeRO-3 gradient hook of param `name`."""
+    model, w, per = st.i.model, st.i.w, st.per
+    b, s, V, h = st.b, st.s, st.V, st.h
+    # (activations, autograd's temporaries, where) at a ZeRO-3 gradient hook (launchers/llama.py):
+    # - the final norm's weight: the output Linear's MmBackward released its saved input and the
+    #   logits' gradient; the norm's `* weight` MulBackward its saved y.type_as(x): its input
+    #   gradient (b, s, h) and the weight's (h) live
+    # - a block's w2: its MmBackward released its saved input (the SwiGLU product): the block's
+    #   output gradient (the residual stream's), w2's input gradient (b, s, ffn) and weight gradient
+    # - w3 (autograd runs the later-made branch first): the MulBackward released w2's input
+    #   gradient and its saves (silu's output, w3's): its gradient for silu (b, s, ffn), w3's input
+    #   gradient and weight gradient beside the residual stream's
+    # - w1: SiluBackward released w1's output and silu's gradient, both Linears their input (the
+    #   ffn_norm's output); w1's input gradient beside w3's, not summed yet: each Linear's input
+    #   passes through its own PostBackwardFunctionModule node (parameter_offload.py), and w1's
+    #   runs after the hook (AccumulateGrad first)
+    bsh, bsf, fh = b * s * h, b * s * model.ffn_hidden, model.ffn_hidden * h
+    if name == "tok_embeddings.weight":
+        # the backward's last node ran: every save released but the batch (the tokens the embedding
+        # saved, the labels); its weight gradient (tied: both uses' gradients summed into one)
+        return st.batch, {"the embedding's weight gradient": w * V * h}, "the embedding's weight hook"
+    if name == "norm.weight":
+        return st.past_head - 2 * w * bsh, {"the norm's input gradient and weight gradient": w * bsh + w * h}, \
+            "the final norm's weight hook"
+    j, mod = int(name.split(".")[1]), name.split(".", 2)[2].rsplit(".", 1)[0]
+    lin = mod.rsplit(".", 1)[-1]
+    base = st.block_saves(j)
+    # the attention's pieces (layer_activations): rope's cos and sin for q and for k (s, d/2) fp32
+    # each; SDPA's saves (q, the expanded k and v, its output: b*s*heads*d each) and logsumexp
+    d, H, KV = model.head_dim, model.heads, model.kv_heads
+    bsq, bskv = b * s * H * d, b * s * KV * d
+    cos_sin = 2 * FP32 * s * (d // 2)  # one rope's
+    sdpa = 4 * w * bsq + FP32 * b * H * s
+    past_ffn = base - per["feed_forward"] - per["ffn_norm"]  # the block's FFN and ffn_norm backpropagated
+    acts_now, temp = {
+        "w2": (base - w * bsf, {"w2's input gradient": w * bsf, "w2's weight gradient": w * fh}),
+        "w3": (base - 3 * w * bsf, {"the mul's gradient for silu": w * bsf, "w3's input gradient": w * bsh,
+                                    "w3's weight gradient": w * fh}),
+        "w1": (base - 4 * w * bsf - w * bsh, {"w3's and w1's input gradients": 2 * w * bsh,
+                                              "w1's weight gradient": w * fh}),
+        # the norms' `* weight` MulBackward released the normalised value it saved; the Linears
+        # after it their input, the norm's output: the norm's input gradient and weight gradient
+        "ffn_norm": (base - per["feed_forward"] - 2 * w * bsh,
+                     {"the norm's input gradient and weight gradient": w * bsh + w * h}),
+        "attention_norm": (base - st.per_layer + FP32 * b * s * h + FP32 * b * s,
+                           {"the norm's input gradient and weight gradient": w * bsh + w * h}),
+        # wo: its input (SDPA's output) still saved by SDPA
+        "wo": (past_ffn, {"wo's input gradient": w * bsq, "wo's weight gradient": w * h * H * d}),
+        # SDPA's backward released its saves; autograd runs the later-made nodes first: v's
+        # repeat_interleave backward (its sum over the repeats), k's, then wv's MmBackward, while
+        # q's gradient waits for rope(q)'s backward and k's (summed) for rope(k)'s
+        "wv": (past_ffn - sdpa, {"q's gradient (SDPA's)": w * bsq, "k's gradient (summed over the repeats)": w * bskv,
+                                 "wv's input gradient": w * bsh, "wv's weight gradient": w * h * KV * d}),
+        # rope(k)'s backward released its cos and sin; wv's input gradient waits in its own
+        # PostBackwardFunctionModule node (parameter_offload.py), as w3's does
+        "wk": (past_ffn - sdpa - cos_sin, {"q's gradient (SDPA's)": w * bsq,
+                                           "wv's and wk's input gradients": 2 * w * bsh,
+                                           "wk's weight gradient": w * h * KV * d}),
+        # every attention save released, and the attention_norm's output the three Linears saved;
+        # wv's and wk's input gradients summed (out of place) into the norm output's
+        "wq": (past_ffn - per["attention"] - w * bsh, {"wv's + wk's input gradients": w * bsh,
+                                                      "wq's input gradient": w * bsh,
+                                                      "wq's weight gradient": w * h * H * d}),
+    }[lin]
+    return acts_now, {"residual stream gradient": w * bsh, **temp}, f"block {j}'s {lin} weight hook"
+
+
+def _pick(st: _Step, first: bool) -> Peak:
+    """The step's peak: the largest of its moments (the first of equals), the others as candidates."""
+    i, zero, m, flush = st.i, st.i.zero, st.i.m, st.i.flush
+    o, k = optimizer_step(st, first), backward_start(st, first)
+    cands = [o, k]
+    names = {id(o): "optimizer step", id(k): "backward start"}
+    if (zero == 2 or zero == 1 and m == 1 and flush is not None) and not i.checkpointing:
+        cands.append(deep_in_backward(st, first))
+    if zero == 1 and flush is not None:
+        cands.append(reduce_gradients_at_boundary(st, first))
+    names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
+    names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
+    if zero == 3:
+        flushes = ipg_reduce_scatter(st, first)
+        cands += flushes
+        names.update({id(c): "IPG reduce-scatter" for c in flushes})
+    if zero == 3 and not first:
+        # the first micro-batch reaching the most (the probe keeps the first maximum)
+        f = max((forward_at_final_norm(st, mb, z[0]) for mb, z in enumerate(i.z3_moments)), key=lambda p: p.bytes)
+        cands.append(f)
+    if zero == 3 and first:
+        # step 0's replayed passes (with several micro-batches, those after the recording one)
+        off = 0 if m == 1 else 1
+        f = max((forward_at_final_norm(st, mb + off, z[0], True) for mb, z in enumerate(i.z3_first)),
+                key=lambda p: p.bytes)
+        cands.append(f)
+    best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
+    if zero == 1 and flush is None:
+        best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
+                     "candidate)"
+    for c in cands:
+        if c is not best:
+            best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
+    best.detail["candidate/activations most live"] = st.most
+    return best
+
+
+def peak(i: PeakInputs) -> Peak | None:
+    """The steady step's peak and step 0's (`first`: no previous _global_grad_norm yet); None where the
+    activations are not derived for the model (activations.modelled)."""
+    if modelled(i.model) is not None:
+        return None
+    if i.zero == 3 and not (i.z3_moments and i.z3_first):
+        raise ValueError("ZeRO-3's peak needs the coordinator replay's moments (z3_moments, z3_first)")
+    if i.zero == 2 and (i.flush is None or i.hooks is None):
+        raise ValueError("ZeRO-2's peak needs the rank's grads_in_partition (deepspeed_backward.partition_flushes)")
+    st = _Step(i)
+    steady, first = _pick(st, False), _pick(st, True)
     steady.first = first if first.bytes != steady.bytes or first.parts != steady.parts else None
     return steady
-
-
-def _per_kind(acts: dict[str, int], layers: int) -> dict[str, int]:
-    """saved_activations' names with the identical layers folded: "layers x4 attention" etc."""
-    out: dict[str, int] = {}
-    for k, v in acts.items():
-        if k.startswith("layer "):
-            k = f"layers x{layers} " + k.split(" ", 2)[2]
-        out[k] = out.get(k, 0) + v
-    return out

@@ -1,6 +1,9 @@
-"""Megatron Core 0.18.0, faithful: the pipeline split and DDP buffers (buffers), a rank's states and
-collectives (states), its peak within a step (peak), Mixture-of-Experts (moe), what it accepts (rules),
-its textbook formulas (textbook). Registered once as the framework "megatron"."""
+"""Megatron Core 0.18.0, faithful: the framework fields it reads (knobs), the pipeline split and a
+stage's parameters (pipeline), DDP buffers and the DP ranks' shards (buffers), the most-loaded rank
+without building buffers (heaviest), a rank's states and the layout's placement (states), a step's
+collectives (comm), what a micro-batch saves for backward (activations), the peak within a step
+(peak), Mixture-of-Experts (moe), what it accepts (rules), its textbook formulas (textbook).
+Registered once as the framework "megatron"."""
 from ledger.faithful.megatron import moe, rules, states, textbook
 from ledger.frameworks import FrameworkLedger, register
 

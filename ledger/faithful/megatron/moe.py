@@ -1,8 +1,9 @@
 """Faithful ledger for Megatron Core 0.18.0 Mixture-of-Experts models (model.num_experts > 0): what DDP
 and the chained distributed optimizer keep per rank, and which collectives one optimizer step calls,
-with expert parallelism (layout.ep). ledger.faithful.megatron.states's rules for the dense part (its buffers'
-padding and buckets, the optimizer's per-byte-range shards, RoPE, the "mpu" scratch, TP / PP traffic)
-are reused; what MoE changes is here. Paths under megatron/core/ unless said otherwise.
+with expert parallelism (layout.ep). The dense ledger's rules for the dense part are reused (the
+parameters of ledger.faithful.megatron.pipeline, the buffers' padding and buckets and the optimizer's
+per-byte-range shards of buffers, RoPE and the "mpu" scratch of states, the TP / PP traffic of comm);
+what MoE changes is here. Paths under megatron/core/ unless said otherwise.
 
 Parameters (models/gpt/gpt_layer_specs.py get_gpt_decoder_block_spec: an MoE layer every
 moe_layer_freq layers, transformer/moe/moe_layer.py MoELayer: router, then experts):
@@ -65,10 +66,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from ledger.faithful.megatron.states import (ADAM_STEP_BYTES, _dtypes, _micro_batch_comm, _mpu_numel, _NOTES,
-                                      check_framework, check_interleaving, knobs)
-from ledger.faithful.megatron.buffers import (_buffer_bytes, _pieces, build_buffer, effective_bucket_size,
-                                              owned_sizes, padded_shape, stage_layers)
+from ledger.faithful.megatron.buffers import buffer_bytes, build_buffer, effective_bucket_size, owned_sizes
+from ledger.faithful.megatron.comm import micro_batch_comm
+from ledger.faithful.megatron.knobs import ADAM_STEP_BYTES, dtypes, knobs
+from ledger.faithful.megatron.pipeline import padded_shape, pieces, stage_layers
+from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -149,10 +151,10 @@ def check_moe_knobs(fw) -> None:
 @lru_cache(maxsize=256)
 def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
     """(dense params, expert params) of one MoE decoder layer as (name, local numel) in
-    named_parameters() order: the dense layer's attention and norms (_pieces), the router weight
+    named_parameters() order: the dense layer's attention and norms (pieces), the router weight
     [E, h] after pre_mlp_layernorm (moe_layer.py registers router before experts), then each local
     expert's linear_fc1 and linear_fc2 (experts.py SequentialMLP.local_experts)."""
-    _, layer, _ = _pieces(model, tp)
+    _, layer, _ = pieces(model, tp)
     dense = tuple(p for p in layer if not p[0].startswith("mlp."))
     dense += (("mlp.router.weight", model.num_experts * model.hidden),)
     if model.bias:
@@ -187,7 +189,7 @@ def _layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
 def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split: tuple) -> tuple[list, list]:
     """(dense, expert) (name, local numel) lists of one pipeline stage, GPTModel order, its layers
     global index offset by the stages before it (the MoE pattern is over global layers)."""
-    emb, layer, head = _pieces(model, tp)
+    emb, layer, head = pieces(model, tp)
     layers = _layer_range(model, pp, stage, split)
     first = layers.start
     dense = list(emb) if stage == 0 else []
@@ -226,7 +228,7 @@ def _dense_and_expert(model: ModelShape, lay: Layout, k, stage: int) -> tuple[li
 
 def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
     """A stage's parameters in named_parameters() order, experts inside their layers (ep = 1)."""
-    emb, layer, head = _pieces(model, lay.tp)
+    emb, layer, head = pieces(model, lay.tp)
     moe_dense, moe_expert = _moe_layer(model, lay.tp, 1)
     out = list(emb) if stage == 0 else []
     for i in _layer_range(model, lay.pp, stage, k.pp_split):
@@ -248,14 +250,14 @@ def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
     """utils.py GlobalMemoryBuffer "mpu" (activation dtype): the local spec's attention scores, the SP
     all-gathers, and the allgather dispatcher's gathered hidden states [T*N, h] (mappings.py
     gather_from_sequence_parallel_region(use_global_buffer=True)) on a stage with an MoE layer."""
-    base = _mpu_numel(model, lay, k.transformer_impl, stage)
+    base = dense_mpu_numel(model, lay, k.transformer_impl, stage)
     if k.moe_token_dispatcher_type == "allgather" and lay.ep > 1 and _moe_layers_of(model, lay, k, stage):
         base = max(base, tokens(model, lay) * lay.etp * lay.ep * model.hidden)
     return base
 
 
 def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_rank: int) -> RankState:
-    pdt, gdt, pb, gb = _dtypes(k)
+    pdt, gdt, pb, gb = dtypes(k)
     bf16 = k.precision == "bf16"
     dist = k.use_distributed_optimizer
     dense, expert = _stage_buffers(model, lay, k, stage)
@@ -264,17 +266,17 @@ def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_
     for what, buf, group, rank in (("", dense, lay.dp, dp_rank), ("expert ", expert, lay.edp, edp_rank)):
         if buf is None:
             continue
-        p_bytes, g_bytes = _buffer_bytes(buf.numel, int(buf.prefix[-1]), dist, pb, gb)
+        p_bytes, g_bytes = buffer_bytes(buf.numel, int(buf.prefix[-1]), dist, pb, gb)
         s.add("params_bytes", f"{what}{pdt} param buffer (param_data)" if dist else f"{what}{pdt} module parameters",
               p_bytes)
         s.add("grads_bytes", f"{what}{gdt} grad buffer (grad_data)", g_bytes)
         owned[what] = (owned_sizes([buf], group, rank) if dist
                        else (int(buf.prefix[-1]), len(buf.starts)))
-    for what, (numel, pieces) in owned.items():
+    for what, (numel, n_pieces) in owned.items():
         if bf16:
             s.add("optim_bytes", f"{what}fp32 master params", 4 * numel)
         s.add("optim_bytes", f"{what}adam exp_avg + exp_avg_sq", 8 * numel)
-        s.add("optim_bytes", f"{what}adam step", ADAM_STEP_BYTES * pieces)
+        s.add("optim_bytes", f"{what}adam step", ADAM_STEP_BYTES * n_pieces)
     if bf16:
         # optimizer.py MixedPrecisionOptimizer.__init__: one _scale_one per DistributedOptimizer
         s.add("other_bytes", "unity loss scale (_scale_one)", 4 * len(owned))
@@ -291,7 +293,7 @@ def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_
 
 
 def _comm(model: ModelShape, lay: Layout, k, stage: int):
-    pdt, gdt, pb, gb = _dtypes(k)
+    pdt, gdt, pb, gb = dtypes(k)
     dense, expert = _stage_buffers(model, lay, k, stage)
     cb = CommBuilder()
     grid = Grid(tp=lay.tp, dp=lay.dp, pp=lay.pp)
@@ -321,7 +323,7 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     moe = _moe_layers_of(model, lay, k, stage)
 
     # an MoE layer's MLP makes no TP call (its experts' linears: explicit_expert_comm; SP is required
-    # with tp): of the SP calls _micro_batch_comm counts per layer (6 all-gathers, 4 reduce-scatters:
+    # with tp): of the SP calls micro_batch_comm counts per layer (6 all-gathers, 4 reduce-scatters:
     # attention's 3 and 2, the MLP's 3 and 2) an MoE layer makes attention's alone
     # A shared expert is an ordinary TP MLP (moe_layer.py runs it beside the routed ones, without
     # moe_shared_expert_overlap): its calls are the dense MLP's
@@ -334,7 +336,7 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
             x = lay.micro_batch_size * unit // div
             cb.add(dim, kind, x, group, dtype, count=calls * m, what=what)
 
-    _micro_batch_comm(per_mb, model, lay.tp, lay.pp, 1, k, stage, lay.sequence_parallel)
+    micro_batch_comm(per_mb, model, lay.tp, lay.pp, 1, k, stage, lay.sequence_parallel)
     if moe and lay.ep > 1:
         _dispatcher_comm(cb, model, lay, k, moe * m)
     if moe and k.moe_aux_loss_coeff > 0 and k.moe_router_load_balancing_type in AUX_LOSS_TOKENS:
@@ -353,7 +355,7 @@ AUX_LOSS_TOKENS = {"aux_loss": lambda b: 1, "seq_aux_loss": lambda b: b}
 
 def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: int) -> None:
     """The token dispatcher's collectives over `calls` = MoE layers x micro-batches (module docstring)."""
-    pdt, _, ab, _ = _dtypes(k)
+    pdt, _, ab, _ = dtypes(k)
     prob_dt = {"fp32": "fp32", "fp64": "fp64"}.get(model.moe_router_dtype, pdt)
     prob_b = {"fp32": 4, "fp64": 8}.get(prob_dt, ab)
     T, kk, E, h, ep = tokens(model, lay), model.moe_router_topk, model.num_experts, model.hidden, lay.ep
@@ -395,7 +397,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check_interleaving(lay)
     check_moe(model, lay, k)
     check_moe_knobs(k)
-    notes = list(_NOTES[k.transformer_impl]) + [MOE_NOTE]
+    notes = list(NOTES[k.transformer_impl]) + [MOE_NOTE]
     if sp_error(model, lay):
         # a run or a run.sh of this layout is refused (launchers/job.py check); a prediction describes the
         # one layout Megatron trains, the same with sequence parallelism, and says so

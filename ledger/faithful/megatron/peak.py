@@ -1,33 +1,27 @@
-"""The peak within a step of a Megatron Core 0.18.0 rank (issue 18): resident state + activations saved
-for backward + pipeline buffers + the largest temporary at the peak moment, and the optimizer step's
-own transients. ledger.faithful.megatron.states's RankState.peak is built here (stage_peak); each rule names
-the megatron (or torch) source it follows, paths under megatron/core/ unless said otherwise.
+"""The peak within a step of a Megatron Core 0.18.0 rank: resident state + activations saved for
+backward + pipeline buffers + the largest temporary at the peak moment, and the optimizer step's own
+transients. ledger.faithful.megatron.states's RankState.peak is built here (stage_peak); each rule
+names the megatron (or torch) source it follows, paths under megatron/core/ unless said otherwise.
 
 What a rank holds at a moment is modelled as
-  resident       params + grads + optim + other of the rank (megatron.rank_state: the peak probe's
+  resident       params + grads + optim + other of the rank (states.rank_state: the peak probe's
                  named groups)
   activations    the tensors autograd saved (saved_tensors_hooks see every one): per decoder layer
-                 `layer_groups`, per model chunk `head_groups` / `embedding_groups`, times the micro-
-                 batches the schedule holds in flight (`_in_flight`)
+                 `layer_groups`, per model chunk `head_groups` / `embedding_groups`
+                 (ledger.faithful.megatron.activations), times the micro-batches the schedule holds
+                 in flight (`schedule`)
   gathered       pipeline buffers a collective touched: received stage inputs, sent outputs, the
                  received output grad (p2p_communication.py)
   temporary      the largest transient at the moment: weight / input grads of the linear being
                  backpropagated, the fp32 attention-score grads, the logits' grads, the gloo
                  reduce-scatter copy of a grad bucket, the single-tensor Adam's denominators
 and the peak is the largest moment over the step's phases (`stage_peak`). The moments are the ones
-the local spec's backward goes through (`_layer_moments`: fc2, fc1, the attention-score grads, proj,
-qkv, each norm), the cross-entropy forward and, with the local spec, each forward's last-layer softmax
-cast (`softmax_forward`: the s^2 tensors of a forward, where long sequences peak); other forward
-transients are not modelled (the backward of the same layer holds more). Checked against the peak
-probe on the CPU matrix (tests/test_megatron.py).
+the local spec's backward goes through (activations.chunk_units: fc2, fc1, the attention-score grads,
+proj, qkv, each norm), the cross-entropy forward and, with the local spec, each forward's last-layer
+softmax cast (activations.softmax_forward: the s^2 tensors of a forward, where long sequences peak);
+other forward transients are not modelled (the backward of the same layer holds more). Checked
+against the peak probe on the CPU matrix (tests/test_megatron.py).
 
-The variant that runs: transformer_impl=local (CPU runs, mode=run) keeps the attention probabilities
-(fp32 softmax + bf16 copy, [b, heads/tp, s, s]); transformer_impl=transformer_engine (Megatron-LM's
-default, what mode=predict describes) runs TEDotProductAttention's fused kernel, which saves no s^2
-tensor (its softmax statistics [b, heads/tp, s] fp32 and the output instead): `layer_groups` follows
-the spec. Recompute (framework.recompute_*): selective core_attn (attention.py
-_checkpointed_attention_forward) and full uniform / block (recompute.py checkpointed_forward), both
-through tensor_parallel/random.py CheckpointFunction (ctx.save_for_backward of its tensor inputs).
 The forward softmax moment is modelled for the 1F1B and no-pipelining schedules (vp = 1), without
 recompute or with full block recompute whose last layer is not checkpointed; the interleaved schedule's
 and selective recompute's forward are not (their backward moments stand). At full shape (the article's
@@ -41,11 +35,12 @@ backward moment predicted before).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
 
-from ledger.faithful.megatron.buffers import (_stage_shape, buffer_layout, effective_bucket_size, shard_ranges,
-                                              stage_params)
-from ledger.layout import ConfigError, Layout
+from ledger.faithful.megatron.activations import (chunk_saved, chunk_units, received_in_p2p, Recompute, recompute_of,
+                                                  RECOMPUTED_CAST, Shape, shape_of, softmax_forward)
+from ledger.faithful.megatron.buffers import buffer_layout, effective_bucket_size, shard_ranges, shared
+from ledger.faithful.megatron.pipeline import stage_params, stage_shape
+from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.placement import Peak
 
@@ -67,345 +62,14 @@ PEAK_NOTES = {
                            "(weight grads straight into main_grad) and workspaces are not modelled: the local spec's "
                            "moments stand for them (no CPU run confirms TE)"),
 }
-MODELLED_MODULES = ("core_attn",)
-RECOMPUTED_CAST = "softmax cast (recompute)"
+
 # the moments (by their name's end) of a chunk's first backward unit whose incoming grad is the received
 # output grad itself (gathered), not a new tensor: the last layer's fc2 and fc1, and under full recompute
 # its recomputed forward before them
 INCOMING_IS_RECEIVED = ("fc2", "fc1", RECOMPUTED_CAST)
 
 
-class Recompute(NamedTuple):
-    """framework.recompute_* as TransformerConfig reads them (transformer_config.py: recompute_modules
-    None becomes ["core_attn"])."""
-    granularity: str | None = None
-    method: str | None = None
-    num_layers: int | None = None
-    modules: tuple = ("core_attn",)
-
-    @property
-    def core_attn(self) -> bool:
-        return self.granularity == "selective" and "core_attn" in self.modules
-
-
-def recompute_of(fw) -> Recompute:
-    def g(n):  # textbook mode, older records, plain dicts: no recompute fields
-        try:
-            return getattr(fw, n)
-        except (AttributeError, KeyError):
-            return None
-
-    mods = g("recompute_modules")
-    return Recompute(g("recompute_granularity"), g("recompute_method"), g("recompute_num_layers"),
-                     tuple(mods) if mods is not None else ("core_attn",))
-
-
-def check_recompute(rc: Recompute) -> None:
-    """What the faithful ledger does not model is refused, naming the field (conf/validate.py checks
-    Megatron's own rules first)."""
-    if rc.granularity == "selective":
-        other = [m for m in rc.modules if m not in MODELLED_MODULES]
-        if other:
-            raise ConfigError(f"megatron: framework.recompute_modules={list(rc.modules)}: the faithful ledger models "
-                              "core_attn only (layernorm and mlp, transformer_layer.py's recompute_input_layernorm / "
-                              "recompute_mlp, are not modelled yet); use ledger.mode=textbook")
-
-
-class Shape(NamedTuple):
-    """One micro-batch of one rank, in elements: s, b, hidden, heads/tp x head_dim (q), kv heads/tp x
-    head_dim, ffn/tp, heads/tp, the padded vocab / tp, tp, sequence parallel, activation bytes,
-    the spec."""
-    s: int
-    b: int
-    h: int
-    hq: int
-    hkv: int
-    f: int
-    a: int
-    v: int
-    hd: int
-    tp: int
-    sp: bool
-    e: int
-    te: bool
-
-    @property
-    def sbh(self) -> int:
-        return self.s * self.b * self.h
-
-    @property
-    def sbh_n(self) -> int:
-        """[s, b, h] elements of a norm's input: the sequence shard with SP."""
-        return self.sbh // (self.tp if self.sp else 1)
-
-
-def shape_of(model: ModelShape, lay: Layout, k) -> Shape:
-    tp = lay.tp
-    return Shape(model.seq_len, lay.micro_batch_size, model.hidden, model.heads // tp * model.head_dim,
-                 model.kv_heads // tp * model.head_dim, model.ffn_hidden // tp, model.heads // tp,
-                 model.vocab // tp, model.head_dim, tp, lay.sequence_parallel,
-                 2 if k.precision == "bf16" else 4, k.transformer_impl == "transformer_engine")
-
-
-# -- what autograd saves -------------------------------------------------------------------------
-def norm_bytes(sh: Shape) -> int:
-    """transformer/torch_norm.py WrappedTorchNorm -> torch.nn.RMSNorm (torch's composite rms_norm):
-    x.float() (fp32 [s, b, h]), rsqrt of the mean square (fp32 [s, b, 1]), x * rsqrt (fp32) and the
-    normalised value cast back (activation dtype), each saved for backward; with SP the norm sees the
-    sequence shard [s/tp, b, h]."""
-    n = sh.sbh_n
-    return 4 * n + 4 * (n // sh.h) + 4 * n + sh.e * n
-
-
-def layer_groups(sh: Shape, rc: Recompute) -> dict[str, int]:
-    """Bytes one decoder layer saves for backward per micro-batch, by sub-block in forward order
-    (transformer/transformer_layer.py TransformerLayer.forward, local spec gpt_layer_specs.py
-    get_gpt_layer_local_spec):
-      norm1 / norm2  norm_bytes (input_layernorm, pre_mlp_layernorm)
-      rope           models/common/embeddings/rope_utils.py _apply_rotary_pos_emb_bshd: cos and sin cast
-                     to the activation dtype ([s, 1, 1, head_dim]) for q and for k, saved by the
-                     multiplies; the rotated q ([s, b, heads/tp, head_dim], torch.cat) saved by the
-                     score matmul
-      core           transformer/dot_product_attention.py DotProductAttention.forward: the GQA-expanded
-                     key and value ([s, b, heads/tp, head_dim] each), the bool causal mask [s, s],
-                     the fp32 softmax ([b, heads/tp, s, s], fusions/fused_softmax.py
-                     FusedScaleMaskSoftmax.forward_torch_softmax: softmax in fp32) and its cast back,
-                     and the context ([s, b, heads/tp * head_dim]) saved by linear_proj.
-                     TransformerEngine's TEDotProductAttention (fused / flash): q, k, v, the output
-                     and fp32 softmax statistics [b, heads/tp, s], no s^2 tensor.
-                     Selective core_attn (attention.py _checkpointed_attention_forward):
-                     CheckpointFunction saves its tensor inputs: q (the rotated q, already counted),
-                     the rotated k ([s, b, kv/tp, head_dim]), value (a view of linear_qkv's output,
-                     whose storage [s, b, (heads + 2 kv)/tp * head_dim] it keeps), the mask-type int,
-                     and linear_proj saves the checkpoint's output (the context)
-      mlp            transformer/mlp.py MLP.forward (gated, swiglu): linear_fc1's output
-                     [s, b, 2 ffn/tp], silu of its first half, the second half (a copy: the glu's
-                     chunk + add), their product (linear_fc2's input), each activation dtype
-    """
-    e, s, b = sh.e, sh.s, sh.b
-    sb = s * b
-    n = norm_bytes(sh)
-    rope = 4 * e * s * sh.hd + e * sb * sh.hq
-    if sh.te:
-        core = e * sb * (2 * sh.hq) + e * sb * sh.hq + 4 * b * sh.a * s  # k, v expanded, context, softmax stats
-    else:
-        core = 3 * e * sb * sh.hq + s * s + (4 + e) * b * sh.a * s * s
-    if rc.core_attn:
-        core = e * sb * sh.hkv + e * sb * (sh.hq + 2 * sh.hkv) + 4 + e * sb * sh.hq
-    mlp = e * sb * 2 * sh.f + 3 * e * sb * sh.f
-    return {"norm1": n, "rope": rope, "core": core, "norm2": n, "mlp": mlp}
-
-
-def core_full(sh: Shape) -> int:
-    """The core-attention bytes a selective recompute rebuilds in that layer's backward."""
-    return layer_groups(sh, Recompute())["core"]
-
-
-def head_groups(sh: Shape) -> dict[str, int]:
-    """The chunk holding post_process: the final norm (decoder.final_layernorm), the fp32 logits
-    and the target mask / masked target that tensor_parallel/cross_entropy.py
-    VocabParallelCrossEntropy.forward saves (exp_logits normalised in place: the fp32 copy of the
-    logits [s, b, vocab/tp]; target_mask bool and masked_target int64 [s, b])."""
-    sb = sh.s * sh.b
-    return {"final norm": norm_bytes(sh), "logits fp32 (cross-entropy)": 4 * sb * sh.v,
-            "target mask + masked target": sb + 8 * sb}
-
-
-def embedding_groups(sh: Shape) -> dict[str, int]:
-    """The chunk holding pre_process: tensor_parallel/layers.py VocabParallelEmbedding.forward saves
-    the token indices for the embedding's backward: with tp > 1 its input_mask (bool [b, s]) and the
-    masked input (int64 [b, s]); with tp = 1 the tokens themselves, a view of the launcher's
-    [b, s + 1] int64 batch (launchers/megatron.py batches), whose storage it keeps."""
-    sb = sh.s * sh.b
-    return {"token indices": sb + 8 * sb if sh.tp > 1 else 8 * sh.b * (sh.s + 1)}
-
-
-# -- moments of the backward -----------------------------------------------------------------------
-def _layer_moments(sh: Shape, rc: Recompute):
-    """(name, saved bytes of the layer still live, temporaries, gathered) at each moment of one
-    layer's backward, last sub-block first (tensor_parallel/layers.py
-    LinearWithGradAccumulationAndAsyncCommunication.backward: the input grad, then the weight grad
-    grad_output^T @ input in the activation dtype, before the DDP hook adds it to main_grad). The
-    incoming [s, b, h] grad is live throughout. SP: the column-parallel input is all-gathered again
-    for the weight grad and the row-parallel output grad gathered (gathered [s, b, h])."""
-    g = layer_groups(sh, rc)
-    e, sb, h = sh.e, sh.s * sh.b, sh.h
-    total = sum(g.values())
-    gin = e * sh.sbh_n  # the incoming grad (the residual stream: the sequence shard with SP)
-    sp_g = e * sh.sbh if sh.sp else 0
-    after_mlp = total - g["mlp"]
-    after_norm2 = after_mlp - g["norm2"]
-    out = [("fc2", total, gin + e * sb * sh.f + e * h * sh.f, sp_g),
-           ("fc1", after_mlp, gin + e * sb * 2 * sh.f + e * sh.sbh + e * 2 * sh.f * h, sp_g),
-           ("pre_mlp_layernorm", total - g["mlp"], 2 * gin + 16 * sh.sbh_n, 0),
-           ("proj", after_norm2, 2 * gin + e * h * sh.hq, sp_g)]
-    if not sh.te:
-        # the score grads: bmm grad of the bf16 probabilities, its fp32 cast, _softmax_backward_data's
-        # fp32 output (fused_softmax.py torch path); the context, the bf16 probabilities and the
-        # expanded value already freed. Selective core_attn first recomputes the core (core_full)
-        s2 = sh.b * sh.a * sh.s * sh.s
-        live = after_norm2 - e * sb * sh.hq - e * s2 - e * sb * sh.hq
-        tmp = gin + e * sb * sh.hq + 8 * s2
-        if rc.core_attn:
-            # CheckpointFunction.backward recomputes the core (core_full) while its saved inputs (the
-            # rotated k, linear_qkv's output storage, the mask type) stay; the recomputed output and
-            # the grad handed to torch.autograd.backward for it are two more [s, b, heads/tp, hd]
-            live += core_full(sh) - g["core"] + e * sb * sh.hkv + e * sb * (sh.hq + 2 * sh.hkv) + 4
-            tmp += 2 * e * sb * sh.hq
-        out.append(("attention scores", live, tmp, 0))
-    out += [("qkv", g["norm1"], gin + e * sb * (sh.hq + 2 * sh.hkv) + e * sh.sbh + e * (sh.hq + 2 * sh.hkv) * h, sp_g),
-            ("input_layernorm", g["norm1"], 2 * gin + 16 * sh.sbh_n, 0)]
-    return total, out
-
-
-class Unit(NamedTuple):
-    """A piece of one micro-batch's chunk in backward order: what it holds saved while not yet
-    backpropagated, and its moments (name, its own live bytes then, temporaries, gathered)."""
-    name: str
-    saved: int
-    moments: tuple
-
-
-def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, model: ModelShape) -> list[Unit]:
-    """The units of one model chunk in backward order: the head, the layers (last first), the
-    embedding. Full recompute (recompute.py checkpointed_forward): uniform checkpoints chunks of
-    recompute_num_layers layers, block the first recompute_num_layers layers one by one; each
-    checkpoint saves only its hidden_states input ([s, b, h], the sequence shard with SP; the
-    rotary table it also gets is RoPE's cached emb, resident), and its backward recomputes its
-    layers (their full saved bytes) before walking them."""
-    units = []
-    if last:
-        hg = head_groups(sh)
-        saved = sum(hg.values())
-        sb, e = sh.s * sh.b, sh.e
-        gather = e * sh.sbh if sh.sp else 0
-        units.append(Unit("output layer", saved, (
-            ("cross-entropy backward", saved, e * sb * sh.v, 0),
-            # logits grad, the output layer's input grad and its weight grad (activation dtype)
-            ("output layer weight grad", hg["final norm"], e * sb * sh.v + e * sh.sbh + e * sh.v * sh.h,
-             gather + (e * sh.sbh // sh.tp if sh.sp else 0)),
-            ("final_layernorm", hg["final norm"], 2 * e * sh.sbh + 16 * sh.sbh_n, 0))))
-    total, moments = _layer_moments(sh, rc)
-    if rc.granularity == "full":
-        n = rc.num_layers
-        ck = sh.e * sh.sbh_n
-        if rc.method == "uniform":
-            groups = [(i, min(i + n, layers)) for i in range(0, layers, n)]
-            ckpt = [True] * len(groups)
-        else:
-            groups = [(i, i + 1) for i in range(layers)]
-            ckpt = [i < n for i in range(layers)]
-        for (lo, hi), c in reversed(list(zip(groups, ckpt))):
-            k = hi - lo
-            if not c:
-                units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(lo, hi))]
-                continue
-            # the group's saved input; the first group's, on a stage that receives it, is the p2p buffer
-            # itself, counted here and not as p2p (received_in_p2p)
-            own = ck
-            # backward of the checkpoint: recompute every layer of it, then walk them
-            ms = []
-            # (CheckpointFunction.backward: torch.autograd.backward of the recomputed output, [s, b, h])
-            out_h = sh.e * sh.sbh_n
-            if not sh.te:
-                # each recomputed layer's softmax cast (softmax_cast), in forward order: the layers of the
-                # group recomputed before it hold all their saves, the one before its output (this
-                # layer's residual; the group's first layer's is the checkpoint's input), and the
-                # checkpoint's output grad is live. Measured where it is the peak: the article's
-                # TP2-PP2-DP2-SP run with full uniform recompute (cluster=fake, s=8192), both stages
-                cast_own, cast_tmp = softmax_cast(sh, rc)
-                ms += [(f"layer {i} {RECOMPUTED_CAST}", own + (i - lo) * total + cast_own,
-                        cast_tmp + out_h + (out_h if i > lo else 0), 0) for i in range(lo, hi)]
-            for j in range(k):  # the layer j from the end of the group
-                rest = (k - 1 - j) * total
-                ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h, g) for name, live, t, g in moments]
-            units.append(Unit(f"layers {lo}-{hi - 1} (checkpointed)", own, tuple(ms)))
-    else:
-        units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(layers))]
-    if last and first and model.tied_embeddings:
-        # one weight for the embedding and the output layer (pp = 1, share_embeddings_and_output_weights):
-        # autograd sums both uses' grads before the param's AccumulateGrad (and the DDP hook,
-        # distributed_data_parallel.py _make_backward_post_hook, that adds it to main_grad) runs,
-        # so the output layer's weight grad is held until the embedding's backward
-        held = sh.e * sh.v * sh.h
-        units = units[:1] + [Unit(u.name, u.saved, tuple((n, a, t + held, g) for n, a, t, g in u.moments))
-                             for u in units[1:]]
-    if first:
-        eg = embedding_groups(sh)
-        saved = sum(eg.values())
-        held = sh.e * sh.v * sh.h if last and model.tied_embeddings else 0
-        units.append(Unit("embedding", saved, (
-            ("embedding weight grad", saved, sh.e * sh.sbh + sh.e * sh.v * sh.h + held, sh.e * sh.sbh if sh.sp else 0),)))
-    return units
-
-
-def chunk_saved(units: list[Unit]) -> int:
-    return sum(u.saved for u in units)
-
-
-def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple[int, int] | None:
-    """(this micro-batch's saved bytes in the chunk, temporaries) when its last layer's softmax is cast
-    back to the activation dtype in the forward: the local spec's largest forward moment (None where
-    it is not modelled: TransformerEngine's attention has no s^2 tensor; selective recompute; full
-    recompute whose last layer is checkpointed, whose recompute in backward holds more: chunk_units).
-
-    fusions/fused_softmax.py FusedScaleMaskSoftmax.forward_torch_softmax: `input.float()` (fp32
-    [b, heads/tp, s, s]), the fp32 softmax (saved), then `probs.bfloat16()` (saved by the context
-    bmm): at that cast the layer holds its norm, rope and core saves but the context (linear_proj's
-    input, not made yet), and the earlier layers (and the embedding on the first chunk) all of theirs.
-    Temporaries then: DotProductAttention's baddbmm scores [b·heads/tp, s, s] (activation dtype) and
-    their fp32 copy; Attention.forward's `qkv_output` tuple (attention.py: it keeps what
-    get_query_key_value_tensors returned, the query's reshape of its split [s, b, heads/tp,
-    head_dim], a copy where the split cannot be viewed as that shape, and key / value views of
-    linear_qkv's output [s, b, (heads + 2 kv)/tp · head_dim]); the rotated key (rope_utils.py
-    _apply_rotary_pos_emb_bshd's torch.cat, [s, b, kv/tp, head_dim], expanded by repeat_interleave,
-    which saves nothing); TransformerLayer.forward's residual (the
-    layer's input [s, b, h], the sequence shard with SP: the previous layer's output) and on the first
-    chunk GPTModel.forward's decoder_input (the embedding's output, the same tensor for layer 0).
-    Measured exact at the article's shape (cluster=fake, TP2·PP2·DP2·SP, s=8192: stage 0's third
-    micro-batch, the last stage's eighth), up to the launcher's batch (8·b·(s + 1) B, not modelled)."""
-    if sh.te or rc.granularity == "selective" or layers < 1:
-        return None
-    # full recompute (recompute.py checkpointed_forward): the checkpointed layers save their input only;
-    # where the last layer is checkpointed too (uniform; block over every layer) its forward runs under
-    # no_grad and holds less than its recompute in backward (chunk_units), so no forward moment
-    n = rc.num_layers if rc.granularity == "full" else 0
-    if n and (rc.method != "block" or layers <= n):
-        return None
-    ck = sh.e * sh.sbh_n  # a checkpoint's input; on a stage that receives it, layer 0's is the p2p buffer
-    own, tmp = softmax_cast(sh, rc)
-    own += n * ck + (layers - 1 - n) * sum(layer_groups(sh, rc).values())
-    if first:
-        own += sum(embedding_groups(sh).values())
-    # the last layer's residual (the previous layer's output) and, on the first chunk without a
-    # checkpoint around layer 0 (which saves it), GPTModel.forward's decoder_input
-    return own, tmp + ck * ((layers > 1) + (first and not n))
-
-
-def softmax_cast(sh: Shape, rc: Recompute) -> tuple[int, int]:
-    """(the layer's own saved bytes, temporaries) at its softmax cast (softmax_forward says which),
-    without its input (the residual) and what earlier layers hold: shared by a forward's last layer
-    and a fully recomputed layer's forward in its backward (chunk_units)."""
-    g = layer_groups(sh, rc)
-    e, sb = sh.e, sh.s * sh.b
-    s2 = sh.b * sh.a * sh.s * sh.s
-    own = g["norm1"] + g["rope"] + g["core"] - e * sb * sh.hq
-    # the query split from [s, b, groups, (heads/groups + 2) head_dim] reshapes to [s, b, heads/tp,
-    # head_dim] as a view where one group (kv heads / tp = 1) or one head a group; else a copy
-    groups = sh.hkv // sh.hd
-    q_copy = e * sb * sh.hq if groups > 1 and sh.a // groups > 1 else 0
-    return own, (4 + e) * s2 + q_copy + e * sb * (sh.hq + 2 * sh.hkv) + e * sb * sh.hkv
-
-
-def received_in_p2p(first: bool, rc: Recompute) -> bool:
-    """Whether a chunk's received input (schedules.py input_tensor) counts as a p2p buffer (gathered):
-    not on the first stage, which receives none, nor under full recompute, whose checkpoint around
-    layer 0 (recompute.py: uniform and block both start at layer 0) saves that buffer itself
-    (CheckpointFunction's save_for_backward, which the peak probe sees as saved: activations, and
-    chunk_units / softmax_forward count it so)."""
-    return not first and rc.granularity != "full"
-
-
+# -- the forward's softmax moments (vp = 1) -------------------------------------------------------
 def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_live: int,
                       in_p2p: bool) -> tuple[int, int]:
     """p2p tensors a 1F1B stage holds during forward k (pipeline_parallel/schedules.py
@@ -471,13 +135,11 @@ def schedule(pp: int, vp: int, stage: int, m: int) -> tuple[int, list[int], list
 
 # -- the optimizer step ----------------------------------------------------------------------------
 def _chunk_params(model: ModelShape, lay: Layout, k, stage: int, ch: int):
-    from ledger.faithful.megatron.buffers import _shared
-
     params = stage_params(model, lay.tp, lay.pp, stage, lay.vp, ch, k.pp_split)
-    _, first, last = _stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)
-    shared = _shared(model, first, last, k.use_distributed_optimizer)
+    _, first, last = stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)
+    is_shared = shared(model, first, last, k.use_distributed_optimizer)
     return params, buffer_layout(params, effective_bucket_size(k, lay.dp, stage, ch), lay.dp,
-                                 k.use_distributed_optimizer, shared and first, shared and last)
+                                 k.use_distributed_optimizer, is_shared and first, is_shared and last)
 
 
 def _no_wd(name: str) -> bool:
@@ -564,7 +226,7 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))  # one p2p tensor ([s/tp, b, h] with SP)
     chunks, shapes = [], []
     for ch in range(lay.vp):
-        shapes.append(_stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
+        shapes.append(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
         n, first, last = shapes[-1]
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
@@ -633,7 +295,7 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))
     chunks, shapes = [], []
     for ch in range(lay.vp):
-        shapes.append(_stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
+        shapes.append(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
         n, first, last = shapes[-1]
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]

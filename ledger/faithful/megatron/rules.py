@@ -4,7 +4,7 @@ planner's view of its recompute and overlap knobs. ledger/faithful/megatron/__in
 from __future__ import annotations
 
 from ledger.checks import at_least, check_sizes, knob, one_of, positive
-from ledger.faithful.megatron.buffers import split_error, stage_layers
+from ledger.faithful.megatron.pipeline import split_error, stage_layers
 from ledger.layout import ConfigError
 
 # sizes a knob takes in elements: (field, least value, what it is). A bucket of 0 elements would never
@@ -12,7 +12,7 @@ from ledger.layout import ConfigError
 SIZES = (("bucket_size", 1, "elements per DDP bucket; null: Megatron's default max(40M, 1M*dp)"),
          ("make_vocab_size_divisible_by", 1, "the vocab is padded to a multiple of this times tp"))
 
-# the pipeline-split knobs (MegatronConfig; buffers.EVEN_SPLIT order)
+# the pipeline-split knobs (MegatronConfig; pipeline.EVEN_SPLIT order)
 SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
@@ -71,7 +71,7 @@ def validate_moe(fw) -> None:
 def validate_recompute(fw) -> None:
     """Megatron's recompute knobs, by the rules of megatron-core 0.18.0 transformer_config.py
     TransformerConfig.__post_init__ (the bound on recompute_num_layers by the layers of a stage is
-    checked with the layout: ledger/faithful/megatron/peak.py check_recompute)."""
+    checked with the layout: ledger/faithful/megatron/activations.py check_recompute)."""
     g, meth, n, mods = (fw.get("recompute_granularity"), fw.get("recompute_method"),
                         fw.get("recompute_num_layers"), fw.get("recompute_modules"))
     if g not in (None, "selective", "full"):
@@ -116,7 +116,7 @@ def validate_layout(model, lay, fw_cfg) -> None:
         check_sizes(fw_cfg, SIZES)
     if not (lay.dp_replicate == 1):
         raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
-    # the pipeline split: Megatron's own rules and reasons (buffers.split_error)
+    # the pipeline split: Megatron's own rules and reasons (pipeline.split_error)
     split = tuple(knob(fw_cfg, name) for name in SPLIT)
     if not (split == (None, None, None, None) or split == (None, None, False, False)) \
             or model.layers % (lay.pp * lay.vp):
@@ -133,7 +133,7 @@ def validate_layout(model, lay, fw_cfg) -> None:
 
 def vocab_error(model, lay) -> None:
     """Megatron pads the vocab to a multiple of make_vocab_size_divisible_by x tp itself
-    (buffers.padded_vocab): any vocab is accepted."""
+    (pipeline.padded_vocab): any vocab is accepted."""
     return None
 
 
@@ -176,7 +176,7 @@ def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
 
 
 def pipeline_splits(layers: int, pp: int, vp: int) -> list[tuple]:
-    """The pipeline splits worth trying (buffers.EVEN_SPLIT order): the even one where pp*vp
+    """The pipeline splits worth trying (pipeline.EVEN_SPLIT order): the even one where pp*vp
     divides the layers; else the uneven ones Megatron builds: the two most balanced first = last = x
     splits, the middle stages sharing the rest (Llama 3 405B: 126 layers over 16 stages as 7 + 14 x 8
     + 7, then 14 + 14 x 7 + 14; pp = 2: the halves), and the embedding and loss each counted as a layer. Splits that give the same layers per stage are tried

@@ -37,7 +37,7 @@ def state(s, cb, st, lay, fw, n_dense: int, n_expert: int, nd: int, dp_dim: str)
 
 def peak(model, lay, fw, resident: int) -> Peak:
     """resident + Korthikanti et al.'s activations, with Megatron's recompute knobs."""
-    from ledger.faithful.megatron.peak import recompute_of
+    from ledger.faithful.megatron.activations import recompute_of
     from ledger.textbook import activation_bytes
 
     rc = recompute_of(fw).granularity

@@ -1,5 +1,7 @@
-"""torchtitan 0.3.0 (torch 2.13 FSDP2), faithful: FSDP, TP / CP collectives, DTensor strategies and the
-pipeline (states), the peak within a step (peak), MoE (moe), what it accepts (rules), its textbook
+"""torchtitan 0.3.0 (torch 2.13 FSDP2), faithful: the dense model's checks and placement (states), its
+params and FSDP2 shards (fsdp), a step's FSDP / TP / CP collectives (comm), DTensor's mm strategies and
+their cost model (dtensor), a rank's resident state and the Placement over ranks (ranks), the pipeline
+(pp), the peak within a step (peak; with PP pp_peak), MoE (moe), what it accepts (rules), its textbook
 formulas (textbook). Registered once as the framework "titan"."""
 from ledger.faithful.titan import moe, rules, states, textbook
 from ledger.frameworks import FrameworkLedger, register

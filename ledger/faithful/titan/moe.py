@@ -1,9 +1,9 @@
 """Faithful torchtitan 0.3.0 ledger for its MoE model (model.num_experts > 0): torchtitan's qwen3 MoE
 (models/qwen3: GQA with q/k norms, every layer MoE: models/common/moe.py MoE) under FSDP2 with expert
 parallelism over dp_shard (tp = pp = cp = dp_replicate = 1), the partial_dtensor backend, driven through
-its Trainer as the dense jobs are (launchers/titan.py). ledger.faithful.titan.states's rules (FSDP2's dim-0
-padded shards, the unit order of the all-gathers and reduce-scatters, the step's loss and token
-all-reduces) hold for the dense part; what MoE changes is here. Paths under torchtitan/ unless said.
+its Trainer as the dense jobs are (launchers/titan.py). The dense ledger's rules (fsdp.py: FSDP2's
+dim-0 padded shards; comm.py: the unit order of the all-gathers and reduce-scatters, the step's loss
+and token all-reduces) hold for the dense part; what MoE changes is here. Paths under torchtitan/ unless said.
 
 Meshes (distributed/parallel_dims.py build_mesh): the dense fsdp mesh is dp_shard; the sparse mesh
 ("pp", "dp_replicate", "efsdp", "ep") puts ep innermost (EP groups of ep consecutive ranks) and efsdp =
@@ -34,7 +34,8 @@ from __future__ import annotations
 from math import prod
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.states import (_REGATHER, _chunk_rows, _lm_head_regathers, _rows_of)
+from ledger.faithful.titan.comm import REGATHER, lm_head_regathers
+from ledger.faithful.titan.fsdp import chunk_rows, rows_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -73,13 +74,13 @@ def rank_state(model: ModelShape, lay: Layout, k: int, e: int, comm_fn, comm_fir
     padded = held = 0
     for shape, times in [(s, L) for s in dense] + [(s, 1) for s in top]:
         rest = prod(shape[1:])
-        padded += times * _chunk_rows(shape[0], ds) * rest
-        held += times * _rows_of(shape[0], ds, k) * rest
+        padded += times * chunk_rows(shape[0], ds) * rest
+        held += times * rows_of(shape[0], ds, k) * rest
     e_padded = e_held = 0
     for shape in expert:  # [E/ep, ...] local to the EP rank, then dim 0 over efsdp
         local, rest = shape[0] // ep, prod(shape[1:])
-        e_padded += L * _chunk_rows(local, efsdp) * rest
-        e_held += L * _rows_of(local, efsdp, e) * rest
+        e_padded += L * chunk_rows(local, efsdp) * rest
+        e_held += L * rows_of(local, efsdp, e) * rest
     n_params = 3 + L * (len(dense) + len(expert))
     s = RankState(comm_fn=comm_fn, comm_first=comm_first)
     s.add("params_bytes", "fp32 shards (dim-0 padded)", padded * F32)
@@ -96,7 +97,7 @@ def rank_state(model: ModelShape, lay: Layout, k: int, e: int, comm_fn, comm_fir
 
 def _full(shapes, ds: int, times: int = 1) -> int:
     """Elements of the padded full tensors FSDP all-gathers / reduce-scatters for these params."""
-    return times * sum(_chunk_rows(s[0], ds) * ds * prod(s[1:]) for s in shapes)
+    return times * sum(chunk_rows(s[0], ds) * ds * prod(s[1:]) for s in shapes)
 
 
 def expert_dims(lay: Layout) -> tuple[str, str]:
@@ -122,11 +123,11 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     head = norm + lm
     reshard = fw.reshard_after_forward in ("default", "always")
     acc = CommBuilder()
-    # ledger.faithful.titan._comm's FSDP order, the block's dense group over fsdp
+    # comm.step_comm's FSDP order, the block's dense group over fsdp
     acc.add_several("dp", "all_gather", "bf16", ds,
                     ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
                      (head * BF16, 1, "forward unshard (norm)"),
-                     (head * BF16, _lm_head_regathers(fw, steady), _REGATHER),
+                     (head * BF16, lm_head_regathers(fw, steady), REGATHER),
                      (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
                      (emb * BF16, reshard, "backward unshard")))
     acc.add_several("dp", "reduce_scatter", "fp32", ds,
@@ -169,7 +170,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
             memo[steady] = _comm(model, lay, fw, steady)
         return memo[steady]
 
-    first = (lambda: comm(False)) if ds > 1 and _lm_head_regathers(fw, True) != _lm_head_regathers(fw, False) \
+    first = (lambda: comm(False)) if ds > 1 and lm_head_regathers(fw, True) != lm_head_regathers(fw, False) \
         else None
     grid: Grid = lay.grid
     cache: dict[tuple[int, int], RankState] = {}
@@ -187,4 +188,3 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                     "the all-to-all bytes on the experts' side follow the router: predicted balanced, bounded by "
                     "buffer_range, exact over an EP group; the peak within a step is not modelled (no peak row)")
     return pl
-

@@ -1,4 +1,5 @@
-"""Peak live bytes of a torchtitan 0.3.0 rank within a steady training step (issue 18), CPU/gloo.
+"""Peak live bytes of a torchtitan 0.3.0 rank within a steady training step, CPU/gloo, without
+pipeline parallelism (pp_peak.py has the pipeline's).
 
 What runs (launchers/titan.py, launchers/titan_cpu.py): FSDP2 (torch/distributed/fsdp/_fully_shard)
 with bf16 compute and fp32 reduce-scatters, torchtitan's llama3 TransformerBlock, attention through
@@ -30,7 +31,7 @@ every block's). While block k's is reduced a rank holds
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
-PP layouts: pp_peak (its docstring: what pipelining does to FSDP2, the three moments).
+PP layouts: pp_peak.py (its docstring: what pipelining does to FSDP2; a function per moment).
 Every layout has a peak. (SP with CP, once 8% off, was the probe counting AsyncCollectiveTensor
 wrappers: probes/peak.py _unwrap; the SP and CP rules together are within 0.03% since.)
 GPU runs differ (notes in place()): NCCL reduce-scatters in place (no gloo copy), flash/cuDNN SDPA
@@ -125,7 +126,7 @@ def _batch_bytes(model, B: int, S: int) -> int:
 
 def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
     """The steady-step peak of a rank without PP: FSDP2 over dp_shard x cp (HSDP: replicated over
-    dp_replicate), TP with or without SP, CP. sh: the rank's ledger.faithful.titan._Sharded;
+    dp_replicate), TP with or without SP, CP. sh: the rank's fsdp.Sharded;
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
     head_numel: the unpadded TP-local numel of one TransformerBlock, tok_embeddings and [norm,
     lm_head] (FSDP2's unsharded parameters). The most live bytes over lm_head's reduce-scatter at
@@ -163,253 +164,6 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     return best
 
 
-def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> Peak:
-    """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
-    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac),
-               key=lambda p: p.bytes)
-
-
-def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-               emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> list[Peak]:
-    """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
-    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing `ac`. stage: titan.pp_stages'
-    (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's _Sharded (padded
-    full numel per unit); kept: the rank's params + optim + other state bytes, grads: its grad state
-    bytes; *_numel: a unit's unpadded numel (the shape of its unsharded params and grads).
-
-    What pipelining does to FSDP2 (torch/distributed/pipelining/stage.py backward_maybe_with_nosync:
-    set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch;
-    distributed/fsdp.py: no reshard after forward with PP): each unit is unsharded (bf16, padded
-    full) by its first forward and stays so until perform_reduce_grad after the last backward; each
-    unit's grads are kept unsharded: its first backward's bf16 grads become fp32 accumulators
-    (_fsdp_param.py to_accumulated_grad_if_needed: a to() copy, unpadded), later backwards add into
-    them. trainer.py zero_grad(set_to_none=True) (PP) leaves no sharded grad until a unit is reduced,
-    except [norm, lm_head], which ChunkedLossWrapper syncs at each micro-batch's last chunk.
-
-    The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census):
-    - perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
-      lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
-      chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
-      and a second full-size fp32 buffer (gloo's copy of the input with a shard group of more than
-      one; with one, foreach_reduce's reduce_scatter_input / gradient_divide_factor); the units after
-      it still unsharded with their accumulators, the units before it with their sharded grads;
-    - the backward of a micro-batch i (0, and 1 where there are more), at block k's attention_norm
-      backward (stages before the last): every unit's accumulator (i >= 1; the blocks after k at i = 0),
-      the saved tensors of the blocks before k and of the other micro-batches in flight
-      (Schedule1F1B: min(n, P - s) forwards of warm-up, so min(P - s, n - i) in flight at backward i),
-      the block's own: its seven linears' bf16 grads, its norms' bf16 weight grads, the residual
-      grad (bf16 [T, h]), the attention_norm's fp32 input it saved and the five fp32 [T, h] temporaries
-      of the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div); or,
-      at long sequences, earlier in the same block, at its SwiGLU backward (the block's saved tensors
-      but w2's input, three bf16 [T, ffn] grads, w2's weight grad);
-    - the last stage's loss at the last micro-batch's last chunk, where the wrapper reduce-scatters
-      lm_head's grad (with the norm's accumulated from the micro-batch before): the blocks' and the
-      root norm's saved tensors (one micro-batch in flight on the last stage), the accumulators of
-      the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's
-      logits and input grad, the reduce-scatter input, output and gloo copy (as _at_lm_head); with a
-      shard group of more than one lm_head's unsharded fp32 grad too (held()); at long sequences and
-      large vocabularies that micro-batch's loss chunk's cross-entropy backward or its final norm's
-      backward instead (as the non-PP _at_loss_chunk and _at_final_norm), or its blocks' backward after
-      the final norm (the block moments above);
-    - with activation checkpointing a block holds its checkpoint's saves between its forward and its
-      backward (saved_per_layer), is recomputed first in its backward (its saves as without, beside the
-      checkpoint's input), and block 0's input on a stage after the first is the P2P receive buffer;
-    P2P (stage.py): a persistent [mbs, S, h] bf16 receive buffer per micro-batch and direction the
-    stage receives (activations from the stage before, grads from the one after); each in-flight
-    micro-batch's output, sent on, held until its backward; the input grad last sent back held until
-    the next one.
-    Not modelled (a few KB in the matrix, 239 KB at seq 2048): the step's batch and micro-batch split
-    (int64 ids, labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from
-    the step before."""
-    has_emb, _, Ls, has_head = stage
-    B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
-    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
-    T = B * S
-    act = T * h * BF16  # one [mbs, S, h] bf16 activation or grad
-    # a block's saves without checkpointing (what its backward, after a checkpoint's recompute, holds),
-    # and what it holds between its forward and its backward under the configured checkpointing
-    # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
-    # checkpointed block is backpropagated its checkpoint still holds the block's input
-    act1 = saved_per_layer(model, B, S, "none")[0]
-    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac)
-    blk = ac_saved + ac_kept
-    ck_in = ac_saved if ac != "none" else 0  # a checkpoint's stored input (the block's input)
-    first_in = 0 if s == 0 else ck_in  # on a stage after the first, block 0's input is the P2P receive buffer
-
-    def chunk_saves() -> int:  # one micro-batch's saves on this stage between its forward and backward
-        return Ls * blk - first_in
-
-    def before(k: int) -> int:  # the saves of blocks 0..k-1 of the micro-batch in backward
-        return k * blk - (first_in if k else 0)
-
-    def own(k: int) -> int:  # block k's checkpoint input while the block is recomputed and backpropagated
-        return ck_in if (k or s == 0) else 0
-
-    ffn = model.ffn_hidden
-
-    def block_moments(k: int, incoming: int) -> tuple:
-        """Block k's two moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
-        input then, its backward's working set). At its attention_norm: its seven linears' and two
-        norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
-        temporaries (aten rms_norm decomposed: mul, sum, pow, mul, div), of its own saves only that
-        norm's fp32 input. At its SwiGLU backward's second mul: w2's bf16 weight grad, the grads of
-        silu's and w3's outputs and their product (bf16 [T, ffn] each), its saves but w2's input
-        (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
-        of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
-        return (("attention_norm", before(k) + own(k) + T * h * F32, block_numel * BF16 + act + 5 * T * h * F32),
-                ("SwiGLU", before(k) + own(k) + act1 - T * ffn * BF16, ffn * h * BF16 + 3 * T * ffn * BF16 + incoming))
-
-    first, last = s == 0, s == P - 1
-    # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
-    # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
-    # attention_norm, ffn_norm, so a block's is ffn_norm's)
-    order = ([("tok_embeddings", sh.emb_full, emb_numel, emb_numel)] if has_emb else []) + \
-        [(f"block {j}", sh.layer_full, block_numel, h) for j in range(Ls)]
-
-    def held(last_numel: int) -> int:
-        # _fsdp_collectives.py foreach_reduce: with a shard group of more than one, the loop over
-        # (fsdp_param, unsharded_grad) that checks Shard(dim > 0) leaves its variable bound to the
-        # last param's unsharded grad until foreach_reduce returns (after the reduce-scatter), so
-        # unsharded_grads.clear() frees all but that one (measured: pp2·dp2's tok_embeddings grad)
-        return last_numel * F32 if ds > 1 else 0
-    head_full = sh.norm_full + sh.lm_full
-    shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
-    head_grads = grads - shard_bytes  # [norm, lm_head]'s synced grads (0 without the head)
-    # every unit unsharded, as in the micro-batches' backward ([norm, lm_head] too on the last stage)
-    unsharded = sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0)
-    acc_all = (emb_numel * has_emb + Ls * block_numel) * F32  # every unit's fp32 accumulator (no head)
-    recv = n * ((not first) + (not last)) * act
-    cands = []
-
-    # 1. perform_reduce_grad at unit u
-    for u, (name, full, _numel, last_numel) in enumerate(order):
-        after = order[u + 1:]
-        unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (head_full * BF16 if has_head else 0)
-        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if has_head else 0)  # the norm's own
-        acc += held(last_numel)
-        g = head_grads + sum([f // ds * F32 for _, f, _, _ in order[:u + 1]])
-        p2p = recv + ((not last) + (not first)) * act
-        last_out = act if last else 0  # the last micro-batch's final-norm output (the stage's output)
-        d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
-             "resident/unsharded params (units after)": unsharded_after,
-             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
-             "gathered/reduce-scatter input (fp32)": full * F32,
-             "temporary/gloo copy or divided input (fp32)": full * F32, "gathered/p2p buffers and held sends": p2p}
-        if last_out:
-            d["activations/last micro-batch's final norm output"] = last_out
-        parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
-                 "temporary": acc + full * F32}
-        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
-                          what=f"perform_reduce_grad: {name}", detail=d))
-
-    def in_block(what: str, g: int, acc: int, gathered: int, saved_label: str, saved: int, work_label: str,
-                 work: int) -> Peak:
-        """A moment inside a block's backward (2. and 6.): every unit unsharded, g: [norm, lm_head]'s
-        grads (the last stage), acc: the fp32 accumulators, gathered: P2P buffers and held sends (the
-        last stage: lm_head's reduce-scatter input held too)."""
-        d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
-             "temporary/fp32 accumulated grads": acc, f"activations/{saved_label}": saved,
-             f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": gathered}
-        if g:
-            d["resident/grads ([norm, lm_head]'s outputs)"] = g
-        parts = {"resident": kept + unsharded + g, "activations": saved, "gathered": gathered,
-                 "temporary": acc + work}
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=d)
-
-    # 2. a micro-batch i's backward at block k (stages before the last)
-    if not last and Ls:
-        warm = min(n, P - s)
-        for i in sorted({0, min(1, n - 1)}):
-            flight = min(warm, n - i)
-            p2p = recv + flight * act + (act if i >= 1 and not first else 0)
-            for k in range(Ls - 1, -1, -1):
-                acc = acc_all if i >= 1 else (Ls - 1 - k) * block_numel * F32
-                # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
-                for name, saved, work in block_moments(k, act if k < Ls - 1 else 0):
-                    cands.append(in_block(f"micro-batch {i} backward at block {k}'s {name}", 0, acc, p2p,
-                                          f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
-                                          (flight - 1) * chunk_saves() + saved, f"block {k}'s backward at its {name}",
-                                          work))
-
-    # 3. the last stage's lm_head reduce-scatter at the last micro-batch's last chunk
-    if has_head:
-        m = n - 1
-        Vh = head_numel - h  # lm_head's numel
-        rs = head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
-        g = sh.lm_full // ds * F32 + (head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32
-        acc_blocks = acc_all if m >= 1 else 0
-        copies = _chunk_copies(lay, T, h)
-        root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
-        saved = chunk_saves() + root + copies[0]
-        chunk = T // LOSS_CHUNKS
-        # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
-        # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
-        # where held() keeps it)
-        wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + copies[1]
-        p2p = recv + (act if m >= 1 and not first else 0)
-        acc = acc_blocks + held(Vh)  # lm_head is [norm, lm_head]'s last param
-        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
-             "resident/unsharded params (every unit)": unsharded,
-             "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
-             f"activations/{Ls} blocks and the final norm": saved,
-             "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
-             "gathered/reduce-scatter input (fp32)": rs * F32, "temporary/gloo copy or divided input (fp32)": rs * F32,
-             "gathered/p2p buffers and held sends": p2p}
-        parts = {"resident": kept + g + unsharded, "activations": saved, "gathered": rs * F32 + p2p,
-                 "temporary": acc + wrapper + rs * F32}
-        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                          what=f"lm_head reduce-scatter at micro-batch {m}'s last loss chunk", detail=d))
-
-        # 4. the same micro-batch's loss at a chunk's cross-entropy backward (after the first chunk; as
-        # _at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its reduce-scatter:
-        # the micro-batch before's reduce-scatter input still held (until this foreach_reduce), lm_head's
-        # fp32 unsharded grad accumulating
-        prev_rs = ((sh.lm_full if m == 1 else head_full) * F32) if m >= 1 else 0
-        g_before = g - rs // ds * F32
-        ce = 3 * chunk * (Vh // h) * F32
-        wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
-        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
-             "resident/unsharded params (every unit)": unsharded,
-             "temporary/fp32 accumulated grads (blocks)": acc_blocks,
-             f"activations/{Ls} blocks, the final norm, chunk copies": saved,
-             "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
-             "gathered/the micro-batch before's reduce-scatter input (held)": prev_rs,
-             "gathered/p2p buffers and held sends": p2p}
-        parts = {"resident": kept + g_before + unsharded, "activations": saved, "gathered": prev_rs + p2p,
-                 "temporary": acc_blocks + wrap}
-        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                          what=f"micro-batch {m}'s loss chunk cross-entropy backward", detail=d))
-
-        # 5. the same micro-batch's final norm backward (after its loss: as _at_final_norm): its
-        # reduce-scatter input held, the blocks' saved tensors, the norm's fp32 input and backward
-        # temporaries; every unit already unsharded (no prefetch)
-        # (the norm's bf16 output, freed here without PP, is the stage's output, which pipelining keeps)
-        work = 5 * T * h * F32 + h * BF16
-        d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
-             "resident/unsharded params (every unit)": unsharded,
-             "temporary/fp32 accumulated grads (blocks)": acc_blocks,
-             f"activations/{Ls} blocks, the final norm's fp32 input and bf16 output":
-                 chunk_saves() + T * h * (F32 + BF16),
-             "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
-             "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": p2p}
-        parts = {"resident": kept + g + unsharded, "activations": chunk_saves() + T * h * (F32 + BF16),
-                 "gathered": rs * F32 + p2p, "temporary": acc_blocks + work}
-        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
-                          what=f"micro-batch {m}'s final norm backward", detail=d))
-
-        # 6. the same micro-batch's blocks after its final norm (2.'s moments): what 5. holds but the
-        # norm's saves and temporaries, with the norm's fp32 accumulator, the stage's output (the final
-        # norm's, which pipelining keeps) and the grad flowing into each block (bf16, its own tensor).
-        # With checkpointing the block is recomputed first: there it outweighs the loss moments
-        for k in range(Ls - 1, -1, -1):
-            for name, saved_k, work_k in block_moments(k, act):
-                cands.append(in_block(f"micro-batch {m} backward at block {k}'s {name}", g, acc_blocks + h * F32,
-                                      rs * F32 + p2p, f"blocks 0..{k}, the stage's output", saved_k + act,
-                                      f"block {k}'s backward at its {name}", work_k))
-    return cands
-
-
 # Peak.detail key of the other outcome of a race the ledger names (the probe may measure either)
 RACE = "race/gloo frees its reduce-scatter copy after the next block's unshard copy-out"
 
@@ -439,7 +193,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # every block's saved tensors, the root norm's (fp32 x, rsqrt, x*rsqrt) and its bf16 output (the
     # hidden states the wrapper backpropagates from), the valid-token count
     root = Tn * h * F32 * 2 + Tn * F32 + T * h * BF16
-    copies = _chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
+    copies = chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
     acts = L * act1 + root + I64 + copies[0]
     detail[f"activations/{L} blocks saved ({ac})"] = L * act1
     detail["activations/root norm and hidden states"] = root
@@ -464,7 +218,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
                 what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=detail)
 
 
-def _chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
+def chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
     """ChunkedLossWrapper splits the hidden states and the labels along the sequence (dim 1) and makes
     each chunk contiguous (components/loss.py _chunk_local: c.contiguous()): with a micro-batch of more
     than one sequence the chunks are copies, with one they are views. Held by the wrapper's chunk lists
@@ -508,8 +262,8 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
 def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
     """Live bytes in the final norm's backward (the decoder's backward starting from the wrapper's
     accumulated hidden grad), at the RMSNorm composite's last mul: every block's saved tensors, the
-    norm's saved fp32 input, the five fp32 [T, h] temporaries of its backward (as pp_peak's block
-    moment), its bf16 weight grad; [norm, lm_head] unsharded again for it; the last block's
+    norm's saved fp32 input, the five fp32 [T, h] temporaries of its backward (as pp_peak.py's
+    attention_norm moment), its bf16 weight grad; [norm, lm_head] unsharded again for it; the last block's
     all-gather prefetched (reshard after forward, a shard group of more than one); lm_head's
     reduce-scatter input of the last chunk held until the next foreach_reduce (HSDP: its all-reduce
     input too). Measured: the dp2 run at seq 2048 peaks here."""
@@ -611,7 +365,7 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
 
 def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
     """Live bytes at a checkpointed block k's SwiGLU backward in its recompute (activation checkpointing,
-    no PP): pp_moments' SwiGLU moment with FSDP2's steady-step state. The block's recompute holds its
+    no PP): pp_peak.py's SwiGLU moment with FSDP2's steady-step state. The block's recompute holds its
     saves as without checkpointing (saved_per_layer "none"; w2's input freed by w2's mm backward),
     beside w2's bf16 weight grad, the grads of silu's and w3's outputs and their product (bf16 [T, ffn]
     each) and the incoming residual grad; blocks 0..k-1 hold their checkpoint's saves, block k its input;

@@ -6,7 +6,9 @@ from __future__ import annotations
 from ledger.checks import one_of
 from ledger.layout import ConfigError
 
-CP_BLOCK = 128  # torch _context_parallel/_attention.py: FlexAttention's CP BlockMask in 128-token blocks
+# torch _context_parallel/_attention.py _create_cp_block_mask: FlexAttention's CP BlockMask is sharded in
+# blocks of torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE = 128 tokens
+CP_BLOCK = 128
 
 
 def grad_dtype(fw) -> str:

@@ -1,0 +1,349 @@
+"""Peak live bytes of a torchtitan 0.3.0 pipeline stage's rank within a steady training step, CPU/gloo:
+torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
+Schedule1F1B, stage.py) over FSDP2 on dp_shard (pp.py's placement). pp_peak is the most of pp_moments,
+each moment its own function below over the values they share (_Stage; the last micro-batch's on the
+last stage, _LastMicrobatch). peak.py has the peak without PP, whose moments these echo.
+
+What pipelining does to FSDP2 (torch/distributed/pipelining/stage.py backward_maybe_with_nosync:
+set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch;
+distributed/fsdp.py: no reshard after forward with PP): each unit is unsharded (bf16, padded
+full) by its first forward and stays so until perform_reduce_grad after the last backward; each
+unit's grads are kept unsharded: its first backward's bf16 grads become fp32 accumulators
+(_fsdp_param.py to_accumulated_grad_if_needed: a to() copy, unpadded), later backwards add into
+them. trainer.py zero_grad(set_to_none=True) (PP) leaves no sharded grad until a unit is reduced,
+except [norm, lm_head], which ChunkedLossWrapper syncs at each micro-batch's last chunk.
+
+With activation checkpointing a block holds its checkpoint's saves between its forward and its
+backward (saved_per_layer), is recomputed first in its backward (its saves as without, beside the
+checkpoint's input), and block 0's input on a stage after the first is the P2P receive buffer.
+P2P (stage.py): a persistent [mbs, S, h] bf16 receive buffer per micro-batch and direction the
+stage receives (activations from the stage before, grads from the one after); each in-flight
+micro-batch's output, sent on, held until its backward; the input grad last sent back held until
+the next one.
+Not modelled (a few KB in the matrix, 239 KB at seq 2048): the step's batch and micro-batch split
+(int64 ids, labels, positions, the document mask), the loss's per-micro-batch scalars, scalars from
+the step before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ledger.dtypes import BF16, FP32 as F32
+from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, saved_per_layer
+from ledger.placement import Peak
+
+
+def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
+            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> Peak:
+    """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
+    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac),
+               key=lambda p: p.bytes)
+
+
+def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
+               emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> list[Peak]:
+    """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
+    torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing `ac`. stage: pp.pp_stages'
+    (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's fsdp.Sharded (padded
+    full numel per unit); kept: the rank's params + optim + other state bytes, grads: its grad state
+    bytes; *_numel: a unit's unpadded numel (the shape of its unsharded params and grads).
+
+    The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census), in this
+    order: perform_reduce_grad at each unit (_at_perform_reduce_grad); on stages before the last, a
+    micro-batch's backward at each block (_at_microbatch_backward); on the last stage, its last
+    micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
+    chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
+    (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm)."""
+    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac)
+    cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c)
+    if c.has_head:
+        x = _last_microbatch(c)
+        cands += [_at_lm_head_reduce_scatter(c, x), _at_loss_chunk_backward(c, x), _at_final_norm_backward(c, x),
+                  *_at_blocks_after_final_norm(c, x)]
+    return cands
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What pp_moments' moments share: the stage (pp_moments' arguments), its tokens and activations,
+    its units, and the buffers every moment holds."""
+    lay: object
+    sh: object
+    s: int
+    kept: int
+    block_numel: int
+    head_numel: int
+    has_emb: bool
+    Ls: int  # the stage's blocks
+    has_head: bool
+    T: int  # the micro-batch's tokens
+    h: int
+    ffn: int
+    ds: int
+    P: int
+    n: int  # micro-batches
+    first: bool
+    last: bool
+    act: int  # one [mbs, S, h] bf16 activation or grad
+    act1: int  # a block's saves without checkpointing (what its backward, after a recompute, holds)
+    blk: int  # what a block holds between its forward and backward under `ac` (saved and kept)
+    ck_in: int  # a checkpoint's stored input (the block's input)
+    first_in: int  # on a stage after the first, block 0's input is the P2P receive buffer
+    order: tuple  # units in reduce order: (name, padded full, unpadded numel, its last param's numel)
+    head_full: int
+    head_grads: int  # [norm, lm_head]'s synced grads (0 without the head)
+    unsharded: int  # every unit unsharded, as in the micro-batches' backward
+    acc_all: int  # every unit's fp32 accumulator (no head)
+    recv: int  # the P2P receive buffers
+
+    def chunk_saves(self) -> int:
+        """One micro-batch's saves on this stage between its forward and backward."""
+        return self.Ls * self.blk - self.first_in
+
+    def before(self, k: int) -> int:
+        """The saves of blocks 0..k-1 of the micro-batch in backward."""
+        return k * self.blk - (self.first_in if k else 0)
+
+    def own(self, k: int) -> int:
+        """Block k's checkpoint input while the block is recomputed and backpropagated."""
+        return self.ck_in if (k or self.s == 0) else 0
+
+    def block_moments(self, k: int, incoming: int) -> tuple:
+        """Block k's two moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
+        input then, its backward's working set). At its attention_norm: its seven linears' and two
+        norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
+        temporaries (aten rms_norm decomposed: mul, sum, pow, mul, div), of its own saves only that
+        norm's fp32 input. At its SwiGLU backward's second mul: w2's bf16 weight grad, the grads of
+        silu's and w3's outputs and their product (bf16 [T, ffn] each), its saves but w2's input
+        (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
+        of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
+        T, h, ffn = self.T, self.h, self.ffn
+        return (("attention_norm", self.before(k) + self.own(k) + T * h * F32,
+                 self.block_numel * BF16 + self.act + 5 * T * h * F32),
+                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
+                 ffn * h * BF16 + 3 * T * ffn * BF16 + incoming))
+
+    def held(self, last_numel: int) -> int:
+        """_fsdp_collectives.py foreach_reduce: with a shard group of more than one, the loop over
+        (fsdp_param, unsharded_grad) that checks Shard(dim > 0) leaves its variable bound to the
+        last param's unsharded grad until foreach_reduce returns (after the reduce-scatter), so
+        unsharded_grads.clear() frees all but that one (measured: pp2·dp2's tok_embeddings grad)."""
+        return last_numel * F32 if self.ds > 1 else 0
+
+    def in_block(self, what: str, g: int, acc: int, gathered: int, saved_label: str, saved: int, work_label: str,
+                 work: int) -> Peak:
+        """A moment inside a block's backward (_at_microbatch_backward, _at_blocks_after_final_norm):
+        every unit unsharded, g: [norm, lm_head]'s grads (the last stage), acc: the fp32 accumulators,
+        gathered: P2P buffers and held sends (the last stage: lm_head's reduce-scatter input held too)."""
+        kept, unsharded = self.kept, self.unsharded
+        d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads": acc, f"activations/{saved_label}": saved,
+             f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": gathered}
+        if g:
+            d["resident/grads ([norm, lm_head]'s outputs)"] = g
+        parts = {"resident": kept + unsharded + g, "activations": saved, "gathered": gathered,
+                 "temporary": acc + work}
+        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=d)
+
+
+def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
+           emb_numel: int, block_numel: int, head_numel: int, ac: str) -> _Stage:
+    """pp_moments' _Stage."""
+    has_emb, _, Ls, has_head = stage
+    B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
+    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
+    T = B * S
+    # a block's saves without checkpointing (what its backward, after a checkpoint's recompute, holds),
+    # and what it holds between its forward and its backward under the configured checkpointing
+    # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
+    # checkpointed block is backpropagated its checkpoint still holds the block's input
+    act1 = saved_per_layer(model, B, S, "none")[0]
+    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac)
+    ck_in = ac_saved if ac != "none" else 0
+    first, last = s == 0, s == P - 1
+    # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
+    # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
+    # attention_norm, ffn_norm, so a block's is ffn_norm's)
+    order = ([("tok_embeddings", sh.emb_full, emb_numel, emb_numel)] if has_emb else []) + \
+        [(f"block {j}", sh.layer_full, block_numel, h) for j in range(Ls)]
+    head_full = sh.norm_full + sh.lm_full
+    shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
+    act = T * h * BF16
+    return _Stage(
+        lay=lay, sh=sh, s=s, kept=kept, block_numel=block_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
+        has_head=has_head, T=T, h=h, ffn=model.ffn_hidden, ds=ds, P=P, n=n, first=first, last=last, act=act,
+        act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
+        head_full=head_full, head_grads=grads - shard_bytes,
+        unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
+        acc_all=(emb_numel * has_emb + Ls * block_numel) * F32, recv=n * ((not first) + (not last)) * act)
+
+
+def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
+    """perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
+    lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
+    chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
+    and a second full-size fp32 buffer (gloo's copy of the input with a shard group of more than
+    one; with one, foreach_reduce's reduce_scatter_input / gradient_divide_factor); the units after
+    it still unsharded with their accumulators, the units before it with their sharded grads."""
+    h, act, kept, order = c.h, c.act, c.kept, c.order
+    cands = []
+    for u, (name, full, _numel, last_numel) in enumerate(order):
+        after = order[u + 1:]
+        unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (c.head_full * BF16 if c.has_head else 0)
+        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if c.has_head else 0)  # the norm's own
+        acc += c.held(last_numel)
+        g = c.head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
+        p2p = c.recv + ((not c.last) + (not c.first)) * act
+        last_out = act if c.last else 0  # the last micro-batch's final-norm output (the stage's output)
+        d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
+             "resident/unsharded params (units after)": unsharded_after,
+             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
+             "gathered/reduce-scatter input (fp32)": full * F32,
+             "temporary/gloo copy or divided input (fp32)": full * F32, "gathered/p2p buffers and held sends": p2p}
+        if last_out:
+            d["activations/last micro-batch's final norm output"] = last_out
+        parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
+                 "temporary": acc + full * F32}
+        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+                          what=f"perform_reduce_grad: {name}", detail=d))
+    return cands
+
+
+def _at_microbatch_backward(c: _Stage) -> list[Peak]:
+    """The backward of a micro-batch i (0, and 1 where there are more) at block k, on stages before the
+    last: at block k's attention_norm backward every unit's accumulator (i >= 1; the blocks after k at
+    i = 0), the saved tensors of the blocks before k and of the other micro-batches in flight
+    (Schedule1F1B: min(n, P - s) forwards of warm-up, so min(P - s, n - i) in flight at backward i),
+    the block's own: its seven linears' bf16 grads, its norms' bf16 weight grads, the residual grad
+    (bf16 [T, h]), the attention_norm's fp32 input it saved and the five fp32 [T, h] temporaries of
+    the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div); or, at long
+    sequences, earlier in the same block, at its SwiGLU backward (the block's saved tensors but w2's
+    input, three bf16 [T, ffn] grads, w2's weight grad): _Stage.block_moments."""
+    Ls, n, act = c.Ls, c.n, c.act
+    cands: list[Peak] = []
+    if c.last or not Ls:
+        return cands
+    warm = min(n, c.P - c.s)
+    for i in sorted({0, min(1, n - 1)}):
+        flight = min(warm, n - i)
+        p2p = c.recv + flight * act + (act if i >= 1 and not c.first else 0)
+        for k in range(Ls - 1, -1, -1):
+            acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_numel * F32
+            # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
+            for name, saved, work in c.block_moments(k, act if k < Ls - 1 else 0):
+                cands.append(c.in_block(f"micro-batch {i} backward at block {k}'s {name}", 0, acc, p2p,
+                                        f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
+                                        (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {name}",
+                                        work))
+    return cands
+
+
+class _LastMicrobatch(NamedTuple):
+    """What the last stage's moments of its last micro-batch m share (_last_microbatch)."""
+    m: int
+    Vh: int  # lm_head's numel
+    rs: int  # the padded full numel lm_head's reduce-scatter at the last chunk reduces
+    g: int  # [norm, lm_head]'s synced grads after it
+    acc_blocks: int  # the blocks' fp32 accumulators
+    copies: tuple[int, int]  # chunk_copies
+    saved: int  # the blocks', the final norm's and the chunk copies' saved tensors
+    chunk: int  # a loss chunk's tokens
+    p2p: int  # P2P buffers and held sends
+
+
+def _last_microbatch(c: _Stage) -> _LastMicrobatch:
+    T, h, ds, sh = c.T, c.h, c.ds, c.sh
+    m = c.n - 1
+    rs = c.head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
+    copies = chunk_copies(c.lay, T, h)
+    root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
+    return _LastMicrobatch(
+        m=m, Vh=c.head_numel - h, rs=rs,
+        g=sh.lm_full // ds * F32 + (c.head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32,
+        acc_blocks=c.acc_all if m >= 1 else 0, copies=copies, saved=c.chunk_saves() + root + copies[0],
+        chunk=T // LOSS_CHUNKS, p2p=c.recv + (c.act if m >= 1 and not c.first else 0))
+
+
+def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
+    """The last stage's lm_head reduce-scatter at the last micro-batch's last chunk, where the wrapper
+    reduce-scatters lm_head's grad (with the norm's accumulated from the micro-batch before): the blocks'
+    and the root norm's saved tensors (one micro-batch in flight on the last stage), the accumulators of
+    the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's logits
+    and input grad, the reduce-scatter input, output and gloo copy (as peak.py's _at_lm_head); with a
+    shard group of more than one lm_head's unsharded fp32 grad too (_Stage.held)."""
+    T, h, kept, unsharded = c.T, c.h, c.kept, c.unsharded
+    Vh, rs, g, saved, chunk = x.Vh, x.rs, x.g, x.saved, x.chunk
+    # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
+    # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
+    # where held() keeps it)
+    wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + x.copies[1]
+    acc = x.acc_blocks + c.held(Vh)  # lm_head is [norm, lm_head]'s last param
+    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
+         f"activations/{c.Ls} blocks and the final norm": saved,
+         "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
+         "gathered/reduce-scatter input (fp32)": rs * F32, "temporary/gloo copy or divided input (fp32)": rs * F32,
+         "gathered/p2p buffers and held sends": x.p2p}
+    parts = {"resident": kept + g + unsharded, "activations": saved, "gathered": rs * F32 + x.p2p,
+             "temporary": acc + wrapper + rs * F32}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what=f"lm_head reduce-scatter at micro-batch {x.m}'s last loss chunk", detail=d)
+
+
+def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
+    """The last micro-batch's loss at a chunk's cross-entropy backward (after the first chunk; as
+    peak.py's _at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its
+    reduce-scatter: the micro-batch before's reduce-scatter input still held (until this
+    foreach_reduce), lm_head's fp32 unsharded grad accumulating."""
+    T, h, kept, unsharded, sh = c.T, c.h, c.kept, c.unsharded, c.sh
+    m, Vh, chunk = x.m, x.Vh, x.chunk
+    prev_rs = ((sh.lm_full if m == 1 else c.head_full) * F32) if m >= 1 else 0
+    g_before = x.g - x.rs // c.ds * F32
+    ce = 3 * chunk * (Vh // h) * F32
+    wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + x.copies[1]
+    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
+         f"activations/{c.Ls} blocks, the final norm, chunk copies": x.saved,
+         "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
+         "gathered/the micro-batch before's reduce-scatter input (held)": prev_rs,
+         "gathered/p2p buffers and held sends": x.p2p}
+    parts = {"resident": kept + g_before + unsharded, "activations": x.saved, "gathered": prev_rs + x.p2p,
+             "temporary": x.acc_blocks + wrap}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what=f"micro-batch {m}'s loss chunk cross-entropy backward", detail=d)
+
+
+def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
+    """The last micro-batch's final norm backward (after its loss: as peak.py's _at_final_norm): its
+    reduce-scatter input held, the blocks' saved tensors, the norm's fp32 input and backward
+    temporaries; every unit already unsharded (no prefetch). The norm's bf16 output, freed here
+    without PP, is the stage's output, which pipelining keeps."""
+    T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g, x.rs
+    work = 5 * T * h * F32 + h * BF16
+    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
+         f"activations/{c.Ls} blocks, the final norm's fp32 input and bf16 output":
+             c.chunk_saves() + T * h * (F32 + BF16),
+         "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
+         "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": x.p2p}
+    parts = {"resident": kept + g + unsharded, "activations": c.chunk_saves() + T * h * (F32 + BF16),
+             "gathered": rs * F32 + x.p2p, "temporary": x.acc_blocks + work}
+    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+                what=f"micro-batch {x.m}'s final norm backward", detail=d)
+
+
+def _at_blocks_after_final_norm(c: _Stage, x: _LastMicrobatch) -> list[Peak]:
+    """The last micro-batch's blocks after its final norm (_at_microbatch_backward's moments): what
+    _at_final_norm_backward holds but the norm's saves and temporaries, with the norm's fp32
+    accumulator, the stage's output (the final norm's, which pipelining keeps) and the grad flowing
+    into each block (bf16, its own tensor). With checkpointing the block is recomputed first: there it
+    outweighs the loss moments."""
+    act = c.act
+    return [c.in_block(f"micro-batch {x.m} backward at block {k}'s {name}", x.g, x.acc_blocks + c.h * F32,
+                       x.rs * F32 + x.p2p, f"blocks 0..{k}, the stage's output", saved_k + act,
+                       f"block {k}'s backward at its {name}", work_k)
+            for k in range(c.Ls - 1, -1, -1) for name, saved_k, work_k in c.block_moments(k, act)]
