@@ -187,7 +187,6 @@ class ClusterConfig:
     gpus_per_node: Optional[int] = None
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
-    exclusive: bool = False
     constraint: Optional[str] = None
     setup: list[str] = field(default_factory=list)
     # extra sbatch options, e.g. {exclusive: true}; comes through to submitit unchanged
@@ -318,17 +317,8 @@ FRAMEWORK_SCHEMAS = {"megatron": MegatronConfig, "deepspeed": DeepSpeedConfig, "
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="job_schema", node=JobConfig)
-    # submitit's Slurm launcher under a second name: conf/hydra/launcher/submitit_slurm.yaml extends it
-    # with sizes taken from the cluster config
-    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
-
-    cs.store(group="hydra/launcher", name="submitit_slurm_base", node=SlurmQueueConf(), provider="train-ledger")
     cs.store(group="model", name="model_schema", node=ModelConfig)
-    # model presets live in ledger.model (one place); each becomes a config of group model/
-    from ledger.model import PRESETS
-
-    for name, shape in PRESETS.items():
-        cs.store(group="model", name=name, node=ModelConfig(name=name, **shape))
+    # the model presets are conf/model/*.yaml (ledger.model.PRESETS reads the same files)
     cs.store(group="layout", name="layout_schema", node=LayoutConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     for name, node in FRAMEWORK_SCHEMAS.items():

@@ -21,7 +21,6 @@ import torch
 
 from launchers import shell_comment, write_script
 from ledger.layout import Layout
-from ledger.model import ModelShape
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -531,6 +530,3 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
 def _q(x: str) -> str:
     return f'"{x}"' if x.startswith("$PWD") else shlex.quote(x)  # expanded by the shell on the node
 
-
-def model_shape(cfg) -> ModelShape:
-    return ModelShape.from_config(cfg.model)

@@ -26,12 +26,6 @@ class Grid:
     dp_replicate: int = 1
     pp: int = 1
 
-    @classmethod
-    def from_layout(cls, layout, world: int | None = None) -> "Grid":
-        dp_total = layout.dp if layout.dp > 0 else world // (layout.tp * layout.pp * layout.cp)
-        return cls(tp=layout.tp, cp=layout.cp, dp=dp_total // layout.dp_replicate,
-                   dp_replicate=layout.dp_replicate, pp=layout.pp)
-
     @property
     def sizes(self) -> tuple[int, ...]:
         return (self.tp, self.cp, self.dp, self.dp_replicate, self.pp)  # DIMS order

@@ -1,6 +1,8 @@
 """Model shapes: exact parameter counts and per-module parameter lists of a Llama-style decoder."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -185,24 +187,22 @@ def numel(shape) -> int:
     return n
 
 
-PRESETS = {
-    "tiny": dict(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=128),
-    # Llama-3.2-1B shape, untied as in the design article's runs
-    "llama3_1b": dict(layers=16, hidden=2048, ffn_hidden=8192, heads=32, kv_heads=8, vocab=128256, seq_len=8192),
-    "llama3_8b": dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256, seq_len=8192),
-    "llama3_70b": dict(layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256, seq_len=8192),
-    "llama3_405b": dict(layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8, vocab=128256, seq_len=8192),
-    # Mixtral 8x7B: 8 experts top-2, every layer MoE (46,702,792,704 parameters, tests/test_moe_shapes.py)
-    "mixtral_8x7b": dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000, seq_len=4096,
-                         rope_theta=1000000.0, num_experts=8, moe_router_topk=2),
-    # Qwen3-30B-A3B: 128 experts top-8 of width 768, head_dim 128, q/k norms (30,532,122,624 parameters)
-    "qwen3_30b_a3b": dict(layers=48, hidden=2048, ffn_hidden=6144, heads=32, kv_heads=4, vocab=151936, seq_len=4096,
-                          rope_theta=1000000.0, norm_eps=1e-6, num_experts=128, moe_router_topk=8,
-                          moe_ffn_hidden=768, kv_channels=128, qk_layernorm=True),
-    # the CPU runs' MoE: the tiny Llama with 8 experts top-2 of width 512 in every layer
-    "tiny_moe": dict(layers=4, hidden=256, ffn_hidden=768, heads=8, kv_heads=2, vocab=1024, seq_len=128,
-                     num_experts=8, moe_router_topk=2, moe_ffn_hidden=512),
-}
+def _load_presets() -> dict[str, dict]:
+    """The model presets, one yaml file each in conf/model/ (the config group `model=` reads the same
+    files): every field but Hydra's `defaults` and the name."""
+    from omegaconf import OmegaConf  # Hydra's reader of these files (PyYAML reads 1e-6 as a string)
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "model")
+    out = {}
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".yaml"):
+            d = OmegaConf.to_container(OmegaConf.load(os.path.join(folder, fname)))
+            name = d.pop("name")
+            out[name] = {k: v for k, v in d.items() if k != "defaults"}
+    return out
+
+
+PRESETS = _load_presets()
 
 
 def preset(name: str, **overrides) -> ModelShape:

@@ -17,9 +17,9 @@ import os
 import sys
 
 RECORD = "record.json"
-# job statuses a record can carry; "running" is the record a job writes when it starts, replaced
-# by its final one (a job whose process died leaves it behind: analysis.status tells them apart)
-FINAL_STATUSES = ("ok", "failed", "invalid", "timeout")
+# a record's status besides ok / failed / invalid / timeout: "running" is the record a job writes when
+# it starts, replaced by its final one (a job whose process died leaves it behind: analysis.status tells
+# them apart); UNREADABLE marks a record file that does not parse
 UNREADABLE = "unreadable"
 
 

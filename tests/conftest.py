@@ -137,6 +137,31 @@ def assert_states_on_every_rank(sweep, steps: int = 2) -> None:
             assert len(d[d.quantity == q]) == steps * rec["measurement"]["world"], (records.job_name(rec), q)
 
 
+def assert_every_row_reconciles(table, records_ok, routed=()) -> None:
+    """The contract every framework's matrix meets: every job has its state rows on every rank in its
+    steady step, and every state and collective row, first and steady steps, is exact, except the
+    quantities in `routed` (all-to-all bytes that follow the router), held inside their predicted range
+    instead. Peak rows are judged apart (within 1%, each framework's test_*peak*)."""
+    import records
+    from analysis import reconcile
+
+    assert len(table) > 0 and records_ok
+    rows = table[~table.quantity.str.startswith("peak")]
+    steady = rows[rows.phase == "steady"]
+    for rec in records_ok:
+        job, world = records.job_name(rec), rec["measurement"]["world"]
+        d = steady[steady.job == job]
+        assert set(d["rank"]) == set(range(world)), f"{job}: ranks without rows"
+        for q in reconcile.STATE_Q:
+            assert len(d[d.quantity == q]) == world, f"{job}: {q} not measured on every rank"
+    bounded = rows["bound_low"].notna() if "bound_low" in rows else rows.quantity.isna()
+    assert set(rows[bounded].quantity) <= set(routed), sorted(set(rows[bounded].quantity))
+    off = rows[bounded & reconcile.off(rows)]
+    assert off.empty, off.to_string()
+    bad = rows[~bounded & (rows.abs_err != 0)]
+    assert bad.empty, bad.to_string()
+
+
 def routed_rows_by_ep_group(sweep):
     """(job, step, rows) of the routed all-to-all rows (bound_low set) of each EP group: the expert grid
     puts ep innermost (etp 1), so a group is the ranks of one rank // ep."""

@@ -4,7 +4,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from conf.schema import register
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 
 register()
 
@@ -45,3 +45,47 @@ def test_model_presets_come_from_the_ledger():
     cfg = _compose("model=llama3_1b", "model.seq_len=4096")
     assert cfg.model.seq_len == 4096
     assert cfg.model.hidden == preset("llama3_1b").hidden
+
+
+def test_model_group_mirrors_its_folder():
+    """Every preset is a file of conf/model/, and ledger.model.PRESETS holds what the files hold."""
+    import os
+
+    from ledger.model import PRESETS
+
+    files = {f[:-5] for f in os.listdir(f"{REPO}/conf/model") if f.endswith(".yaml")}
+    assert files == set(PRESETS)
+    for name in files:
+        cfg = _compose(f"model={name}", "mode=predict")
+        assert {k: cfg.model[k] for k in PRESETS[name]} == PRESETS[name], name
+
+
+# the published shapes (each model's config.json: hidden_size, intermediate_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, vocab_size; MoE: num_local_experts / num_experts,
+# num_experts_per_tok, moe_intermediate_size, head_dim)
+PUBLISHED = {
+    "llama3_1b": dict(hidden=2048, ffn_hidden=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
+    "llama3_8b": dict(hidden=4096, ffn_hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    "llama3_70b": dict(hidden=8192, ffn_hidden=28672, layers=80, heads=64, kv_heads=8, vocab=128256),
+    "llama3_405b": dict(hidden=16384, ffn_hidden=53248, layers=126, heads=128, kv_heads=8, vocab=128256),
+    "mixtral_8x7b": dict(hidden=4096, ffn_hidden=14336, layers=32, heads=32, kv_heads=8, vocab=32000,
+                         num_experts=8, moe_router_topk=2),
+    "qwen3_30b_a3b": dict(hidden=2048, layers=48, heads=32, kv_heads=4, vocab=151936, num_experts=128,
+                          moe_router_topk=8, moe_ffn_hidden=768, kv_channels=128),
+}
+
+
+def test_presets_are_the_published_shapes():
+    from ledger.model import PRESETS
+
+    for name, want in PUBLISHED.items():
+        assert {k: PRESETS[name][k] for k in want} == want, name
+
+
+def test_a_users_model_folder_on_hydras_search_path(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "my_llama.yaml").write_text(
+        "defaults:\n  - model_schema\n\nname: my_llama\nlayers: 24\nhidden: 3072\nffn_hidden: 8192\nheads: 24\n"
+        "kv_heads: 8\nvocab: 128256\nseq_len: 8192\n")
+    cfg = _compose(f"hydra.searchpath=[file://{tmp_path}]", "model=my_llama", "mode=predict")
+    assert (cfg.model.name, cfg.model.layers, cfg.model.hidden, cfg.model.norm) == ("my_llama", 24, 3072, "rmsnorm")

@@ -38,7 +38,7 @@ from ledger.faithful.titan import pp as PP
 from ledger.faithful.titan import states as L
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape, preset
-from tests.conftest import REPO, REPO_PATH, launch, peak_evidence, run_sweeps
+from tests.conftest import REPO, REPO_PATH, assert_every_row_reconciles, launch, peak_evidence, run_sweeps
 
 COMMON = ("framework=titan", "train.steps=2")
 # the long-sequence peak moments without PP on a narrow Llama: activations of 512 tokens outweigh its
@@ -135,16 +135,10 @@ def test_matrix_ran(sweep):
 
 @pytest.mark.real
 def test_every_row_reconciles_to_the_byte(sweep):
+    assert_every_row_reconciles(sweep["table"], sweep["ok"])
     df = sweep["table"]
-    assert len(df) > 0
-    for rec in sweep["ok"]:  # every rank of every job has steady state and collective rows
-        d = df[df.job == records.job_name(rec)]
-        assert set(d["rank"]) == set(range(rec["prediction"]["world"]))
-        assert {"params_bytes", "grads_bytes", "optim_bytes", "resident_bytes"} <= set(d.quantity)
-        assert (d.phase == "steady").any() and (d.phase == "first").any()
-    # the peak rows are test_steady_peak_within_one_percent's (a peak is not byte-exact everywhere)
-    bad = df[(df.abs_err != 0) & ~df.quantity.str.startswith("peak")]
-    assert bad.empty, bad.to_string()
+    for rec in sweep["ok"]:  # step 0 (tracing, the PP schedule's vote) has its rows too
+        assert (df[df.job == records.job_name(rec)].phase == "first").any(), records.job_name(rec)
 
 
 @pytest.mark.real
@@ -454,6 +448,7 @@ def test_redirect_eager_cp_block_mask_is_the_compiled_one_and_still_needed():
         assert torch.equal(getattr(got, a), getattr(ref, a)), a
 
 
+@pytest.mark.real  # runs the framework's own code (its argument parser, or torch.distributed in a process)
 def test_redirect_visible_cp_allgather_shows_the_probe_the_same_collectives():
     """The probe does not see the collectives inside torch's cplib::flex_cp_allgather custom op (a
     one-rank group: the probe counts each call it sees as ignored_single); the redirect runs the
@@ -488,6 +483,7 @@ for name, fn in (("opaque", flex_cp_allgather), ("visible", api.flex_cp_allgathe
     assert got["opaque"][1:] == got["visible"][1:]
 
 
+@pytest.mark.real  # runs the framework's own code (its argument parser, or torch.distributed in a process)
 def test_redirects_still_needed_in_a_fresh_process():
     """No accelerator -> torchtitan would pick cuda; torch.cpu lacks the monitor's calls; gloo has no
     PREMUL_SUM and rejects barrier(device_ids=["cpu"]); torch 2.13 has no dist.set_timeout, and its
