@@ -105,6 +105,11 @@ class Peak:
         if sum(self.parts.values()) != self.bytes:
             raise ValueError(f"peak parts sum to {sum(self.parts.values())}, not its bytes {self.bytes}")
 
+    @classmethod
+    def of(cls, parts: dict[str, int], phase: str = "", what: str = "", **rest) -> "Peak":
+        """A peak whose bytes are its parts' sum (the one way the ledgers build one)."""
+        return cls(sum(parts.values()), parts, phase, what, **rest)
+
     def to_dict(self) -> dict:
         d = {"bytes": self.bytes, "parts": dict(self.parts), "phase": self.phase, "what": self.what,
              "detail": dict(self.detail)}

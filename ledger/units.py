@@ -18,3 +18,13 @@ def fmt(nbytes: float) -> str:
 # the parts of a peak (ledger.placement.Peak), named as the peak probe's categories (probes/peak.py) so
 # each is reconciled: resident = params + grads + optim + other at that moment
 PEAK_PARTS = ("resident", "activations", "gathered", "temporary", "unnamed")
+
+
+def ceil_div(n: int, k: int) -> int:
+    """ceil(n / k) for integers (no float on the way: exact for any size)."""
+    return -(-n // k)
+
+
+def round_up(n: int, k: int) -> int:
+    """n rounded up to a multiple of k: the padding every framework applies to its buffers."""
+    return -(-n // k) * k

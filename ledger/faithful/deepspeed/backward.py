@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ledger.model import ModelShape, numel
+from ledger.units import round_up
 
 
 class PartitionFlush(NamedTuple):
@@ -29,17 +30,12 @@ class PartitionFlush(NamedTuple):
     copied: int  # elements of the gradients copied into the IPG buffer before then (their own storage freed)
 
 
-def ceil_to(x: int, m: int) -> int:
-    """x rounded up to a multiple of m (the flat group's padding; zero12's, zero3's and moe's too)."""
-    return -(-x // m) * m
-
-
 @lru_cache(maxsize=64)
 def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
     """The flat group (stage_1_and_2.py: one param group, the params in registration order, padded to a
     multiple of 2 * dp): (partition elements, name -> (offset, numel))."""
     regs = model.params()
-    part = ceil_to(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
+    part = round_up(sum(numel(sh) for _, sh in regs), 2 * dp) // dp
     at, off = {}, 0
     for name, sh in regs:
         at[name] = (off, numel(sh))
@@ -216,7 +212,7 @@ def z3_flushes(dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], .
     elements = own = 0
 
     def flush(i: int, name: str) -> None:
-        flat = sum(ceil_to(k, dp) for k in sizes)
+        flat = sum(round_up(k, dp) for k in sizes)
         out.append(Z3Flush(i, name, flat, len(sizes) > 1 or sizes[0] % dp != 0, own))
 
     for i, (name, sh) in enumerate(order):

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from ledger.faithful.deepspeed.coordinator import pass_logs
 from ledger.faithful.deepspeed.trace import Z3Trace, modules_per_block, z3_trace
 from ledger.model import ModelShape
+from ledger.units import ceil_div
 
 
 class Z3Live(NamedTuple):
@@ -64,10 +65,10 @@ def _z3_walk(model: ModelShape, tr: Z3Trace, log: list, dp: int, w: int, ats: tu
             for k, ps in enumerate((ev[2], ev[3])):  # the own fetch, then (after the wait loop) the prefetch
                 if len(ps) == 1:
                     serial += 1
-                    storage[ps[0]] = (serial, w * _ceil(tr.numel[ps[0]], dp) * dp, "gathered")
+                    storage[ps[0]] = (serial, w * ceil_div(tr.numel[ps[0]], dp) * dp, "gathered")
                 elif ps:
                     serial += 1
-                    handles[serial] = [w * sum(_ceil(tr.numel[p], dp) for p in ps) * dp, ps, set(ps)]
+                    handles[serial] = [w * sum(ceil_div(tr.numel[p], dp) for p in ps) * dp, ps, set(ps)]
                     for p in ps:
                         handle_of[p] = serial
                 if k == 1:
@@ -103,8 +104,6 @@ def _z3_walk(model: ModelShape, tr: Z3Trace, log: list, dp: int, w: int, ats: tu
     return tuple(out)
 
 
-def _ceil(n: int, k: int) -> int:
-    return -(-n // k)
 
 
 def _fetch_at(log: list, kind: str, mod: int) -> int:

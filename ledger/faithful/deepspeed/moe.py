@@ -42,12 +42,13 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.dtypes import FP32, INT64
-from ledger.faithful.deepspeed.backward import ceil_to
 from ledger.faithful.deepspeed.common import DTYPES
 from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState
+from ledger.units import round_up
+from ledger.optim import add_adamw
 
 # moe/utils.py split_params_into_different_moe_groups_for_optimizer: max_group_size's default
 MAX_GROUP_SIZE = 178_956_971
@@ -160,7 +161,7 @@ def order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[int, in
 def flat(model: ModelShape, lay: Layout, g: int) -> int:
     """Group g's flat buffer: padded to 2 x its process group's size (stage_1_and_2.py
     flatten_dense_tensors_aligned, alignment = nccl_start_alignment_factor x its dp world)."""
-    return ceil_to(sum(n for _, n in groups(model, lay.ep)[g]), 2 * _size(lay, g))
+    return round_up(sum(n for _, n in groups(model, lay.ep)[g]), 2 * _size(lay, g))
 
 
 def _size(lay: Layout, g: int) -> int:
@@ -177,8 +178,7 @@ def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
         s.add("params_bytes", f"{what}{fw.precision} flat group (bit16_groups_flat)", w * f)
         part = f // _size(lay, g)
         s.add("optim_bytes", f"{what}fp32 partition (single_partition_of_fp32_groups)", FP32 * part)
-        s.add("optim_bytes", f"{what}adam exp_avg + exp_avg_sq", 2 * FP32 * part)
-        s.add("optim_bytes", f"{what}adam step", FP32)
+        add_adamw(s, part, 1, what)  # one flat fp32 partition per group: one `step`
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
     s.add("other_bytes", "MOELayer l_aux (fp32) + exp_counts (int64 [E])",
           model.moe_layers() * (FP32 + INT64 * model.num_experts))

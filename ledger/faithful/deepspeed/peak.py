@@ -198,7 +198,7 @@ def optimizer_step(st: _Step, first: bool) -> Peak:
     detail = {"resident/params": params, "resident/grads": i.grads_resident, "resident/optim": i.optim,
               "resident/other": other, "activations/batch (tokens, labels)": batch}
     detail.update({f"temporary/{k}": v for k, v in temp.items()})
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+    return Peak.of(parts, phase="optimizer",
                 what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
                 detail=detail)
 
@@ -249,7 +249,7 @@ def backward_start(st: _Step, first: bool) -> Peak:
     what = f"the last micro-batch's backward at {at}"
     if i.checkpointing:
         what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=detail)
+    return Peak.of(parts, phase="backward", what=what, detail=detail)
 
 
 def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
@@ -283,7 +283,7 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
     detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
     if last_loss:
         detail["unnamed/the last step's loss"] = FP32
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="forward",
+    return Peak.of(parts, phase="forward",
                 what=f"micro-batch {mb}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
                      "replay)", detail=detail)
 
@@ -297,7 +297,7 @@ def _named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathere
     detail = {f"activations/{acts[0]}": acts[1]}
     detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
     detail.update({f"gathered/{k}": v for k, v in gathered.items() if v})
-    return Peak(bytes=sum(parts.values()), parts=parts, phase=phase, what=what, detail=detail)
+    return Peak.of(parts, phase=phase, what=what, detail=detail)
 
 
 def _deep_moment(st: _Step, res: int, fired: int, acts_now: int, temp: dict[str, int], large: int,

@@ -16,7 +16,6 @@ from functools import lru_cache
 from ledger.dtypes import FP32
 from ledger.faithful.deepspeed import backward as deepspeed_backward
 from ledger.faithful.deepspeed import peak as deepspeed_peak
-from ledger.faithful.deepspeed.backward import ceil_to
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, block_perm, buffer_calls,
                                               counted_calls, fresh, grad_sizes, registration_sizes, size_parts)
 from ledger.faithful.deepspeed.peak import PeakInputs
@@ -24,6 +23,8 @@ from ledger.faithful.deepspeed.trace import block_params
 from ledger.layout import Layout
 from ledger.model import ModelShape, numel
 from ledger.placement import Comm, CommBuilder, RankState
+from ledger.units import round_up
+from ledger.optim import add_adamw
 
 
 def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState]:
@@ -35,7 +36,7 @@ def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState
     rounds = lay.num_microbatches if fw.zero_stage == 2 else 1
     key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, rounds, fw.precision)
     s.comm_fn = lambda: fresh(_zero12_comm(*key))
-    w, part = DTYPES[fw.precision], ceil_to(model.num_params(), 2 * lay.dp) // lay.dp
+    w, part = DTYPES[fw.precision], round_up(model.num_params(), 2 * lay.dp) // lay.dp
     bucket = int(fw.reduce_bucket_size)
 
     def peak(flush=None, hooks=None, order=None):
@@ -73,14 +74,13 @@ def _zero12_memory(model: ModelShape, dp: int, stage: int, precision: str) -> "M
     # stage_1_and_2.py __init__: one param group -> one flat buffer in the model dtype, padded to a
     # multiple of dp * nccl_start_alignment_factor (2) (flatten_dense_tensors_aligned; parameter_alignment
     # off: no per-param padding); params are views into it
-    flat = ceil_to(n, 2 * dp)
+    flat = round_up(n, 2 * dp)
     part = flat // dp
     s.add("params_bytes", f"{precision} flat group (bit16_groups_flat)", w * flat)
     # single_partition_of_fp32_groups: `partition.detach().clone().to(fp32)`, a copy of this rank's
     # slice even when the model is fp32; AdamW state on it
     s.add("optim_bytes", "fp32 partition (single_partition_of_fp32_groups)", FP32 * part)
-    s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * part)
-    s.add("optim_bytes", "adam step", FP32)
+    add_adamw(s, part, 1)  # one flat fp32 partition: one `step`
     # the gradient partition (averaged_gradients) and IPG buffers are freed in step()
     # (free_grad_in_param_list / zero_grad): nothing of the gradients survives the boundary
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
@@ -197,7 +197,7 @@ def _zero12_ipg(model: ModelShape, dp: int, bucket: int, registration: bool, pre
     use_multi_rank_bucket_allreduce) -> allreduce_and_scatter: all-reduces (no reduce-scatter at stage
     1 or 2), in the model dtype."""
     w = DTYPES[precision]
-    flat = ceil_to(model.num_params(), 2 * dp)
+    flat = round_up(model.num_params(), 2 * dp)
     normal, large = _split12(model, bucket, registration)
     ipg = counted_calls("all_reduce", ((w * b, k) for b, k in normal), dp)
     if large:
@@ -214,7 +214,7 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
         return ()
     n = model.num_params()
     w = DTYPES[precision]
-    flat = ceil_to(n, 2 * dp)
+    flat = round_up(n, 2 * dp)
     # stage 1 without overlap_comm walks bit16_groups (registration order), else the grad hooks
     registration = stage == 1 and not overlap
     ipg = _zero12_ipg(model, dp, bucket, registration, precision).times(rounds)

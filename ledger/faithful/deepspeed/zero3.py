@@ -14,7 +14,6 @@ from typing import NamedTuple
 from ledger.dtypes import FP32, FP64, INT64
 from ledger.faithful.deepspeed import backward as deepspeed_backward
 from ledger.faithful.deepspeed import peak as deepspeed_peak
-from ledger.faithful.deepspeed.backward import ceil_to
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, buffer_calls, counted_calls,
                                               fresh, size_parts)
 from ledger.faithful.deepspeed.coordinator import z3_fetches, z3_steady
@@ -24,6 +23,8 @@ from ledger.faithful.deepspeed.trace import backward_module, z3_trace
 from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.placement import Comm, CommBuilder, RankState
+from ledger.units import round_up
+from ledger.optim import add_adamw
 
 
 class _Z3Shape(NamedTuple):
@@ -47,7 +48,7 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     counts = Counter(head + tail)
     for n, k in Counter(blk).items():
         counts[n] += k * model.layers
-    pad = {n: ceil_to(n, dp) for n in counts}.__getitem__
+    pad = {n: round_up(n, dp) for n in counts}.__getitem__
     persist = [(n, k) for n, k in counts.items() if n <= threshold]
     total = sum(pad(n) * k for n, k in counts.items())
     return _Z3Shape(
@@ -117,8 +118,7 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     # no-copy branch needs `fp16_partitioned_groups_flat[i].device == self.device`, a torch.device
     # against the accelerator's device name (a str: 'cpu', 'cuda:0'), which is never equal
     s.add("optim_bytes", "fp32 partition (fp32_partitioned_groups_flat)", FP32 * z.part)
-    s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 2 * FP32 * z.part)
-    s.add("optim_bytes", "adam step", FP32)
+    add_adamw(s, z.part, 1)  # one flat fp32 partition: one `step`
     s.add("other_bytes", "_global_grad_norm (fp64 scalar)", FP64)
     s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
     return s
@@ -126,7 +126,7 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
 
 def _gathers(calls: Counter, dp: int, w: int) -> Calls:
     """all_gather_coalesced: one all-gather per call of the params' padded partitions (w bytes/element)."""
-    return counted_calls("all_gather", ((w * sum([ceil_to(n, dp) for n in key]), k) for key, k in calls.items()), dp)
+    return counted_calls("all_gather", ((w * sum([round_up(n, dp) for n in key]), k) for key, k in calls.items()), dp)
 
 
 _COMPLETING_WHAT = "trace checks (reset_step completing the trace)"

@@ -21,6 +21,7 @@ import numpy as np
 
 from ledger.faithful.megatron.pipeline import head, pieces, sizes
 from ledger.model import ModelShape
+from ledger.units import round_up
 
 
 # -- DDP buffer layout ---------------------------------------------------------------------------
@@ -32,7 +33,7 @@ PARAM_ALIGN = 64
 
 def aligned(n):
     """n elements (an int or an array) rounded up to the next param start (PARAM_ALIGN)."""
-    return -(-n // PARAM_ALIGN) * PARAM_ALIGN
+    return round_up(n, PARAM_ALIGN)
 
 
 def bucket_unit(dp: int) -> int:
@@ -167,7 +168,7 @@ def walk_buckets(P: int, cum, reach, first_reaching, bucket_size: int | None, di
 def pad_bucket_end(end: int, div: int, dist_opt: bool) -> int:
     """A bucket's end (its params' last element) padded to a multiple of div = bucket_unit(dp):
     pad_bucket_end (distributed optimizer; none otherwise)."""
-    return -(-end // div) * div if dist_opt else end
+    return round_up(end, div) if dist_opt else end
 
 
 _ZERO = np.zeros(1, np.int64)

@@ -14,9 +14,9 @@ from ledger.faithful.megatron.activations import recompute_of
 from ledger.faithful.megatron.pipeline import EVEN_SPLIT
 from ledger.faithful.megatron.rules import default_transformer_impl
 from ledger.dtypes import nbytes
+from ledger.optim import MOMENT_BYTES, STEP_BYTES
 
 
-ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps `step` as a float32 scalar tensor per parameter
 
 
 class Knobs(NamedTuple):
@@ -87,7 +87,7 @@ def pp_split(fw) -> tuple:
 def optim_weights(fw) -> tuple[int, int]:
     """Optimizer bytes per owned element (fp32 master for bf16 params + Adam's two moments) and per
     owned param piece (Adam's `step`)."""
-    return (4 if fw.precision == "bf16" else 0) + 8, ADAM_STEP_BYTES
+    return (4 if fw.precision == "bf16" else 0) + MOMENT_BYTES, STEP_BYTES
 
 
 @lru_cache(maxsize=64)

@@ -68,13 +68,14 @@ import numpy as np
 
 from ledger.faithful.megatron.buffers import buffer_bytes, build_buffer, effective_bucket_size, owned_sizes
 from ledger.faithful.megatron.comm import micro_batch_comm
-from ledger.faithful.megatron.knobs import ADAM_STEP_BYTES, dtypes, knobs
+from ledger.faithful.megatron.knobs import dtypes, knobs
 from ledger.faithful.megatron.pipeline import padded_shape, pieces, stage_layers
 from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import CommBuilder, Placement, RankState
+from ledger.optim import add_adamw
 
 # the expert groups' labels, as launchers/megatron.py expert_group_labels names them to the comm probe
 # (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp): EP, expert TP, the two together (what the
@@ -275,8 +276,7 @@ def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_
     for what, (numel, n_pieces) in owned.items():
         if bf16:
             s.add("optim_bytes", f"{what}fp32 master params", 4 * numel)
-        s.add("optim_bytes", f"{what}adam exp_avg + exp_avg_sq", 8 * numel)
-        s.add("optim_bytes", f"{what}adam step", ADAM_STEP_BYTES * n_pieces)
+        add_adamw(s, numel, n_pieces, what)
     if bf16:
         # optimizer.py MixedPrecisionOptimizer.__init__: one _scale_one per DistributedOptimizer
         s.add("other_bytes", "unity loss scale (_scale_one)", 4 * len(owned))

@@ -359,15 +359,14 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
     moments = stage_moments(model, lay, k, stage, dp_rank)
     adam_b, adam_w = moments[-1][0], moments[-1][3]
     x, parts, phase, what = max(moments, key=lambda m: m[0])
-    steady = Peak(resident + x, {"resident": resident, **parts, "unnamed": 0}, phase, what)
+    steady = Peak.of({"resident": resident, **parts, "unnamed": 0}, phase, what)
     # the first step: without Adam's state until the optimizer step
     fb = max(moments[:-1], key=lambda m: m[0])
     r0 = resident - adam_state
     if r0 + fb[0] >= resident + adam_b:
-        first = Peak(r0 + fb[0], {"resident": r0, **fb[1], "unnamed": 0}, fb[2], fb[3])
+        first = Peak.of({"resident": r0, **fb[1], "unnamed": 0}, fb[2], fb[3])
     else:
-        first = Peak(resident + adam_b, {"resident": resident, "activations": 0, "temporary": adam_b,
-                                         "gathered": 0, "unnamed": 0}, "optimizer",
-                     f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step")
-    return Peak(steady.bytes, steady.parts, steady.phase, steady.what,
-                first=None if first.bytes == steady.bytes else first)
+        first = Peak.of({"resident": resident, "activations": 0, "temporary": adam_b, "gathered": 0, "unnamed": 0},
+                        "optimizer",
+                        f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step")
+    return Peak.of(steady.parts, steady.phase, steady.what, first=None if first.bytes == steady.bytes else first)

@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.model import ModelShape
+from ledger.units import round_up
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
@@ -25,7 +26,7 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     make_vocab_size_divisible_by * tensor_model_parallel_size (NullTokenizer's vocab_size is
     --vocab-size itself). The padded rows are real parameters: every vocab-sized state counts them."""
     multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+    return round_up(vocab, multiple)
 
 
 @lru_cache(maxsize=256)

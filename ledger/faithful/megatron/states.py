@@ -45,12 +45,13 @@ from ledger.faithful.megatron.buffers import (argmax_rank, best_rank, bucket_sha
 from ledger.faithful.megatron.comm import comm
 from ledger.faithful.megatron.heaviest import (chunk_bound, chunk_buckets, chunk_contiguous, class_bound, most_loaded,
                                                pattern, pattern_cum, stage_class, stage_summaries, stage_totals)
-from ledger.faithful.megatron.knobs import ADAM_STEP_BYTES, dtypes, Knobs, knobs, optim_weights
+from ledger.faithful.megatron.knobs import dtypes, Knobs, knobs, optim_weights
 from ledger.faithful.megatron.peak import PEAK_NOTES, stage_peak
 from ledger.faithful.megatron.pipeline import padded_shape, stage_shape
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Placement, RankState
+from ledger.optim import add_adamw, adamw_bytes
 
 
 # -- a stage's buffers and the most-loaded rank --------------------------------------------------
@@ -229,7 +230,7 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
     s.comm_fn = lambda: comm(model, lay, k, stage)
     # the peak within a step (peak.stage_peak), built on first read; Adam's state (exp_avg,
     # exp_avg_sq, step) is what the first step does not hold before its optimizer step
-    adam = sum(v for n, v in s.detail.items() if n.startswith("optim/adam"))
+    adam = adamw_bytes(s.detail)
     s.peak = lambda: stage_peak(model, lay, k, stage, dp_rank, s.resident_bytes, adam)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
@@ -279,8 +280,7 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     # without the distributed optimizer), Adam's two moments, one `step` per param piece
     if bf16:
         s.add("optim_bytes", "fp32 master params", 4 * owned_numel)
-    s.add("optim_bytes", "adam exp_avg + exp_avg_sq", 8 * owned_numel)
-    s.add("optim_bytes", "adam step", ADAM_STEP_BYTES * owned_pieces)
+    add_adamw(s, owned_numel, owned_pieces)
     # optimizer.py MixedPrecisionOptimizer.__init__: bf16 without a grad scaler keeps _scale_one
     if bf16:
         s.add("other_bytes", "unity loss scale (_scale_one)", 4)

@@ -42,6 +42,6 @@ def peak(model, lay, fw, resident: int) -> Peak:
 
     rc = recompute_of(fw).granularity
     act = activation_bytes(model, lay, rc)
-    return Peak(resident + act, {"resident": resident, "activations": act}, "backward",
-                "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
-                + (f", {rc} recompute" if rc else ""))
+    return Peak.of({"resident": resident, "activations": act}, "backward",
+                      "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
+                   + (f", {rc} recompute" if rc else ""))

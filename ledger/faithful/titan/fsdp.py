@@ -14,6 +14,7 @@ from math import prod
 from typing import NamedTuple
 
 from ledger.model import ModelShape
+from ledger.units import ceil_div
 
 
 class Param(NamedTuple):
@@ -77,7 +78,7 @@ def unit_params(model: ModelShape, tp: int, t: int = 0) -> tuple[tuple[Param, ..
 def chunk_rows(d0: int, ds: int) -> int:
     """Rows of FSDP2's padded dim-0 shard of a dim 0 of d0 rows (_fsdp_param.py
     _init_sharded_param: torch.chunk size)."""
-    return -(-d0 // ds)
+    return ceil_div(d0, ds)
 
 
 def rows_of(d0: int, ds: int, k: int) -> int:

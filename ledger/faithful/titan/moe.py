@@ -40,6 +40,7 @@ from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Comm, CommBuilder, Placement, RankState
+from ledger.optim import MOMENT_BYTES, MOMENTS, STEP, STEP_BYTES
 
 
 def check(model: ModelShape, lay: Layout, fw) -> None:
@@ -87,9 +88,9 @@ def rank_state(model: ModelShape, lay: Layout, k: int, e: int, comm_fn, comm_fir
     s.add("params_bytes", "expert fp32 shards (ep, then efsdp dim-0 padded)", e_padded * F32)
     s.add("grads_bytes", "fp32 grad shards (dim-0 padded)", padded * F32)
     s.add("grads_bytes", "expert fp32 grad shards", e_padded * F32)
-    s.add("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32)
-    s.add("optim_bytes", "expert adam exp_avg+exp_avg_sq", 2 * e_held * F32)
-    s.add("optim_bytes", "adam step", n_params * F32)
+    s.add("optim_bytes", MOMENTS, MOMENT_BYTES * held)
+    s.add("optim_bytes", "expert " + MOMENTS, MOMENT_BYTES * e_held)
+    s.add("optim_bytes", STEP, STEP_BYTES * n_params)
     s.add("other_bytes", "rope cache buffers (CosSinRoPE)", L * model.seq_len * 2 * model.head_dim * F32)
     s.add("other_bytes", "expert_bias_E + tokens_per_expert_E", L * 2 * model.num_experts * F32)
     return s

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
 from ledger.placement import Peak
+from ledger.units import round_up
 
 LOSS_CHUNKS = 8  # components/loss.py ChunkedLossWrapper.Config.num_chunks (torchtitan's default)
 
@@ -104,8 +105,6 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     return sum(parts.values()), 0, parts
 
 
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 def _batch_bytes(model, B: int, S: int) -> int:
@@ -118,7 +117,7 @@ def _batch_bytes(model, B: int, S: int) -> int:
     bf16 grad ([hidden]) and three more scalars (the loader's int64, two fp32)."""
     out = 3 * S * I64 + 2 * B * S * I64 + 3 * B * S * I64 + B * S * 4
     if B == 1:
-        out += _round_up(S + 1, 128) * 4
+        out += round_up(S + 1, 128) * 4
     return out + 8 * B * F32 + model.hidden * BF16 + I64 + 2 * F32
 
 
@@ -214,7 +213,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
         chunk * V * BF16 + chunk * h * BF16
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": 12}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=detail)
 
 
@@ -255,7 +254,7 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
     parts = dict(at_lm_head.parts)
     parts["gathered"] -= rs
     parts["temporary"] += ce - rs_copy - chunk * h * BF16
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what="a loss chunk's cross-entropy backward (ChunkedLossWrapper, after the first chunk)", detail=d)
 
 
@@ -292,7 +291,7 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
         detail["gathered/the last block's all-gather (backward prefetch)"] = ag
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": ag + held, "temporary": work + small,
              "unnamed": 12}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what="the final norm's backward",
+    return Peak.of(parts, phase="backward", what="the final norm's backward",
                 detail=detail)
 
 
@@ -359,7 +358,7 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every world-2 peak)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": unnamed}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
 
 
@@ -403,7 +402,7 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     detail["temporary/batch, document mask, scalars"] = small
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": 12}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what=f"layers.{k}: SwiGLU backward in its recompute", detail=detail)
 
 

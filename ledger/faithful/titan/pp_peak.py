@@ -144,7 +144,7 @@ class _Stage:
             d["resident/grads ([norm, lm_head]'s outputs)"] = g
         parts = {"resident": kept + unsharded + g, "activations": saved, "gathered": gathered,
                  "temporary": acc + work}
-        return Peak(bytes=sum(parts.values()), parts=parts, phase="backward", what=what, detail=d)
+        return Peak.of(parts, phase="backward", what=what, detail=d)
 
 
 def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
@@ -205,7 +205,7 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
             d["activations/last micro-batch's final norm output"] = last_out
         parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
                  "temporary": acc + full * F32}
-        cands.append(Peak(bytes=sum(parts.values()), parts=parts, phase="optimizer",
+        cands.append(Peak.of(parts, phase="optimizer",
                           what=f"perform_reduce_grad: {name}", detail=d))
     return cands
 
@@ -288,7 +288,7 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
          "gathered/p2p buffers and held sends": x.p2p}
     parts = {"resident": kept + g + unsharded, "activations": saved, "gathered": rs * F32 + x.p2p,
              "temporary": acc + wrapper + rs * F32}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what=f"lm_head reduce-scatter at micro-batch {x.m}'s last loss chunk", detail=d)
 
 
@@ -312,7 +312,7 @@ def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
          "gathered/p2p buffers and held sends": x.p2p}
     parts = {"resident": kept + g_before + unsharded, "activations": x.saved, "gathered": prev_rs + x.p2p,
              "temporary": x.acc_blocks + wrap}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what=f"micro-batch {m}'s loss chunk cross-entropy backward", detail=d)
 
 
@@ -332,7 +332,7 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
          "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": x.p2p}
     parts = {"resident": kept + g + unsharded, "activations": c.chunk_saves() + T * h * (F32 + BF16),
              "gathered": rs * F32 + x.p2p, "temporary": x.acc_blocks + work}
-    return Peak(bytes=sum(parts.values()), parts=parts, phase="backward",
+    return Peak.of(parts, phase="backward",
                 what=f"micro-batch {x.m}'s final norm backward", detail=d)
 
 

@@ -14,6 +14,7 @@ from ledger.grid import Grid
 from ledger.layout import Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Placement, RankState
+from ledger.optim import adamw_parts
 
 
 def placement(model: ModelShape, lay: Layout, grid: Grid, sh_of: Callable[[int], Sharded], heaviest: int,
@@ -61,8 +62,7 @@ def state_parts(model: ModelShape, sh: Sharded, k: int, ds: int, layers: int | N
     # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
     return [("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32),
             ("grads_bytes", "fp32 grad shards (dim-0 padded)", sh.padded * F32),
-            ("optim_bytes", "adam exp_avg+exp_avg_sq", 2 * held * F32),
-            ("optim_bytes", "adam step", sh.n_params * F32),
+            *adamw_parts(held, sh.n_params),
             # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x
             # head_dim/2); CP shards the positions that index it (prepare_context_parallel_input),
             # not the cache
