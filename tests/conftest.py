@@ -54,6 +54,64 @@ def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0) 
     return p
 
 
+def megatron_fw(**kw):
+    """A Megatron framework config with its schema's defaults (the local spec), for predict-only checks."""
+    import types
+
+    d = dict(name="megatron", precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+             overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None, average_in_collective=False,
+             clip_grad=1.0, make_vocab_size_divisible_by=128, transformer_impl="local")
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+def megatron_layout(**kw):
+    """A resolved layout, dp 2 unless given."""
+    from ledger.layout import resolve
+
+    d = dict(tp=1, pp=1, dp=2, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False, micro_batch_size=1,
+             global_batch_size=-1)
+    d.update(kw)
+    return resolve(AttrDict(d))
+
+
+class AttrDict(dict):
+    """A dict read by item and by attribute, as resolve() and place() read a config."""
+    __getattr__ = dict.__getitem__
+
+
+def titan_fw(**kw):
+    """A torchtitan framework config with its schema's defaults, for predict-only checks."""
+    import types
+
+    d = dict(name="titan", reshard_after_forward="default", dtype="float32", mixed_precision_param="bfloat16",
+             mixed_precision_reduce="float32", spmd_backend="partial_dtensor", precision="bf16")
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+def titan_layout(world: int = 4, **kw):
+    """A layout resolved over `world` ranks (dp fills the rest)."""
+    from omegaconf import OmegaConf
+
+    from ledger.layout import resolve
+
+    d = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False, micro_batch_size=1,
+             global_batch_size=-1)
+    d.update(kw)
+    return resolve(OmegaConf.create(d), world=world)
+
+
+def run_sh_flags(path: str) -> list[str]:
+    """pretrain_gpt.py's arguments in a dry run.sh (its torchrun line, continuation lines joined)."""
+    import shlex
+
+    text = open(path).read().replace("\\\n", " ")
+    cmd = next(line for line in text.splitlines() if line.startswith("torchrun"))
+    words = shlex.split(cmd, posix=True)
+    return words[words.index("pretrain_gpt.py") + 1:]
+
+
 def compose_config(*overrides):
     """The job config launch.py composes from these overrides (Hydra, the typed schema registered)."""
     from hydra import compose, initialize_config_dir

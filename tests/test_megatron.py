@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import types
 
 import numpy as np
@@ -36,9 +35,10 @@ from ledger.faithful.megatron import comm as C
 from ledger.faithful.megatron import heaviest as H
 from ledger.faithful.megatron import knobs as K
 from ledger.faithful.megatron import pipeline as PL
-from ledger.layout import ConfigError, resolve
+from ledger.layout import ConfigError
 from ledger.model import ModelShape, preset
-from tests.conftest import assert_every_row_reconciles, assert_megatron_redirects, launch, peak_evidence, run_sweeps
+from tests.conftest import (AttrDict, assert_every_row_reconciles, assert_megatron_redirects, launch, megatron_fw, megatron_layout,
+                            peak_evidence, run_sh_flags, run_sweeps)
 
 COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000")
 # four multiruns; each sweeps layout dicts (merged into the layout node), so the 10 jobs cover the
@@ -447,23 +447,7 @@ def test_overlap_param_gather_moves_the_all_gathers_out_of_the_first_step():
                    ).rank_state(0).comm_first is None
 
 
-def _fw(**kw):
-    d = dict(name="megatron", precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-             overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None, average_in_collective=False,
-             clip_grad=1.0, make_vocab_size_divisible_by=128, transformer_impl="local")
-    d.update(kw)
-    return types.SimpleNamespace(**d)
-
-
-def _lay(**kw):
-    d = dict(tp=1, pp=1, dp=2, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False, micro_batch_size=1,
-             global_batch_size=-1)
-    d.update(kw)
-    return resolve(_Cfg(d))
-
-
-class _Cfg(dict):  # what resolve() reads: item and attribute access
-    __getattr__ = dict.__getitem__
+_fw, _lay, _Cfg = megatron_fw, megatron_layout, AttrDict
 
 
 def test_ledger_18_bytes_per_param_and_zero1_division():
@@ -610,11 +594,7 @@ def test_interleaved_buffers_one_per_chunk():
 
 
 # -- dry: run.sh ---------------------------------------------------------------------------------
-def _run_sh_flags(path: str) -> list[str]:
-    text = open(path).read().replace("\\\n", " ")
-    cmd = next(line for line in text.splitlines() if line.startswith("torchrun"))
-    words = shlex.split(cmd, posix=True)
-    return words[words.index("pretrain_gpt.py") + 1:]
+_run_sh_flags = run_sh_flags
 
 
 @pytest.mark.real  # runs the framework's own code (its argument parser, or torch.distributed in a process)

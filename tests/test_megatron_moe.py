@@ -268,7 +268,7 @@ def test_dry_writes_megatron_lm_moe_flags_its_parser_accepts(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     from megatron.training.arguments import add_megatron_arguments
 
-    from tests.test_megatron import _run_sh_flags
+    from tests.conftest import run_sh_flags as _run_sh_flags
 
     flags = _run_sh_flags(str(tmp_path / "run.sh"))
     args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)

@@ -22,7 +22,7 @@ from tests.conftest import launch
 
 
 # the Megatron framework config and layout the ledger tests build (one place: tests/test_megatron.py)
-from tests.test_megatron import _fw, _lay  # noqa: E402
+from tests.conftest import megatron_fw as _fw, megatron_layout as _lay  # noqa: E402
 
 
 def _rc(**kw):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ledger.grid import Grid
-from probes.peak import PeakTracker, _thin
+from probes.peak import PeakTracker
+from probes.peak_analysis import thin as _thin
 from probes.session import ProbeSession
 
 

@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -36,9 +35,10 @@ from ledger.faithful.titan import dtensor as D
 from ledger.faithful.titan import fsdp as F
 from ledger.faithful.titan import pp as PP
 from ledger.faithful.titan import states as L
-from ledger.layout import ConfigError, resolve, validate
+from ledger.layout import ConfigError, validate
 from ledger.model import ModelShape, preset
-from tests.conftest import REPO, REPO_PATH, assert_every_row_reconciles, launch, peak_evidence, run_sweeps
+from tests.conftest import (REPO, REPO_PATH, assert_every_row_reconciles, launch, peak_evidence, run_sweeps, titan_fw,
+                            titan_layout)
 
 COMMON = ("framework=titan", "train.steps=2")
 # the long-sequence peak moments without PP on a narrow Llama: activations of 512 tokens outweigh its
@@ -105,20 +105,7 @@ def sweep(tmp_path_factory):
     return run_sweeps(tmp_path_factory.mktemp("titan_sweep"), SWEEPS, COMMON)
 
 
-def _fw(**kw):
-    d = dict(name="titan", reshard_after_forward="default", dtype="float32", mixed_precision_param="bfloat16",
-             mixed_precision_reduce="float32", spmd_backend="partial_dtensor", precision="bf16")
-    d.update(kw)
-    return types.SimpleNamespace(**d)
-
-
-def _lay(world: int = 4, **kw):
-    from omegaconf import OmegaConf
-
-    d = dict(tp=1, pp=1, dp=-1, dp_replicate=1, cp=1, ep=1, vp=1, sequence_parallel=False, micro_batch_size=1,
-             global_batch_size=-1)
-    d.update(kw)
-    return resolve(OmegaConf.create(d), world=world)
+_fw, _lay = titan_fw, titan_layout
 
 
 # -- real runs -----------------------------------------------------------------------------------

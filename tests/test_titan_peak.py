@@ -19,7 +19,7 @@ from ledger.faithful.titan import peak as P
 from ledger.layout import ConfigError
 from ledger.model import ModelShape, preset
 from ledger.placement import PEAK_PARTS
-from tests.test_titan import _fw, _lay
+from tests.conftest import titan_fw as _fw, titan_layout as _lay
 
 
 def _schema(**kw):
