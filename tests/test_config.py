@@ -89,3 +89,25 @@ def test_a_users_model_folder_on_hydras_search_path(tmp_path):
         "kv_heads: 8\nvocab: 128256\nseq_len: 8192\n")
     cfg = _compose(f"hydra.searchpath=[file://{tmp_path}]", "model=my_llama", "mode=predict")
     assert (cfg.model.name, cfg.model.layers, cfg.model.hidden, cfg.model.norm) == ("my_llama", 24, 3072, "rmsnorm")
+
+
+@pytest.mark.parametrize("group,option,schema", [("framework", "megatron", "MegatronConfig"),
+                                                 ("framework", "deepspeed", "DeepSpeedConfig"),
+                                                 ("framework", "titan", "TitanConfig"),
+                                                 ("layout", "default", "LayoutConfig")])
+def test_group_yaml_lists_every_field_at_its_schema_default(group, option, schema):
+    """conf/framework/*.yaml and conf/layout/default.yaml are what a user reads: every field of the
+    schema, at the schema's default (one value, written twice: this test holds them equal)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    import conf.schema as S
+
+    written = yaml.safe_load(open(f"{REPO}/conf/{group}/{option}.yaml"))
+    written.pop("defaults")
+    want = OmegaConf.to_container(OmegaConf.structured(getattr(S, schema)))
+    want.pop("name", None)
+    assert set(written) == set(want), sorted(set(written) ^ set(want))
+    got = _compose(f"{group}={option}", "mode=predict")[group]
+    for k, v in want.items():
+        assert got[k] == v and written[k] == v, (k, got[k], written[k], v)
