@@ -65,6 +65,22 @@ def check_override_syntax(argv: list[str]) -> None:
             sys.exit(2)
 
 
+def check_override_keys(argv: list[str]) -> None:
+    """A group.field override (with or without Hydra's + / ++ / ~) whose field the typed schema does not
+    have exits 2 naming it, before Hydra composes anything: `+layout.tpp=2` would otherwise add a key
+    nothing reads and predict at tp=1 (conf/validate.py unknown_key)."""
+    from conf.validate import unknown_key
+
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        why = unknown_key(arg.split("=", 1)[0].lstrip("+~"))
+        if why:
+            print(f"invalid: {why}", file=sys.stderr)
+            sys.exit(2)
+
+
 if __name__ == "__main__":
     check_override_syntax(sys.argv[1:])
+    check_override_keys(sys.argv[1:])
     main()

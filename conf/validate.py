@@ -57,8 +57,8 @@ def validate_cluster(c) -> None:
     validate_fake(c)
     if c.gpus_per_node is not None:
         _at_least("cluster", c, ("gpus_per_node",), 0)
-    if c.mem_gb is not None:
-        _at_least("cluster", c, ("mem_gb",), 1)
+    if c.mem_gb is not None:  # sbatch --mem=0: all the memory of each node
+        _at_least("cluster", c, ("mem_gb",), 0)
     if c.backend == "nccl" and c.device != "cuda":
         raise ConfigError(f"cluster.backend=nccl needs cluster.device=cuda (got {c.device!r})")
 
@@ -196,3 +196,32 @@ def validate_config(cfg) -> None:
         raise ConfigError("probe.fsdp_mem_tracker=true needs real tensors: not with cluster=fake")
     if "campaign" in cfg:
         validate_campaign(cfg.campaign)
+
+
+def unknown_key(key: str) -> str | None:
+    """Why a dotted override key names no field of the typed schema (None when it does, or when it is
+    Hydra's own, or a group choice such as model=tiny). A framework knob is checked against every
+    framework's knobs (the framework is chosen by another override; Hydra refuses a knob the chosen
+    one lacks). A dict-valued field (cluster.additional_parameters) takes any key under it."""
+    import dataclasses
+    import typing
+
+    from conf.schema import FRAMEWORK_SCHEMAS, JobConfig
+
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] == "hydra":
+        return None
+    groups = typing.get_type_hints(JobConfig)
+    group = parts[0]
+    if group not in groups:
+        return f"{key}: {group!r} is not a config group (groups: {', '.join(sorted(groups))})"
+    schemas = FRAMEWORK_SCHEMAS.values() if group == "framework" else [groups[group]]
+    if not all(dataclasses.is_dataclass(sc) for sc in schemas):
+        return f"{key}: {group} is a value, with no fields"
+    fields = {name: t for sc in schemas for name, t in typing.get_type_hints(sc).items()}
+    name = parts[1]
+    if name not in fields:
+        return f"{key}: {group} has no field {name!r} (its fields: {', '.join(sorted(fields))})"
+    if len(parts) > 2 and "dict" not in str(fields[name]).lower():
+        return f"{key}: {group}.{name} has no fields of its own"
+    return None

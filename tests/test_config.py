@@ -111,3 +111,15 @@ def test_group_yaml_lists_every_field_at_its_schema_default(group, option, schem
     got = _compose(f"{group}={option}", "mode=predict")[group]
     for k, v in want.items():
         assert got[k] == v and written[k] == v, (k, got[k], written[k], v)
+
+
+def test_every_shipped_cluster_validates():
+    """Each conf/cluster/*.yaml as shipped passes validation (slurm_gpu_example's mem_gb: 0 = all the
+    node's memory, as sbatch --mem=0)."""
+    import os
+
+    from conf.validate import validate_config
+
+    for f in sorted(os.listdir(f"{REPO}/conf/cluster")):
+        if f.endswith(".yaml") and f != "cluster_schema.yaml":
+            validate_config(_compose(f"cluster={f[:-5]}", "mode=predict"))

@@ -278,3 +278,16 @@ def test_fuzz_predict_is_ok_or_invalid_never_a_crash():
 
         fuzz()
         assert "invalid" in seen, framework  # the strategies reach the rules
+
+
+def test_an_unknown_key_exits_2_naming_it_with_or_without_plus(tmp_path):
+    """`layout.tpp=2` (a typo) and `+layout.tpp=2` (the form Hydra suggests for it) both exit 2 naming
+    the key and the group's fields, before Hydra composes or anything runs."""
+    for arg in ("layout.tpp=2", "+layout.tpp=2", "++framework.zero_stag=3", "+foo.bar=1"):
+        p = launch("mode=predict", arg, f"hydra.run.dir={tmp_path / 'x'}", timeout=120)
+        key = arg.split("=")[0].lstrip("+~")
+        assert p.returncode == 2 and f"invalid: {key}:" in p.stderr, (arg, p.returncode, p.stderr[-500:])
+        assert not (tmp_path / "x").exists()
+    p = launch("mode=predict", "+cluster.additional_parameters.exclusive=true", f"hydra.run.dir={tmp_path / 'y'}",
+               timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]  # a dict-valued field takes any key
