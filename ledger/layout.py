@@ -159,23 +159,3 @@ def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:
     if not (lay.world % (lay.etp * lay.ep * lay.pp) == 0):
         raise ConfigError(f"etp*ep*pp={lay.etp}*{lay.ep}*{lay.pp} does not divide the world tp*pp*dp*cp={lay.world} "
                           "(Megatron's expert grid: expert data parallel = world / (etp*ep*pp))")
-
-
-def _validate_titan_experts(model: ModelShape, lay: Layout) -> None:
-    """torchtitan's MoE model here is its own qwen3 (models/qwen3; its q/k norms as model.qk_layernorm,
-    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan/moe.py)."""
-    def no(what: str) -> None:
-        raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
-
-    if model.moe_layer_freq != 1 or model.moe_shared_expert_hidden or model.bias or not model.swiglu \
-            or model.norm != "rmsnorm" or model.tied_embeddings:
-        no("torchtitan's qwen3 MoE has every layer MoE, no shared experts, SwiGLU, RMSNorm, no biases, untied "
-           "embeddings (model.moe_layer_freq=1, moe_shared_expert_hidden=0, swiglu, rmsnorm, bias=false, "
-           "tied_embeddings=false)")
-    if not (lay.tp == lay.pp == lay.cp == lay.dp_replicate == lay.vp == 1):
-        no(f"tp={lay.tp} pp={lay.pp} cp={lay.cp} dp_replicate={lay.dp_replicate}: MoE is modelled over FSDP "
-           "(dp_shard) with expert parallelism alone")
-    # distributed/parallel_dims.py: EP borrows from dp_shard x cp x tp (efsdp = dp_shard / ep here)
-    if not (lay.dp_shard % lay.ep == 0):
-        no(f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (torchtitan's EP borrows the FSDP ranks: "
-           "efsdp = dp_shard / ep)")

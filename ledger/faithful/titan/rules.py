@@ -110,7 +110,8 @@ def overlaps(fw) -> bool:
 
 def validate_experts(model, lay) -> None:
     """torchtitan's MoE model here is its own qwen3 (models/qwen3; its q/k norms as model.qk_layernorm,
-    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard (ledger/faithful/titan/moe.py)."""
+    every layer MoE, no shared experts, no biases) under FSDP2 with expert parallelism over dp_shard
+    (ledger/faithful/titan/moe.py)."""
     def no(what: str) -> None:
         raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
 
