@@ -281,9 +281,10 @@ class PlanConfig:
     sort: str = "time"  # time | peak | wire
     top: int = 20  # rows of the printed table, detailed per stage in plan.json
     sweep_top: int = 3  # rows written as the ready sweep
-    # the sweep file's name (sweeps/plans/<name>.yaml); None: <model>_<gpus>gpus_<framework>
+    # the sweep file's name (<sweep_dir>/<name>.yaml); None: <model>_<gpus>gpus_<framework>
     name: Optional[str] = None
-    sweep_dir: str = "sweeps/plans"
+    # where a copy of the ready sweep goes besides the plan's own job dir (sweep.yaml); None: nowhere else
+    sweep_dir: Optional[str] = None
     # layouts to find and detail whatever their rank, each matched on the keys it gives, e.g.
     # [{framework: megatron, tp: 8, pp: 16, dp: 128, cp: 1}] (the Llama 3 405B production layout)
     watch: list[dict[str, Any]] = field(default_factory=list)

@@ -159,6 +159,8 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         if cfg.mode == "dry":
             mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
             record["artifacts"] = mod.dry(cfg, lay, job_dir)
+            if writes_record:
+                print("artifacts: " + " ".join(record["artifacts"]))
         elif cfg.mode == "run":
             t1 = time.time()
             if writes_record:  # what a reader (analysis.status) sees while the ranks run
@@ -194,6 +196,8 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     record["timings"]["total_s"] = time.time() - t0
     if writes_record:
         write_json(rec_path, record)
+        if cfg.mode in ("predict", "dry") and record["prediction"] is not None:  # where a user finds what it wrote
+            print(f"prediction: {os.path.join(job_dir, 'prediction.json')}  record: {rec_path}")
         from analysis.wandb_io import log_job
 
         log_job(cfg, record)  # never raises: a W&B failure lands in record["wandb"]["error"]

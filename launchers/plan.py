@@ -113,6 +113,8 @@ def run_plan(cfg, job_dir: str) -> dict:
                          for w, ws in zip(cfg.plan.watch, watched)],
                "sweep": sweep}
     print(render(plan, top, watched, cfg, hw, notes, sweep, sp.global_batch_size, best))
+    written = [os.path.join(job_dir, f) for k, f in files.items() if k in ("plan_json", "plan_csv", "sweep", "plot")]
+    print("files: " + " ".join(written + ([files["sweep_file"]] if "sweep_file" in files else [])))
     return summary
 
 

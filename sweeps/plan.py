@@ -1,7 +1,7 @@
-"""Run a plan's ready sweep (sweeps/plans/<name>.yaml, written by `launch.py mode=plan`): each of its
+"""Run a plan's ready sweep (sweep.yaml in the plan's job dir, written by `launch.py mode=plan`): each of its
 runs is one `launch.py -m` into <out>/<i>_<framework>; then the reconcile table of each.
 
-    python -m sweeps.plan sweeps/plans/NAME.yaml [--out DIR] [--print] [OVERRIDE ...]
+    python -m sweeps.plan PLAN_JOB_DIR/sweep.yaml [--out DIR] [--print] [OVERRIDE ...]
 
 Extra overrides go to every run, e.g. `hydra/launcher=submitit_slurm cluster=my_slurm` for a cluster, or
 `train.steps=5`. --print shows the commands and runs nothing.

@@ -2,6 +2,7 @@
 own, the numbers per row, the acceptance questions (the article's 70B on 1,024 GPUs, the Llama 3 405B
 production layout), and the top-3 of a tiny plan run for real and reconciled."""
 import json
+import os
 
 import pytest
 import yaml
@@ -14,7 +15,7 @@ from ledger.parallel import predict
 from ledger.faithful.megatron.rules import pipeline_splits
 from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
                          per_stage_walk, reason_key, search, step_flops)
-from tests.conftest import launch, compose_config
+from tests.conftest import REPO, compose_config, launch
 
 register()
 
@@ -376,3 +377,20 @@ def test_launch_plan_without_gpus_exits_2_naming_the_field(tmp_path):
     assert p.returncode == 2 and "plan.gpus is required for mode=plan" in p.stderr
     assert not (tmp_path / "plan.json").exists() and not (tmp_path / "s").exists()
     assert json.loads((tmp_path / "record.json").read_text())["status"] == "invalid"
+
+
+def test_plan_writes_into_its_job_dir_only_and_says_where(tmp_path):
+    """mode=plan writes its files into the run's dir (nothing into the repository unless plan.sweep_dir
+    names a place) and prints their paths."""
+    def sweeps_files():  # where the ready sweep went before: the repository's sweeps/
+        return sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(REPO, "sweeps")) for f in fs
+                      if "__pycache__" not in d)
+
+    before = sweeps_files()
+    p = launch("mode=plan", "plan.gpus=8", "plan.global_batch_tokens=4096", "framework=all",
+               f"hydra.run.dir={tmp_path}", "wandb.mode=disabled", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = next(ln for ln in p.stdout.splitlines() if ln.startswith("files: ")).split()[1:]
+    assert {os.path.basename(f) for f in files} >= {"plan.json", "plan.csv", "sweep.yaml"}
+    assert all(os.path.dirname(f) == str(tmp_path) and os.path.exists(f) for f in files)
+    assert sweeps_files() == before

@@ -116,3 +116,12 @@ def test_wire_sum_floors_each_call():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             for group in (2, 3, 7):
                 assert wire_sum(kind, buffers, group) == sum(wire_bytes(kind, b, group) for b in buffers)
+
+
+def test_prints_where_it_wrote(predicted):
+    """The job's files are named on stdout, so a user finds them wherever Hydra put the run."""
+    pred, out, rec = predicted
+    line = next(ln for ln in out.splitlines() if ln.startswith("prediction: "))
+    path = line.split()[1]
+    assert path.endswith("/prediction.json") and json.load(open(path)) == pred
+    assert line.split()[3] == rec["job_dir"] + "/record.json"
