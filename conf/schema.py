@@ -185,6 +185,9 @@ class ClusterConfig:
     # times submitit requeues a job that hit its time limit or was preempted (0 = record it and stop)
     max_num_timeout: int = 0
     gpus_per_node: Optional[int] = None
+    # each GPU's memory in decimal GB (an "80 GB" H100: 80); mode=predict / dry / run print whether the
+    # heaviest rank's predicted peak fits memory_fraction of it (plan.memory_fraction). None: no verdict
+    gpu_memory_gb: Optional[float] = None
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
     constraint: Optional[str] = None

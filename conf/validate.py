@@ -57,6 +57,8 @@ def validate_cluster(c) -> None:
     validate_fake(c)
     if c.gpus_per_node is not None:
         _at_least("cluster", c, ("gpus_per_node",), 0)
+    if c.gpu_memory_gb is not None:
+        _positive("cluster", c, ("gpu_memory_gb",))
     if c.mem_gb is not None:  # sbatch --mem=0: all the memory of each node
         _at_least("cluster", c, ("mem_gb",), 0)
     if c.backend == "nccl" and c.device != "cuda":

@@ -156,6 +156,10 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         record["timings"]["predict_s"] = time.time() - t0
         if writes_record:
             print(pl.report())
+            if cfg.cluster.get("gpu_memory_gb"):
+                from ledger.report import fit_verdict
+
+                print(fit_verdict(pl, cfg.cluster.gpu_memory_gb, cfg.plan.memory_fraction))
         if cfg.mode == "dry":
             mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
             record["artifacts"] = mod.dry(cfg, lay, job_dir)

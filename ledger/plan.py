@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from ledger import frameworks
+from ledger.placement import peak_or_resident
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
@@ -399,10 +400,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     return row
 
 
-def peak_of(s) -> int:
-    """A rank's predicted peak within a step; its resident state where its ledger predicts none."""
-    pk = s.peak
-    return s.resident_bytes if pk is None else pk.bytes
+peak_of = peak_or_resident  # (ledger/placement.py)
 
 
 def per_stage(row: Row) -> list[dict]:

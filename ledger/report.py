@@ -85,6 +85,30 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
     return buf.getvalue()
 
 
+def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -> str:
+    """Whether the heaviest rank fits the cluster's GPUs: its predicted peak within a step (its resident
+    state where the ledger predicts no peak, said so) against memory_fraction x gpu_memory_gb, the
+    planner's rule (ledger/plan.py). The peak is the ledger's: the notes above say what it is for."""
+    from ledger.placement import peak_or_resident
+
+    stages: dict[int, list[int]] = {}
+    for r in range(pl.world):
+        lo_hi = stages.setdefault(pl.rank_state(r).stage, [r, r])
+        lo_hi[1] = r
+    best, best_rank = None, None
+    for stage, (lo, hi) in sorted(stages.items()):
+        for r in stage_peak_ranks(pl, stage, (lo, hi)):
+            s = pl.rank_state(r)
+            if best is None or peak_or_resident(s) > peak_or_resident(best):
+                best, best_rank = s, r
+    need, budget = peak_or_resident(best), memory_fraction * gpu_memory_gb * 1e9
+    what = "predicted peak" if best.peak is not None else "resident state (no peak predicted for this layout)"
+    verdict = "fits" if need <= budget else "does NOT fit"
+    return (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
+            f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
+            f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
+
+
 def stage_peak_ranks(pl: "Placement", stage: int, ranks: tuple[int, int]) -> list[int]:
     """The ranks whose peaks stand for a stage: the ledger's stage representatives where it names
     them (its heaviest rank per stage), else every rank of the stage's block with a distinct state."""

@@ -125,3 +125,19 @@ def test_prints_where_it_wrote(predicted):
     path = line.split()[1]
     assert path.endswith("/prediction.json") and json.load(open(path)) == pred
     assert line.split()[3] == rec["job_dir"] + "/record.json"
+
+
+@pytest.mark.parametrize("overrides,fits", [(("model=llama3_8b", "framework=megatron", "layout.tp=2", "layout.pp=2",
+                                              "layout.dp=2", "layout.global_batch_size=16"), True),
+                                            (("model=llama3_70b", "framework=deepspeed", "layout.dp=8"), False)])
+def test_predict_prints_the_fit_verdict_for_the_clusters_gpus(tmp_path, overrides, fits):
+    """cluster.gpu_memory_gb (80 on the shipped GPU clusters): the heaviest rank's predicted peak against
+    plan.memory_fraction of it, as the planner judges a layout; the same peak prediction.json holds."""
+    from tests.conftest import launch
+
+    p = launch("mode=predict", *overrides, "cluster=local_gpu", f"hydra.run.dir={tmp_path}", check=True, timeout=300)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("fit: "))
+    assert line.startswith("fit: fits" if fits else "fit: does NOT fit"), line
+    pred = json.load(open(tmp_path / "prediction.json"))
+    peak = max((r["peak"] or {}).get("bytes", r["resident_bytes"]) for r in pred["per_rank"])
+    assert (peak <= 0.9 * 80e9) == fits
