@@ -306,6 +306,10 @@ class JobConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     campaign: CampaignConfig = field(default_factory=CampaignConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    # framework knobs for a sweep over frameworks: each applies where the job's framework has it and is
+    # ignored, and recorded as ignored, where it has not (`-m framework=megatron,deepspeed,titan
+    # +knobs.zero_stage=3`); a key no framework has is refused (conf/validate.py unknown_key)
+    knobs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

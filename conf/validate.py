@@ -217,6 +217,11 @@ def unknown_key(key: str) -> str | None:
     group = parts[0]
     if group not in groups:
         return f"{key}: {group!r} is not a config group (groups: {', '.join(sorted(groups))})"
+    if group == "knobs":  # any framework's knob (launchers/job.py apply_knobs)
+        knobs = {n for sc in FRAMEWORK_SCHEMAS.values() for n in typing.get_type_hints(sc)} - {"name"}
+        if len(parts) != 2 or parts[1] not in knobs:
+            return f"{key}: no framework has a knob {'.'.join(parts[1:])!r} (the knobs: {', '.join(sorted(knobs))})"
+        return None
     schemas = FRAMEWORK_SCHEMAS.values() if group == "framework" else [groups[group]]
     if not all(dataclasses.is_dataclass(sc) for sc in schemas):
         return f"{key}: {group} is a value, with no fields"

@@ -72,6 +72,18 @@ def world_of(cfg) -> int:
     return c.ranks * c.nodes
 
 
+def apply_knobs(cfg) -> list[str]:
+    """cfg.knobs into cfg.framework where the framework has each knob (a sweep over frameworks sets
+    each framework's own knobs at once); the names of the others, which this job ignores."""
+    ignored = []
+    for name, value in (cfg.get("knobs") or {}).items():
+        if name in cfg.framework and name != "name":
+            cfg.framework[name] = value
+        else:
+            ignored.append(name)
+    return ignored
+
+
 def fill_mode_defaults(cfg) -> None:
     """Knobs whose default depends on the job's mode, set before the record copies the config (so
     the record says what was predicted and run): the framework's ledger fills them (Megatron's
@@ -139,8 +151,13 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     its own runner; only rank 0 writes the record (writes_record)."""
     os.makedirs(job_dir, exist_ok=True)
     t0 = time.time()
+    ignored = apply_knobs(cfg)
     fill_mode_defaults(cfg)
     record = {**new_record(cfg, job_dir), **(extra or {})}
+    if ignored:
+        record["knobs_ignored"] = ignored
+        if writes_record:
+            print(f"knobs not of {cfg.framework.name}, ignored: {', '.join(ignored)}")
     rec_path = os.path.join(job_dir, "record.json")
     try:
         if cfg.mode == "plan":

@@ -138,7 +138,8 @@ def read_manifest(sweep_dir: str) -> dict:
 
 # config keys that say how a job is run or logged, not what it runs: a changed one does not make the
 # finished job a different job (a resubmitted campaign may raise a timeout or send W&B elsewhere)
-_NOT_THE_JOB = {"campaign": None, "wandb": None, "hydra": None, "defaults": None,
+# (knobs: what they set is in the framework's config the record copies, launchers/job.py apply_knobs)
+_NOT_THE_JOB = {"campaign": None, "wandb": None, "hydra": None, "defaults": None, "knobs": None,
                 "cluster": ("timeout_s", "time_min", "signal_delay_s", "max_num_timeout", "setup",
                             "slurm_conf", "partition", "account", "qos", "constraint", "exclusive",
                             "additional_parameters", "mem_gb", "cpus_per_task")}

@@ -141,3 +141,30 @@ def test_predict_prints_the_fit_verdict_for_the_clusters_gpus(tmp_path, override
     pred = json.load(open(tmp_path / "prediction.json"))
     peak = max((r["peak"] or {}).get("bytes", r["resident_bytes"]) for r in pred["per_rank"])
     assert (peak <= 0.9 * 80e9) == fits
+
+
+def test_a_knob_swept_over_frameworks_applies_where_the_framework_has_it(tmp_path):
+    """`+knobs.NAME=V` in a sweep over frameworks: set on the jobs whose framework has the knob, recorded
+    and printed as ignored on the others; the sweep runs every job."""
+    import records
+    from tests.conftest import launch
+
+    p = launch("-m", "mode=predict", "framework=megatron,deepspeed,titan", "+knobs.zero_stage=3",
+               "+knobs.overlap_grad_reduce=true", "wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = {r["config"]["framework"]["name"]: r for r in records.load(str(tmp_path))}
+    assert {n: r["status"] for n, r in recs.items()} == {"megatron": "ok", "deepspeed": "ok", "titan": "ok"}
+    assert recs["deepspeed"]["config"]["framework"]["zero_stage"] == 3
+    assert "ZeRO-3" in " ".join(recs["deepspeed"]["prediction"]["notes"])
+    assert recs["megatron"]["config"]["framework"]["overlap_grad_reduce"] is True
+    assert recs["megatron"]["knobs_ignored"] == ["zero_stage"]
+    assert recs["deepspeed"]["knobs_ignored"] == ["overlap_grad_reduce"]
+    assert recs["titan"]["knobs_ignored"] == ["zero_stage", "overlap_grad_reduce"]
+    assert "knobs not of titan, ignored: zero_stage, overlap_grad_reduce" in p.stdout
+
+
+def test_a_knob_no_framework_has_is_refused(tmp_path):
+    from tests.conftest import launch
+
+    p = launch("mode=predict", "+knobs.zero_stag=3", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert p.returncode == 2 and "knobs.zero_stag: no framework has a knob 'zero_stag'" in p.stderr
