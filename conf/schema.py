@@ -153,8 +153,10 @@ class TitanConfig(FrameworkConfig):
     # Trainer.Config.activation_checkpoint (distributed/activation_checkpoint.py): "none" (None),
     # "full" (FullAC: every TransformerBlock recomputed in backward), "selective" (SelectiveAC:
     # per-op, the outputs of compute-intensive / comm ops saved, every second mm recomputed).
-    # torchtitan's own default is SelectiveAC; train-ledger runs none unless asked.
-    activation_checkpoint: str = "none"
+    # Unset, torchtitan 0.3.0 checkpoints selectively (trainer.py Trainer.Config.activation_checkpoint:
+    # default_factory=SelectiveAC.Config), so the default here is "selective": a prediction with the
+    # defaults is of the run torchtitan does with its own.
+    activation_checkpoint: str = "selective"
     # the selective variant: 0.3.0 has the per-op policy only ("op"); the older every-n-layers
     # integer option (activation_checkpoint.selective_ac_option) is gone from SelectiveAC.Config
     selective_ac_option: str = "op"

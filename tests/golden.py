@@ -130,10 +130,14 @@ def moe_cases():
     for z in (1, 2, 3):
         yield f"deepspeed-moe/tiny_moe/z{z}", ["model=tiny_moe", *_fw("deepspeed", zero_stage=z), *_lay(1, 1, 4, ep=2)]
     yield "deepspeed-moe/mixtral/z2", ["model=mixtral_8x7b", *_fw("deepspeed", zero_stage=2), *_lay(1, 1, 16, ep=8)]
-    yield "titan-moe/tiny_moe/ep2", ["model=tiny_moe", *_fw("titan"), *_lay(1, 1, 2, ep=2)]
-    yield "titan-moe/tiny_moe/ep4", ["model=tiny_moe", *_fw("titan", reshard_after_forward="never"), *_lay(1, 1, 8, ep=4)]
-    yield "titan-moe/qwen3/ep8", ["model=qwen3_30b_a3b", *_fw("titan"), *_lay(1, 1, 16, ep=8)]
-    yield "titan-moe/mixtral/ep8", ["model=mixtral_8x7b", *_fw("titan"), *_lay(1, 1, 8, ep=8)]
+    yield "titan-moe/tiny_moe/ep2", ["model=tiny_moe", *_fw("titan", activation_checkpoint="none"), *_lay(1, 1, 2, ep=2)]
+    yield "titan-moe/refused/default-ac", ["model=tiny_moe", *_fw("titan"), *_lay(1, 1, 2, ep=2)]
+    yield "titan-moe/tiny_moe/ep4", ["model=tiny_moe", *_fw("titan", reshard_after_forward="never", activation_checkpoint="none"),
+                                          *_lay(1, 1, 8, ep=4)]
+    yield "titan-moe/qwen3/ep8", ["model=qwen3_30b_a3b", *_fw("titan", activation_checkpoint="none"),
+                                  *_lay(1, 1, 16, ep=8)]
+    yield "titan-moe/mixtral/ep8", ["model=mixtral_8x7b", *_fw("titan", activation_checkpoint="none"),
+                                    *_lay(1, 1, 8, ep=8)]
     yield "titan-moe/refused/tp", ["model=tiny_moe", *_fw("titan"), *_lay(2, 1, 4, ep=4, sequence_parallel=True)]
     yield "megatron-moe/refused/grouped", ["model=tiny_moe", *_fw("megatron", moe_grouped_gemm=True), *_lay(1, 1, 2, ep=2)]
 

@@ -41,6 +41,8 @@ from tests.conftest import (REPO, REPO_PATH, assert_every_row_reconciles, launch
                             titan_layout)
 
 COMMON = ("framework=titan", "train.steps=2")
+# activation checkpointing is torchtitan's default (selective); the jobs that do not test it run without
+NO_AC = "framework.activation_checkpoint=none"
 # the long-sequence peak moments without PP on a narrow Llama: activations of 512 tokens outweigh its
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
@@ -55,30 +57,30 @@ SWEEPS = (
     ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never",
             "framework.activation_checkpoint=none,selective,full")),
     ("w4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.dp_replicate=1,2",
-            "framework.reshard_after_forward=always,never")),
+            "framework.reshard_after_forward=always,never", NO_AC)),
     ("w4tp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
-              "framework.reshard_after_forward=always,never")),
+              "framework.reshard_after_forward=always,never", NO_AC)),
     # DTensor's cost model picks other mm-backward strategies at seq 16 (tp2); tp4 needs 4 kv heads
     # vocab 1001: tp2 splits the vocab as torch.chunk (501 and 500 rows; the dp2 SP job shards those again)
-    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "model.vocab=1001", "layout.tp=2")),
-    ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4")),
+    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "model.vocab=1001", "layout.tp=2", NO_AC)),
+    ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4", NO_AC)),
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
     ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1001", "layout.tp=2",
-                "layout.sequence_parallel=true", "layout.micro_batch_size=2")),
+                "layout.sequence_parallel=true", "layout.micro_batch_size=2", NO_AC)),
     # context parallelism: K/V all-gathers over cp, FSDP over dp_shard x cp, loss mesh with cp
-    ("w2cp", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.reshard_after_forward=always,never")),
-    ("w4cp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.dp_replicate=1,2")),
+    ("w2cp", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.reshard_after_forward=always,never", NO_AC)),
+    ("w4cp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.dp_replicate=1,2", NO_AC)),
     ("w4tpcp", ("cluster.ranks=4", "model.seq_len=256", "model.vocab=1030", "layout.cp=2", "layout.tp=2",
-                "layout.sequence_parallel=false,true")),
+                "layout.sequence_parallel=false,true", NO_AC)),
     # pipeline parallelism (1F1B): P2P per micro-batch, FSDP once per step per stage, the last
     # stage's [norm, lm_head] per micro-batch; step 0 adds the schedule's vote and metadata inference
-    ("w2pp", ("cluster.ranks=2", "model.seq_len=32", "layout.pp=2", "layout.global_batch_size=3")),
-    ("w4pp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=8", "layout.pp=2,4")),
+    ("w2pp", ("cluster.ranks=2", "model.seq_len=32", "layout.pp=2", "layout.global_batch_size=3", NO_AC)),
+    ("w4pp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=8", "layout.pp=2,4", NO_AC)),
     # long sequences (the peak's other moments): the final norm's backward (a small vocab)
     # or a loss chunk's cross-entropy backward (a large vocab) outweighs the reduce-scatters; with PP a
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
-    ("w2long", ("cluster.ranks=2", *LONG, "model.vocab=320,8192")),
-    ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,16384", "layout.pp=2", "layout.global_batch_size=2")),
+    ("w2long", ("cluster.ranks=2", *LONG, "model.vocab=320,8192", NO_AC)),
+    ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,16384", "layout.pp=2", "layout.global_batch_size=2", NO_AC)),
     # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
     # (the SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",

@@ -29,9 +29,18 @@ def _schema(**kw):
     return fw
 
 
-def test_ac_knobs_default_none_and_are_validated_naming_the_field():
+def test_ac_knobs_default_as_torchtitan_and_are_validated_naming_the_field():
+    """Unset, torchtitan 0.3.0 checkpoints selectively (Trainer.Config.activation_checkpoint's
+    default_factory, read from the installed trainer here)."""
+    import dataclasses
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.trainer import Trainer
+
+    ac = next(f for f in dataclasses.fields(Trainer.Config) if f.name == "activation_checkpoint")
+    assert ac.default_factory is SelectiveAC.Config
     fw = _schema()
-    assert (fw.activation_checkpoint, fw.selective_ac_option) == ("none", "op")
+    assert (fw.activation_checkpoint, fw.selective_ac_option) == ("selective", "op")
     for mode in ("none", "selective", "full"):
         validate_framework(_schema(activation_checkpoint=mode))
     with pytest.raises(ConfigError, match="framework.activation_checkpoint='memory_budget'"):
