@@ -163,12 +163,6 @@ class RankState:
         self.detail[key] = self.detail.get(key, 0) + nbytes
 
 
-def peak_or_resident(s: "RankState") -> int:
-    """A rank's predicted peak within a step; its resident state where its ledger predicts none."""
-    pk = s.peak
-    return s.resident_bytes if pk is None else pk.bytes
-
-
 def wire_sum(kind: str, buffers, group_size: int) -> int:
     """wire_bytes of one call per buffer, summed (each call floored on its own); many buffers (DDP
     buckets) through numpy's integer arithmetic."""

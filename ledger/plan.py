@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from ledger import frameworks
-from ledger.placement import peak_or_resident
+from ledger.units import peak_or_resident
 from ledger.grid import DIMS
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
@@ -400,7 +400,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     return row
 
 
-peak_of = peak_or_resident  # (ledger/placement.py)
+peak_of = peak_or_resident  # (ledger/units.py)
 
 
 def per_stage(row: Row) -> list[dict]:

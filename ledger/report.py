@@ -89,7 +89,7 @@ def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -
     """Whether the heaviest rank fits the cluster's GPUs: its predicted peak within a step (its resident
     state where the ledger predicts no peak, said so) against memory_fraction x gpu_memory_gb, the
     planner's rule (ledger/plan.py). The peak is the ledger's: the notes above say what it is for."""
-    from ledger.placement import peak_or_resident
+    from ledger.units import peak_or_resident
 
     stages: dict[int, list[int]] = {}
     for r in range(pl.world):

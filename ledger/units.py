@@ -28,3 +28,10 @@ def ceil_div(n: int, k: int) -> int:
 def round_up(n: int, k: int) -> int:
     """n rounded up to a multiple of k: the padding every framework applies to its buffers."""
     return -(-n // k) * k
+
+
+def peak_or_resident(s) -> int:
+    """A rank's (RankState's) predicted peak within a step; its resident state where its ledger predicts
+    none (the planner's and the fit verdict's measure of a rank)."""
+    pk = s.peak
+    return s.resident_bytes if pk is None else pk.bytes
