@@ -56,7 +56,9 @@ class LayoutConfig:
     ep: int = 1
     etp: int = 1
     vp: int = 1  # virtual pipeline (interleaved) chunks per stage
-    sequence_parallel: bool = False
+    # null: the framework's own default where tp > 1 (Megatron-LM: off, --sequence-parallel; torchtitan
+    # 0.3.0: on, ParallelismConfig.enable_sequence_parallel=True; ledger/faithful/<name>/__init__.py)
+    sequence_parallel: Optional[bool] = None
     micro_batch_size: int = 1
     # -1 = micro_batch_size * dp * pp (m = pp micro-batches per step)
     global_batch_size: int = -1

@@ -112,7 +112,7 @@ def check(cfg):
     # replica of it there: `mode=predict model=llama3_8b layout.tp=8` predicts tp8 x dp1
     lc = cfg.layout
     mp = lc.tp * lc.pp * lc.cp
-    lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp)
+    lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp, cfg.framework.name)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.mode in ("run", "dry"):  # what the framework itself refuses to start (Megatron: MoE with TP, no SP)
         why = spec.dispatch_error(model, lay)

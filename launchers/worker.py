@@ -33,7 +33,7 @@ def run(job_dir: str) -> int:
     out_path = os.path.join(job_dir, f"rank{rank}.json")
     with open(os.path.join(job_dir, "job.json")) as f:
         cfg = load(json.load(f))
-    lay = resolve(cfg.layout, world)
+    lay = resolve(cfg.layout, world, cfg.framework.name)
     session = ProbeSession(lay.grid, rank, out_path, comm_steps=list(cfg.probe.comm_steps),
                            memory=cfg.probe.memory, comm=cfg.probe.comm,
                            cuda_profile_steps=list(cfg.probe.cuda_profile_steps), peak=cfg.probe.peak,

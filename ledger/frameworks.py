@@ -31,6 +31,8 @@ class FrameworkLedger:
     validate_knobs: Callable[[Any], None]
     # its layout limits, after the shared rules (ledger/layout.py validate): validate_layout(model, lay, fw)
     validate_layout: Callable[[Any, Any, Any], None]
+    # layout.sequence_parallel when the user leaves it unset and tp > 1 (the framework's own default)
+    default_sequence_parallel: bool = False
     # what it allows that the shared layout rules would refuse
     # where tp does not divide the vocab: the refusal, or None where it pads the vocab itself
     vocab_error: Callable[[Any, Any], Optional[str]] = (

@@ -56,8 +56,9 @@ class Layout:
                 "world": self.world, "dp_shard": self.dp_shard, "num_microbatches": self.num_microbatches}
 
 
-def resolve(layout_cfg, world: int | None = None) -> Layout:
-    """Fill dp = -1 from the cluster's world size and global_batch_size = -1 as micro*dp*pp."""
+def resolve(layout_cfg, world: int | None = None, framework: str | None = None) -> Layout:
+    """Fill dp = -1 from the cluster's world size, global_batch_size = -1 as micro*dp*pp, and an unset
+    sequence_parallel with the framework's own default where tp > 1 (off without a framework)."""
     lc = layout_cfg
     # each field read once (a DictConfig read costs µs; a search resolves thousands of layouts)
     tp, pp, cp, ep, vp, dpr, mbs = (lc["tp"], lc["pp"], lc["cp"], lc["ep"], lc["vp"], lc["dp_replicate"],
@@ -83,7 +84,10 @@ def resolve(layout_cfg, world: int | None = None) -> Layout:
         gbs = mbs * dp * pp
     elif gbs < 1:
         raise ConfigError(f"layout.global_batch_size={gbs} must be >= 1 or -1 (auto: micro_batch_size*dp*pp)")
-    return Layout(tp, pp, dp, dpr, cp, ep, vp, bool(lc["sequence_parallel"]), mbs, gbs, etp)
+    sp = lc["sequence_parallel"]
+    if sp is None:
+        sp = tp > 1 and framework is not None and frameworks.get(framework).default_sequence_parallel
+    return Layout(tp, pp, dp, dpr, cp, ep, vp, bool(sp), mbs, gbs, etp)
 
 
 def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world: int | None = None) -> None:

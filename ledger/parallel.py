@@ -20,7 +20,7 @@ def place(model: ModelShape, state: StateBytes | None, cfg, world: int | None = 
     """
     fw, lay = cfg.framework, cfg.layout  # each read once: a config read costs µs in a search
     if not isinstance(lay, Layout):
-        lay = resolve(lay, world)
+        lay = resolve(lay, world, fw.name)
     validate(model, lay, fw.name, fw)
     return predict(model, lay, fw, cfg.ledger.mode if "ledger" in cfg else "faithful", state)
 

@@ -35,8 +35,8 @@ RUNS = {
                   "framework.stage3_prefetch_bucket_size=50000000", "framework.overlap_comm=true",
                   "layout.dp=8", "layout.micro_batch_size=1", "layout.global_batch_size=16"],
     # torchtitan's TP runs with sequence parallelism unless told otherwise (config/configs.py
-    # Parallelism.enable_sequence_parallel = True); layout.sequence_parallel defaults to false for all
-    # frameworks, so it is set here
+    # ParallelismConfig.enable_sequence_parallel = True, layout.sequence_parallel's default for it too);
+    # set here as the article's run says it
     "titan": ["framework=titan", "layout.tp=2", "layout.dp=4", "layout.sequence_parallel=true",
               "layout.micro_batch_size=2", "layout.global_batch_size=8"],
 }

@@ -43,6 +43,8 @@ from tests.conftest import (REPO, REPO_PATH, assert_every_row_reconciles, launch
 COMMON = ("framework=titan", "train.steps=2")
 # activation checkpointing is torchtitan's default (selective); the jobs that do not test it run without
 NO_AC = "framework.activation_checkpoint=none"
+# sequence parallelism is torchtitan's default with TP; the TP jobs that test TP's all-reduces run without
+NO_SP = "layout.sequence_parallel=false"
 # the long-sequence peak moments without PP on a narrow Llama: activations of 512 tokens outweigh its
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
@@ -59,11 +61,11 @@ SWEEPS = (
     ("w4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.dp_replicate=1,2",
             "framework.reshard_after_forward=always,never", NO_AC)),
     ("w4tp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2",
-              "framework.reshard_after_forward=always,never", NO_AC)),
+              "framework.reshard_after_forward=always,never", NO_AC, NO_SP)),
     # DTensor's cost model picks other mm-backward strategies at seq 16 (tp2); tp4 needs 4 kv heads
     # vocab 1001: tp2 splits the vocab as torch.chunk (501 and 500 rows; the dp2 SP job shards those again)
-    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "model.vocab=1001", "layout.tp=2", NO_AC)),
-    ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4", NO_AC)),
+    ("w2tp", ("cluster.ranks=2", "model.seq_len=16", "model.vocab=1001", "layout.tp=2", NO_AC, NO_SP)),
+    ("w4tp4", ("cluster.ranks=4", "model.seq_len=32", "model.kv_heads=4", "layout.tp=4", NO_AC, NO_SP)),
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
     ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1001", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.micro_batch_size=2", NO_AC)),
@@ -89,7 +91,7 @@ SWEEPS = (
     # two rowwise all-reduces a block (full AC), CP's K/V all-gathers (selective AC: not in its save list)
     # without PP at a long sequence a checkpointed block's recompute is the peak (titan_peak._at_recompute)
     ("w2longac", ("cluster.ranks=2", *LONG, "model.vocab=320", "framework.activation_checkpoint=full,selective")),
-    ("w2tpac", ("cluster.ranks=2", "model.seq_len=32", "layout.tp=2", "framework.activation_checkpoint=full")),
+    ("w2tpac", ("cluster.ranks=2", "model.seq_len=32", "layout.tp=2", "framework.activation_checkpoint=full", NO_SP)),
     ("w2cpac", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.activation_checkpoint=selective")),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)

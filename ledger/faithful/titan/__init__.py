@@ -12,4 +12,6 @@ LEDGER = register(FrameworkLedger(
     vocab_error=rules.vocab_error, other_head_width=rules.head_width_modelled,
     validate_experts=rules.validate_experts, fake_error=rules.fake_error,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
-    overlaps=rules.overlaps, plan_hsdp=True))
+    overlaps=rules.overlaps, plan_hsdp=True,
+    # torchtitan 0.3.0 config/configs.py ParallelismConfig.enable_sequence_parallel: bool = True
+    default_sequence_parallel=True))
