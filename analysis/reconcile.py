@@ -21,6 +21,17 @@ import records as R
 from analysis import wandb_io
 from analysis.compare import COLUMNS, STATE_Q, off, rows, table  # noqa: F401  (analysis.reconcile.table, as before)
 
+def judged(df: pd.DataFrame) -> pd.Series:
+    """The rows held to a rule (and counted by summary()): steady steps, every quantity but a peak's
+    parts (reported beside their total, compare.off). A first step's rows are shown, not judged."""
+    return (df.phase == "steady") & ~df.quantity.str.startswith("peak/")
+
+
+def mismatches(df: pd.DataFrame) -> pd.DataFrame:
+    """The judged rows that break their rule: what --mismatches lists and summary() counts."""
+    return df[judged(df) & off(df)]
+
+
 def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
     """One line per job: status, rows compared, steady-state mismatches, worst relative error."""
     df = table(recs) if df is None else df
@@ -29,15 +40,15 @@ def summary(recs: list[dict], df: pd.DataFrame | None = None) -> pd.DataFrame:
         job = R.job_name(rec)
         d = df[df.job == job]
         steady = d[d.phase == "steady"]
-        bad = steady[off(steady)]
+        bad = mismatches(d)
         peak = steady[steady.quantity == "peak_bytes"]
-        judged = steady[~steady.quantity.str.startswith("peak/")]
+        held = steady[~steady.quantity.str.startswith("peak/")]
         pg = (rec.get("prediction") or {}).get("per_gpu") or {}
         out.append({"job": job, "framework": R.framework_variant(rec), "layout": R.layout_name(rec),
                     "device": rec.get("device") or ((rec.get("config") or {}).get("cluster") or {}).get("device"),
                     "status": rec["status"], "rows": len(d), "steady_mismatches": len(bad),
                     # over the judged rows: the peak's parts are reported, not judged (compare.off)
-                    "max_abs_rel_err": float(judged.rel_err.abs().max()) if len(judged) else None,
+                    "max_abs_rel_err": float(held.rel_err.abs().max()) if len(held) else None,
                     "peak_max_abs_rel_err": float(peak.rel_err.abs().max()) if len(peak) else None,
                     "predicted_resident": pg.get("resident_bytes"),
                     "error": (rec.get("error") or "")[:120]})
@@ -110,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("path", nargs="?", help="a sweep dir, a job dir or a record.json")
     ap.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
     ap.add_argument("--all-steps", action="store_true", help="every step (default: the last step per rank)")
-    ap.add_argument("--mismatches", action="store_true", help="only rows whose abs_err is not 0")
+    ap.add_argument("--mismatches", action="store_true",
+                    help="only the judged rows that break their rule (the summary's steady_mismatches)")
     ap.add_argument("--from-wandb", metavar="SRC", help="rebuild from W&B: an offline sweep dir or entity/project[/group]")
     a = ap.parse_args(argv)
     if not (a.path or a.from_wandb):
@@ -123,8 +135,9 @@ def main(argv=None) -> int:
     if not a.all_steps and len(df):
         last = df.groupby(["job", "rank"]).step.transform("max")
         df = df[(df.step == last) | (df.phase == "first")]
+    df = df.assign(judged=judged(df)) if len(df) else df.assign(judged=pd.Series(dtype=bool))
     if a.mismatches:
-        df = df[df.abs_err != 0]
+        df = mismatches(df)
     print(render(df, a.format))
     if a.format == "markdown":
         print()

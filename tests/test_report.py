@@ -150,3 +150,21 @@ def test_compact_sweep_table_is_the_full_tables_last_step(sweep):
     st["comm"][0]["count"] += 1
     c2 = reconcile.compact(bad)
     assert c2.comm_mismatches.iloc[0] >= 1
+
+
+def test_reconcile_judges_steady_rows_and_not_a_peaks_parts():
+    """The `judged` column and --mismatches: steady rows of states, collectives and peak totals are
+    judged (the summary's steady_mismatches); a first step's rows and a peak's parts are shown, not
+    judged, so they never count as mismatches."""
+    df = pd.DataFrame([
+        dict(job="j", rank=0, step=1, phase="steady", quantity="params_bytes", predicted=10, measured=11, abs_err=1,
+             rel_err=0.1, bound_low=float("nan"), bound_high=float("nan"), race_bytes=0),
+        dict(job="j", rank=0, step=1, phase="steady", quantity="peak_bytes", predicted=1000, measured=1005, abs_err=5,
+             rel_err=0.005, bound_low=float("nan"), bound_high=float("nan"), race_bytes=0),
+        dict(job="j", rank=0, step=1, phase="steady", quantity="peak/temporary_bytes", predicted=0, measured=50,
+             abs_err=50, rel_err=float("inf"), bound_low=float("nan"), bound_high=float("nan"), race_bytes=0),
+        dict(job="j", rank=0, step=0, phase="first", quantity="peak_bytes", predicted=1000, measured=2000,
+             abs_err=1000, rel_err=1.0, bound_low=float("nan"), bound_high=float("nan"), race_bytes=0)])
+    assert list(reconcile.judged(df)) == [True, True, False, False]
+    bad = reconcile.mismatches(df)
+    assert list(bad.quantity) == ["params_bytes"]  # the peak total is within 1%, the rest not judged
