@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ledger.faithful.megatron.activations import recompute_of
 from ledger.faithful.megatron.pipeline import EVEN_SPLIT
-from ledger.faithful.megatron.rules import default_transformer_impl
+from ledger.faithful.megatron.rules import default_transformer_impl, grad_dtype
 from ledger.dtypes import nbytes
 from ledger.optim import MOMENT_BYTES, STEP_BYTES
 
@@ -93,7 +93,6 @@ def optim_weights(fw) -> tuple[int, int]:
 @lru_cache(maxsize=64)
 def dtypes(fw: Knobs) -> tuple[str, str, int, int]:
     """(param dtype, grad dtype, their bytes): bf16 params with fp32 grads under grad_reduce_in_fp32."""
-    bf16 = fw.precision == "bf16"
-    pdt = "bf16" if bf16 else "fp32"
-    gdt = "fp32" if (fw.grad_reduce_in_fp32 or not bf16) else "bf16"
+    pdt = "bf16" if fw.precision == "bf16" else "fp32"
+    gdt = grad_dtype(fw)
     return pdt, gdt, nbytes(pdt), nbytes(gdt)
