@@ -23,9 +23,10 @@ import time
 from omegaconf import OmegaConf
 
 import records
+from ledger import frameworks
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, recompute_mode, SPLIT_KNOBS, Hardware, Plan, Row, Space,
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, recompute_mode, Hardware, Plan, Row, Space,
                          search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
@@ -169,7 +170,7 @@ def _val(v) -> str:
 
 def _framework_overrides(name: str, base: dict, chosen) -> list[str]:
     """The job's framework knobs that differ from the schema's defaults (what the user set), but those
-    the plan chooses per row (`chosen`: zero_stage, Megatron's split)."""
+    the plan chooses per row (`chosen`: FrameworkLedger.plan_chooses, and the row's knobs)."""
     from conf.schema import FRAMEWORK_SCHEMAS
 
     ref = OmegaConf.to_container(OmegaConf.structured(FRAMEWORK_SCHEMAS[name]))
@@ -196,7 +197,7 @@ def sweep_of(cfg, bases: dict, rows: list[Row], rank_of: dict, name: str, job_di
         g["layouts"].append(layout_override(r.layout))
     runs = []
     for (fw, _), g in groups.items():
-        ov = [*model_overrides(cfg.model), f"framework={fw}", *_framework_overrides(fw, bases[fw], (*g["knobs"], *SPLIT_KNOBS, "zero_stage")),
+        ov = [*model_overrides(cfg.model), f"framework={fw}", *_framework_overrides(fw, bases[fw], (*g["knobs"], *frameworks.get(fw).plan_chooses)),
               *(f"framework.{k}={_val(v)}" for k, v in g["knobs"].items()), *cluster, "layout=" + ",".join(g["layouts"])]
         runs.append({"framework": fw, "rows": g["rows"], "overrides": ov,
                      "command": " ".join(shlex.quote(a) for a in ["python", "launch.py", "-m", *ov])})

@@ -8,7 +8,7 @@ with the comment naming the framework source it follows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ledger.errors import ConfigError
@@ -57,7 +57,9 @@ class FrameworkLedger:
     # config's knobs the search sets itself, the pipeline splits it tries (as knobs), HSDP replicas
     plan_data_parallel_only: bool = False
     plan_knob_sets: Callable[[Any], list] = lambda space: [{}]
-    plan_base: Callable[[dict], dict] = lambda base: base
+    # the knobs the search sets per row (a value the base config gives them is not carried into a row,
+    # nor into the ready sweep's overrides), each with the value a row starts from
+    plan_chooses: dict = field(default_factory=dict)
     plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
     plan_hsdp: bool = False
 

@@ -61,9 +61,6 @@ WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "
               "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
               "account_for_loss_in_pipeline_split")
 SORTS = ("time", "peak", "wire")
-# the Megatron pipeline-split knobs a row may set (MegatronConfig; megatron_buffers.EVEN_SPLIT order)
-SPLIT_KNOBS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 # grid dims whose collectives a framework can overlap with compute (gradient reduction, FSDP/ZeRO
 # gathers); TP, CP and PP traffic sits on the critical path of each layer / micro-batch
 # the expert data parallel dim (MoE: the expert buckets' reduce-scatter / all-gather) is one of them:
@@ -196,7 +193,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                     for ep in expert_degrees(model, framework, N):
                         yield Candidate(framework, Layout(1, 1, N, 1, 1, ep, 1, False, mbs, gbs), kn, fw)
         return
-    base = spec.plan_base(base)
+    base = {**base, **spec.plan_chooses}
     fw_of: dict[tuple, FrameworkView] = {}
     for tp in divisors(N):
         across = tp > G or G % tp

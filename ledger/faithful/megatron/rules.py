@@ -163,11 +163,9 @@ def overlaps(fw) -> bool:
 
 # -- the planner's axes (ledger/plan.py candidates) ---------------------------------------------------
 
-def plan_base(base: dict) -> dict:
-    """The planner chooses the pipeline split per layout: a split set in the base config is not
-    carried into layouts it was not written for."""
-    return {**base, "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
-            "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+# the planner chooses the pipeline split per layout: a split set in the base config is not carried into
+# layouts it was not written for; a row starts from the even split (SPLIT's knobs unset)
+PLAN_CHOOSES = {**dict.fromkeys(SPLIT[:2]), **dict.fromkeys(SPLIT[2:], False)}
 
 
 def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
