@@ -349,8 +349,11 @@ class PeakTracker:
 
     def scan(self) -> int:
         """Register every storage reachable from a Python object (tensors and storages among
-        `gc.get_objects()`, whatever holds them); the bytes that were not known before."""
-        before = self.cur
+        `gc.get_objects()`, whatever holds them); the bytes of those that were not known before and
+        are still live when the scan ends. Counted from the scan's own registrations, not as a
+        difference of `cur`: a c10d worker thread may free a known storage meanwhile (module
+        docstring: thread timing), which is no part of what the scan found."""
+        first_new_serial = self._serial + 1
         kinds = _SCAN_TYPES
         frozen = [o for o in (r() for r in _FROZEN) if o is not None]
         for o in gc.get_objects() + frozen:
@@ -368,7 +371,7 @@ class PeakTracker:
                     self.see_storage(o)
             except Exception:  # an object half torn down; it holds no memory we can read
                 continue
-        return self.cur - before
+        return sum(e[0] for e in list(self._live.values()) if e[2] >= first_new_serial)
 
     # ---- where we are
     def _phase(self) -> str:
