@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 
-from launchers import write_script
+from launchers import shell_comment, write_script
 from ledger.layout import Layout
 
 
@@ -320,8 +320,15 @@ def state_groups(engine) -> dict:
     return {"params": params, "grads": grads, "optim": optim, "other": other}
 
 
-RUN_LINE = ('deepspeed --num_gpus {gpus} --num_nodes {nodes} "$HERE/train_ds.py" '
+# DeepSpeed's own launcher (deepspeed/launcher/runner.py): one node runs it; with a hostfile it
+# starts the ranks of every listed node itself (pdsh / ssh), --num_nodes x --num_gpus of them
+RUN_LINE = ('deepspeed{hostfile} --num_nodes {nodes} --num_gpus {gpus} "$HERE/train_ds.py" '
             '--deepspeed_config "$HERE/ds_config.json" --model {model} --steps {steps}')
+HOSTFILE_ARG = ' --hostfile "${HOSTFILE:-$HERE/hostfile}" --master_addr "${MASTER_ADDR:-$(head -n 1 "${HOSTFILE:-$HERE/hostfile}" | cut -d" " -f1)}"'
+# under Slurm the hostfile is the job's nodes (sbatch.sh), each with the GPUs per node as its slots
+SLURM_HOSTFILE = ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots={gpus}/" > "$HERE/hostfile.slurm"\n'
+                  'HOSTFILE="$HERE/hostfile.slurm" bash "$HERE/run.sh"')
+
 
 TRAIN_DS = """\"\"\"train-ledger: ZeRO on the plain-PyTorch Llama (launchers/llama.py), as run_rank does it.\"\"\"
 import argparse, json, os
@@ -373,6 +380,7 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
     """ds_config.json, train_ds.py and run.sh for a GPU cluster (DeepSpeed's own launcher)."""
     from dataclasses import asdict
 
+    from launchers import gpu_scripts
     from ledger.model import ModelShape
 
     conf = ds_config(cfg, lay)
@@ -385,17 +393,33 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
     with open(p, "w") as f:
         f.write(TRAIN_DS)
     paths.append(p)
-    gpus = cfg.cluster.gpus_per_node or cfg.cluster.ranks
+    topo = gpu_scripts.topology(cfg.cluster, lay.world)
+    multi_node = topo.nodes > 1
+    if multi_node:  # one line per node, `name slots=N` (DeepSpeed's hostfile); the names are the user's
+        paths.append(os.path.join(out_dir, "hostfile"))
+        with open(paths[-1], "w") as f:
+            f.write("".join(f"node{i} slots={topo.gpus_per_node}\n" for i in range(topo.nodes)))
     # every value on the command line is shlex-quoted: the model's JSON (its name included) is data
-    line = RUN_LINE.format(gpus=int(gpus), nodes=int(cfg.cluster.nodes), steps=int(cfg.train.steps),
+    line = RUN_LINE.format(hostfile=HOSTFILE_ARG if multi_node else "", gpus=topo.gpus_per_node, nodes=topo.nodes,
+                           steps=int(cfg.train.steps),
                            model=shlex.quote(json.dumps(asdict(ModelShape.from_config(cfg.model)))))
     if cfg.model.num_experts:
         fw = cfg.framework
         line += " --moe " + shlex.quote(json.dumps(
             {"ep_size": int(lay.ep), "capacity_factor": float(fw.capacity_factor), "min_capacity": int(fw.min_capacity),
              "drop_tokens": bool(fw.drop_tokens), "moe_loss_coeff": float(fw.moe_loss_coeff)}))
+    where = ("# multi-node: the hostfile's nodes (edit its names, or set HOSTFILE); run on the first of them\n"
+             if multi_node else "")
     paths.append(write_script(os.path.join(out_dir, "run.sh"),
-                              "#!/bin/bash\n# train-ledger: DeepSpeed ZeRO-%d, %d ranks; run from the train-ledger repo root\n"
-                              'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
-                              'PYTHONPATH="$PWD" %s\n' % (cfg.framework.zero_stage, lay.world, line)))
+                              "#!/bin/bash\n%s\n# TRAIN_LEDGER = the train-ledger checkout (train_ds.py imports its Llama; "
+                              "default: the working directory)\n%s"
+                              '%s\nPYTHONPATH="${TRAIN_LEDGER:-$PWD}" %s\n' % (
+                                  shell_comment(f"train-ledger: DeepSpeed ZeRO-{int(cfg.framework.zero_stage)}, "
+                                                f"{topo.describe()}"), where, gpu_scripts.HERE_LINE, line)))
+    if cfg.cluster.kind == "slurm":
+        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
+            cfg.cluster, topo, [SLURM_HOSTFILE.format(gpus=topo.gpus_per_node) if multi_node
+                                else 'bash "$HERE/run.sh"'],
+            shell_comment(f"train-ledger: DeepSpeed ZeRO-{int(cfg.framework.zero_stage)} on {topo.describe()}; "
+                          "submit from this folder: TRAIN_LEDGER=<checkout> sbatch sbatch.sh"))))
     return paths

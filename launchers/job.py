@@ -118,6 +118,10 @@ def check(cfg):
         why = spec.dispatch_error(model, lay)
         if why is not None:
             raise ConfigError(why)
+    if cfg.mode == "dry":  # the nodes x GPUs that start the layout's world, the sbatch values
+        from launchers import gpu_scripts
+
+        gpu_scripts.check(cfg.cluster, lay.world)
     if cfg.cluster.kind == "fake":
         from conf.validate import fake_layout_supported, fake_ranks_in_world
 

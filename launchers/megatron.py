@@ -473,7 +473,7 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab,
           # Megatron-LM pads the vocab itself (build_tokenizer.py vocab_size_with_padding): explicit, as predicted
           "--make-vocab-size-divisible-by", fw.make_vocab_size_divisible_by, "--split", "99,1,0",
-          "--log-interval", 1, "--log-memory-to-tensorboard", "--tensorboard-dir", "$PWD/tb/megatron",
+          "--log-interval", 1, "--log-memory-to-tensorboard", "--tensorboard-dir", "$HERE/tb",
           "--eval-iters", 0, "--save-interval", 1000000, "--distributed-timeout-minutes", 30]
     return [str(x) for x in a]
 
@@ -505,16 +505,19 @@ def moe_args(cfg, lay: Layout) -> list:
 
 
 def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
-    c = cfg.cluster
-    gpus = c.gpus_per_node or c.ranks
+    """run.sh: torchrun of Megatron-LM's pretrain_gpt.py on every node (launchers/gpu_scripts.py
+    sizes the nodes to the layout's world); sbatch.sh beside it on a Slurm cluster."""
+    from launchers import gpu_scripts
+
+    topo = gpu_scripts.topology(cfg.cluster, lay.world)
     args = pretrain_gpt_args(cfg, lay)
     lines = ["#!/bin/bash",
              shell_comment(f"train-ledger: Megatron-LM pretrain_gpt.py, model {cfg.model.name}: "
-                           f"TP{lay.tp} x PP{lay.pp} x DP{lay.dp}, world {lay.world}"),
-             "# run from a Megatron-LM checkout on each node (torchrun's rendezvous from the environment)",
-             f"torchrun --nproc_per_node {gpus} --nnodes {c.nodes} "
-             '--node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-localhost}" '
-             '--master_port "${MASTER_PORT:-6000}" pretrain_gpt.py \\']
+                           f"TP{lay.tp} x PP{lay.pp} x CP{lay.cp} x DP{lay.dp}, {topo.describe()}"),
+             "# the same line on every node; MEGATRON_LM = a Megatron-LM checkout (default: the working directory),",
+             "# MASTER_ADDR = the first node (sbatch.sh sets it under Slurm)",
+             gpu_scripts.HERE_LINE,
+             f'{gpu_scripts.torchrun_line(topo)} "${{MEGATRON_LM:-.}}/pretrain_gpt.py" \\']
     pairs, i = [], 0
     while i < len(args):  # one flag (with its values) per line
         j = i + 1
@@ -523,10 +526,15 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
         pairs.append(" ".join(_q(x) for x in args[i:j]))
         i = j
     lines += [f"  {p} \\" for p in pairs[:-1]] + [f"  {pairs[-1]}", ""]
-    path = write_script(os.path.join(out_dir, "run.sh"), "\n".join(lines))
-    return [path]
+    paths = [write_script(os.path.join(out_dir, "run.sh"), "\n".join(lines))]
+    if cfg.cluster.kind == "slurm":
+        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
+            cfg.cluster, topo, [gpu_scripts.SRUN_EACH_NODE.format(script="run.sh")],
+            shell_comment(f"train-ledger: Megatron-LM pretrain_gpt.py on {topo.describe()}; "
+                          "submit from this folder: sbatch sbatch.sh"))))
+    return paths
 
 
 def _q(x: str) -> str:
-    return f'"{x}"' if x.startswith("$PWD") else shlex.quote(x)  # expanded by the shell on the node
+    return f'"{x}"' if x.startswith("$HERE/") else shlex.quote(x)  # expanded by the shell on the node
 

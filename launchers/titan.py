@@ -14,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shlex
 import sys
 import textwrap
 
-from launchers import write_script
+from launchers import shell_comment, write_script
 from launchers.local import REPO
 
 MODULE_NAME = "ledger_titan"
@@ -70,9 +69,15 @@ def _moe_spec(m) -> str:
         '''), "        ").lstrip()
 
 
-def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> str:
-    """The torchtitan config module for this job (a function returning Trainer.Config)."""
+def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relative: bool = False) -> str:
+    """The torchtitan config module for this job (a function returning Trainer.Config). relative:
+    the paths are written relative to the module's own folder (mode=dry: the module travels to the
+    cluster with its assets beside it), else as they are (a run on this machine)."""
     m, fw, tr = cfg.model, cfg.framework, cfg.train
+    job_dir = os.path.dirname(dump_folder)
+
+    def path(p: str) -> str:
+        return f"os.path.join(JOB_DIR, {_py(os.path.relpath(p, job_dir))})" if relative else _py(p)
     head_dim = m.hidden // m.heads
     # PP: the rank's local batch (global / dp) is split into pipeline micro-batches of the
     # layout's micro_batch_size (trainer.py num_pipeline_parallel_microbatches); torchtitan's
@@ -96,9 +101,11 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
     return textwrap.dedent(f'''\
         """torchtitan 0.3.0 config written by train-ledger (see LEDGER_JOB below).
 
-        On a GPU cluster, from the torchtitan repo root, with JOB_DIR on PYTHONPATH: run_train.sh
-        beside this module.
+        On a GPU cluster: run_train.sh beside this module starts it (paths are relative to JOB_DIR,
+        the module's folder, in mode=dry).
         """
+        import os
+
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
         from torchtitan.components.metrics import MetricsProcessor
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -117,7 +124,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
 
         LEDGER_JOB = {_py(dict(model=m.name, pp=pp, tp=lay.tp, cp=lay.cp, dp_shard=lay.dp_shard,
                                dp_replicate=lay.dp_replicate, world=lay.world))}
-        JOB_DIR = {_py(os.path.dirname(dump_folder))}
+        JOB_DIR = {"os.path.dirname(os.path.abspath(__file__))" if relative else _py(job_dir)}
 
 
         def ledger_model_spec() -> ModelSpec:
@@ -153,8 +160,8 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                 model_spec=model_spec,
                 loss=ChunkedLossWrapper.Config(
                     loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))),
-                hf_assets_path={_py(tok_dir)},
-                dump_folder={_py(dump_folder)},
+                hf_assets_path={path(tok_dir)},
+                dump_folder={path(dump_folder)},
                 optimizer=default_adamw(lr={tr.lr}),
                 lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
                 training=TrainingConfig(
@@ -176,7 +183,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str) -> st
                     spmd_backend={fw.spmd_backend!r},
                     expert_parallel_degree={ep},
                 ),
-                dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path={_py(data_dir)}),
+                dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path={path(data_dir)}),
                 metrics=MetricsProcessor.Config(log_freq=1),
                 activation_checkpoint={ac},
                 debug=DebugConfig(seed={tr.seed}),
@@ -189,7 +196,7 @@ def write_module(cfg, lay, out_dir: str) -> str:
 
     tok_dir, data_dir = titan_assets.build(os.path.join(out_dir, "titan_assets"), cfg.model.vocab) \
         if cfg.mode == "dry" else titan_assets.build(ASSETS_CACHE, cfg.model.vocab)
-    src = render_module(cfg, lay, tok_dir, data_dir, os.path.join(out_dir, "titan_dump"))
+    src = render_module(cfg, lay, tok_dir, data_dir, os.path.join(out_dir, "titan_dump"), relative=cfg.mode == "dry")
     path = os.path.join(out_dir, f"{MODULE_NAME}.py")
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -207,20 +214,33 @@ def load_config(path: str):
     return getattr(mod, CONFIG_FN)()
 
 
-def run_train_line(lay, out_dir: str) -> str:
-    # the job dir is quoted for the shell (it may hold spaces, quotes, `;` or `$(`)
-    return (f'PYTHONPATH={shlex.quote(out_dir)}:"$PYTHONPATH" NGPU={int(lay.world)} MODULE={MODULE_NAME} '
-            f"CONFIG={CONFIG_FN} ./run_train.sh")
+# torchtitan's run_train.sh, per node: torchrun of `-m torchtitan.train --module M --config F`
+# (config/manager.py imports M from PYTHONPATH and calls F), with the allocator setting it exports
+TRAIN_LINE = ('PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" PYTHONPATH="$HERE:$PYTHONPATH" '
+              '{torchrun} -m torchtitan.train --module {module} --config {config}')
 
 
 def dry(cfg, lay, out_dir: str) -> list[str]:
+    """The config module (paths relative to itself), run_train.sh (torchrun on every node, sized to
+    the layout's world by launchers/gpu_scripts.py) and, on a Slurm cluster, sbatch.sh."""
+    from launchers import gpu_scripts
+
+    topo = gpu_scripts.topology(cfg.cluster, lay.world)
     path = write_module(cfg, lay, out_dir)
-    sh = write_script(os.path.join(out_dir, "run_train.sh"),
-                      "#!/bin/bash\n# train-ledger: torchtitan 0.3.0 on a GPU cluster; run from the torchtitan repo root\n"
-                      "# (its run_train.sh wraps torchrun with NGPU ranks per node). torch 2.13 lacks\n"
-                      "# torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.\n"
-                      f"{run_train_line(lay, out_dir)}\n")
-    return [path, sh]
+    title = shell_comment(f"train-ledger: torchtitan 0.3.0, model {cfg.model.name}, {topo.describe()}")
+    sh = write_script(os.path.join(out_dir, "run_train.sh"), "\n".join([
+        "#!/bin/bash", title,
+        "# the same line on every node; MASTER_ADDR = the first node (sbatch.sh sets it under Slurm).",
+        "# torch 2.13 lacks torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.",
+        gpu_scripts.HERE_LINE,
+        TRAIN_LINE.format(torchrun=gpu_scripts.torchrun_line(topo), module=MODULE_NAME, config=CONFIG_FN), ""]))
+    paths = [path, sh]
+    if cfg.cluster.kind == "slurm":
+        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
+            cfg.cluster, topo, [gpu_scripts.SRUN_EACH_NODE.format(script="run_train.sh")],
+            shell_comment(f"train-ledger: torchtitan 0.3.0 on {topo.describe()}; submit from this folder: "
+                          "sbatch sbatch.sh"))))
+    return paths
 
 
 def _fsdp_resident(model) -> list:

@@ -109,7 +109,8 @@ def run_sh_flags(path: str) -> list[str]:
     text = open(path).read().replace("\\\n", " ")
     cmd = next(line for line in text.splitlines() if line.startswith("torchrun"))
     words = shlex.split(cmd, posix=True)
-    return words[words.index("pretrain_gpt.py") + 1:]
+    script = next(i for i, w in enumerate(words) if w.endswith("/pretrain_gpt.py"))
+    return words[script + 1:]
 
 
 def compose_config(*overrides):

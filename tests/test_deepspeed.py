@@ -742,7 +742,7 @@ def test_dry_writes_a_config_deepspeed_accepts(tmp_path):
     rec = json.load(open(job / "record.json"))
     assert rec["status"] == "ok"
     assert {os.path.basename(p) for p in rec["artifacts"]} == {"ds_config.json", "train_ds.py", "run.sh"}
-    assert "deepspeed --num_gpus 8" in (job / "run.sh").read_text()
+    assert "deepspeed --num_nodes 1 --num_gpus 8 " in (job / "run.sh").read_text()
     p = subprocess.run([sys.executable, "-c", _PARSE, str(job / "ds_config.json"), "8", str(free_port())],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -700,7 +700,7 @@ def test_dry_writes_a_module_torchtitan_loads(dry_configs):
     out, got = dry_configs["tp"]
     assert (out / "ledger_titan.py").exists()
     sh = (out / "run_train.sh").read_text()
-    assert "NGPU=8" in sh and "MODULE=ledger_titan" in sh and "CONFIG=ledger_config" in sh
+    assert "--nnodes 1 --nproc_per_node 8 " in sh and "-m torchtitan.train --module ledger_titan --config ledger_config" in sh
     assert got == ["2", "4", "1", "float32", "bfloat16", "2048", "16"]
 
 

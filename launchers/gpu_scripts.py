@@ -1,0 +1,138 @@
+"""The shell around a framework's command in mode=dry: which nodes and GPUs run the layout's world,
+the launcher line that starts them, and an sbatch script for a Slurm cluster.
+
+One home for what every framework's dry artifacts share, so that a script a user carries to the
+cluster starts exactly the world the ledger predicted: nodes x GPUs per node = tp*pp*cp*dp. A
+launcher that starts fewer ranks than the layout has would not fail: Megatron-LM divides the world
+it finds by TP*PP and trains a smaller DP than predicted, silently.
+
+Nothing here writes an absolute path of the machine that wrote it: a script finds its own folder
+at run time ("$HERE") and every file of the job beside it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ledger.errors import ConfigError
+
+# GPUs per node when the cluster config names none (a CPU cluster such as local_cpu asked for GPU
+# artifacts): the common 8-GPU node (DGX / HGX H100, H200, B200; p5 / a3 instances)
+DEFAULT_GPUS_PER_NODE = 8
+
+# the line every generated script starts with: its own folder, whatever the working directory
+HERE_LINE = 'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"'
+
+# rendezvous port when MASTER_PORT is not set (torchtitan's multinode_trainer.slurm uses 29500)
+DEFAULT_PORT = 29500
+
+# what an sbatch directive value may hold: it is written after `#SBATCH --opt=`, where a newline or
+# a space would start another directive or a command
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:+=@/%-]+")
+_SBATCH_NAME = re.compile(r"[A-Za-z0-9-]+")
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.gpus_per_node} GPUs = world {self.world}"
+
+
+def gpus_per_node(cluster) -> int:
+    """cluster.gpus_per_node; else a GPU cluster's ranks per node; else DEFAULT_GPUS_PER_NODE."""
+    if cluster.get("gpus_per_node"):
+        return int(cluster.get("gpus_per_node"))
+    if cluster.get("device") == "cuda":
+        return int(cluster.get("ranks"))
+    return DEFAULT_GPUS_PER_NODE
+
+
+def topology(cluster, world: int) -> Topology:
+    """The nodes that run `world` ranks on this cluster: one node when the world fits in one
+    (a smaller world uses that many GPUs of it), else whole nodes. Raises ConfigError naming the
+    fields when the world does not fill whole nodes (torchrun and the deepspeed launcher start the
+    same number of ranks on every node)."""
+    per_node = gpus_per_node(cluster)
+    if world <= per_node:
+        return Topology(1, world)
+    if world % per_node:
+        raise ConfigError(
+            f"layout world {world} (tp*pp*cp*dp) is not a multiple of the GPUs per node {per_node} "
+            f"(cluster.gpus_per_node, or cluster.ranks on a GPU cluster): every node runs the same number of "
+            f"ranks; choose a layout whose world is a multiple of {per_node}, or at most {per_node}")
+    return Topology(world // per_node, per_node)
+
+
+def check(cluster, world: int) -> Topology:
+    """Everything mode=dry refuses, before anything is predicted or written."""
+    topo = topology(cluster, world)
+    if cluster.get("kind") == "slurm":
+        for name, value in sbatch_options(cluster, topo).items():
+            field = _OPTION_FIELD.get(name, f"additional_parameters.{name}")
+            if not _SBATCH_NAME.fullmatch(name):
+                raise ConfigError(f"cluster.{field}: an sbatch option name may hold only letters, digits and - "
+                                  "(it is written into #SBATCH lines)")
+            if value not in (None, "", False) and not _SBATCH_VALUE.fullmatch(str(value)):
+                raise ConfigError(f"cluster.{field}={value!r}: an sbatch value may hold only "
+                                  "letters, digits and _ . , : + = @ / % - (it is written into #SBATCH lines)")
+    return topo
+
+
+def torchrun_line(topo: Topology) -> str:
+    """torchrun for every node of the topology, as torchtitan's multinode_trainer.slurm and
+    Megatron-LM's examples start it: the same line on each node, c10d rendezvous at MASTER_ADDR
+    (localhost on one node; the sbatch script exports the first node's name)."""
+    return (f"torchrun --nnodes {topo.nodes} --nproc_per_node {topo.gpus_per_node} "
+            '--rdzv_id "${RDZV_ID:-train-ledger}" --rdzv_backend c10d '
+            f'--rdzv_endpoint "${{MASTER_ADDR:-localhost}}:${{MASTER_PORT:-{DEFAULT_PORT}}}"')
+
+
+# sbatch option -> the cluster field it comes from (for the error message)
+_OPTION_FIELD = {"partition": "partition", "account": "account", "qos": "qos", "constraint": "constraint",
+                 "cpus-per-task": "cpus_per_task", "mem": "mem_gb", "time": "time_min"}
+
+
+def sbatch_options(cluster, topo: Topology) -> dict:
+    mem_gb = cluster.get("mem_gb")
+    # cluster.cpus_per_task is per rank (mode=run starts one Slurm task per GPU); here one task per
+    # node starts the node's ranks, so it asks for theirs together
+    cpus = cluster.get("cpus_per_task")
+    opts = {"job-name": "train-ledger", "nodes": topo.nodes, "gpus-per-node": topo.gpus_per_node,
+            "cpus-per-task": None if cpus is None else int(cpus) * topo.gpus_per_node,
+            "time": cluster.get("time_min"),  # minutes
+            "mem": None if mem_gb is None else f"{int(mem_gb)}G" if mem_gb else "0",  # 0: all the node's memory
+            "partition": cluster.get("partition"), "account": cluster.get("account"), "qos": cluster.get("qos"),
+            "constraint": cluster.get("constraint")}
+    for key, value in (cluster.get("additional_parameters") or {}).items():
+        opts[str(key).replace("_", "-")] = "" if value is True else value
+    return opts
+
+
+def sbatch_script(cluster, topo: Topology, commands: list[str], title: str) -> str:
+    """An sbatch script (one task per node) whose batch step, on the first node, runs `commands`
+    (lines whose values the caller quoted): `srun` of a torchrun script on every node, or a
+    launcher that reaches every node itself (deepspeed's, over a hostfile). The first node is
+    MASTER_ADDR. cluster.setup lines are not copied: they are the site's shell, kept in the config."""
+    lines = ["#!/bin/bash", title]
+    for name, value in sbatch_options(cluster, topo).items():
+        if value is None or value is False:
+            continue
+        lines.append(f"#SBATCH --{name}" if value == "" else f"#SBATCH --{name}={value}")
+    lines.append("#SBATCH --ntasks-per-node=1")
+    lines += ["# your site's environment (modules, the venv) goes here, before the launch",
+              'HERE="${SLURM_SUBMIT_DIR:-$(pwd)}"  # sbatch runs a copy of this script: submit it from its folder',
+              'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+              f'export MASTER_PORT="${{MASTER_PORT:-{DEFAULT_PORT}}}"',
+              'export RDZV_ID="${SLURM_JOB_ID:-train-ledger}"',
+              *commands, ""]
+    return "\n".join(lines)
+
+
+SRUN_EACH_NODE = 'srun --ntasks-per-node=1 bash "$HERE/{script}"'
