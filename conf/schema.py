@@ -288,6 +288,9 @@ class PlanConfig:
     sort: str = "time"  # time | peak | wire
     top: int = 20  # rows of the printed table, detailed per stage in plan.json
     sweep_top: int = 3  # rows written as the ready sweep
+    # the cluster config (conf/cluster/<name>.yaml, a CUDA one) the ready sweep runs on, sized to the
+    # plan's nodes and GPUs per node; a Slurm one adds hydra/launcher=submitit_slurm
+    cluster: str = "slurm_gpu_example"
     # the sweep file's name (<sweep_dir>/<name>.yaml); None: <model>_<gpus>gpus_<framework>
     name: Optional[str] = None
     # where a copy of the ready sweep goes besides the plan's own job dir (sweep.yaml); None: nowhere else

@@ -7,6 +7,8 @@ ledger.layout.resolve / validate, which run after these: they can then divide by
 """
 from __future__ import annotations
 
+import os
+
 import re
 
 from ledger import frameworks
@@ -166,12 +168,32 @@ def validate_plan(p, model, layout=None) -> None:
     from ledger.plan import SORTS, WATCH_KEYS
 
     _one_of("plan", p, "sort", SORTS)
+    plan_cluster(p.cluster)
     if p.name is not None:
         validate_name("plan.name", p.name)
     for i, w in enumerate(p.watch):
         bad = sorted(set(w) - set(WATCH_KEYS))
         if bad:
             raise ConfigError(f"plan.watch[{i}] has {', '.join(bad)}: its keys must be among {', '.join(WATCH_KEYS)}")
+
+
+def plan_cluster(name: str) -> dict:
+    """plan.cluster: the conf/cluster config a plan's ready sweep names; it must exist and run CUDA
+    ranks (a plan is for GPUs: its sweep on a CPU cluster would start the plan's world on one
+    machine). Returns its kind and device."""
+    from omegaconf import OmegaConf
+
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)):
+        raise ConfigError(f"plan.cluster={name!r} must name a file of conf/cluster (letters, digits, _ and -)")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster", f"{name}.yaml")
+    if not os.path.exists(path):
+        have = sorted(f[:-5] for f in os.listdir(os.path.dirname(path)) if f.endswith(".yaml"))
+        raise ConfigError(f"plan.cluster={name!r}: no conf/cluster/{name}.yaml (there are {', '.join(have)})")
+    c = OmegaConf.load(path)
+    if c.get("device") != "cuda":
+        raise ConfigError(f"plan.cluster={name!r} runs {c.get('device')!r} ranks: the ready sweep of a plan "
+                          "needs a GPU cluster config (device: cuda), e.g. slurm_gpu_example or local_gpu")
+    return {"kind": c.get("kind", "local"), "device": c.get("device")}
 
 
 def validate_campaign(c) -> None:

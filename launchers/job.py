@@ -128,7 +128,16 @@ def check(cfg):
         fake_ranks_in_world(cfg.cluster, lay.world)
         if cfg.mode == "run":
             fake_layout_supported(cfg.framework.name, lay, model)
-    return model, lay, predict(model, lay, cfg.framework, cfg.ledger.mode)
+    pl = predict(model, lay, cfg.framework, cfg.ledger.mode)
+    if cfg.mode == "run" and cfg.cluster.kind == "local":  # every rank on this machine: can it hold them?
+        from launchers.local import local_world_error
+        from ledger.report import heaviest_rank
+        from ledger.units import peak_or_resident
+
+        why = local_world_error(lay.world, peak_or_resident(heaviest_rank(pl)[1]), cfg.cluster.device)
+        if why is not None:
+            raise ConfigError(why)
+    return model, lay, pl
 
 
 def new_record(cfg, job_dir: str) -> dict:

@@ -81,6 +81,45 @@ def fork_from(cluster, framework: str) -> str | None:
     return framework if cluster.fork_ranks and cluster.device == "cpu" else None
 
 
+# a local run starts every rank on this machine: beyond this many ranks per CPU core (and at least
+# LOCAL_RANKS_MIN) it is a mistake (a cluster's world on the default local cluster), not a run
+LOCAL_RANKS_PER_CPU = 4
+LOCAL_RANKS_MIN = 16
+
+
+def available_memory_bytes() -> int | None:
+    """/proc/meminfo's MemAvailable (what the kernel can give without swapping); None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def local_world_error(world: int, heaviest_rank_bytes: int, device: str) -> str | None:
+    """Why this machine cannot run `world` local ranks, each holding up to heaviest_rank_bytes (the
+    ledger's predicted peak of the heaviest rank), or None. CPU ranks share the machine's memory;
+    the rank count is bounded by its cores."""
+    from ledger.units import fmt
+
+    cpus = os.cpu_count() or 1
+    bound = max(LOCAL_RANKS_MIN, LOCAL_RANKS_PER_CPU * cpus)
+    if world > bound:
+        return (f"cluster.ranks x cluster.nodes: a local run of {world} ranks on this machine of {cpus} CPUs "
+                f"(at most {bound}: {LOCAL_RANKS_PER_CPU} per CPU, or {LOCAL_RANKS_MIN}); run it on a cluster "
+                "(cluster=slurm_gpu_example or yours), or mode=predict / dry / cluster=fake")
+    avail = available_memory_bytes()
+    need = heaviest_rank_bytes * world
+    if device == "cpu" and avail is not None and need > avail:
+        return (f"cluster.ranks x cluster.nodes: {world} local CPU ranks need about {fmt(need)} "
+                f"({world} x the heaviest rank's predicted peak {fmt(heaviest_rank_bytes)}), this machine has "
+                f"{fmt(avail)} available; a smaller model or world, or cluster=fake (shapes, no memory)")
+    return None
+
+
 def start_rank(job_dir: str, rank: int, world: int, port: int, device: str, framework: str | None):
     if framework is None:
         return spawn_rank(job_dir, rank, world, "127.0.0.1", port, rank, device)

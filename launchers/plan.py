@@ -187,8 +187,12 @@ def sweep_of(cfg, bases: dict, rows: list[Row], rank_of: dict, name: str, job_di
     override (Hydra sweeps a list of dicts), the cluster sized to the plan's GPUs."""
     if not rows:
         return None
+    from conf.validate import plan_cluster
+
     ranks = min(cfg.plan.gpus_per_node, cfg.plan.gpus)
-    cluster = [f"cluster.ranks={ranks}", f"cluster.nodes={cfg.plan.gpus // ranks}"]
+    kind = plan_cluster(cfg.plan.cluster)["kind"]
+    cluster = [*(["hydra/launcher=submitit_slurm"] if kind == "slurm" else []), f"cluster={cfg.plan.cluster}",
+               f"cluster.gpus_per_node={ranks}", f"cluster.ranks={ranks}", f"cluster.nodes={cfg.plan.gpus // ranks}"]
     groups: dict[tuple, dict] = {}
     for r in rows:
         key = (r.framework, tuple(r.knobs.items()))
@@ -207,7 +211,7 @@ def sweep_of(cfg, bases: dict, rows: list[Row], rank_of: dict, name: str, job_di
 
 def sweep_yaml(sweep: dict) -> str:
     head = ("# train-ledger plan: the top layouts as ready sweeps (launchers/plan.py). Run each `command`\n"
-            "# (add hydra/launcher=submitit_slurm cluster=<your Slurm config> for a cluster), then\n"
+            "# on the cluster config plan.cluster names (cluster=..., sized to the plan), then\n"
             "# python -m analysis.reconcile <its hydra.sweep.dir>; or python -m sweeps.plan <this file>.\n")
     return head + OmegaConf.to_yaml(OmegaConf.create(sweep))
 

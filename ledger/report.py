@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ledger.units import STATES, fmt
 
 if TYPE_CHECKING:  # render() reads a Placement; ledger.placement imports this module to print one
-    from ledger.placement import Placement
+    from ledger.placement import Placement, RankState
 
 COLS = (*STATES, "resident_bytes")
 
@@ -91,6 +91,20 @@ def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -
     planner's rule (ledger/plan.py). The peak is the ledger's: the notes above say what it is for."""
     from ledger.units import peak_or_resident
 
+    best_rank, best = heaviest_rank(pl)
+    need, budget = peak_or_resident(best), memory_fraction * gpu_memory_gb * 1e9
+    what = "predicted peak" if best.peak is not None else "resident state (no peak predicted for this layout)"
+    verdict = "fits" if need <= budget else "does NOT fit"
+    return (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
+            f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
+            f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
+
+
+def heaviest_rank(pl: "Placement") -> tuple[int, "RankState"]:
+    """The rank with the largest predicted peak (resident state where no peak is predicted), and its
+    state; each stage is asked through the ranks that stand for it (stage_peak_ranks)."""
+    from ledger.units import peak_or_resident
+
     stages: dict[int, list[int]] = {}
     for r in range(pl.world):
         lo_hi = stages.setdefault(pl.rank_state(r).stage, [r, r])
@@ -101,12 +115,7 @@ def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -
             s = pl.rank_state(r)
             if best is None or peak_or_resident(s) > peak_or_resident(best):
                 best, best_rank = s, r
-    need, budget = peak_or_resident(best), memory_fraction * gpu_memory_gb * 1e9
-    what = "predicted peak" if best.peak is not None else "resident state (no peak predicted for this layout)"
-    verdict = "fits" if need <= budget else "does NOT fit"
-    return (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
-            f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
-            f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
+    return best_rank, best
 
 
 def stage_peak_ranks(pl: "Placement", stage: int, ranks: tuple[int, int]) -> list[int]:

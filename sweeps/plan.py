@@ -3,7 +3,8 @@ runs is one `launch.py -m` into <out>/<i>_<framework>; then the reconcile table 
 
     python -m sweeps.plan PLAN_JOB_DIR/sweep.yaml [--out DIR] [--print] [OVERRIDE ...]
 
-Extra overrides go to every run, e.g. `hydra/launcher=submitit_slurm cluster=my_slurm` for a cluster, or
+Extra overrides go to every run, replacing the file's of the same key: e.g. `cluster=my_slurm` for your
+cluster (the file names plan.cluster's), `hydra/launcher=basic cluster=local_cpu` on this machine, or
 `train.steps=5`. --print shows the commands and runs nothing.
 """
 from __future__ import annotations
@@ -20,9 +21,16 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def commands(sweep: dict, out: str, extra: list[str]) -> list[list[str]]:
-    """One `launch.py -m` argv per run of the sweep file, each into its own sweep dir under out."""
-    return [[sys.executable, "launch.py", "-m", *run["overrides"], *extra,
+    """One `launch.py -m` argv per run of the sweep file, each into its own sweep dir under out. An
+    extra override replaces the file's of the same key (`cluster=my_slurm` the file's cluster, Hydra
+    refusing a group given twice)."""
+    replaced = {_key(o) for o in extra}
+    return [[sys.executable, "launch.py", "-m", *(o for o in run["overrides"] if _key(o) not in replaced), *extra,
              f"hydra.sweep.dir={os.path.join(out, f'{i}_{run['framework']}')}"]
             for i, run in enumerate(sweep["runs"])]
 

@@ -300,7 +300,12 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
     assert len(sweep["runs"]) == 1 and sweep["runs"][0]["rows"] == [1, 2, 3]
     out = tmp_path / "run"
     # two steps: step 1 is the steady one the reconcile compares (the sweep file leaves train.steps alone)
-    p = launch("-m", *sweep["runs"][0]["overrides"], "train.steps=2", f"hydra.sweep.dir={out}", timeout=900)
+    # on this machine: the file's GPU cluster and its Slurm launcher replaced, as sweeps.plan replaces them
+    from sweeps.plan import commands
+
+    argv = commands(sweep, str(out), ["hydra/launcher=basic", "cluster=local_cpu", "train.steps=2"])[0]
+    assert "cluster=slurm_gpu_example" not in argv and "hydra/launcher=submitit_slurm" not in argv
+    p = launch(*argv[argv.index("-m"):-1], f"hydra.sweep.dir={out}", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = sorted(records.load(str(out)), key=lambda r: r["job_dir"])
     assert [r["status"] for r in recs] == ["ok"] * 3
@@ -326,6 +331,8 @@ def test_sweep_runner_commands(tmp_path):
     assert [c[2:] for c in cmds] == [
         ["-m", "model=tiny", "layout={tp:2},{pp:2}", "train.steps=2", f"hydra.sweep.dir={tmp_path / '0_megatron'}"],
         ["-m", "model=tiny", "framework=titan", "train.steps=2", f"hydra.sweep.dir={tmp_path / '1_titan'}"]]
+    # an extra override replaces the file's of the same key (Hydra refuses a group given twice)
+    assert commands(sweep, str(tmp_path), ["model=llama3_8b"])[1][2:5] == ["-m", "framework=titan", "model=llama3_8b"]
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
     assert main([str(tmp_path / "s.yaml"), "--print", "--out", str(tmp_path)]) == 0
 
@@ -342,7 +349,8 @@ def test_sweep_carries_the_users_knobs_and_the_rows_own(tmp_path):
         assert ov.count("framework.overlap_comm=true") == 1
         assert [o for o in ov if o.startswith("framework.zero_stage=")] == [
             f"framework.zero_stage={next(r for r in rows if r['rank'] == run['rows'][0])['knobs']['zero_stage']}"]
-        assert "cluster.ranks=2" in ov and "cluster.nodes=1" in ov
+        assert "cluster.ranks=2" in ov and "cluster.nodes=1" in ov and "cluster.gpus_per_node=2" in ov
+        assert "cluster=slurm_gpu_example" in ov and "hydra/launcher=submitit_slurm" in ov
 
 
 def test_fuzz_search_never_crashes():
@@ -394,3 +402,13 @@ def test_plan_writes_into_its_job_dir_only_and_says_where(tmp_path):
     assert {os.path.basename(f) for f in files} >= {"plan.json", "plan.csv", "sweep.yaml"}
     assert all(os.path.dirname(f) == str(tmp_path) and os.path.exists(f) for f in files)
     assert sweeps_files() == before
+
+
+@pytest.mark.parametrize("name,why", [("local_cpu", "needs a GPU cluster config"), ("nosuch", "no conf/cluster/nosuch.yaml"),
+                                      ("../x", "must name a file of conf/cluster")])
+def test_plan_cluster_must_be_a_gpu_cluster_config(name, why):
+    from conf.validate import plan_cluster
+
+    with pytest.raises(ConfigError, match=why):
+        plan_cluster(name)
+    assert plan_cluster("local_gpu") == {"kind": "local", "device": "cuda"}

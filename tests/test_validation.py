@@ -1,10 +1,12 @@
 """Bad layouts are rejected before anything runs, naming the field and the rule."""
+import json
 import os
 
 import pytest
 
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import preset
+from tests.conftest import launch
 
 
 class L(dict):
@@ -157,3 +159,21 @@ def test_fsdp_mem_tracker_only_on_real_titan_runs(overrides, message):
         cfg = compose(config_name="config", overrides=list(overrides))
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+def test_a_local_world_this_machine_cannot_hold_is_refused_before_anything_starts(tmp_path):
+    """A plan's world on the local CPU cluster: too many ranks for the cores, or more memory than the
+    machine has for the heaviest rank's predicted peak x ranks; invalid with the numbers, nothing run."""
+    from launchers.local import LOCAL_RANKS_MIN, available_memory_bytes, local_world_error
+
+    cores = os.cpu_count() or 1
+    too_many = max(LOCAL_RANKS_MIN, 4 * cores) + 1
+    assert f"a local run of {too_many} ranks" in local_world_error(too_many, 1, "cpu")
+    avail = available_memory_bytes()
+    assert "available" in local_world_error(2, avail, "cpu")  # 2 x all of it
+    assert local_world_error(2, 1 << 20, "cpu") is None
+    p = launch("mode=run", "framework=megatron", "model=llama3_70b", "layout.tp=8", "cluster.ranks=8",
+               "cluster.nodes=128", f"hydra.run.dir={tmp_path}")
+    rec = json.load(open(tmp_path / "record.json"))
+    assert rec["status"] == "invalid" and "1024 ranks" in rec["error"] and rec["measurement"] is None
+    assert not list(tmp_path.glob("rank*.log")), p.stdout
