@@ -124,7 +124,8 @@ class DeepSpeedConfig(FrameworkConfig):
     zero_stage: int = 1
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
+    # None: DeepSpeed's own default, on at stage 3 and off below (ledger/faithful/deepspeed/rules.py)
+    overlap_comm: Optional[bool] = None
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_reuse_distance: int = 1_000_000_000

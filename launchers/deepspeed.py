@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from launchers import shell_comment, write_script
+from ledger.faithful.deepspeed.rules import overlap_comm
 from ledger.layout import Layout
 
 
@@ -27,7 +28,7 @@ def ds_config(cfg, lay: Layout) -> dict:
         "stage": int(fw.zero_stage),
         "reduce_bucket_size": int(fw.reduce_bucket_size),
         "allgather_bucket_size": int(fw.allgather_bucket_size),
-        "overlap_comm": bool(fw.overlap_comm),
+        "overlap_comm": overlap_comm(fw),  # explicit: DeepSpeed's own rule when unset
         "contiguous_gradients": bool(fw.contiguous_gradients),
     }
     if fw.zero_stage == 3:

@@ -92,6 +92,29 @@ def fill_mode_defaults(cfg) -> None:
         frameworks.get(cfg.framework.name).fill_mode_defaults(cfg.framework, cfg.mode)
 
 
+def away_from_framework_defaults(fw) -> list[str]:
+    """The job's framework knobs whose value is not what the framework does when they are left unset:
+    those the user set, and train-ledger's own departures (FrameworkLedger.own_defaults). None is the
+    framework's own default wherever a knob takes it."""
+    from conf.schema import FRAMEWORK_SCHEMAS
+
+    spec = frameworks.get(fw.name)
+    ours = OmegaConf.to_container(OmegaConf.structured(FRAMEWORK_SCHEMAS[fw.name]))
+    out = []
+    for knob, value in OmegaConf.to_container(fw).items():
+        if knob == "name" or value is None:
+            continue
+        own = spec.own_defaults.get(knob, ours.get(knob))
+        if value != own:
+            out.append(f"{knob}={_override_text(value)} ({'unset' if own is None else _override_text(own)})")
+    return out
+
+
+def _override_text(value) -> str:
+    """A value as a Hydra override writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
     prediction is part of the check: a faithful ledger rejects what it does not model. mode=plan:
@@ -181,11 +204,12 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
             return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
         pred = pl.to_dict()
         record["prediction"] = pred
+        record["knobs_away_from_defaults"] = away_from_framework_defaults(cfg.framework)
         if writes_record:
             write_json(os.path.join(job_dir, "prediction.json"), pred)
         record["timings"]["predict_s"] = time.time() - t0
         if writes_record:
-            print(pl.report())
+            print(pl.report(away_from_defaults=record["knobs_away_from_defaults"]))
             if cfg.cluster.get("gpu_memory_gb"):
                 from ledger.report import fit_verdict
 

@@ -62,6 +62,9 @@ class FrameworkLedger:
     plan_chooses: dict = field(default_factory=dict)
     plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
     plan_hsdp: bool = False
+    # knob -> what the framework itself does when the knob is left unset, where train-ledger's default
+    # (conf/schema.py) is not that: a job's table lists every knob away from the framework's own
+    own_defaults: dict = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, FrameworkLedger] = {}

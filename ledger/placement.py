@@ -370,10 +370,10 @@ class Placement:
             out["spec"] = self.spec
         return out
 
-    def report(self, max_rows: int = 16) -> str:
+    def report(self, max_rows: int = 16, away_from_defaults: list[str] | None = None) -> str:
         from ledger.report import render
 
-        return render(self, max_rows)
+        return render(self, max_rows, away_from_defaults)
 
 
 def _rank_dict(rank: int, s: RankState) -> dict:

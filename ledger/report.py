@@ -33,9 +33,10 @@ def expert_split(s) -> dict[str, tuple[int, int]]:
     return out if any(e for _, e in out.values()) else {}
 
 
-def render(pl: "Placement", max_rows: int = 16) -> str:
+def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | None = None) -> str:
     """One row per pipeline stage (its ranks are one contiguous block of the grid): each state's
-    range over the stage's ranks; then the most-loaded rank in exact bytes."""
+    range over the stage's ranks; then the most-loaded rank in exact bytes. away_from_defaults: the
+    job's knobs whose values are not the framework's own defaults, listed in the title."""
     buf = io.StringIO()
     con = Console(file=buf, width=140, force_terminal=False)
     stages: dict[int, dict] = {}
@@ -54,7 +55,9 @@ def render(pl: "Placement", max_rows: int = 16) -> str:
                 st[k] = [min(st[k][0], v), max(st[k][1], v)]
     spec = f", {pl.spec}" if pl.spec else ""
     t = Table(title=f"{pl.framework} ({pl.mode}{spec}) {pl.model.get('name', '')} "
-                    f"N={pl.model['num_params']:,} world={pl.world}: state bytes per rank at a step boundary")
+                    f"N={pl.model['num_params']:,} world={pl.world}: state bytes per rank at a step boundary"
+                    + (f"\nknobs away from {pl.framework}'s own defaults: {', '.join(away_from_defaults)}"
+                       if away_from_defaults else ""))
     for col in ("stage", "ranks", *(k.replace("_bytes", "") for k in COLS), "distinct"):
         t.add_column(col, justify="left" if col == "ranks" else "right")
     for i, (stage, st) in enumerate(sorted(stages.items())):

@@ -163,6 +163,38 @@ def test_a_knob_swept_over_frameworks_applies_where_the_framework_has_it(tmp_pat
     assert "knobs not of titan, ignored: zero_stage, overlap_grad_reduce" in p.stdout
 
 
+def test_the_sweep_lists_the_knobs_away_from_each_frameworks_own_defaults(tmp_path):
+    """The same predict sweep's records: what the user set, and train-ledger's own departures from the
+    framework's defaults (FrameworkLedger.own_defaults), each with the framework's value; in the title."""
+    import records
+    from tests.conftest import launch
+
+    p = launch("-m", "mode=predict", "framework=megatron,deepspeed,titan", "+knobs.overlap_grad_reduce=true",
+               "wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    away = {r["config"]["framework"]["name"]: r["knobs_away_from_defaults"] for r in records.load(str(tmp_path))}
+    assert away == {"megatron": ["precision=bf16 (fp32)", "use_distributed_optimizer=true (false)",
+                                 "overlap_grad_reduce=true (false)"],
+                    "deepspeed": ["precision=bf16 (fp32)", "zero_stage=1 (0)"],
+                    "titan": ["spmd_backend=partial_dtensor (spmd_types)"]}
+    assert "knobs away from titan's own defaults: spmd_backend=partial_dtensor (spmd_types)" in p.stdout
+
+
+def test_unset_overlap_comm_is_deepspeeds_own_rule():
+    """DeepSpeedZeroConfig.overlap_comm_valid: None -> on at stage 3 only; the ds_config says it."""
+    from launchers.deepspeed import ds_config
+    from ledger.faithful.deepspeed.rules import overlap_comm
+    from ledger.layout import resolve
+    from tests.conftest import compose_config
+
+    for stage, want in ((1, False), (2, False), (3, True)):
+        cfg = compose_config("framework=deepspeed", f"framework.zero_stage={stage}")
+        assert cfg.framework.overlap_comm is None and overlap_comm(cfg.framework) is want
+        assert ds_config(cfg, resolve(cfg.layout, 2))["zero_optimization"]["overlap_comm"] is want
+    assert overlap_comm(compose_config("framework=deepspeed", "framework.zero_stage=3",
+                                       "framework.overlap_comm=false").framework) is False
+
+
 def test_a_knob_no_framework_has_is_refused(tmp_path):
     from tests.conftest import launch
 

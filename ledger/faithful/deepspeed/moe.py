@@ -43,6 +43,7 @@ import numpy as np
 
 from ledger.dtypes import FP32, INT64
 from ledger.faithful.deepspeed.common import DTYPES
+from ledger.faithful.deepspeed import rules
 from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
@@ -182,7 +183,7 @@ def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
     s.add("other_bytes", "MOELayer l_aux (fp32) + exp_counts (int64 [E])",
           model.moe_layers() * (FP32 + INT64 * model.num_experts))
-    s.comm_fn = lambda: list(_comm(model, lay, fw.zero_stage, bool(fw.overlap_comm), int(fw.reduce_bucket_size),
+    s.comm_fn = lambda: list(_comm(model, lay, fw.zero_stage, rules.overlap_comm(fw), int(fw.reduce_bucket_size),
                                    fw.precision, float(fw.capacity_factor), int(fw.min_capacity)))
     return s
 

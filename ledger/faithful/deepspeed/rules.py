@@ -58,7 +58,20 @@ def recompute_mode(knobs) -> str:
 
 def overlaps(fw) -> bool:
     """ZeRO overlaps its gradient reduction with the backward under overlap_comm only."""
-    return bool(fw.overlap_comm)
+    return overlap_comm(fw)
+
+
+# DeepSpeed's own defaults where train-ledger's differ: ZeRO is off (runtime/zero/config.py
+# DeepSpeedZeroConfig.stage = 0; train-ledger drives ZeRO, stage 0 only in the textbook ledger) and the
+# engine trains in fp32 unless the ds_config enables bf16 / fp16 (runtime/config.py)
+OWN_DEFAULTS = {"zero_stage": 0, "precision": "fp32"}
+
+
+def overlap_comm(fw) -> bool:
+    """framework.overlap_comm, None meaning DeepSpeed's own default: on at stage 3, off below
+    (runtime/zero/config.py DeepSpeedZeroConfig.overlap_comm_valid: `self.stage == ZeroStageEnum.weights`)."""
+    v = getattr(fw, "overlap_comm", None)
+    return fw.zero_stage == 3 if v is None else bool(v)
 
 
 def plan_knob_sets(space) -> list[dict]:

@@ -16,6 +16,7 @@ from functools import lru_cache
 from ledger.dtypes import FP32
 from ledger.faithful.deepspeed import backward as deepspeed_backward
 from ledger.faithful.deepspeed import peak as deepspeed_peak
+from ledger.faithful.deepspeed import rules
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, block_perm, buffer_calls,
                                               counted_calls, fresh, grad_sizes, registration_sizes, size_parts)
 from ledger.faithful.deepspeed.peak import PeakInputs
@@ -34,7 +35,7 @@ def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
     # (reduce_ready_partitions_and_remove_grads: partition_gradients)
     rounds = lay.num_microbatches if fw.zero_stage == 2 else 1
-    key = (model, lay.dp, fw.zero_stage, bool(fw.overlap_comm), fw.reduce_bucket_size, rounds, fw.precision)
+    key = (model, lay.dp, fw.zero_stage, rules.overlap_comm(fw), fw.reduce_bucket_size, rounds, fw.precision)
     s.comm_fn = lambda: fresh(_zero12_comm(*key))
     w, part = DTYPES[fw.precision], round_up(model.num_params(), 2 * lay.dp) // lay.dp
     bucket = int(fw.reduce_bucket_size)
@@ -51,7 +52,7 @@ def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState
     # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
     # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no
     # overlap_comm) in reduce_gradients' walk of the params at the boundary
-    if fw.zero_stage == 1 and fw.overlap_comm:
+    if fw.zero_stage == 1 and rules.overlap_comm(fw):
         # stage 1 then reduces in the hooks at the boundary (double IPG buffers): not a candidate
         s.peak = peak
         return lambda r: s

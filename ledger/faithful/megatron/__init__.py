@@ -13,4 +13,5 @@ LEDGER = register(FrameworkLedger(
     vocab_error=rules.vocab_error, uneven_layers=True, other_head_width=rules.head_width_modelled,
     dispatch_error=moe.sp_error, run_error=rules.run_error, fill_mode_defaults=rules.fill_mode_defaults,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
-    overlaps=rules.overlaps, plan_chooses=rules.PLAN_CHOOSES, plan_splits=rules.plan_splits))
+    overlaps=rules.overlaps, plan_chooses=rules.PLAN_CHOOSES, plan_splits=rules.plan_splits,
+    own_defaults=rules.OWN_DEFAULTS))

@@ -161,6 +161,14 @@ def overlaps(fw) -> bool:
     return bool(fw.overlap_grad_reduce)
 
 
+# Megatron-LM's own defaults (megatron/training/arguments.py) where train-ledger's differ: the
+# distributed optimizer is off unless --use-distributed-optimizer (store_true), and without --bf16 /
+# --fp16 the model trains in fp32; --transformer-impl defaults to transformer_engine (a CPU run builds
+# the local spec: fill_mode_defaults). The faithful MoE ledger models the distributed optimizer only,
+# so train-ledger keeps it on; every job's table says so.
+OWN_DEFAULTS = {"use_distributed_optimizer": False, "precision": "fp32", "transformer_impl": "transformer_engine"}
+
+
 # -- the planner's axes (ledger/plan.py candidates) ---------------------------------------------------
 
 # the planner chooses the pipeline split per layout: a split set in the base config is not carried into

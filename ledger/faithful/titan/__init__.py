@@ -14,4 +14,5 @@ LEDGER = register(FrameworkLedger(
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
     overlaps=rules.overlaps, plan_hsdp=True,
     # torchtitan 0.3.0 config/configs.py ParallelismConfig.enable_sequence_parallel: bool = True
-    default_sequence_parallel=True))
+    default_sequence_parallel=True,
+    own_defaults=rules.OWN_DEFAULTS))

@@ -11,6 +11,11 @@ from ledger.layout import ConfigError
 CP_BLOCK = 128
 
 
+# torchtitan 0.3.0's own defaults where train-ledger's differ: ParallelismConfig.spmd_backend is
+# "spmd_types" (config/configs.py), which fails inside torch 2.13's FSDP2, so jobs use "partial_dtensor"
+OWN_DEFAULTS = {"spmd_backend": "spmd_types"}
+
+
 def grad_dtype(fw) -> str:
     """FSDP2 keeps fp32 sharded gradients (MixedPrecisionPolicy reduce_dtype float32)."""
     return "fp32"
