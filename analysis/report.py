@@ -2,7 +2,7 @@
 
     python -m analysis.report SWEEP_DIR                        # -> SWEEP_DIR/report/index.html
     python -m analysis.report SWEEP_DIR --from-wandb SRC       # the same, from W&B (offline dir or ENTITY/PROJECT[/GROUP])
-    python -m analysis.report SWEEP_DIR --wandb-report ENTITY/PROJECT   # also a W&B report (online; UNTESTED here)
+    python -m analysis.report SWEEP_DIR --wandb-report ENTITY/PROJECT   # + the W&B report (spec always; saved with a key)
 
 Three figures (matplotlib, PNG), frameworks side by side:
   scatter.png  predicted vs measured per quantity family, with the identity line (steady steps)
@@ -16,6 +16,7 @@ predicted peak), the mismatching rows and the whole table (reconcile.csv).
 from __future__ import annotations
 
 import argparse
+import json
 import html
 import os
 import sys
@@ -461,13 +462,54 @@ def build_wandb_report(entity: str, project: str, group: str, world: int, title:
                              wr.H2(text="Live panels over the jobs' runs"), wr.PanelGrid(runsets=[jobs], panels=live)])
 
 
-def publish_wandb_report(entity_project: str, group: str, world: int, out_dir: str, title: str) -> str:
-    """Log the figures as a "report" run of the group and save the W&B report; returns its URL.
-    Online only, UNTESTED HERE (no W&B server reachable from this machine)."""
+def report_spec(obj):
+    """A wandb-workspaces report object as plain data: each block, panel and run set as {"type": its
+    class, its fields...}. (wandb-workspaces' own conversion to the stored view spec asks the server
+    for the project, so the spec is read from the objects themselves.)"""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"type": type(obj).__name__, **{f.name: report_spec(getattr(obj, f.name))
+                                               for f in dataclasses.fields(obj) if not f.name.startswith("_")}}
+    if isinstance(obj, (list, tuple)):
+        return [report_spec(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): report_spec(v) for k, v in obj.items()}
+    return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)
+
+
+def write_wandb_report_spec(report, out_dir: str) -> str:
+    """The report's spec (report_spec) as JSON in the report dir: its blocks, panels, run sets and
+    filters, what a save would lay out, readable without a server."""
+    path = os.path.join(out_dir, "wandb_report.json")
+    with open(path, "w") as f:
+        json.dump(report_spec(report), f, indent=2)
+    return path
+
+
+def wandb_api_key_configured() -> bool:
+    """A W&B API key wandb would use without prompting: WANDB_API_KEY, or a netrc entry for the
+    configured base URL's host (what `wandb login` writes)."""
+    import netrc
+    from urllib.parse import urlparse
+
     import wandb
 
-    entity, project = entity_project.strip("/").split("/")[:2]
-    report = build_wandb_report(entity, project, group, world, title)  # fails early, before anything is logged
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def publish_wandb_report(report, group: str, out_dir: str) -> str:
+    """Log the figures as a "report" run of the sweep's group and save the W&B report; returns its
+    URL. Online only, UNTESTED HERE (no W&B server reachable from this machine)."""
+    import wandb
+
+    entity, project = report.entity, report.project
     run = wandb.init(entity=entity, project=project, group=group, job_type="report", name=f"report {group}",
                      settings=wandb.Settings(mode="online", x_disable_stats=True, save_code=False, console="off"))
     try:
@@ -483,22 +525,42 @@ def main(argv=None) -> int:
     ap.add_argument("sweep_dir", help="the sweep (or job) dir; the report goes to SWEEP_DIR/report/")
     ap.add_argument("--from-wandb", metavar="SRC", help="read the records back from W&B instead of record.json")
     ap.add_argument("--out", help="report dir (default SWEEP_DIR/report)")
-    ap.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="also save a W&B report (online; untested here)")
+    ap.add_argument("--wandb-report", metavar="ENTITY/PROJECT",
+                    help="also build the W&B report (its spec: report/wandb_report.json) and save it where a W&B API "
+                         "key is configured (online; saving is untested here)")
     a = ap.parse_args(argv)
     recs = wandb_io.load_from(a.sweep_dir, a.from_wandb)
     if not recs:
         print(f"no records under {a.from_wandb or a.sweep_dir}", file=sys.stderr)
         return 1
     path = write(recs, a.out or os.path.join(a.sweep_dir, "report"), a.from_wandb or os.path.abspath(a.sweep_dir))
-    if a.wandb_report:
-        group = (recs[0].get("wandb") or {}).get("group") or os.path.basename(os.path.abspath(a.sweep_dir))
-        world = max(((r.get("measurement") or {}).get("world") or 0) for r in recs)
-        try:
-            url = publish_wandb_report(a.wandb_report, group, world, os.path.dirname(path), f"train-ledger: {group}")
-            print(f"W&B report: {url}")
-        except Exception as e:  # the local report stands without it
-            print(f"W&B report not written: {type(e).__name__}: {e}", file=sys.stderr)
     print(f"report: {os.path.abspath(path)}")
+    if a.wandb_report:
+        return _wandb_report(a.wandb_report, recs, a.sweep_dir, os.path.dirname(path))
+    return 0
+
+
+def _wandb_report(entity_project: str, recs: list[dict], sweep_dir: str, out_dir: str) -> int:
+    """Build the W&B report and write its spec; save it only where an API key is configured. Exit 1,
+    saying so, when nothing was saved (the local report stands)."""
+    parts = entity_project.strip("/").split("/")
+    if len(parts) != 2 or not all(parts):
+        print(f"--wandb-report {entity_project!r}: give ENTITY/PROJECT", file=sys.stderr)
+        return 2
+    group = (recs[0].get("wandb") or {}).get("group") or os.path.basename(os.path.abspath(sweep_dir))
+    world = max(((r.get("measurement") or {}).get("world") or 0) for r in recs)
+    report = build_wandb_report(parts[0], parts[1], group, world, f"train-ledger: {group}")
+    spec = write_wandb_report_spec(report, out_dir)
+    print(f"W&B report spec: {os.path.abspath(spec)}")
+    if not wandb_api_key_configured():
+        print("W&B report NOT saved: no W&B API key is configured (`wandb login`, or WANDB_API_KEY); "
+              "nothing was sent. The spec above is what a save would send.", file=sys.stderr)
+        return 1
+    try:
+        print(f"W&B report: {publish_wandb_report(report, group, out_dir)}")
+    except Exception as e:  # the local report and the spec stand without it
+        print(f"W&B report NOT saved: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -90,6 +90,25 @@ def _settings(mode: str):
                           silent=True, init_timeout=120)
 
 
+PLAN_TABLE_KEY = "plan"
+
+
+def _log_plan(run, record: dict) -> None:
+    """A plan's run: its rows (plan.csv) as a wandb.Table, the best row's figures as summary scalars."""
+    import wandb
+
+    plan = record.get("plan") or {}
+    csv = (plan.get("files") or {}).get("plan_csv")
+    csv = csv and os.path.join(record["job_dir"], csv)
+    if csv and os.path.exists(csv):
+        run.log({PLAN_TABLE_KEY: wandb.Table(dataframe=pd.read_csv(csv))})
+    top = (plan.get("top") or [None])[0] or {}
+    run.summary.update({k: v for k, v in {
+        "model": plan.get("model"), "gpus": (plan.get("hardware") or {}).get("gpus"), "sort": plan.get("sort"),
+        "best_framework": top.get("framework"), "best_est_step_s": top.get("est_step_s"),
+        "best_peak_bytes": top.get("peak_bytes"), "search_s": plan.get("search_s")}.items() if v is not None})
+
+
 def _log(cfg, record: dict) -> dict:
     import wandb
 
@@ -97,6 +116,8 @@ def _log(cfg, record: dict) -> dict:
 
     wc = cfg.wandb
     group = group_of(cfg, record)
+    if record.get("mode") == "plan":
+        return _log_plan_run(cfg, record, group)
     tags = [R.framework_variant(record), record["config"]["model"]["name"], R.layout_name(record)]
     t0 = time.perf_counter()
     run = wandb.init(dir=record["job_dir"], project=wc.project, entity=wc.entity, group=group,
@@ -123,6 +144,27 @@ def _log(cfg, record: dict) -> dict:
         t1 = time.perf_counter()
         run.finish()
     info["finish_s"] = round(time.perf_counter() - t1, 3)
+    if wc.mode == "offline":
+        _wait_written(info["run_dir"], info)
+    return info
+
+
+def _log_plan_run(cfg, record: dict, group: str) -> dict:
+    import wandb
+
+    wc = cfg.wandb
+    plan = record.get("plan") or {}
+    run = wandb.init(dir=record["job_dir"], project=wc.project, entity=wc.entity, group=group,
+                     name=f"plan {plan.get('model', '')} {(plan.get('hardware') or {}).get('gpus', '')} GPUs".strip(),
+                     job_type="plan", config=record["config"], settings=_settings(wc.mode), reinit="create_new")
+    try:
+        for k in ("status", "error", "mode", "job_dir", "timings"):
+            run.summary[k] = _for_summary(k, record.get(k))
+        _log_plan(run, record)
+        info = {"run_id": run.id, "run_dir": os.path.dirname(run.dir), "mode": wc.mode, "group": group,
+                "project": wc.project}
+    finally:
+        run.finish()
     if wc.mode == "offline":
         _wait_written(info["run_dir"], info)
     return info
@@ -191,15 +233,39 @@ def step_metrics(record: dict) -> dict[int, dict]:
 
 
 def headline(record: dict, df: pd.DataFrame) -> dict:
-    """Flat summary scalars the W&B runs table can sort on."""
+    """Flat summary scalars the W&B runs table can sort on: the heaviest rank's predicted resident
+    state and peak within a step, and what the run measured of them and of its steady step's time."""
     from analysis import compare
 
-    pg = (record.get("prediction") or {}).get("per_gpu") or {}
+    pred = record.get("prediction") or {}
+    pg = pred.get("per_gpu") or {}
     steady = df[df.phase == "steady"] if len(df) else df
     out = {"framework": R.framework_variant(record), "layout": R.layout_name(record),
            "steady_rows": int(len(steady)), "steady_mismatches": int(compare.off(steady).sum()) if len(steady) else 0}
     if pg.get("resident_bytes") is not None:
         out["predicted_resident_bytes"] = pg["resident_bytes"]
+    peaks = [(r.get("peak") or {}).get("bytes") for r in pred.get("per_rank") or []]
+    if peaks and all(p is not None for p in peaks):
+        out["predicted_peak_bytes"] = max(peaks)
+    out.update(_measured_headline(record))
+    return out
+
+
+def _measured_headline(record: dict) -> dict:
+    """measured_peak_bytes: the largest steady-step peak over the ranks; measured_step_s: the slowest
+    rank's median steady-step wall time (the step ends when the last rank's does); measured_resident_bytes."""
+    ranks = [r for r in ((record.get("measurement") or {}).get("ranks") or []) if r.get("status") == "ok"]
+    steady = [[s for s in r.get("steps") or [] if s.get("step", 0) > 0] for r in ranks]
+    out = {}
+    peaks = [(s.get("peak") or {}).get("bytes") for st in steady for s in st]
+    if peaks and all(p is not None for p in peaks):
+        out["measured_peak_bytes"] = max(peaks)
+    times = [sorted(s["time_s"] for s in st if s.get("time_s") is not None) for st in steady]
+    if times and all(times):
+        out["measured_step_s"] = max(t[len(t) // 2] for t in times)
+    res = [(s.get("state") or {}).get("resident_bytes") for st in steady for s in st[-1:]]
+    if res and all(v is not None for v in res):
+        out["measured_resident_bytes"] = max(res)
     return out
 
 

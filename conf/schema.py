@@ -73,7 +73,7 @@ class FrameworkConfig:
 @dataclass
 class MegatronConfig(FrameworkConfig):
     name: str = "megatron"
-    use_distributed_optimizer: bool = True
+    use_distributed_optimizer: bool = False  # Megatron-LM --use-distributed-optimizer (store_true)
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -275,6 +275,8 @@ class PlanConfig:
     vps: list[int] = field(default_factory=lambda: [1, 2])  # virtual pipeline chunks tried (pp > 1)
     max_cp: int = 8
     zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
+    # Megatron: use_distributed_optimizer tried (Megatron-LM's default is off; most large runs turn it on)
+    distributed_optimizer: list[bool] = field(default_factory=lambda: [False, True])
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])  # tried where tp > 1
     hsdp: bool = True  # torchtitan: try every dp_replicate that divides dp
     # recompute settings tried, each by the framework's own knob (ledger/plan.py recompute_knobs):

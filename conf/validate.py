@@ -156,7 +156,8 @@ def validate_plan(p, model, layout=None) -> None:
             raise ConfigError(f"plan.global_batch_tokens={p.global_batch_tokens} must be a multiple of "
                               f"model.seq_len={model.seq_len} (whole sequences per step)")
     for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
-                       ("sequence_parallel", (False, True)), ("recompute", ("none", "selective", "full"))):
+                       ("sequence_parallel", (False, True)), ("distributed_optimizer", (False, True)),
+                       ("recompute", ("none", "selective", "full"))):
         vals = list(p[n])
         if not vals:
             raise ConfigError(f"plan.{n}=[] must list at least one value")

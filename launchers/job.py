@@ -272,8 +272,8 @@ def _fake_runner(ranks: list[int]):
 
 
 def _plan_job(cfg, job_dir: str, record: dict, t0: float, writes_record: bool) -> dict:
-    """mode=plan: the plan's files in job_dir and its summary in record["plan"]; no ranks, no W&B run
-    (a plan has no measurement to log: plan.json is its result)."""
+    """mode=plan: the plan's files in job_dir and its summary in record["plan"]; no ranks. Its W&B run
+    (job_type plan) holds the rows as a table and the best row's figures."""
     from launchers.plan import run_plan
 
     try:
@@ -287,6 +287,9 @@ def _plan_job(cfg, job_dir: str, record: dict, t0: float, writes_record: bool) -
     record["timings"]["plan_s"] = record["timings"]["total_s"] = time.time() - t0
     if writes_record:
         write_json(os.path.join(job_dir, "record.json"), record)
+        from analysis.wandb_io import log_job
+
+        log_job(cfg, record)  # never raises
     return record
 
 

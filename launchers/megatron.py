@@ -315,7 +315,8 @@ def expert_group_labels(cfg) -> dict:
     from ledger.faithful.megatron.moe import EXPERT_DIMS
 
     getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
-               "etp-ep": ps.get_expert_tensor_and_model_parallel_group, "edp": ps.get_expert_data_parallel_group}
+               "etp-ep": ps.get_expert_tensor_and_model_parallel_group,
+               "etp-ep-pp": ps.get_expert_tensor_model_pipeline_parallel_group, "edp": ps.get_expert_data_parallel_group}
     return {getters[label](): label for label in EXPERT_DIMS}
 
 

@@ -47,7 +47,8 @@ def space(cfg) -> Space:
     else:  # conf/validate.py validate_plan: one of the two is set
         gbs = cfg.layout.global_batch_size
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
-                 tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute))
+                 tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute),
+                 tuple(bool(x) for x in p.distributed_optimizer))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -236,6 +237,8 @@ def _lay(r: Row) -> str:
     kn = r.knobs
     if "zero_stage" in kn:
         s += f" z{kn['zero_stage']}"
+    if kn.get("use_distributed_optimizer"):
+        s += " dopt"
     if "decoder_first_pipeline_num_layers" in kn or "decoder_last_pipeline_num_layers" in kn:
         s += f" split {kn.get('decoder_first_pipeline_num_layers', '-')}/{kn.get('decoder_last_pipeline_num_layers', '-')}"
     if kn.get("account_for_embedding_in_pipeline_split"):

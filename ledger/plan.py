@@ -103,6 +103,7 @@ class Space:
     sequence_parallel: tuple[bool, ...] = (False, True)
     hsdp: bool = True  # torchtitan: every dp_replicate that divides dp
     recompute: tuple[str, ...] = ("none",)  # RECOMPUTE settings tried (recompute_knobs)
+    distributed_optimizer: tuple[bool, ...] = (False, True)  # Megatron's use_distributed_optimizer tried
 
 
 @dataclass(slots=True)
@@ -209,8 +210,8 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
                     splits = spec.plan_splits(model.layers, pp, vp)
-                    for split, rc in ((s, r) for s in splits for r in rcs):
-                        kn = {**split, **rc}
+                    for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space) for s in splits for r in rcs):
+                        kn = {**kn0, **split, **rc}
                         key = tuple(kn.items())
                         fw = fw_of.get(key)
                         if fw is None:

@@ -29,6 +29,9 @@ def _lay(tp=1, pp=1, dp=1, **kw) -> list[str]:
 
 
 def _fw(name: str, **kw) -> list[str]:
+    if name == "megatron":  # of the distributed optimizer (--use-distributed-optimizer) unless a case says
+        kw = {"use_distributed_optimizer": True, **kw}
+
     def val(v):
         if isinstance(v, bool):
             return str(v).lower()
@@ -115,6 +118,8 @@ def titan_cases():
 
 def moe_cases():
     yield "megatron-moe/tiny_moe/ep2", ["model=tiny_moe", *_fw("megatron"), *_lay(1, 1, 2, ep=2)]
+    yield "megatron-moe/tiny_moe/ddp-pp2-ep2", ["model=tiny_moe", *_fw("megatron", use_distributed_optimizer=False),
+                                                *_lay(1, 2, 2, ep=2, global_batch_size=8)]
     yield "megatron-moe/tiny_moe/ep4-tp2-sp", ["model=tiny_moe", *_fw("megatron"),
                                                *_lay(2, 1, 4, ep=4, sequence_parallel=True)]
     yield "megatron-moe/tiny_moe/a2a", ["model=tiny_moe", *_fw("megatron", moe_token_dispatcher_type="alltoall"),

@@ -40,7 +40,9 @@ from ledger.model import ModelShape, preset
 from tests.conftest import (AttrDict, assert_every_row_reconciles, assert_megatron_redirects, launch, megatron_fw, megatron_layout,
                             peak_evidence, run_sh_flags, run_sweeps)
 
-COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000")
+# the distributed optimizer unless a sweep says (w2ddp: plain DDP, Megatron-LM's default)
+COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000",
+          "framework.use_distributed_optimizer=true")
 # four multiruns; each sweeps layout dicts (merged into the layout node), so the 10 jobs cover the
 # matrix without its full cartesian product
 SWEEPS = (
@@ -965,7 +967,7 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     import json
 
     p = launch("mode=predict", "model=llama3_8b", "framework=megatron", "layout.tp=8",  # dp=-1: one replica
-               f"hydra.run.dir={tmp_path}", timeout=300)
+               "framework.use_distributed_optimizer=true", f"hydra.run.dir={tmp_path}", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     pred = json.load(open(tmp_path / "prediction.json"))
     m, lay = preset("llama3_8b"), _lay(tp=8, dp=1)

@@ -26,7 +26,8 @@ from ledger.placement import CommBuilder
 from tests.conftest import (assert_every_row_reconciles, assert_jobs, assert_losses_finite, assert_megatron_redirects, assert_states_on_every_rank,
                             launch, layout_of, routed_rows_by_ep_group, run_sweeps)
 
-COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.steps=2")
+# the distributed optimizer unless a sweep says (w4ddp: plain DDP, Megatron-LM's default)
+COMMON = ("framework=megatron", "model=tiny_moe", "model.seq_len=32", "train.steps=2", "framework.use_distributed_optimizer=true")
 SWEEPS = (
     ("w2", ("cluster.ranks=2", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall,allgather")),
     # capacity 1.0 with padding: every expert gets ceil(32*2/8) = 8 rows from every rank
@@ -54,6 +55,9 @@ SWEEPS = (
     ("w4shared", ("cluster.ranks=4", "model.moe_shared_expert_hidden=256", "framework.moe_token_dispatcher_type=alltoall",
                   "layout={tp:2,ep:2,sequence_parallel:true}")),
     ("w2qkdense", ("cluster.ranks=2", "model=tiny", "model.kv_channels=64", "model.qk_layernorm=true", "layout={tp:2}")),
+    # plain DDP (Megatron-LM's default): an optimizer per group, each its own grad norm (tp_ep_pp for the experts)
+    ("w4ddp", ("cluster.ranks=4", "framework.use_distributed_optimizer=false", "framework.moe_token_dispatcher_type=alltoall",
+               "layout={pp:2,ep:2},{tp:2,ep:2,sequence_parallel:true}")),
 )
 
 
@@ -62,20 +66,23 @@ def _job(rec) -> tuple:
     fw, m = c["framework"], c["model"]
     return (records.layout_name(rec), m["num_experts"], fw["moe_token_dispatcher_type"],
             fw["moe_expert_capacity_factor"], fw["moe_aux_loss_coeff"] > 0, m["moe_layer_freq"],
-            m["qk_layernorm"] or ("shared" if m["moe_shared_expert_hidden"] else False), m["moe_router_dtype"])
+            m["qk_layernorm"] or ("shared" if m["moe_shared_expert_hidden"] else False), m["moe_router_dtype"],
+            fw["use_distributed_optimizer"])
 
 
-EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None), ("ep2·dp2", 8, "allgather", None, False, 1, False, None),
-            ("ep2·dp2", 8, "alltoall", 1.0, False, 1, False, None), ("dp2", 8, "allgather", None, False, 1, False, None),
-            ("ep2·dp4", 8, "alltoall", None, False, 1, False, None), ("ep4·dp4", 8, "alltoall", None, False, 1, False, None),
-            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None),
-            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None),
-            ("ep2·dp4", 8, "allgather", None, False, 1, False, None), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False, None),
-            ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False, None),
-            ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False, None),
-            ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True, None), ("tp2", 0, "allgather", None, False, 1, True, None),
-            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, "shared", None),
-            ("ep2·dp2", 8, "alltoall", None, False, 1, False, "fp32"), ("ep2·dp2", 8, "allgather", None, False, 1, False, "fp32")}
+EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True), ("ep2·dp2", 8, "allgather", None, False, 1, False, None, True),
+            ("ep2·dp2", 8, "alltoall", 1.0, False, 1, False, None, True), ("dp2", 8, "allgather", None, False, 1, False, None, True),
+            ("ep2·dp4", 8, "alltoall", None, False, 1, False, None, True), ("ep4·dp4", 8, "alltoall", None, False, 1, False, None, True),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None, True),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None, True),
+            ("ep2·dp4", 8, "allgather", None, False, 1, False, None, True), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False, None, True),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False, None, True),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False, None, True),
+            ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True, None, True), ("tp2", 0, "allgather", None, False, 1, True, None, True),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, "shared", None, True),
+            ("ep2·dp2", 8, "alltoall", None, False, 1, False, "fp32", True), ("ep2·dp2", 8, "allgather", None, False, 1, False, "fp32", True),
+            ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None, False),
+            ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None, False)}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +137,7 @@ def test_expert_groups_are_named_and_every_kind_measured(sweep):
 def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
     """ep2 at world 2 (edp 1) keeps every expert's master and Adam state; ep2 at world 4 (edp 2) half."""
     def master(layout):  # the fp32 master shard of the experts, predicted and measured on rank 0
-        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None))
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None, True))
         p = rec["prediction"]["per_rank"][0]
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
         return p["detail"]["optim/expert fp32 master params"]
@@ -246,7 +253,7 @@ def test_mixtral_states_per_rank_by_hand():
     m = preset("mixtral_8x7b")
     lay = resolve(dict(tp=2, pp=2, dp=8, dp_replicate=1, cp=1, ep=4, etp=1, vp=1, sequence_parallel=True,
                        micro_batch_size=1, global_batch_size=-1))
-    pl = predict(m, lay, MegatronConfig())
+    pl = predict(m, lay, MegatronConfig(use_distributed_optimizer=True))
     expert = 16 * 2 * 3 * 4096 * 14336  # every param 64-aligned already; one bucket, padded to 128
     s = pl.rank_state(16)  # stage 1, dp 0, edp 0
     d = s.detail
@@ -343,7 +350,7 @@ def test_planner_enumerates_expert_parallelism_for_megatron_moe():
                    "etp": 1})
     from ledger.parallel import predict
 
-    assert best.resident_bytes == predict(m, lay, MegatronConfig()).per_gpu.resident_bytes
+    assert best.resident_bytes == predict(m, lay, MegatronConfig(**best.knobs)).per_gpu.resident_bytes
     tokens = 256 * m.seq_len
     assert step_flops(m, lay) == tokens * (6 * (m.active_params() - m.vocab * m.hidden)
                                            + 12 * m.layers * m.seq_len * m.hidden)

@@ -265,7 +265,7 @@ def test_llama3_405b_production_layout(tmp_path):
     saves no s^2 probabilities, so selective core_attn recompute saves little), and full recompute
     fits, with SP and without."""
     rec, rows = _plan_job(tmp_path, "model=llama3_405b", "plan.gpus=16384", "plan.global_batch_tokens=16777216",
-                          "framework=megatron", "plan.top=1",
+                          "framework=megatron", "plan.distributed_optimizer=[true]", "plan.top=1",
                           "plan.watch=[{tp:8,pp:16,cp:1,dp:128,vp:1,micro_batch_size:1}]")
     prod = [r for r in rows if r["layout"]["tp"] == 8 and r["layout"]["pp"] == 16 and r["layout"]["dp"] == 128
             and r["layout"]["vp"] == 1 and r["layout"]["micro_batch_size"] == 1

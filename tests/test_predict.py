@@ -128,7 +128,8 @@ def test_prints_where_it_wrote(predicted):
 
 
 @pytest.mark.parametrize("overrides,fits", [(("model=llama3_8b", "framework=megatron", "layout.tp=2", "layout.pp=2",
-                                              "layout.dp=2", "layout.global_batch_size=16"), True),
+                                              "layout.dp=2", "layout.global_batch_size=16",
+                                              "framework.use_distributed_optimizer=true"), True),
                                             (("model=llama3_70b", "framework=deepspeed", "layout.dp=8"), False)])
 def test_predict_prints_the_fit_verdict_for_the_clusters_gpus(tmp_path, overrides, fits):
     """cluster.gpu_memory_gb (80 on the shipped GPU clusters): the heaviest rank's predicted peak against
@@ -173,8 +174,7 @@ def test_the_sweep_lists_the_knobs_away_from_each_frameworks_own_defaults(tmp_pa
                "wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     away = {r["config"]["framework"]["name"]: r["knobs_away_from_defaults"] for r in records.load(str(tmp_path))}
-    assert away == {"megatron": ["precision=bf16 (fp32)", "use_distributed_optimizer=true (false)",
-                                 "overlap_grad_reduce=true (false)"],
+    assert away == {"megatron": ["precision=bf16 (fp32)", "overlap_grad_reduce=true (false)"],
                     "deepspeed": ["precision=bf16 (fp32)", "zero_stage=1 (0)"],
                     "titan": ["spmd_backend=partial_dtensor (spmd_types)"]}
     assert "knobs away from titan's own defaults: spmd_backend=partial_dtensor (spmd_types)" in p.stdout

@@ -6,6 +6,7 @@ Uses the real sweep of tests/wandb_sweep.py (framework=deepspeed,titan, 2 ranks,
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -168,3 +169,24 @@ def test_reconcile_judges_steady_rows_and_not_a_peaks_parts():
     assert list(reconcile.judged(df)) == [True, True, False, False]
     bad = reconcile.mismatches(df)
     assert list(bad.quantity) == ["params_bytes"]  # the peak total is within 1%, the rest not judged
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb-workspaces uses pydantic v1 validators
+def test_wandb_report_without_a_key_writes_its_spec_and_says_nothing_was_saved(sweep, tmp_path, capsys, monkeypatch):
+    """--wandb-report with no API key: the spec W&B would store is written (its run sets filter on the
+    sweep's group, its media panels name the report's figures), nothing is sent, exit 1 saying so."""
+    pytest.importorskip("wandb_workspaces")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no `wandb login` entry either
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert REP.main([sweep, "--out", str(tmp_path / "r"), "--wandb-report", "ent/proj"]) == 1
+    err = capsys.readouterr().err
+    assert "W&B report NOT saved: no W&B API key is configured" in err and "nothing was sent" in err
+    spec = json.load(open(tmp_path / "r" / "wandb_report.json"))
+    assert (spec["type"], spec["entity"], spec["project"]) == ("Report", "ent", "proj")
+    assert [b["type"] for b in spec["blocks"]] == ["H1", "H2", "PanelGrid", "H2", "PanelGrid"]
+    text = json.dumps(spec)
+    group = (records.load(sweep)[0].get("wandb") or {}).get("group")
+    assert group and f"{group}" in text and all(f"report/{k}" in text for k in REP.FIGURES)
+    assert REP.main([sweep, "--out", str(tmp_path / "r2"), "--wandb-report", "no-slash"]) == 2

@@ -87,6 +87,11 @@ def test_prediction_and_measurements_are_in_the_summary(sweep, recs):
         assert [m["rank"] for m in s["measurement"]["ranks"]] == [m["rank"] for m in rec["measurement"]["ranks"]]
         steady = reconcile.table([rec]).query("phase == 'steady'")
         assert s["steady_mismatches"] == int(reconcile.off(steady).sum())
+        # what a user sorts the runs table on: predicted and measured peak, the steady step's time
+        assert s["predicted_peak_bytes"] == max(r["peak"]["bytes"] for r in rec["prediction"]["per_rank"])
+        steady_steps = [st for m in rec["measurement"]["ranks"] for st in m["steps"] if st["step"] > 0]
+        assert s["measured_peak_bytes"] == max(st["peak"]["bytes"] for st in steady_steps)
+        assert 0 < s["measured_step_s"] <= max(st["time_s"] for st in steady_steps)
 
 
 @pytest.mark.real
@@ -169,6 +174,25 @@ def test_predict_job_logs_and_reads_back(tmp_path):
     assert back["prediction"] == rec["prediction"] and back["measurement"] is None and back["status"] == "ok"
     assert back["wandb"]["group"] == "sweepname"
     assert back["wandb"]["tags"] == ["titan", "tiny", records.layout_name(rec)]
+
+
+def test_a_plan_logs_its_rows_as_a_table(tmp_path):
+    """mode=plan: a run of job_type plan whose summary names the best row and whose plan table holds
+    every row of plan.csv."""
+    from launchers.job import run_job
+
+    cfg = _cfg("mode=plan", "model=tiny", "plan.gpus=4", "plan.gpus_per_node=4", "plan.global_batch_tokens=1024",
+               "framework=titan")
+    rec = run_job(cfg, str(tmp_path / "plans" / "p"))
+    assert rec["status"] == "ok" and "error" not in rec["wandb"], rec.get("wandb")
+    (d,) = W.find_runs(str(tmp_path))
+    run = W.read_run(d)
+    best = rec["plan"]["top"][0]
+    assert run["summary"]["best_framework"] == "titan" and run["summary"]["best_est_step_s"] == best["est_step_s"]
+    ref = run["summary"][W.PLAN_TABLE_KEY]
+    assert ref["_type"] == "table-file" and ref["nrows"] == len(pd.read_csv(tmp_path / "plans" / "p" / "plan.csv"))
+    table = json.load(open(os.path.join(d, "files", ref["path"])))
+    assert table["columns"][:3] == ["rank", "framework", "tp"] and table["data"][0][0] == 1
 
 
 def test_group_setting_wins_over_the_sweep_dir_name(tmp_path):

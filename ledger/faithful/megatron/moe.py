@@ -80,11 +80,11 @@ from ledger.optim import add_adamw
 # the expert groups' labels, as launchers/megatron.py expert_group_labels names them to the comm probe
 # (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp): EP, expert TP, the two together (what the
 # dispatchers call tp_ep), expert data parallel
-EXPERT_DIMS = ("ep", "etp", "etp-ep", "edp")
+EXPERT_DIMS = ("ep", "etp", "etp-ep", "etp-ep-pp", "edp")
 
-MOE_NOTE = ("MoE (megatron_moe.py): routed experts in DDP's expert_parallel_buffers over the expert data parallel "
-            "group, a second DistributedOptimizer over it; every param all-gather twice per step (ChainedOptimizer); "
-            "the peak within a step is not modelled for MoE (no peak row)")
+MOE_NOTE = ("MoE (ledger/faithful/megatron/moe.py): routed experts in DDP's expert_parallel_buffers over the expert "
+            "data parallel group, a second optimizer over them (ChainedOptimizer; distributed optimizers all-gather "
+            "every param twice per step); the peak within a step is not modelled for MoE (no peak row)")
 ROUTED_NOTE = ("alltoall without capacity padding: the all-to-all bytes on the experts' side follow the router; "
                "predicted balanced (T*topk rows), bounded by buffer_range; exact over an EP group")
 
@@ -97,10 +97,8 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
 
     if lay.etp > 1:
         no(f"layout.etp={lay.etp}: expert tensor parallelism")
-    # what no real MoE run here has confirmed: the plain DDP path (Float16OptimizerWithFloat16Params per
-    # group) and fp32 training (no Float16Module: the router and its probs in fp32)
-    if not k.use_distributed_optimizer:
-        no("framework.use_distributed_optimizer=false")
+    # what no real MoE run here has confirmed: fp32 training (no Float16Module: the router and its
+    # probs in fp32)
     if k.precision != "bf16":
         no(f"framework.precision={k.precision}")
     if lay.ep == 1 and lay.tp > 1:
@@ -312,6 +310,13 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     dims = ("tp", "dp", "pp") if k.use_distributed_optimizer else ("tp", "pp")
     if k.clip_grad > 0:
         cb.add(grid.label_of(dims), "all_reduce", 4, grid.size_of(dims), "fp32", what="grad norm (clip_grads.py)")
+        if expert is not None and not k.use_distributed_optimizer:
+            # optimizer/__init__.py: plain DDP's expert optimizer keeps its grad stats over tp_ep_pp, the
+            # dense one over mp (tp*pp): not one group, so ChainedOptimizer.get_grad_norm asks each
+            # (grads_states_parallel_group_is_shared() is False); the distributed optimizers share
+            # intra_dist_opt_group and make one all-reduce
+            cb.add("etp-ep-pp", "all_reduce", 4, lay.etp * lay.ep * lay.pp, "fp32",
+                   what="expert grad norm (clip_grads.py, the expert optimizer's own group tp_ep_pp)")
     # finalize_model_grads.py _allreduce_non_tensor_model_parallel_grads: SP norms and routers, q/k norms
     tp_sum = sum(size for n, size in _dense_and_expert(model, lay, k, stage)[0]
                  if (lay.sequence_parallel and ("layernorm" in n or "router" in n))

@@ -161,19 +161,24 @@ def overlaps(fw) -> bool:
     return bool(fw.overlap_grad_reduce)
 
 
-# Megatron-LM's own defaults (megatron/training/arguments.py) where train-ledger's differ: the
-# distributed optimizer is off unless --use-distributed-optimizer (store_true), and without --bf16 /
-# --fp16 the model trains in fp32; --transformer-impl defaults to transformer_engine (a CPU run builds
-# the local spec: fill_mode_defaults). The faithful MoE ledger models the distributed optimizer only,
-# so train-ledger keeps it on; every job's table says so.
-OWN_DEFAULTS = {"use_distributed_optimizer": False, "precision": "fp32", "transformer_impl": "transformer_engine"}
+# Megatron-LM's own defaults (megatron/training/arguments.py) where train-ledger's differ: without
+# --bf16 / --fp16 the model trains in fp32; --transformer-impl defaults to transformer_engine (a CPU
+# run builds the local spec: fill_mode_defaults). The distributed optimizer is off unless
+# --use-distributed-optimizer (store_true), as train-ledger's default.
+OWN_DEFAULTS = {"precision": "fp32", "transformer_impl": "transformer_engine"}
 
 
 # -- the planner's axes (ledger/plan.py candidates) ---------------------------------------------------
 
 # the planner chooses the pipeline split per layout: a split set in the base config is not carried into
 # layouts it was not written for; a row starts from the even split (SPLIT's knobs unset)
-PLAN_CHOOSES = {**dict.fromkeys(SPLIT[:2]), **dict.fromkeys(SPLIT[2:], False)}
+PLAN_CHOOSES = {**dict.fromkeys(SPLIT[:2]), **dict.fromkeys(SPLIT[2:], False),
+                "use_distributed_optimizer": False}  # (every row sets it: plan_knob_sets)
+
+
+def plan_knob_sets(space) -> list[dict]:
+    """The planner tries the distributed optimizer on and off (plan.distributed_optimizer)."""
+    return [{"use_distributed_optimizer": v} for v in space.distributed_optimizer]
 
 
 def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
