@@ -65,6 +65,28 @@ def check_override_syntax(argv: list[str]) -> None:
             sys.exit(2)
 
 
+def check_override_types(argv: list[str]) -> None:
+    """A value of the wrong type for its field (`model.layers=2.5`) exits 2 naming the field, as every
+    other bad value does, before Hydra composes (conf/validate.py wrong_type)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from conf.validate import wrong_type
+
+    parser = OverridesParser.create()
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        ov = parser.parse_override(arg)
+        if ov.is_delete():
+            continue
+        value = ov.value()
+        values = list(getattr(value, "list", None) or []) if ov.is_sweep_override() else [value]
+        why = wrong_type(ov.key_or_group, values)
+        if why:
+            print(f"invalid: {why}", file=sys.stderr)
+            sys.exit(2)
+
+
 def check_override_keys(argv: list[str]) -> None:
     """A group.field override (with or without Hydra's + / ++ / ~) whose field the typed schema does not
     have exits 2 naming it, before Hydra composes anything: `+layout.tpp=2` would otherwise add a key
@@ -83,4 +105,5 @@ def check_override_keys(argv: list[str]) -> None:
 if __name__ == "__main__":
     check_override_syntax(sys.argv[1:])
     check_override_keys(sys.argv[1:])
+    check_override_types(sys.argv[1:])
     main()

@@ -8,8 +8,8 @@ Three figures (matplotlib, PNG), frameworks side by side:
   scatter.png  predicted vs measured per quantity family, with the identity line (steady steps)
   memory.png   per-rank resident state stacked by params / grads / optim / other, predicted beside measured
   comm.png     collective buffer bytes per optimizer step by dimension and kind, predicted beside measured
-  timeline.png live bytes by category through one step (probes/peak.py) for each job's most-loaded rank:
-               the ledger's timeline (where it gives one) above the measured one, predicted peak dashed
+  timeline.png one row per job: live bytes by category through one step of its most-loaded rank
+               (probes/peak.py), and on the same MB scale the peak's parts, predicted beside measured
 and the per-job summary, what is live at each job's measured peak (the probe's census beside the
 predicted peak), the mismatching rows and the whole table (reconcile.csv).
 """
@@ -28,6 +28,7 @@ matplotlib.use("Agg")  # files only; no display on compute nodes or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
@@ -45,7 +46,7 @@ PANELS = [("params_bytes", "params"), ("grads_bytes", "grads"), ("optim_bytes", 
           ("comm_count", "collective calls / step"), ("peak_bytes", "peak within the step"),
           ("peak_parts", "peak: its parts")]
 CATEGORY_COLOR = {**STATE_COLOR, "activations": "#c44e52", "gathered": "#8172b3", "temporary": "#ccb974",
-                  "unnamed": "#64b5cd", "resident": "#4c72b0"}
+                  "unnamed": "#64b5cd", "resident": "#2f3e46"}  # resident: the states together, none of theirs
 PHASE_COLOR = {"forward": "#e8f1fb", "backward": "#fbeee8", "optimizer": "#eaf6ea", "schedule": "#f6f6f6",
                "setup": "#ffffff"}
 
@@ -255,56 +256,72 @@ def _stack(ax, points: list[dict], cats: list[str], phases: bool) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+# the peak's parts as the ledger names them (Peak.parts) and as the probe's at_peak adds up to them:
+# resident = the four states together (a colour of its own: not one of the states')
+PEAK_PARTS = ("resident", "unnamed", "gathered", "activations", "temporary")
+TIMELINE_CATS = ("params", "grads", "optim", "other", "unnamed", "gathered", "activations", "temporary")
+
+
+def _measured_parts(at_peak: dict) -> dict:
+    """The probe's bytes by category at its peak, in the ledger's parts (resident = the states)."""
+    out = {"resident": sum(at_peak.get(k, 0) for k in STATES)}
+    out.update({k: at_peak.get(k, 0) for k in PEAK_PARTS[1:]})
+    return out
+
+
 def fig_timeline(recs: list[dict], path: str) -> None:
-    fig, cells = _columns(recs, 6.0, 4.2, "Live tensor bytes through one step, most-loaded rank (MB): the "
-                                          "ledger's view above, the peak probe's below (background: phase)")
-    for ax, rec, _ in cells:
+    """One row per job: the most-loaded rank's live bytes by category through its timeline step (left,
+    x = the fraction of the step's allocator events, phases shaded), and on the same MB scale the peak
+    split into parts, predicted beside measured (right); the predicted peak dashed across both."""
+    fig = plt.figure(figsize=(13, 2.7 * len(recs) + 1.2), layout="constrained")
+    fig.suptitle("Live tensor bytes through one step, each job's most-loaded rank (MB, 1 MB = 1e6 B)")
+    grid = fig.add_gridspec(len(recs), 2, width_ratios=(5, 1.3))
+    for i, rec in enumerate(recs):
+        line, bars = fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])
         got = _timeline_rank(rec)
-        ax.axis("off")
         if got is None:
-            _no_data(ax, rec, "no timeline measured")
+            line.set_title(_title(rec).replace("\n", "  "), fontsize=9, loc="left")
+            _no_data(line, rec, "no timeline measured")
+            bars.axis("off")
             continue
         rank, st = got
         pred = next((p for p in (rec.get("prediction") or {}).get("per_rank", []) if p["rank"] == rank), {})
         pk = pred.get("peak") or {}
-        top, bottom = ax.inset_axes([0, 0.56, 1, 0.34]), ax.inset_axes([0, 0.0, 1, 0.46])
-        cats = [c for c in ("params", "grads", "optim", "other", "unnamed", "gathered", "activations", "temporary")
-                if any(p.get(c) for p in st["timeline"])]
-        _stack(bottom, st["timeline"], cats, phases=True)
-        measured = st["peak"]["peak_bytes"] / 1e6
-        bottom.axhline(measured, color="black", lw=0.8)
+        cats = [c for c in TIMELINE_CATS if any(p.get(c) for p in st["timeline"])]
+        _stack(line, st["timeline"], cats, phases=True)
+        line.axhline(st["peak"]["peak_bytes"] / 1e6, color="black", lw=0.8)
+        if pk:
+            line.axhline(pk["bytes"] / 1e6, color="#b00020", lw=1.0, ls="--")
         w = st["peak"]["where"]
-        bottom.set_title(f"measured, rank {rank} step {st['step']}: peak {human(st['peak']['peak_bytes'])} "
-                         f"({w.get('phase')}, mb {w.get('micro_batch')})", fontsize=8)
+        line.set_title(f"{R.framework_variant(rec)} · {R.layout_name(rec)} ({R.job_name(rec)}), rank {rank} step "
+                       f"{st['step']}: measured peak {human(st['peak']['peak_bytes'])} ({w.get('phase')}, mb "
+                       f"{w.get('micro_batch')})" + (f"; predicted {human(pk['bytes'])} ({pk.get('phase')})"
+                                                     if pk else "; no peak predicted"), fontsize=9, loc="left")
+        line.set_xlabel("fraction of the step's allocator events", fontsize=8)
+        columns = [("measured", _measured_parts(st["peak"]["at_peak"]))]
         if pk:
-            bottom.axhline(pk["bytes"] / 1e6, color="#b00020", lw=1.0, ls="--")
-        if pk.get("timeline"):
-            pcats = [c for c in ("resident", "unnamed", "gathered", "activations", "temporary")
-                     if any(p.get(c) for p in pk["timeline"])]
-            _stack(top, pk["timeline"], pcats, phases=True)
-            top.set_ylim(bottom.get_ylim())
-        elif pk:
-            top.barh([0], [pk["bytes"] / 1e6], color="#dddddd")
-            left = 0.0
-            for part, b in pk["parts"].items():
-                top.barh([0], [b / 1e6], left=left, color=CATEGORY_COLOR.get(part, "gray"))
-                left += b / 1e6
-            top.set_yticks([])
-            top.set_xlim(0, max(bottom.get_ylim()[1], left * 1.05))
-            top.tick_params(labelsize=7)
-        else:
-            top.text(0.5, 0.5, "the ledger predicts no peak for this framework yet", ha="center", va="center",
-                     fontsize=8, transform=top.transAxes)
-            top.set_xticks([])
-            top.set_yticks([])
+            columns.insert(0, ("predicted", {k: pk["parts"].get(k, 0) for k in PEAK_PARTS}))
+        for x, (_, parts) in enumerate(columns):
+            base = 0.0
+            for k in PEAK_PARTS:
+                v = parts.get(k, 0) / 1e6
+                bars.bar(x, v, 0.6, bottom=base, color=CATEGORY_COLOR[k], edgecolor="white", lw=0.5)
+                base += v
         if pk:
-            top.set_title(f"predicted: peak {human(pk['bytes'])} ({pk.get('phase')}); parts "
-                          + ", ".join(f"{k} {human(v)}" for k, v in pk["parts"].items() if v), fontsize=8)
-        ax.set_title(_title(rec), fontsize=9)
-    legend = [Patch(color=CATEGORY_COLOR[c], label=c) for c in
-              ("params", "grads", "optim", "other", "resident", "unnamed", "gathered", "activations", "temporary")]
+            bars.axhline(pk["bytes"] / 1e6, color="#b00020", lw=1.0, ls="--")
+        bars.set_xticks(range(len(columns)), [c for c, _ in columns], fontsize=8)
+        bars.set_title("the peak's parts", fontsize=8)
+        top = max(line.get_ylim()[1], bars.get_ylim()[1])
+        for ax in (line, bars):
+            ax.set_ylim(0, top)
+            ax.tick_params(labelsize=7)
+            ax.grid(axis="y", alpha=0.3)
+        bars.set_ylabel("MB", fontsize=8)
+    legend = [Patch(color=CATEGORY_COLOR[c], label=c) for c in (*STATES, "resident", *PEAK_PARTS[1:])]
     legend += [Patch(color=PHASE_COLOR[p], label=f"phase: {p}") for p in ("forward", "backward", "schedule", "optimizer")]
-    fig.legend(handles=legend, loc="outside lower center", ncol=7, frameon=False)
+    legend += [Line2D([], [], color="black", lw=0.8, label="measured peak"),
+               Line2D([], [], color="#b00020", lw=1.0, ls="--", label="predicted peak")]
+    fig.legend(handles=legend, loc="outside lower center", ncol=8, frameon=False, fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -65,6 +65,31 @@ def validate_cluster(c) -> None:
         _at_least("cluster", c, ("mem_gb",), 0)
     if c.backend == "nccl" and c.device != "cuda":
         raise ConfigError(f"cluster.backend=nccl needs cluster.device=cuda (got {c.device!r})")
+    validate_sbatch_values(c)
+
+
+# what a value written into an `#SBATCH --opt=value` line (or handed to submitit, which writes one) may
+# hold: Slurm's partition / account / qos names and constraint expressions (& | [ ] * for the latter);
+# a newline, a quote, a space, `$` or `#` would end the directive or start another line
+SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:+=@/%&|*\[\]-]+")
+SBATCH_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+SBATCH_FIELDS = ("partition", "account", "qos", "constraint")
+
+
+def validate_sbatch_values(c) -> None:
+    """Every cluster value that reaches an #SBATCH line: the named fields, and additional_parameters
+    (its keys become option names, its values option values); checked whatever the mode."""
+    for n in SBATCH_FIELDS:
+        v = c.get(n)
+        if v is not None and not SBATCH_VALUE.fullmatch(str(v)):
+            raise ConfigError(f"cluster.{n}={v!r}: a Slurm value may hold only letters, digits and "
+                              "_ . , : + = @ / % & | * [ ] - (it is written into an #SBATCH line)")
+    for k, v in (c.get("additional_parameters") or {}).items():
+        if not SBATCH_NAME.fullmatch(str(k)):
+            raise ConfigError(f"cluster.additional_parameters.{k}: an sbatch option name is letters, digits, _ and -")
+        if not isinstance(v, bool) and v is not None and not SBATCH_VALUE.fullmatch(str(v)):
+            raise ConfigError(f"cluster.additional_parameters.{k}={v!r}: a Slurm value may hold only letters, digits "
+                              "and _ . , : + = @ / % & | * [ ] - (it is written into an #SBATCH line)")
 
 
 def validate_fake(c) -> None:
@@ -255,3 +280,39 @@ def unknown_key(key: str) -> str | None:
     if len(parts) > 2 and "dict" not in str(fields[name]).lower():
         return f"{key}: {group}.{name} has no fields of its own"
     return None
+
+
+def wrong_type(key: str, values: list) -> str | None:
+    """Why an override's value(s) (as Hydra's grammar parsed them) do not fit the typed field it names:
+    an int field given 2.5 or "x", a float field given "x", a bool field given 1. None where they fit,
+    or where the key is not a plain field (unknown_key speaks of those)."""
+    import typing
+
+    from conf.schema import FRAMEWORK_SCHEMAS, JobConfig
+
+    parts = key.split(".")
+    groups = typing.get_type_hints(JobConfig)
+    if len(parts) != 2 or parts[0] not in groups or parts[0] == "knobs":
+        return None
+    schemas = FRAMEWORK_SCHEMAS.values() if parts[0] == "framework" else [groups[parts[0]]]
+    hints = [typing.get_type_hints(sc).get(parts[1]) for sc in schemas if isinstance(sc, type)]
+    hints = [h for h in hints if h is not None]
+    if not hints:
+        return None
+    hint = hints[0]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args and optional else hint
+    want = {int: "an integer", float: "a number", bool: "true or false"}.get(base)
+    if want is None:
+        return None
+    for v in values:
+        if v is None and optional:
+            continue
+        ok = (isinstance(v, bool) if base is bool else
+              isinstance(v, int) and not isinstance(v, bool) if base is int else
+              isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not ok:
+            return f"{key}={v!r} must be {want}"
+    return None
+

@@ -14,11 +14,36 @@ def shell_comment(text: str) -> str:
     return "# " + "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
-def write_script(path: str, text: str) -> str:
-    """Write an executable shell script (the dry artifacts a user runs by hand); returns its path."""
+def write_file(path: str, text: str, mode: int = 0o644) -> str:
+    """Write a generated file as a new file renamed over `path`: never through what is there (a
+    symlink at the path is replaced, its target untouched), never half-written. Returns the path."""
     import os
 
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o755)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)  # the umask does not decide a script's execute bit
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def open_new(path: str):
+    """A log file opened for writing as a new file: an existing file or symlink at `path` is removed
+    first (a symlink's target is never truncated). Returns a binary-safe text handle."""
+    import os
+
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, "w")
+
+
+def write_script(path: str, text: str) -> str:
+    """Write an executable shell script (the dry artifacts a user runs by hand); returns its path."""
+    return write_file(path, text, 0o755)

@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 
-from launchers import shell_comment, write_script
+from launchers import shell_comment, write_file, write_script
 from ledger.faithful.deepspeed.rules import overlap_comm
 from ledger.layout import Layout
 
@@ -386,20 +386,13 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
 
     conf = ds_config(cfg, lay)
     paths = []
-    p = os.path.join(out_dir, "ds_config.json")
-    with open(p, "w") as f:
-        json.dump(conf, f, indent=2)
-    paths.append(p)
-    p = os.path.join(out_dir, "train_ds.py")
-    with open(p, "w") as f:
-        f.write(TRAIN_DS)
-    paths.append(p)
+    paths.append(write_file(os.path.join(out_dir, "ds_config.json"), json.dumps(conf, indent=2)))
+    paths.append(write_file(os.path.join(out_dir, "train_ds.py"), TRAIN_DS))
     topo = gpu_scripts.topology(cfg.cluster, lay.world)
     multi_node = topo.nodes > 1
     if multi_node:  # one line per node, `name slots=N` (DeepSpeed's hostfile); the names are the user's
-        paths.append(os.path.join(out_dir, "hostfile"))
-        with open(paths[-1], "w") as f:
-            f.write("".join(f"node{i} slots={topo.gpus_per_node}\n" for i in range(topo.nodes)))
+        paths.append(write_file(os.path.join(out_dir, "hostfile"),
+                                "".join(f"node{i} slots={topo.gpus_per_node}\n" for i in range(topo.nodes))))
     # every value on the command line is shlex-quoted: the model's JSON (its name included) is data
     line = RUN_LINE.format(hostfile=HOSTFILE_ARG if multi_node else "", gpus=topo.gpus_per_node, nodes=topo.nodes,
                            steps=int(cfg.train.steps),

@@ -11,7 +11,6 @@ at run time ("$HERE") and every file of the job beside it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ledger.errors import ConfigError
@@ -25,12 +24,6 @@ HERE_LINE = 'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"'
 
 # rendezvous port when MASTER_PORT is not set (torchtitan's multinode_trainer.slurm uses 29500)
 DEFAULT_PORT = 29500
-
-# what an sbatch directive value may hold: it is written after `#SBATCH --opt=`, where a newline or
-# a space would start another directive or a command
-_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:+=@/%-]+")
-_SBATCH_NAME = re.compile(r"[A-Za-z0-9-]+")
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -71,18 +64,9 @@ def topology(cluster, world: int) -> Topology:
 
 
 def check(cluster, world: int) -> Topology:
-    """Everything mode=dry refuses, before anything is predicted or written."""
-    topo = topology(cluster, world)
-    if cluster.get("kind") == "slurm":
-        for name, value in sbatch_options(cluster, topo).items():
-            field = _OPTION_FIELD.get(name, f"additional_parameters.{name}")
-            if not _SBATCH_NAME.fullmatch(name):
-                raise ConfigError(f"cluster.{field}: an sbatch option name may hold only letters, digits and - "
-                                  "(it is written into #SBATCH lines)")
-            if value not in (None, "", False) and not _SBATCH_VALUE.fullmatch(str(value)):
-                raise ConfigError(f"cluster.{field}={value!r}: an sbatch value may hold only "
-                                  "letters, digits and _ . , : + = @ / % - (it is written into #SBATCH lines)")
-    return topo
+    """What mode=dry refuses beyond the cluster's values (conf/validate.py validate_sbatch_values checks
+    every value an #SBATCH line gets, in every mode), before anything is predicted or written."""
+    return topology(cluster, world)
 
 
 def torchrun_line(topo: Topology) -> str:
@@ -92,11 +76,6 @@ def torchrun_line(topo: Topology) -> str:
     return (f"torchrun --nnodes {topo.nodes} --nproc_per_node {topo.gpus_per_node} "
             '--rdzv_id "${RDZV_ID:-train-ledger}" --rdzv_backend c10d '
             f'--rdzv_endpoint "${{MASTER_ADDR:-localhost}}:${{MASTER_PORT:-{DEFAULT_PORT}}}"')
-
-
-# sbatch option -> the cluster field it comes from (for the error message)
-_OPTION_FIELD = {"partition": "partition", "account": "account", "qos": "qos", "constraint": "constraint",
-                 "cpus-per-task": "cpus_per_task", "mem": "mem_gb", "time": "time_min"}
 
 
 def sbatch_options(cluster, topo: Topology) -> dict:

@@ -138,7 +138,7 @@ def check(cfg):
     lay = resolve(lc, world if cfg.mode == "run" or world >= mp else mp, cfg.framework.name)
     validate(model, lay, cfg.framework.name, cfg.framework, world=world if cfg.mode == "run" else None)
     if cfg.mode in ("run", "dry"):  # what the framework itself refuses to start (Megatron: MoE with TP, no SP)
-        why = spec.dispatch_error(model, lay)
+        why = spec.dispatch_error(model, lay) or spec.model_config_error(cfg.model)
         if why is not None:
             raise ConfigError(why)
     if cfg.mode == "dry":  # the nodes x GPUs that start the layout's world, the sbatch values

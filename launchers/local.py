@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from launchers import open_new
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -57,7 +59,8 @@ def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, loca
     """One rank as `python -m launchers.worker JOB_DIR` (what torchrun starts), output to
     JOB_DIR/rank{R}.log."""
     env = rank_env(rank, world, master, port, local_rank, device)
-    with open(os.path.join(job_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
+    env["TRAIN_LEDGER_PARENT_PID"] = str(os.getpid())  # launchers/worker.py die_with_parent
+    with open_new(os.path.join(job_dir, f"rank{rank}.log")) as log:  # the child keeps its own handle
         return subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
 

@@ -17,7 +17,7 @@ import os
 import sys
 import textwrap
 
-from launchers import shell_comment, write_script
+from launchers import shell_comment, write_file, write_script
 from launchers.local import REPO
 
 MODULE_NAME = "ledger_titan"
@@ -198,10 +198,7 @@ def write_module(cfg, lay, out_dir: str) -> str:
         if cfg.mode == "dry" else titan_assets.build(ASSETS_CACHE, cfg.model.vocab)
     src = render_module(cfg, lay, tok_dir, data_dir, os.path.join(out_dir, "titan_dump"), relative=cfg.mode == "dry")
     path = os.path.join(out_dir, f"{MODULE_NAME}.py")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(src)
-    os.replace(tmp, path)
+    write_file(path, src)
     return path
 
 
@@ -216,7 +213,8 @@ def load_config(path: str):
 
 # torchtitan's run_train.sh, per node: torchrun of `-m torchtitan.train --module M --config F`
 # (config/manager.py imports M from PYTHONPATH and calls F), with the allocator setting it exports
-TRAIN_LINE = ('PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" PYTHONPATH="$HERE:$PYTHONPATH" '
+# (from the module's folder, on PYTHONPATH as "."; the folder's own name may hold a ':')
+TRAIN_LINE = ('cd "$HERE" && PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" PYTHONPATH=".${{PYTHONPATH:+:$PYTHONPATH}}" '
               '{torchrun} -m torchtitan.train --module {module} --config {config}')
 
 

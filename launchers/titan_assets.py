@@ -15,6 +15,9 @@ import os
 import random
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# the BPE trainer sizes its tables by vocab_size (a vocab of 2^32 asks for hundreds of GB), yet the
+# generated text affords only a few thousand merges: asking for more than this learns the same merges
+TRAINER_VOCAB_CAP = 1 << 16
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "ba", "do", "fu", "ge", "hi", "ju", "pe")
 
 
@@ -57,7 +60,8 @@ def build(cache_dir: str, vocab: int, seed: int = 0) -> tuple[str, str]:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[BOS, EOS], show_progress=False,
+        trainer = trainers.BpeTrainer(vocab_size=min(vocab, TRAINER_VOCAB_CAP), special_tokens=[BOS, EOS],
+                                      show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(docs or generated_text(seed=seed), trainer)
         if tok.get_vocab_size() > vocab:

@@ -60,5 +60,25 @@ def _exit(rc: int) -> None:
     os._exit(rc)
 
 
+PARENT_ENV = "TRAIN_LEDGER_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """A rank started by launchers.local (PARENT_ENV: its launcher's pid) dies when its launcher does,
+    even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no rank outlives its job and keeps a job dir in use.
+    Checked once more after arming: a launcher already gone before the arming leaves no signal to come."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
 if __name__ == "__main__":
+    die_with_parent()
     _exit(run(sys.argv[1]))

@@ -42,6 +42,9 @@ class FrameworkLedger:
     validate_experts: Callable[[Any, Any], None] = _nothing  # its MoE limits beside the shared ones
     # refusals before ranks start: dispatch_error(model, lay) for run and dry; run_error(fw, cluster) for run
     dispatch_error: Callable[[Any, Any], Optional[str]] = _nothing
+    # the model config's fields the shape does not carry, as the framework's own launcher takes them
+    # (run and dry): model_config_error(model_cfg)
+    model_config_error: Callable[[Any], Optional[str]] = lambda model_cfg: None
     run_error: Callable[[Any, Any], Optional[str]] = _nothing
     fake_error: Callable[[Any], Optional[str]] = _nothing  # what it cannot run on cluster=fake (the layout)
     # knobs whose default depends on the mode (predict / run / dry / plan): fill_mode_defaults(fw, mode)

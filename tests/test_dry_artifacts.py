@@ -45,9 +45,10 @@ def _dry(framework: str, overrides: list[str], job_dir: str) -> tuple[list[str],
     return mod.dry(cfg, lay, job_dir), lay
 
 
-STUB = {  # each prints its argv (NUL-separated) and MASTER_ADDR to <cwd>/<name>.argv
-    "torchrun": 'printf "%s\\0" "$@" > "$PWD/torchrun.argv"; echo "$MASTER_ADDR" > "$PWD/torchrun.master"',
-    "deepspeed": 'printf "%s\\0" "$@" > "$PWD/deepspeed.argv"; echo "$PYTHONPATH" > "$PWD/deepspeed.pythonpath"',
+STUB = {  # each prints its argv (NUL-separated), and what it ran with, into $STUB_OUT (the folder _run ran from)
+    "torchrun": 'printf "%s\\0" "$@" > "$STUB_OUT/torchrun.argv"; echo "$PWD" > "$STUB_OUT/torchrun.cwd"; '
+                'echo "$PYTHONPATH" > "$STUB_OUT/torchrun.pythonpath"',
+    "deepspeed": 'printf "%s\\0" "$@" > "$STUB_OUT/deepspeed.argv"; echo "$PYTHONPATH" > "$STUB_OUT/deepspeed.pythonpath"',
     # srun: drop its options, run the rest (the batch step's command on one node)
     "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; "$@"',
     "scontrol": 'printf "gpu-a01\\ngpu-a02\\ngpu-a03\\ngpu-a04\\n"',
@@ -60,7 +61,7 @@ def _run(script: str, cwd, env_extra: dict | None = None) -> None:
     for name, body in STUB.items():
         (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
         (stubs / name).chmod(0o755)
-    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(cwd), **(env_extra or {})}
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(cwd), "STUB_OUT": str(cwd), **(env_extra or {})}
     p = subprocess.run(["bash", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
 
@@ -170,3 +171,16 @@ def test_topology_rule():
         gpu_scripts.topology(cluster, 12)
     assert shlex.split(gpu_scripts.torchrun_line(gpu_scripts.Topology(2, 8)))[:5] == [
         "torchrun", "--nnodes", "2", "--nproc_per_node", "8"]
+
+
+def test_titan_runs_from_its_folder_whatever_its_name(tmp_path):
+    """torchtitan's module is found from its own folder ("." on PYTHONPATH after cd), so a folder name
+    with ':' (PYTHONPATH's separator) or a space still works."""
+    job = tmp_path / "a:b c"
+    _dry("titan", ["cluster=local_gpu", "layout.dp=8"], str(job))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _run(str(job / "run_train.sh"), elsewhere)
+    assert (elsewhere / "torchrun.cwd").read_text().strip() == str(job)
+    assert (elsewhere / "torchrun.pythonpath").read_text().strip() == "."
+

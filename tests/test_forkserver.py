@@ -83,3 +83,44 @@ def test_a_forked_rank_reports_its_kill_and_dies_with_its_client(tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail(f"rank {pid} outlived its client")
+
+
+@pytest.mark.real
+def test_a_spawned_rank_dies_with_its_launcher_even_by_sigkill(tmp_path):
+    """cluster.fork_ranks=false (every CUDA job's path): a launcher killed with SIGKILL takes its
+    `python -m launchers.worker` ranks with it (launchers/worker.py die_with_parent)."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "job"
+    job.mkdir()
+    p = launch("mode=dry", "framework=deepspeed", f"hydra.run.dir={job}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(job / "job.json", "w") as f:
+        json.dump(records.read(str(job / "record.json"))["config"], f)
+    # a launcher that spawns rank 0 of a world of 2 (it waits in init for rank 1) and prints its pid
+    code = ("import sys, time\nfrom launchers.local import free_port, spawn_rank\n"
+            "p = spawn_rank(sys.argv[1], 0, 2, '127.0.0.1', free_port(), 0, 'cpu')\n"
+            "print(p.pid, flush=True)\ntime.sleep(600)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(job)], cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), stdout=subprocess.PIPE, text=True)
+    rank_pid = int(launcher.stdout.readline())
+    time.sleep(2)
+    os.kill(rank_pid, 0)  # running
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank_pid, 0)
+        except ProcessLookupError:
+            break
+        try:  # a zombie of an already dead rank counts as gone
+            with open(f"/proc/{rank_pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"rank {rank_pid} outlived its launcher")

@@ -8,6 +8,7 @@ execute every run.sh with torchrun / deepspeed / python / srun / run_train.sh re
 asserting that no canary file appeared.
 """
 import ast
+import json
 import importlib
 import os
 import re
@@ -291,3 +292,86 @@ def test_an_unknown_key_exits_2_naming_it_with_or_without_plus(tmp_path):
     p = launch("mode=predict", "+cluster.additional_parameters.exclusive=true", f"hydra.run.dir={tmp_path / 'y'}",
                timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]  # a dict-valued field takes any key
+
+
+@pytest.mark.parametrize("field", ["partition", "account", "qos", "constraint"])
+@pytest.mark.parametrize("value", ["gpu\ntouch canary\n#", "gpu'", 'gpu"', "gpu$(touch canary)", "gpu #x", "a b"])
+def test_a_slurm_value_that_would_break_its_sbatch_line_is_refused_in_every_mode(field, value):
+    """Every value an #SBATCH line (or submitit's) gets is checked with the config, whatever the mode."""
+    from launchers.job import check
+
+    cfg = _compose("mode=predict", "cluster=local_slurm")
+    with open_dict(cfg):
+        cfg.cluster[field] = value
+    with pytest.raises(ConfigError, match=rf"cluster\.{field}="):
+        check(cfg)
+    cfg = _compose("mode=predict", "cluster=local_slurm")
+    with open_dict(cfg):
+        cfg.cluster.additional_parameters = {"comment": value}
+    with pytest.raises(ConfigError, match=r"cluster\.additional_parameters\.comment="):
+        check(cfg)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_dry_never_writes_through_a_symlink_at_an_artifacts_path(framework, tmp_path):
+    """A symlink at run.sh / ds_config.json / the torchtitan module's path is replaced by the new file;
+    its target is neither written nor made executable."""
+    job = tmp_path / "job"
+    names = {p.split(os.sep)[-1] for p in _dry(framework, _cfg(framework), str(tmp_path / "first"))}
+    job.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    target.chmod(0o600)
+    for name in names:
+        (job / name).symlink_to(target)
+    paths = _dry(framework, _cfg(framework), str(job))
+    assert target.read_text() == "keep me\n" and oct(target.stat().st_mode & 0o777) == oct(0o600)
+    assert all(not os.path.islink(p) for p in paths) and not list(job.glob("*.tmp.*"))
+
+
+def test_a_rank_log_symlink_is_replaced_not_followed(tmp_path):
+    from launchers import open_new
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / "rank0.log").symlink_to(target)
+    with open_new(str(tmp_path / "rank0.log")) as f:
+        f.write("log\n")
+    assert target.read_text() == "keep me\n" and (tmp_path / "rank0.log").read_text() == "log\n"
+
+
+def test_a_vocab_the_tokenizer_cannot_be_built_for_is_refused_or_capped(tmp_path):
+    """torchtitan's tokenizer: below 258 tokens refused before anything is built (exit 2, naming the
+    field); a vocab of 2^32 builds the same small tokenizer (the trainer is capped) instead of aborting."""
+    from launchers import titan_assets
+    from tests.conftest import launch
+
+    p = launch("mode=dry", "framework=titan", "model.vocab=100", f"hydra.run.dir={tmp_path / 'small'}")
+    assert p.returncode == 2 and "model.vocab=100 must be >= 258" in p.stdout + p.stderr
+    small, _ = titan_assets.build(str(tmp_path / "a"), 4096)
+    huge, _ = titan_assets.build(str(tmp_path / "b"), 4294967296)
+    a, b = (json.load(open(os.path.join(d, "tokenizer.json")))["model"]["vocab"] for d in (small, huge))
+    assert 258 < len(a) <= len(b) <= titan_assets.TRAINER_VOCAB_CAP
+
+
+def test_a_fractional_rope_theta_is_refused_for_megatron_run_and_dry():
+    """Megatron-LM's --rotary-base is an int: 0.5 would become 0; predict (no --rotary-base) goes on."""
+    from launchers.job import check
+
+    for mode in ("dry", "run"):
+        with pytest.raises(ConfigError, match=r"model.rope_theta=0.5 must be an integer"):
+            check(_compose(f"mode={mode}", "framework=megatron", "model.rope_theta=0.5"))
+    check(_compose("mode=predict", "framework=megatron", "model.rope_theta=0.5"))
+    check(_compose("mode=dry", "framework=megatron", "model.rope_theta=10000"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.layers=2.5", "model.layers=2.5 must be an integer"),
+    ("layout.tp=x", "layout.tp='x' must be an integer"),
+    ("model.layers=2,3.5", "model.layers=3.5 must be an integer"),
+    ("model.rope_theta=abc", "model.rope_theta='abc' must be a number"),
+    ("framework.overlap_grad_reduce=1", "framework.overlap_grad_reduce=1 must be true or false"),
+])
+def test_a_value_of_the_wrong_type_exits_2_naming_the_field(override, message, tmp_path):
+    p = launch("mode=predict", "framework=megatron", override, f"hydra.run.dir={tmp_path}")
+    assert p.returncode == 2 and f"invalid: {message}" in p.stderr, (p.returncode, p.stderr[-500:])

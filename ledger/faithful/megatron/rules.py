@@ -43,6 +43,16 @@ def fill_mode_defaults(fw, mode: str) -> None:
         fw.transformer_impl = default_transformer_impl(mode)
 
 
+def model_config_error(model_cfg) -> str | None:
+    """Megatron-LM parses --rotary-base as an int (arguments.py: type=int) and TransformerConfig's
+    rotary_base is an int: a fractional rope_theta would be truncated, so it is refused."""
+    theta = model_cfg.get("rope_theta")
+    if theta is not None and float(theta) != int(theta):
+        return (f"megatron: model.rope_theta={theta} must be an integer: Megatron-LM's --rotary-base is an int "
+                "(it would train with a truncated base)")
+    return None
+
+
 def run_error(fw, cluster) -> str | None:
     if fw.transformer_impl == "transformer_engine" and cluster.device != "cuda":
         return ("megatron: framework.transformer_impl=transformer_engine needs CUDA (TransformerEngine); "

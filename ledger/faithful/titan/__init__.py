@@ -10,7 +10,7 @@ LEDGER = register(FrameworkLedger(
     name="titan", launcher="launchers.titan", place=states.place, place_moe=moe.place,
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     vocab_error=rules.vocab_error, other_head_width=rules.head_width_modelled,
-    validate_experts=rules.validate_experts, fake_error=rules.fake_error,
+    validate_experts=rules.validate_experts, fake_error=rules.fake_error, dispatch_error=rules.dispatch_error,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
     overlaps=rules.overlaps, plan_hsdp=True,
     # torchtitan 0.3.0 config/configs.py ParallelismConfig.enable_sequence_parallel: bool = True

@@ -107,11 +107,21 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
 
 
 
+def _batch_saved_bytes(B: int, S: int, ac: str) -> int:
+    """Of the step's small tensors, those of the three moved to the device (trainer.py
+    post_dataloading_process: input ids, labels, positions, T int64 each) that autograd packs for
+    backward, which the probe counts as activations (its category: saved for backward), as the ledger
+    does: the ids (the embedding's) and the labels (the loss's) always, the positions too where
+    activation checkpointing wraps the blocks (the checkpoint saves the block's inputs). Measured:
+    2 x T int64 without checkpointing, 3 x T with selective or full (the torchtitan matrix, seq 32-2048)."""
+    return (2 if ac == "none" else 3) * B * S * I64
+
+
 def _batch_bytes(model, B: int, S: int) -> int:
     """The step's small tensors live at the peak, as the probe's event list shows them (T = B*S):
     the data loader's last sample (input, labels, positions: 3 x S int64) and the collated batch
-    (2 x T int64), the three moved to the device (trainer.py post_dataloading_process: 3 x T int64,
-    one saved by the embedding), the document mask of models/common/attention.py
+    (2 x T int64), the three moved to the device (3 x T int64; those saved for backward are
+    activations: _batch_saved_bytes), the document mask of models/common/attention.py
     get_efficient_causal_mask_mod_for_packed_document (document_id int32 [B, S]; with B == 1 the
     offsets table, int32 round_up(S + 1, 128)), per-sequence fp32 scalars (8 x B), a norm weight's
     bf16 grad ([hidden]) and three more scalars (the loader's int64, two fp32)."""
@@ -193,8 +203,10 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # hidden states the wrapper backpropagates from), the valid-token count
     root = Tn * h * F32 * 2 + Tn * F32 + T * h * BF16
     copies = chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
-    acts = L * act1 + root + I64 + copies[0]
+    batch = _batch_saved_bytes(B, model.seq_len, ac)
+    acts = L * act1 + root + I64 + copies[0] + batch
     detail[f"activations/{L} blocks saved ({ac})"] = L * act1
+    detail["activations/the batch on the device (ids, labels, positions)"] = batch
     detail["activations/root norm and hidden states"] = root
     if copies[0]:
         detail["activations/the wrapper's hidden and label chunk copies"] = copies[0]
@@ -208,7 +220,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
     chunk = T // LOSS_CHUNKS
     temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_in + L * kept1
-            + _batch_bytes(model, B, model.seq_len) - h * BF16 + copies[1])
+            + _batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
@@ -275,15 +287,17 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     reshard = fw.reshard_after_forward in ("default", "always")
     act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp)
     unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
-    acts = L * act1 + Tn * h * F32 + I64
+    batch = _batch_saved_bytes(B, S, ac)
+    acts = L * act1 + Tn * h * F32 + I64 + batch
     work = 5 * Tn * h * F32 + h * BF16
     ag = sh.layer_full * BF16 if reshard and ds > 1 else 0
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
     # (the wrapper has returned: its chunk copies and GradAccumulator are gone, the accumulated grad it
     # hands the decoder, bf16, is freed by the norm's backward before this moment)
-    small = _batch_bytes(model, B, S) - h * BF16 + L * kept1
+    small = _batch_bytes(model, B, S) - batch - h * BF16 + L * kept1
     detail = {"resident/state": resident, "resident/unsharded params": unsharded,
               f"activations/{L} blocks saved ({ac})": L * act1, "activations/the final norm's fp32 input": Tn * h * F32,
+              "activations/the batch on the device (ids, labels, positions)": batch,
               "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
               "gathered/lm_head's reduce-scatter input held (HSDP: its all-reduce input)": held,
               "temporary/batch, selective AC's kept outputs": small}
@@ -332,8 +346,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
     # activations: the blocks before, and the global valid-token count the loss divides by
     # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
-    acts = before * act1 + I64
+    batch = _batch_saved_bytes(B, S, ac)
+    acts = before * act1 + I64 + batch
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
+    detail["activations/the batch on the device (ids, labels, positions)"] = batch
     # gathered: the prefetched all-gather output of the unit before and HSDP's held all-reduce inputs
     # (_fsdp_backward_held), the reduce-scatter input (fp32, padded full) and output (its shard)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
@@ -348,7 +364,7 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # temporaries: gloo's copy of the reduce-scatter input (a shard group of one: foreach_reduce's
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
-    small = _batch_bytes(model, B, S)
+    small = _batch_bytes(model, B, S) - batch
     temp = rs_in + resid + before * kept1 + small
     detail["temporary/gloo reduce-scatter copy of the input"] = rs_in
     detail["temporary/residual-stream grad (bf16)"] = resid
@@ -383,8 +399,10 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     detail: dict[str, int] = {"resident/state": resident}
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
-    acts = (k + 1) * ck1 + I64
+    batch = _batch_saved_bytes(B, S, ac)
+    acts = (k + 1) * ck1 + I64 + batch
     detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
+    detail["activations/the batch on the device (ids, labels, positions)"] = batch
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
     gathered = ag + rs_held + held
@@ -394,7 +412,7 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     if held:
         detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
     work = full1 - T * f * BF16 + f * model.hidden * BF16 + 3 * T * f * BF16 + resid
-    small = _batch_bytes(model, B, S)
+    small = _batch_bytes(model, B, S) - batch
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves (w2's input freed), w2's weight grad, SwiGLU grads, residual grad"] = work
     if kept1:

@@ -45,6 +45,19 @@ def vocab_error(model, lay) -> str | None:
             "empty vocab shards.\"")
 
 
+# the tokenizer a run or a dry job writes (launchers/titan_assets.py) has the 256 byte-level tokens and
+# BOS / EOS at least, and every id must be a row of the model's vocab
+TOKENIZER_MIN_VOCAB = 258
+
+
+def dispatch_error(model, lay) -> str | None:
+    """What a run or a dry job refuses before building anything: a vocab smaller than the tokenizer."""
+    if model.vocab < TOKENIZER_MIN_VOCAB:
+        return (f"titan: model.vocab={model.vocab} must be >= {TOKENIZER_MIN_VOCAB} for a run or dry job: the "
+                "tokenizer written for it holds the 256 byte-level tokens and BOS / EOS, each a row of the vocab")
+    return None
+
+
 def head_width_modelled(model) -> bool:
     """torchtitan's qwen3 MoE model has q/k norms and its own head width; its Llama has neither."""
     return model.is_moe
