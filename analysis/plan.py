@@ -29,6 +29,7 @@ def plot(rows: list[dict], path: str, budget_bytes: float | None = None) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # a model name is text, never math text
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))

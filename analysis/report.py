@@ -25,6 +25,8 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on compute nodes or in CI
+# labels come from user data (job dirs, model names): `$...$` in them is text, never math text to parse
+matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402

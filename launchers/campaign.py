@@ -16,6 +16,7 @@ jobs that never existed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -31,6 +32,39 @@ KEPT_BY_FAILED = ("ok", "invalid")
 
 class CampaignError(RuntimeError):
     """A sweep that would overwrite finished jobs of another config."""
+
+
+LOCK = ".sweep.lock"
+
+
+class SweepBusy(RuntimeError):
+    """Another sweep holds the sweep dir."""
+
+
+@contextlib.contextmanager
+def sweep_lock(sweep_dir: str):
+    """Hold the sweep dir for this sweep's life: an exclusive flock on <sweep_dir>/.sweep.lock, which
+    the kernel releases when the holder exits however it ends (kill -9 included). A second sweep into
+    the same dir meanwhile raises SweepBusy naming the holder, before it decides or writes anything:
+    two sweeps never number jobs into the same job dirs."""
+    import fcntl
+
+    os.makedirs(sweep_dir, exist_ok=True)
+    path = os.path.join(sweep_dir, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise SweepBusy(f"{sweep_dir} is in use by another sweep ({holder}): wait for it to end, or "
+                            "give this sweep another hydra.sweep.dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 @dataclass

@@ -57,7 +57,29 @@ def read(path: str) -> dict:
         raise UnreadableRecord(f"{path}: unreadable record ({type(e).__name__}: {e})") from e
     if not isinstance(rec, dict):
         raise UnreadableRecord(f"{path}: unreadable record (a JSON {type(rec).__name__}, not an object)")
+    why = _shape_error(rec)
+    if why:
+        raise UnreadableRecord(f"{path}: unreadable record ({why})")
     return rec
+
+
+# what every reader of a record relies on: key -> the types its value may have
+_SHAPE = {"status": (str, type(None)), "job_dir": (str,), "config": (dict, type(None)),
+          "prediction": (dict, type(None)), "measurement": (dict, type(None))}
+# (a job Slurm killed before it wrote job.json has a record with no config: _record_killed)
+_OPTIONAL = ("config", "prediction", "measurement")
+
+
+def _shape_error(rec: dict) -> str | None:
+    """Why a parsed record is not one the analysis can read (a missing or mistyped key), else None."""
+    for key, types in _SHAPE.items():
+        if key not in rec:
+            if key in _OPTIONAL:
+                continue
+            return f"no {key!r}"
+        if not isinstance(rec[key], types):
+            return f"{key!r} is a {type(rec[key]).__name__}"
+    return None
 
 
 def read_if_any(job_dir: str) -> dict | None:
@@ -89,13 +111,19 @@ def unreadable_record(path: str, error: str) -> dict:
 def load(path: str, warn=None) -> list[dict]:
     """Every record under path. One that cannot be read is warned about, naming the file (on stderr,
     or through warn(message)), and comes back as an `unreadable` record: the others still count."""
-    out = []
-    for p in find(path):
+    out, files = [], find(path)
+    for p in files:
         try:
             out.append(read(p))
         except UnreadableRecord as e:
             (warn or _warn)(f"warning: {e}")
             out.append(unreadable_record(p, str(e)))
+    # a folder of several sweeps (a day's multirun/) holds jobs of one subdir name in each: name every
+    # job by its folder under `path` then, so no two are merged into one row of a table
+    names = [job_name(r) for r in out]
+    if len(set(names)) < len(names) and os.path.isdir(path):
+        for r, p in zip(out, files):
+            r[NAME_KEY] = os.path.relpath(os.path.dirname(p), path)
     return out
 
 
@@ -181,8 +209,12 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 # -- names for tables ---------------------------------------------------------------------------
 
+# set by load() on the records of a folder of several sweeps: the job's folder relative to it
+NAME_KEY = "_loaded_as"
+
+
 def job_name(rec: dict) -> str:
-    return os.path.basename(rec.get("job_dir", "")) or "job"
+    return rec.get(NAME_KEY) or os.path.basename(rec.get("job_dir", "")) or "job"
 
 
 def layout_name(rec: dict) -> str:

@@ -176,3 +176,51 @@ def test_a_job_running_now_is_not_started_twice(tmp_path):
     p = _predict_sweep(tmp_path)
     assert p.returncode == 2 and f"job #0 ({tmp_path / '0_megatron'}) is running now (pid {os.getpid()})" in p.stderr
     assert records.read(str(path))["status"] == "running"  # untouched
+
+
+def test_a_second_sweep_into_a_busy_sweep_dir_is_refused_before_anything(tmp_path):
+    """Two sweeps into one hydra.sweep.dir at once: the second exits 2 naming the holder and writes no
+    job; once the first ends (its lock released with it), the dir is free."""
+    from launchers.campaign import sweep_lock
+
+    sweep = tmp_path / "s"
+    with sweep_lock(str(sweep)):
+        p = launch("-m", "mode=predict", "model.layers=2,3", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}")
+        assert p.returncode == 2 and f"{sweep} is in use by another sweep (pid {os.getpid()}" in p.stderr, p.stderr
+        assert not list(sweep.glob("*/record.json"))
+    p = launch("-m", "mode=predict", "model.layers=2,3", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0 and len(list(sweep.glob("*/record.json"))) == 2, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("text,why", [("{}", "no 'status'"), ('{"status": "ok", "job_dir": "x", "config": 5}',
+                                                             "'config' is a int"),
+                                      ('{"status": "ok", "job_dir": 5, "config": {}}', "'job_dir' is a int")])
+def test_a_record_of_the_wrong_shape_is_unreadable_and_the_rest_is_read(tmp_path, text, why):
+    """A record.json that parses but is not a record ({} or mistyped keys) is `unreadable`, named; the
+    analysis reads the rest and exits 0 (records/__init__.py _shape_error)."""
+    p = launch("-m", "mode=predict", "framework=megatron,titan", "wandb.mode=disabled",
+               f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    bad = tmp_path / "0_megatron" / "record.json"
+    bad.write_text(text)
+    env = dict(os.environ, PYTHONPATH=REPO_PATH)
+    for mod in ("analysis.reconcile", "analysis.report", "analysis.status"):
+        r = subprocess.run([sys.executable, "-m", mod, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (mod, r.stderr[-2000:])
+        assert f"warning: {bad}: unreadable record ({why})" in r.stderr, (mod, r.stderr)
+
+
+def test_a_folder_of_sweeps_keeps_their_jobs_apart(tmp_path):
+    """reconcile over a folder holding two sweeps whose jobs share subdir names: each job its own row,
+    named by its folder under the one given."""
+    import records as R
+
+    for name, layers in (("a", 2), ("b", 3)):
+        p = launch("-m", "mode=predict", "framework=megatron,titan", f"model.layers={layers}", "wandb.mode=disabled",
+                   f"hydra.sweep.dir={tmp_path / name}", timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    recs = R.load(str(tmp_path))
+    assert sorted(R.job_name(r) for r in recs) == ["a/0_megatron", "a/1_titan", "b/0_megatron", "b/1_titan"]
+    assert {R.job_name(r): r["config"]["model"]["layers"] for r in recs}["b/1_titan"] == 3
+    assert [R.job_name(r) for r in R.load(str(tmp_path / "a"))] == ["0_megatron", "1_titan"]

@@ -89,6 +89,16 @@ def test_a_disagreement_shows_on_the_page(sweep, tmp_path):
 
 
 @pytest.mark.real
+def test_math_text_in_a_job_dir_is_drawn_as_text(sweep, tmp_path):
+    """A job dir named with `$...$` (matplotlib's math text, unparsable here) draws as plain text."""
+    recs = copy.deepcopy(records.load(sweep))
+    for r in recs:
+        r["job_dir"] = os.path.join(str(tmp_path), "0_$\\frac{1}{$x")
+    path = REP.write(recs, str(tmp_path / "r"), "math")
+    assert all(os.path.getsize(tmp_path / "r" / f"{k}.png") > 0 for k in REP.FIGURES) and os.path.exists(path)
+
+
+@pytest.mark.real
 def test_comm_panel_sums_are_the_tables(sweep):
     recs = records.load(sweep)
     df = reconcile.table(recs)

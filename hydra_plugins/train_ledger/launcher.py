@@ -5,6 +5,7 @@ job before sbatch and records jobs Slurm kills.
 Hydra instantiates launchers only from the hydra_plugins namespace, hence this module; the
 callback that selects them and the Slurm helpers are in launchers/slurm.py.
 """
+import contextlib
 import logging
 import os
 
@@ -51,6 +52,22 @@ def _plan(launcher, jobs):
     return decisions
 
 
+@contextlib.contextmanager
+def _holding(launcher):
+    """The sweep dir held for the launch (launchers/campaign.py sweep_lock), or SystemExit(2) naming
+    the sweep that holds it (nothing ran)."""
+    import sys
+
+    from launchers.campaign import SweepBusy, sweep_lock
+
+    try:
+        with sweep_lock(str(launcher.config.hydra.sweep.dir)):
+            yield
+    except SweepBusy as e:
+        print(f"train-ledger: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _skipped(decision, overrides):
     return _done(overrides, {"status": decision.prior_status, "job_dir": decision.job_dir, "skipped": True})
 
@@ -60,6 +77,10 @@ class CampaignBasicLauncher(BasicLauncher):
     has already finished."""
 
     def launch(self, job_overrides, initial_job_idx):
+        with _holding(self):
+            return self._launch(job_overrides, initial_job_idx)
+
+    def _launch(self, job_overrides, initial_job_idx):
         from hydra.core.utils import configure_log, run_job, setup_globals
 
         setup_globals()
@@ -80,6 +101,10 @@ class CampaignBasicLauncher(BasicLauncher):
 
 class ValidatingSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides, initial_job_idx):
+        with _holding(self):
+            return self._launch(job_overrides, initial_job_idx)
+
+    def _launch(self, job_overrides, initial_job_idx):
         from launchers.job import check, invalid_record
         from ledger.layout import ConfigError
 
