@@ -30,7 +30,7 @@ def origin(g: dict) -> str:
 def lines(rec: dict, rank: int | None = None) -> list[str]:
     """The census of one record's ranks as text lines."""
     out = [f"== {R.job_name(rec)}"]
-    pred = {p["rank"]: p for p in (rec.get("prediction") or {}).get("per_rank", [])}
+    pred = R.predicted_ranks(rec.get("prediction"))
     for m in (rec.get("measurement") or {}).get("ranks", []):
         if rank is not None and m["rank"] != rank:
             continue
@@ -45,7 +45,7 @@ def lines(rec: dict, rank: int | None = None) -> list[str]:
         for g in pk["census"]:
             out.append(f"  {g['category']:<11} {_fmt(g['bytes']):>16} {g['storages']:>5} x (largest "
                        f"{_fmt(g['largest'])})  {origin(g)}")
-        lp = (pred.get(m["rank"]) or {}).get("peak")
+        lp = pred(m["rank"]).get("peak")
         if lp:
             out.append(f"  predicted {_fmt(lp['bytes'])} B ({lp.get('what')}):")
             for k, v in (lp.get("detail") or {}).items():

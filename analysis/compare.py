@@ -131,11 +131,11 @@ def rows(rec: dict) -> list[dict]:
     if not pred or not meas:
         return []
     base = {"job": R.job_name(rec), "framework": R.framework_variant(rec), "layout": R.layout_name(rec)}
-    by_rank = {p["rank"]: p for p in pred["per_rank"]}
+    by_rank = R.predicted_ranks(pred)
     out = []
     for m in meas["ranks"]:
-        p = by_rank.get(m["rank"])
-        if p is None or m.get("status") != "ok":
+        p = by_rank(m["rank"])
+        if not p or m.get("status") != "ok":
             continue
         warmup = p.get("comm_warmup") or []
         for st in m.get("steps", []):

@@ -22,9 +22,9 @@ import records as R
 def table(recs: list[dict]) -> pd.DataFrame:
     out = []
     for rec in recs:
-        pred = {p["rank"]: p for p in (rec.get("prediction") or {}).get("per_rank", [])}
+        pred = R.predicted_ranks(rec.get("prediction"))
         for m in (rec.get("measurement") or {}).get("ranks", []):
-            pk = (pred.get(m["rank"]) or {}).get("peak") or {}
+            pk = pred(m["rank"]).get("peak") or {}
             for st in m.get("steps", []):
                 probe = st.get("peak") or {}
                 cuda = (st.get("cuda") or {}).get("allocated_bytes.all.peak")

@@ -178,9 +178,11 @@ def _measured_state(rec: dict) -> dict[int, dict]:
 def fig_memory(recs: list[dict], path: str) -> None:
     fig, cells = _columns(recs, 5.4, 3.2, "Resident state per rank at the step boundary (MB, 1 MB = 1e6 B)")
     for ax, rec, _ in cells:
-        pred = {p["rank"]: p for p in (rec.get("prediction") or {}).get("per_rank", [])}
+        pred_of = R.predicted_ranks(rec.get("prediction"))
         meas = _measured_state(rec)
-        ranks = sorted(set(pred) | set(meas))
+        # the measured ranks; a prediction alone draws the first rank of each class of alike ranks
+        ranks = sorted(meas) or [c["ranks"][0][0] for c in R.rank_classes(rec.get("prediction"))][:16]
+        pred = {r: pred_of(r) for r in ranks}
         x = np.arange(len(ranks))
         w = 0.38
         for off, src, style in ((-w / 2, pred, dict(alpha=0.45, hatch="//")), (w / 2, meas, dict())):
@@ -225,8 +227,7 @@ def census_table(recs: list[dict], top: int = 8) -> pd.DataFrame:
             continue
         rank, st = got
         pk = st["peak"]
-        pred = next((p.get("peak") for p in (rec.get("prediction") or {}).get("per_rank", []) if p["rank"] == rank),
-                    None) or {}
+        pred = R.predicted_ranks(rec.get("prediction"))(rank).get("peak") or {}
         w = pk["where"]
         head = {"job": R.job_name(rec), "rank": rank, "measured peak": pk["peak_bytes"],
                 "measured at": f"{w['phase']} · {w['op'] or '-'}", "predicted peak": pred.get("bytes"),
@@ -287,7 +288,7 @@ def fig_timeline(recs: list[dict], path: str) -> None:
             bars.axis("off")
             continue
         rank, st = got
-        pred = next((p for p in (rec.get("prediction") or {}).get("per_rank", []) if p["rank"] == rank), {})
+        pred = R.predicted_ranks(rec.get("prediction"))(rank)
         pk = pred.get("peak") or {}
         cats = [c for c in TIMELINE_CATS if any(p.get(c) for p in st["timeline"])]
         _stack(line, st["timeline"], cats, phases=True)

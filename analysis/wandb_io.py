@@ -244,7 +244,7 @@ def headline(record: dict, df: pd.DataFrame) -> dict:
            "steady_rows": int(len(steady)), "steady_mismatches": int(compare.off(steady).sum()) if len(steady) else 0}
     if pg.get("resident_bytes") is not None:
         out["predicted_resident_bytes"] = pg["resident_bytes"]
-    peaks = [(r.get("peak") or {}).get("bytes") for r in pred.get("per_rank") or []]
+    peaks = [(r.get("peak") or {}).get("bytes") for r in R.rank_classes(pred)]
     if peaks and all(p is not None for p in peaks):
         out["predicted_peak_bytes"] = max(peaks)
     out.update(_measured_headline(record))
@@ -257,7 +257,7 @@ def _measured_headline(record: dict) -> dict:
     ranks = [r for r in ((record.get("measurement") or {}).get("ranks") or []) if r.get("status") == "ok"]
     steady = [[s for s in r.get("steps") or [] if s.get("step", 0) > 0] for r in ranks]
     out = {}
-    peaks = [(s.get("peak") or {}).get("bytes") for st in steady for s in st]
+    peaks = [(s.get("peak") or {}).get("peak_bytes") for st in steady for s in st]
     if peaks and all(p is not None for p in peaks):
         out["measured_peak_bytes"] = max(peaks)
     times = [sorted(s["time_s"] for s in st if s.get("time_s") is not None) for st in steady]

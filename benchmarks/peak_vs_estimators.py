@@ -143,7 +143,7 @@ def table(recs: list[dict]):
             continue
         rank, st = got
         meas = st["peak"]["peak_bytes"]
-        pr = next((p for p in rec["prediction"]["per_rank"] if p["rank"] == rank), {})
+        pr = R.predicted_ranks(rec["prediction"])(rank)
         row = {"job": R.job_name(rec), "framework": R.framework_variant(rec), "layout": R.layout_name(rec),
                "rank": rank, "measured_peak": meas, "ours": (pr.get("peak") or {}).get("bytes")}
         fam = R.framework_variant(rec).split("-")[0]

@@ -19,6 +19,9 @@ def write_file(path: str, text: str, mode: int = 0o644) -> str:
     symlink at the path is replaced, its target untouched), never half-written. Returns the path."""
     import os
 
+    from records import remove_stale_tmp
+
+    remove_stale_tmp(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
     try:

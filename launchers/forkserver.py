@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import glob
 import importlib
 import json
 import os
@@ -41,7 +42,7 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DIR_ENV = "TRAIN_LEDGER_FORKSERVERS"
 IDLE_S = 600
-RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 START_TIMEOUT_S = 300
 
 
@@ -237,10 +238,36 @@ def server(framework: str, device: str, env: dict) -> str:
     key = (framework, device)
     if key in _OWNED and _OWNED[key][1].poll() is None:
         return _OWNED[key][0]
-    directory = tempfile.mkdtemp(prefix=f"forkserver-{framework}-")
+    remove_orphaned_dirs()
+    directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{framework}-")
+    with open(os.path.join(directory, OWNER), "w") as f:
+        f.write(str(os.getpid()))
     _OWNED[key] = _start(framework, directory, device, env, shared=False)
     atexit.register(_stop, _OWNED[key][1], directory)
     return _OWNED[key][0]
+
+
+PRIVATE_PREFIX = "forkserver-"  # a launcher's own server's folder in TMPDIR: forkserver-<framework>-XXXX
+OWNER = "owner.pid"  # in it: the launcher's pid (its server exits with it: serve)
+
+
+def remove_orphaned_dirs(root: str | None = None) -> list[str]:
+    """Remove the private servers' folders whose launcher is gone (killed with -9: atexit never ran
+    _stop; the server itself exits with its parent). Returns them. A folder without an owner file is
+    not touched (another version's, or one being made)."""
+    from records import process_alive
+
+    removed = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), f"{PRIVATE_PREFIX}*-*")):
+        try:
+            with open(os.path.join(d, OWNER)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not process_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def _stop(proc: subprocess.Popen, directory: str) -> None:

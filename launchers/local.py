@@ -1,6 +1,7 @@
 """Start a job's ranks as processes on this machine (gloo on CPU, or NCCL with one GPU each)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -21,44 +22,88 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A free port for the rendezvous store, drawn at random below the kernel's ephemeral range.
+def bound_socket() -> socket.socket:
+    """A socket bound to 127.0.0.1 on a free port for the rendezvous store, drawn at random below the
+    kernel's ephemeral range.
 
-    A port the kernel hands out (bind to 0) is free now but is handed out again, to the outgoing and
-    listening sockets gloo opens for other jobs' ranks, in the seconds before rank 0 binds it; seen
-    as "DistNetworkError: The server socket has failed to listen" when several sweeps run at once.
-    Ports below the ephemeral range are only ever taken by someone who asks for them by number."""
+    A port the kernel hands out (bind to 0) is handed out again, to the outgoing and listening sockets
+    gloo opens for other jobs' ranks; seen as "DistNetworkError: The server socket has failed to
+    listen" when several sweeps run at once. Ports below the ephemeral range are only ever taken by
+    someone who asks for them by number."""
     import random
 
     lo, _hi = _ephemeral_range()
     first = max(1024, lo - 12000)
     for port in random.Random().sample(range(first, lo), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # all taken: whatever the kernel gives
-        s.bind(("127.0.0.1", 0))
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        return s
+    s = socket.socket()  # all taken: whatever the kernel gives
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def free_port() -> int:
+    """A port free now (bound_socket's, released)."""
+    with bound_socket() as s:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, master: str, port: int, local_rank: int, device: str) -> dict:
-    """A rank's environment: torchrun-style variables; on CPU one thread and no GPU visible."""
+# torch/distributed/rendezvous.py _create_c10d_store: with this set every rank connects to the store as
+# a client (torchrun's agent store) instead of rank 0 hosting it
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextlib.contextmanager
+def local_store(timeout_s: int):
+    """The job's rendezvous store, hosted by the launcher for its ranks as torchrun's agent hosts
+    one, listening on 127.0.0.1 alone (rank 0's own TCPStore would listen on every interface of the
+    machine: torch's TCPStore binds no host). Yields its port; ranks started with
+    rank_env(..., agent_store=True) use it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    try:
+        sock.listen()
+        store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the listening fd now and closes it when it goes
+    try:
+        yield port
+    finally:
+        del store
+
+
+def rank_env(rank: int, world: int, master: str, port: int, local_rank: int, device: str,
+             agent_store: bool = False) -> dict:
+    """A rank's environment: torchrun-style variables; on CPU one thread and no GPU visible.
+    agent_store: the store at master:port is the launcher's (local_store), every rank its client."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                MASTER_ADDR=master, MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop(AGENT_STORE_ENV, None)
+    if agent_store:
+        env[AGENT_STORE_ENV] = "True"
     if device in ("cpu", "fake"):  # fake: FakeTensors on a fake CPU device
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
 def spawn_rank(job_dir: str, rank: int, world: int, master: str, port: int, local_rank: int,
-               device: str) -> subprocess.Popen:
+               device: str, agent_store: bool = False) -> subprocess.Popen:
     """One rank as `python -m launchers.worker JOB_DIR` (what torchrun starts), output to
     JOB_DIR/rank{R}.log."""
-    env = rank_env(rank, world, master, port, local_rank, device)
+    env = rank_env(rank, world, master, port, local_rank, device, agent_store)
     env["TRAIN_LEDGER_PARENT_PID"] = str(os.getpid())  # launchers/worker.py die_with_parent
     with open_new(os.path.join(job_dir, f"rank{rank}.log")) as log:  # the child keeps its own handle
         return subprocess.Popen([sys.executable, "-m", "launchers.worker", job_dir], cwd=REPO, env=env,
@@ -124,11 +169,12 @@ def local_world_error(world: int, heaviest_rank_bytes: int, device: str) -> str 
 
 
 def start_rank(job_dir: str, rank: int, world: int, port: int, device: str, framework: str | None):
+    """One rank of a local job, a client of the launcher's store at 127.0.0.1:port (local_store)."""
     if framework is None:
-        return spawn_rank(job_dir, rank, world, "127.0.0.1", port, rank, device)
+        return spawn_rank(job_dir, rank, world, "127.0.0.1", port, rank, device, agent_store=True)
     from launchers import forkserver
 
-    return forkserver.fork_rank(framework, device, rank_env(rank, world, "127.0.0.1", port, rank, device),
+    return forkserver.fork_rank(framework, device, rank_env(rank, world, "127.0.0.1", port, rank, device, True),
                                 job_dir, os.path.join(job_dir, f"rank{rank}.log"))
 
 
@@ -142,7 +188,12 @@ def run_local(job_dir: str, world: int, timeout_s: int, device: str = "cpu",
     timed_out. Whatever ends this function early (an Interrupted from SIGTERM) kills the ranks too:
     none outlives its job."""
     clear_results(job_dir, range(world))
-    port = free_port()
+    with local_store(timeout_s) as port:
+        return _run_ranks(job_dir, world, timeout_s, device, framework, port)
+
+
+def _run_ranks(job_dir: str, world: int, timeout_s: int, device: str, framework: str | None,
+               port: int) -> list[dict]:
     procs = []
     try:
         for r in range(world):

@@ -1,7 +1,8 @@
 """What a prediction is: per-rank resident state bytes and per-step collectives (the contract).
 
-`Placement.per_rank` may be large (16,384 ranks); ranks that are provably identical share one
-`RankState` (same object), so predicting a big layout costs one computation per distinct rank.
+`Placement.per_rank` may be large (a million ranks); ranks that are provably identical share one
+`RankState` (same object), so predicting a big layout costs one computation per distinct rank, and its
+record lists each distinct state once with the ranks that hold it (Placement.rank_classes).
 """
 from __future__ import annotations
 
@@ -352,9 +353,31 @@ class Placement:
             out[c.dim] += c.wire_bytes
         return dict(out)
 
+    def rank_classes(self) -> list[tuple[RankState, list[list[int]]]]:
+        """The ranks grouped by the state they share (one object: the ledgers share a state between
+        ranks that are provably alike), each class with its runs of consecutive ranks [first, last],
+        in the order of their first ranks. A world of a million ranks is a handful of classes."""
+        classes: dict[int, tuple[RankState, list[list[int]]]] = {}
+        prev, run = None, None
+        for r in range(self.world):
+            s = self.rank_state(r)
+            if s is prev:
+                run[1] = r
+                continue
+            cls = classes.get(id(s))
+            if cls is None:
+                cls = classes[id(s)] = (s, [])
+            run = [r, r]
+            cls[1].append(run)
+            prev = s
+        return list(classes.values())
+
     def to_dict(self, all_ranks: bool = True) -> dict:
+        """The prediction (prediction.json): its size grows with the distinct ranks, not the world:
+        "rank_classes" lists each class of alike ranks once with its rank runs (records.rank_classes
+        reads them). all_ranks=False: the class of rank 0 alone."""
         g = self.per_gpu
-        ranks = range(self.world) if all_ranks else [0]
+        classes = self.rank_classes() if all_ranks else [(self.rank_state(0), [[0, 0]])]
         out = {
             "framework": self.framework,
             "mode": self.mode,
@@ -362,7 +385,7 @@ class Placement:
             "layout": self.layout,
             "world": self.world,
             "per_gpu": {k: getattr(g, k) for k in ("params_bytes", "grads_bytes", "optim_bytes", "resident_bytes")},
-            "per_rank": [_rank_dict(r, self.rank_state(r)) for r in ranks],
+            "rank_classes": [_class_dict(runs, s) for s, runs in classes],
             "comm": [c.to_dict() for c in g.comm],
             "notes": self.notes,
         }
@@ -376,8 +399,8 @@ class Placement:
         return render(self, max_rows, away_from_defaults)
 
 
-def _rank_dict(rank: int, s: RankState) -> dict:
-    d = {"rank": rank, "stage": s.stage}
+def _class_dict(runs: list[list[int]], s: RankState) -> dict:
+    d = {"ranks": runs, "stage": s.stage}
     for k in (*STATES, "resident_bytes"):
         d[k] = getattr(s, k)
     d["detail"] = dict(s.detail)

@@ -186,7 +186,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
     rcs = [kn for kn in (recompute_knobs(framework, r) for r in space.recompute) if kn is not None]
     spec = frameworks.get(framework)
     if spec.plan_data_parallel_only:  # DeepSpeed ZeRO: every GPU one data-parallel rank, over its stages
-        for kn0 in spec.plan_knob_sets(space):
+        for kn0 in spec.plan_knob_sets(space, model, N):
             for rc in rcs:
                 kn = {**kn0, **rc}
                 fw = FrameworkView(base, **kn)
@@ -210,7 +210,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
                     splits = spec.plan_splits(model.layers, pp, vp)
-                    for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space) for s in splits for r in rcs):
+                    for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space, model, dp) for s in splits for r in rcs):
                         kn = {**kn0, **split, **rc}
                         key = tuple(kn.items())
                         fw = fw_of.get(key)

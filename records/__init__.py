@@ -28,7 +28,20 @@ def json_text(obj) -> str:
     return json.dumps(obj, indent=1, default=str)
 
 
+def remove_stale_tmp(path: str) -> None:
+    """Remove what writers killed mid-write left beside path: `path.tmp.PID` files whose PID is no
+    longer a process (write_json's and launchers.write_file's temporaries)."""
+    for tmp in glob.glob(glob.escape(path) + ".tmp.*"):
+        pid = tmp.rsplit(".", 1)[-1]
+        if pid.isdigit() and not process_alive(pid):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
 def write_json(path: str, obj) -> None:
+    remove_stale_tmp(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(json_text(obj))
@@ -49,7 +62,18 @@ class UnreadableRecord(ValueError):
 
 
 def read(path: str) -> dict:
-    """One record.json; raises UnreadableRecord naming the file when it cannot be parsed."""
+    """One record.json; raises UnreadableRecord naming the file when it cannot be parsed or lacks
+    what every reader of a record relies on (_shape_error)."""
+    rec = read_object(path)
+    why = _shape_error(rec)
+    if why:
+        raise UnreadableRecord(f"{path}: unreadable record ({why})")
+    return rec
+
+
+def read_object(path: str) -> dict:
+    """One JSON object written by write_json (a record, the campaign manifest); raises
+    UnreadableRecord naming the file when it cannot be parsed or is not an object."""
     try:
         with open(path) as f:
             rec = json.load(f)
@@ -57,9 +81,6 @@ def read(path: str) -> dict:
         raise UnreadableRecord(f"{path}: unreadable record ({type(e).__name__}: {e})") from e
     if not isinstance(rec, dict):
         raise UnreadableRecord(f"{path}: unreadable record (a JSON {type(rec).__name__}, not an object)")
-    why = _shape_error(rec)
-    if why:
-        raise UnreadableRecord(f"{path}: unreadable record ({why})")
     return rec
 
 
@@ -154,7 +175,7 @@ def read_manifest(sweep_dir: str) -> dict:
     if not os.path.exists(path):
         return {"jobs": {}}
     try:
-        m = read(path)
+        m = read_object(path)
     except UnreadableRecord as e:
         _warn(f"warning: {e}")
         return {"jobs": {}}
@@ -205,6 +226,35 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+# -- a prediction's ranks -------------------------------------------------------------------------
+
+def rank_classes(pred: dict | None) -> list[dict]:
+    """A prediction's classes of alike ranks (ledger.placement Placement.to_dict), each a dict of the
+    predicted state with "ranks": [[first, last], ...]. A prediction written with one entry per rank
+    ("per_rank", each with its "rank") reads as classes of one rank each."""
+    pred = pred or {}
+    if "rank_classes" in pred:
+        return pred["rank_classes"]
+    return [{**p, "ranks": [[p["rank"], p["rank"]]]} for p in pred.get("per_rank") or []]
+
+
+def predicted_ranks(pred: dict | None):
+    """rank -> the predicted class holding it ({} for a rank the prediction does not hold): a lookup
+    over the classes' runs, whatever the world."""
+    import bisect
+
+    cls = rank_classes(pred)
+    runs = sorted((lo, hi, i) for i, c in enumerate(cls) for lo, hi in c["ranks"])
+    starts = [lo for lo, _, _ in runs]
+
+    def of(rank: int) -> dict:
+        j = bisect.bisect_right(starts, rank) - 1
+        if j >= 0 and runs[j][0] <= rank <= runs[j][1]:
+            return cls[runs[j][2]]
+        return {}
+    return of
 
 
 # -- names for tables ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_PATH = os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 sys.path.insert(0, REPO)
 
+import records  # noqa: E402
 from launchers import forkserver  # noqa: E402
 
 # One fork server per framework for the whole session: each real job's ranks are forked from a
@@ -165,7 +166,7 @@ def peak_evidence(recs, bad) -> str:
         rec = next(r for r in recs if records.job_name(r) == row.job)
         m = next(m for m in rec["measurement"]["ranks"] if m["rank"] == row.rank)
         st = next(s for s in m["steps"] if s["step"] == row.step)
-        p = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == row.rank)["peak"]
+        p = records.predicted_ranks(rec["prediction"])(row.rank)["peak"]
         mk = {k: v for k, v in st["peak"].items() if k != "timeline"}
         lines.append(f"{row.job} rank {row.rank} step {row.step}: measured {mk}; "
                      f"predicted {p['bytes']} {p['phase']} {p['what']!r} {p['parts']}")

@@ -224,3 +224,13 @@ def test_a_folder_of_sweeps_keeps_their_jobs_apart(tmp_path):
     assert sorted(R.job_name(r) for r in recs) == ["a/0_megatron", "a/1_titan", "b/0_megatron", "b/1_titan"]
     assert {R.job_name(r): r["config"]["model"]["layers"] for r in recs}["b/1_titan"] == 3
     assert [R.job_name(r) for r in R.load(str(tmp_path / "a"))] == ["0_megatron", "1_titan"]
+
+
+def test_the_manifest_reads_back_what_was_written(tmp_path):
+    """campaign.json is not a record: read back whole (a resume and the Slurm job ids rely on it)."""
+    from launchers.campaign import update_manifest
+
+    update_manifest(str(tmp_path), {"0": {"job_dir": "x", "slurm_job_id": "17"}})
+    update_manifest(str(tmp_path), {"1": {"job_dir": "y"}})
+    assert records.read_manifest(str(tmp_path))["jobs"] == {"0": {"job_dir": "x", "slurm_job_id": "17"},
+                                                            "1": {"job_dir": "y"}}

@@ -61,6 +61,8 @@ from collections import Counter
 
 import pytest
 
+import records
+
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, numel, preset
 from tests.conftest import assert_every_row_reconciles, launch_many
@@ -144,7 +146,7 @@ def test_rank_stage_is_the_pipeline_stage(z):
     from ledger.faithful.deepspeed import zero as L
 
     pl = L.place(preset("tiny"), _lay(2), _fw(zero_stage=z))
-    assert {pl.rank_state(r).stage for r in range(2)} == {0} and pl.to_dict()["per_rank"][1]["stage"] == 0
+    assert {pl.rank_state(r).stage for r in range(2)} == {0} and records.predicted_ranks(pl.to_dict())(1)["stage"] == 0
 
 
 # -- model and ledger agree ----------------------------------------------------------------------
@@ -985,7 +987,7 @@ def test_extra_large_params_reduced_on_their_own(runs):
                 assert ipg == (times * calls, times * w * n)
         if name == "matrix":
             z3 = _job(recs[name], 3, 4)
-            assert z3["prediction"]["per_rank"][0]["detail"]["grads/IPG bucket (reduce_bucket_size)"] == w * bucket
+            assert records.predicted_ranks(z3["prediction"])(0)["detail"]["grads/IPG bucket (reduce_bucket_size)"] == w * bucket
 
 
 @pytest.mark.real
@@ -1161,7 +1163,8 @@ def test_zero12_peak_is_where_each_partition_says(runs):
         # fp32 at 4 ranks, and ZeRO-2 with DeepSpeed's default bucket (its IPG buffer's allocation)
         if not (c["zero_stage"] in (1, 2) and (c["precision"] == "fp32" or c["reduce_bucket_size"] == 500_000_000)):
             continue
-        pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+        pred_of = records.predicted_ranks(rec["prediction"])
+        pred = {r["rank"]: pred_of(r["rank"])["peak"] for r in rec["measurement"]["ranks"]}
         for r in rec["measurement"]["ranks"]:
             for st in r["steps"]:
                 # step 0 (no AdamW state yet) has its own prediction where it differs
@@ -1191,7 +1194,7 @@ def test_zero3_peak_at_the_ipg_reduce_scatter(runs):
     recs, _ = runs
     jobs = set()
     for name, rec in ((name, r) for name in ("budgets", "knobs0", "epilogue", "emb_tied", "hooks") for r in recs[name]):
-        pred = rec["prediction"]["per_rank"]
+        pred = [records.predicted_ranks(rec["prediction"])(0)]
         if "IPG reduce-scatter" not in pred[0]["peak"]["what"]:
             continue
         jobs.add((name, pred[0]["peak"]["what"].split(": ")[-1]))
@@ -1250,7 +1253,7 @@ def test_most_live_activations_are_the_ledgers(runs):
     recs, _ = runs
     seen, budgets = set(), 0
     for name, rec in [(k, r) for k in recs for r in recs[k]]:
-        pred = rec["prediction"]["per_rank"][0]["peak"]["detail"]["candidate/activations most live"]
+        pred = records.predicted_ranks(rec["prediction"])(0)["peak"]["detail"]["candidate/activations most live"]
         fw = rec["config"]["framework"]
         # a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights mm saved
         # before the forward ends (free_param frees the storage under the saved leaf): which ones, the

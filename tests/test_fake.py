@@ -223,7 +223,7 @@ def test_titan_article_run_peaks_at_a_loss_chunk(titan_article_job):
     df = table([rec])
     pk = df[(df.quantity == "peak_bytes") & (df.phase == "steady")]
     assert len(pk) == 1 and abs(pk.rel_err.iloc[0]) <= 0.01, pk.to_string()
-    predicted = rec["prediction"]["per_rank"][0]["peak"]
+    predicted = records.predicted_ranks(rec["prediction"])(0)["peak"]
     where = rec["measurement"]["ranks"][0]["steps"][-1]["peak"]["where"]
     assert "cross-entropy" in predicted["what"] and (where["phase"], where["op"]) == ("backward", "aten.add.Tensor")
 

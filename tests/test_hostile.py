@@ -229,7 +229,7 @@ def _fuzz_one(framework: str, values: dict):
         assert FIELD.search(str(e)), f"{values}: the error names no field: {e}"
         return "invalid"
     pred = pl.to_dict()
-    for r in pred["per_rank"]:
+    for r in pred["rank_classes"]:
         for q in ("params_bytes", "grads_bytes", "optim_bytes", "other_bytes", "resident_bytes"):
             assert r[q] >= 0, (values, q, r[q])
         for c in r["comm"]:
@@ -375,3 +375,67 @@ def test_a_fractional_rope_theta_is_refused_for_megatron_run_and_dry():
 def test_a_value_of_the_wrong_type_exits_2_naming_the_field(override, message, tmp_path):
     p = launch("mode=predict", "framework=megatron", override, f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2 and f"invalid: {message}" in p.stderr, (p.returncode, p.stderr[-500:])
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_writers_leftover_temporaries_are_removed_at_the_next_write(tmp_path):
+    """A `path.tmp.PID` a killed writer left (a big prediction.json's) is removed when the file is next
+    written; a live writer's is not."""
+    import records
+    from launchers import write_file
+
+    for name, write in (("prediction.json", lambda p: records.write_json(p, {"a": 1})),
+                        ("run.sh", lambda p: write_file(p, "echo\n", 0o755))):
+        path = str(tmp_path / name)
+        dead, live = f"{path}.tmp.{_dead_pid()}", f"{path}.tmp.{os.getppid()}"
+        for t in (dead, live):
+            open(t, "w").write("half")
+        write(path)
+        assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(path)
+
+
+def test_a_killed_launchers_fork_server_folder_is_removed_at_the_next_start(tmp_path):
+    """The private fork servers' folders in TMPDIR whose launcher is gone are removed; a live one's and
+    a folder with no owner file are kept."""
+    from launchers import forkserver
+
+    made = {}
+    for name, pid in (("dead", _dead_pid()), ("live", os.getpid()), ("unowned", None)):
+        d = tmp_path / f"{forkserver.PRIVATE_PREFIX}titan-{name}"
+        d.mkdir()
+        if pid is not None:
+            (d / forkserver.OWNER).write_text(str(pid))
+        made[name] = d
+    assert forkserver.remove_orphaned_dirs(str(tmp_path)) == [str(made["dead"])]
+    assert not made["dead"].exists() and made["live"].exists() and made["unowned"].exists()
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on port (/proc/net/tcp and tcp6, state 0A)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:
+                    out.append(addr)
+    return out
+
+
+def test_the_local_rendezvous_store_listens_on_loopback_alone():
+    """A local job's store (the launcher's, every rank a client) listens on 127.0.0.1, not on the
+    machine's other interfaces."""
+    from launchers.local import local_store
+
+    with local_store(10) as port:
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, little-endian hex
+    assert _listening(port) == []

@@ -188,7 +188,7 @@ def test_recompute_jobs_hold_less_in_backward(sweep):
             continue
         m = next(r for r in rec["measurement"]["ranks"] if r["rank"] == 0)
         pk = m["steps"][-1]["peak"]
-        pred = next(p for p in rec["prediction"]["per_rank"] if p["rank"] == 0)["peak"]
+        pred = records.predicted_ranks(rec["prediction"])(0)["peak"]
         assert measured_peak_where(pk)["phase"] == pred["phase"] == "backward", (_rc(rec), pk["where"], pred["what"])
         assert pk["at_peak"]["activations"] == pred["parts"]["activations"], (_rc(rec), pk["at_peak"], pred["parts"])
         at[_rc(rec)[1:]] = pk["at_peak"]["activations"]
@@ -212,10 +212,10 @@ def _at_softmax_casts(sweep, rc, where) -> None:
     batches: 8·b·(s + 1) B, at most one in each) and a few 4-byte scalars, which the ledger does not
     model."""
     rec = next(r for r in sweep["ok"] if _rc(r) == rc)
-    pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+    pred_of = records.predicted_ranks(rec["prediction"])
     batch = 8 * 1 * (rc[0] + 1)
     for m in rec["measurement"]["ranks"]:
-        pk, p = m["steps"][-1]["peak"], pred[m["rank"]]
+        pk, p = m["steps"][-1]["peak"], pred_of(m["rank"])["peak"]
         phase, layer = where[m["rank"]]
         w = measured_peak_where(pk)
         assert (w["phase"], w["op"]) == (phase, "aten._to_copy.default") and w["module"].endswith(
@@ -254,7 +254,7 @@ def test_sweep_exercises_padding_buckets_and_every_collective(sweep):
     # different master/Adam bytes (the larger shard of a padded bucket)
     padded = uneven = False
     for rec in sweep["ok"]:
-        pr = rec["prediction"]["per_rank"]
+        pr = records.rank_classes(rec["prediction"])
         lay = rec["prediction"]["layout"]
         shape = ModelShape.from_config(rec["config"]["model"])
         n_local = {s: sum(n for ch in range(lay["vp"]) for _, n in PL.stage_params(shape, lay["tp"], lay["pp"], s,
@@ -603,7 +603,7 @@ _run_sh_flags = run_sh_flags
 def test_dry_writes_pretrain_gpt_command_accepted_by_megatron_parser(tmp_path):
     p = launch("mode=dry", "framework=megatron", "model=llama3_1b", "layout.tp=2", "layout.pp=2", "layout.dp=2",
                "layout.sequence_parallel=true", "layout.global_batch_size=16", "framework.overlap_grad_reduce=true",
-               "cluster=local_gpu", f"hydra.run.dir={tmp_path}", timeout=300)
+               "framework.use_distributed_optimizer=true", "cluster=local_gpu", f"hydra.run.dir={tmp_path}", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     flags = _run_sh_flags(str(tmp_path / "run.sh"))
     assert os.access(tmp_path / "run.sh", os.X_OK)
@@ -975,11 +975,11 @@ def test_llama3_8b_tp8_predicts_the_padded_embedding(tmp_path):
     te = "transformer_engine"  # mode=predict's default (default_transformer_impl)
     padded = L.place(dataclasses.replace(m, vocab=129024), lay, _fw(transformer_impl=te)).to_dict()
     unpadded = L.place(m, lay, _fw(make_vocab_size_divisible_by=1, transformer_impl=te)).to_dict()
-    assert pred["spec"] == te and pred["per_rank"] == padded["per_rank"]
+    assert pred["spec"] == te and pred["rank_classes"] == padded["rank_classes"]
     assert "transformer_engine" in p.stdout  # the printed table says which spec it predicts
     assert pred["layout"]["dp"] == 1
     rows = 129024 * 4096 // 8 - 128256 * 4096 // 8  # per rank, embedding and output layer each
-    r, u = pred["per_rank"][0], unpadded["per_rank"][0]  # TP ranks hold equal shapes
+    r, u = pred["rank_classes"][0], unpadded["rank_classes"][0]  # TP ranks hold equal shapes
     assert (r["params_bytes"] - u["params_bytes"], r["grads_bytes"] - u["grads_bytes"]) == (2 * 2 * rows, 2 * 4 * rows)
     assert any("vocab 128256 padded to 129024 rows" in n for n in pred["notes"])
     emb = [n for name, n in PL.stage_params(dataclasses.replace(m, vocab=129024), 8, 1, 0) if "word_embeddings" in name]
@@ -995,7 +995,7 @@ def test_vocab_not_divisible_by_tp_is_padded_for_megatron_only():
     odd = dataclasses.replace(preset("tiny"), vocab=1001)
     lay = _lay(tp=2, dp=1)
     validate(odd, lay, "megatron", _fw())
-    assert L.place(odd, lay, _fw()).to_dict()["per_rank"] == L.place(preset("tiny"), lay, _fw()).to_dict()["per_rank"]
+    assert L.place(odd, lay, _fw()).to_dict()["rank_classes"] == L.place(preset("tiny"), lay, _fw()).to_dict()["rank_classes"]
     validate(odd, lay, "titan")  # 501 and 500 rows per TP rank
     textbook = place(odd, None, _Cfg(framework=_fw(), layout=lay, ledger=_Cfg(mode="textbook")))
     assert textbook.per_gpu.params_bytes == 2 * (odd.num_params() // 2)
@@ -1152,3 +1152,36 @@ def test_dry_passes_the_pipeline_split_to_megatron_lm(tmp_path, over, want):
     assert (args.num_layers, args.pipeline_model_parallel_size) == (3, 2)
     assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
             args.account_for_embedding_in_pipeline_split, args.num_virtual_stages_per_pipeline_rank) == want
+
+
+@pytest.mark.parametrize("dp,bucket", [(2, None), (3, 1000), (8, 40_000), (16, 7_777)])
+def test_owned_per_rank_is_each_ranks_owned_sizes(dp, bucket):
+    """The distributed optimizer's shard of every DP rank at once (owned_per_rank, which keys the
+    prediction's classes of alike DP ranks) is each rank's own (owned_sizes, the per-rank reference)."""
+    fw = megatron_fw(use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket)
+    for stage in (0, 1):
+        bufs = tuple(L.stage_buffers(preset("tiny"), megatron_layout(pp=2, dp=dp), fw, stage))
+        e, p = B.owned_per_rank(bufs, dp)
+        assert [(int(a), int(b)) for a, b in zip(e, p)] == [B.owned_sizes(bufs, dp, d) for d in range(dp)]
+
+
+def test_alike_dp_ranks_share_a_class_at_any_world():
+    """llama3_8b tp8·pp8 over 16,384 DP ranks (a million GPUs): plain DDP's DP ranks are alike (one class
+    per stage); the distributed optimizer's TransformerEngine-spec ranks alike where their shards own
+    as much (a handful of classes per stage); each class's state is each of its ranks' own."""
+    m = preset("llama3_8b")
+    lay = megatron_layout(tp=8, pp=8, dp=16_384)
+    ddp = L.place(m, lay, megatron_fw(use_distributed_optimizer=False, transformer_impl="transformer_engine"))
+    assert len(ddp.to_dict()["rank_classes"]) == 8
+    dist = L.place(m, lay, megatron_fw(use_distributed_optimizer=True, transformer_impl="transformer_engine"))
+    classes = dist.rank_classes()
+    assert len(classes) <= 8 * 8, len(classes)
+    # the shared states against each rank's own (rank_state per (stage, DP rank), no sharing)
+    te = megatron_fw(use_distributed_optimizer=True, transformer_impl="transformer_engine")
+    lay = megatron_layout(tp=8, pp=8, dp=64)
+    shared = L.place(m, lay, te)
+    trained = L.padded_shape(m, 8, 128)
+    for r in range(0, lay.world, 8):
+        want = L.rank_state(trained, lay, L.knobs(te), r // (8 * 64), r // 8 % 64)
+        got = shared.rank_state(r)
+        assert (got.resident_bytes, got.detail, got.peak.to_dict()) == (want.resident_bytes, want.detail, want.peak.to_dict()), r

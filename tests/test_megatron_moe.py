@@ -138,7 +138,7 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
     """ep2 at world 2 (edp 1) keeps every expert's master and Adam state; ep2 at world 4 (edp 2) half."""
     def master(layout):  # the fp32 master shard of the experts, predicted and measured on rank 0
         rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None, True))
-        p = rec["prediction"]["per_rank"][0]
+        p = records.predicted_ranks(rec["prediction"])(0)
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
         return p["detail"]["optim/expert fp32 master params"]
     # 4 layers x 4 local experts x 3 x 256 x 512 elements, a multiple of lcm(2, 128): no padding
@@ -311,9 +311,9 @@ def test_routed_records_carry_their_range_and_the_reconcile_judges_by_it():
     cb.add_routed("ep", "all_to_all", "bf16", 2, "x", [(50, 2, -50, 30)])
     c, = cb.build()
     assert (c.count, c.buffer_bytes, c.buffer_range) == (4, 300, (200, 360))
-    p = {"rank": 0, "comm": [c.to_dict()], **{q: 0 for q in compare.STATE_Q}}
+    p = {"ranks": [[0, 0]], "comm": [c.to_dict()], **{q: 0 for q in compare.STATE_Q}}
     rec = {"config": {"framework": {"name": "megatron"}, "layout": {}}, "job_dir": "j",
-           "prediction": {"per_rank": [p], "layout": {}},
+           "prediction": {"rank_classes": [p], "layout": {}},
            "measurement": {"ranks": [{"rank": 0, "status": "ok", "steps": [
                {"step": s, "comm": [{"dim": "ep", "kind": "all_to_all", "dtype": "bf16", "count": 4,
                                      "buffer_bytes": b}]} for s, b in ((0, 360), (1, 361))]}]}}

@@ -7,6 +7,8 @@ import os
 import pytest
 import yaml
 
+import records
+
 from conf.schema import register
 from conf.validate import validate_config
 from ledger.layout import ConfigError, Layout, validate
@@ -318,7 +320,7 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
     for i, r in enumerate(recs):
         planned = by_rank[i + 1]
         assert {k: r["prediction"]["layout"][k] for k in planned["layout"]} == planned["layout"]
-        assert max(x["resident_bytes"] for x in r["prediction"]["per_rank"]) == planned["resident_bytes"]
+        assert max(x["resident_bytes"] for x in records.rank_classes(r["prediction"])) == planned["resident_bytes"]
 
 
 def test_sweep_runner_commands(tmp_path):

@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+import records
+
 from ledger.placement import KINDS
 
 
@@ -18,12 +20,13 @@ def predicted(tmp_path_factory):
 
 def test_contract(predicted):
     pred, _, _ = predicted
-    assert {"framework", "mode", "model", "layout", "per_gpu", "per_rank", "comm"} <= set(pred)
+    assert {"framework", "mode", "model", "layout", "per_gpu", "rank_classes", "comm"} <= set(pred)
     assert pred["framework"] == "megatron" and pred["mode"] == "faithful"
     assert pred["model"]["num_params"] == 1_498_482_688
     assert (pred["layout"]["tp"], pred["layout"]["pp"], pred["layout"]["dp"]) == (2, 2, 2)
-    ranks = pred["per_rank"]
-    assert [r["rank"] for r in ranks] == list(range(8))
+    ranks = pred["rank_classes"]
+    # the classes' runs cover the world once, in order
+    assert sorted(r for c in ranks for lo, hi in c["ranks"] for r in range(lo, hi + 1)) == list(range(8))
     for r in ranks:
         assert r["resident_bytes"] == r["params_bytes"] + r["grads_bytes"] + r["optim_bytes"] + r["other_bytes"]
         assert r["stage"] in (0, 1)
@@ -36,7 +39,7 @@ def test_contract(predicted):
 
 def test_stages_differ_and_tp_ranks_agree(predicted):
     pred, _, _ = predicted
-    by = {r["rank"]: r for r in pred["per_rank"]}
+    by = {r: records.predicted_ranks(pred)(r) for r in range(8)}
     assert by[0]["params_bytes"] == by[1]["params_bytes"]  # tp peers (tp is the innermost grid dim)
     assert by[0]["params_bytes"] != by[4]["params_bytes"]  # stage 0 holds the embedding, stage 1 the output
 
@@ -47,8 +50,8 @@ def test_table_in_human_units_and_record(predicted):
     # one row per stage with its rank block, and the most-loaded rank in exact bytes
     assert "0–3 (4)" in out and "4–7 (4)" in out
     pred, _, _ = predicted
-    most = max(pred["per_rank"], key=lambda r: r["resident_bytes"])
-    assert f"most-loaded: rank {most['rank']} (stage {most['stage']}): resident {most['resident_bytes']:,} B" in out
+    most = max(pred["rank_classes"], key=lambda r: r["resident_bytes"])
+    assert f"most-loaded: rank {most['ranks'][0][0]} (stage {most['stage']}): resident {most['resident_bytes']:,} B" in out
     assert rec["status"] == "ok" and rec["measurement"] is None and rec["mode"] == "predict"
 
 
@@ -140,7 +143,7 @@ def test_predict_prints_the_fit_verdict_for_the_clusters_gpus(tmp_path, override
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("fit: "))
     assert line.startswith("fit: fits" if fits else "fit: does NOT fit"), line
     pred = json.load(open(tmp_path / "prediction.json"))
-    peak = max((r["peak"] or {}).get("bytes", r["resident_bytes"]) for r in pred["per_rank"])
+    peak = max((r["peak"] or {}).get("bytes", r["resident_bytes"]) for r in pred["rank_classes"])
     assert (peak <= 0.9 * 80e9) == fits
 
 
@@ -200,3 +203,26 @@ def test_a_knob_no_framework_has_is_refused(tmp_path):
 
     p = launch("mode=predict", "+knobs.zero_stag=3", f"hydra.run.dir={tmp_path}", timeout=120)
     assert p.returncode == 2 and "knobs.zero_stag: no framework has a knob 'zero_stag'" in p.stderr
+
+
+def test_rank_classes_cover_the_world_once_and_read_back_per_rank():
+    """A world of 65,536 alike ranks is a few classes whose runs cover every rank once; records reads a
+    rank's class back, and reads a prediction written with one entry per rank the same way."""
+    from ledger.model import preset
+    from ledger.parallel import predict
+    from tests.conftest import megatron_fw, megatron_layout
+
+    pl = predict(preset("llama3_8b"), megatron_layout(tp=8, pp=4, dp=2048), megatron_fw(use_distributed_optimizer=False))
+    pred = pl.to_dict()
+    classes = pred["rank_classes"]
+    assert len(classes) <= 2 * 4  # each stage's ranks alike (their TP shapes equal, plain DDP)
+    covered = sorted((lo, hi) for c in classes for lo, hi in c["ranks"])
+    assert covered[0][0] == 0 and covered[-1][1] == 65_535
+    assert all(b[0] == a[1] + 1 for a, b in zip(covered, covered[1:]))  # no gap, no overlap
+    of = records.predicted_ranks(pred)
+    for r in (0, 7, 16_384, 65_535):
+        assert of(r)["resident_bytes"] == pl.rank_state(r).resident_bytes and of(r)["stage"] == pl.rank_state(r).stage
+    assert of(65_536) == {}
+    old = {"per_rank": [{"rank": r, "stage": 0, "resident_bytes": r} for r in range(3)]}
+    assert records.predicted_ranks(old)(2)["resident_bytes"] == 2
+    assert [c["ranks"] for c in records.rank_classes(old)] == [[[0, 0]], [[1, 1]], [[2, 2]]]

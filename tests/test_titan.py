@@ -174,7 +174,8 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     for rec in sweep["ok"]:
         if rec["prediction"]["layout"]["pp"] == 1:
             continue
-        pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+        pred_of = records.predicted_ranks(rec["prediction"])
+        pred = {r["rank"]: pred_of(r["rank"])["peak"] for r in rec["measurement"]["ranks"]}
         for r in rec["measurement"]["ranks"]:
             pk = r["steps"][-1]["peak"]
             where, want = measured_peak_where(pk), pred[r["rank"]]
@@ -201,7 +202,8 @@ def test_long_sequences_peak_at_their_moments(sweep):
     for rec in sweep["ok"]:
         if records.job_name(rec).rsplit("_", 1)[0] not in LONG_JOBS:
             continue
-        pred = {p["rank"]: p["peak"] for p in rec["prediction"]["per_rank"]}
+        pred_of = records.predicted_ranks(rec["prediction"])
+        pred = {r["rank"]: pred_of(r["rank"])["peak"] for r in rec["measurement"]["ranks"]}
         for r in rec["measurement"]["ranks"]:
             where, what = measured_peak_where(r["steps"][-1]["peak"]), pred[r["rank"]]["what"]
             kind = [k for k in op_of if k in what]

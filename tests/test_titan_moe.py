@@ -72,7 +72,7 @@ def test_routed_all_to_all_sums_to_the_balanced_prediction_over_each_ep_group(sw
 def test_experts_are_sharded_over_ep_then_efsdp(sweep):
     """Each rank's expert fp32 shards: 4 layers x 3 x 8 x 512 x 256 elements over ep x efsdp = world."""
     for rec in sweep["ok"]:
-        p = rec["prediction"]["per_rank"][0]
+        p = records.predicted_ranks(rec["prediction"])(0)
         world = rec["measurement"]["world"]
         assert p["detail"]["params/expert fp32 shards (ep, then efsdp dim-0 padded)"] == 4 * 4 * 3 * 8 * 512 * 256 // world
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["params_bytes"] == p["params_bytes"]

@@ -88,9 +88,9 @@ def test_prediction_and_measurements_are_in_the_summary(sweep, recs):
         steady = reconcile.table([rec]).query("phase == 'steady'")
         assert s["steady_mismatches"] == int(reconcile.off(steady).sum())
         # what a user sorts the runs table on: predicted and measured peak, the steady step's time
-        assert s["predicted_peak_bytes"] == max(r["peak"]["bytes"] for r in rec["prediction"]["per_rank"])
+        assert s["predicted_peak_bytes"] == max(r["peak"]["bytes"] for r in records.rank_classes(rec["prediction"]))
         steady_steps = [st for m in rec["measurement"]["ranks"] for st in m["steps"] if st["step"] > 0]
-        assert s["measured_peak_bytes"] == max(st["peak"]["bytes"] for st in steady_steps)
+        assert s["measured_peak_bytes"] == max(st["peak"]["peak_bytes"] for st in steady_steps)
         assert 0 < s["measured_step_s"] <= max(st["time_s"] for st in steady_steps)
 
 
@@ -258,7 +258,7 @@ def test_mismatches_round_trip_too(sweep, tmp_path):
 
     rec = copy.deepcopy(next(r for r in records.load(sweep) if r["config"]["framework"]["name"] == "deepspeed"))
     st = rec["measurement"]["ranks"][0]["steps"][-1]["state"]
-    assert rec["prediction"]["per_rank"][0]["grads_bytes"] == 0  # ZeRO-1 keeps no grads at the boundary
+    assert records.predicted_ranks(rec["prediction"])(0)["grads_bytes"] == 0  # ZeRO-1 keeps no grads at the boundary
     st["grads_bytes"] += 1
     rec["job_dir"] = str(tmp_path / "perturbed" / "0_deepspeed")
     os.makedirs(rec["job_dir"])

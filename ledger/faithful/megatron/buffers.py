@@ -255,6 +255,25 @@ def _owned_sizes(buffers: tuple[Buffer, ...], dp: int, dp_rank: int) -> tuple[in
     return numel, pieces
 
 
+_PAIRS_PER_CALL = 1 << 22  # (bucket, rank) pairs per numpy call of owned_per_rank: ~100 MB of temporaries
+
+
+def owned_per_rank(buffers: tuple[Buffer, ...], dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(elements, param pieces) every DP rank owns over every bucket of `buffers`: _owned_sizes of
+    each rank (the same _owned, for all ranks at once), in slices of ranks so that no array holds more
+    than _PAIRS_PER_CALL (bucket, rank) pairs at a world of a million ranks."""
+    e, p = np.zeros(dp, np.int64), np.zeros(dp, np.int64)
+    for buf in buffers:
+        nb = len(buf.bstart)
+        step = max(1, _PAIRS_PER_CALL // nb)
+        for lo in range(0, dp, step):
+            ranks = np.arange(lo, min(dp, lo + step), dtype=np.int64)
+            be, bp = _owned(buf, np.repeat(np.arange(nb), len(ranks)), np.tile(ranks, nb), dp)
+            e[lo:lo + len(ranks)] += be.reshape(nb, -1).sum(0)
+            p[lo:lo + len(ranks)] += bp.reshape(nb, -1).sum(0)
+    return e, p
+
+
 # -- the DP rank that owns the most ---------------------------------------------------------------
 def heaviest_dp_rank(buffers, dp: int, per_elem: int, per_piece: int) -> int:
     """The DP rank (lowest on ties) maximising per_elem * elements + per_piece * pieces owned over

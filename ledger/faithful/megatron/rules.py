@@ -186,9 +186,15 @@ PLAN_CHOOSES = {**dict.fromkeys(SPLIT[:2]), **dict.fromkeys(SPLIT[2:], False),
                 "use_distributed_optimizer": False}  # (every row sets it: plan_knob_sets)
 
 
-def plan_knob_sets(space) -> list[dict]:
-    """The planner tries the distributed optimizer on and off (plan.distributed_optimizer)."""
-    return [{"use_distributed_optimizer": v} for v in space.distributed_optimizer]
+def plan_knob_sets(space, model=None, dp: int | None = None) -> list[dict]:
+    """The planner tries the distributed optimizer on and off (plan.distributed_optimizer), where it
+    shards something: a dense model's layout of one DP rank keeps every param on it either way
+    (distrib_optimizer.py splits each bucket into dp ranges), so it is tried off alone, as Megatron-LM
+    runs by default (both stay for MoE: the experts' optimizer shards over their own data-parallel group)."""
+    values = list(space.distributed_optimizer)
+    if dp == 1 and model is not None and not model.is_moe and False in values:
+        values = [False]
+    return [{"use_distributed_optimizer": v} for v in values]
 
 
 def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:

@@ -41,7 +41,8 @@ import numpy as np
 
 from ledger.faithful.megatron.activations import check_recompute, recompute_of
 from ledger.faithful.megatron.buffers import (argmax_rank, best_rank, bucket_shares, Buffer, buffer, buffer_bytes,
-                                              effective_bucket_size, owned_sizes, ranks_of_shares, tiled_ranks)
+                                              effective_bucket_size, owned_per_rank, owned_sizes, ranks_of_shares,
+                                              tiled_ranks)
 from ledger.faithful.megatron.comm import comm
 from ledger.faithful.megatron.heaviest import (chunk_bound, chunk_buckets, chunk_contiguous, class_bound, most_loaded,
                                                pattern, pattern_cum, stage_class, stage_summaries, stage_totals)
@@ -294,6 +295,28 @@ def _fixed_state(model: ModelShape, tp: int, pp: int, dp: int, vp: int, k: Knobs
     return s
 
 
+def _dp_classes(model: ModelShape, lay: Layout, k: Knobs):
+    """(stage, DP rank) -> what tells the DP rank's state apart from its stage's others, so that the
+    DP ranks of a class share one RankState (a prediction's size follows its classes, not the world):
+    without the distributed optimizer nothing (every rank keeps every param: _owned_by); with it, the
+    elements and param pieces its shard owns (_fixed_state's only input from the DP rank) under the
+    TransformerEngine spec, whose peak no shard changes (peak.optimizer_moments); under the local spec
+    the DP rank itself, whose Adam transients follow the params its shard holds."""
+    if not k.use_distributed_optimizer:
+        return lambda stage, d: 0
+    if k.transformer_impl != "transformer_engine":
+        return lambda stage, d: d
+    owned: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(stage: int, d: int):
+        c = stage_class(lay.pp, stage)  # stages between the first and the last hold equal buffers
+        if c not in owned:
+            owned[c] = owned_per_rank(_stage_buffers(model, lay.tp, lay.pp, lay.dp, lay.vp, k, c), lay.dp)
+        e, p = owned[c]
+        return int(e[d]), int(p[d])
+    return of
+
+
 # -- the interleaved schedule (vp > 1) -----------------------------------------------------------
 def check_interleaving(lay: Layout) -> None:
     """pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: with
@@ -341,13 +364,15 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                      f"make_vocab_size_divisible_by={k.make_vocab_size_divisible_by} x tp={tp}: Megatron's "
                      "tokenizers/utils/build_tokenizer.py vocab_size_with_padding)")
     cache: dict[tuple, RankState] = {}
+    dp_class = _dp_classes(trained, lay, k)
 
     def state(rank: int) -> RankState:
         # Layout.grid order tp, cp, dp, dp_replicate, pp with cp = dp_replicate = 1 (refused above)
-        key = (rank // (tp * dp), rank // tp % dp)  # (stage, DP rank)
+        stage, d = rank // (tp * dp), rank // tp % dp
+        key = (stage, dp_class(stage, d))
         s = cache.get(key)
         if s is None:
-            s = cache[key] = rank_state(trained, lay, k, *key)
+            s = cache[key] = rank_state(trained, lay, k, stage, d)
         return s
 
     st, d, _, _ = _heaviest_rank(trained, tp, lay.pp, dp, lay.vp, k)
