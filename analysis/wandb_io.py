@@ -91,17 +91,21 @@ def _settings(mode: str):
 
 
 PLAN_TABLE_KEY = "plan"
+# the plan's first rows logged as its table (plan.csv's order: the ranked rows, then the refused); a
+# plan of 100,000 GPUs has hundreds of thousands, which wandb.Table takes minutes to build
+PLAN_TABLE_ROWS = 1000
 
 
 def _log_plan(run, record: dict) -> None:
-    """A plan's run: its rows (plan.csv) as a wandb.Table, the best row's figures as summary scalars."""
+    """A plan's run: its first PLAN_TABLE_ROWS rows (plan.csv) as a wandb.Table, the best row's figures
+    as summary scalars."""
     import wandb
 
     plan = record.get("plan") or {}
     csv = (plan.get("files") or {}).get("plan_csv")
     csv = csv and os.path.join(record["job_dir"], csv)
     if csv and os.path.exists(csv):
-        run.log({PLAN_TABLE_KEY: wandb.Table(dataframe=pd.read_csv(csv))})
+        run.log({PLAN_TABLE_KEY: wandb.Table(dataframe=pd.read_csv(csv, nrows=PLAN_TABLE_ROWS))})
     top = (plan.get("top") or [None])[0] or {}
     run.summary.update({k: v for k, v in {
         "model": plan.get("model"), "gpus": (plan.get("hardware") or {}).get("gpus"), "sort": plan.get("sort"),

@@ -12,7 +12,8 @@ import os
 import re
 
 from ledger import frameworks
-from ledger.checks import at_least as _at_least, one_of as _one_of, positive as _positive
+from ledger import limits
+from ledger.checks import at_least as _at_least, at_most as _at_most, one_of as _one_of, positive as _positive
 from ledger.layout import ConfigError
 
 # a name that reaches file names, shell lines and Python source of generated scripts: data only
@@ -34,6 +35,7 @@ def validate_model(m) -> None:
     _positive("model", m, ("rope_theta", "norm_eps"))
     _at_least("model", m, ("num_experts", "moe_ffn_hidden", "moe_shared_expert_hidden", "kv_channels"), 0)
     _at_least("model", m, ("moe_layer_freq",), 1)
+    _at_most("model", m, limits.MODEL)
     _one_of("model", m, "moe_router_dtype", (None, "fp32", "fp64"))
     if m.num_experts:
         if not 1 <= m.moe_router_topk <= m.num_experts:
@@ -51,6 +53,9 @@ def validate_train(t) -> None:
 
 def validate_cluster(c) -> None:
     _at_least("cluster", c, ("ranks", "nodes", "timeout_s", "time_min", "cpus_per_task"), 1)
+    why = limits.too_large("cluster.ranks x cluster.nodes", c.ranks * c.nodes, limits.MAX_WORLD, "GPUs")
+    if why:
+        raise ConfigError(why)
     _at_least("cluster", c, ("signal_delay_s", "max_num_timeout"), 0)
     validate_name("cluster.name", c.name)
     _one_of("cluster", c, "kind", ("local", "slurm", "fake"))
@@ -167,6 +172,9 @@ def validate_plan(p, model, layout=None) -> None:
         raise ConfigError("mode=plan needs the batch: set plan.global_batch_tokens (tokens per step) or "
                           "layout.global_batch_size (sequences per step)")
     _at_least("plan", p, ("gpus", "gpus_per_node", "top", "max_cp"), 1)
+    why = limits.too_large("plan.gpus", p.gpus, limits.MAX_PLAN_GPUS)
+    if why:
+        raise ConfigError(why)
     _at_least("plan", p, ("sweep_top",), 0)
     _positive("plan", p, ("gpu_memory_gb", "memory_fraction", "peak_tflops", "mfu", "nvlink_gbps", "network_gbps"))
     for n in ("memory_fraction", "mfu"):

@@ -1,7 +1,8 @@
 """mode=plan: the job around ledger/plan.py's search. It reads plan.*, runs the search, and writes into
 the job dir
 
-  plan.json    every layout (fitting, too big, refused), one row each: framework, layout, knobs, fits,
+  plan.json    every layout (fitting, too big; the first ledger/plan.py REFUSED_ROWS refused ones and the
+               watched ones, the rest counted by reason in record.json), one row each: framework, layout, knobs, fits,
                peak_bytes (the predicted peak within a step, `peak_includes` says what it holds), resident_bytes,
                wire_bytes per dim, links (intra / inter node), bubble, est_step_s (a roofline
                estimate), reason; per_stage (each stage's most-loaded rank) for every predicted row
@@ -26,7 +27,7 @@ import records
 from ledger import frameworks
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, RESIDENT_ONLY, recompute_mode, Hardware, Plan, Row, Space,
+from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED_ROWS, RESIDENT_ONLY, recompute_mode, Hardware, Plan, Row, Space,
                          search)
 
 EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
@@ -66,7 +67,7 @@ def run_plan(cfg, job_dir: str) -> dict:
     model = ModelShape.from_config(cfg.model)
     hw, sp = hardware(cfg.plan), space(cfg)
     bases = framework_bases(cfg)
-    plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort)
+    plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort, watch=[dict(w) for w in cfg.plan.watch])
     t0 = time.perf_counter()
     fitting = [r for r in plan.rows if r.fits]
     top = fitting[:cfg.plan.top]
@@ -102,12 +103,16 @@ def run_plan(cfg, job_dir: str) -> dict:
         files["plot_error"] = f"{type(e).__name__}: {e}"
     notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`)",
              RECOMPUTE_NOTE, EST_NOTE]
+    if plan.refused_unlisted:
+        notes.append(f"plan.json / plan.csv list the first {REFUSED_ROWS:,} refused layouts (and the watched ones); "
+                     f"{plan.refused_unlisted:,} more are counted under their reasons above, not listed")
     if "megatron" in bases and not bases["megatron"].get("transformer_impl"):
         notes.append(TE_NOTE)
     summary = {"model": cfg.model.name, "num_params": model.num_params(), "ledger": cfg.ledger.mode,
                "hardware": hw.__dict__,
                "global_batch_size": sp.global_batch_size, "tokens_per_step": sp.global_batch_size * model.seq_len,
                "sort": cfg.plan.sort, "counts": plan.counts, "refused": plan.refused, "search_s": plan.seconds,
+               "refused_unlisted": plan.refused_unlisted,
                "write_s": time.perf_counter() - t0, "notes": notes, "files": files,
                "top": [rows[plan.rows.index(r)] for r in top[:cfg.plan.sweep_top]],
                "best": {fw: rows[plan.rows.index(r)] if r else None for fw, r in best.items()},

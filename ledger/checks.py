@@ -13,6 +13,17 @@ def at_least(group: str, cfg, names, least: int | float) -> None:
             raise ConfigError(f"{group}.{n}={v} must be >= {least}")
 
 
+def at_most(group: str, cfg, bounds: dict) -> None:
+    """Each field of bounds (name -> largest value, ledger/limits.py) within its bound."""
+    from ledger.limits import too_large
+
+    for n, bound in bounds.items():
+        v = cfg[n] if n in cfg else None
+        why = too_large(f"{group}.{n}", v, bound) if isinstance(v, int) and not isinstance(v, bool) else None
+        if why:
+            raise ConfigError(why)
+
+
 def positive(group: str, cfg, names) -> None:
     for n in names:
         v = cfg[n]

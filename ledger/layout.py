@@ -7,6 +7,7 @@ from ledger import frameworks
 from ledger.errors import ConfigError  # noqa: F401  (its home for every caller: ledger.layout.ConfigError)
 from ledger.frozen import direct_init
 from ledger.grid import Grid
+from ledger.limits import MAX_MICRO_BATCHES, MAX_WORLD
 from ledger.model import ModelShape
 
 
@@ -134,6 +135,8 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                           "torchtitan's Llama have neither)")
     if not (not lay.sequence_parallel or lay.tp > 1):
         raise ConfigError("sequence_parallel=true needs tp > 1")
+    if not (lay.world <= MAX_WORLD and lay.global_batch_size // (lay.micro_batch_size * lay.dp) <= MAX_MICRO_BATCHES):
+        _too_large(lay)
     if world is not None:
         if not (lay.world == world):
             raise ConfigError(f"world size: tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}={lay.world} "
@@ -141,6 +144,17 @@ def validate(model: ModelShape, lay: Layout, framework: str, fw_cfg=None, world:
                               "tasks_per_node)")
     # the framework's own limits (ledger/faithful/<name>/rules.py validate_layout)
     spec.validate_layout(model, lay, fw_cfg)
+
+
+def _too_large(lay: Layout) -> None:
+    """The ledger/limits.py bound a layout is past, named with its numbers."""
+    from ledger.limits import too_large
+
+    why = (too_large(f"the layout's world tp*pp*dp*cp={lay.tp}*{lay.pp}*{lay.dp}*{lay.cp}", lay.world, MAX_WORLD, "GPUs")
+           or too_large(f"micro-batches per step: layout.global_batch_size/(micro_batch_size*dp)={lay.global_batch_size}/"
+                        f"({lay.micro_batch_size}*{lay.dp})", lay.global_batch_size // (lay.micro_batch_size * lay.dp),
+                        MAX_MICRO_BATCHES))
+    raise ConfigError(why)
 
 
 def _validate_experts(model: ModelShape, lay: Layout, framework: str) -> None:

@@ -458,12 +458,18 @@ def per_stage_walk(row: Row) -> list[dict]:
 
 # -- the whole search -------------------------------------------------------------------------------
 
+# refused layouts kept as rows (plan.json / plan.csv) beyond the watched ones: a GPU count with many
+# divisors has millions of layouts, nearly all refused, each counted under its reason (Plan.refused)
+REFUSED_ROWS = 10_000
+
+
 @dataclass
 class Plan:
     rows: list[Row]
     refused: dict  # framework -> reason key -> {"count": n, "example": message}
     counts: dict  # framework -> {"layouts", "fits", "too_big", "refused"}
     seconds: float = 0.0
+    refused_unlisted: int = 0  # refused layouts counted but not kept as rows (REFUSED_ROWS)
 
 
 def sort_key(sort: str):
@@ -483,16 +489,18 @@ def _tie(r: Row) -> tuple:
 
 
 def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, dict], mode: str = "faithful",
-           sort: str = "time") -> Plan:
+           sort: str = "time", watch=(), refused_rows: int = REFUSED_ROWS) -> Plan:
     """Every candidate of every framework (frameworks: name -> its base config as a plain dict),
     evaluated, with its peak per stage; rows that the ledger predicts first in `sort` order (fitting ones ahead), then the
-    refused ones."""
+    refused ones: the first refused_rows of them and every one a `watch` entry matches (the others
+    counted under their reasons alone)."""
     import time
 
     t0 = time.perf_counter()
     rows: list[Row] = []
     refused: dict = {}
     counts: dict = {}
+    kept_refused = unlisted = 0
     for name, base in frameworks.items():
         n = {"layouts": 0, "fits": 0, "too_big": 0, "refused": 0}
         why = refused.setdefault(name, {})
@@ -507,9 +515,13 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
                     why[k] = {"count": 1, "example": r.reason}
                 else:
                     e["count"] += 1
+                if kept_refused >= refused_rows and not any(r.matches(w) for w in watch):
+                    unlisted += 1
+                    continue
+                kept_refused += 1
             rows.append(r)
         counts[name] = n
     key = sort_key(sort)
     predicted = sorted((r for r in rows if r.status != "refused"), key=lambda r: (not r.fits, key(r)))
     rest = [r for r in rows if r.status == "refused"]
-    return Plan(predicted + rest, refused, counts, time.perf_counter() - t0)
+    return Plan(predicted + rest, refused, counts, time.perf_counter() - t0, unlisted)

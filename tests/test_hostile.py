@@ -174,6 +174,14 @@ BAD_VALUES = [
     ("framework.zero_stage=4", "framework.zero_stage=4 must be one of 0, 1, 2, 3"),
     ("campaign.rerun=some", "campaign.rerun='some' must be one of all, failed, none"),
     ("mode=plot", "mode='plot' must be one of predict, run, dry, plan"),
+    # the sizes past which a prediction would grow without bound (ledger/limits.py)
+    ("model.layers=1025", "model.layers=1,025 is past train-ledger's bound of 1,024"),
+    ("model.vocab=4294967296", "model.vocab=4,294,967,296 is past train-ledger's bound of 16,777,216"),
+    ("model.hidden=1000000000", "model.hidden=1,000,000,000 is past train-ledger's bound of 262,144"),
+    ("model.seq_len=100000000", "model.seq_len=100,000,000 is past train-ledger's bound of 4,194,304"),
+    ("cluster.nodes=1000000", "cluster.ranks x cluster.nodes=2,000,000 is past train-ledger's bound of 1,048,576 GPUs"),
+    ("layout.global_batch_size=10000000", "micro-batches per step: layout.global_batch_size/(micro_batch_size*dp)"
+                                          "=10000000/(1*2)=5,000,000 is past train-ledger's bound of 8,192"),
 ]
 
 
@@ -187,6 +195,17 @@ def test_bad_values_are_invalid_naming_the_field(override, message, mode):
     with pytest.raises(ConfigError) as e:
         check(_compose(*ovs))
     assert message in str(e.value)
+
+
+def test_a_layout_or_plan_past_its_bound_is_refused_with_the_numbers():
+    from conf.validate import validate_config
+    from launchers.job import check
+
+    with pytest.raises(ConfigError, match=r"the layout's world tp\*pp\*dp\*cp=1\*1\*2000000\*1=2,000,000 is past "
+                                          "train-ledger's bound of 1,048,576 GPUs"):
+        check(_compose("framework=titan", "mode=predict", "layout.dp=2000000"))
+    with pytest.raises(ConfigError, match="plan.gpus=200,000 is past train-ledger's bound of 131,072"):
+        validate_config(_compose("mode=plan", "plan.gpus=200000", "plan.global_batch_tokens=4096"))
 
 
 def test_zero_stage_0_is_refused_with_the_ledger_that_predicts_it():

@@ -15,7 +15,7 @@ from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
 from ledger.faithful.megatron.rules import pipeline_splits
-from ledger.plan import (PEAK_INCLUDES, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
+from ledger.plan import (PEAK_INCLUDES, REFUSED_ROWS, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
                          per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, compose_config, launch
 
@@ -218,14 +218,16 @@ def test_plan_settings_are_not_part_of_other_jobs_identity():
 def test_article_question_70b_on_1024_gpus(tmp_path):
     """The article's question: 70B, 1,024 H100s, seq 8192, 4M tokens per step, every framework. Megatron
     and torchtitan have fitting layouts; DeepSpeed (pure DP here) has none at 512 sequences on 1,024
-    GPUs, and says why. plan.json holds every layout with the issue's fields, plus the plot and sweep."""
+    GPUs, and says why. plan.json holds every predicted layout and the first refused ones (the rest
+    counted by reason) with the fields a user reads, plus the plot and sweep."""
     rec, rows = _plan_job(tmp_path, "model=llama3_70b", "model.seq_len=8192", "plan.gpus=1024", "plan.gpus_per_node=8",
                           "plan.gpu_memory_gb=80", "plan.global_batch_tokens=4194304", "framework=all")
     p = rec["plan"]
     assert p["counts"]["megatron"]["fits"] > 0 and p["counts"]["titan"]["fits"] > 0
     assert p["counts"]["deepspeed"]["fits"] == 0 and p["counts"]["deepspeed"]["refused"] == p["counts"]["deepspeed"]["layouts"]
     assert any("is not divisible by micro_batch_size*dp" in v["example"] for v in p["refused"]["deepspeed"].values())
-    assert len(rows) == sum(c["layouts"] for c in p["counts"].values())
+    assert len(rows) + p["refused_unlisted"] == sum(c["layouts"] for c in p["counts"].values())
+    assert sum(r["status"] == "refused" for r in rows) == min(REFUSED_ROWS, sum(c["refused"] for c in p["counts"].values()))
     for r in rows:
         assert ROW_KEYS <= set(r) and LAYOUT_KEYS <= set(r["layout"])
         assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY) if r["status"] != "refused" else ("",))
@@ -414,3 +416,21 @@ def test_plan_cluster_must_be_a_gpu_cluster_config(name, why):
     with pytest.raises(ConfigError, match=why):
         plan_cluster(name)
     assert plan_cluster("local_gpu") == {"kind": "local", "device": "cuda"}
+
+
+def test_refused_rows_past_the_cap_are_counted_not_listed():
+    """A plan keeps its first refused_rows refused layouts as rows and every watched one; the others are
+    counted under their reasons (the counts the same as with every row kept), the predicted rows all kept."""
+    m = preset("tiny")
+    sp = Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True)
+    full = search(m, HW8, sp, _bases("megatron", "titan"))
+    refused = [r for r in full.rows if r.status == "refused"]
+    assert len(refused) > 3
+    watched = refused[-1]
+    want = {"framework": watched.framework, **watched.layout, **watched.knobs}
+    capped = search(m, HW8, sp, _bases("megatron", "titan"), watch=[want], refused_rows=2)
+    assert (capped.counts, capped.refused) == (full.counts, full.refused)
+    kept = [r for r in capped.rows if r.status == "refused"]
+    assert len(kept) == 2 + 1 and kept[-1].matches(want) and capped.refused_unlisted == len(refused) - 3
+    assert [r.to_dict() for r in capped.rows if r.status != "refused"] == \
+        [r.to_dict() for r in full.rows if r.status != "refused"]

@@ -106,6 +106,18 @@ def _z3_walk(model: ModelShape, tr: Z3Trace, log: list, dp: int, w: int, ats: tu
 
 
 
+def _per_log(logs: list[list], walk) -> tuple:
+    """walk(log) per pass, once per log object: the passes of a fixed point share one
+    (coordinator.pass_logs)."""
+    done: dict[int, object] = {}
+    out = []
+    for log in logs:
+        if id(log) not in done:
+            done[id(log)] = walk(log)
+        out.append(done[id(log)])
+    return tuple(out)
+
+
 def _fetch_at(log: list, kind: str, mod: int) -> int:
     return next(i for i, ev in enumerate(log) if ev[0] == kind and ev[1] == mod)
 
@@ -123,9 +135,8 @@ def z3_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_liv
     micro-batch, no prefetch, every fetched param released after its module, persistent ones too)."""
     tr = z3_trace(model, threshold)
     norm, out_mod = 2 + tr.layers * modules_per_block(tr), 3 + tr.layers * modules_per_block(tr)
-    return tuple(_z3_walk(model, tr, log, dp, w, (_fetch_at(log, "F", norm), _fetch_at(log, "B", 0),
-                                                  _fetch_at(log, "B", out_mod)))
-                 for log in pass_logs(model, m, threshold, prefetch, max_live, reuse, first))
+    return _per_log(pass_logs(model, m, threshold, prefetch, max_live, reuse, first), lambda log: _z3_walk(
+        model, tr, log, dp, w, (_fetch_at(log, "F", norm), _fetch_at(log, "B", 0), _fetch_at(log, "B", out_mod))))
 
 
 def z3_first_moments(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int, dp: int,
@@ -141,6 +152,6 @@ def z3_backward_moments(model: ModelShape, m: int, threshold: int, prefetch: int
     pre-backward fetch (and its prefetch): what the coordinator holds while that module's backward
     runs, its parameters' gradient hooks included (their post-backward release comes after)."""
     tr = z3_trace(model, threshold)
-    return tuple(_z3_walk(model, tr, log, dp, w, tuple(_fetch_at(log, "B", mo) for mo in mods))
-                 for log in pass_logs(model, m, threshold, prefetch, max_live, reuse, first))
+    return _per_log(pass_logs(model, m, threshold, prefetch, max_live, reuse, first),
+                    lambda log: _z3_walk(model, tr, log, dp, w, tuple(_fetch_at(log, "B", mo) for mo in mods)))
 
