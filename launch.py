@@ -34,6 +34,8 @@ def main(cfg) -> dict:
         if rank != 0:
             return {"status": record["status"], "job_dir": hc.runtime.output_dir, "rank": rank}
     else:
+        if hc.mode != RunMode.MULTIRUN:  # a sweep's launcher holds its dir and checks each job (campaign)
+            refuse_a_job_dir_in_use(hc.runtime.output_dir)
         record = run_job(cfg, hc.runtime.output_dir)
     status = record["status"]
     if status != "ok":
@@ -42,6 +44,20 @@ def main(cfg) -> dict:
         if hc.mode != RunMode.MULTIRUN:  # a single run fails loudly; a sweep goes on
             sys.exit(2 if status == "invalid" else 1)
     return {"status": status, "job_dir": record["job_dir"]}
+
+
+def refuse_a_job_dir_in_use(job_dir: str) -> None:
+    """A single run into a job dir another live job on this host is running in exits 2, touching nothing."""
+    import records
+    from launchers.campaign import in_use
+
+    try:
+        why = in_use(records.read_if_any(job_dir))
+    except records.UnreadableRecord:
+        return
+    if why:
+        print(f"train-ledger: {job_dir} {why}: wait for it, or give this run another hydra.run.dir", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_override_syntax(argv: list[str]) -> None:

@@ -67,6 +67,17 @@ def sweep_lock(sweep_dir: str):
         os.close(fd)  # releases the flock
 
 
+def in_use(prior: dict | None) -> str | None:
+    """Why a job dir whose record is `prior` is in use by a live job on this host ("is running now (pid
+    N)"), or None: a record of status running whose process is alive (not this one)."""
+    if not prior or prior.get("status") != "running" or prior.get("host") != socket.gethostname():
+        return None
+    pid = prior.get("pid")
+    if pid == os.getpid() or not records.process_alive(pid):
+        return None
+    return f"is running now (pid {pid})"
+
+
 @dataclass
 class Decision:
     num: int
@@ -108,9 +119,9 @@ def decide(num: int, cfg, job_dir: str) -> Decision:
         raise CampaignError(f"job #{num} ({job_dir}) already holds a record of another config "
                             f"({'; '.join(changed[:6]) or 'config hash ' + old + ' -> ' + h}): "
                             "use a new hydra.sweep.dir, or remove that job dir to run it again")
-    if st == "running" and prior.get("host") == socket.gethostname() and records.process_alive(prior.get("pid")):
-        raise CampaignError(f"job #{num} ({job_dir}) is running now (pid {prior['pid']}): "
-                            "wait for it, or stop that sweep first")
+    why = in_use(prior)
+    if why:
+        raise CampaignError(f"job #{num} ({job_dir}) {why}: wait for it, or stop that sweep first")
     if rerun == "all":
         return Decision(num, job_dir, h, True, st, f"runs again (was {st}; campaign.rerun=all)")
     if rerun == "none" or st in KEPT_BY_FAILED:

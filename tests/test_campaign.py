@@ -234,3 +234,26 @@ def test_the_manifest_reads_back_what_was_written(tmp_path):
     update_manifest(str(tmp_path), {"1": {"job_dir": "y"}})
     assert records.read_manifest(str(tmp_path))["jobs"] == {"0": {"job_dir": "x", "slurm_job_id": "17"},
                                                             "1": {"job_dir": "y"}}
+
+
+def test_a_single_run_into_a_job_dir_in_use_exits_2(tmp_path):
+    """`launch.py hydra.run.dir=D` while D's record says running by a live process on this host: exit 2
+    naming it, the record untouched; a dead process's leaves the dir free."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import launch
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        running = {"status": "running", "job_dir": str(tmp_path), "pid": holder.pid, "host": socket.gethostname()}
+        records.write_json(str(tmp_path / "record.json"), running)
+        p = launch("mode=predict", f"hydra.run.dir={tmp_path}", timeout=120)
+        assert p.returncode == 2 and f"is running now (pid {holder.pid})" in p.stderr, p.stderr[-2000:]
+        assert records.read(str(tmp_path / "record.json")) == running
+    finally:
+        holder.kill()
+        holder.wait()
+    p = launch("mode=predict", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
