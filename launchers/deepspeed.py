@@ -410,10 +410,7 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
                               '%s\nPYTHONPATH="${TRAIN_LEDGER:-$PWD}" %s\n' % (
                                   shell_comment(f"train-ledger: DeepSpeed ZeRO-{int(cfg.framework.zero_stage)}, "
                                                 f"{topo.describe()}"), where, gpu_scripts.HERE_LINE, line)))
-    if cfg.cluster.kind == "slurm":
-        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
-            cfg.cluster, topo, [SLURM_HOSTFILE.format(gpus=topo.gpus_per_node) if multi_node
-                                else 'bash "$HERE/run.sh"'],
-            shell_comment(f"train-ledger: DeepSpeed ZeRO-{int(cfg.framework.zero_stage)} on {topo.describe()}; "
-                          "submit from this folder: TRAIN_LEDGER=<checkout> sbatch sbatch.sh"))))
-    return paths
+    return paths + gpu_scripts.sbatch_file(
+        cfg.cluster, topo, out_dir,
+        [SLURM_HOSTFILE.format(gpus=topo.gpus_per_node) if multi_node else 'bash "$HERE/run.sh"'],
+        f"DeepSpeed ZeRO-{int(cfg.framework.zero_stage)}", submit="TRAIN_LEDGER=<checkout> sbatch sbatch.sh")

@@ -114,4 +114,18 @@ def sbatch_script(cluster, topo: Topology, commands: list[str], title: str) -> s
     return "\n".join(lines)
 
 
+def sbatch_file(cluster, topo: Topology, out_dir: str, commands: list[str], what: str,
+                submit: str = "sbatch sbatch.sh") -> list[str]:
+    """[out_dir/sbatch.sh] (sbatch_script of `commands`, titled with `what` and how to submit it) on a
+    Slurm cluster, else []."""
+    if cluster.kind != "slurm":
+        return []
+    import os
+
+    from launchers import shell_comment, write_script
+
+    title = shell_comment(f"train-ledger: {what} on {topo.describe()}; submit from this folder: {submit}")
+    return [write_script(os.path.join(out_dir, "sbatch.sh"), sbatch_script(cluster, topo, commands, title))]
+
+
 SRUN_EACH_NODE = 'srun --ntasks-per-node=1 bash "$HERE/{script}"'

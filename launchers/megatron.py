@@ -528,12 +528,8 @@ def dry(cfg, lay: Layout, out_dir: str) -> list[str]:
         i = j
     lines += [f"  {p} \\" for p in pairs[:-1]] + [f"  {pairs[-1]}", ""]
     paths = [write_script(os.path.join(out_dir, "run.sh"), "\n".join(lines))]
-    if cfg.cluster.kind == "slurm":
-        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
-            cfg.cluster, topo, [gpu_scripts.SRUN_EACH_NODE.format(script="run.sh")],
-            shell_comment(f"train-ledger: Megatron-LM pretrain_gpt.py on {topo.describe()}; "
-                          "submit from this folder: sbatch sbatch.sh"))))
-    return paths
+    return paths + gpu_scripts.sbatch_file(cfg.cluster, topo, out_dir, [gpu_scripts.SRUN_EACH_NODE.format(script="run.sh")],
+                                           "Megatron-LM pretrain_gpt.py")
 
 
 def _q(x: str) -> str:

@@ -232,13 +232,8 @@ def dry(cfg, lay, out_dir: str) -> list[str]:
         "# torch 2.13 lacks torch.distributed.set_timeout, which set_pg_timeouts() calls after step 1.",
         gpu_scripts.HERE_LINE,
         TRAIN_LINE.format(torchrun=gpu_scripts.torchrun_line(topo), module=MODULE_NAME, config=CONFIG_FN), ""]))
-    paths = [path, sh]
-    if cfg.cluster.kind == "slurm":
-        paths.append(write_script(os.path.join(out_dir, "sbatch.sh"), gpu_scripts.sbatch_script(
-            cfg.cluster, topo, [gpu_scripts.SRUN_EACH_NODE.format(script="run_train.sh")],
-            shell_comment(f"train-ledger: torchtitan 0.3.0 on {topo.describe()}; submit from this folder: "
-                          "sbatch sbatch.sh"))))
-    return paths
+    return [path, sh] + gpu_scripts.sbatch_file(
+        cfg.cluster, topo, out_dir, [gpu_scripts.SRUN_EACH_NODE.format(script="run_train.sh")], "torchtitan 0.3.0")
 
 
 def _fsdp_resident(model) -> list:

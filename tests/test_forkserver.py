@@ -53,19 +53,24 @@ def test_forked_ranks_measure_what_spawned_ranks_measure(tmp_path):
             assert _measured(a) == _measured(b), (fw, rank)
 
 
+def _job_a_worker_reads(tmp_path):
+    """A DeepSpeed job dir with the job.json launchers.worker reads (a dry job's config)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    p = launch("mode=dry", "framework=deepspeed", f"hydra.run.dir={job}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(job / "job.json", "w") as f:
+        json.dump(records.read(str(job / "record.json"))["config"], f)
+    return job
+
+
 @pytest.mark.real
 def test_a_forked_rank_reports_its_kill_and_dies_with_its_client(tmp_path):
     """ForkedRank keeps Popen's meaning: kill() -> returncode -SIGKILL; a client that goes away
     takes its rank with it (the monitor kills it), so no rank outlives its job."""
-    job = tmp_path / "job"
-    job.mkdir()
-    # a job.json the worker would read; the rank blocks in init (no peer), so it is still running
-    p = launch("mode=dry", "framework=deepspeed", f"hydra.run.dir={job}", timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    job = _job_a_worker_reads(tmp_path)  # the rank blocks in init (no peer), so it is still running
     from launchers.local import free_port, rank_env
 
-    with open(job / "job.json", "w") as f:
-        json.dump(records.read(str(job / "record.json"))["config"], f)
     env = rank_env(0, 2, "127.0.0.1", free_port(), 0, "cpu")  # world 2, rank 1 never comes: rank 0 waits
     r = forkserver.fork_rank("deepspeed", "cpu", env, str(job), str(job / "rank0.log"))
     assert r.poll() is None
@@ -92,12 +97,7 @@ def test_a_spawned_rank_dies_with_its_launcher_even_by_sigkill(tmp_path):
     import subprocess
     import sys
 
-    job = tmp_path / "job"
-    job.mkdir()
-    p = launch("mode=dry", "framework=deepspeed", f"hydra.run.dir={job}", timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    with open(job / "job.json", "w") as f:
-        json.dump(records.read(str(job / "record.json"))["config"], f)
+    job = _job_a_worker_reads(tmp_path)
     # a launcher that spawns rank 0 of a world of 2 (it waits in init for rank 1) and prints its pid
     code = ("import sys, time\nfrom launchers.local import free_port, spawn_rank\n"
             "p = spawn_rank(sys.argv[1], 0, 2, '127.0.0.1', free_port(), 0, 'cpu')\n"
