@@ -21,6 +21,7 @@ from importlib import metadata
 from omegaconf import OmegaConf
 
 import records
+from conf import hf
 from conf.validate import validate_config
 from ledger import frameworks
 from ledger.layout import ConfigError, resolve, validate
@@ -119,6 +120,7 @@ def check(cfg):
     """Resolve, validate and predict; raises ConfigError naming the field and the rule. The
     prediction is part of the check: a faithful ledger rejects what it does not model. mode=plan:
     the config's values only (None)."""
+    hf.apply(cfg.model)  # model.hf_config's shape, before any rule reads the model
     validate_config(cfg)  # every group's values first: the layout rules below then divide safely
     if cfg.mode == "plan":
         return None  # a plan predicts many layouts, not cfg.layout: its checks are validate_config's (plan.*)
@@ -189,7 +191,16 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
     t0 = time.time()
     ignored = apply_knobs(cfg)
     fill_mode_defaults(cfg)
+    try:
+        hf_ignored = hf.apply(cfg.model)
+    except ConfigError as e:
+        return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
     record = {**new_record(cfg, job_dir), **(extra or {})}
+    if hf_ignored:
+        record["hf_config_ignored"] = hf_ignored
+        if writes_record:
+            print(f"model.hf_config {cfg.model.hf_config}: fields that change no prediction, ignored: "
+                  f"{', '.join(hf_ignored)}")
     if ignored:
         record["knobs_ignored"] = ignored
         if writes_record:

@@ -1,0 +1,98 @@
+"""model.hf_config: a HuggingFace config.json (written here, from the models' published configs) as the
+model's shape; the parameter counts are the ones the models' cards publish."""
+import json
+
+import pytest
+
+from conf import hf
+from ledger.errors import ConfigError
+from ledger.model import ModelShape
+
+LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+              "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+              "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+LLAMA32_1B = {**LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "head_dim": 64, "tie_word_embeddings": True}
+MISTRAL_7B_V03 = {"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+                  "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+                  "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32768}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+                "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+                "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+                "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                 "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                 "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+                 "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+                 "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                 "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+                 "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
+             "intermediate_size": 18944, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+             "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064}
+
+
+@pytest.mark.parametrize("config,params", [
+    (LLAMA31_8B, 8_030_261_248), (LLAMA32_1B, 1_235_814_400), (MISTRAL_7B_V03, 7_248_023_552),
+    (MIXTRAL_8X7B, 46_702_792_704), (QWEN3_30B_A3B, 30_532_122_624)])
+def test_published_configs_map_to_their_parameter_counts(config, params):
+    m = ModelShape.from_config({"name": "x", "seq_len": 128, "moe_router_topk": 2, "moe_router_dtype": None,
+                                **hf.model_fields(config)})
+    assert m.num_params() == params
+
+
+def test_a_preset_and_its_config_json_are_one_shape():
+    """The Qwen3-30B-A3B preset (conf/model) is what its config.json maps to."""
+    from tests.conftest import compose_config
+
+    want = compose_config("model=qwen3_30b_a3b").model
+    got = hf.model_fields(QWEN3_30B_A3B)
+    assert {k: want[k] for k in got} == got
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"model_type": "qwen2"}, "model_type='qwen2'"),
+    ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank=512"),
+])
+def test_what_the_ledgers_do_not_model_is_refused_naming_the_field(change, field, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA31_8B, **change}))
+    with pytest.raises(ConfigError, match=f"model.hf_config: {field}"):
+        hf.model_fields(hf.load(str(path)))
+
+
+def test_predict_from_a_config_json(tmp_path):
+    """`launch.py mode=predict model.hf_config=PATH`: the file's shape, named by its stem, the ignored
+    fields listed; Qwen2.5 (q/k/v biases) exits 2 naming model_type."""
+    from tests.conftest import launch
+
+    path = tmp_path / "llama31_8b.json"
+    path.write_text(json.dumps(LLAMA31_8B))
+    p = launch("mode=predict", f"model.hf_config={path}", "framework=megatron", "layout.tp=4",
+               f"hydra.run.dir={tmp_path / 'job'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pred = json.load(open(tmp_path / "job" / "prediction.json"))
+    assert pred["model"]["num_params"] == 8_030_261_248 and pred["model"]["name"] == "llama31_8b"
+    assert "ignored: " in p.stdout and "rope_scaling" in p.stdout
+    q = tmp_path / "qwen25_7b.json"
+    q.write_text(json.dumps(QWEN25_7B))
+    p = launch("mode=predict", f"model.hf_config={q}", "framework=megatron", f"hydra.run.dir={tmp_path / 'q'}",
+               timeout=300)
+    assert p.returncode == 2 and "model.hf_config: model_type='qwen2'" in p.stderr, p.stderr[-2000:]
