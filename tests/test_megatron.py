@@ -97,6 +97,13 @@ SWEEPS = (
     ("w2fwdrc", ("cluster.ranks=2", "model.seq_len=512", "framework.recompute_granularity=full",
                  "framework.recompute_method=uniform,block", "framework.recompute_num_layers=1",
                  "layout={pp:2,global_batch_size:4}")),
+    # full recompute with TP: a recomputed layer's forward TP collectives run again in its backward
+    # (megatron comm.micro_batch_comm): every layer (uniform) with SP's all-gathers / reduce-scatters,
+    # the first (block) with the all-reduces
+    ("w2rctpsp", ("cluster.ranks=2", "framework.recompute_granularity=full", "framework.recompute_method=uniform",
+                  "framework.recompute_num_layers=1", "layout={tp:2,sequence_parallel:true}")),
+    ("w2rctp", ("cluster.ranks=2", "framework.recompute_granularity=full", "framework.recompute_method=block",
+                "framework.recompute_num_layers=1", "layout={tp:2}")),
 )
 # (layout, overlap_grad_reduce, use_distributed_optimizer, vp, tied_embeddings, overlap_param_gather, vocab,
 # (layers, first, last, embedding, loss) of the pipeline split) of every job
@@ -124,7 +131,9 @@ RC_JOBS = {("pp2", True, True, 1, False, False, 1024, EVEN, rc) for rc in
            ((128, None, None), (128, "selective", None), (128, "full", "uniform"), (128, "full", "block"))}
 FWD_JOBS = {("pp2", False, True, 1, False, False, 1024, EVEN, rc) for rc in
             ((512, None, None), (512, "full", "uniform"), (512, "full", "block"))}
-EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS | FWD_JOBS
+TP_RC_JOBS = {("tp2·sp", False, True, 1, False, False, 1024, EVEN, (32, "full", "uniform")),
+              ("tp2", False, True, 1, False, False, 1024, EVEN, (32, "full", "block"))}
+EXPECTED = {(*job, NO_RC) for job in EXPECTED} | RC_JOBS | FWD_JOBS | TP_RC_JOBS
 
 
 def _split(rec) -> tuple:

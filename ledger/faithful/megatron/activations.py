@@ -61,6 +61,16 @@ def recompute_of(fw) -> Recompute:
                      tuple(mods) if mods is not None else ("core_attn",))
 
 
+def recomputed_layers(rc: Recompute, layers: int) -> int:
+    """The layers of a model chunk of `layers` whose forward full recompute runs again in backward
+    (transformer_block.py _checkpointed_forward): uniform checkpoints every layer (in groups of
+    recompute_num_layers), block the first recompute_num_layers of the chunk; selective none (its
+    core attention holds no collective)."""
+    if rc.granularity != "full":
+        return 0
+    return layers if rc.method == "uniform" else min(rc.num_layers, layers)
+
+
 def check_recompute(rc: Recompute) -> None:
     """What the faithful ledger does not model is refused, naming the field (conf/validate.py checks
     Megatron's own rules first)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ledger.faithful.megatron.activations import recompute_of, recomputed_layers
 from ledger.faithful.megatron.buffers import effective_bucket_size
 from ledger.faithful.megatron.heaviest import chunk_buckets, stage_class, stage_summaries
 from ledger.faithful.megatron.knobs import dtypes, Knobs
@@ -174,8 +175,13 @@ def micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Kno
     # With SP: column-parallel all-gather forward + all-gather again in backward (wgrad input,
     # LinearWithGradAccumulationAndAsyncCommunication.backward) + reduce-scatter of the input grad;
     # row-parallel reduce-scatter forward + all-gather backward. Buffers: the full s*b*h.
+    # Full recompute: a checkpointed layer's forward runs again in its backward (tensor_parallel/random.py
+    # CheckpointFunction.backward calls run_function again), its forward collectives with it: SP's two
+    # all-gathers and two reduce-scatters, or the two row-parallel all-reduces.
+    again = sum(recomputed_layers(recompute_of(k), stage_shape(model, pp, stage, vp, ch, k.pp_split)[0])
+                for ch in range(vp))
     if sp:
-        ag, rs = 6 * layers, 4 * layers
+        ag, rs = 6 * layers + 2 * again, 4 * layers + 2 * again
         if first:  # embedding: reduce_scatter_to_sequence_parallel_region (all-gather in backward)
             ag, rs = ag + 1, rs + 1
         if last:  # output_layer (column-parallel): all-gather fwd + bwd, reduce-scatter of dgrad
@@ -183,7 +189,7 @@ def micro_batch_comm(calls, model: ModelShape, tp: int, pp: int, vp: int, k: Kno
         calls("tp", "all_gather", pdt, "SP all-gather (layers.py/mappings.py)", ag, sbh, 1, tp, ag)
         calls("tp", "reduce_scatter", pdt, "SP reduce-scatter (layers.py/mappings.py)", rs, sbh, 1, tp, rs)
     else:
-        ar = 4 * layers + first + last  # embedding forward, output_layer input grad
+        ar = 4 * layers + 2 * again + first + last  # embedding forward, output_layer input grad
         calls("tp", "all_reduce", pdt, "TP all-reduce (mappings.py)", ar, sbh, 1, tp, ar)
     if last:
         # tensor_parallel/cross_entropy.py VocabParallelCrossEntropy.forward: logits max,
