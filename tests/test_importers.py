@@ -1,0 +1,94 @@
+"""python -m importers: a Megatron-LM pretrain_gpt.py command line back to train-ledger's config. The
+round trip: every layout and knob the CPU matrices run, written by `mode=dry` (pretrain_gpt_args) and
+imported, is the same model shape, resolved layout and Megatron knobs the ledger predicts from."""
+import dataclasses
+import json
+
+import pytest
+
+from ledger.errors import ConfigError
+from tests.conftest import compose_config, launch
+
+ROUND_TRIP = [
+    ["model=tiny", "layout.dp=2"],
+    ["model=tiny", "layout.tp=2", "layout.sequence_parallel=true", "framework.overlap_grad_reduce=true",
+     "framework.bucket_size=100000", "framework.use_distributed_optimizer=true"],
+    ["model=tiny", "layout.pp=2", "layout.vp=2", "layout.dp=2", "layout.global_batch_size=8",
+     "framework.overlap_grad_reduce=true", "framework.overlap_param_gather=true", "framework.use_distributed_optimizer=true"],
+    ["model=tiny", "model.tied_embeddings=true", "layout.pp=2", "framework.precision=fp32"],
+    ["model=tiny", "model.vocab=1001", "layout.tp=2", "framework.grad_reduce_in_fp32=false"],
+    ["model=tiny", "model.layers=3", "layout.pp=2", "framework.decoder_first_pipeline_num_layers=1"],
+    ["model=tiny", "model.layers=3", "layout.pp=2", "framework.account_for_embedding_in_pipeline_split=true"],
+    ["model=tiny", "layout.pp=2", "layout.global_batch_size=4", "framework.recompute_granularity=selective"],
+    ["model=tiny", "layout.tp=2", "framework.recompute_granularity=full", "framework.recompute_method=block",
+     "framework.recompute_num_layers=1", "framework.transformer_impl=local"],
+    ["model=llama3_8b", "layout.tp=8", "layout.pp=4", "layout.dp=16", "layout.sequence_parallel=true"],
+    ["model=tiny_moe", "layout.tp=2", "layout.ep=2", "layout.dp=2", "layout.sequence_parallel=true",
+     "framework.use_distributed_optimizer=true", "framework.moe_token_dispatcher_type=alltoall"],
+    ["model=qwen3_30b_a3b", "layout.ep=8", "layout.dp=8", "framework.use_distributed_optimizer=true"],
+]
+
+
+def _resolved(cfg):
+    from launchers.job import check
+    from ledger.faithful.megatron.knobs import knobs
+    from ledger.model import ModelShape
+
+    model, lay, _ = check(cfg)
+    return dataclasses.replace(ModelShape.from_config(cfg.model), name="-"), lay, knobs(cfg.framework)
+
+
+@pytest.mark.parametrize("overrides", ROUND_TRIP, ids=lambda o: " ".join(o))
+def test_dry_command_lines_import_back_to_the_same_config(overrides):
+    from importers.megatron import overrides as imported
+    from launchers.job import check
+    from launchers.megatron import pretrain_gpt_args
+
+    cfg = compose_config("mode=dry", "framework=megatron", *overrides)
+    _, lay, _ = check(cfg)
+    back, _ = imported(pretrain_gpt_args(cfg, lay), lay.world)
+    assert _resolved(compose_config("mode=dry", *back)) == _resolved(compose_config("mode=dry", "framework=megatron",
+                                                                                     *overrides))
+
+
+def test_a_flag_the_ledger_does_not_model_is_refused_by_name():
+    from importers.megatron import overrides as imported
+    from launchers.job import check
+    from launchers.megatron import pretrain_gpt_args
+
+    cfg = compose_config("mode=dry", "framework=megatron", "model=tiny")
+    _, lay, _ = check(cfg)
+    args = pretrain_gpt_args(cfg, lay)
+    for extra, flag in ((["--fp8-format", "hybrid"], "--fp8-format"), (["--fp16"], "--fp16"),
+                        (["--position-embedding-type", "learned_absolute"], "--position-embedding-type")):
+        with pytest.raises(ConfigError, match=flag):
+            imported(args + extra, lay.world)
+
+
+def test_import_a_run_sh_prints_the_prediction_and_writes_a_sweep_file(tmp_path):
+    """`python -m importers megatron RUN_SH` on what `mode=dry` wrote: the same prediction, a sweep file
+    sweeps.plan runs; a refused flag exits 2 naming it."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    job = tmp_path / "dry"
+    p = launch("mode=dry", "framework=megatron", "model=llama3_1b", "layout.tp=2", "layout.pp=2", "layout.dp=2",
+               "layout.sequence_parallel=true", f"hydra.run.dir={job}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = tmp_path / "imported.yaml"
+    p = subprocess.run([sys.executable, "-m", "importers", "megatron", str(job / "run.sh"), "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pred = json.load(open(job / "prediction.json"))
+    most = pred["per_gpu"]["resident_bytes"]
+    assert f"resident {most:,} B" in p.stdout and "--mock-data" in p.stdout  # the same most-loaded rank; ignored
+    sweep = yaml.safe_load(out.read_text())
+    assert sweep["runs"][0]["framework"] == "megatron" and "layout.dp=2" in sweep["runs"][0]["overrides"]
+    bad = subprocess.run([sys.executable, "-m", "importers", "megatron", "--world", "2", "--",
+                          *open(job / "run.sh").read().split("pretrain_gpt.py\" \\\n", 1)[1].replace("\\\n", " ").split(),
+                          "--fp8-format", "hybrid"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--fp8-format" in bad.stderr, bad.stderr[-2000:]
