@@ -2,11 +2,13 @@
 
     python -m importers megatron [--world N] [--out FILE] RUN_SH
     python -m importers megatron --world N [--out FILE] -- PRETRAIN_GPT_ARGS...
+    python -m importers deepspeed --world N [--out FILE] DS_CONFIG_JSON -- MODEL_OVERRIDES...
 
 RUN_SH: a script whose torchrun line runs pretrain_gpt.py (the world is its --nnodes x --nproc_per_node;
-`mode=dry` writes one); or the arguments themselves after `--` with --world. Flags the ledger does not
-model are refused by name (exit 2), flags that change no prediction listed as ignored. FILE (default
-imported_megatron.yaml) runs with `python -m sweeps.plan FILE` (add `cluster=...` for your cluster).
+`mode=dry` writes one); or the arguments themselves after `--` with --world. A ds_config holds no model:
+name it after `--` (model=llama3_8b, or model.hf_config=PATH, and any model.* field). Settings the ledger
+does not model are refused by name (exit 2), those that change no prediction listed as ignored. FILE
+(default imported_<framework>.yaml) runs with `python -m sweeps.plan FILE` (add `cluster=...`).
 """
 from __future__ import annotations
 
@@ -36,30 +38,42 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else None
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m importers", description=__doc__.splitlines()[0])
-    ap.add_argument("framework", choices=["megatron"])
-    ap.add_argument("run_sh", nargs="?")
-    ap.add_argument("--world", type=int, help="GPUs the command runs on (default: its torchrun line's)")
-    ap.add_argument("--out", default="imported_megatron.yaml")
+    ap.add_argument("framework", choices=["megatron", "deepspeed"])
+    ap.add_argument("path", nargs="?", help="megatron: a run.sh; deepspeed: a ds_config.json")
+    ap.add_argument("--world", type=int, help="GPUs the command runs on (megatron: default its torchrun line's)")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args(own)
+    a.out = a.out or f"imported_{a.framework}.yaml"
     sys.path.insert(0, REPO)
     import yaml
 
-    from importers import megatron
+    from hydra.errors import HydraException
+
+    from importers import deepspeed, megatron
     from ledger.errors import ConfigError
 
     try:
-        if extra is not None:
+        if a.framework == "deepspeed":
+            if not (a.path and a.world):
+                ap.error("deepspeed needs DS_CONFIG_JSON and --world N")
+            overrides, ignored = deepspeed.overrides(deepspeed.load(a.path), a.world)
+            overrides += extra or []
+        elif extra is not None:
             if not a.world:
                 ap.error("--world N is needed with arguments after --")
             args, world = extra, a.world
-        elif a.run_sh:
-            args, world = megatron.run_sh_args(a.run_sh)
+        elif a.path:
+            args, world = megatron.run_sh_args(a.path)
             world = a.world or world
         else:
             ap.error("give RUN_SH or the arguments after --")
-        overrides, ignored = megatron.overrides(args, world)
+        if a.framework == "megatron":
+            overrides, ignored = megatron.overrides(args, world)
         table = predict_table(overrides)
     except ConfigError as e:
+        print(f"import refused: {e}", file=sys.stderr)
+        return 2
+    except HydraException as e:  # a model override Hydra cannot compose
         print(f"import refused: {e}", file=sys.stderr)
         return 2
     print(table)
@@ -68,7 +82,7 @@ def main(argv=None) -> int:
         print("ignored (they change no prediction): " + " ".join(ignored))
     name = os.path.splitext(os.path.basename(a.out))[0]
     with open(a.out, "w") as f:
-        yaml.safe_dump({"name": name, "runs": [{"framework": "megatron", "overrides": overrides}]}, f, sort_keys=False)
+        yaml.safe_dump({"name": name, "runs": [{"framework": a.framework, "overrides": overrides}]}, f, sort_keys=False)
     print(f"sweep file: {a.out} (python -m sweeps.plan {a.out} cluster=...)")
     return 0
 

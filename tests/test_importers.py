@@ -92,3 +92,54 @@ def test_import_a_run_sh_prints_the_prediction_and_writes_a_sweep_file(tmp_path)
                           *open(job / "run.sh").read().split("pretrain_gpt.py\" \\\n", 1)[1].replace("\\\n", " ").split(),
                           "--fp8-format", "hybrid"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--fp8-format" in bad.stderr, bad.stderr[-2000:]
+
+
+DS_ROUND_TRIP = [
+    ["framework.zero_stage=1", "layout.dp=2"],
+    ["framework.zero_stage=2", "layout.dp=4", "framework.reduce_bucket_size=200000", "framework.overlap_comm=true",
+     "layout.micro_batch_size=2", "layout.global_batch_size=16"],
+    ["framework.zero_stage=3", "layout.dp=4", "framework.stage3_prefetch_bucket_size=1000",
+     "framework.stage3_max_reuse_distance=0", "framework.stage3_param_persistence_threshold=10"],
+    ["framework.zero_stage=3", "layout.dp=2", "framework.overlap_comm=false", "framework.precision=fp32",
+     "framework.gradient_clipping=0.5"],
+    ["framework.zero_stage=2", "layout.dp=2", "framework.activation_checkpointing=true", "framework.allgather_bucket_size=300000"],
+]
+
+
+@pytest.mark.parametrize("overrides", DS_ROUND_TRIP, ids=lambda o: " ".join(o))
+def test_ds_configs_import_back_to_the_same_config(overrides):
+    """ds_config (what mode=dry writes) -> importers.deepspeed -> the same resolved layout and every knob the
+    DeepSpeed ledger reads (overlap_comm as DeepSpeed resolves it)."""
+    import types
+
+    from importers.deepspeed import ZERO, overrides as imported
+    from launchers.deepspeed import ds_config
+    from launchers.job import check
+    from ledger.faithful.deepspeed.rules import overlap_comm
+
+    def resolved(cfg):
+        _, lay, _ = check(cfg)
+        fw = cfg.framework
+        keys = [*ZERO.values(), "precision", "gradient_clipping", "activation_checkpointing"]
+        return lay, {k: overlap_comm(fw) if k == "overlap_comm" else fw[k] for k in keys}
+
+    cfg = compose_config("mode=dry", "framework=deepspeed", "model=tiny", *overrides)
+    _, lay, _ = check(cfg)
+    back, _ = imported(json.loads(json.dumps(ds_config(cfg, lay))), lay.world)
+    assert resolved(compose_config("mode=dry", "model=tiny", *back)) == resolved(cfg)
+
+
+@pytest.mark.parametrize("change,name", [
+    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+    ({"pipeline": {"stages": 2}}, "'pipeline'"),
+    ({"train_batch_size": 7}, "train_batch_size=7"),
+])
+def test_a_ds_setting_the_ledger_does_not_model_is_refused_by_name(change, name):
+    from importers.deepspeed import overrides as imported
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 2}, **change}
+    with pytest.raises(ConfigError, match=name.replace("(", r"\(").replace(".", r"\.")):
+        imported(ds, 2)
