@@ -3,9 +3,12 @@
     python -m importers megatron [--world N] [--out FILE] RUN_SH
     python -m importers megatron --world N [--out FILE] -- PRETRAIN_GPT_ARGS...
     python -m importers deepspeed --world N [--out FILE] DS_CONFIG_JSON -- MODEL_OVERRIDES...
+    python -m importers titan [--function NAME] [--out FILE] CONFIG_MODULE_PY
 
 RUN_SH: a script whose torchrun line runs pretrain_gpt.py (the world is its --nnodes x --nproc_per_node;
-`mode=dry` writes one); or the arguments themselves after `--` with --world. A ds_config holds no model:
+`mode=dry` writes one); or the arguments themselves after `--` with --world. A torchtitan config is a
+module whose function (default ledger_config, as `mode=dry` writes it) returns the Trainer.Config; the
+module is executed. A ds_config holds no model:
 name it after `--` (model=llama3_8b, or model.hf_config=PATH, and any model.* field). Settings the ledger
 does not model are refused by name (exit 2), those that change no prediction listed as ignored. FILE
 (default imported_<framework>.yaml) runs with `python -m sweeps.plan FILE` (add `cluster=...`).
@@ -38,8 +41,9 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else None
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m importers", description=__doc__.splitlines()[0])
-    ap.add_argument("framework", choices=["megatron", "deepspeed"])
-    ap.add_argument("path", nargs="?", help="megatron: a run.sh; deepspeed: a ds_config.json")
+    ap.add_argument("framework", choices=["megatron", "deepspeed", "titan"])
+    ap.add_argument("path", nargs="?", help="megatron: a run.sh; deepspeed: a ds_config.json; titan: a config module")
+    ap.add_argument("--function", default="ledger_config", help="titan: the module's function returning the config")
     ap.add_argument("--world", type=int, help="GPUs the command runs on (megatron: default its torchrun line's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(own)
@@ -49,11 +53,15 @@ def main(argv=None) -> int:
 
     from hydra.errors import HydraException
 
-    from importers import deepspeed, megatron
+    from importers import deepspeed, megatron, titan
     from ledger.errors import ConfigError
 
     try:
-        if a.framework == "deepspeed":
+        if a.framework == "titan":
+            if not a.path:
+                ap.error("titan needs CONFIG_MODULE_PY")
+            overrides, ignored = titan.overrides(titan.load(a.path, a.function))
+        elif a.framework == "deepspeed":
             if not (a.path and a.world):
                 ap.error("deepspeed needs DS_CONFIG_JSON and --world N")
             overrides, ignored = deepspeed.overrides(deepspeed.load(a.path), a.world)

@@ -143,3 +143,38 @@ def test_a_ds_setting_the_ledger_does_not_model_is_refused_by_name(change, name)
           "zero_optimization": {"stage": 2}, **change}
     with pytest.raises(ConfigError, match=name.replace("(", r"\(").replace(".", r"\.")):
         imported(ds, 2)
+
+
+TITAN_ROUND_TRIP = [
+    ["layout.dp=4"],
+    ["layout.tp=2", "layout.dp=2", "framework.activation_checkpoint=full"],
+    ["layout.tp=2", "layout.dp=2", "layout.sequence_parallel=false", "framework.activation_checkpoint=none"],
+    ["layout.pp=2", "layout.dp=1", "layout.micro_batch_size=1", "layout.global_batch_size=4"],
+    ["layout.cp=2", "layout.dp=2", "model.seq_len=256"],
+    ["layout.dp=4", "layout.dp_replicate=2", "framework.reshard_after_forward=never"],
+    ["model=llama3_8b", "layout.tp=8", "layout.dp=16", "model.seq_len=8192"],
+]
+
+
+@pytest.mark.parametrize("overrides", TITAN_ROUND_TRIP, ids=lambda o: " ".join(o))
+def test_titan_config_modules_import_back_to_the_same_config(overrides, tmp_path):
+    """The Trainer.Config module mode=dry writes (render_module) -> importers.titan -> the same model
+    shape, resolved layout and torchtitan knobs."""
+    from importers import titan
+    from launchers.job import check
+    from launchers.titan import render_module
+    from ledger.model import ModelShape
+
+    def resolved(cfg):
+        _, lay, _ = check(cfg)
+        fw = {k: cfg.framework[k] for k in ("reshard_after_forward", "spmd_backend", "dtype", "mixed_precision_param",
+                                            "mixed_precision_reduce", "activation_checkpoint")}
+        return dataclasses.replace(ModelShape.from_config(cfg.model), name="-"), lay, fw
+
+    cfg = compose_config("mode=dry", "framework=titan", "model=tiny", *overrides)
+    _, lay, _ = check(cfg)
+    path = tmp_path / "ledger_titan.py"
+    path.write_text(render_module(cfg, lay, str(tmp_path / "tok"), str(tmp_path / "data"), str(tmp_path / "dump"),
+                                  relative=True))
+    back, _ = titan.overrides(titan.load(str(path)))
+    assert resolved(compose_config("mode=dry", *back)) == resolved(cfg)
