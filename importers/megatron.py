@@ -64,7 +64,15 @@ IGNORED = ("--use-mcore-models", "--attention-dropout", "--hidden-dropout", "--w
            "--wandb-exp-name", "--log-throughput", "--log-timers-to-tensorboard", "--timing-log-level",
            "--no-load-optim", "--no-load-rng", "--exit-duration-in-mins", "--use-flash-attn",
            "--attention-softmax-in-fp32", "--no-masked-softmax-fusion", "--use-rotary-position-embeddings",
-           "--data-cache-path", "--num-workers")
+           "--data-cache-path", "--num-workers", "--apply-layernorm-1p", "--train-samples", "--lr-decay-samples",
+           "--lr-warmup-samples", "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss",
+           "--manual-gc", "--empty-unused-memory-level", "--tiktoken-pattern",
+           "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile", "--profile-step-start",
+           "--profile-step-end", "--ckpt-format", "--wandb-save-dir", "--log-params-norm",
+           "--log-num-zeros-in-grad", "--attention-backend")
+# --attention-backend: the TE spec's prediction is of its fused / flash attention (no s x s probabilities);
+# the unfused and local backends save them
+ATTENTION_BACKENDS = ("auto", "fused", "flash")
 
 
 @lru_cache(maxsize=1)
@@ -115,6 +123,10 @@ def overrides(args: list[str], world: int) -> tuple[list[str], list[str]]:
         if flag not in known:
             raise ConfigError(f"megatron import: {flag}={get(flag)!r} is not modelled by the ledger "
                               "(it may change what the run holds or sends); remove it to predict without it")
+    backend = get("--attention-backend")
+    if "--attention-backend" in set_flags and getattr(backend, "name", str(backend)).split(".")[-1] not in ATTENTION_BACKENDS:
+        raise ConfigError(f"megatron import: --attention-backend={backend}: the prediction is of the fused / flash "
+                          "attention (the unfused and local backends save the s x s probabilities)")
     if get("--fp16"):
         raise ConfigError("megatron import: --fp16: the Megatron ledger models bf16 and fp32")
     if get("--position-embedding-type") != "rope":
@@ -135,6 +147,9 @@ def overrides(args: list[str], world: int) -> tuple[list[str], list[str]]:
                 v = v[0]
             if v is not None:
                 out.append(f"{field}={_val(v)}")
+    if get("--tensor-model-parallel-size") == 1 and get("--sequence-parallel"):
+        # arguments.py validate_args: "Disable sequence parallelism when tp=1" (the run does it too)
+        out.append("layout.sequence_parallel=false")
     if get("--expert-tensor-parallel-size") is None and get("--num-experts"):
         out.append(f"layout.etp={get('--tensor-model-parallel-size')}")  # arguments.py: etp defaults to tp
     heads = get("--num-attention-heads")

@@ -178,3 +178,48 @@ def test_titan_config_modules_import_back_to_the_same_config(overrides, tmp_path
                                   relative=True))
     back, _ = titan.overrides(titan.load(str(path)))
     assert resolved(compose_config("mode=dry", *back)) == resolved(cfg)
+
+
+# Megatron-LM's examples/llama/train_llama3_8b_h200_bf16.sh, its mock-data branch, one node of 8 GPUs
+# (the shell variables substituted; paths shortened)
+MEGATRON_EXAMPLE = """
+--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+--group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192
+--position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
+--hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend fused --apply-layernorm-1p
+--untie-embeddings-and-output-weights --disable-bias-linear
+--micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000 --lr-decay-samples 1949218748
+--lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5
+--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16
+--grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc
+--empty-unused-memory-level 1 --exit-duration-in-mins 235
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+--tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path /tmp/cache --tiktoken-pattern v2
+--split 99,1,0 --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+--log-interval 1 --save-interval 1000 --log-throughput --profile --profile-step-start 4 --profile-step-end 6
+--ckpt-format torch_dist --distributed-timeout-minutes 60 --save /tmp/ckpt --load /tmp/ckpt
+--tensorboard-dir /tmp/tb --wandb-project megatron-lm-training --wandb-exp-name llama3x-8b-bf16-tp1
+--wandb-save-dir /tmp/ckpt/wandb --log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard
+""".split()
+
+
+def test_megatron_lms_own_llama3_example_imports(capsys):
+    """A hand-written line from Megatron-LM's examples: its fused cross-entropy (which the ledger does not
+    model) refused by name; without it, the llama3_8b shape on 8 GPUs with the distributed optimizer."""
+    from importers.megatron import overrides as imported
+
+    with pytest.raises(ConfigError, match="--cross-entropy-loss-fusion"):
+        imported(MEGATRON_EXAMPLE, 8)
+    line = [a for a in MEGATRON_EXAMPLE if a != "--cross-entropy-loss-fusion"]
+    back, ignored = imported(line, 8)
+    cfg = compose_config("mode=predict", *back)
+    from launchers.job import check
+    from ledger.model import ModelShape
+
+    _, lay, pl = check(cfg)
+    # Llama 3 8B's 8,030,261,248 and a bias on each of its 65 norms: the example leaves --normalization at
+    # Megatron-LM's default, LayerNorm
+    assert cfg.model.norm == "layernorm" and ModelShape.from_config(cfg.model).num_params() == 8_030_261_248 + 65 * 4096
+    assert (lay.tp, lay.dp, lay.global_batch_size, cfg.framework.use_distributed_optimizer) == (1, 8, 128, True)
+    assert cfg.framework.transformer_impl == "transformer_engine" and "--apply-layernorm-1p" in ignored
