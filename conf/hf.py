@@ -2,8 +2,9 @@
 downloaded).
 
 The architectures the three frameworks train as Llama-style decoders map onto conf/schema.py
-ModelConfig: Llama 2 / 3 / 3.1 / 3.2 and Mistral (`LlamaConfig` / `MistralConfig`), Qwen3 (q/k norms,
-its own head_dim), Mixtral and Qwen3-MoE. Every field that changes bytes or FLOPs is mapped; what the
+ModelConfig: Llama 2 / 3 / 3.1 / 3.2 and Mistral (`LlamaConfig` / `MistralConfig`), Qwen2 / 2.5 (q/k/v
+biases: model.qkv_bias, modelled by Megatron and DeepSpeed's Llama, refused by torchtitan), Qwen3 (q/k
+norms, its own head_dim), Mixtral and Qwen3-MoE. Every field that changes bytes or FLOPs is mapped; what the
 ledgers do not model is refused naming the config.json field (exit 2), and fields that change neither
 (rope scaling, dropout, the router's loss coefficient, ...) are ignored and listed. The file's values
 replace the model group's for the fields they map; seq_len (the run's, not the checkpoint's
@@ -17,7 +18,7 @@ import os
 from ledger.errors import ConfigError
 
 # model_type -> what its transformers model has that the mapping depends on
-DENSE = ("llama", "mistral", "qwen3")
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen3_moe")
 # fields read by no rule of the ledgers: they change neither a tensor's shape nor a FLOP
 IGNORED = ("_name_or_path", "tokenizer_class", "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_dropout",
@@ -42,8 +43,7 @@ def model_fields(hf: dict) -> dict:
     kind = hf.get("model_type")
     if kind not in DENSE + MOE:
         raise _refuse("model_type", kind, f"the mapped architectures are {', '.join(DENSE + MOE)} (Llama-style "
-                      "decoders the three frameworks train); qwen2 / qwen2.5 carry q/k/v biases the ledgers do not "
-                      "model, deepseek's multi-latent attention neither")
+                      "decoders the three frameworks train); deepseek's multi-latent attention is not modelled")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "the ledgers model SwiGLU MLPs (silu-gated)")
@@ -66,7 +66,8 @@ def model_fields(hf: dict) -> dict:
            "bias": False, "rope_theta": float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "num_experts": 0, "moe_ffn_hidden": 0,
            "moe_shared_expert_hidden": 0, "moe_layer_freq": 1, "kv_channels": 0,
-           "qk_layernorm": kind in ("qwen3", "qwen3_moe")}  # Qwen3Attention: q_norm / k_norm always
+           "qk_layernorm": kind in ("qwen3", "qwen3_moe"),  # Qwen3Attention: q_norm / k_norm always
+           "qkv_bias": kind == "qwen2"}  # Qwen2Attention: q_proj / k_proj / v_proj with bias=True, o_proj without
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != hf["hidden_size"] // heads:
         out["kv_channels"] = head_dim

@@ -38,6 +38,7 @@ class ModelConfig:
     moe_router_dtype: Optional[str] = None  # None | fp32 | fp64 (Megatron --moe-router-dtype)
     kv_channels: int = 0  # 0: hidden / heads
     qk_layernorm: bool = False
+    qkv_bias: bool = False  # biases on q / k / v alone (Qwen2 / 2.5; Megatron --add-qkv-bias)
     # a HuggingFace config.json whose fields replace the ones above it maps (conf/hf.py), name included
     hf_config: Optional[str] = None
 

@@ -21,7 +21,7 @@ MODEL = {"--num-layers": "model.layers", "--hidden-size": "model.hidden", "--ffn
          "--vocab-size": "model.vocab", "--num-experts": "model.num_experts", "--moe-router-topk": "model.moe_router_topk",
          "--moe-ffn-hidden-size": "model.moe_ffn_hidden", "--moe-layer-freq": "model.moe_layer_freq",
          "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_hidden",
-         "--moe-router-dtype": "model.moe_router_dtype"}
+         "--moe-router-dtype": "model.moe_router_dtype", "--add-qkv-bias": "model.qkv_bias"}
 LAYOUT = {"--tensor-model-parallel-size": "layout.tp", "--pipeline-model-parallel-size": "layout.pp",
           "--context-parallel-size": "layout.cp", "--sequence-parallel": "layout.sequence_parallel",
           "--micro-batch-size": "layout.micro_batch_size", "--global-batch-size": "layout.global_batch_size",

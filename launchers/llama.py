@@ -51,9 +51,10 @@ class Attention(nn.Module):
         super().__init__()
         hd, bias = shape.head_dim, shape.bias
         self.heads, self.kv_heads, self.head_dim, self.theta = shape.heads, shape.kv_heads, hd, theta
-        self.wq = nn.Linear(shape.hidden, shape.heads * hd, bias=bias)
-        self.wk = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=bias)
-        self.wv = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=bias)
+        qkv_bias = bias or shape.qkv_bias  # Qwen2's q / k / v biases (ModelShape.layer_params)
+        self.wq = nn.Linear(shape.hidden, shape.heads * hd, bias=qkv_bias)
+        self.wk = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=qkv_bias)
+        self.wv = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(shape.heads * hd, shape.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def transformer_config(cfg, lay: Layout):
         num_attention_heads=m.heads, num_query_groups=m.kv_heads,
         normalization="RMSNorm" if m.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=m.norm_eps,
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=m.bias, add_qkv_bias=m.get("qkv_bias", False), hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
         # interleaved schedule (vp > 1): microbatch_group_size_per_vp_stage defaults to pp
         # (model_parallel_config.py __post_init__); batch_p2p_comm on, overlap_p2p_comm off
@@ -423,6 +423,8 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
         a.append("--swiglu")
     if not m.bias:
         a.append("--disable-bias-linear")
+    if m.get("qkv_bias", False):
+        a.append("--add-qkv-bias")
     if not m.tied_embeddings:
         a.append("--untie-embeddings-and-output-weights")
     a += ["--attention-dropout", 0.0, "--hidden-dropout", 0.0,

@@ -37,6 +37,8 @@ class ModelShape:
     # heads), and per-head RMSNorms of q and k (Megatron --qk-layernorm; Qwen3's q_norm / k_norm)
     kv_channels: int = 0
     qk_layernorm: bool = False
+    # biases on the q, k and v projections alone (Qwen2 / 2.5's Qwen2Attention; Megatron --add-qkv-bias)
+    qkv_bias: bool = False
 
     def __hash__(self) -> int:
         # computed once per object: a layout search hashes the shape in every cache lookup. Kept out
@@ -84,9 +86,9 @@ class ModelShape:
             out.append((f"{prefix}.bias", (self.hidden,)))
         return out
 
-    def linear(self, name: str, out_f: int, in_f: int) -> list[tuple[str, tuple[int, ...]]]:
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool | None = None) -> list[tuple[str, tuple[int, ...]]]:
         out = [(f"{name}.weight", (out_f, in_f))]
-        if self.bias:
+        if self.bias if bias is None else bias:
             out.append((f"{name}.bias", (out_f,)))
         return out
 
@@ -94,9 +96,10 @@ class ModelShape:
         """One decoder block, in module order (torchtitan / plain-PyTorch Llama names)."""
         p, h, hd = f"layers.{i}", self.hidden, self.head_dim
         out = self.norm_params(f"{p}.attention_norm")
-        out += self.linear(f"{p}.attention.wq", self.heads * hd, h)
-        out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h)
-        out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h)
+        qkv_bias = self.bias or self.qkv_bias
+        out += self.linear(f"{p}.attention.wq", self.heads * hd, h, qkv_bias)
+        out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h, qkv_bias)
+        out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h, qkv_bias)
         out += self.linear(f"{p}.attention.wo", h, self.heads * hd)
         if self.qk_layernorm:  # torchtitan qwen3 Attention: q_norm / k_norm over head_dim
             out += [(f"{p}.attention.q_norm.weight", (hd,)), (f"{p}.attention.k_norm.weight", (hd,))]
@@ -215,7 +218,9 @@ def preset(name: str, **overrides) -> ModelShape:
 @lru_cache(maxsize=64)
 def _model_dict(model: ModelShape) -> tuple:
     # the fields (all scalars: asdict()'s deep copy is not needed) and the parameter count
-    return tuple((f, getattr(model, f)) for f in _SHAPE_FIELDS) + (("num_params", model.num_params()),)
+    # (qkv_bias only where set: the records of the models without it stay as they were)
+    return tuple((f, getattr(model, f)) for f in _SHAPE_FIELDS if f != "qkv_bias" or model.qkv_bias) \
+        + (("num_params", model.num_params()),)
 
 
 def model_dict(model: ModelShape) -> dict:

@@ -47,7 +47,7 @@ QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidde
 
 @pytest.mark.parametrize("config,params", [
     (LLAMA31_8B, 8_030_261_248), (LLAMA32_1B, 1_235_814_400), (MISTRAL_7B_V03, 7_248_023_552),
-    (MIXTRAL_8X7B, 46_702_792_704), (QWEN3_30B_A3B, 30_532_122_624)])
+    (MIXTRAL_8X7B, 46_702_792_704), (QWEN3_30B_A3B, 30_532_122_624), (QWEN25_7B, 7_615_616_512)])
 def test_published_configs_map_to_their_parameter_counts(config, params):
     m = ModelShape.from_config({"name": "x", "seq_len": 128, "moe_router_topk": 2, "moe_router_dtype": None,
                                 **hf.model_fields(config)})
@@ -64,7 +64,6 @@ def test_a_preset_and_its_config_json_are_one_shape():
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"model_type": "qwen2"}, "model_type='qwen2'"),
     ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"attention_bias": True}, "attention_bias=True"),
@@ -80,7 +79,7 @@ def test_what_the_ledgers_do_not_model_is_refused_naming_the_field(change, field
 
 def test_predict_from_a_config_json(tmp_path):
     """`launch.py mode=predict model.hf_config=PATH`: the file's shape, named by its stem, the ignored
-    fields listed; Qwen2.5 (q/k/v biases) exits 2 naming model_type."""
+    fields listed; Qwen2.5 (q/k/v biases) predicted by Megatron, refused by torchtitan naming the field."""
     from tests.conftest import launch
 
     path = tmp_path / "llama31_8b.json"
@@ -93,6 +92,31 @@ def test_predict_from_a_config_json(tmp_path):
     assert "ignored: " in p.stdout and "rope_scaling" in p.stdout
     q = tmp_path / "qwen25_7b.json"
     q.write_text(json.dumps(QWEN25_7B))
-    p = launch("mode=predict", f"model.hf_config={q}", "framework=megatron", f"hydra.run.dir={tmp_path / 'q'}",
-               timeout=300)
-    assert p.returncode == 2 and "model.hf_config: model_type='qwen2'" in p.stderr, p.stderr[-2000:]
+    p = launch("mode=predict", f"model.hf_config={q}", "framework=megatron", "layout.tp=4",
+               f"hydra.run.dir={tmp_path / 'q'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.load(open(tmp_path / "q" / "prediction.json"))["model"]["num_params"] == 7_615_616_512
+    p = launch("mode=predict", f"model.hf_config={q}", "framework=titan", f"hydra.run.dir={tmp_path / 't'}", timeout=300)
+    assert p.returncode == 2 and "model.qkv_bias=true" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.real
+def test_qkv_biases_reconcile_on_megatron_and_deepspeed(tmp_path):
+    """model.qkv_bias (Qwen2's q/k/v biases) on real CPU runs: Megatron's add_qkv_bias under TP with SP and
+    the distributed optimizer, DeepSpeed's Llama under ZeRO-1: every state and collective row exact, the
+    peaks within 1% (the matrices' rule)."""
+    from tests.conftest import assert_every_row_reconciles, run_sweeps
+
+    sweep = run_sweeps(tmp_path, (
+        ("megatron", ("framework=megatron", "framework.transformer_impl=local", "framework.use_distributed_optimizer=true",
+                      "layout={tp:2,sequence_parallel:true}", "model.hidden=208")),
+        ("deepspeed", ("framework=deepspeed", "framework.zero_stage=1", "layout.dp=2"))),
+        ("model.qkv_bias=true", "model.seq_len=32", "train.steps=2"))
+    assert len(sweep["ok"]) == 2 == len(sweep["records"]), [(r["job_dir"], r.get("error")) for r in sweep["records"]]
+    for r in sweep["ok"]:  # the runs had the biases: the prediction counts them, one per q/k/v output
+        m = r["prediction"]["model"]
+        plain = ModelShape.from_config({**r["config"]["model"], "qkv_bias": False}).num_params()
+        assert m["qkv_bias"] and m["num_params"] - plain == m["layers"] * (m["heads"] + 2 * m["kv_heads"]) * \
+            (m["hidden"] // m["heads"])
+    assert_every_row_reconciles(sweep["table"], sweep["ok"])
+

@@ -71,8 +71,8 @@ def check(model: ModelShape, lay: Layout, fw) -> None:
         no("framework.activation_checkpointing=true: a checkpointed MoE layer dispatches again in backward")
     if lay.etp > 1:
         no(f"layout.etp={lay.etp}: expert tensor parallelism is not modelled")
-    if model.bias:
-        no("model.bias=true: the plain Llama's MoE is modelled without biases")
+    if model.bias or model.qkv_bias:
+        no("model.bias / model.qkv_bias: the plain Llama's MoE is modelled without biases")
     if fw.precision != "bf16":  # the runs here are bf16; fp32 MoE is not confirmed by one
         no(f"framework.precision={fw.precision!r}: DeepSpeed-MoE is modelled in bf16")
     if not fw.contiguous_gradients:

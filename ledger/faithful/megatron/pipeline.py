@@ -56,8 +56,8 @@ def pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
     def hnorm(name):  # a per-head norm: head_dim elements per tensor
         return [(f"{name}.weight", hd), (f"{name}.bias", hd)] if model.norm == "layernorm" else [(f"{name}.weight", hd)]
 
-    def lin(name, out_f, in_f, bias_len):
-        return [(f"{name}.weight", out_f * in_f)] + ([(f"{name}.bias", bias_len)] if model.bias else [])
+    def lin(name, out_f, in_f, bias_len, bias=model.bias):
+        return [(f"{name}.weight", out_f * in_f)] + ([(f"{name}.bias", bias_len)] if bias else [])
 
     qkv = (model.heads + 2 * model.kv_heads) * hd // tp
     fc1 = (2 if model.swiglu else 1) * model.ffn_hidden // tp
@@ -65,7 +65,8 @@ def pieces(model: ModelShape, tp: int) -> tuple[tuple, tuple, tuple]:
     # split by tp) after linear_qkv (qk_layernorm)
     qk = (hnorm("self_attention.q_layernorm") + hnorm("self_attention.k_layernorm")) if model.qk_layernorm else []
     layer = (norm("input_layernorm") + lin("self_attention.linear_proj", h, model.heads * hd // tp, h)
-             + lin("self_attention.linear_qkv", qkv, h, qkv) + qk + norm("pre_mlp_layernorm")
+             # transformer_config.py add_qkv_bias: linear_qkv's bias without the others' (add_bias_linear)
+             + lin("self_attention.linear_qkv", qkv, h, qkv, model.bias or model.qkv_bias) + qk + norm("pre_mlp_layernorm")
              + lin("mlp.linear_fc1", fc1, h, fc1) + lin("mlp.linear_fc2", h, model.ffn_hidden // tp, h))
     emb = [("embedding.word_embeddings.weight", model.vocab // tp * h)]
     head = norm("decoder.final_layernorm") + [("output_layer.weight", model.vocab // tp * h)]

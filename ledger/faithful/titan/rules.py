@@ -133,7 +133,7 @@ def validate_experts(model, lay) -> None:
     def no(what: str) -> None:
         raise ConfigError(f"titan: model.num_experts={model.num_experts}: {what}")
 
-    if model.moe_layer_freq != 1 or model.moe_shared_expert_hidden or model.bias or not model.swiglu \
+    if model.moe_layer_freq != 1 or model.moe_shared_expert_hidden or model.bias or model.qkv_bias or not model.swiglu \
             or model.norm != "rmsnorm" or model.tied_embeddings:
         no("torchtitan's qwen3 MoE has every layer MoE, no shared experts, SwiGLU, RMSNorm, no biases, untied "
            "embeddings (model.moe_layer_freq=1, moe_shared_expert_hidden=0, swiglu, rmsnorm, bias=false, "

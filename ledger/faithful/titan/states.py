@@ -60,6 +60,9 @@ def _check_model(model: ModelShape) -> None:
         raise ConfigError("titan: model.swiglu=false: torchtitan llama3 feed-forward is SwiGLU")
     if model.bias:
         raise ConfigError("titan: model.bias=true: torchtitan llama3 linears have no bias")
+    if model.qkv_bias:
+        raise ConfigError("titan: model.qkv_bias=true: torchtitan 0.3.0's llama3 and qwen3 attention have no q/k/v "
+                          "biases (Qwen2's); Megatron (--add-qkv-bias) and DeepSpeed's Llama model them")
     if model.tied_embeddings:
         raise ConfigError("titan: tied_embeddings=true is not modelled (separate FSDP grouping)")
 
