@@ -3,7 +3,7 @@
     python -m importers megatron [--world N] [--out FILE] RUN_SH
     python -m importers megatron --world N [--out FILE] -- PRETRAIN_GPT_ARGS...
     python -m importers deepspeed --world N [--out FILE] DS_CONFIG_JSON -- MODEL_OVERRIDES...
-    python -m importers titan [--function NAME] [--out FILE] CONFIG_MODULE_PY
+    python -m importers titan [--function NAME] [--world N] [--out FILE] CONFIG_MODULE_PY
 
 RUN_SH: a script whose torchrun line runs pretrain_gpt.py (the world is its --nnodes x --nproc_per_node;
 `mode=dry` writes one); or the arguments themselves after `--` with --world. A torchtitan config is a
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         if a.framework == "titan":
             if not a.path:
                 ap.error("titan needs CONFIG_MODULE_PY")
-            overrides, ignored = titan.overrides(titan.load(a.path, a.function))
+            overrides, ignored = titan.overrides(titan.load(a.path, a.function), a.world)
         elif a.framework == "deepspeed":
             if not (a.path and a.world):
                 ap.error("deepspeed needs DS_CONFIG_JSON and --world N")

@@ -54,9 +54,10 @@ def _layer_shape(layer) -> tuple:
             layer.attention_norm.eps, att.rope.theta)
 
 
-def overrides(cfg) -> tuple[list[str], list[str]]:
-    """(train-ledger overrides, ignored settings) of a torchtitan Trainer.Config; ConfigError naming
-    what the ledger does not model."""
+def overrides(cfg, world: int | None = None) -> tuple[list[str], list[str]]:
+    """(train-ledger overrides, ignored settings) of a torchtitan Trainer.Config run on `world` GPUs
+    (needed where data_parallel_shard_degree is -1, torchtitan's "the rest of the world", as its own
+    configs leave it); ConfigError naming what the ledger does not model."""
     mc = cfg.model_spec.model
     if getattr(mc, "enable_weight_tying", False):
         raise _refuse("model.enable_weight_tying=True", "tied weights are not modelled for torchtitan")
@@ -78,8 +79,13 @@ def overrides(cfg) -> tuple[list[str], list[str]]:
         raise _refuse(f"activation_checkpoint={ac}", "the ledger models none, selective and full")
     dp_shard = p.data_parallel_shard_degree
     if dp_shard < 1:
-        raise _refuse(f"parallelism.data_parallel_shard_degree={dp_shard}",
-                      "give the degree (-1 means the world's rest, which the config does not state)")
+        # config/job_config.py ParallelismConfig: -1 is what the world leaves (parallel_dims.py _validate)
+        rest = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree \
+            * p.data_parallel_replicate_degree
+        if not world or world % rest:
+            raise _refuse(f"parallelism.data_parallel_shard_degree={dp_shard}",
+                          f"-1 is the world's rest: give --world N (a multiple of tp*pp*cp*replicate={rest})")
+        dp_shard = world // rest
     dp = dp_shard * p.data_parallel_replicate_degree
     pp = p.pipeline_parallel_degree
     mbs = p.pipeline_parallel_microbatch_size if pp > 1 else t.local_batch_size
@@ -93,7 +99,8 @@ def overrides(cfg) -> tuple[list[str], list[str]]:
            f"layout.tp={p.tensor_parallel_degree}", f"layout.pp={pp}", f"layout.cp={p.context_parallel_degree}",
            f"layout.dp={dp}", f"layout.dp_replicate={p.data_parallel_replicate_degree}",
            f"layout.ep={p.expert_parallel_degree}",
-           f"layout.sequence_parallel={'true' if p.enable_sequence_parallel else 'false'}",
+           # parallelize.py applies SP with TP alone (enable_sequence_parallel defaults on)
+           f"layout.sequence_parallel={'true' if p.enable_sequence_parallel and p.tensor_parallel_degree > 1 else 'false'}",
            f"layout.micro_batch_size={mbs}", f"layout.global_batch_size={gbs}",
            f"framework.reshard_after_forward={p.fsdp_reshard_after_forward}",
            f"framework.spmd_backend={p.spmd_backend}", f"framework.dtype={t.dtype}",

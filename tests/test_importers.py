@@ -223,3 +223,27 @@ def test_megatron_lms_own_llama3_example_imports(capsys):
     assert cfg.model.norm == "layernorm" and ModelShape.from_config(cfg.model).num_params() == 8_030_261_248 + 65 * 4096
     assert (lay.tp, lay.dp, lay.global_batch_size, cfg.framework.use_distributed_optimizer) == (1, 8, 128, True)
     assert cfg.framework.transformer_impl == "transformer_engine" and "--apply-layernorm-1p" in ignored
+
+
+def test_torchtitans_own_llama3_8b_config_imports():
+    """torchtitan 0.3.0's own config_registry.llama3_8b (FSDP over the world: data_parallel_shard_degree
+    -1) on 8 GPUs: without a world refused naming the degree; its spmd_backend (torchtitan's default
+    spmd_types, which fails inside torch 2.13's FSDP2) refused by the ledger naming the knob; with the
+    backend the ledger models, Llama 3.1 8B at seq 8192, local batch 1, selective AC."""
+    from importers import titan
+    from launchers.job import check
+    from ledger.model import ModelShape
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    with pytest.raises(ConfigError, match="data_parallel_shard_degree=-1"):
+        titan.overrides(llama3_8b())
+    back, _ = titan.overrides(llama3_8b(), world=8)
+    with pytest.raises(ConfigError, match="spmd_backend='spmd_types'"):
+        check(compose_config("mode=predict", *back))
+    c = llama3_8b()
+    c.parallelism.spmd_backend = "partial_dtensor"
+    back, _ = titan.overrides(c, world=8)
+    cfg = compose_config("mode=predict", *back)
+    _, lay, _ = check(cfg)
+    assert ModelShape.from_config(cfg.model).num_params() == 8_030_261_248
+    assert (lay.dp, lay.tp, cfg.model.seq_len, cfg.framework.activation_checkpoint) == (8, 1, 8192, "selective")
