@@ -72,8 +72,8 @@ def model_fields(hf: dict) -> dict:
     if head_dim and head_dim != hf["hidden_size"] // heads:
         out["kv_channels"] = head_dim
     if kind == "mixtral":
-        out.update(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
-                   moe_ffn_hidden=hf["intermediate_size"])
+        # every layer MoE, each expert intermediate_size wide: moe_ffn_hidden 0 (= ffn_hidden)
+        out.update(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden=0)
     elif kind == "qwen3_moe":
         out.update(num_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
                    moe_ffn_hidden=hf["moe_intermediate_size"], moe_layer_freq=hf.get("decoder_sparse_step", 1))

@@ -54,13 +54,21 @@ def test_published_configs_map_to_their_parameter_counts(config, params):
     assert m.num_params() == params
 
 
-def test_a_preset_and_its_config_json_are_one_shape():
-    """The Qwen3-30B-A3B preset (conf/model) is what its config.json maps to."""
+@pytest.mark.parametrize("preset,config", [("qwen3_30b_a3b", QWEN3_30B_A3B), ("mixtral_8x7b", MIXTRAL_8X7B),
+                                           ("llama3_8b", LLAMA31_8B)])
+def test_a_preset_and_its_config_json_are_one_shape(preset, config):
+    """Each preset of conf/model with a published config.json is the shape that config maps to, and the
+    same rope and norm eps (seq_len is the run's; llama3_1b is Llama-3.2-1B untied on purpose, as the
+    design article's runs)."""
+    import dataclasses
+
     from tests.conftest import compose_config
 
-    want = compose_config("model=qwen3_30b_a3b").model
-    got = hf.model_fields(QWEN3_30B_A3B)
-    assert {k: want[k] for k in got} == got
+    want = compose_config(f"model={preset}").model
+    got = {**want, **hf.model_fields(config)}
+    assert dataclasses.replace(ModelShape.from_config(got), name="-") == \
+        dataclasses.replace(ModelShape.from_config(want), name="-")
+    assert (got["rope_theta"], got["norm_eps"]) == (want["rope_theta"], want["norm_eps"])
 
 
 @pytest.mark.parametrize("change,field", [
