@@ -247,3 +247,31 @@ def test_torchtitans_own_llama3_8b_config_imports():
     _, lay, _ = check(cfg)
     assert ModelShape.from_config(cfg.model).num_params() == 8_030_261_248
     assert (lay.dp, lay.tp, cfg.model.seq_len, cfg.framework.activation_checkpoint) == (8, 1, 8192, "selective")
+
+
+# DeepSpeedExamples' claude_tutorials/model_configs/llama/llama_7b_single_node.json (one node of 8 GPUs:
+# 128 = 4 per GPU x 4 accumulation steps x 8)
+DS_EXAMPLE = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+              "gradient_clipping": 1.0, "steps_per_print": 100, "wall_clock_breakdown": False,
+              "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
+                                    "reduce_scatter": True, "reduce_bucket_size": 500000000,
+                                    "allgather_bucket_size": 500000000},
+              "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                        "weight_decay": 0.1}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5,
+                                                                "warmup_num_steps": 2000, "total_num_steps": 100000}}}
+
+
+def test_deepspeed_examples_ds_config_imports():
+    """A ds_config from DeepSpeedExamples with the model named: ZeRO-2 over 8 GPUs, 4 sequences per GPU, 4
+    accumulation steps, bf16, overlap_comm; its scheduler and logging ignored."""
+    from importers.deepspeed import overrides as imported
+    from launchers.job import check
+
+    back, ignored = imported(DS_EXAMPLE, 8)
+    cfg = compose_config("mode=predict", *back, "model=llama3_8b")
+    _, lay, _ = check(cfg)
+    assert (lay.dp, lay.micro_batch_size, lay.global_batch_size, lay.num_microbatches) == (8, 4, 128, 4)
+    assert (cfg.framework.zero_stage, cfg.framework.overlap_comm, cfg.framework.precision) == (2, True, "bf16")
+    assert ignored == ["scheduler", "steps_per_print", "wall_clock_breakdown"]
