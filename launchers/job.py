@@ -214,6 +214,11 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         except ConfigError as e:
             return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
         pred = pl.to_dict()
+        # the run the peak follows (cpu-gloo: the CPU harness's rules; cuda-nccl: a GPU run's, from sources)
+        target = frameworks.get(cfg.framework.name).peak_target(cfg.framework) if cfg.ledger.mode == "faithful" \
+            else None
+        if target is not None:
+            pred["peak_target"] = {"target": target[0], "follows": target[1]}
         record["prediction"] = pred
         record["knobs_away_from_defaults"] = away_from_framework_defaults(cfg.framework)
         if writes_record:
@@ -221,10 +226,12 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         record["timings"]["predict_s"] = time.time() - t0
         if writes_record:
             print(pl.report(away_from_defaults=record["knobs_away_from_defaults"]))
+            if target is not None:
+                print(f"peak for {target[0]}: {target[1]}")
             if cfg.cluster.get("gpu_memory_gb"):
                 from ledger.report import fit_verdict
 
-                print(fit_verdict(pl, cfg.cluster.gpu_memory_gb, cfg.plan.memory_fraction))
+                print(fit_verdict(pl, cfg.cluster.gpu_memory_gb, cfg.plan.memory_fraction, target))
         if cfg.mode == "dry":
             mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
             record["artifacts"] = mod.dry(cfg, lay, job_dir)

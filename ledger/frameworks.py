@@ -69,8 +69,14 @@ class FrameworkLedger:
     # knob -> what the framework itself does when the knob is left unset, where train-ledger's default
     # (conf/schema.py) is not that: a job's table lists every knob away from the framework's own
     own_defaults: dict = field(default_factory=dict)
+    # the run a peak prediction follows, as peak_target(fw) -> (target, what it rests on): "cpu-gloo" for
+    # the CPU harness's rules (gloo's staging copies, CPU kernels and optimizer temporaries, which the CPU
+    # runs confirm), "cuda-nccl" where the ledger follows a GPU run's rules from the sources
+    peak_target: Callable[[Any], tuple] = lambda fw: (CPU_GLOO, "the CPU harness's rules (gloo's staging copies, "
+                                                      "CPU attention and AdamW temporaries), confirmed by CPU runs")
 
 
+CPU_GLOO, CUDA_NCCL = "cpu-gloo", "cuda-nccl"
 _REGISTRY: dict[str, FrameworkLedger] = {}
 
 

@@ -88,19 +88,24 @@ def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | 
     return buf.getvalue()
 
 
-def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -> str:
+def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float, target: tuple | None = None) -> str:
     """Whether the heaviest rank fits the cluster's GPUs: its predicted peak within a step (its resident
     state where the ledger predicts no peak, said so) against memory_fraction x gpu_memory_gb, the
-    planner's rule (ledger/plan.py). The peak is the ledger's: the notes above say what it is for."""
+    planner's rule (ledger/plan.py). target: the run the peak follows (FrameworkLedger.peak_target); a
+    verdict on a peak of the CPU harness's rules says that a GPU run's differs."""
     from ledger.units import peak_or_resident
 
     best_rank, best = heaviest_rank(pl)
     need, budget = peak_or_resident(best), memory_fraction * gpu_memory_gb * 1e9
     what = "predicted peak" if best.peak is not None else "resident state (no peak predicted for this layout)"
     verdict = "fits" if need <= budget else "does NOT fit"
-    return (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
+    line = (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
             f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
             f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
+    if target is not None and target[0] != "cuda-nccl" and best.peak is not None:
+        line += (f"\n  this peak follows {target[0]} rules: a GPU run's differs (its kernels, NCCL and the CUDA "
+                 "allocator are not modelled for this framework)")
+    return line
 
 
 def heaviest_rank(pl: "Placement") -> tuple[int, "RankState"]:

@@ -226,3 +226,20 @@ def test_rank_classes_cover_the_world_once_and_read_back_per_rank():
     old = {"per_rank": [{"rank": r, "stage": 0, "resident_bytes": r} for r in range(3)]}
     assert records.predicted_ranks(old)(2)["resident_bytes"] == 2
     assert [c["ranks"] for c in records.rank_classes(old)] == [[[0, 0]], [[1, 1]], [[2, 2]]]
+
+
+@pytest.mark.parametrize("overrides,target", [
+    (["framework=megatron"], "cuda-nccl"),  # the TransformerEngine spec, predict's default: from sources
+    (["framework=megatron", "framework.transformer_impl=local"], "cpu-gloo"),
+    (["framework=titan"], "cpu-gloo"), (["framework=deepspeed", "framework.zero_stage=1"], "cpu-gloo")])
+def test_a_prediction_names_the_run_its_peak_follows(overrides, target, tmp_path):
+    """prediction.json and the printout say which run the peak follows; a fit verdict on the CPU
+    harness's peak says that a GPU run's differs."""
+    from tests.conftest import launch
+
+    p = launch("mode=predict", "model=tiny", "layout.dp=2", "cluster=local_gpu", *overrides,
+               f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pred = json.load(open(tmp_path / "prediction.json"))
+    assert pred["peak_target"]["target"] == target and f"peak for {target}:" in p.stdout
+    assert ("a GPU run's differs" in p.stdout) == (target == "cpu-gloo")

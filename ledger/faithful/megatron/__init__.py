@@ -14,5 +14,5 @@ LEDGER = register(FrameworkLedger(
     dispatch_error=moe.sp_error, model_config_error=rules.model_config_error, run_error=rules.run_error, fill_mode_defaults=rules.fill_mode_defaults,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
     overlaps=rules.overlaps, plan_chooses=rules.PLAN_CHOOSES, plan_splits=rules.plan_splits,
-    plan_knob_sets=rules.plan_knob_sets,
+    plan_knob_sets=rules.plan_knob_sets, peak_target=rules.peak_target,
     own_defaults=rules.OWN_DEFAULTS))

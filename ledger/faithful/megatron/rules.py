@@ -248,3 +248,16 @@ def split_knobs(split: tuple) -> dict:
     if loss:
         out["account_for_loss_in_pipeline_split"] = True
     return out
+
+
+def peak_target(fw) -> tuple:
+    """The run the peak follows: the local spec is the CPU runs' (every moment confirmed there); the
+    TransformerEngine spec follows a GPU run from the sources (peak.optimizer_moments: NCCL in place, no
+    gloo copy; FusedAdam, no per-param temporaries; TEDotProductAttention's saves, no s x s scores) with
+    the local spec's other moments standing for TE's fused kernels (no GPU run confirms it)."""
+    from ledger.frameworks import CPU_GLOO, CUDA_NCCL
+
+    if getattr(fw, "transformer_impl", None) == "transformer_engine":
+        return CUDA_NCCL, ("from sources, not confirmed by a GPU run: NCCL in place, FusedAdam, TE's fused attention; "
+                           "TE's fused norm+linear saves and workspaces not modelled")
+    return CPU_GLOO, "the local spec the CPU runs confirm (gloo's staging copies, CPU attention and AdamW temporaries)"
