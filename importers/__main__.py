@@ -66,16 +66,16 @@ def main(argv=None) -> int:
                 ap.error("deepspeed needs DS_CONFIG_JSON and --world N")
             overrides, ignored = deepspeed.overrides(deepspeed.load(a.path), a.world)
             overrides += extra or []
-        elif extra is not None:
-            if not a.world:
-                ap.error("--world N is needed with arguments after --")
-            args, world = extra, a.world
-        elif a.path:
-            args, world = megatron.run_sh_args(a.path)
-            world = a.world or world
-        else:
-            ap.error("give RUN_SH or the arguments after --")
-        if a.framework == "megatron":
+        else:  # megatron: the arguments after --, or a run.sh's torchrun line
+            if extra is not None:
+                if not a.world:
+                    ap.error("--world N is needed with arguments after --")
+                args, world = extra, a.world
+            elif a.path:
+                args, world = megatron.run_sh_args(a.path)
+                world = a.world or world
+            else:
+                ap.error("give RUN_SH or the arguments after --")
             overrides, ignored = megatron.overrides(args, world)
         table = predict_table(overrides)
     except ConfigError as e:

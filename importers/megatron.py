@@ -149,7 +149,7 @@ def overrides(args: list[str], world: int) -> tuple[list[str], list[str]]:
                 out.append(f"{field}={_val(v)}")
     if get("--tensor-model-parallel-size") == 1 and get("--sequence-parallel"):
         # arguments.py validate_args: "Disable sequence parallelism when tp=1" (the run does it too)
-        out.append("layout.sequence_parallel=false")
+        out = [o if o != "layout.sequence_parallel=true" else "layout.sequence_parallel=false" for o in out]
     if get("--expert-tensor-parallel-size") is None and get("--num-experts"):
         out.append(f"layout.etp={get('--tensor-model-parallel-size')}")  # arguments.py: etp defaults to tp
     heads = get("--num-attention-heads")

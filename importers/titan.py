@@ -11,7 +11,6 @@ their defaults.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -20,13 +19,13 @@ from ledger.errors import ConfigError
 
 def load(path: str, function: str = "ledger_config"):
     """`function()` of the module at path (executed: a torchtitan config module is Python)."""
+    from launchers.titan import load_module
+
     if not os.path.isfile(path):
         raise ConfigError(f"titan import: {path}: no such file")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # a user's module may import its neighbours
     try:
-        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_module(path)
     finally:
         sys.path.pop(0)
     fn = getattr(mod, function, None)

@@ -202,13 +202,20 @@ def write_module(cfg, lay, out_dir: str) -> str:
     return path
 
 
+def load_module(path: str):
+    """Import a torchtitan config module by path, registered under its file's stem (the written
+    module's: MODULE_NAME), as torchtitan's config manager imports it by name."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_config(path: str):
     """Import the written module by path and call its config function -> Trainer.Config."""
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = mod
-    spec.loader.exec_module(mod)
-    return getattr(mod, CONFIG_FN)()
+    return getattr(load_module(path), CONFIG_FN)()
 
 
 # torchtitan's run_train.sh, per node: torchrun of `-m torchtitan.train --module M --config F`

@@ -105,13 +105,9 @@ def titan_layout(world: int = 4, **kw):
 
 def run_sh_flags(path: str) -> list[str]:
     """pretrain_gpt.py's arguments in a dry run.sh (its torchrun line, continuation lines joined)."""
-    import shlex
+    from importers.megatron import run_sh_args
 
-    text = open(path).read().replace("\\\n", " ")
-    cmd = next(line for line in text.splitlines() if line.startswith("torchrun"))
-    words = shlex.split(cmd, posix=True)
-    script = next(i for i, w in enumerate(words) if w.endswith("/pretrain_gpt.py"))
-    return words[script + 1:]
+    return run_sh_args(path)[0]
 
 
 def compose_config(*overrides):
