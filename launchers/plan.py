@@ -127,7 +127,7 @@ def run_plan(cfg, job_dir: str) -> dict:
 
 # -- files ------------------------------------------------------------------------------------------
 
-CSV_LAYOUT = ("tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
+CSV_LAYOUT = ("tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "etp", "micro_batch_size", "sequence_parallel",
               "global_batch_size")
 
 
@@ -233,7 +233,7 @@ def _gb(n) -> str:
 
 def _lay(r: Row) -> str:
     lay = r.layout
-    s = " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "ep", "dp") if lay[k] > 1 or k == "dp")
+    s = " ".join(f"{k}{lay[k]}" for k in ("tp", "pp", "vp", "cp", "ep", "etp", "dp") if lay[k] > 1 or k == "dp")
     if lay["dp_replicate"] > 1:
         s += f" rep{lay['dp_replicate']}"
     if lay["sequence_parallel"]:

@@ -66,6 +66,8 @@ class FrameworkLedger:
     plan_chooses: dict = field(default_factory=dict)
     plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
     plan_hsdp: bool = False
+    # (tp, ep) -> the expert tensor parallel degree an MoE layout is tried with (Megatron: tp at ep = 1)
+    plan_expert_tp: Callable[[int, int], int] = lambda tp, ep: 1
     # knob -> what the framework itself does when the knob is left unset, where train-ledger's default
     # (conf/schema.py) is not that: a job's table lists every knob away from the framework's own
     own_defaults: dict = field(default_factory=dict)

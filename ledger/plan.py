@@ -219,7 +219,8 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                         for dpr, ep in ((d, e) for d in dprs for e in expert_degrees(model, framework, N // pp)):
                             for sp in (space.sequence_parallel if tp > 1 else (False,)):
                                 for mbs in space.micro_batch_sizes:
-                                    lay = Layout(tp, pp, dp, dpr, cp, ep, vp, sp, mbs, gbs)
+                                    etp = spec.plan_expert_tp(tp, ep) if model.is_moe else 1
+                                    lay = Layout(tp, pp, dp, dpr, cp, ep, vp, sp, mbs, gbs, etp)
                                     if across and not hw.tp_across_nodes:
                                         yield Candidate(framework, lay, kn, None,
                                                         f"plan: tp={tp} does not fit in one node of "
@@ -241,8 +242,8 @@ def reason_key(message: str) -> str:
 
 def layout_dict(lay: Layout) -> dict:
     return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "dp": lay.dp, "dp_replicate": lay.dp_replicate,
-            "ep": lay.ep, "micro_batch_size": lay.micro_batch_size, "sequence_parallel": lay.sequence_parallel,
-            "global_batch_size": lay.global_batch_size}
+            "ep": lay.ep, "etp": lay.etp, "micro_batch_size": lay.micro_batch_size,
+            "sequence_parallel": lay.sequence_parallel, "global_batch_size": lay.global_batch_size}
 
 
 def _strides(lay: Layout) -> dict:

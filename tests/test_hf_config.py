@@ -40,6 +40,10 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": Fal
                  "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
                  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
                  "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+            "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": False, "vocab_size": 151936}
 QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
              "intermediate_size": 18944, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
              "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 152064}
@@ -52,6 +56,24 @@ def test_published_configs_map_to_their_parameter_counts(config, params):
     m = ModelShape.from_config({"name": "x", "seq_len": 128, "moe_router_topk": 2, "moe_router_dtype": None,
                                 **hf.model_fields(config)})
     assert m.num_params() == params
+
+
+@pytest.mark.parametrize("config", [LLAMA31_8B, LLAMA32_1B, MISTRAL_7B_V03, QWEN25_7B, QWEN3_8B, MIXTRAL_8X7B,
+                                    QWEN3_30B_A3B], ids=lambda c: c["model_type"] + "-" + str(c["hidden_size"]))
+def test_the_parameter_count_is_what_transformers_builds(config, tmp_path):
+    """The same config.json (written here) built by transformers' own model class on the meta device
+    (AutoModelForCausalLM.from_config: no weights, no download) has the parameters the mapped shape
+    counts, one family after another (tied embeddings counted once by both)."""
+    import torch
+    import transformers  # a test dependency (pyproject.toml)
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    ours = ModelShape.from_config({"name": "x", "seq_len": 128, "moe_router_topk": 2, "moe_router_dtype": None,
+                                   **hf.model_fields(hf.load(str(path)))}).num_params()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)))
+    assert sum(p.numel() for p in model.parameters()) == ours
 
 
 @pytest.mark.parametrize("preset,config", [("qwen3_30b_a3b", QWEN3_30B_A3B), ("mixtral_8x7b", MIXTRAL_8X7B),

@@ -1,8 +1,9 @@
 """Megatron Core 0.18.0 Mixture-of-Experts: the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
-One shared sweep (17 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
-(world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP; the alltoall
+One shared sweep (21 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+(world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP, expert tensor
+parallelism (tp2·ep2·etp2; tp2·etp2 at ep 1, the experts dense parameters split over TP); the alltoall
 dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
 fixed sizes); one capacity-padded alltoall job (every size fixed); the aux loss and the sequence aux
 loss; every second layer MoE (dense and MoE layers over pp2); ep1 (the experts are dense parameters);
@@ -40,7 +41,11 @@ SWEEPS = (
     ("w2ep1", ("cluster.ranks=2", "layout={}")),
     ("w4a2a", ("cluster.ranks=4", "framework.moe_token_dispatcher_type=alltoall",
                "layout={ep:2},{ep:4},{pp:2,ep:2},{tp:2,ep:2,sequence_parallel:true}")),
-    ("w4ag", ("cluster.ranks=4", "layout={ep:2},{tp:2,ep:2,sequence_parallel:true}")),
+    # expert tensor parallelism: each expert's fc1 / fc2 split over etp, the allgather dispatcher over etp*ep
+    ("w4ag", ("cluster.ranks=4", "layout={ep:2},{tp:2,ep:2,sequence_parallel:true},{tp:2,ep:2,etp:2,sequence_parallel:true}")),
+    # ep = 1 under TP: the experts dense parameters split over etp = tp (Megatron-LM's default), with a
+    # shared expert (registered after the routed ones: the dense buffer's order)
+    ("w2etp", ("cluster.ranks=2", "layout={tp:2,etp:2,sequence_parallel:true}", "model.moe_shared_expert_hidden=256")),
     # the aux losses' all-reduce over TP (int64 tokens per expert; per sequence and expert for seq_aux_loss)
     ("w4aux", ("cluster.ranks=4", "layout={tp:2,ep:2,sequence_parallel:true,micro_batch_size:2}",
                "framework.moe_aux_loss_coeff=0.01", "framework.moe_router_load_balancing_type=seq_aux_loss")),
@@ -76,6 +81,8 @@ EXPECTED = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True), ("ep
             ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None, True),
             ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None, True),
             ("ep2·dp4", 8, "allgather", None, False, 1, False, None, True), ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, False, None, True),
+            ("tp2·ep2·etp2·dp2·sp", 8, "allgather", None, False, 1, False, None, True),
+            ("tp2·etp2·sp", 8, "allgather", None, False, 1, "shared", None, True),
             ("tp2·ep2·dp2·sp", 8, "allgather", None, True, 1, False, None, True),
             ("pp2·ep2·dp2", 8, "alltoall", None, False, 2, False, None, True),
             ("tp2·ep2·dp2·sp", 8, "allgather", None, False, 1, True, None, True), ("tp2", 0, "allgather", None, False, 1, True, None, True),
@@ -181,16 +188,17 @@ def test_num_params_counts_every_listed_parameter(over):
 
 
 def test_megatron_ledger_counts_every_parameter_once():
-    """The dense and expert lists of every stage and EP rank add up to the model (tp 1)."""
+    """The dense and expert lists of every stage and EP rank add up to the model (tp 1; the experts'
+    etp shards, etp 1 and 2)."""
     from ledger.faithful.megatron.moe import stage_params
 
     m = preset("tiny_moe", moe_layer_freq=2, layers=6)
-    for pp in (1, 2, 3):
+    for pp, etp in ((1, 1), (2, 1), (3, 1), (1, 2), (2, 2)):
         n = 0
         for st in range(pp):
-            dense, expert = stage_params(m, 1, pp, 2, st, (None, None, False, False))
-            n += sum(k for _, k in dense) + 2 * sum(k for _, k in expert)  # two EP ranks' experts
-        assert n == m.num_params(), pp
+            dense, expert = stage_params(m, 1, pp, 2, etp, st, (None, None, False, False))
+            n += sum(k for _, k in dense) + 2 * etp * sum(k for _, k in expert)  # two EP ranks' experts, etp shards
+        assert n == m.num_params(), (pp, etp)
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -216,8 +224,8 @@ def test_layout_refuses_ep_where_no_ledger_models_it(model, fw, lay, msg):
 
 
 @pytest.mark.parametrize("lay,fw,msg", [
-    (dict(ep=2, etp=2), {}, "layout.etp=2: expert tensor parallelism"),
-    (dict(tp=2, dp=2), {}, "layout.ep=1 with tp=2"),
+    (dict(ep=2, etp=2), {"moe_token_dispatcher_type": "alltoall"},
+     "layout.etp=2 with framework.moe_token_dispatcher_type=alltoall"),
     (dict(ep=2), {"moe_grouped_gemm": True}, "moe_grouped_gemm=true needs TransformerEngine"),
     (dict(ep=2), {"moe_expert_capacity_factor": 1.0}, "without moe_pad_expert_input_to_capacity"),
     (dict(ep=2, pp=2, vp=2, global_batch_size=8), {}, "layout.vp=2: the interleaved schedule")])
@@ -227,6 +235,26 @@ def test_faithful_moe_ledger_refuses_what_it_does_not_model(lay, fw, msg):
 
     with pytest.raises(ConfigError, match=msg):
         megatron_moe.place(preset("tiny_moe"), _lay(**lay), MegatronConfig(**fw))
+
+
+def test_ep1_under_tp_is_predicted_with_etp_tp_and_refused_to_run_otherwise():
+    """At ep = 1 the experts are dense parameters reduced over DP alone: with etp < tp the TP ranks'
+    replicas drift apart. The prediction is Megatron-LM's default layout (etp = tp), said in a note;
+    a run or run.sh of the other is refused naming layout.etp (launchers/job.py asks dispatch_error)."""
+    from conf.schema import MegatronConfig
+    from ledger.faithful.megatron import moe as megatron_moe
+
+    model, fw = preset("tiny_moe"), MegatronConfig()
+    asked = megatron_moe.place(model, _lay(tp=2, dp=2, sequence_parallel=True), fw)
+    default = megatron_moe.place(model, _lay(tp=2, dp=2, etp=2, sequence_parallel=True), fw)
+    assert any("predicted with etp=2" in n for n in asked.notes)
+    a, d = asked.rank_state(0), default.rank_state(0)
+    assert (a.detail, a.comm) == (d.detail, d.comm)
+    assert "needs layout.etp=2 (is 1)" in megatron_moe.dispatch_error(model, _lay(tp=2, dp=2, sequence_parallel=True))
+    assert megatron_moe.dispatch_error(model, _lay(tp=2, dp=2, etp=2, sequence_parallel=True)) is None
+    # experts split over etp: an expert's fc1 and fc2 halve, the rest of the layer does not
+    whole, split = (sum(n for _, n in megatron_moe._moe_layer(model, 2, 1, etp)[1]) for etp in (1, 2))
+    assert split * 2 == whole
 
 
 def test_tp_without_sp_is_predicted_with_sp_and_refused_to_run(tmp_path):

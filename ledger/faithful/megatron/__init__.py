@@ -11,8 +11,8 @@ LEDGER = register(FrameworkLedger(
     name="megatron", launcher="launchers.megatron", place=states.place, place_moe=moe.place,
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     vocab_error=rules.vocab_error, uneven_layers=True, other_head_width=rules.head_width_modelled,
-    dispatch_error=moe.sp_error, model_config_error=rules.model_config_error, run_error=rules.run_error, fill_mode_defaults=rules.fill_mode_defaults,
+    dispatch_error=moe.dispatch_error, model_config_error=rules.model_config_error, run_error=rules.run_error, fill_mode_defaults=rules.fill_mode_defaults,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
     overlaps=rules.overlaps, plan_chooses=rules.PLAN_CHOOSES, plan_splits=rules.plan_splits,
-    plan_knob_sets=rules.plan_knob_sets, peak_target=rules.peak_target,
+    plan_knob_sets=rules.plan_knob_sets, plan_expert_tp=moe.plan_expert_tp, peak_target=rules.peak_target,
     own_defaults=rules.OWN_DEFAULTS))

@@ -11,7 +11,9 @@ moe_layer_freq layers, transformer/moe/moe_layer.py MoELayer: router, then exper
           [num_experts, hidden] (router.py Router.__init__; Float16Module casts it to bf16), dense
           layers' MLPs; split by tp as for a dense model
   expert  each EP rank's num_experts / ep experts (moe_layer.py BaseMoELayer), each a local-spec MLP
-          (experts.py SequentialMLP: linear_fc1 [2*ffn/etp, h] with SwiGLU, linear_fc2 [h, ffn/etp])
+          split over the expert tensor parallel group (experts.py SequentialMLP: linear_fc1
+          [2*ffn/etp, h] with SwiGLU, linear_fc2 [h, ffn/etp]; their linears make no TP call of their
+          own, explicit_expert_comm: the dispatcher moves the tokens over etp*ep ranks)
           marked allreduce=False when ep > 1 (tensor_parallel/layers.py) and so kept by DDP in
           expert_parallel_buffers (distributed/distributed_data_parallel.py): padded and bucketed as the
           dense buffer, over the expert data parallel group (lcm(edp, 128); the same bucket size,
@@ -54,8 +56,17 @@ model: one fp32 element kept as a class attribute), the allgather dispatcher's "
 Shared experts (moe_shared_expert_hidden): a dense, TP-split MLP after the experts in each MoE layer,
 with the dense MLP's TP calls (shared_experts.py SharedExpertMLP; moe_shared_expert_overlap off).
 
-Not modelled (refused, naming the knob): etp > 1, interleaving (vp > 1), recompute, fp32, plain DDP,
-overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak within a step.
+At ep = 1 the experts are dense parameters (allreduce=True): in the dense buffer, reduced over the
+data parallel group alone. Their etp shards then hold TP's ranks' tokens only when etp = tp (the
+allgather dispatcher gathers the TP ranks' tokens over the tp_ep group, which is TP's ranks); with
+etp < tp every TP rank trains a replica of the same expert shard on its own tokens and no collective
+ever sums those grads: the replicas drift apart. Megatron-LM's --expert-tensor-parallel-size defaults
+to tp for this reason (training/arguments.py); the ledger predicts ep = 1 with etp = tp and refuses
+to run (or write a run.sh for) any other etp there.
+
+Not modelled (refused, naming the knob): etp > 1 with the alltoall dispatcher, interleaving (vp > 1),
+recompute, fp32, overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak
+within a step.
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
 from __future__ import annotations
@@ -95,16 +106,14 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
         raise ConfigError(f"megatron: model.num_experts={model.num_experts}: {what} (the faithful MoE ledger does "
                           "not model it; ledger.mode=textbook predicts it)")
 
-    if lay.etp > 1:
-        no(f"layout.etp={lay.etp}: expert tensor parallelism")
+    if lay.etp > 1 and k.moe_token_dispatcher_type != "allgather":
+        # token_dispatcher.py MoEAlltoAllTokenDispatcher with tp > 1: an all-gather over etp after the
+        # all-to-all and a reduce-scatter before the return, whose sizes follow the router
+        no(f"layout.etp={lay.etp} with framework.moe_token_dispatcher_type={k.moe_token_dispatcher_type}")
     # what no real MoE run here has confirmed: fp32 training (no Float16Module: the router and its
     # probs in fp32)
     if k.precision != "bf16":
         no(f"framework.precision={k.precision}")
-    if lay.ep == 1 and lay.tp > 1:
-        # tensor_parallel/layers.py: experts are expert-parallel params only with ep > 1; at ep = 1 they
-        # are replicated over TP yet reduced over dp alone (and counted twice in the grad norm)
-        no(f"layout.ep=1 with tp={lay.tp}: experts at ep=1 are dense parameters")
     if lay.vp > 1:
         no(f"layout.vp={lay.vp}: the interleaved schedule")
     if k.overlap_param_gather:
@@ -128,6 +137,28 @@ def sp_error(model: ModelShape, lay: Layout) -> str | None:
     return None
 
 
+def etp_error(model: ModelShape, lay: Layout) -> str | None:
+    """At ep = 1 with etp != tp, the experts' grads are never summed over the TP ranks that train
+    replicas of one shard (the module docstring): Megatron runs it, the replicas drift apart."""
+    if model.is_moe and lay.ep == 1 and lay.etp != lay.tp:
+        return (f"megatron: model.num_experts={model.num_experts}: layout.ep=1 with tp={lay.tp} needs layout.etp={lay.tp} "
+                f"(is {lay.etp}): at ep=1 the experts are dense parameters (tensor_parallel/layers.py allreduce), their "
+                f"grads reduced over the data parallel group alone, so with etp < tp the TP ranks' replicas of an expert "
+                "shard drift apart; Megatron-LM's --expert-tensor-parallel-size defaults to tp (training/arguments.py)")
+    return None
+
+
+def plan_expert_tp(tp: int, ep: int) -> int:
+    """The etp the planner gives an MoE layout: tp at ep = 1 (the only one whose experts stay in step,
+    etp_error), 1 beside expert parallelism (experts whole on their EP ranks, no etp all-gathers)."""
+    return tp if ep == 1 else 1
+
+
+def dispatch_error(model: ModelShape, lay: Layout) -> str | None:
+    """What a run or run.sh of an MoE layout is refused for (launchers/job.py), the first that applies."""
+    return sp_error(model, lay) or etp_error(model, lay)
+
+
 def check_moe_knobs(fw) -> None:
     """The MoE framework knobs' values (conf/validate.py for the schema's sets)."""
     if fw.moe_grouped_gemm:
@@ -148,17 +179,18 @@ def check_moe_knobs(fw) -> None:
 
 # -- parameters ------------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
-def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
-    """(dense params, expert params) of one MoE decoder layer as (name, local numel) in
-    named_parameters() order: the dense layer's attention and norms (pieces), the router weight
-    [E, h] after pre_mlp_layernorm (moe_layer.py registers router before experts), then each local
-    expert's linear_fc1 and linear_fc2 (experts.py SequentialMLP.local_experts)."""
+def _moe_layer(model: ModelShape, tp: int, ep: int, etp: int) -> tuple[tuple, tuple, tuple]:
+    """(dense params before the experts, expert params, dense params after them) of one MoE decoder
+    layer as (name, local numel) in named_parameters() order: the dense layer's attention and norms
+    (pieces), the router weight [E, h] after pre_mlp_layernorm (moe_layer.py registers router, experts,
+    shared_experts in that order), each local expert's linear_fc1 and linear_fc2 split over etp
+    (experts.py SequentialMLP.local_experts), then the shared expert."""
     _, layer, _ = pieces(model, tp)
     dense = tuple(p for p in layer if not p[0].startswith("mlp."))
     dense += (("mlp.router.weight", model.num_experts * model.hidden),)
     if model.bias:
         dense += (("mlp.router.bias", model.num_experts),)
-    h, f = model.hidden, model.expert_ffn
+    h, f = model.hidden, model.expert_ffn // etp
     fc1 = (2 if model.swiglu else 1) * f
     expert = []
     for j in range(model.num_experts // ep):
@@ -166,16 +198,17 @@ def _moe_layer(model: ModelShape, tp: int, ep: int) -> tuple[tuple, tuple]:
         expert += [(f"{p}.linear_fc1.weight", fc1 * h)] + ([(f"{p}.linear_fc1.bias", fc1)] if model.bias else [])
         expert += [(f"{p}.linear_fc2.weight", h * f)] + ([(f"{p}.linear_fc2.bias", h)] if model.bias else [])
     fs = model.moe_shared_expert_hidden
+    after = ()
     if fs:
         # shared_experts.py SharedExpertMLP (registered after the experts, moe_layer.py): a dense MLP of
         # width moe_shared_expert_intermediate_size, split by tp like the dense layers' (no gate: 
         # moe_shared_expert_gate is off)
         s1 = (2 if model.swiglu else 1) * fs // tp
-        dense += (("mlp.shared_experts.linear_fc1.weight", s1 * h),) + (
+        after += (("mlp.shared_experts.linear_fc1.weight", s1 * h),) + (
             (("mlp.shared_experts.linear_fc1.bias", s1),) if model.bias else ())
-        dense += (("mlp.shared_experts.linear_fc2.weight", h * fs // tp),) + (
+        after += (("mlp.shared_experts.linear_fc2.weight", h * fs // tp),) + (
             (("mlp.shared_experts.linear_fc2.bias", h),) if model.bias else ())
-    return dense, tuple(expert)
+    return dense, tuple(expert), after
 
 
 def _layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
@@ -185,7 +218,7 @@ def _layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
     return range(first, first + stage_layers(model.layers, pp, 1, stage, 0, split))
 
 
-def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split: tuple) -> tuple[list, list]:
+def stage_params(model: ModelShape, tp: int, pp: int, ep: int, etp: int, stage: int, split: tuple) -> tuple[list, list]:
     """(dense, expert) (name, local numel) lists of one pipeline stage, GPTModel order, its layers
     global index offset by the stages before it (the MoE pattern is over global layers)."""
     emb, layer, head = pieces(model, tp)
@@ -193,10 +226,10 @@ def stage_params(model: ModelShape, tp: int, pp: int, ep: int, stage: int, split
     first = layers.start
     dense = list(emb) if stage == 0 else []
     expert = []
-    moe_dense, moe_expert = _moe_layer(model, tp, ep)
+    before, moe_expert, after = _moe_layer(model, tp, ep, etp)
     for i in layers:
         if model.is_moe_layer(i):
-            dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_dense]
+            dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in before + after]
             expert += [(f"decoder.layers.{i - first}.{name}", k) for name, k in moe_expert]
         else:
             dense += [(f"decoder.layers.{i - first}.{name}", k) for name, k in layer]
@@ -222,16 +255,16 @@ def _dense_and_expert(model: ModelShape, lay: Layout, k, stage: int) -> tuple[li
     in named_parameters() order (the experts inside their layers)."""
     if lay.ep == 1:
         return _ordered(model, lay, k, stage), []
-    return stage_params(model, lay.tp, lay.pp, lay.ep, stage, k.pp_split)
+    return stage_params(model, lay.tp, lay.pp, lay.ep, lay.etp, stage, k.pp_split)
 
 
 def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
     """A stage's parameters in named_parameters() order, experts inside their layers (ep = 1)."""
     emb, layer, head = pieces(model, lay.tp)
-    moe_dense, moe_expert = _moe_layer(model, lay.tp, 1)
+    moe_layer = sum(_moe_layer(model, lay.tp, 1, lay.etp), ())
     out = list(emb) if stage == 0 else []
     for i in _layer_range(model, lay.pp, stage, k.pp_split):
-        out += list(moe_dense + moe_expert) if model.is_moe_layer(i) else list(layer)
+        out += list(moe_layer) if model.is_moe_layer(i) else list(layer)
     return out + (list(head) if stage == lay.pp - 1 else [])
 
 
@@ -250,7 +283,7 @@ def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
     all-gathers, and the allgather dispatcher's gathered hidden states [T*N, h] (mappings.py
     gather_from_sequence_parallel_region(use_global_buffer=True)) on a stage with an MoE layer."""
     base = dense_mpu_numel(model, lay, k.transformer_impl, stage)
-    if k.moe_token_dispatcher_type == "allgather" and lay.ep > 1 and _moe_layers_of(model, lay, k, stage):
+    if k.moe_token_dispatcher_type == "allgather" and lay.etp * lay.ep > 1 and _moe_layers_of(model, lay, k, stage):
         base = max(base, tokens(model, lay) * lay.etp * lay.ep * model.hidden)
     return base
 
@@ -342,7 +375,7 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
             cb.add(dim, kind, x, group, dtype, count=calls * m, what=what)
 
     micro_batch_comm(per_mb, model, lay.tp, lay.pp, 1, k, stage, lay.sequence_parallel)
-    if moe and lay.ep > 1:
+    if moe and lay.etp * lay.ep > 1:
         _dispatcher_comm(cb, model, lay, k, moe * m)
     if moe and k.moe_aux_loss_coeff > 0 and k.moe_router_load_balancing_type in AUX_LOSS_TOKENS:
         # router.py TopKRouter._apply_aux_loss / _apply_seq_aux_loss -> moe_utils.py
@@ -403,6 +436,12 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     check_moe(model, lay, k)
     check_moe_knobs(k)
     notes = list(NOTES[k.transformer_impl]) + [MOE_NOTE]
+    if etp_error(model, lay):
+        # as for SP below: the layout Megatron-LM trains by default (etp = tp), said so
+        notes.insert(0, f"layout.etp={lay.etp} at ep=1 with tp={lay.tp}: the TP ranks' expert replicas would drift apart "
+                        f"(no collective sums their grads); predicted with etp={lay.tp}, Megatron-LM's default (a run or "
+                        "run.sh of this layout is refused)")
+        lay = dataclasses.replace(lay, etp=lay.tp)
     if sp_error(model, lay):
         # a run or a run.sh of this layout is refused (launchers/job.py check); a prediction describes the
         # one layout Megatron trains, the same with sequence parallelism, and says so
@@ -419,7 +458,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     tp, dp, ep, edp = lay.tp, lay.dp, lay.ep, lay.edp
 
     def key(rank: int) -> tuple[int, int, int]:
-        # dense grid tp, dp, pp (cp = 1); expert grid etp (= 1), ep, edp, pp
+        # dense grid tp, dp, pp (cp = 1); expert grid etp, ep, edp, pp
         return rank // (tp * dp), rank // tp % dp, rank // (lay.etp * ep) % edp
 
     def state(rank: int) -> RankState:
