@@ -158,6 +158,11 @@ class RankState:
     def resident_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optim_bytes + self.other_bytes
 
+    def totals(self) -> dict[str, int]:
+        """The four states by their short names (params, grads, optim, other): a peak's resident lines."""
+        return {"params": self.params_bytes, "grads": self.grads_bytes, "optim": self.optim_bytes,
+                "other": self.other_bytes}
+
     def add(self, state: str, name: str, nbytes: int) -> None:
         self.__dict__[state] += nbytes  # one of STATES (a plain field: no setattr machinery needed)
         key = _DETAIL_PREFIX[state] + name

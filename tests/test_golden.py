@@ -20,3 +20,33 @@ def test_predictions_match_the_golden_file():
     # the corpus predicts peaks, not resident state only: most faithful predictions carry one
     peaks = sum('"peak": {' in v.get("prediction", "") for v in now.values())
     assert peaks >= 100, peaks
+
+
+def _peaks(pred: dict):
+    """Every peak of a prediction.json: each rank class's steady peak and its first step's."""
+    for cls in pred.get("rank_classes") or pred.get("per_rank") or []:
+        pk = cls.get("peak")
+        while pk:
+            yield pk
+            pk = pk.get("first")
+
+
+def test_every_peak_explains_itself():
+    """A peak's detail lines add up to its parts: for every peak every ledger predicts in the golden
+    corpus (which test_predictions_match_the_golden_file holds equal to what the code predicts now),
+    each part equals the sum of the detail lines named under it ("temporary/..."); lines under other
+    names (DeepSpeed's "candidate/" moments) are notes beside the sum."""
+    import json
+
+    checked, wrong = 0, []
+    for case, v in golden.load().items():
+        if "prediction" not in v:
+            continue
+        for pk in _peaks(json.loads(v["prediction"])):
+            for part, b in pk["parts"].items():
+                lines = sum(x for k, x in pk["detail"].items() if k.split("/", 1)[0] == part)
+                checked += 1
+                if lines != b:
+                    wrong.append(f"{case}: {part} {b:,} B, its detail lines {lines:,} B")
+    assert checked > 1000
+    assert not wrong, f"{len(wrong)} parts:\n" + "\n".join(wrong[:20])

@@ -172,9 +172,15 @@ class _Step:
         # inf_or_nan_tracker (bool). Step 0: AdamW's exp_avg, exp_avg_sq and step are made in its first
         # update (torch/optim/adam.py _init_group), no _global_grad_norm yet, ZeRO-3's persistent params
         # not resident (_post_step gathers them at its end: the pass gathers them)
-        i, norm_dtype = self.i, self.norm_dtype
-        res = i.params_resident + i.grads_resident + i.optim + norm_dtype + (1 if i.zero == 3 else 0)
-        return res - (2 * FP32 * i.part + FP32 + norm_dtype + i.persist if first else 0)
+        return sum(self.resident_lines(first).values())
+
+    def resident_lines(self, first: bool) -> dict[str, int]:
+        """resident_in_step by state, as a peak's detail names them."""
+        i = self.i
+        return {"resident/params": i.params_resident - (i.persist if first else 0),
+                "resident/grads": i.grads_resident,
+                "resident/optim": i.optim - (2 * FP32 * i.part + FP32 if first else 0),
+                "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0)}
 
 
 def optimizer_step(st: _Step, first: bool) -> Peak:
@@ -558,6 +564,10 @@ def _pick(st: _Step, first: bool) -> Peak:
         if c is not best:
             best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes
     best.detail["candidate/activations most live"] = st.most
+    if not any(key.startswith("resident/") for key in best.detail):
+        lines = st.resident_lines(first)
+        assert sum(lines.values()) == best.parts["resident"], (lines, best.parts)
+        best.detail = {**{key: v for key, v in lines.items() if v}, **best.detail}
     return best
 
 

@@ -69,6 +69,17 @@ PEAK_NOTES = {
 INCOMING_IS_RECEIVED = ("fc2", "fc1", RECOMPUTED_CAST)
 
 
+def moment(in_flight: int, own: int, tmp: int, gat: int, phase: str, what: str) -> tuple:
+    """One moment: (bytes over the resident state, parts, phase, what, detail). The activations are
+    the other micro-batches' saved tensors (in flight) and this micro-batch's (what its layers not yet
+    backpropagated saved, and the moment's own); detail names each part's pieces, summing to it."""
+    detail = {"activations/other micro-batches in flight (saved for backward)": in_flight,
+              "activations/this micro-batch (saved, not yet released)": own,
+              f"temporary/{what}": tmp, "gathered/pipeline p2p tensors (received inputs, sent outputs, grads)": gat}
+    return (in_flight + own + tmp + gat, {"activations": in_flight + own, "temporary": tmp, "gathered": gat}, phase,
+            what, {k: v for k, v in detail.items() if v})
+
+
 # -- the forward's softmax moments (vp = 1) -------------------------------------------------------
 def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_live: int,
                       in_p2p: bool) -> tuple[int, int]:
@@ -94,7 +105,7 @@ def _forward_gathered(k: int, w: int, first: bool, last: bool, e_p: int, per_liv
 
 def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: int, saved: int, per_live: int,
                      e_p: int) -> list[tuple]:
-    """The moments (bytes over resident, parts, phase, what) of the given forwards' softmax casts on a
+    """The moments (moment()) of the given forwards' softmax casts on a
     vp = 1 stage (stage_shape: its chunk's layers, first, last; saved: one micro-batch's saved bytes;
     per_live: p2p() of one in flight): the micro-batches not yet backpropagated keep theirs, the
     forward's own (softmax_forward) and the p2p tensors of that moment (_forward_gathered)."""
@@ -105,9 +116,8 @@ def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: 
     out = []
     for kk in forwards:
         gat, stale = _forward_gathered(kk, w, first, last, e_p, per_live, received_in_p2p(first, rc))
-        act = (kk - max(0, kk - w)) * saved + sf[0] + stale
-        out.append((act + sf[1] + gat, {"activations": act, "temporary": sf[1], "gathered": gat}, "forward",
-                    f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+        out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1], gat, "forward",
+                          f"layer {n - 1}: softmax cast (micro-batch {kk})"))
     return out
 
 
@@ -212,8 +222,8 @@ def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -
     # phase "optimizer"; the schedule still holds the last micro-batch's p2p tensors (its received
     # input or output grad, and the one it sent)
     g = 2 * e_p if lay.pp > 1 else 0
-    moments.append((sync_b + g, {"activations": 0, "temporary": sync_b, "gathered": g}, "optimizer", sync_w))
-    moments.append((adam_b, {"activations": 0, "temporary": adam_b, "gathered": 0}, "optimizer", adam_w))
+    moments.append(moment(0, 0, sync_b, g, "optimizer", sync_w))
+    moments.append(moment(0, 0, adam_b, 0, "optimizer", adam_w))
     return moments
 
 
@@ -231,10 +241,10 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
     w, fwd, bwd = schedule(lay.pp, lay.vp, stage, lay.num_microbatches)
-    moments = []  # (extra bytes over resident, parts without resident, phase, what)
+    moments = []  # moment(): (extra bytes over resident, parts without resident, phase, what, detail)
 
-    def add(act, tmp, gat, phase, what):
-        moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, phase, what))
+    def add(in_flight, own, tmp, gat, phase, what):
+        moments.append(moment(in_flight, own, tmp, gat, phase, what))
 
     def p2p(live_chunks):
         # pipeline_parallel/schedules.py keeps each in-flight micro-batch's received input (its
@@ -263,7 +273,7 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             # dtype beside their fp32 copy (counted saved; the final norm's output too), and on a stage
             # that receives its input the previous backward's input grad (schedules.py 1F1B loop:
             # input_tensor_grad, sent by send_backward_recv_forward) is still referenced
-            add(others + saved[ch], sh.e * sh.s * sh.b * sh.v,
+            add(others, saved[ch], sh.e * sh.s * sh.b * sh.v,
                 p2p(live + [ch]) + (e_p if j > 0 and not first else 0), "forward",
                 f"cross-entropy forward (micro-batch {j})")
         rest = saved[ch]
@@ -275,7 +285,7 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
             recv = e_p if i == 0 and not last else 0
             for name, own, tmp, gat in u.moments:
                 t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
-                add(others + rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
+                add(others, rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
     if lay.vp == 1:  # each forward's softmax moment (softmax_forward), after the backward moments
         moments += _softmax_moments(sh, rc, shapes[0], range(len(fwd)), w, saved[0], p2p([0]), e_p)
     return (*moments, e_p)
@@ -301,7 +311,7 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     saved = [chunk_saved(u) for u, _, _ in chunks]
     pw = [(e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
           for _u, first, last in chunks]  # p2p() per chunk
-    best = []  # per chunk: (inner bytes, activations part, temporary, gathered, what) of its top moment
+    best = []  # per chunk: (inner bytes, this micro-batch's saved, temporary, gathered, what) of its top moment
     for ch, (units, first, last) in enumerate(chunks):
         top = None
         rest = saved[ch]
@@ -332,14 +342,11 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         held = pf[nf] - pb[j]  # p2p(live + [ch])
         g_base = held + (0 if last else e_p) + (e_p if j > 0 and not first else 0)
         if last:
-            act, tmp, gat = others + saved[ch], sh.e * sh.s * sh.b * sh.v, held + (e_p if j > 0 and not first else 0)
-            moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, "forward",
-                            f"cross-entropy forward (micro-batch {j})"))
+            moments.append(moment(others, saved[ch], sh.e * sh.s * sh.b * sh.v, held + (e_p if j > 0 and not first else 0),
+                                  "forward", f"cross-entropy forward (micro-batch {j})"))
         top = best[ch]
         if top is not None:
-            act, tmp, gat = others + top[1], top[2], g_base + top[3]
-            moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, "backward",
-                            f"{top[4]} (micro-batch {j})"))
+            moments.append(moment(others, top[1], top[2], g_base + top[3], "backward", f"{top[4]} (micro-batch {j})"))
     if lay.vp == 1:
         # the reference's forward softmax moments grow with the micro-batches in flight up to forward w
         # and stay level from forward w + 1 (w in flight, the previous iteration's p2p locals): the
@@ -350,23 +357,28 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     return (*moments, e_p)
 
 
-def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: int,
+def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: dict,
                adam_state: int) -> Peak:
     """The rank's peak in a steady step: its largest moment (stage_moments). `first`: the first
     step's, where Adam's exp_avg / exp_avg_sq / step (adam_state bytes) do not exist before its
     optimizer step (torch/optim/adam.py _init_group makes them param by param: bounded by the steady
-    Adam moment)."""
+    Adam moment). resident: the rank's states by name (RankState.totals), the detail's resident lines."""
     moments = stage_moments(model, lay, k, stage, dp_rank)
     adam_b, adam_w = moments[-1][0], moments[-1][3]
-    x, parts, phase, what = max(moments, key=lambda m: m[0])
-    steady = Peak.of({"resident": resident, **parts, "unnamed": 0}, phase, what)
+    res = sum(resident.values())
+    res_detail = {f"resident/{name}": b for name, b in resident.items() if b}
+    _x, parts, phase, what, detail = max(moments, key=lambda m: m[0])
+    steady = Peak.of({"resident": res, **parts, "unnamed": 0}, phase, what, detail={**res_detail, **detail})
     # the first step: without Adam's state until the optimizer step
     fb = max(moments[:-1], key=lambda m: m[0])
-    r0 = resident - adam_state
-    if r0 + fb[0] >= resident + adam_b:
-        first = Peak.of({"resident": r0, **fb[1], "unnamed": 0}, fb[2], fb[3])
+    if res - adam_state + fb[0] >= res + adam_b:
+        before = {**res_detail, "resident/optim": resident["optim"] - adam_state}
+        first = Peak.of({"resident": res - adam_state, **fb[1], "unnamed": 0}, fb[2], fb[3],
+                        detail={k: v for k, v in {**before, **fb[4]}.items() if v})
     else:
-        first = Peak.of({"resident": resident, "activations": 0, "temporary": adam_b, "gathered": 0, "unnamed": 0},
+        first = Peak.of({"resident": res, "activations": 0, "temporary": adam_b, "gathered": 0, "unnamed": 0},
                         "optimizer",
-                        f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step")
-    return Peak.of(steady.parts, steady.phase, steady.what, first=None if first.bytes == steady.bytes else first)
+                        f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step",
+                        detail={**res_detail, **({f"temporary/{adam_w}": adam_b} if adam_b else {})})
+    return Peak.of(steady.parts, steady.phase, steady.what, detail=steady.detail,
+                   first=None if first.bytes == steady.bytes else first)

@@ -232,7 +232,7 @@ def rank_state(model: ModelShape, lay: Layout, k: Knobs, stage: int, dp_rank: in
     # the peak within a step (peak.stage_peak), built on first read; Adam's state (exp_avg,
     # exp_avg_sq, step) is what the first step does not hold before its optimizer step
     adam = adamw_bytes(s.detail)
-    s.peak = lambda: stage_peak(model, lay, k, stage, dp_rank, s.resident_bytes, adam)
+    s.peak = lambda: stage_peak(model, lay, k, stage, dp_rank, s.totals(), adam)
     if k.overlap_param_gather and lay.dp > 1:
         # the first step gathers no params (training.py train(): forward pre-hooks disabled for the
         # first iteration, see _fixed_comm): steady state less its DP all-gathers (the param gathers,

@@ -43,5 +43,7 @@ def peak(model, lay, fw, resident: int) -> Peak:
     rc = recompute_of(fw).granularity
     act = activation_bytes(model, lay, rc)
     return Peak.of({"resident": resident, "activations": act}, "backward",
-                      "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
-                   + (f", {rc} recompute" if rc else ""))
+                   "Korthikanti et al. 2022: first stage, min(p, m) micro-batches in flight"
+                   + (f", {rc} recompute" if rc else ""),
+                   detail={"resident/the textbook state (params, grads, optimizer)": resident,
+                           "activations/min(p, m) micro-batches' saved activations (Korthikanti et al.)": act})

@@ -173,6 +173,18 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     return best
 
 
+# scalars live from the previous step (the probe's "unnamed" at every world-2 peak)
+UNNAMED = 12
+
+
+def _scalars(detail: dict) -> dict:
+    """The two small lines every no-PP moment holds, named: the global valid-token count the loss
+    divides by (trainer.py: an int64 all-reduced, saved) and the previous step's scalars."""
+    detail["activations/the global valid-token count (int64, trainer.py)"] = I64
+    detail["unnamed/scalars live from the previous step"] = UNNAMED
+    return detail
+
+
 # Peak.detail key of the other outcome of a race the ledger names (the probe may measure either)
 RACE = "race/gloo frees its reduce-scatter copy after the next block's unshard copy-out"
 
@@ -223,10 +235,13 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
             + _batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
+    if kept1:
+        detail["temporary/selective AC kept mm outputs"] = L * kept1
+    detail["temporary/batch, document mask, scalars"] = _batch_bytes(model, B, model.seq_len) - batch - h * BF16
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
-             "unnamed": 12}
+             "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
-                what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=detail)
+                what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=_scalars(detail))
 
 
 def chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
@@ -304,9 +319,9 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     if ag:
         detail["gathered/the last block's all-gather (backward prefetch)"] = ag
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": ag + held, "temporary": work + small,
-             "unnamed": 12}
+             "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward", what="the final norm's backward",
-                detail=detail)
+                detail=_scalars(detail))
 
 
 def _fsdp_backward_held(sh, lay, fw, layers: int, k: int) -> tuple[int, int]:
@@ -371,11 +386,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
     detail["temporary/batch, document mask, scalars"] = small
-    unnamed = 12  # scalars live from the previous step (the probe's "unnamed" at every world-2 peak)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
-             "unnamed": unnamed}
+             "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
-                what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=detail)
+                what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=_scalars(detail))
 
 
 def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
@@ -419,9 +433,9 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
         detail["temporary/selective AC kept outputs (earlier blocks)"] = k * kept1
     detail["temporary/batch, document mask, scalars"] = small
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
-             "unnamed": 12}
+             "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
-                what=f"layers.{k}: SwiGLU backward in its recompute", detail=detail)
+                what=f"layers.{k}: SwiGLU backward in its recompute", detail=_scalars(detail))
 
 
 def notes(lay, fw) -> list[str]:
