@@ -210,6 +210,9 @@ def assert_every_row_reconciles(table, records_ok, routed=()) -> None:
         assert set(d["rank"]) == set(range(world)), f"{job}: ranks without rows"
         for q in reconcile.STATE_Q:
             assert set(d[d.quantity == q]["rank"]) == set(range(world)), f"{job}: {q} not measured on every rank"
+        if world > 1:  # a job whose peak is judged has its collectives judged too: rows on every rank
+            comm = d[d.quantity.str.startswith("comm/")]
+            assert set(comm["rank"]) == set(range(world)), f"{job}: collective rows missing on some rank"
     bounded = rows["bound_low"].notna() if "bound_low" in rows else rows.quantity.isna()
     assert set(rows[bounded].quantity) <= set(routed), sorted(set(rows[bounded].quantity))
     off = rows[bounded & reconcile.off(rows)]
