@@ -307,6 +307,21 @@ class PlanConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """The device a step-time prediction is for (ledger/timing/hardware.py): a preset by name (a100, h100,
+    h200, b200: datasheet peaks and bandwidths, assumed efficiencies, labelled "from sources"), or a
+    profile yaml `python -m ledger.timing.calibrate` measured (file). The fields below replace the
+    profile's; a CPU mode=run job predicts its step time only with a calibrated CPU profile (file)."""
+    name: str = "h100"
+    file: Optional[str] = None
+    gemm_efficiency: Optional[float] = None
+    memory_efficiency: Optional[float] = None
+    intra_busbw_gbps: Optional[float] = None  # GB/s per GPU inside a node (nccl-tests busbw)
+    inter_busbw_gbps: Optional[float] = None  # across nodes
+    gpus_per_node: Optional[int] = None
+
+
+@dataclass
 class JobConfig:
     mode: str = "run"  # predict | run | dry | plan
     model: ModelConfig = MISSING
@@ -319,6 +334,7 @@ class JobConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     campaign: CampaignConfig = field(default_factory=CampaignConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     # framework knobs for a sweep over frameworks: each applies where the job's framework has it and is
     # ignored, and recorded as ignored, where it has not (`-m framework=megatron,deepspeed,titan
     # +knobs.zero_stage=3`); a key no framework has is refused (conf/validate.py unknown_key)

@@ -183,6 +183,15 @@ def invalid_record(cfg, job_dir: str, error: str) -> dict:
     return record
 
 
+def _step_time(cfg, model, lay, pl):
+    """The step's time for the job's target (ledger/timing): the hardware profile for predict / dry /
+    plan, a calibrated CPU profile for a CPU run (or why there is none)."""
+    from ledger import timing
+
+    cpu_run = cfg.mode == "run" and cfg.cluster.device == "cpu"
+    return timing.predict(cfg.framework, model, lay, pl, cfg.hardware, cfg.ledger.mode, cpu_run)
+
+
 def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, extra: dict | None = None) -> dict:
     """Run one job into job_dir and return its record. ranks_runner(job_dir, world, timeout, device)
     starts the ranks (default: processes on this machine). In a Slurm job every task calls this with
@@ -219,15 +228,27 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
             else None
         if target is not None:
             pred["peak_target"] = {"target": target[0], "follows": target[1]}
+        try:
+            st = _step_time(cfg, model, lay, pl)
+        except ConfigError as e:
+            return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
+        pred["step_time"] = st.to_dict() if not isinstance(st, str) else {"none": st}
         record["prediction"] = pred
         record["knobs_away_from_defaults"] = away_from_framework_defaults(cfg.framework)
         if writes_record:
             write_json(os.path.join(job_dir, "prediction.json"), pred)
+            if not isinstance(st, str):  # the predicted step, for Perfetto / chrome://tracing
+                from ledger.timing import trace
+
+                trace.write(st, os.path.join(job_dir, "step_trace.json"))
         record["timings"]["predict_s"] = time.time() - t0
         if writes_record:
             print(pl.report(away_from_defaults=record["knobs_away_from_defaults"]))
             if target is not None:
                 print(f"peak for {target[0]}: {target[1]}")
+            from ledger.timing.step import render
+
+            print(st if isinstance(st, str) else render(st))
             if cfg.cluster.get("gpu_memory_gb"):
                 from ledger.report import fit_verdict
 

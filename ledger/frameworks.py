@@ -66,6 +66,9 @@ class FrameworkLedger:
     plan_chooses: dict = field(default_factory=dict)
     plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
     plan_hsdp: bool = False
+    # (fw, lay, device) -> ledger/timing/step.py TimePolicy: how its step runs (schedule, recompute,
+    # attention kernel, what hides its data-parallel collectives); None: no step-time model
+    time_policy: Optional[Callable[[Any, Any, str], Any]] = None
     # (tp, ep) -> the expert tensor parallel degree an MoE layout is tried with (Megatron: tp at ep = 1)
     plan_expert_tp: Callable[[int, int], int] = lambda tp, ep: 1
     # knob -> what the framework itself does when the knob is left unset, where train-ledger's default

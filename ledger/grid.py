@@ -75,3 +75,40 @@ def _label(grid: Grid, ranks: tuple[int, ...]) -> str:
     cs = [grid.coords(r) for r in ranks]
     varying = [d for d in DIMS if len({c[d] for c in cs}) > 1]
     return "-".join(varying) if varying else "self"
+
+
+def dim_strides(lay) -> dict:
+    """dim -> (stride, size) over the ranks of a Layout: the dense grid's dims and Megatron's expert
+    grid's (etp, ep, edp)."""
+    # rank = tp + tp*(cp + cp*(dp + dp*(dp_replicate + dp_replicate*pp))): ledger/grid.py Grid.rank
+    s, out = 1, {}
+    for d, n in zip(DIMS, (lay.tp, lay.cp, lay.dp_shard, lay.dp_replicate, lay.pp)):
+        out[d] = (s, n)
+        s *= n
+    # Megatron's expert grid (MoE): etp fastest, then ep, then edp, then pp (parallel_state.py, the
+    # same order string as the dense grid's)
+    out.update(etp=(1, lay.etp), ep=(lay.etp, lay.ep), edp=(lay.etp * lay.ep, lay.edp))
+    return out
+
+
+def link_of(lay, dim: str, kind: str, gpus_per_node: int) -> str:
+    """intra when every group of this collective lies inside one node, else inter. Nodes hold
+    consecutive ranks (gpus_per_node each); a group varying over `dim` spans a block of consecutive
+    ranks up to its outermost dim's stride x size (a send_recv pair: two stages, stride x 2), so it is
+    inside a node when that block fits in one and nodes are aligned on such blocks."""
+    st = dim_strides(lay)
+    dims = [d for d in dim.split("-") if d in st]
+    if not dims:
+        return "intra"
+    stride, size = max((st[d] for d in dims), key=lambda x: x[0])
+    block = stride * (2 if kind == "send_recv" else size)
+    return "intra" if block <= gpus_per_node and gpus_per_node % block == 0 else "inter"
+
+
+def group_size(lay, dim: str) -> int:
+    """Ranks in one group of a collective whose `dim` is a dash-joined list of grid dims."""
+    st = dim_strides(lay)
+    n = 1
+    for d in dim.split("-"):
+        n *= st[d][1] if d in st else 1
+    return n

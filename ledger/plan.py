@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 from ledger import frameworks
 from ledger.units import peak_or_resident
-from ledger.grid import DIMS
+from ledger.grid import DIMS, link_of
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
 from ledger.parallel import predict
@@ -244,32 +244,6 @@ def layout_dict(lay: Layout) -> dict:
     return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "dp": lay.dp, "dp_replicate": lay.dp_replicate,
             "ep": lay.ep, "etp": lay.etp, "micro_batch_size": lay.micro_batch_size,
             "sequence_parallel": lay.sequence_parallel, "global_batch_size": lay.global_batch_size}
-
-
-def _strides(lay: Layout) -> dict:
-    # rank = tp + tp*(cp + cp*(dp + dp*(dp_replicate + dp_replicate*pp))): ledger/grid.py Grid.rank
-    s, out = 1, {}
-    for d, n in zip(DIMS, (lay.tp, lay.cp, lay.dp_shard, lay.dp_replicate, lay.pp)):
-        out[d] = (s, n)
-        s *= n
-    # Megatron's expert grid (MoE): etp fastest, then ep, then edp, then pp (parallel_state.py, the
-    # same order string as the dense grid's)
-    out.update(etp=(1, lay.etp), ep=(lay.etp, lay.ep), edp=(lay.etp * lay.ep, lay.edp))
-    return out
-
-
-def link_of(lay: Layout, dim: str, kind: str, gpus_per_node: int) -> str:
-    """intra when every group of this collective lies inside one node, else inter. Nodes hold
-    consecutive ranks (gpus_per_node each); a group varying over `dim` spans a block of consecutive
-    ranks up to its outermost dim's stride x size (a send_recv pair: two stages, stride x 2), so it is
-    inside a node when that block fits in one and nodes are aligned on such blocks."""
-    st = _strides(lay)
-    dims = [d for d in dim.split("-") if d in st]
-    if not dims:
-        return "intra"
-    stride, size = max((st[d] for d in dims), key=lambda x: x[0])
-    block = stride * (2 if kind == "send_recv" else size)
-    return "intra" if block <= gpus_per_node and gpus_per_node % block == 0 else "inter"
 
 
 def bubble(lay: Layout) -> float:

@@ -4,10 +4,11 @@ module hook trace (trace), the parameter coordinator's replay (coordinator, its 
 gathered parameter memory at a moment (gathered), the gradient hooks in a backward (backward), the peak
 within a step (peak, its activations activations), DeepSpeed-MoE (moe), what it accepts (rules), its
 textbook formulas (textbook). Registered once as the framework "deepspeed"."""
-from ledger.faithful.deepspeed import moe, rules, textbook, zero
+from ledger.faithful.deepspeed import moe, rules, steptime, textbook, zero
 from ledger.frameworks import FrameworkLedger, register
 
 LEDGER = register(FrameworkLedger(
+    time_policy=steptime.time_policy,
     name="deepspeed", launcher="launchers.deepspeed", place=zero.place, place_moe=moe.place,
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,

@@ -4,10 +4,11 @@ without building buffers (heaviest), a rank's states and the layout's placement 
 collectives (comm), what a micro-batch saves for backward (activations), the peak within a step
 (peak), Mixture-of-Experts (moe), what it accepts (rules), its textbook formulas (textbook).
 Registered once as the framework "megatron"."""
-from ledger.faithful.megatron import moe, rules, states, textbook
+from ledger.faithful.megatron import moe, rules, states, steptime, textbook
 from ledger.frameworks import FrameworkLedger, register
 
 LEDGER = register(FrameworkLedger(
+    time_policy=steptime.time_policy,
     name="megatron", launcher="launchers.megatron", place=states.place, place_moe=moe.place,
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     vocab_error=rules.vocab_error, uneven_layers=True, other_head_width=rules.head_width_modelled,

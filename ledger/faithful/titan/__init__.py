@@ -3,10 +3,11 @@ params and FSDP2 shards (fsdp), a step's FSDP / TP / CP collectives (comm), DTen
 their cost model (dtensor), a rank's resident state and the Placement over ranks (ranks), the pipeline
 (pp), the peak within a step (peak; with PP pp_peak), MoE (moe), what it accepts (rules), its textbook
 formulas (textbook). Registered once as the framework "titan"."""
-from ledger.faithful.titan import moe, rules, states, textbook
+from ledger.faithful.titan import moe, rules, states, steptime, textbook
 from ledger.frameworks import FrameworkLedger, register
 
 LEDGER = register(FrameworkLedger(
+    time_policy=steptime.time_policy,
     name="titan", launcher="launchers.titan", place=states.place, place_moe=moe.place,
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     vocab_error=rules.vocab_error, other_head_width=rules.head_width_modelled,

@@ -1,0 +1,34 @@
+"""How a Megatron Core 0.18.0 step runs, for the step-time model (ledger/timing/step.py); paths under
+megatron/core/.
+
+  schedule   pipeline_parallel/schedules.py get_forward_backward_func: no pipelining at pp = 1, 1F1B
+             (forward_backward_pipelining_without_interleaving), the interleaved schedule with vp > 1
+  recompute  recompute_granularity: full re-runs the checkpointed layers' forward in backward
+             (transformer_block.py _checkpointed_forward); selective re-runs core attention
+             (transformer/attention.py _checkpointed_attention_forward)
+  attention  transformer_engine: TEDotProductAttention (fused / flash: the causal mask's blocks skipped);
+             the local spec's DotProductAttention computes the whole [s, s] scores (baddbmm, then the mask)
+  DP         distributed/distributed_data_parallel.py: with overlap_grad_reduce the buckets' grad
+             reductions start as they fill in the backward of the last micro-batch (no_sync for the
+             others: training.py / schedules.py), else after the backward (finish_grad_sync); with
+             overlap_param_gather the distributed optimizer's param all-gathers run in the next step's
+             forward pre-hooks (distrib_optimizer.py), else in the optimizer step
+  optimizer  TE's / apex's FusedAdam over the rank's fp32 master shard (12 bytes of state an element)
+"""
+from __future__ import annotations
+
+from ledger.timing.step import TimePolicy
+
+
+def time_policy(fw, lay, device: str) -> TimePolicy:
+    impl = fw.transformer_impl or ("transformer_engine" if device == "cuda" else "local")
+    schedule = "none" if lay.pp == 1 else "interleaved" if lay.vp > 1 else "1f1b"
+    return TimePolicy(schedule=schedule, recompute=fw.recompute_granularity or "none",
+                      causal_kernel=impl == "transformer_engine",
+                      dp_grad="last_backward" if fw.overlap_grad_reduce else "exposed",
+                      dp_param="first_forward" if fw.overlap_param_gather else "exposed",
+                      sources=(f"megatron time policy: {schedule} schedule, attention {impl} "
+                               f"({'causal blocks skipped' if impl == 'transformer_engine' else 'whole s x s scores'}), "
+                               f"grad reduce {'behind the last backward' if fw.overlap_grad_reduce else 'exposed'}, "
+                               f"param gather {'behind the first forward' if fw.overlap_param_gather else 'exposed'} "
+                               "(ledger/faithful/megatron/steptime.py)",))

@@ -1,0 +1,63 @@
+"""A collective's time: latency + the bytes one rank moves / the link's bus bandwidth.
+
+nccl-tests' convention (its doc/PERFORMANCE.md): algbw = size / time, busbw = algbw x factor, with
+factor 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for
+broadcast, reduce and send/recv; size is the full tensor (all_gather's output, reduce_scatter's
+input). So the bandwidth term is size x factor / busbw, which is exactly the ring's per-rank bytes
+(ledger/placement.py wire_bytes) over busbw. The latency term is per ring step: (n-1) steps for
+all_gather / reduce_scatter / all_to_all, 2(n-1) for a ring all_reduce, 2 log2(n) for a tree
+all_reduce (NCCL's double binary tree, whose bandwidth term is the whole tensor twice: reduced up,
+broadcast down), one for send/recv; an all_reduce takes the faster of ring and tree, as NCCL's tuner
+picks the algorithm of the least predicted time (src/graph/tuning.cc). A group spanning nodes runs at the
+network's busbw and latency (its slowest link); one inside a node at NVLink's (ledger/grid.py
+link_of decides which)."""
+from __future__ import annotations
+
+import math
+
+from ledger.placement import wire_bytes
+from ledger.timing.hardware import Link
+
+# busbw factor per kind (nccl-tests), as a function of the group size
+FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+           "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
+
+
+def steps(kind: str, n: int, algorithm: str = "ring") -> int:
+    """Latency steps of one call on n ranks."""
+    if n <= 1:
+        return 0
+    if kind == "send_recv":
+        return 1
+    if kind == "all_reduce":
+        return 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
+    return n - 1
+
+
+def seconds(kind: str, size_bytes: float, n: int, link: Link, algorithm: str = "ring", calls: int = 1) -> float:
+    """Time of `calls` calls of one kind moving size_bytes in all (nccl-tests' size, summed over the
+    calls) over groups of n ranks on one link class, by one algorithm (ring, or tree for all_reduce)."""
+    if n <= 1 and kind != "send_recv" or size_bytes <= 0:
+        return 0.0
+    factor = 2.0 if (kind == "all_reduce" and algorithm == "tree") else FACTORS[kind](n)
+    return calls * steps(kind, n, algorithm) * link.latency_us * 1e-6 + size_bytes * factor / (link.busbw_gbps * 1e9)
+
+
+def comm_seconds(comm, n: int, link: Link) -> float:
+    """ledger/placement.py Comm (a dim's calls of one kind per step) on its link: the bandwidth term
+    from its wire bytes (the ring's per-rank bytes, = size x factor), the latency per call; an
+    all_reduce call by call the faster of ring and tree."""
+    bw = link.busbw_gbps * 1e9
+    lat = link.latency_us * 1e-6
+    if comm.kind == "send_recv":
+        return comm.count * lat + comm.buffer_bytes / bw
+    if n <= 1:
+        return 0.0
+    wire = comm.wire_bytes if comm.wire_bytes else wire_bytes(comm.kind, comm.buffer_bytes, n)
+    ring = comm.count * steps(comm.kind, n) * lat + wire / bw
+    if comm.kind != "all_reduce":
+        return ring
+    per_call = comm.buffer_bytes / max(comm.count, 1)
+    tree = comm.count * (steps("all_reduce", n, "tree") * lat + 2 * per_call / bw)
+    return min(ring, tree)

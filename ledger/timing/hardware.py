@@ -1,0 +1,156 @@
+"""Hardware profiles: what a step-time prediction is for (`hardware=<name>`, `hardware.<field>=...`, or a
+yaml that `python -m ledger.timing.calibrate` wrote).
+
+A profile holds the device's datasheet figures (peak dense FLOPs, HBM bandwidth, the interconnect per
+GPU), each with its source, and how much of them kernels reach: the GEMM efficiency (a fraction of
+the peak that large GEMMs reach, shaped by tile and wave quantization in ledger/timing/ops.py, or a
+measured table of GEMM throughput by shape that replaces the model), the memory-bound kernels'
+fraction of the HBM bandwidth, and per link class the collectives' bus bandwidth and latency
+(nccl-tests' busbw; a user's nccl-tests output replaces them). The GPU presets' achievable fractions
+are not measured here (no GPU run has confirmed them): they print as "from sources" until a profile
+that `calibrate` measured on the device replaces them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ledger.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: the bus bandwidth a collective reaches per GPU (GB/s, nccl-tests busbw: a
+    ring's per-rank bytes over the time) and the latency of one ring step (microseconds)."""
+    busbw_gbps: float  # GB/s (bytes), one direction per GPU
+    latency_us: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    # dense tensor-core peak (TFLOP/s) by dtype, the datasheet's (sparsity not counted)
+    peak_tflops: dict
+    hbm_gbps: float  # GB/s, the datasheet's
+    memory_gb: float
+    gpus_per_node: int
+    intra: Link  # inside a node (NVLink)
+    inter: Link  # between nodes (the network, per GPU)
+    # the fraction of peak_tflops large GEMMs reach (the vendor library on big square shapes)
+    gemm_efficiency: float
+    # the fraction of hbm_gbps streaming (memory-bound) kernels reach
+    memory_efficiency: float
+    # streaming multiprocessors and the GEMM tile (M, N) the wave quantization counts in
+    sms: int = 0
+    gemm_tile: tuple = (128, 256)
+    # a kernel's fixed cost (launch and tail), seconds
+    kernel_overhead_s: float = 5e-6
+    # measured GEMM throughput by shape ((m, n, k, dtype), TFLOP/s), from calibrate; replaces the model
+    gemm_table: tuple = ()
+    # where each figure comes from, and whether a run on the device measured the achievable fractions
+    sources: dict = field(default_factory=dict)
+    measured: bool = False
+    device: str = "cuda"  # cuda | cpu: which kernels the frameworks run (the time policies ask)
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Peak FLOP/s for dtype (bf16 and fp16 share the tensor cores' rate)."""
+        key = "bf16" if dtype in ("bf16", "fp16") else dtype
+        if key not in self.peak_tflops:
+            raise ConfigError(f"hardware={self.name}: no peak for dtype {dtype} (known: {sorted(self.peak_tflops)})")
+        return self.peak_tflops[key] * 1e12
+
+    @property
+    def target(self) -> str:
+        """What the time figures are: measured on the device (calibrate) or from sources."""
+        return f"{self.name} ({'calibrated' if self.measured else 'from sources: datasheet peaks, assumed efficiencies'})"
+
+
+_DATASHEET = {
+    "a100": "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, "
+            "NVLink 600 GB/s total (300 each way); network: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)",
+    "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS bf16 dense, 1,979 fp8, 3.35 TB/s HBM3, "
+            "NVLink 900 GB/s total (450 each way); network: one 400 Gb/s NDR NIC per GPU (DGX H100)",
+    "h200": "NVIDIA H200 datasheet (SXM): the H100's tensor cores (989 TFLOPS bf16 dense, 1,979 fp8), 141 GB "
+            "HBM3e at 4.8 TB/s, NVLink 900 GB/s total; network: one 400 Gb/s NIC per GPU (HGX H200)",
+    "b200": "NVIDIA DGX B200 datasheet: 8 GPUs, 72 PFLOPS fp8 training (dense 4.5 PF / GPU, bf16 2.25 PF), "
+            "1,440 GB HBM3e (180 GB / GPU) at 8 TB/s each, NVLink 5 1.8 TB/s total (900 each way); "
+            "network: one 400 Gb/s NIC per GPU",
+}
+# what is assumed, not measured: a calibrate run on the device replaces each
+_ASSUMED = ("gemm_efficiency: cuBLAS on large bf16 GEMMs reaches 70-80% of the dense peak on Hopper and "
+            "Blackwell (public GEMM benchmarks; e.g. B200 cuBLAS 1,532-1,652 TFLOPS at 4096-8192 cubed) and "
+            "~85% on A100; memory_efficiency 0.8 of HBM for streaming kernels; links: nccl-tests busbw "
+            "~80% of the NVLink rate inside a node and ~90% of the NIC rate across nodes, ring-step latency "
+            "~5 us (NVLink) / ~10 us (network): assumptions, not measurements")
+
+PRESETS: dict[str, Profile] = {
+    "a100": Profile("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 8,
+                    Link(0.8 * 300.0, 5.0), Link(0.9 * 25.0, 10.0), 0.85, 0.8, sms=108,
+                    sources={"datasheet": _DATASHEET["a100"], "assumed": _ASSUMED}),
+    "h100": Profile("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 8,
+                    Link(0.8 * 450.0, 5.0), Link(0.9 * 50.0, 10.0), 0.75, 0.8, sms=132,
+                    sources={"datasheet": _DATASHEET["h100"], "assumed": _ASSUMED}),
+    "h200": Profile("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 8,
+                    Link(0.8 * 450.0, 5.0), Link(0.9 * 50.0, 10.0), 0.75, 0.8, sms=132,
+                    sources={"datasheet": _DATASHEET["h200"], "assumed": _ASSUMED}),
+    "b200": Profile("b200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0}, 8000.0, 180.0, 8,
+                    Link(0.8 * 900.0, 5.0), Link(0.9 * 50.0, 10.0), 0.72, 0.8, sms=148,
+                    sources={"datasheet": _DATASHEET["b200"], "assumed": _ASSUMED}),
+}
+
+
+def profile(name: str, **overrides) -> Profile:
+    """A preset by name with fields replaced (hardware.<field>=...); ConfigError naming the field."""
+    if name not in PRESETS:
+        raise ConfigError(f"hardware.name={name!r}: known profiles {sorted(PRESETS)} (or a calibrated yaml: "
+                          "hardware.file=PATH)")
+    return with_overrides(PRESETS[name], **overrides)
+
+
+def with_overrides(p: Profile, **overrides) -> Profile:
+    known = {f.name for f in dataclasses.fields(Profile)}
+    links = {}
+    for key in list(overrides):
+        if key.startswith(("intra_", "inter_")):
+            links[key] = overrides.pop(key)
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ConfigError(f"hardware.{bad[0]}: not a profile field (known: {sorted(known)})")
+    for key, v in overrides.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and key not in ("kernel_overhead_s",):
+            raise ConfigError(f"hardware.{key}={v}: must be > 0")
+    p = dataclasses.replace(p, **overrides)
+    for key, v in links.items():
+        which, attr = key.split("_", 1)
+        if attr not in ("busbw_gbps", "latency_us"):
+            raise ConfigError(f"hardware.{key}: a link has busbw_gbps and latency_us")
+        if not v > 0:
+            raise ConfigError(f"hardware.{key}={v}: must be > 0")
+        p = dataclasses.replace(p, **{which: dataclasses.replace(getattr(p, which), **{attr: float(v)})})
+    if not 0 < p.gemm_efficiency <= 1 or not 0 < p.memory_efficiency <= 1:
+        raise ConfigError(f"hardware: gemm_efficiency={p.gemm_efficiency} and memory_efficiency="
+                          f"{p.memory_efficiency} are fractions in (0, 1]")
+    return p
+
+
+def from_dict(d: dict) -> Profile:
+    """A profile from a calibrate yaml (its dict form)."""
+    d = dict(d)
+    try:
+        intra, inter = Link(**d.pop("intra")), Link(**d.pop("inter"))
+        table = tuple((tuple(k), float(v)) for k, v in d.pop("gemm_table", []))
+        return with_overrides(Profile(intra=intra, inter=inter, gemm_table=table, **d))
+    except (TypeError, KeyError) as e:
+        raise ConfigError(f"hardware.file: not a profile ({e})") from None
+
+
+def to_dict(p: Profile) -> dict:
+    d = dataclasses.asdict(p)
+    d["gemm_table"] = [[list(k), v] for k, v in p.gemm_table]
+    d["gemm_tile"] = list(p.gemm_tile)
+    return d
+
+
+def link(p: Profile, link_class: str) -> Link:
+    return p.intra if link_class == "intra" else p.inter

@@ -1,0 +1,227 @@
+"""A step's time per rank, composed from what the ledgers already predict — not a second model of the
+step:
+
+  compute     each stage's forward and backward of one micro-batch, op by op (ledger/timing/ops.py),
+              the recompute's extra forward work where the framework recomputes (full: the layers'
+              forward again; selective: attention's core)
+  TP / CP / EP  the collectives of those dims on a rank of the stage (the comm ledger's rows, per step,
+              divided over its micro-batches), timed by ledger/timing/collectives.py on their link
+              class and left exposed (no tp_comm_overlap / async TP modelled): a third in forward, two
+              thirds in backward, as the calls split
+  pipeline    the stages' forwards and backwards simulated in the framework's schedule
+              (ledger/timing/pipeline.py) with one p2p transfer [s/tp if SP, b, h] per hop: the bubble
+              comes out of the simulation
+  DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
+              framework hides them (its TimePolicy, each rule citing its source): exposed in full,
+              behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
+              ZeRO-3 prefetch)
+  optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
+              param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
+              an element (the policy's bytes: torchtitan's torch AdamW keeps no master copy)
+
+The waterfall splits the step of the critical stage (the stage with the most work) into: the model
+FLOPs of its ops at the peak, the GEMM / attention kernels' efficiency below it, the memory-bound ops,
+the recompute, each dim's exposed collectives, the pipeline bubble and the optimizer step; the terms
+add up to the step. MFU counts the model FLOPs as Megatron and torchtitan report them (6 per weight per
+token through the matmuls + 12 layers seq hidden per token for attention, no causal saving; recompute
+not counted) over world x peak x step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ledger.grid import group_size, link_of
+from ledger.layout import Layout
+from ledger.model import ModelShape
+from ledger.timing import collectives, ops
+from ledger.timing.hardware import Profile, link
+from ledger.timing.pipeline import simulate
+
+# the data-parallel family of dims (the grad reductions and the param gathers of DDP, the distributed
+# optimizer, FSDP2, ZeRO); ledger/plan.py's as well
+DP_DIMS = frozenset(("dp", "dp_replicate", "cp-dp", "cp-dp-dp_replicate", "dp-dp_replicate", "edp", "tp-dp",
+                     "tp-dp-pp", "tp-cp-dp", "tp-cp-dp-pp", "tp-dp-dp_replicate-pp"))
+GRAD_KINDS = ("reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class TimePolicy:
+    """How a framework runs a step, as its time module reads it from its knobs (each field's source
+    is in that module)."""
+    schedule: str = "1f1b"  # none | 1f1b | interleaved (the pipeline's order; pipeline.order)
+    recompute: str = "none"  # none | selective | full
+    causal_kernel: bool = True  # attention skips the masked blocks (flash / cuDNN / TE fused)
+    dp_grad: str = "exposed"  # exposed | last_backward | every_pass
+    dp_param: str = "exposed"  # exposed | first_forward | every_pass
+    optimizer_state_bytes: int = 12  # the optimizer's state bytes per element it updates
+    optimizer_traffic_bytes: int = 30  # bytes its step reads and writes per element
+    sources: tuple = ()
+
+
+@dataclass
+class StepTime:
+    target: str
+    step_s: float
+    forward_s: float  # the critical stage's forwards (compute and exposed TP), per step
+    backward_s: float
+    optimizer_s: float
+    bubble_s: float
+    exposed_s: dict  # dim -> exposed seconds per step
+    comm_s: dict  # dim -> total seconds per step (exposed or not)
+    tokens_per_s_per_gpu: float
+    mfu: float
+    waterfall: list  # [(term, seconds)], adding up to step_s
+    notes: list = field(default_factory=list)
+    simulation: object = None
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "step_s": self.step_s, "forward_s": self.forward_s,
+                "backward_s": self.backward_s, "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
+                "exposed_s": self.exposed_s, "comm_s": self.comm_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "waterfall": [[k, v] for k, v in self.waterfall], "notes": list(self.notes)}
+
+
+def model_flops(model: ModelShape, lay: Layout) -> float:
+    """Model FLOPs of one optimizer step (the module docstring's count)."""
+    tokens = lay.global_batch_size * model.seq_len
+    matmul_params = model.active_params() - model.vocab * model.hidden * (0 if model.tied_embeddings else 1)
+    return tokens * (6 * matmul_params + 12 * model.layers * model.seq_len * model.hidden)
+
+
+def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> ops.Shard:
+    return ops.Shard(hidden=model.hidden, ffn=model.ffn_hidden, heads=model.heads, kv_heads=model.kv_heads,
+                     head_dim=model.head_dim, vocab=model.vocab, seq=model.seq_len // lay.cp,
+                     micro_batch=lay.micro_batch_size, tp=lay.tp, sp=bool(lay.sequence_parallel) and lay.tp > 1,
+                     causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu)
+
+
+def _stage_of_rank(lay: Layout, stage: int) -> int:
+    """A rank of pipeline stage `stage` (pp is the outermost grid dim)."""
+    return stage * (lay.world // lay.pp)
+
+
+def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw: Profile) -> StepTime:
+    """The step (module docstring). placement: the ledger's prediction of this layout (its ranks' comm
+    rows and states)."""
+    if model.is_moe:
+        raise ValueError("step time: MoE layers are not modelled (the experts' GEMMs and the dispatch)")
+    m = lay.num_microbatches
+    vp = lay.vp if policy.schedule == "interleaved" else 1
+    sh = shard_of(model, lay, policy)
+    fwd_layer = ops.layer_forward(sh)
+    bwd_layer = ops.backward_of(fwd_layer)
+    head_f = ops.head_forward(sh)
+    head_b = ops.backward_of(head_f)
+    rc_layer = {"full": fwd_layer, "selective": [o for o in fwd_layer if o.kind == "attention"]}.get(policy.recompute, [])
+    per_chunk = model.layers // (lay.pp * vp)
+    extra = model.layers - per_chunk * lay.pp * vp  # the remainder on the last virtual stage
+
+    def chunk_layers(stage: int, chunk: int) -> int:
+        return per_chunk + (extra if (stage, chunk) == (lay.pp - 1, vp - 1) else 0)
+
+    def has_head(stage, chunk):
+        return (stage, chunk) == (lay.pp - 1, vp - 1)
+
+    f_layer, b_layer = ops.seconds(fwd_layer, hw), ops.seconds(bwd_layer, hw)
+    r_layer = ops.seconds(rc_layer, hw)
+    f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
+
+    # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside
+    stage_rows = [[(c, collectives.comm_seconds(c, group_size(lay, c.dim),
+                                                link(hw, link_of(lay, c.dim, c.kind, hw.gpus_per_node))))
+                   for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
+                  for s in range(lay.pp)]
+    # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards
+    per_mb_tp = [sum(t for c, t in rows if c.dim not in DP_DIMS) / m for rows in stage_rows]
+    chunks_per_stage = vp
+
+    def fwd_s(stage, chunk):
+        return (chunk_layers(stage, chunk) * f_layer + (f_head if has_head(stage, chunk) else 0.0)
+                + per_mb_tp[stage] / 3 / chunks_per_stage)
+
+    def bwd_s(stage, chunk):
+        return (chunk_layers(stage, chunk) * (b_layer + r_layer) + (b_head if has_head(stage, chunk) else 0.0)
+                + 2 * per_mb_tp[stage] / 3 / chunks_per_stage)
+
+    e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
+    p2p = 0.0
+    if lay.pp > 1:
+        lk = link(hw, link_of(lay, "pp", "send_recv", hw.gpus_per_node))
+        p2p = collectives.seconds("send_recv", e_p, 2, lk)
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p)
+    pipe_s = sim.step_s
+    # the critical stage: the most work
+    crit = max(range(lay.pp), key=lambda s: sim.busy_s(s))
+
+    # DP on the critical stage, hidden as the framework hides it
+    dp_exposed = {}
+    last_b = bwd_s(crit, 0) * chunks_per_stage
+    first_f = fwd_s(crit, 0) * chunks_per_stage
+    busy_f = sum(fwd_s(crit, c) for c in range(vp)) * m
+    busy_b = sum(bwd_s(crit, c) for c in range(vp)) * m
+    grad_t, param_t = {}, {}
+    comm_s: dict[str, float] = {}
+    for c, sec in stage_rows[crit]:
+        comm_s[c.dim] = comm_s.get(c.dim, 0.0) + sec
+        if c.dim in DP_DIMS:
+            into = grad_t if c.kind in GRAD_KINDS else param_t
+            into[c.dim] = into.get(c.dim, 0.0) + sec
+    g_all, p_all = sum(grad_t.values()), sum(param_t.values())
+    if policy.dp_grad == policy.dp_param == "every_pass":
+        # FSDP2 / ZeRO-3: gathers and reductions share the passes' compute (forward and backward)
+        over = max(0.0, g_all + p_all - busy_f - busy_b)
+        g_exp, p_exp = (over * g_all / (g_all + p_all), over * p_all / (g_all + p_all)) if over else (0.0, 0.0)
+    else:
+        hidden_g = {"exposed": 0.0, "last_backward": last_b, "every_pass": busy_b}[policy.dp_grad]
+        hidden_p = {"exposed": 0.0, "first_forward": first_f, "every_pass": busy_f}[policy.dp_param]
+        g_exp = max(0.0, g_all - hidden_g)
+        p_exp = max(0.0, p_all - hidden_p)
+    for d, t in grad_t.items():
+        dp_exposed[d] = dp_exposed.get(d, 0.0) + (g_exp * t / g_all if g_all else 0.0)
+    for d, t in param_t.items():
+        dp_exposed[d] = dp_exposed.get(d, 0.0) + (p_exp * t / p_all if p_all else 0.0)
+
+    st = placement.rank_state(_stage_of_rank(lay, crit))
+    elements = st.optim_bytes / policy.optimizer_state_bytes
+    opt_s = elements * policy.optimizer_traffic_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
+    step = pipe_s + g_exp + p_exp + opt_s
+
+    # the waterfall of the critical stage
+    n_layers = sum(chunk_layers(crit, c) for c in range(vp))
+    head = any(has_head(crit, c) for c in range(vp))
+    work_f = fwd_layer * n_layers + (head_f if head else [])
+    work_b = bwd_layer * n_layers + (head_b if head else [])
+    split = ops.split(work_f + work_b, hw)
+    rc = ops.split(rc_layer * n_layers, hw) if rc_layer else {"gemm": 0, "attention": 0, "memory": 0, "ideal": 0}
+    ideal = split["ideal"] * m
+    tp_exposed = per_mb_tp[crit] * m
+    # every TP / CP / EP call is exposed (per_mb_tp is their sum); the p2p transfers sit inside the
+    # simulated schedule (the bubble)
+    exposed = {d: t for d, t in comm_s.items() if d not in DP_DIMS}
+    assert abs(sum(exposed.values()) - tp_exposed) <= 1e-9 * max(1.0, tp_exposed)
+    exposed.update(dp_exposed)
+    bubble = pipe_s - sim.busy_s(crit)
+    waterfall = [("model FLOPs at peak", ideal),
+                 ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
+                 ("memory-bound ops", split["memory"] * m),
+                 ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m)]
+    waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]
+    waterfall += [("pipeline bubble", bubble), ("optimizer step", opt_s)]
+    total = sum(t for _, t in waterfall)
+    if abs(total - step) > 1e-9 * step:  # the terms are the step's parts by construction
+        raise AssertionError(f"step time's waterfall sums to {total}, not its step {step}")
+    tokens = lay.global_batch_size * model.seq_len
+    mfu = model_flops(model, lay) / (lay.world * hw.peak("bf16") * step)
+    return StepTime(target=hw.target, step_s=step, forward_s=busy_f, backward_s=busy_b, optimizer_s=opt_s,
+                    bubble_s=bubble, exposed_s={d: t for d, t in exposed.items() if t > 0}, comm_s=comm_s,
+                    tokens_per_s_per_gpu=tokens / step / lay.world, mfu=mfu, waterfall=waterfall,
+                    notes=list(policy.sources), simulation=sim)
+
+
+def render(st: StepTime) -> str:
+    """The step's lines for the predict table."""
+    lines = [f"step time for {st.target}: {st.step_s:.4g} s, {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+             f"MFU {100 * st.mfu:.1f}% (model FLOPs: 6N + 12 L s h per token, recompute not counted)"]
+    parts = ", ".join(f"{k} {100 * v / st.step_s:.1f}%" for k, v in st.waterfall if abs(v) > 1e-9)
+    lines.append(f"where the step goes (critical stage): {parts}")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""The predicted step as a Chrome trace (the JSON Perfetto and chrome://tracing open): one track per
+lane, each pipeline stage's forwards and backwards (the simulation's), then on a second lane of the
+critical stage its exposed data-parallel collectives and the optimizer step after the schedule."""
+from __future__ import annotations
+
+import json
+
+from ledger.timing.step import DP_DIMS, StepTime
+
+
+def events(st: StepTime) -> list[dict]:
+    sim = st.simulation
+    out = []
+    for s, lane in enumerate(sim.lanes):
+        out.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": f"stage {s} compute"}})
+        for task, start, end in lane:
+            name = f"{'forward' if task.kind == 'F' else 'backward'} mb{task.micro_batch}" + (
+                f" chunk{task.chunk}" if sim.vp > 1 else "")
+            out.append({"ph": "X", "name": name, "pid": 0, "tid": s, "ts": start * 1e6, "dur": (end - start) * 1e6,
+                        "cat": "compute"})
+    tid = len(sim.lanes)
+    out.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
+                "args": {"name": "critical stage: exposed collectives, optimizer"}})
+    t = sim.step_s
+    for dim, sec in sorted(st.exposed_s.items()):
+        if dim not in DP_DIMS or sec <= 0:
+            continue  # TP / CP / EP sit inside the stage's forwards and backwards
+        out.append({"ph": "X", "name": f"exposed {dim}", "pid": 0, "tid": tid, "ts": t * 1e6, "dur": sec * 1e6,
+                    "cat": "communication"})
+        t += sec
+    out.append({"ph": "X", "name": "optimizer step", "pid": 0, "tid": tid, "ts": t * 1e6, "dur": st.optimizer_s * 1e6,
+                "cat": "compute"})
+    return out
+
+
+def write(st: StepTime, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events(st), "displayTimeUnit": "ms",
+                   "otherData": {"target": st.target, "step_s": st.step_s}}, f)

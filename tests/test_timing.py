@@ -1,0 +1,190 @@
+"""Step time (ledger/timing): the collective cost model against hand arithmetic, the pipeline
+simulation's bubble against the textbook, a GEMM's time by hand, the waterfall adding up to the step,
+the Chrome trace, and a prediction of each framework."""
+import json
+import math
+
+import pytest
+
+from ledger.timing import collectives, hardware, ops, pipeline
+from ledger.timing.hardware import Link
+
+NVLINK, NET = Link(busbw_gbps=100.0, latency_us=5.0), Link(busbw_gbps=20.0, latency_us=10.0)
+
+
+@pytest.mark.parametrize("link", [NVLINK, NET], ids=["nvlink", "network"])
+def test_collective_times_by_hand(link):
+    """nccl-tests' busbw factors, ring and tree latency steps, on two link classes."""
+    bw, lat, size, n = link.busbw_gbps * 1e9, link.latency_us * 1e-6, 1e9, 8
+    assert collectives.seconds("all_reduce", size, n, link) == pytest.approx(2 * 7 * lat + size * 2 * 7 / 8 / bw)
+    assert collectives.seconds("all_reduce", size, n, link, "tree") == pytest.approx(2 * 3 * lat + 2 * size / bw)
+    assert collectives.seconds("all_gather", size, n, link) == pytest.approx(7 * lat + size * 7 / 8 / bw)
+    assert collectives.seconds("reduce_scatter", size, n, link, calls=4) == pytest.approx(4 * 7 * lat + size * 7 / 8 / bw)
+    assert collectives.seconds("send_recv", size, 2, link) == pytest.approx(lat + size / bw)
+    assert collectives.seconds("all_gather", size, 1, link) == 0.0
+
+
+def test_an_all_reduce_takes_the_faster_of_ring_and_tree():
+    """NCCL's tuner picks the algorithm of the least time: tree for a small tensor on many ranks (the
+    grad norm's 4 bytes over 1,024), ring for a large one."""
+    from ledger.placement import Comm, wire_bytes
+
+    small = Comm("dp", "all_reduce", 1, 4, wire_bytes("all_reduce", 4, 1024))
+    assert collectives.comm_seconds(small, 1024, NET) == pytest.approx(2 * 10 * 10e-6 + 8 / 20e9)
+    big = Comm("dp", "all_reduce", 1, 10 ** 9, wire_bytes("all_reduce", 10 ** 9, 8))
+    assert collectives.comm_seconds(big, 8, NET) == pytest.approx(collectives.seconds("all_reduce", 1e9, 8, NET))
+
+
+def test_a_group_across_nodes_runs_at_the_network_s_rate():
+    from ledger.grid import group_size, link_of
+    from tests.conftest import layout_of
+
+    lay = layout_of(32, tp=8)  # dp 4 over 4 nodes of 8
+    assert link_of(lay, "tp", "all_gather", 8) == "intra" and link_of(lay, "dp", "reduce_scatter", 8) == "inter"
+    assert group_size(lay, "dp") == 4 and group_size(lay, "tp") == 8 and group_size(lay, "tp-dp") == 32
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 16), (4, 4)])
+def test_uniform_stages_bubble_is_the_textbook(pp, m):
+    """1F1B with equal stages and no p2p time: the step is (m + p - 1)(F + B) and every stage idles
+    (p - 1) / (m + p - 1) of it."""
+    sim = pipeline.simulate(pp, 1, m, lambda s, c: 1.0, lambda s, c: 2.0)
+    assert sim.step_s == pytest.approx((m + pp - 1) * 3.0)
+    for s in range(pp):
+        assert sim.bubble_fraction(s) == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_interleaving_divides_the_bubble_by_vp():
+    """Megatron's interleaved schedule, equal chunks: the idle time is (p - 1) / (v m) of the busy
+    time (Narayanan et al. 2021, 2.2.2)."""
+    pp, vp, m = 4, 2, 8
+    sim = pipeline.simulate(pp, vp, m, lambda s, c: 0.5, lambda s, c: 1.0)
+    for s in range(pp):
+        assert sim.bubble_s(s) / sim.busy_s(s) == pytest.approx((pp - 1) / (vp * m))
+
+
+def test_uneven_stages_leave_the_others_idle():
+    """A last stage twice as slow (the head): the step follows it, and the other stages idle more than
+    the textbook's bubble."""
+    pp, m = 4, 8
+    sim = pipeline.simulate(pp, 1, m, lambda s, c: 2.0 if s == pp - 1 else 1.0, lambda s, c: 4.0 if s == pp - 1 else 2.0)
+    assert sim.step_s > (m + pp - 1) * 3.0
+    assert sim.bubble_fraction(pp - 1) < (pp - 1) / (m + pp - 1) < sim.bubble_fraction(0)
+
+
+def test_p2p_transfers_lengthen_the_pipeline():
+    """One micro-batch crosses 3 hops forward and 3 back: p (F + B) + 2 (p - 1) p2p. With more, 1F1B
+    holds p micro-batches in flight on stage 0, so the round trip's transfers slow the steady state
+    too: at least the fill and drain's."""
+    one = pipeline.simulate(4, 1, 1, lambda s, c: 1.0, lambda s, c: 2.0, p2p_s=0.1)
+    assert one.step_s == pytest.approx(4 * 3.0 + 2 * 3 * 0.1)
+    base = pipeline.simulate(4, 1, 8, lambda s, c: 1.0, lambda s, c: 2.0)
+    slow = pipeline.simulate(4, 1, 8, lambda s, c: 1.0, lambda s, c: 2.0, p2p_s=0.1)
+    assert slow.step_s > base.step_s + 2 * 3 * 0.1
+
+
+def test_a_gemm_s_time_by_hand():
+    """8192^3 bf16 on the H100 preset: 32 x 32 tiles of 128 x 256 over 132 SMs in 8 waves."""
+    p = hardware.profile("h100")
+    op = ops.gemm("x", 8192, 8192, 8192, 2)
+    tiles = math.ceil(8192 / 128) * math.ceil(8192 / 256)
+    util = tiles / (math.ceil(tiles / 132) * 132)
+    assert ops.op_seconds(op, p) == pytest.approx(2 * 8192 ** 3 / (989e12 * 0.75 * util) + 5e-6)
+    # a calibrated table replaces the model
+    q = hardware.with_overrides(p, gemm_table=(((8192, 8192, 8192, "bf16"), 500.0),))
+    assert ops.op_seconds(op, q) == pytest.approx(2 * 8192 ** 3 / 500e12 + 5e-6)
+
+
+def test_hardware_overrides_name_the_field():
+    from ledger.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hardware.name='h800'"):
+        hardware.profile("h800")
+    with pytest.raises(ConfigError, match="hardware.gemm_efficiency=0"):
+        hardware.profile("h100", gemm_efficiency=0)
+    with pytest.raises(ConfigError, match="hardware.inter_busbw_gbps=-1"):
+        hardware.profile("h100", inter_busbw_gbps=-1)
+    assert hardware.profile("a100", inter_busbw_gbps=40).inter.busbw_gbps == 40
+
+
+def _predict(framework, layout, *over, model="llama3_8b"):
+    from omegaconf import OmegaConf
+
+    from ledger import frameworks
+    from ledger.layout import resolve
+    from ledger.model import ModelShape
+    from ledger.parallel import predict
+    from ledger.timing.step import step_time
+    from tests.conftest import compose_config
+
+    cfg = compose_config(f"framework={framework}", f"model={model}", *over)
+    m = ModelShape.from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    lay = resolve({**OmegaConf.to_container(cfg.layout), **layout}, framework=framework)
+    pl = predict(m, lay, cfg.framework)
+    return m, lay, step_time(m, lay, pl, frameworks.get(framework).time_policy(cfg.framework, lay, "cuda"),
+                             hardware.profile("h100"))
+
+
+@pytest.mark.parametrize("framework,layout,over", [
+    ("megatron", dict(tp=2, pp=2, dp=4, sequence_parallel=True, global_batch_size=64),
+     ("framework.use_distributed_optimizer=true",)),
+    ("megatron", dict(tp=2, pp=2, vp=2, dp=4, sequence_parallel=True, global_batch_size=64),
+     ("framework.overlap_grad_reduce=true", "framework.recompute_granularity=full",
+      "framework.recompute_method=uniform", "framework.recompute_num_layers=1")),
+    ("titan", dict(dp=16, global_batch_size=32), ("framework.activation_checkpoint=selective",)),
+    ("deepspeed", dict(dp=16, global_batch_size=32), ("framework.zero_stage=3",)),
+    ("deepspeed", dict(dp=16, global_batch_size=32), ("framework.zero_stage=1",)),
+])
+def test_the_waterfall_adds_up_to_the_step_and_mfu_follows(framework, layout, over):
+    from ledger.timing.step import model_flops
+
+    m, lay, st = _predict(framework, layout, *over)
+    assert sum(t for _, t in st.waterfall) == pytest.approx(st.step_s, rel=1e-9)
+    assert all(t >= -1e-12 for _, t in st.waterfall), st.waterfall
+    assert st.mfu == pytest.approx(model_flops(m, lay) / (lay.world * 989e12 * st.step_s))
+    assert st.tokens_per_s_per_gpu == pytest.approx(lay.global_batch_size * m.seq_len / st.step_s / lay.world)
+    assert 0 < st.mfu < 0.75  # below the kernels' own efficiency
+
+
+def test_overlap_and_recompute_move_the_step_the_way_the_framework_does():
+    """Megatron: overlap_grad_reduce hides grad reductions behind the last backward (never slower);
+    full recompute adds the layers' forward again (slower, its own waterfall term)."""
+    base = dict(tp=2, dp=16, sequence_parallel=True, global_batch_size=64)
+    _, _, plain = _predict("megatron", base)
+    _, _, ov = _predict("megatron", base, "framework.overlap_grad_reduce=true")
+    _, _, rc = _predict("megatron", base, "framework.recompute_granularity=full", "framework.recompute_method=uniform",
+                        "framework.recompute_num_layers=1")
+    assert ov.step_s < plain.step_s and ov.exposed_s.get("dp", 0) < plain.exposed_s["dp"]
+    assert rc.step_s > plain.step_s and dict(rc.waterfall)["recompute"] > 0 == dict(plain.waterfall)["recompute"]
+
+
+def test_the_chrome_trace_has_one_track_per_lane(tmp_path):
+    from ledger.timing import trace
+
+    _, lay, st = _predict("megatron", dict(tp=2, pp=4, dp=2, sequence_parallel=True, global_batch_size=32))
+    path = tmp_path / "step_trace.json"
+    trace.write(st, str(path))
+    doc = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert len(names) == lay.pp + 1 and names[0] == "stage 0 compute"
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == set(names)
+    per_stage = [sum(e["name"].startswith("forward") for e in spans if e["tid"] == s) for s in range(lay.pp)]
+    assert per_stage == [lay.num_microbatches] * lay.pp
+
+
+def test_predict_prints_the_step_time(tmp_path):
+    """`mode=predict` prints the step time, tokens/s/GPU, MFU and the waterfall, names its target, and
+    writes them (and the trace) beside the prediction."""
+    from tests.conftest import launch
+
+    p = launch("mode=predict", "model=llama3_8b", "framework=titan", "layout.dp=8", "hardware.name=a100",
+               f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = " ".join(p.stdout.split())
+    assert "step time for a100 (from sources" in out and "MFU" in out and "where the step goes" in out
+    st = json.load(open(tmp_path / "prediction.json"))["step_time"]
+    assert st["step_s"] > 0 and st["target"].startswith("a100") and (tmp_path / "step_trace.json").exists()
+    bad = launch("mode=predict", "model=llama3_8b", "framework=titan", "hardware.gemm_efficiency=2",
+                 f"hydra.run.dir={tmp_path / 'bad'}", timeout=300)
+    assert bad.returncode == 2 and "hardware: gemm_efficiency=2" in bad.stdout + bad.stderr
