@@ -1,0 +1,63 @@
+"""Step time on this machine: calibrate it (ledger/timing/calibrate.py), run a small CPU matrix of all
+three frameworks (DP, TP, PP, ZeRO-3, FSDP) with the calibrated profile, and print predicted / measured
+step time per job with the median and p90 of |error|. A benchmark, not a test: these machines are noisy.
+
+    .venv/bin/python benchmarks/time_cpu.py [--profile PATH] [--keep DIR]
+
+The jobs measure with the peak probe off and collectives recorded on step 0 only (the probes' dispatch
+mode would time itself); steps 2.. are compared (analysis/timing.py)."""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+COMMON = ["model=tiny", "model.seq_len=128", "train.steps=5", "probe.peak=false", "probe.comm_steps=[0]",
+          "wandb.mode=disabled"]
+SWEEPS = [
+    ["framework=megatron", "cluster.ranks=2", "layout={},{tp:2},{pp:2}", "framework.use_distributed_optimizer=true"],
+    ["framework=titan", "cluster.ranks=2", "layout={},{tp:2}"],
+    ["framework=deepspeed", "cluster.ranks=2", "framework.zero_stage=1,3"],
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", help="a calibrated profile yaml (default: calibrate now)")
+    ap.add_argument("--keep", help="run the sweeps here and keep them")
+    a = ap.parse_args(argv)
+    py = sys.executable
+    root = a.keep or tempfile.mkdtemp(prefix="time_cpu_")
+    prof = a.profile or os.path.join(root, "cpu_profile.yaml")
+    if not a.profile:
+        subprocess.run([py, "-m", "ledger.timing.calibrate", "--out", prof], cwd=REPO, check=True)
+    import records
+    from analysis import timing
+
+    out = []
+    for i, sw in enumerate(SWEEPS):
+        d = os.path.join(root, f"sweep{i}")
+        subprocess.run([py, "launch.py", "-m", *COMMON, *sw, f"hardware.file={prof}", f"hydra.sweep.dir={d}"],
+                       cwd=REPO, check=False, stdout=subprocess.DEVNULL)
+        for rec in records.load(d):
+            s = timing.job_summary(rec, skip_steps=2)
+            if s:
+                out.append(s)
+    print(f"{'job':<40} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    for s in out:
+        print(f"{s['framework'] + ' ' + s['layout']:<40} {s['predicted_s']:>12.4f} {s['measured_s']:>11.4f} "
+              f"{100 * s['rel_err']:>7.1f}%")
+    if out:
+        errs = sorted(abs(s["rel_err"]) for s in out)
+        print(f"\n{len(out)} jobs: median |error| {100 * statistics.median(errs):.1f}%, "
+              f"p90 {100 * errs[int(0.9 * (len(errs) - 1))]:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
