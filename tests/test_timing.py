@@ -188,3 +188,28 @@ def test_predict_prints_the_step_time(tmp_path):
     bad = launch("mode=predict", "model=llama3_8b", "framework=titan", "hardware.gemm_efficiency=2",
                  f"hydra.run.dir={tmp_path / 'bad'}", timeout=300)
     assert bad.returncode == 2 and "hardware: gemm_efficiency=2" in bad.stdout + bad.stderr
+
+
+@pytest.mark.real
+def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
+    """calibrate --quick measures this machine into a profile yaml; a CPU run given it predicts its step
+    for the calibrated target, and analysis/timing.py sets the measured steady steps beside it."""
+    import subprocess
+    import sys
+
+    import records
+    from analysis import timing
+    from tests.conftest import REPO, launch
+
+    prof = tmp_path / "cpu.yaml"
+    c = subprocess.run([sys.executable, "-m", "ledger.timing.calibrate", "--quick", "--out", str(prof)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-2000:]
+    d = tmp_path / "job"
+    p = launch("framework=titan", "model=tiny", "model.seq_len=32", "train.steps=3", "cluster.ranks=2",
+               "probe.peak=false", "probe.comm_steps=[0]", f"hardware.file={prof}", f"hydra.run.dir={d}", timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = records.read_object(str(d / "record.json"))
+    assert rec["status"] == "ok" and "(calibrated)" in rec["prediction"]["step_time"]["target"]
+    rows = timing.rows(rec)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
