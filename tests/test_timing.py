@@ -83,6 +83,20 @@ def test_p2p_transfers_lengthen_the_pipeline():
     assert slow.step_s > base.step_s + 2 * 3 * 0.1
 
 
+@pytest.mark.parametrize("pp,vp,m", [(4, 1, 61), (8, 1, 200), (4, 2, 96), (3, 3, 150), (16, 2, 512)])
+@pytest.mark.parametrize("p2p", [0.0, 0.3])
+def test_the_fast_pipeline_step_is_the_simulation_s(pp, vp, m, p2p):
+    """pipeline.step_seconds (the planner's path: the periodic regime extrapolated) against the full
+    simulation, with stages of different times (the head's last stage slower, the first lighter)."""
+    import random
+
+    rnd = random.Random(pp * 1000 + vp * 100 + m)
+    f = [[rnd.uniform(0.5, 2.0) for _ in range(vp)] for _ in range(pp)]
+    b = [[rnd.uniform(1.0, 4.0) for _ in range(vp)] for _ in range(pp)]
+    full = pipeline.simulate(pp, vp, m, lambda s, c: f[s][c], lambda s, c: b[s][c], p2p).step_s
+    assert pipeline.step_seconds(pp, vp, m, lambda s, c: f[s][c], lambda s, c: b[s][c], p2p) == pytest.approx(full, rel=1e-9)
+
+
 def test_a_gemm_s_time_by_hand():
     """8192^3 bf16 on the H100 preset: 32 x 32 tiles of 128 x 256 over 132 SMs in 8 waves."""
     p = hardware.profile("h100")
@@ -107,7 +121,7 @@ def test_hardware_overrides_name_the_field():
     assert hardware.profile("a100", inter_busbw_gbps=40).inter.busbw_gbps == 40
 
 
-def _predict(framework, layout, *over, model="llama3_8b"):
+def _predict(framework, layout, *over, model="llama3_8b", trace=False):
     from omegaconf import OmegaConf
 
     from ledger import frameworks
@@ -122,7 +136,7 @@ def _predict(framework, layout, *over, model="llama3_8b"):
     lay = resolve({**OmegaConf.to_container(cfg.layout), **layout}, framework=framework)
     pl = predict(m, lay, cfg.framework)
     return m, lay, step_time(m, lay, pl, frameworks.get(framework).time_policy(cfg.framework, lay, "cuda"),
-                             hardware.profile("h100"))
+                             hardware.profile("h100"), trace=trace)
 
 
 @pytest.mark.parametrize("framework,layout,over", [
@@ -161,7 +175,7 @@ def test_overlap_and_recompute_move_the_step_the_way_the_framework_does():
 def test_the_chrome_trace_has_one_track_per_lane(tmp_path):
     from ledger.timing import trace
 
-    _, lay, st = _predict("megatron", dict(tp=2, pp=4, dp=2, sequence_parallel=True, global_batch_size=32))
+    _, lay, st = _predict("megatron", dict(tp=2, pp=4, dp=2, sequence_parallel=True, global_batch_size=32), trace=True)
     path = tmp_path / "step_trace.json"
     trace.write(st, str(path))
     doc = json.loads(path.read_text())

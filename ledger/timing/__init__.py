@@ -33,7 +33,8 @@ def profile_of(hw_cfg, cpu_run: bool = False) -> Optional[hardware.Profile]:
     return hardware.profile(hw_cfg.get("name", "h100"), **over)
 
 
-def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: bool = False) -> Union[StepTime, str]:
+def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: bool = False,
+            trace: bool = True) -> Union[StepTime, str]:
     """The step's time for the job's target, or why there is none (a line for the table)."""
     if mode != "faithful":
         return "step time: the textbook ledger has no step-time model"
@@ -46,4 +47,4 @@ def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: 
     if hw is None:
         return ("step time: a CPU run needs a calibrated CPU profile (python -m ledger.timing.calibrate writes one; "
                 "hardware.file=PATH)")
-    return step_time(model, lay, placement, spec.time_policy(fw, lay, hw.device), hw)
+    return step_time(model, lay, placement, spec.time_policy(fw, lay, hw.device), hw, trace=trace)

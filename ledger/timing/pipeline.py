@@ -80,26 +80,49 @@ def order(pp: int, vp: int, stage: int, m: int) -> list[Task]:
 
 def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> Simulation:
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
-    p2p_s: one transfer between stages (none inside a stage)."""
+    p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
+    input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
+    stage c pp + s) plus the hop, a backward its own forward and the next virtual stage's input grad
+    plus the hop. Tasks are keyed by (kind, micro-batch, virtual stage) tuples."""
     orders = [order(pp, vp, s, m) for s in range(pp)]
-    done: dict[Task, float] = {}
+    dur = {(s, c, k): (forward_s(s, c) if k == "F" else backward_s(s, c)) for s in range(pp) for c in range(vp)
+           for k in "FB"}
+    done: dict[tuple, float] = {}
     free = [0.0] * pp
     pos = [0] * pp
     sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
     remaining = sum(len(o) for o in orders)
+    last_v = pp * vp - 1
     while remaining:
         progressed = False
         for s in range(pp):
-            while pos[s] < len(orders[s]):
-                t = orders[s][pos[s]]
-                ready = _ready(t, pp, vp, done, p2p_s)
-                if ready is None:
-                    break
-                start = max(free[s], ready)
-                end = start + (forward_s(s, t.chunk) if t.kind == "F" else backward_s(s, t.chunk))
-                done[t] = end
+            o, lane = orders[s], sim.lanes[s]
+            while pos[s] < len(o):
+                t = o[pos[s]]
+                v = t.chunk * pp + s
+                if t.kind == "F":
+                    if v == 0:
+                        ready = 0.0
+                    else:
+                        ready = done.get(("F", t.micro_batch, v - 1))
+                        if ready is None:
+                            break
+                        if (v - 1) % pp != s:
+                            ready += p2p_s
+                else:
+                    ready = done.get(("F", t.micro_batch, v))
+                    if ready is None:
+                        break
+                    if v != last_v:
+                        nxt = done.get(("B", t.micro_batch, v + 1))
+                        if nxt is None:
+                            break
+                        ready = max(ready, nxt + (p2p_s if (v + 1) % pp != s else 0.0))
+                start = free[s] if free[s] > ready else ready
+                end = start + dur[(s, t.chunk, t.kind)]
+                done[(t.kind, t.micro_batch, v)] = end
                 free[s] = end
-                sim.lanes[s].append((t, start, end))
+                lane.append((t, start, end))
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
@@ -108,22 +131,28 @@ def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0
     return sim
 
 
-def _ready(t: Task, pp: int, vp: int, done: dict, p2p_s: float):
-    """When t's input is there: None while its producer has not run."""
-    # virtual stage index: chunk c on stage s is v = c * pp + s
-    v = t.chunk * pp + t.stage
-    last_v = pp * vp - 1
-    if t.kind == "F":
-        if v == 0:
-            return 0.0
-        prev = Task((v - 1) % pp, "F", t.micro_batch, (v - 1) // pp)
-        end = done.get(prev)
-        return None if end is None else end + (p2p_s if prev.stage != t.stage else 0.0)
-    own_f = done.get(Task(t.stage, "F", t.micro_batch, t.chunk))
-    if own_f is None:
-        return None
-    if v == last_v:
-        return own_f
-    nxt = Task((v + 1) % pp, "B", t.micro_batch, (v + 1) // pp)
-    end = done.get(nxt)
-    return None if end is None else max(own_f, end + (p2p_s if nxt.stage != t.stage else 0.0))
+def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> float:
+    """simulate(...).step_s (the readable reference, kept beside it) without simulating every
+    micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
+    system): adding pp micro-batches adds the same time, or a cycle of c such increments (c = 2 or 3
+    where stages differ and p2p is slow). So the steps of the pipeline at base + r + k pp micro-batches
+    (r = (m - base) mod pp, k = 0..PROBE) show the cycle, and the rest is extrapolated; without a
+    cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree."""
+    base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
+    if pp == 1 or m <= base + (PROBE + 1) * pp:
+        return simulate(pp, vp, m, forward_s, backward_s, p2p_s).step_s
+    r = (m - base) % pp
+    ts = [simulate(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s).step_s for k in range(PROBE + 1)]
+    d = [ts[k + 1] - ts[k] for k in range(PROBE)]
+    groups = (m - base - r) // pp
+    for c in range(1, 4):
+        tail = d[-2 * c:]
+        if all(abs(tail[i] - tail[i + c]) <= 1e-9 * abs(ts[-1]) for i in range(c)):
+            # the last c increments repeat: from probe PROBE on, whole cycles, then part of one
+            left = groups - PROBE
+            cycle = d[-c:]
+            return ts[-1] + (left // c) * sum(cycle) + sum(cycle[:left % c])
+    return simulate(pp, vp, m, forward_s, backward_s, p2p_s).step_s
+
+
+PROBE = 8  # pipelines of base + r + k pp micro-batches simulated to find the cycle

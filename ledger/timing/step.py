@@ -34,7 +34,7 @@ from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.timing import collectives, ops
 from ledger.timing.hardware import Profile, link
-from ledger.timing.pipeline import simulate
+from ledger.timing.pipeline import simulate, step_seconds
 
 # the data-parallel family of dims (the grad reductions and the param gathers of DDP, the distributed
 # optimizer, FSDP2, ZeRO); ledger/plan.py's as well
@@ -100,9 +100,11 @@ def _stage_of_rank(lay: Layout, stage: int) -> int:
     return stage * (lay.world // lay.pp)
 
 
-def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw: Profile) -> StepTime:
+def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw: Profile,
+              trace: bool = False) -> StepTime:
     """The step (module docstring). placement: the ledger's prediction of this layout (its ranks' comm
-    rows and states)."""
+    rows and states). trace: keep the simulated schedule's tasks (StepTime.simulation, the Chrome
+    trace's lanes); without it the pipeline's step comes from pipeline.step_seconds (the planner's)."""
     if model.is_moe:
         raise ValueError("step time: MoE layers are not modelled (the experts' GEMMs and the dispatch)")
     m = lay.num_microbatches
@@ -148,10 +150,12 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     if lay.pp > 1:
         lk = link(hw, link_of(lay, "pp", "send_recv", hw.gpus_per_node))
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p)
-    pipe_s = sim.step_s
-    # the critical stage: the most work
-    crit = max(range(lay.pp), key=lambda s: sim.busy_s(s))
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p)
+
+    def busy(s):
+        return m * sum(fwd_s(s, c) + bwd_s(s, c) for c in range(vp))
+    crit = max(range(lay.pp), key=busy)  # the critical stage: the most work
 
     # DP on the critical stage, hidden as the framework hides it
     dp_exposed = {}
@@ -200,7 +204,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     exposed = {d: t for d, t in comm_s.items() if d not in DP_DIMS}
     assert abs(sum(exposed.values()) - tp_exposed) <= 1e-9 * max(1.0, tp_exposed)
     exposed.update(dp_exposed)
-    bubble = pipe_s - sim.busy_s(crit)
+    bubble = pipe_s - busy(crit)
     waterfall = [("model FLOPs at peak", ideal),
                  ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
                  ("memory-bound ops", split["memory"] * m),

@@ -10,6 +10,8 @@ from ledger.timing.step import DP_DIMS, StepTime
 
 def events(st: StepTime) -> list[dict]:
     sim = st.simulation
+    if sim is None:
+        raise ValueError("the step was predicted without its schedule's tasks (step_time(..., trace=True))")
     out = []
     for s, lane in enumerate(sim.lanes):
         out.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": f"stage {s} compute"}})
