@@ -30,15 +30,24 @@ from ledger.units import fmt
 from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED_ROWS, RESIDENT_ONLY, recompute_mode, Hardware, Plan, Row, Space,
                          search)
 
-EST_NOTE = ("est_step_s is a roofline estimate (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + "
-            "communication not hidden, per link class), never a measurement: ledger/plan.py estimate")
+EST_NOTE = ("est_step_s of a fitting row is the step-time model's (ledger/timing: the ops on the hardware.* profile, "
+            "its collectives, the simulated schedule; docs/steptime.md), never a measurement; MoE rows and rows that do "
+            "not fit keep the roofline (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + communication "
+            "not hidden: ledger/plan.py estimate)")
 TE_NOTE = ("megatron: predicted with framework.transformer_impl=transformer_engine (Megatron-LM's default) unless "
            "set; a CPU run of the sweep builds the local spec")
 
 
-def hardware(p) -> Hardware:
+def hardware(p, hw_cfg=None) -> Hardware:
+    """The plan's machine; hw_cfg (the job's hardware.*): the profile its fitting rows' step time is
+    predicted on, with plan.gpus_per_node GPUs a node."""
+    prof = None
+    if hw_cfg is not None:
+        from ledger.timing import hardware as profiles, profile_of
+
+        prof = profiles.with_overrides(profile_of(hw_cfg), gpus_per_node=min(p.gpus_per_node, p.gpus))
     return Hardware(p.gpus, min(p.gpus_per_node, p.gpus), int(p.gpu_memory_gb * 1e9), p.memory_fraction,
-                    p.peak_tflops, p.mfu, p.nvlink_gbps, p.network_gbps, p.tp_across_nodes)
+                    p.peak_tflops, p.mfu, p.nvlink_gbps, p.network_gbps, p.tp_across_nodes, prof)
 
 
 def space(cfg) -> Space:
@@ -65,7 +74,7 @@ def framework_bases(cfg) -> dict[str, dict]:
 def run_plan(cfg, job_dir: str) -> dict:
     """Plan into job_dir; returns the record's "plan" part (counts, refusals, top rows, files)."""
     model = ModelShape.from_config(cfg.model)
-    hw, sp = hardware(cfg.plan), space(cfg)
+    hw, sp = hardware(cfg.plan, cfg.hardware), space(cfg)
     bases = framework_bases(cfg)
     plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort, watch=[dict(w) for w in cfg.plan.watch])
     t0 = time.perf_counter()
@@ -278,7 +287,7 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
     def table(title: str, rows: list[Row]) -> Table:
         t = Table(title=title)
         for c in ("#", "framework", "layout", "peak GB*", "stage", "fits", "wire per step per dim (link)", "bubble",
-                  "est step s**"):
+                  "est step s**", "MFU**"):
             t.add_column(c, justify="left" if c in ("framework", "layout", "wire per step per dim (link)") else "right")
         for r in rows:
             # the dims that carry at least 1% of the row's bytes, largest first (a grad-norm all-reduce
@@ -290,7 +299,8 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                       "" if r.stage is None else str(r.stage), _fits_cell(r),
                       wire if r.status != "refused" else (r.reason or "")[:70],
                       "" if r.bubble is None else f"{r.bubble:.3f}",
-                      "" if r.est_step_s is None else f"{r.est_step_s:.3g}")
+                      "" if r.est_step_s is None else f"{r.est_step_s:.3g}",
+                      f"{100 * r.est['mfu']:.1f}%" if "mfu" in r.est else "")
         return t
 
     n_all = sum(c["layouts"] for c in plan.counts.values())
@@ -300,6 +310,12 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                     f"({n_all:,} layouts, sorted by {cfg.plan.sort})", top))
     if len(best) > 1:
         con.print(table("the best fitting layout of each framework", [r for r in best.values() if r]))
+    for fw, r in best.items():  # where each framework's best step goes (ledger/timing/step.py waterfall)
+        if r is not None and "waterfall" in r.est:
+            con.print(f"{fw} #{rank[id(r)]} {_lay(r)}: {r.est['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU "
+                      f"{100 * r.est['mfu']:.1f}% on {r.est['target']}; the step: "
+                      + ", ".join(f"{k} {100 * v / r.est_step_s:.1f}%" for k, v in r.est["waterfall"] if v > 1e-12),
+                      markup=False)
     for w, ws in zip(cfg.plan.watch, watched):
         con.print(table(f"watch {dict(w)}: {len(ws)} rows", ws[:24]))
         for r in ws[:4]:

@@ -86,6 +86,8 @@ class Hardware:
     nvlink_gbps: float  # Gb/s per GPU, one direction, inside a node
     network_gbps: float  # Gb/s per GPU, one direction, between nodes
     tp_across_nodes: bool = False
+    # ledger/timing/hardware.py Profile: a fitting row's step time (step_time); None: the roofline only
+    profile: object = None
 
     @property
     def budget_bytes(self) -> float:
@@ -365,12 +367,31 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     row.est_step_s = row.est["est_step_s"]
     if row.peak_bytes <= hw.budget_bytes:
         row.status = "fits"
+        if hw.profile is not None and mode == "faithful":
+            _step_time(model, lay, c, hw, row)
     else:
         row.status = "too_big"
         what = "predicted peak" if row.peak_includes == PEAK_INCLUDES else "resident state only"
         row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}) > plan.memory_fraction x "
                       f"plan.gpu_memory_gb = {hw.budget_bytes / 1e9:.2f} GB")
     return row
+
+
+def _step_time(model: ModelShape, lay: Layout, c: Candidate, hw: Hardware, row: Row) -> None:
+    """A fitting row's time from the step-time model (ledger/timing/step.py) on hw.profile: its step,
+    MFU, tokens/s/GPU and waterfall replace the roofline's estimate; where the model does not cover the
+    layout (MoE) the roofline stays, said in est["model"]."""
+    from ledger.timing.step import step_time
+
+    spec = frameworks.get(c.framework)
+    if spec.time_policy is None or model.is_moe:
+        row.est["model"] = "roofline (plan.peak_tflops x plan.mfu): the step-time model does not cover MoE"
+        return
+    st = step_time(model, lay, row.placement, spec.time_policy(c.fw, lay, hw.profile.device), hw.profile)
+    row.est = {"model": "step time (ledger/timing)", "target": st.target, "est_step_s": st.step_s, "mfu": st.mfu,
+               "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu, "bubble_s": st.bubble_s,
+               "exposed_s": st.exposed_s, "waterfall": [[k, v] for k, v in st.waterfall]}
+    row.est_step_s = st.step_s
 
 
 peak_of = peak_or_resident  # (ledger/units.py)

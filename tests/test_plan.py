@@ -434,3 +434,18 @@ def test_refused_rows_past_the_cap_are_counted_not_listed():
     assert len(kept) == 2 + 1 and kept[-1].matches(want) and capped.refused_unlisted == len(refused) - 3
     assert [r.to_dict() for r in capped.rows if r.status != "refused"] == \
         [r.to_dict() for r in full.rows if r.status != "refused"]
+
+
+def test_fitting_rows_are_timed_by_the_step_time_model(tmp_path):
+    """mode=plan ranks fitting layouts by the step-time model on hardware.* (ledger/timing), each with its
+    MFU, tokens/s/GPU and waterfall; the printed plan shows each framework's best step."""
+    rec, plan = _plan_job(tmp_path, "model=llama3_8b", "framework=all", "plan.gpus=16",
+                          "plan.global_batch_tokens=262144", "hardware.name=a100")
+    fits = [r for r in plan if r["fits"]]
+    assert fits and all(r["est"]["model"] == "step time (ledger/timing)" and r["est"]["target"].startswith("a100")
+                        for r in fits)
+    for r in fits:
+        assert sum(v for _, v in r["est"]["waterfall"]) == pytest.approx(r["est_step_s"], rel=1e-9)
+        assert 0 < r["est"]["mfu"] < 1
+    times = [r["est_step_s"] for r in fits]
+    assert times == sorted(times)  # plan.sort=time

@@ -89,6 +89,7 @@ class Shard:
     causal_kernel: bool  # flash-style: masked blocks skipped
     w: int = 2  # activation bytes
     swiglu: bool = True  # SwiGLU's gate and up in fc1; else one fc1 of ffn and a GeLU
+    cp: int = 1  # context parallel: the rank's queries (seq) attend to the whole sequence (seq x cp keys)
 
 
 def layer_forward(s: Shard) -> list[Op]:
@@ -97,13 +98,15 @@ def layer_forward(s: Shard) -> list[Op]:
     h, d, tp, w = s.hidden, s.head_dim, s.tp, s.w
     q, kv = s.heads * d // tp, s.kv_heads * d // tp
     f = s.ffn // tp
-    attn_flops = 4.0 * s.micro_batch * s.seq * s.seq * (s.heads * d // tp) * (0.5 if s.causal_kernel else 1.0)
+    # the rank's queries against every key: with CP the load-balanced chunks give each rank 1/cp of the
+    # whole sequence's attention
+    attn_flops = 4.0 * s.micro_batch * s.seq * (s.seq * s.cp) * (s.heads * d // tp) * (0.5 if s.causal_kernel else 1.0)
     ops = [Op("attention_norm", "memory", bytes=2.0 * Ts * h * w),
            gemm("qkv", T, q + 2 * kv, h, w),
            Op("rope", "memory", bytes=2.0 * T * (q + kv) * w),
            Op("attention", "attention", attn_flops,
               float(w * T * (2 * q + 2 * kv))
-              + (0.0 if s.causal_kernel else 3.0 * 4 * s.micro_batch * (s.heads // tp) * s.seq * s.seq)),
+              + (0.0 if s.causal_kernel else 3.0 * 4 * s.micro_batch * (s.heads // tp) * s.seq * s.seq * s.cp)),
            gemm("proj", T, h, q, w),
            Op("residual_add", "memory", bytes=3.0 * Ts * h * w),
            Op("ffn_norm", "memory", bytes=2.0 * Ts * h * w),

@@ -92,7 +92,7 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
     return ops.Shard(hidden=model.hidden, ffn=model.ffn_hidden, heads=model.heads, kv_heads=model.kv_heads,
                      head_dim=model.head_dim, vocab=model.vocab, seq=model.seq_len // lay.cp,
                      micro_batch=lay.micro_batch_size, tp=lay.tp, sp=bool(lay.sequence_parallel) and lay.tp > 1,
-                     causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu)
+                     causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu, cp=lay.cp)
 
 
 def _stage_of_rank(lay: Layout, stage: int) -> int:
