@@ -5,6 +5,7 @@
   titan      FSDP4 x TP2 (+SP, torchtitan's default), local batch 2 (global 8), reshard after forward
 
     python -m sweeps.article [--mode predict|dry|run|fake] [--ledger faithful|textbook] [--out DIR] [OVERRIDE ...]
+    python -m sweeps.article --question [--measured-mfu 0.32] [--hardware h100]
 
 predict (default) prints each run's per-rank table and writes prediction.json; dry writes the
 framework-native artifacts (run.sh, ds_config.json, the torchtitan module) for a GPU cluster; run
@@ -13,6 +14,14 @@ fake runs the three on this machine at full shape (cluster=fake: a fake world of
 each distinct predicted state materialised one after another under FakeTensorMode, two steps:
 first and steady) and prints their reconcile table, every step. Extra overrides apply to all three
 jobs.
+
+--question answers the article's closing question: "A 70B dense model, 1,024 H100, sequence 8192,
+global batch 4M tokens. TP, PP, DP? micro-batch? recompute? Expected MFU? It ran at only 32% - where
+did the missing 10 points go?" It plans Llama-3-70B on 1,024 GPUs of the hardware profile (every
+layout, micro-batch and recompute of the three frameworks, Megatron with both overlaps on, as tuned
+runs set them), prints each framework's best fitting layout with its predicted MFU and the step's
+waterfall, and then, for a run measured at --measured-mfu, how much each term of the best layout's
+step would have to grow, alone, to account for the missing time: the term a user should measure first.
 """
 from __future__ import annotations
 
@@ -42,13 +51,94 @@ RUNS = {
 }
 
 
+QUESTION = {"model": "llama3_70b", "seq_len": 8192, "gpus": 1024, "tokens": 4 * 1024 * 1024}
+
+
+def question(measured_mfu: float, hw_name: str) -> int:
+    """The article's closing question (module docstring), answered by the planner and the step-time model."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import FRAMEWORK_SCHEMAS
+    from ledger.model import preset
+    from ledger.plan import FRAMEWORK_NAMES, Hardware, Space, search
+    from ledger.timing import hardware
+
+    q = QUESTION
+    model = preset(q["model"], seq_len=q["seq_len"])
+    prof = hardware.profile(hw_name, gpus_per_node=8)
+    hw = Hardware(q["gpus"], 8, int(prof.memory_gb * 1e9), 0.9, prof.peak("bf16") / 1e12, 0.4,
+                  8 * prof.intra.busbw_gbps, 8 * prof.inter.busbw_gbps,
+                  profile=prof)
+    gbs = q["tokens"] // q["seq_len"]
+    space = Space(gbs, (1, 2, 4), (1, 2, 5), 8, (1, 2, 3), (False, True), True, ("none", "selective", "full"),
+                  (True,))
+    bases = {n: OmegaConf.to_container(OmegaConf.structured(FRAMEWORK_SCHEMAS[n])) for n in FRAMEWORK_NAMES}
+    bases["megatron"].update(overlap_grad_reduce=True, overlap_param_gather=True)
+    plan = search(model, hw, space, bases, "faithful", "time")
+    timed = [r for r in plan.rows if r.fits and "mfu" in r.est]
+    print(f"Llama-3-70B, {q['gpus']:,} x {prof.target}, seq {q['seq_len']}, {q['tokens']:,} tokens per step "
+          f"(global batch {gbs}): {len(timed):,} fitting layouts timed of {len(plan.rows):,}")
+    if not timed:
+        print("no layout fits")
+        return 1
+    best = {}
+    for r in timed:  # rows come fastest first
+        best.setdefault(r.framework, r)
+    from launchers.plan import _lay
+
+    for fw, r in best.items():
+        print(f"  {fw:<9} {_lay(r):<42} MFU {100 * r.est['mfu']:.1f}%  {r.est['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU  "
+              f"step {r.est_step_s:.2f} s  peak {r.peak_bytes / 1e9:.1f} GB")
+    top = timed[0]
+    step, mfu = top.est_step_s, top.est["mfu"]
+    print(f"\nbest: {top.framework} {_lay(top)}: predicted MFU {100 * mfu:.1f}%; the step ({step:.2f} s):")
+    terms = [(k, v) for k, v in top.est["waterfall"] if v > 1e-12]
+    for k, v in terms:
+        print(f"  {k:<32} {v:8.3f} s  {100 * v / step:5.1f}%")
+    if measured_mfu >= mfu:
+        print(f"\na run at {100 * measured_mfu:.0f}% MFU is at or above the prediction: nothing is missing")
+        return 0
+    missing = step * (mfu / measured_mfu - 1)
+    print(f"\nmeasured at {100 * measured_mfu:.0f}% MFU: the step took {step * mfu / measured_mfu:.2f} s, {missing:.2f} s "
+          f"more than predicted. Each term of 1% or more of the step alone would have to grow by:")
+    peak_s = dict(terms).get("model FLOPs at peak", 0.0)
+    for k, v in terms:
+        if k == "model FLOPs at peak" or v < 0.01 * step:  # a term under 1% of the step cannot be the cause
+            continue
+        if k == "GEMM / attention efficiency":
+            eff_now = peak_s / (peak_s + v)
+            eff_then = peak_s / (peak_s + v + missing)
+            act = f"the GEMMs and attention at {100 * eff_then:.0f}% of peak, not {100 * eff_now:.0f}%: profile the " \
+                  "kernels (calibrate on the device)"
+        elif k.startswith("exposed "):
+            act = f"{k[8:]} traffic exposed x{(v + missing) / v:.1f}: check its overlap and the link's busbw " \
+                  "(nccl-tests) against the profile's"
+        elif k == "pipeline bubble":
+            act = f"bubble x{(v + missing) / v:.1f}: uneven stages or p2p waits; more micro-batches or vp"
+        elif k == "recompute":
+            act = f"recompute x{(v + missing) / v:.1f}: more layers recomputed than planned"
+        elif k == "memory-bound ops":
+            act = f"memory-bound ops x{(v + missing) / v:.1f}: unfused norms / casts (TE's fused kernels off?)"
+        else:
+            act = f"x{(v + missing) / v:.1f}"
+        print(f"  {k:<32} {v:8.3f} s -> {v + missing:8.3f} s   {act}")
+    print("\nfrom sources: no GPU run has confirmed these figures; a calibrated profile (hardware.file) replaces "
+          "the preset's assumed efficiencies")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.article", description=__doc__.splitlines()[0])
+    ap.add_argument("--question", action="store_true", help="answer the article's closing question (docstring)")
+    ap.add_argument("--measured-mfu", type=float, default=0.32)
+    ap.add_argument("--hardware", default="h100")
     ap.add_argument("--mode", choices=("predict", "dry", "run", "fake"), default="predict")
     ap.add_argument("--ledger", choices=("faithful", "textbook"), default="faithful")
     ap.add_argument("--out", default=os.path.join("multirun", "article", time.strftime("%Y-%m-%d_%H-%M-%S")))
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    if a.question:
+        return question(a.measured_mfu, a.hardware)
     rc = 0
     for i, (name, ov) in enumerate(RUNS.items()):
         job_dir = os.path.join(a.out, f"{i}_{name}")

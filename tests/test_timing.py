@@ -227,3 +227,20 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
     assert rec["status"] == "ok" and "(calibrated)" in rec["prediction"]["step_time"]["target"]
     rows = timing.rows(rec)
     assert [r["step"] for r in rows] == [1, 2] and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
+
+
+def test_the_article_s_question_is_answered():
+    """`python -m sweeps.article --question`: the best fitting layout of each framework with its MFU,
+    the best step's terms, and for a run measured at 32% the terms that would have to grow."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    p = subprocess.run([sys.executable, "-m", "sweeps.article", "--question"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    assert "Llama-3-70B, 1,024 x h100" in out and "global batch 512" in out
+    assert "best: " in out and "predicted MFU" in out and "model FLOPs at peak" in out
+    assert "measured at 32% MFU" in out and "GEMM / attention efficiency" in out.split("measured at 32% MFU")[1]
