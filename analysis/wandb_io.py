@@ -238,7 +238,8 @@ def step_metrics(record: dict) -> dict[int, dict]:
 
 def headline(record: dict, df: pd.DataFrame) -> dict:
     """Flat summary scalars the W&B runs table can sort on: the heaviest rank's predicted resident
-    state and peak within a step, and what the run measured of them and of its steady step's time."""
+    state and peak within a step, the predicted step time, MFU and tokens/s/GPU, and what the run
+    measured of them and of its steady step's time."""
     from analysis import compare
 
     pred = record.get("prediction") or {}
@@ -251,6 +252,10 @@ def headline(record: dict, df: pd.DataFrame) -> dict:
     peaks = [(r.get("peak") or {}).get("bytes") for r in R.rank_classes(pred)]
     if peaks and all(p is not None for p in peaks):
         out["predicted_peak_bytes"] = max(peaks)
+    st = pred.get("step_time") or {}
+    if st.get("step_s") is not None:  # the step-time model's, for the target it names (ledger/timing)
+        out.update(predicted_step_s=st["step_s"], predicted_mfu=st["mfu"],
+                   predicted_tokens_per_s_per_gpu=st["tokens_per_s_per_gpu"], step_time_target=st["target"])
     out.update(_measured_headline(record))
     return out
 

@@ -199,6 +199,13 @@ def test_predict_prints_the_step_time(tmp_path):
     assert "step time for a100 (from sources" in out and "MFU" in out and "where the step goes" in out
     st = json.load(open(tmp_path / "prediction.json"))["step_time"]
     assert st["step_s"] > 0 and st["target"].startswith("a100") and (tmp_path / "step_trace.json").exists()
+    # W&B's summary scalars carry them (analysis/wandb_io.py headline)
+    import pandas as pd
+
+    from analysis.wandb_io import headline
+
+    h = headline(json.load(open(tmp_path / "record.json")), pd.DataFrame())
+    assert (h["predicted_step_s"], h["predicted_mfu"]) == (st["step_s"], st["mfu"])
     bad = launch("mode=predict", "model=llama3_8b", "framework=titan", "hardware.gemm_efficiency=2",
                  f"hydra.run.dir={tmp_path / 'bad'}", timeout=300)
     assert bad.returncode == 2 and "hardware: gemm_efficiency=2" in bad.stdout + bad.stderr
