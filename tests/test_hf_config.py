@@ -150,3 +150,21 @@ def test_qkv_biases_reconcile_on_megatron_and_deepspeed(tmp_path):
             (m["hidden"] // m["heads"])
     assert_every_row_reconciles(sweep["table"], sweep["ok"])
 
+
+
+@pytest.mark.parametrize("name,config,params", [("mixtral", MIXTRAL_8X7B, 46_702_792_704),
+                                                ("qwen3_moe", QWEN3_30B_A3B, 30_532_122_624)])
+def test_moe_config_json_at_tp4_is_predicted(name, config, params, tmp_path):
+    """An MoE config.json with layout.tp=4 alone: Megatron predicts it (the layout Megatron trains: SP
+    with TP, experts split over etp = tp at ep = 1, each said in a note) with the published count."""
+    from tests.conftest import launch
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    p = launch("mode=predict", f"model.hf_config={path}", "framework=megatron", "layout.tp=4",
+               f"hydra.run.dir={tmp_path / 'job'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pred = json.load(open(tmp_path / "job" / "prediction.json"))
+    assert pred["model"]["num_params"] == params and f"N={params:,}" in p.stdout
+    out = " ".join(p.stdout.split())
+    assert "predicted with sequence_parallel=true" in out and "predicted with etp=4" in out
