@@ -237,7 +237,7 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         record["knobs_away_from_defaults"] = away_from_framework_defaults(cfg.framework)
         if writes_record:
             write_json(os.path.join(job_dir, "prediction.json"), pred)
-            if not isinstance(st, str):  # the predicted step, for Perfetto / chrome://tracing
+            if not isinstance(st, str) and st.simulation is not None:  # the predicted step, for Perfetto
                 from ledger.timing import trace
 
                 trace.write(st, os.path.join(job_dir, "step_trace.json"))

@@ -299,7 +299,7 @@ def test_top3_of_a_tiny_plan_run_and_reconcile(tmp_path):
 
     rec, rows = _plan_job(tmp_path, "model=tiny", "plan.gpus=2", "plan.gpus_per_node=2", "plan.global_batch_tokens=512",
                           "framework=megatron", "framework.transformer_impl=local", "plan.micro_batch_sizes=[1,2]",
-                          "plan.recompute=[none]")
+                          "plan.recompute=[none]", "plan.distributed_optimizer=[true]")  # one knob set: one sweep
     sweep = yaml.safe_load((tmp_path / "job" / "sweep.yaml").read_text())
     assert len(sweep["runs"]) == 1 and sweep["runs"][0]["rows"] == [1, 2, 3]
     out = tmp_path / "run"

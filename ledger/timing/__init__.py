@@ -47,4 +47,10 @@ def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: 
     if hw is None:
         return ("step time: a CPU run needs a calibrated CPU profile (python -m ledger.timing.calibrate writes one; "
                 "hardware.file=PATH)")
+    # the trace's tasks: 2 per micro-batch per chunk per stage; past TRACE_TASKS the step is computed
+    # without them (pipeline.step_seconds) and no step_trace.json is written
+    trace = trace and 2 * lay.num_microbatches * lay.vp * lay.pp <= TRACE_TASKS
     return step_time(model, lay, placement, spec.time_policy(fw, lay, hw.device), hw, trace=trace)
+
+
+TRACE_TASKS = 20_000

@@ -86,10 +86,16 @@ def _collective_worker(rank: int, world: int, path: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     res = {}
-    for size in (4, 2 ** 24):
+    # a fixed number of calls on every rank (a time-bounded loop would let the ranks disagree on how
+    # many all_reduces to make, and one would wait for a call the other never makes)
+    for size, reps in ((4, 50), (2 ** 24, 8)):
         t = torch.ones(max(size // 4, 1))
+        dist.all_reduce(t)
         dist.barrier()
-        res[size] = _timed(lambda: dist.all_reduce(t), 0.2, 1000)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        res[size] = (time.perf_counter() - t0) / reps
     if rank == 0:
         with open(out, "w") as f:
             f.write(f"{res[4]} {res[2 ** 24]}")

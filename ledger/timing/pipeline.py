@@ -83,52 +83,66 @@ def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
     stage c pp + s) plus the hop, a backward its own forward and the next virtual stage's input grad
-    plus the hop. Tasks are keyed by (kind, micro-batch, virtual stage) tuples."""
-    orders = [order(pp, vp, s, m) for s in range(pp)]
-    dur = {(s, c, k): (forward_s(s, c) if k == "F" else backward_s(s, c)) for s in range(pp) for c in range(vp)
-           for k in "FB"}
+    plus the hop."""
+    sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
+    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes)
+    return sim
+
+
+def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -> float:
+    """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
+    where lanes is given. Tasks are keyed by (is backward, micro-batch, virtual stage)."""
+    orders = [[(t.kind == "B", t.micro_batch, t.chunk * pp + s, t) for t in order(pp, vp, s, m)] for s in range(pp)]
+    dur = {}
+    for s in range(pp):
+        for c in range(vp):
+            dur[(False, c * pp + s)] = forward_s(s, c)
+            dur[(True, c * pp + s)] = backward_s(s, c)
     done: dict[tuple, float] = {}
     free = [0.0] * pp
     pos = [0] * pp
-    sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
     remaining = sum(len(o) for o in orders)
     last_v = pp * vp - 1
+    end = 0.0
     while remaining:
         progressed = False
         for s in range(pp):
-            o, lane = orders[s], sim.lanes[s]
-            while pos[s] < len(o):
-                t = o[pos[s]]
-                v = t.chunk * pp + s
-                if t.kind == "F":
+            o = orders[s]
+            n = len(o)
+            while pos[s] < n:
+                bwd, mb, v, task = o[pos[s]]
+                if not bwd:
                     if v == 0:
                         ready = 0.0
                     else:
-                        ready = done.get(("F", t.micro_batch, v - 1))
+                        ready = done.get((False, mb, v - 1))
                         if ready is None:
                             break
                         if (v - 1) % pp != s:
                             ready += p2p_s
                 else:
-                    ready = done.get(("F", t.micro_batch, v))
+                    ready = done.get((False, mb, v))
                     if ready is None:
                         break
                     if v != last_v:
-                        nxt = done.get(("B", t.micro_batch, v + 1))
+                        nxt = done.get((True, mb, v + 1))
                         if nxt is None:
                             break
-                        ready = max(ready, nxt + (p2p_s if (v + 1) % pp != s else 0.0))
+                        nxt += p2p_s if (v + 1) % pp != s else 0.0
+                        if nxt > ready:
+                            ready = nxt
                 start = free[s] if free[s] > ready else ready
-                end = start + dur[(s, t.chunk, t.kind)]
-                done[(t.kind, t.micro_batch, v)] = end
+                end = start + dur[(bwd, v)]
+                done[(bwd, mb, v)] = end
                 free[s] = end
-                lane.append((t, start, end))
+                if lanes is not None:
+                    lanes[s].append((task, start, end))
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked (an order whose inputs never arrive)")
-    return sim
+    return max(free)
 
 
 def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> float:
@@ -140,9 +154,9 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
     cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree."""
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if pp == 1 or m <= base + (PROBE + 1) * pp:
-        return simulate(pp, vp, m, forward_s, backward_s, p2p_s).step_s
+        return _run(pp, vp, m, forward_s, backward_s, p2p_s, None)
     r = (m - base) % pp
-    ts = [simulate(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s).step_s for k in range(PROBE + 1)]
+    ts = [_run(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s, None) for k in range(PROBE + 1)]
     d = [ts[k + 1] - ts[k] for k in range(PROBE)]
     groups = (m - base - r) // pp
     for c in range(1, 4):
@@ -152,7 +166,7 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
             left = groups - PROBE
             cycle = d[-c:]
             return ts[-1] + (left // c) * sum(cycle) + sum(cycle[:left % c])
-    return simulate(pp, vp, m, forward_s, backward_s, p2p_s).step_s
+    return _run(pp, vp, m, forward_s, backward_s, p2p_s, None)
 
 
-PROBE = 8  # pipelines of base + r + k pp micro-batches simulated to find the cycle
+PROBE = 6  # pipelines of base + r + k pp micro-batches simulated to find the cycle

@@ -70,14 +70,22 @@ INCOMING_IS_RECEIVED = ("fc2", "fc1", RECOMPUTED_CAST)
 
 
 def moment(in_flight: int, own: int, tmp: int, gat: int, phase: str, what: str) -> tuple:
-    """One moment: (bytes over the resident state, parts, phase, what, detail). The activations are
-    the other micro-batches' saved tensors (in flight) and this micro-batch's (what its layers not yet
-    backpropagated saved, and the moment's own); detail names each part's pieces, summing to it."""
+    """One moment: (bytes over the resident state, parts, phase, what, (in flight, own)). The
+    activations are the other micro-batches' saved tensors (in flight) and this micro-batch's (what its
+    layers not yet backpropagated saved, and the moment's own); moment_detail names them (built for
+    the chosen moment only: a planner row looks at thousands)."""
+    return (in_flight + own + tmp + gat, {"activations": in_flight + own, "temporary": tmp, "gathered": gat}, phase,
+            what, (in_flight, own))
+
+
+def moment_detail(m: tuple) -> dict:
+    """A moment's detail lines, each part's pieces summing to it."""
+    _x, parts, _phase, what, (in_flight, own) = m
     detail = {"activations/other micro-batches in flight (saved for backward)": in_flight,
               "activations/this micro-batch (saved, not yet released)": own,
-              f"temporary/{what}": tmp, "gathered/pipeline p2p tensors (received inputs, sent outputs, grads)": gat}
-    return (in_flight + own + tmp + gat, {"activations": in_flight + own, "temporary": tmp, "gathered": gat}, phase,
-            what, {k: v for k, v in detail.items() if v})
+              f"temporary/{what}": parts["temporary"],
+              "gathered/pipeline p2p tensors (received inputs, sent outputs, grads)": parts["gathered"]}
+    return {k: v for k, v in detail.items() if v}
 
 
 # -- the forward's softmax moments (vp = 1) -------------------------------------------------------
@@ -367,14 +375,15 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
     adam_b, adam_w = moments[-1][0], moments[-1][3]
     res = sum(resident.values())
     res_detail = {f"resident/{name}": b for name, b in resident.items() if b}
-    _x, parts, phase, what, detail = max(moments, key=lambda m: m[0])
-    steady = Peak.of({"resident": res, **parts, "unnamed": 0}, phase, what, detail={**res_detail, **detail})
+    top = max(moments, key=lambda m: m[0])
+    _x, parts, phase, what, _ = top
+    steady = Peak.of({"resident": res, **parts, "unnamed": 0}, phase, what, detail={**res_detail, **moment_detail(top)})
     # the first step: without Adam's state until the optimizer step
     fb = max(moments[:-1], key=lambda m: m[0])
     if res - adam_state + fb[0] >= res + adam_b:
         before = {**res_detail, "resident/optim": resident["optim"] - adam_state}
         first = Peak.of({"resident": res - adam_state, **fb[1], "unnamed": 0}, fb[2], fb[3],
-                        detail={k: v for k, v in {**before, **fb[4]}.items() if v})
+                        detail={k: v for k, v in {**before, **moment_detail(fb)}.items() if v})
     else:
         first = Peak.of({"resident": res, "activations": 0, "temporary": adam_b, "gathered": 0, "unnamed": 0},
                         "optimizer",
