@@ -50,32 +50,27 @@ class Simulation:
 
 def order(pp: int, vp: int, stage: int, m: int) -> list[Task]:
     """The stage's tasks in the order its schedule runs them (module docstring)."""
+    return [Task(stage, "B" if bwd else "F", mb, c) for bwd, mb, c in _order(pp, vp, stage, m)]
+
+
+def _order(pp: int, vp: int, stage: int, m: int) -> list[tuple]:
+    """order() as (is backward, micro-batch, chunk) tuples."""
     total = m * vp
     if pp == 1:
         out = []
         for mb in range(m):
-            for c in range(vp):
-                out.append(Task(stage, "F", mb, c))
-            for c in reversed(range(vp)):
-                out.append(Task(stage, "B", mb, c))
+            out += [(False, mb, c) for c in range(vp)]
+            out += [(True, mb, c) for c in reversed(range(vp))]
         return out
-    if vp == 1:
-        w = pp - stage - 1
-    else:
-        w = (pp - stage - 1) * 2 + (vp - 1) * pp
-    w = min(w, total)
-
-    def fwd(k):
-        return Task(stage, "F", (k // (pp * vp)) * pp + k % pp, (k // pp) % vp if vp > 1 else 0)
-
-    def bwd(k):
-        return Task(stage, "B", (k // (pp * vp)) * pp + k % pp, vp - 1 - (k // pp) % vp if vp > 1 else 0)
-
-    out = [fwd(k) for k in range(w)]
+    w = min(pp - stage - 1 if vp == 1 else (pp - stage - 1) * 2 + (vp - 1) * pp, total)
+    group = pp * vp
+    fwd = [(False, (k // group) * pp + k % pp, (k // pp) % vp) for k in range(total)]
+    bwd = [(True, (k // group) * pp + k % pp, vp - 1 - (k // pp) % vp) for k in range(total)]
+    out = fwd[:w]
     for j in range(total - w):
-        out += [fwd(w + j), bwd(j)]
-    out += [bwd(j) for j in range(total - w, total)]
-    return out
+        out.append(fwd[w + j])
+        out.append(bwd[j])
+    return out + bwd[total - w:]
 
 
 def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> Simulation:
@@ -92,7 +87,7 @@ def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0
 def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -> float:
     """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
     where lanes is given. Tasks are keyed by (is backward, micro-batch, virtual stage)."""
-    orders = [[(t.kind == "B", t.micro_batch, t.chunk * pp + s, t) for t in order(pp, vp, s, m)] for s in range(pp)]
+    orders = [[(bwd, mb, c * pp + s, c) for bwd, mb, c in _order(pp, vp, s, m)] for s in range(pp)]
     dur = {}
     for s in range(pp):
         for c in range(vp):
@@ -110,7 +105,7 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -
             o = orders[s]
             n = len(o)
             while pos[s] < n:
-                bwd, mb, v, task = o[pos[s]]
+                bwd, mb, v, chunk = o[pos[s]]
                 if not bwd:
                     if v == 0:
                         ready = 0.0
@@ -136,7 +131,7 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -
                 done[(bwd, mb, v)] = end
                 free[s] = end
                 if lanes is not None:
-                    lanes[s].append((task, start, end))
+                    lanes[s].append((Task(s, "B" if bwd else "F", mb, chunk), start, end))
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
@@ -152,8 +147,10 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
     where stages differ and p2p is slow). So the steps of the pipeline at base + r + k pp micro-batches
     (r = (m - base) mod pp, k = 0..PROBE) show the cycle, and the rest is extrapolated; without a
     cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree."""
+    if pp == 1:  # no pipelining: every micro-batch's forward and backward back to back
+        return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
-    if pp == 1 or m <= base + (PROBE + 1) * pp:
+    if m <= base + (PROBE + 1) * pp:
         return _run(pp, vp, m, forward_s, backward_s, p2p_s, None)
     r = (m - base) % pp
     ts = [_run(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s, None) for k in range(PROBE + 1)]

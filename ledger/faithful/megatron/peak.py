@@ -349,12 +349,17 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         others = sf[nf] - sb[j] - saved[ch]
         held = pf[nf] - pb[j]  # p2p(live + [ch])
         g_base = held + (0 if last else e_p) + (e_p if j > 0 and not first else 0)
+        # moment()'s tuples, built inline (this loop runs per micro-batch for every planner row)
         if last:
-            moments.append(moment(others, saved[ch], sh.e * sh.s * sh.b * sh.v, held + (e_p if j > 0 and not first else 0),
-                                  "forward", f"cross-entropy forward (micro-batch {j})"))
+            tmp, gat = sh.e * sh.s * sh.b * sh.v, held + (e_p if j > 0 and not first else 0)
+            act = others + saved[ch]
+            moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, "forward",
+                            f"cross-entropy forward (micro-batch {j})", (others, saved[ch])))
         top = best[ch]
         if top is not None:
-            moments.append(moment(others, top[1], top[2], g_base + top[3], "backward", f"{top[4]} (micro-batch {j})"))
+            act, gat = others + top[1], g_base + top[3]
+            moments.append((act + top[2] + gat, {"activations": act, "temporary": top[2], "gathered": gat}, "backward",
+                            f"{top[4]} (micro-batch {j})", (others, top[1])))
     if lay.vp == 1:
         # the reference's forward softmax moments grow with the micro-batches in flight up to forward w
         # and stay level from forward w + 1 (w in flight, the previous iteration's p2p locals): the
