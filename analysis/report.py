@@ -381,6 +381,60 @@ th{background:#f3f3f3}td:first-child,td:nth-child(2),td:nth-child(3){text-align:
 .muted{color:#666;font-size:13px}"""
 
 
+def time_table(recs: list[dict]) -> pd.DataFrame:
+    """Predicted step time (the job's target) beside the measured steady steps (analysis/timing.py)."""
+    from analysis import timing
+
+    rows = []
+    for rec in recs:
+        s = timing.job_summary(rec)
+        st = (rec.get("prediction") or {}).get("step_time") or {}
+        if s:
+            rows.append({"job": s["job"], "framework": s["framework"], "layout": s["layout"],
+                         "predicted s": round(s["predicted_s"], 5), "measured s (median, slowest rank)": round(s["measured_s"], 5),
+                         "rel_err": round(s["rel_err"], 3), "target": st.get("target")})
+    return pd.DataFrame(rows)
+
+
+def fig_gantt(recs: list[dict], path: str) -> bool:
+    """Each job's predicted step (step_trace.json: one lane per stage, the exposed collectives and the
+    optimizer) above its measured step (the slowest rank's median steady step) as one bar."""
+
+    from analysis import timing
+
+    jobs = []
+    for rec in recs:
+        tp = os.path.join(rec.get("job_dir", ""), "step_trace.json")
+        if os.path.exists(tp):
+            with open(tp) as f:
+                jobs.append((rec, json.load(f)["traceEvents"], timing.job_summary(rec)))
+    if not jobs:
+        return False
+    fig, axes = plt.subplots(len(jobs), 1, figsize=(11, 1.2 + 0.5 * max(
+        len({e["tid"] for e in ev if e["ph"] == "M"}) + 1 for _, ev, _ in jobs) * len(jobs)), squeeze=False)
+    for ax, (rec, ev, summ) in zip(axes[:, 0], jobs):
+        names = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M"}
+        lanes = sorted(names)
+        for e in ev:
+            if e["ph"] != "X":
+                continue
+            y = lanes.index(e["tid"])
+            color = "#4c72b0" if e["name"].startswith("forward") else "#dd8452" if e["name"].startswith("backward") \
+                else "#c44e52" if e.get("cat") == "communication" else "#55a868"
+            ax.broken_barh([(e["ts"] / 1e6, e["dur"] / 1e6)], (y - 0.4, 0.8), color=color)
+        labels = [names[t] for t in lanes]
+        if summ:
+            ax.broken_barh([(0, summ["measured_s"])], (len(lanes) - 0.4, 0.8), color="#8c8c8c")
+            labels.append("measured step")
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_xlabel("seconds")
+        ax.set_title(_title(rec), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def _html_table(df: pd.DataFrame, byte_cols=("predicted", "measured", "abs_err", "predicted_resident")) -> str:
     return df.to_html(index=False, border=0, na_rep="", escape=True,
                       formatters={c: (lambda v: f"{v:,}" if isinstance(v, (int, np.integer)) else v)
@@ -430,6 +484,15 @@ def write(recs: list[dict], out_dir: str, source: str) -> str:
              f"<p>{verdict}</p>", "<h2>Jobs</h2>", _html_table(summ)]
     for title, png, caption in figs:
         parts += [f"<h2>{title}</h2>", f"<p class='muted'>{caption}</p>", f"<img src='{png}' alt='{title}'>"]
+    tt = time_table(recs)
+    if len(tt):
+        parts += ["<h2>Step time</h2>",
+                  "<p class='muted'>The step-time model's prediction for its target (ledger/timing; a CPU run predicts "
+                  "only with a calibrated profile, hardware.file) beside the measured steady steps; reported, not "
+                  "judged (docs/steptime.md).</p>", _html_table(tt, ())]
+    if fig_gantt(recs, os.path.join(out_dir, "gantt.png")):
+        parts += ["<p class='muted'>The predicted step (forward blue, backward orange, exposed collectives red, "
+                  "optimizer green) above the measured step.</p>", "<img src='gantt.png' alt='step gantt'>"]
     live = census_table(recs)
     if len(live):
         parts += ["<h2>What is live at the peak</h2>",

@@ -234,6 +234,11 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
     assert rec["status"] == "ok" and "(calibrated)" in rec["prediction"]["step_time"]["target"]
     rows = timing.rows(rec)
     assert [r["step"] for r in rows] == [1, 2] and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
+    # the report's step-time section: the table and the predicted step above the measured one
+    from analysis import report
+
+    page = open(report.write([rec], str(tmp_path / "report"), str(d))).read()
+    assert "<h2>Step time</h2>" in page and (tmp_path / "report" / "gantt.png").exists()
 
 
 def test_the_article_s_question_is_answered():

@@ -1,6 +1,6 @@
 """The predicted step as a Chrome trace (the JSON Perfetto and chrome://tracing open): one track per
-lane, each pipeline stage's forwards and backwards (the simulation's), then on a second lane of the
-critical stage its exposed data-parallel collectives and the optimizer step after the schedule."""
+lane, each pipeline stage's forwards and backwards (the simulation's), then on one more lane the
+critical stage's exposed data-parallel collectives and the optimizer step after the schedule."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ def events(st: StepTime) -> list[dict]:
                         "cat": "compute"})
     tid = len(sim.lanes)
     out.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
-                "args": {"name": "critical stage: exposed collectives, optimizer"}})
+                "args": {"name": "exposed comm, optimizer"}})
     t = sim.step_s
     for dim, sec in sorted(st.exposed_s.items()):
         if dim not in DP_DIMS or sec <= 0:
