@@ -78,7 +78,7 @@ def _no_shm_op() -> None:
 #    partitions and optimizer state under FakeTensorMode. The fake-only shims, each counted in
 #    FAKE_HITS; installed by install_fake() only when cluster.device == "fake".
 FAKE_HITS: dict[str, int] = {}
-FAKE_SHIMS = ("module_to_skipped_on_cpu", "rank0_list_is_local")
+FAKE_SHIMS = ("module_to_skipped_on_cpu", "rank0_list_is_local", "reduce_scatter_coalesced_flat")
 
 # data-dependent reads of FakeTensors answered 0 / False (launchers/fake.py scalar_reads)
 FAKE_SCALAR_SITES: set[tuple[str, str]] = {
@@ -146,9 +146,52 @@ def _rank0_list_is_local() -> None:
     utils.get_lst_from_rank0 = get_lst_from_rank0
 
 
+def _reduce_scatter_coalesced_flat() -> None:
+    # runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (ZeRO-3's grad reduction,
+    # stage3.py __avg_scatter_grads): views every tensor's chunk for every rank and, unless one tensor
+    # divides evenly, interleaves them with their paddings into one flat buffer by torch.cat: O(world x
+    # tensors) operators per call, each a FakeTensor dispatch in the fake world (at DP 1,024 the run
+    # did not finish in 25 minutes). Here the flat buffer (world x the padded partitions, the same
+    # size and dtype) is one allocation, pre-divided, reduce-scattered by the same call, and each
+    # tensor's output is the same narrow view of this rank's chunk: the same collective, bytes and
+    # outputs; what differs is the copies' values (a fake world has none) and the small padding
+    # tensors the cat's list held until it returned
+    import math
+
+    import torch
+
+    from deepspeed import comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+    from deepspeed.runtime.zero import stage3
+
+    @torch.no_grad()
+    def reduce_scatter_coalesced(tensors, group=None):
+        _fake_hit("reduce_scatter_coalesced_flat")
+        this_rank = dist.get_rank(group)
+        world_sz = dist.get_world_size(group)
+        padded = tuple(math.ceil(t.numel() / world_sz) for t in tensors)
+        if len(tensors) == 1 and tensors[0].numel() % world_sz == 0:
+            flat = tensors[0].view(-1)
+        else:
+            flat = torch.empty(world_sz * sum(padded), dtype=tensors[0].dtype, device=tensors[0].device)
+        flat.div_(world_sz)
+        per_rank = torch.chunk(flat, world_sz)
+        cc._torch_reduce_scatter_fn(flat, per_rank[this_rank], group=group)
+        out, offset = [], 0
+        for t, pad in zip(tensors, padded):
+            mine = max(0, min(pad, t.numel() - this_rank * pad))  # flattened[r*c : r*c+c]'s length
+            out.append(per_rank[this_rank].narrow(0, offset, mine))
+            offset += pad
+        return out
+
+    cc.reduce_scatter_coalesced = reduce_scatter_coalesced
+    stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
+
+
 def install_fake() -> None:
     _module_to_skipped_on_cpu()
     _rank0_list_is_local()
+    _reduce_scatter_coalesced_flat()
 
 
 def preload(device: str) -> None:
