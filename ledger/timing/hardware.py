@@ -84,19 +84,20 @@ _ASSUMED = ("gemm_efficiency: cuBLAS on large bf16 GEMMs reaches 70-80% of the d
             "~80% of the NVLink rate inside a node and ~90% of the NIC rate across nodes, ring-step latency "
             "~5 us (NVLink) / ~10 us (network): assumptions, not measurements")
 
+def _preset(name: str, peaks: dict, hbm_gbps: float, memory_gb: float, nvlink_each_way_gbps: float,
+            nic_gbit: float, gemm_efficiency: float, sms: int) -> Profile:
+    """A datasheet preset (_DATASHEET[name]) with the assumed fractions (_ASSUMED): NVLink busbw 80% of
+    its one-way rate, the network 90% of one NIC per GPU, streaming kernels at 80% of HBM."""
+    return Profile(name, peaks, hbm_gbps, memory_gb, 8, Link(0.8 * nvlink_each_way_gbps, 5.0),
+                   Link(0.9 * nic_gbit / 8, 10.0), gemm_efficiency, 0.8, sms=sms,
+                   sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED})
+
+
 PRESETS: dict[str, Profile] = {
-    "a100": Profile("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 8,
-                    Link(0.8 * 300.0, 5.0), Link(0.9 * 25.0, 10.0), 0.85, 0.8, sms=108,
-                    sources={"datasheet": _DATASHEET["a100"], "assumed": _ASSUMED}),
-    "h100": Profile("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 8,
-                    Link(0.8 * 450.0, 5.0), Link(0.9 * 50.0, 10.0), 0.75, 0.8, sms=132,
-                    sources={"datasheet": _DATASHEET["h100"], "assumed": _ASSUMED}),
-    "h200": Profile("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 8,
-                    Link(0.8 * 450.0, 5.0), Link(0.9 * 50.0, 10.0), 0.75, 0.8, sms=132,
-                    sources={"datasheet": _DATASHEET["h200"], "assumed": _ASSUMED}),
-    "b200": Profile("b200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0}, 8000.0, 180.0, 8,
-                    Link(0.8 * 900.0, 5.0), Link(0.9 * 50.0, 10.0), 0.72, 0.8, sms=148,
-                    sources={"datasheet": _DATASHEET["b200"], "assumed": _ASSUMED}),
+    "a100": _preset("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 300.0, 200.0, 0.85, 108),
+    "h100": _preset("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 450.0, 400.0, 0.75, 132),
+    "h200": _preset("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 450.0, 400.0, 0.75, 132),
+    "b200": _preset("b200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0}, 8000.0, 180.0, 900.0, 400.0, 0.72, 148),
 }
 
 
