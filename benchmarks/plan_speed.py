@@ -51,7 +51,7 @@ def main() -> None:
     from ledger.plan import search
 
     cfg = compose()
-    model, hw, sp, bases = ModelShape.from_config(cfg.model), hardware(cfg.plan), space(cfg), framework_bases(cfg)
+    model, hw, sp, bases = ModelShape.from_config(cfg.model), hardware(cfg.plan, cfg.hardware), space(cfg), framework_bases(cfg)
     runs = []
     for _ in range(args.repeat):
         _clear_caches()

@@ -285,12 +285,8 @@ class PlanConfig:
     # recompute settings tried, each by the framework's own knob (ledger/plan.py recompute_knobs):
     # none | selective | full (DeepSpeed has no selective: skipped there)
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
-    # the roofline step-time estimate (ledger/plan.py estimate; an estimate, never a measurement):
-    # H100 SXM dense bf16, NVLink 4 (450 GB/s one way) and one 400 Gb/s NIC per GPU
-    peak_tflops: float = 989.0
-    mfu: float = 0.4
-    nvlink_gbps: float = 3600.0  # Gb/s per GPU, one direction
-    network_gbps: float = 400.0
+    # the machine's peak, efficiency and links are the hardware.* profile's (ledger/timing/hardware.py):
+    # the step-time model times fitting rows on it, the roofline (ledger/plan.py estimate) the rest
     sort: str = "time"  # time | peak | wire
     top: int = 20  # rows of the printed table, detailed per stage in plan.json
     sweep_top: int = 3  # rows written as the ready sweep

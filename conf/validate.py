@@ -176,10 +176,9 @@ def validate_plan(p, model, layout=None) -> None:
     if why:
         raise ConfigError(why)
     _at_least("plan", p, ("sweep_top",), 0)
-    _positive("plan", p, ("gpu_memory_gb", "memory_fraction", "peak_tflops", "mfu", "nvlink_gbps", "network_gbps"))
-    for n in ("memory_fraction", "mfu"):
-        if p[n] > 1:
-            raise ConfigError(f"plan.{n}={p[n]} must be <= 1 (a fraction)")
+    _positive("plan", p, ("gpu_memory_gb", "memory_fraction"))
+    if p.memory_fraction > 1:
+        raise ConfigError(f"plan.memory_fraction={p.memory_fraction} must be <= 1 (a fraction)")
     if p.gpus_per_node < p.gpus and p.gpus % p.gpus_per_node:
         raise ConfigError(f"plan.gpus={p.gpus} must be a multiple of plan.gpus_per_node={p.gpus_per_node} "
                           "(whole nodes)")
@@ -254,6 +253,15 @@ def validate_config(cfg) -> None:
         raise ConfigError("probe.fsdp_mem_tracker=true needs real tensors: not with cluster=fake")
     if "campaign" in cfg:
         validate_campaign(cfg.campaign)
+    if "hardware" in cfg:
+        validate_hardware(cfg.hardware)
+
+
+def validate_hardware(hw) -> None:
+    """hardware.*: the profile it names (or its file) with its overrides builds (ledger/timing)."""
+    from ledger.timing import profile_of
+
+    profile_of(hw)
 
 
 def unknown_key(key: str) -> str | None:

@@ -32,22 +32,22 @@ from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED
 
 EST_NOTE = ("est_step_s of a fitting row is the step-time model's (ledger/timing: the ops on the hardware.* profile, "
             "its collectives, the simulated schedule; docs/steptime.md), never a measurement; MoE rows and rows that do "
-            "not fit keep the roofline (FLOPs / (gpus x plan.peak_tflops x plan.mfu) x (1 + bubble) + communication "
-            "not hidden: ledger/plan.py estimate)")
+            "not fit keep the roofline (FLOPs / (gpus x the profile's peak x its GEMM efficiency) x (1 + bubble) + "
+            "communication not hidden: ledger/plan.py estimate)")
 TE_NOTE = ("megatron: predicted with framework.transformer_impl=transformer_engine (Megatron-LM's default) unless "
            "set; a CPU run of the sweep builds the local spec")
 
 
-def hardware(p, hw_cfg=None) -> Hardware:
-    """The plan's machine; hw_cfg (the job's hardware.*): the profile its fitting rows' step time is
-    predicted on, with plan.gpus_per_node GPUs a node."""
-    prof = None
-    if hw_cfg is not None:
-        from ledger.timing import hardware as profiles, profile_of
+def hardware(p, hw_cfg) -> Hardware:
+    """The plan's machine: plan.gpus of plan.gpus_per_node a node, and the job's hardware.* profile, on
+    which the fitting rows' step time is predicted and the roofline of the others runs (its bf16 peak
+    at its GEMM efficiency, its links' bus bandwidth)."""
+    from ledger.timing import hardware as profiles, profile_of
 
-        prof = profiles.with_overrides(profile_of(hw_cfg), gpus_per_node=min(p.gpus_per_node, p.gpus))
+    prof = profiles.with_overrides(profile_of(hw_cfg), gpus_per_node=min(p.gpus_per_node, p.gpus))
     return Hardware(p.gpus, min(p.gpus_per_node, p.gpus), int(p.gpu_memory_gb * 1e9), p.memory_fraction,
-                    p.peak_tflops, p.mfu, p.nvlink_gbps, p.network_gbps, p.tp_across_nodes, prof)
+                    prof.peak("bf16") / 1e12, prof.gemm_efficiency, 8 * prof.intra.busbw_gbps,
+                    8 * prof.inter.busbw_gbps, p.tp_across_nodes, prof)
 
 
 def space(cfg) -> Space:
@@ -333,8 +333,8 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
             con.print(f"  {v['count']:6,} refused: {v['example']}", markup=False)
     for n in notes:
         con.print(f"* {n}" if n.startswith("peak") else f"note: {n}", markup=False)
-    con.print("** estimate, not a measurement; (node): the dim's groups lie inside a node (plan.nvlink_gbps), "
-              "(net): across nodes (plan.network_gbps)", markup=False)
+    con.print("** estimate, not a measurement; (node): the dim's groups lie inside a node, (net): across nodes "
+              f"(the {hw.profile.target} profile's links)", markup=False)
     con.print(f"searched in {plan.seconds:.2f} s", markup=False)
     if sweep:
         for run in sweep["runs"]:

@@ -82,7 +82,7 @@ class Hardware:
     gpu_memory_bytes: int
     memory_fraction: float
     peak_tflops: float
-    mfu: float
+    efficiency: float  # the fraction of peak_tflops the roofline's FLOPs run at (the profile's GEMM efficiency)
     nvlink_gbps: float  # Gb/s per GPU, one direction, inside a node
     network_gbps: float  # Gb/s per GPU, one direction, between nodes
     tp_across_nodes: bool = False
@@ -296,7 +296,7 @@ def overlaps(framework: str, fw) -> bool:
 def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict) -> dict:
     """A roofline step-time estimate, not a measurement:
 
-        compute_s = (FLOPs per step + recompute's, recompute_flops) / (gpus x peak_tflops x mfu) x (1 + bubble)
+        compute_s = (FLOPs per step + recompute's, recompute_flops) / (gpus x peak_tflops x efficiency) x (1 + bubble)
         comm_s[d] = wire bytes of dim d x 8 / (nvlink_gbps if its groups are inside a node else
                     network_gbps) x 1e-9
         exposed   = TP, CP, PP and any other dim in full; the data-parallel dims (dp, dp_replicate,
@@ -306,7 +306,7 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
 
     wire bytes are the most-loaded rank's (ring algorithm, what one rank sends)."""
     flops = step_flops(model, lay) + recompute_flops(model, lay, framework, fw)
-    compute = flops / (hw.gpus * hw.peak_tflops * 1e12 * hw.mfu) * (1 + bubble(lay))
+    compute = flops / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency) * (1 + bubble(lay))
     ov = overlaps(framework, fw)
     dp_s = other_s = 0.0
     for d, b in wire.items():
@@ -385,7 +385,7 @@ def _step_time(model: ModelShape, lay: Layout, c: Candidate, hw: Hardware, row: 
 
     spec = frameworks.get(c.framework)
     if spec.time_policy is None or model.is_moe:
-        row.est["model"] = "roofline (plan.peak_tflops x plan.mfu): the step-time model does not cover MoE"
+        row.est["model"] = "roofline (the profile's peak x its GEMM efficiency): the step-time model does not cover MoE"
         return
     st = step_time(model, lay, row.placement, spec.time_policy(c.fw, lay, hw.profile.device), hw.profile)
     row.est = {"model": "step time (ledger/timing)", "target": st.target, "est_step_s": st.step_s, "mfu": st.mfu,

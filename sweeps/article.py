@@ -66,7 +66,7 @@ def question(measured_mfu: float, hw_name: str) -> int:
     q = QUESTION
     model = preset(q["model"], seq_len=q["seq_len"])
     prof = hardware.profile(hw_name, gpus_per_node=8)
-    hw = Hardware(q["gpus"], 8, int(prof.memory_gb * 1e9), 0.9, prof.peak("bf16") / 1e12, 0.4,
+    hw = Hardware(q["gpus"], 8, int(prof.memory_gb * 1e9), 0.9, prof.peak("bf16") / 1e12, prof.gemm_efficiency,
                   8 * prof.intra.busbw_gbps, 8 * prof.inter.busbw_gbps,
                   profile=prof)
     gbs = q["tokens"] // q["seq_len"]

@@ -364,7 +364,7 @@ def test_planner_enumerates_expert_parallelism_for_megatron_moe():
     m = preset("mixtral_8x7b")
     assert expert_degrees(m, "megatron", 8) == [1, 2, 4, 8] and expert_degrees(m, "megatron", 12) == [1, 2, 4]
     assert expert_degrees(m, "titan", 8) == [1, 2, 4, 8] and expert_degrees(preset("tiny"), "megatron", 8) == [1]
-    hw = Hardware(gpus=64, gpus_per_node=8, gpu_memory_bytes=80e9, memory_fraction=0.9, peak_tflops=989.0, mfu=0.4,
+    hw = Hardware(gpus=64, gpus_per_node=8, gpu_memory_bytes=80e9, memory_fraction=0.9, peak_tflops=989.0, efficiency=0.4,
                   nvlink_gbps=3600.0, network_gbps=400.0)
     plan = search(m, hw, Space(global_batch_size=256, micro_batch_sizes=(1,), vps=(1,), max_cp=1),
                   {"megatron": asdict(MegatronConfig())})

@@ -182,7 +182,7 @@ def test_estimate_is_the_documented_roofline():
     ("plan.gpus=0", "plan.gpus=0 must be >= 1"),
     ("plan.gpus=12", "plan.gpus=12 must be a multiple of plan.gpus_per_node=8"),
     ("plan.memory_fraction=1.5", "plan.memory_fraction=1.5 must be <= 1"),
-    ("plan.mfu=0", "plan.mfu=0.0 must be > 0"),
+    ("plan.gpu_memory_gb=0", "plan.gpu_memory_gb=0.0 must be > 0"),
     ("plan.global_batch_tokens=1000", "plan.global_batch_tokens=1000 must be a multiple of model.seq_len=128"),
     ("plan.sort=fast", "plan.sort='fast' must be one of time, peak, wire"),
     ("plan.micro_batch_sizes=[0]", "plan.micro_batch_sizes has 0: each must be an integer >= 1"),
