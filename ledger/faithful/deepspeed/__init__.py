@@ -2,7 +2,8 @@
 (zero12), ZeRO-3's states and collectives (zero3), what both derive from the model (common), ZeRO-3's
 module hook trace (trace), the parameter coordinator's replay (coordinator, its fast path skip), the
 gathered parameter memory at a moment (gathered), the gradient hooks in a backward (backward), the peak
-within a step (peak, its activations activations), DeepSpeed-MoE (moe), what it accepts (rules), its
+within a step (peak, its activations activations), DeepSpeed-MoE (moe), how its step runs for the
+step-time model (steptime), what it accepts (rules), its
 textbook formulas (textbook). Registered once as the framework "deepspeed"."""
 from ledger.faithful.deepspeed import moe, rules, steptime, textbook, zero
 from ledger.frameworks import FrameworkLedger, register

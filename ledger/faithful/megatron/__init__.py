@@ -2,7 +2,8 @@
 stage's parameters (pipeline), DDP buffers and the DP ranks' shards (buffers), the most-loaded rank
 without building buffers (heaviest), a rank's states and the layout's placement (states), a step's
 collectives (comm), what a micro-batch saves for backward (activations), the peak within a step
-(peak), Mixture-of-Experts (moe), what it accepts (rules), its textbook formulas (textbook).
+(peak), Mixture-of-Experts (moe), how its step runs for the step-time model (steptime), what it
+accepts (rules), its textbook formulas (textbook).
 Registered once as the framework "megatron"."""
 from ledger.faithful.megatron import moe, rules, states, steptime, textbook
 from ledger.frameworks import FrameworkLedger, register
