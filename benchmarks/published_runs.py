@@ -51,7 +51,6 @@ def framework_of(name: str, r: dict):
     from conf.schema import MegatronConfig, TitanConfig
 
     rc = r["recompute"] or "none"
-    opts = set(filter(None, r["options"].split(";")))
     if name == "titan":
         ac = {"none": "none", "full": "full"}.get(rc, "selective")
         return OmegaConf.structured(TitanConfig(activation_checkpoint=ac,
@@ -66,7 +65,6 @@ def framework_of(name: str, r: dict):
         kn.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif rc.startswith("selective"):
         kn.update(recompute_granularity="selective")
-    del opts
     return OmegaConf.structured(MegatronConfig(**kn))
 
 

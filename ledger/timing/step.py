@@ -133,17 +133,16 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                                                 link(hw, link_of(lay, c.dim, c.kind, hw.gpus_per_node))))
                    for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
                   for s in range(lay.pp)]
-    # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards
+    # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks)
     per_mb_tp = [sum(t for c, t in rows if c.dim not in DP_DIMS) / m for rows in stage_rows]
-    chunks_per_stage = vp
 
     def fwd_s(stage, chunk):
         return (chunk_layers(stage, chunk) * f_layer + (f_head if has_head(stage, chunk) else 0.0)
-                + per_mb_tp[stage] / 3 / chunks_per_stage)
+                + per_mb_tp[stage] / 3 / vp)
 
     def bwd_s(stage, chunk):
         return (chunk_layers(stage, chunk) * (b_layer + r_layer) + (b_head if has_head(stage, chunk) else 0.0)
-                + 2 * per_mb_tp[stage] / 3 / chunks_per_stage)
+                + 2 * per_mb_tp[stage] / 3 / vp)
 
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
@@ -153,16 +152,16 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p) if trace else None
     pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p)
 
-    def busy(s):
-        return m * sum(fwd_s(s, c) + bwd_s(s, c) for c in range(vp))
-    crit = max(range(lay.pp), key=busy)  # the critical stage: the most work
+    def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
+        return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))
+    crit = max(range(lay.pp), key=lambda s: sum(per_mb(s)))  # the critical stage: the most work
 
-    # DP on the critical stage, hidden as the framework hides it
+    # DP on the critical stage, hidden as the framework hides it: behind the first micro-batch's
+    # forward, the last one's backward, or every pass
     dp_exposed = {}
-    last_b = bwd_s(crit, 0) * chunks_per_stage
-    first_f = fwd_s(crit, 0) * chunks_per_stage
-    busy_f = sum(fwd_s(crit, c) for c in range(vp)) * m
-    busy_b = sum(bwd_s(crit, c) for c in range(vp)) * m
+    f_mb, b_mb = per_mb(crit)
+    busy_f, busy_b = m * f_mb, m * b_mb
+    first_f, last_b = fwd_s(crit, 0) * vp, bwd_s(crit, 0) * vp
     grad_t, param_t = {}, {}
     comm_s: dict[str, float] = {}
     for c, sec in stage_rows[crit]:
@@ -180,23 +179,22 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         hidden_p = {"exposed": 0.0, "first_forward": first_f, "every_pass": busy_f}[policy.dp_param]
         g_exp = max(0.0, g_all - hidden_g)
         p_exp = max(0.0, p_all - hidden_p)
-    for d, t in grad_t.items():
-        dp_exposed[d] = dp_exposed.get(d, 0.0) + (g_exp * t / g_all if g_all else 0.0)
-    for d, t in param_t.items():
-        dp_exposed[d] = dp_exposed.get(d, 0.0) + (p_exp * t / p_all if p_all else 0.0)
+    for part, total, exp in ((grad_t, g_all, g_exp), (param_t, p_all, p_exp)):  # each dim its share
+        for d, t in part.items():
+            dp_exposed[d] = dp_exposed.get(d, 0.0) + (exp * t / total if total else 0.0)
 
     st = placement.rank_state(_stage_of_rank(lay, crit))
     elements = st.optim_bytes / policy.optimizer_state_bytes
     opt_s = elements * policy.optimizer_traffic_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
     step = pipe_s + g_exp + p_exp + opt_s
 
-    # the waterfall of the critical stage
+    # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
+    # layers), the recompute's
     n_layers = sum(chunk_layers(crit, c) for c in range(vp))
     head = any(has_head(crit, c) for c in range(vp))
-    work_f = fwd_layer * n_layers + (head_f if head else [])
-    work_b = bwd_layer * n_layers + (head_b if head else [])
-    split = ops.split(work_f + work_b, hw)
-    rc = ops.split(rc_layer * n_layers, hw) if rc_layer else {"gemm": 0, "attention": 0, "memory": 0, "ideal": 0}
+    layer_split, head_split = ops.split(fwd_layer + bwd_layer, hw), ops.split(head_f + head_b, hw)
+    split = {k: n_layers * v + (head_split[k] if head else 0.0) for k, v in layer_split.items()}
+    rc = {k: n_layers * v for k, v in ops.split(rc_layer, hw).items()}
     ideal = split["ideal"] * m
     tp_exposed = per_mb_tp[crit] * m
     # every TP / CP / EP call is exposed (per_mb_tp is their sum); the p2p transfers sit inside the
@@ -204,7 +202,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     exposed = {d: t for d, t in comm_s.items() if d not in DP_DIMS}
     assert abs(sum(exposed.values()) - tp_exposed) <= 1e-9 * max(1.0, tp_exposed)
     exposed.update(dp_exposed)
-    bubble = pipe_s - busy(crit)
+    bubble = pipe_s - busy_f - busy_b
     waterfall = [("model FLOPs at peak", ideal),
                  ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
                  ("memory-bound ops", split["memory"] * m),

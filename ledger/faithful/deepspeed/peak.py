@@ -281,9 +281,7 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
     last_loss = 0 if mb or first else FP32  # step 0 follows no step
     parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
              "temporary": sum(temp.values()), "unnamed": last_loss}
-    detail = {"resident/params": i.params_resident - (i.persist if first else 0), "resident/grads": i.grads_resident,
-              "resident/optim": i.optim - (2 * FP32 * i.part + FP32 if first else 0),
-              "resident/other": 1 if first else st.norm_dtype + 1}
+    detail = st.resident_lines(first)
     detail.update({f"activations/{k}": v for k, v in acts.items()})
     detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
     detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
