@@ -159,9 +159,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     # DP on the critical stage, hidden as the framework hides it: behind the first micro-batch's
     # forward, the last one's backward, or every pass
     dp_exposed = {}
-    f_mb, b_mb = per_mb(crit)
-    busy_f, busy_b = m * f_mb, m * b_mb
-    first_f, last_b = fwd_s(crit, 0) * vp, bwd_s(crit, 0) * vp
+    first_f, last_b = per_mb(crit)
+    busy_f, busy_b = m * first_f, m * last_b
     grad_t, param_t = {}, {}
     comm_s: dict[str, float] = {}
     for c, sec in stage_rows[crit]:
