@@ -174,6 +174,9 @@ class ClusterConfig:
     kind: str = "local"  # local | slurm | fake
     backend: str = "gloo"  # gloo | nccl | fake (torch's fake process group: collectives move no data)
     device: str = "cpu"  # cpu | cuda | fake (FakeTensorMode: tensors have shapes and no data)
+    # the run predictions are for (ledger/target.py): cpu-gloo | cuda-nccl; None: by the mode (run measures
+    # this machine: cpu-gloo on a CPU; predict / plan / dry describe a GPU run: cuda-nccl)
+    target: Optional[str] = None
     ranks: int = 2  # ranks per node (local: processes on this machine)
     nodes: int = 1
     timeout_s: int = 900

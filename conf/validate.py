@@ -13,6 +13,7 @@ import re
 
 from ledger import frameworks
 from ledger import limits
+from ledger import target as targets
 from ledger.checks import at_least as _at_least, at_most as _at_most, one_of as _one_of, positive as _positive
 from ledger.layout import ConfigError
 
@@ -242,6 +243,7 @@ def validate_config(cfg) -> None:
     if cfg.mode == "plan":
         validate_plan(cfg.plan, cfg.model, cfg.layout)
     validate_cluster(cfg.cluster)
+    targets.validate(cfg.mode, cfg.cluster)
     validate_train(cfg.train)
     validate_ledger(cfg.ledger)
     validate_wandb(cfg.wandb)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 import records
 from conf import hf
 from conf.validate import validate_config
-from ledger import frameworks
+from ledger import frameworks, target as targets
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape
 from ledger.parallel import predict
@@ -86,11 +86,16 @@ def apply_knobs(cfg) -> list[str]:
 
 
 def fill_mode_defaults(cfg) -> None:
-    """Knobs whose default depends on the job's mode, set before the record copies the config (so
-    the record says what was predicted and run): the framework's ledger fills them (Megatron's
+    """Knobs whose default depends on the job's mode and target, set before the record copies the config
+    (so the record says what was predicted and run): the framework's ledger fills them (Megatron's
     transformer_impl: ledger/faithful/megatron/rules.py fill_mode_defaults)."""
     if cfg.framework.name in frameworks.names():
-        frameworks.get(cfg.framework.name).fill_mode_defaults(cfg.framework, cfg.mode)
+        frameworks.get(cfg.framework.name).fill_mode_defaults(cfg.framework, cfg.mode, target_of(cfg))
+
+
+def target_of(cfg) -> str:
+    """The run the job's prediction is for (ledger/target.py): the cluster's, or by the mode."""
+    return targets.of(cfg.mode, cfg.cluster)
 
 
 def away_from_framework_defaults(fw) -> list[str]:
@@ -153,7 +158,11 @@ def check(cfg):
         fake_ranks_in_world(cfg.cluster, lay.world)
         if cfg.mode == "run":
             fake_layout_supported(cfg.framework.name, lay, model)
-    pl = predict(model, lay, cfg.framework, cfg.ledger.mode)
+    pl = predict(model, lay, cfg.framework, cfg.ledger.mode, target=target_of(cfg))
+    if pl.target == targets.CUDA_NCCL:  # what a GPU rank holds beside its tensors (ledger/cuda.py)
+        from ledger import cuda
+
+        pl.outside_allocator = cuda.outside_allocator(pl)
     if cfg.mode == "run" and cfg.cluster.kind == "local":  # every rank on this machine: can it hold them?
         from launchers.local import local_world_error
         from ledger.report import heaviest_rank
@@ -223,11 +232,11 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         except ConfigError as e:
             return invalid_record(cfg, job_dir, str(e)) if writes_record else {"status": "invalid", "error": str(e)}
         pred = pl.to_dict()
-        # the run the peak follows (cpu-gloo: the CPU harness's rules; cuda-nccl: a GPU run's, from sources)
-        target = frameworks.get(cfg.framework.name).peak_target(cfg.framework) if cfg.ledger.mode == "faithful" \
-            else None
-        if target is not None:
-            pred["peak_target"] = {"target": target[0], "follows": target[1]}
+        # the run the prediction is for (cpu-gloo: the CPU harness's rules; cuda-nccl: a GPU run's, from
+        # sources) and what its peak rests on
+        basis = frameworks.get(cfg.framework.name).peak_basis(cfg.framework, pl.target) if pl.target else None
+        if basis:
+            pred["peak_basis"] = basis
         try:
             st = _step_time(cfg, model, lay, pl)
         except ConfigError as e:
@@ -244,15 +253,15 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
         record["timings"]["predict_s"] = time.time() - t0
         if writes_record:
             print(pl.report(away_from_defaults=record["knobs_away_from_defaults"]))
-            if target is not None:
-                print(f"peak for {target[0]}: {target[1]}")
+            if basis:
+                print(f"peak for {pl.target}: {basis}")
             from ledger.timing.step import render
 
             print(st if isinstance(st, str) else render(st))
             if cfg.cluster.get("gpu_memory_gb"):
                 from ledger.report import fit_verdict
 
-                print(fit_verdict(pl, cfg.cluster.gpu_memory_gb, cfg.plan.memory_fraction, target))
+                print(fit_verdict(pl, cfg.cluster.gpu_memory_gb, cfg.plan.memory_fraction))
         if cfg.mode == "dry":
             mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
             record["artifacts"] = mod.dry(cfg, lay, job_dir)

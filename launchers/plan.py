@@ -38,7 +38,7 @@ TE_NOTE = ("megatron: predicted with framework.transformer_impl=transformer_engi
            "set; a CPU run of the sweep builds the local spec")
 
 
-def hardware(p, hw_cfg) -> Hardware:
+def hardware(p, hw_cfg, target: str = "") -> Hardware:
     """The plan's machine: plan.gpus of plan.gpus_per_node a node, and the job's hardware.* profile, on
     which the fitting rows' step time is predicted and the roofline of the others runs (its bf16 peak
     at its GEMM efficiency, its links' bus bandwidth)."""
@@ -47,7 +47,7 @@ def hardware(p, hw_cfg) -> Hardware:
     prof = profiles.with_overrides(profile_of(hw_cfg), gpus_per_node=min(p.gpus_per_node, p.gpus))
     return Hardware(p.gpus, min(p.gpus_per_node, p.gpus), int(p.gpu_memory_gb * 1e9), p.memory_fraction,
                     prof.peak("bf16") / 1e12, prof.gemm_efficiency, 8 * prof.intra.busbw_gbps,
-                    8 * prof.inter.busbw_gbps, p.tp_across_nodes, prof)
+                    8 * prof.inter.busbw_gbps, p.tp_across_nodes, prof, target)
 
 
 def space(cfg) -> Space:
@@ -74,7 +74,9 @@ def framework_bases(cfg) -> dict[str, dict]:
 def run_plan(cfg, job_dir: str) -> dict:
     """Plan into job_dir; returns the record's "plan" part (counts, refusals, top rows, files)."""
     model = ModelShape.from_config(cfg.model)
-    hw, sp = hardware(cfg.plan, cfg.hardware), space(cfg)
+    from ledger import target
+
+    hw, sp = hardware(cfg.plan, cfg.hardware, target.of(cfg.mode, cfg.cluster)), space(cfg)
     bases = framework_bases(cfg)
     plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort, watch=[dict(w) for w in cfg.plan.watch])
     t0 = time.perf_counter()
@@ -117,7 +119,7 @@ def run_plan(cfg, job_dir: str) -> dict:
                      f"{plan.refused_unlisted:,} more are counted under their reasons above, not listed")
     if "megatron" in bases and not bases["megatron"].get("transformer_impl"):
         notes.append(TE_NOTE)
-    summary = {"model": cfg.model.name, "num_params": model.num_params(), "ledger": cfg.ledger.mode,
+    summary = {"model": cfg.model.name, "num_params": model.num_params(), "ledger": cfg.ledger.mode, "target": hw.target,
                "hardware": hw.__dict__,
                "global_batch_size": sp.global_batch_size, "tokens_per_step": sp.global_batch_size * model.seq_len,
                "sort": cfg.plan.sort, "counts": plan.counts, "refused": plan.refused, "search_s": plan.seconds,
@@ -307,7 +309,9 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
     con.print(table(f"plan: {cfg.model.name} on {hw.gpus:,} GPUs ({hw.gpus_per_node}/node, {hw.gpu_memory_bytes / 1e9:g} GB, "
                     f"fits at <= {hw.budget_bytes / 1e9:.1f} GB), global batch {gbs:,} "
                     f"sequences: top {len(top)} of {sum(c['fits'] for c in plan.counts.values())} fitting "
-                    f"({n_all:,} layouts, sorted by {cfg.plan.sort})", top))
+                    f"({n_all:,} layouts, sorted by {cfg.plan.sort})"
+                    + (f"; peaks for {hw.target}" + (" + what a rank holds beside its tensors (ledger/cuda.py)"
+                                                     if hw.target == "cuda-nccl" else "") if hw.target else ""), top))
     if len(best) > 1:
         con.print(table("the best fitting layout of each framework", [r for r in best.values() if r]))
     for fw, r in best.items():  # where each framework's best step goes (ledger/timing/step.py waterfall)

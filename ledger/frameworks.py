@@ -47,8 +47,9 @@ class FrameworkLedger:
     model_config_error: Callable[[Any], Optional[str]] = lambda model_cfg: None
     run_error: Callable[[Any, Any], Optional[str]] = _nothing
     fake_error: Callable[[Any], Optional[str]] = _nothing  # what it cannot run on cluster=fake (the layout)
-    # knobs whose default depends on the mode (predict / run / dry / plan): fill_mode_defaults(fw, mode)
-    fill_mode_defaults: Callable[[Any, str], None] = _nothing
+    # knobs whose default depends on the mode (predict / run / dry / plan) and the prediction's target
+    # (ledger/target.py): fill_mode_defaults(fw, mode, target)
+    fill_mode_defaults: Callable[[Any, str, str], None] = _nothing
     # its rules in the textbook ledger (ledger/textbook.py): a module with state(...), peak (or None),
     # DP_OVER_CP (whether CP ranks share its data-parallel reduction) and NOTES
     textbook: Any = None
@@ -74,14 +75,11 @@ class FrameworkLedger:
     # knob -> what the framework itself does when the knob is left unset, where train-ledger's default
     # (conf/schema.py) is not that: a job's table lists every knob away from the framework's own
     own_defaults: dict = field(default_factory=dict)
-    # the run a peak prediction follows, as peak_target(fw) -> (target, what it rests on): "cpu-gloo" for
-    # the CPU harness's rules (gloo's staging copies, CPU kernels and optimizer temporaries, which the CPU
-    # runs confirm), "cuda-nccl" where the ledger follows a GPU run's rules from the sources
-    peak_target: Callable[[Any], tuple] = lambda fw: (CPU_GLOO, "the CPU harness's rules (gloo's staging copies, "
-                                                      "CPU attention and AdamW temporaries), confirmed by CPU runs")
+    # what the peak of a prediction for a target (ledger/target.py) rests on: peak_basis(fw, target) -> str,
+    # from the framework's target rules (ledger/faithful/<name>/target.py)
+    peak_basis: Callable[[Any, str], str] = lambda fw, target: ""
 
 
-CPU_GLOO, CUDA_NCCL = "cpu-gloo", "cuda-nccl"
 _REGISTRY: dict[str, FrameworkLedger] = {}
 
 

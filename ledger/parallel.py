@@ -25,9 +25,11 @@ def place(model: ModelShape, state: StateBytes | None, cfg, world: int | None = 
     return predict(model, lay, fw, cfg.ledger.mode if "ledger" in cfg else "faithful", state)
 
 
-def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: StateBytes | None = None) -> Placement:
+def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: StateBytes | None = None,
+            target: str | None = None) -> Placement:
     """place() for a resolved and validated layout (the framework's faithful ledger may still refuse
-    what it does not model, with a ConfigError)."""
+    what it does not model, with a ConfigError). target: the run predicted (ledger/target.py); None:
+    the framework's variant decides (the CPU harness's, Megatron's TransformerEngine spec a GPU's)."""
     if mode == "textbook":
         from ledger import textbook
 
@@ -35,9 +37,8 @@ def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: S
     if mode != "faithful":
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
     spec = frameworks.get(fw.name)
-    if model.is_moe:  # each framework's MoE ledger beside its dense one
-        return spec.place_moe(model, lay, fw)
-    return spec.place(model, lay, fw)
+    # each framework's MoE ledger beside its dense one
+    return (spec.place_moe if model.is_moe else spec.place)(model, lay, fw, target)
 
 
 def report(model: ModelShape, cfg, world: int | None = None) -> str:

@@ -320,6 +320,10 @@ class Placement:
     stage_representatives: Optional[Callable[[int], list[int]]] = None
     # the framework's variant the prediction follows where it has several (Megatron's transformer_impl)
     spec: str = ""
+    # the run the prediction is for (ledger/target.py: cpu-gloo or cuda-nccl; "" for the textbook ledger)
+    target: str = ""
+    # cuda-nccl: device memory outside PyTorch's allocator per rank, named (ledger/cuda.py fixed_costs)
+    outside_allocator: dict[str, int] = field(default_factory=dict)
     _per_gpu: Optional[RankState] = None
 
     @property
@@ -396,6 +400,10 @@ class Placement:
         }
         if self.spec:  # only where a framework has variants: the other records stay as they were
             out["spec"] = self.spec
+        if self.target:
+            out["target"] = self.target
+        if self.outside_allocator:
+            out["outside_allocator"] = dict(self.outside_allocator)
         return out
 
     def report(self, max_rows: int = 16, away_from_defaults: list[str] | None = None) -> str:

@@ -29,7 +29,9 @@ from ledger.units import peak_or_resident
 from ledger.grid import DIMS, link_of
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
+from ledger.cuda import outside_allocator
 from ledger.parallel import predict
+from ledger.target import CUDA_NCCL
 
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
@@ -88,6 +90,10 @@ class Hardware:
     tp_across_nodes: bool = False
     # ledger/timing/hardware.py Profile: a fitting row's step time (step_time); None: the roofline only
     profile: object = None
+    # the run the rows are predicted for (ledger/target.py); "": each framework's default (the CPU
+    # harness's rules; Megatron's spec's). A cuda-nccl row's fit adds what a rank holds beside its
+    # tensors (ledger/cuda.py)
+    target: str = ""
 
     @property
     def budget_bytes(self) -> float:
@@ -126,6 +132,10 @@ class Row:
     reason: Optional[str] = None
     peak_bytes: Optional[int] = None
     peak_includes: str = ""
+    # cuda-nccl: the CUDA context, NCCL's and cuBLAS's buffers per rank (ledger/cuda.py), added to the peak
+    # for the fit
+    outside_allocator_bytes: int = 0
+    target: str = ""  # the run the row is predicted for (ledger/target.py)
     resident_bytes: Optional[int] = None
     state_bytes: dict = field(default_factory=dict)  # params / grads / optim / other of the most-loaded rank
     stage: Optional[int] = None  # pipeline stage of the most-loaded rank
@@ -156,6 +166,7 @@ class Row:
     def to_dict(self) -> dict:
         return {"framework": self.framework, "layout": self.layout, "knobs": self.knobs, "fits": self.fits,
                 "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": self.peak_includes,
+                "outside_allocator_bytes": self.outside_allocator_bytes, "target": self.target,
                 "resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes, "stage": self.stage,
                 "wire_bytes": self.wire_bytes, "links": self.links, "bubble": self.bubble,
                 "est_step_s": self.est_step_s, "est": self.est, "reason": self.reason,
@@ -335,7 +346,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
             # what the framework refuses to start (Megatron: MoE with tp > 1 and no SP) is refused here
             # as by launchers/job.py; the layout that it accepts is its own candidate
             raise ConfigError(why)
-        pl = predict(model, lay, c.fw, mode)
+        pl = predict(model, lay, c.fw, mode, target=hw.target or None)
         g = pl.per_gpu
         comm = g.comm
     except ConfigError as e:
@@ -357,6 +368,9 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         row.reason, row.placement = str(e), None
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
+    row.target = pl.target
+    if pl.target == CUDA_NCCL:
+        row.outside_allocator_bytes = sum(outside_allocator(pl).values())
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}
@@ -365,14 +379,16 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     row.bubble = bubble(lay)
     row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
     row.est_step_s = row.est["est_step_s"]
-    if row.peak_bytes <= hw.budget_bytes:
+    if row.peak_bytes + row.outside_allocator_bytes <= hw.budget_bytes:
         row.status = "fits"
         if hw.profile is not None and mode == "faithful":
             _step_time(model, lay, c, hw, row)
     else:
         row.status = "too_big"
         what = "predicted peak" if row.peak_includes == PEAK_INCLUDES else "resident state only"
-        row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}) > plan.memory_fraction x "
+        beside = (f" + {row.outside_allocator_bytes / 1e9:.2f} GB beside the tensors"
+                  if row.outside_allocator_bytes else "")
+        row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}){beside} > plan.memory_fraction x "
                       f"plan.gpu_memory_gb = {hw.budget_bytes / 1e9:.2f} GB")
     return row
 

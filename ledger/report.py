@@ -54,6 +54,7 @@ def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | 
                 v = getattr(s, k)
                 st[k] = [min(st[k][0], v), max(st[k][1], v)]
     spec = f", {pl.spec}" if pl.spec else ""
+    spec += f", for {pl.target}" if pl.target else ""
     t = Table(title=f"{pl.framework} ({pl.mode}{spec}) {pl.model.get('name', '')} "
                     f"N={pl.model['num_params']:,} world={pl.world}: state bytes per rank at a step boundary"
                     + (f"\nknobs away from {pl.framework}'s own defaults: {', '.join(away_from_defaults)}"
@@ -83,28 +84,41 @@ def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | 
     for x in pl.comm:
         c.add_row(x.dim, x.kind, x.dtype, str(x.count), fmt(x.buffer_bytes), fmt(x.wire_bytes), x.what)
     con.print(c)
+    if pl.outside_allocator:
+        con.print(f"beside the tensors, per rank ({pl.target}, ledger/cuda.py): "
+                  f"{fmt(sum(pl.outside_allocator.values()))}", markup=False)
+        for what, b in pl.outside_allocator.items():
+            con.print(f"  {fmt(b):>10}  {what}", markup=False)
     for n in pl.notes:
         con.print(f"note: {n}", markup=False)
     return buf.getvalue()
 
 
-def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float, target: tuple | None = None) -> str:
+def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -> str:
     """Whether the heaviest rank fits the cluster's GPUs: its predicted peak within a step (its resident
     state where the ledger predicts no peak, said so) against memory_fraction x gpu_memory_gb, the
-    planner's rule (ledger/plan.py). target: the run the peak follows (FrameworkLedger.peak_target); a
-    verdict on a peak of the CPU harness's rules says that a GPU run's differs."""
+    planner's rule (ledger/plan.py), with the device memory outside PyTorch's allocator a cuda-nccl
+    prediction names (Placement.outside_allocator); a verdict on a peak of the CPU harness's rules
+    (target cpu-gloo) says that a GPU run's differs."""
     from ledger.units import peak_or_resident
 
     best_rank, best = heaviest_rank(pl)
-    need, budget = peak_or_resident(best), memory_fraction * gpu_memory_gb * 1e9
+    fixed = sum(pl.outside_allocator.values())
+    need, budget = peak_or_resident(best) + fixed, memory_fraction * gpu_memory_gb * 1e9
     what = "predicted peak" if best.peak is not None else "resident state (no peak predicted for this layout)"
+    if fixed:
+        what += f" + {fmt(fixed)} beside the tensors (CUDA context, NCCL, cuBLAS)"
     verdict = "fits" if need <= budget else "does NOT fit"
     line = (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
             f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
             f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
-    if target is not None and target[0] != "cuda-nccl" and best.peak is not None:
-        line += (f"\n  this peak follows {target[0]} rules: a GPU run's differs (its kernels, NCCL and the CUDA "
-                 "allocator are not modelled for this framework)")
+    if pl.target == "cuda-nccl":
+        line += (f"\n  headroom {fmt(budget - need)} below the budget, {fmt(gpu_memory_gb * 1e9 - need)} below the GPU's "
+                 "memory; the CUDA allocator's rounding and fragmentation are not predicted (the budget's "
+                 f"{1 - memory_fraction:.0%} is kept for them); from sources, no GPU run has confirmed this target")
+    if pl.target == "cpu-gloo" and best.peak is not None:
+        line += ("\n  this peak follows cpu-gloo rules (the CPU harness): a GPU run's differs; predict it for a GPU "
+                 "cluster (cluster=local_gpu or cluster.target=cuda-nccl)")
     return line
 
 

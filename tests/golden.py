@@ -36,7 +36,10 @@ def _fw(name: str, **kw) -> list[str]:
         if isinstance(v, bool):
             return str(v).lower()
         return "null" if v is None else str(v)
-    return [f"framework={name}"] + [f"framework.{k}={val(v)}" for k, v in kw.items()]
+    # the CPU harness's rules for DeepSpeed and torchtitan (cpu-gloo, what the CPU runs confirm); Megatron's
+    # cases predict the TransformerEngine spec for a GPU run, predict's default (a GPU cluster's target)
+    cluster = [] if name == "megatron" else ["cluster=local_cpu"]
+    return [f"framework={name}"] + [f"framework.{k}={val(v)}" for k, v in kw.items()] + cluster
 
 
 def megatron_cases():
@@ -147,6 +150,24 @@ def moe_cases():
     yield "megatron-moe/refused/grouped", ["model=tiny_moe", *_fw("megatron", moe_grouped_gemm=True), *_lay(1, 1, 2, ep=2)]
 
 
+def gpu_target_cases():
+    """The same layouts for a GPU run (cuda-nccl: ledger/faithful/<name>/target.py) beside the CPU harness's."""
+    gpu = ["cluster=local_gpu"]
+    yield "cuda/titan/llama3_8b/fsdp8-selective", ["model=llama3_8b", "model.seq_len=8192", "framework=titan",
+                                                   "framework.activation_checkpoint=selective", *gpu,
+                                                   *_lay(1, 1, 8, micro_batch_size=2)]
+    yield "cuda/titan/llama3_1b/tp2-sp-none", ["model=llama3_1b", "framework=titan", "framework.activation_checkpoint=none",
+                                               *gpu, *_lay(2, 1, 4, sequence_parallel=True)]
+    yield "cuda/titan/llama3_1b/pp2", ["model=llama3_1b", "framework=titan", *gpu, *_lay(1, 2, 4, global_batch_size=16)]
+    for z in (1, 2, 3):
+        yield f"cuda/deepspeed/llama3_1b/z{z}", ["model=llama3_1b", "framework=deepspeed", f"framework.zero_stage={z}",
+                                                 *gpu, *_lay(1, 1, 8)]
+    yield "cuda/megatron/llama3_1b/local", ["model=llama3_1b", "framework=megatron", "framework.transformer_impl=local",
+                                            "framework.use_distributed_optimizer=true", *gpu, *_lay(2, 2, 2, global_batch_size=16)]
+    yield "cpu/megatron/llama3_1b/local-target", ["model=llama3_1b", "framework=megatron", "cluster=local_cpu",
+                                                  "framework.use_distributed_optimizer=true", *_lay(2, 2, 2, global_batch_size=16)]
+
+
 def textbook_cases():
     for fw, lay in (("megatron", _lay(2, 2, 2, sequence_parallel=True, global_batch_size=16)),
                     ("megatron", _lay(1, 1, 8)), ("megatron", _lay(8, 4, 2, global_batch_size=16)),
@@ -179,7 +200,8 @@ def cpu_sized_cases():
 
 
 def corpus() -> list[tuple[str, list[str]]]:
-    cases = [*megatron_cases(), *deepspeed_cases(), *titan_cases(), *moe_cases(), *textbook_cases(), *cpu_sized_cases()]
+    cases = [*megatron_cases(), *deepspeed_cases(), *titan_cases(), *moe_cases(), *textbook_cases(), *cpu_sized_cases(),
+             *gpu_target_cases()]
     names = [n for n, _ in cases]
     assert len(names) == len(set(names)), "case names must be unique"
     return cases

@@ -1,9 +1,12 @@
 """The structured config: composition, typos and types rejected, presets in one place."""
+import re
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from conf.schema import register
+from ledger.errors import ConfigError
 from tests.conftest import REPO, compose_config
 
 register()
@@ -14,8 +17,33 @@ _compose = compose_config
 
 def test_default_composition():
     cfg = _compose()
-    assert cfg.model.name == "tiny" and cfg.cluster.name == "local_cpu" and cfg.mode == "run"
+    assert cfg.model.name == "tiny" and cfg.cluster.name == "default" and cfg.mode == "run"
     assert cfg.framework.name == "deepspeed" and cfg.ledger.mode == "faithful"
+
+
+@pytest.mark.parametrize("overrides,target", [
+    ([], "cpu-gloo"),  # mode=run on the default cluster measures this machine's CPU
+    (["mode=predict"], "cuda-nccl"), (["mode=plan", "plan.gpus=8", "layout.global_batch_size=16"], "cuda-nccl"), (["mode=dry"], "cuda-nccl"),
+    (["mode=predict", "cluster=local_cpu"], "cpu-gloo"), (["mode=predict", "cluster=local_gpu"], "cuda-nccl"),
+    (["cluster=fake"], "cpu-gloo"), (["mode=predict", "cluster.target=cpu-gloo"], "cpu-gloo"),
+    (["cluster=local_slurm"], "cpu-gloo"), (["mode=dry", "cluster=slurm_gpu_example"], "cuda-nccl")])
+def test_the_cluster_decides_the_target(overrides, target):
+    from conf.validate import validate_config
+    from launchers.job import target_of
+
+    cfg = _compose(*overrides)
+    validate_config(cfg)
+    assert target_of(cfg) == target
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["cluster.target=cuda-nccl"], "mode=run on cluster.device='cpu' measures cpu-gloo"),
+    (["mode=predict", "cluster.target=tpu"], "cluster.target='tpu' must be cpu-gloo or cuda-nccl")])
+def test_a_target_no_run_can_confirm_is_refused(overrides, why):
+    from conf.validate import validate_config
+
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        validate_config(_compose(*overrides))
 
 
 @pytest.mark.parametrize("fw,knob", [("megatron", "use_distributed_optimizer"), ("deepspeed", "zero_stage"),

@@ -1034,8 +1034,10 @@ def test_transformer_engine_spec_keeps_no_attention_scores():
 
 
 def test_transformer_impl_defaults_by_mode_and_is_recorded(tmp_path):
-    """null: transformer_engine to predict (run.sh's), local to run; the record and the printed table
-    say which; a CPU run of the TE spec is refused, naming the knob."""
+    """null: the spec the prediction's target builds (ledger/faithful/megatron/target.py): transformer_engine
+    to predict or dry-run for a GPU cluster (run.sh's), local to run on this machine or to predict the CPU
+    harness; the record and the printed table say which; a CPU run of the TE spec is refused, naming the
+    knob, and so is a cpu-gloo prediction of it."""
     import json
 
     from omegaconf import OmegaConf
@@ -1043,20 +1045,26 @@ def test_transformer_impl_defaults_by_mode_and_is_recorded(tmp_path):
     from conf.schema import ClusterConfig, JobConfig, MegatronConfig
     from launchers.job import fill_mode_defaults
 
-    for mode, impl in (("predict", "transformer_engine"), ("dry", "transformer_engine"), ("run", "local")):
-        cfg = OmegaConf.structured(JobConfig(mode=mode, framework=MegatronConfig(), cluster=ClusterConfig(name="x")))
+    for mode, target, impl in (("predict", None, "transformer_engine"), ("dry", None, "transformer_engine"),
+                               ("run", None, "local"), ("predict", "cpu-gloo", "local"),
+                               ("dry", "cuda-nccl", "transformer_engine")):
+        cfg = OmegaConf.structured(JobConfig(mode=mode, framework=MegatronConfig(),
+                                             cluster=ClusterConfig(name="x", target=target)))
         fill_mode_defaults(cfg)
-        assert cfg.framework.transformer_impl == impl, mode
+        assert cfg.framework.transformer_impl == impl, (mode, target)
     p = launch("mode=predict", "framework=megatron", "model=tiny", "layout.dp=1", f"hydra.run.dir={tmp_path}",
                timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "megatron (faithful, transformer_engine) tiny" in p.stdout
+    assert "megatron (faithful, transformer_engine, for cuda-nccl) tiny" in p.stdout
     rec = json.load(open(tmp_path / "record.json"))
     assert rec["config"]["framework"]["transformer_impl"] == "transformer_engine"
     assert rec["prediction"]["spec"] == "transformer_engine"
     p = launch("framework=megatron", "framework.transformer_impl=transformer_engine", f"hydra.run.dir={tmp_path}/r",
                timeout=300)
     assert p.returncode == 2 and "transformer_impl=transformer_engine needs CUDA" in p.stderr, p.stderr[-2000:]
+    p = launch("mode=predict", "framework=megatron", "framework.transformer_impl=transformer_engine", "cluster=local_cpu",
+               f"hydra.run.dir={tmp_path}/c", timeout=300)
+    assert p.returncode == 2 and "the prediction's target is cpu-gloo" in p.stderr, p.stderr[-2000:]
     p = launch("mode=predict", "framework=megatron", "framework.transformer_impl=fused", f"hydra.run.dir={tmp_path}/f",
                timeout=300)
     assert p.returncode == 2 and "framework.transformer_impl='fused' must be local or transformer_engine" in p.stderr

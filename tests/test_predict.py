@@ -229,17 +229,22 @@ def test_rank_classes_cover_the_world_once_and_read_back_per_rank():
 
 
 @pytest.mark.parametrize("overrides,target", [
-    (["framework=megatron"], "cuda-nccl"),  # the TransformerEngine spec, predict's default: from sources
-    (["framework=megatron", "framework.transformer_impl=local"], "cpu-gloo"),
-    (["framework=titan"], "cpu-gloo"), (["framework=deepspeed", "framework.zero_stage=1"], "cpu-gloo")])
-def test_a_prediction_names_the_run_its_peak_follows(overrides, target, tmp_path):
-    """prediction.json and the printout say which run the peak follows; a fit verdict on the CPU
-    harness's peak says that a GPU run's differs."""
+    (["framework=megatron"], "cuda-nccl"),  # the TransformerEngine spec, a GPU cluster's default: from sources
+    (["framework=megatron", "framework.transformer_impl=local"], "cuda-nccl"),
+    (["framework=titan"], "cuda-nccl"), (["framework=deepspeed", "framework.zero_stage=1"], "cuda-nccl"),
+    (["framework=titan", "cluster.target=cpu-gloo"], "cpu-gloo"),
+    (["framework=megatron", "cluster.target=cpu-gloo"], "cpu-gloo")])
+def test_a_prediction_names_the_run_it_is_for(overrides, target, tmp_path):
+    """prediction.json, the table's title and the printout say which run the prediction is for and what its
+    peak rests on; a cuda-nccl prediction names what a rank holds beside its tensors and the fit verdict
+    adds it; a fit verdict on the CPU harness's peak says that a GPU run's differs."""
     from tests.conftest import launch
 
     p = launch("mode=predict", "model=tiny", "layout.dp=2", "cluster=local_gpu", *overrides,
                f"hydra.run.dir={tmp_path}", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     pred = json.load(open(tmp_path / "prediction.json"))
-    assert pred["peak_target"]["target"] == target and f"peak for {target}:" in p.stdout
+    assert pred["target"] == target and f"peak for {target}:" in p.stdout and f", for {target})" in p.stdout
     assert ("a GPU run's differs" in p.stdout) == (target == "cpu-gloo")
+    assert bool(pred.get("outside_allocator")) == (target == "cuda-nccl")
+    assert ("beside the tensors (CUDA context, NCCL, cuBLAS)" in p.stdout) == (target == "cuda-nccl")

@@ -48,6 +48,7 @@ from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
 from ledger.placement import CommBuilder, Placement, RankState
+from ledger.target import CPU_GLOO
 from ledger.units import round_up
 from ledger.optim import add_adamw
 
@@ -243,11 +244,11 @@ def _comm(model: ModelShape, lay: Layout, stage: int, overlap: bool, bucket: int
     return tuple(cb.build())
 
 
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     check(model, lay, fw)
     s = rank_state(model, lay, fw)
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                   world=lay.world, rank_state=lambda r: s, representatives=[0])
+                   world=lay.world, rank_state=lambda r: s, representatives=[0], target=target or CPU_GLOO)
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{fw.zero_stage}, {fw.precision}, torch AdamW; DeepSpeed-MoE ep={lay.ep} "
                     f"over {lay.dp} ranks (expert data parallel {lay.edp}): deepspeed_moe.py")
     pl.notes.append("DeepSpeed-MoE: the peak within a step is not modelled (no peak row)")

@@ -63,6 +63,8 @@ from ledger.faithful.deepspeed.activations import (batch_bytes, head_activations
                                                    most_live_activations, per_kind, saved_activations)
 from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
 from ledger.faithful.deepspeed.gathered import Z3Live
+from ledger.faithful.deepspeed.target import RULES, Rules
+from ledger.target import CPU_GLOO
 from ledger.model import ModelShape
 from ledger.placement import Peak
 
@@ -113,6 +115,7 @@ class PeakInputs:
     ipg_touched: bool = True
     grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())
+    rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
 
 
 class _Step:
@@ -191,7 +194,7 @@ def optimizer_step(st: _Step, first: bool) -> Peak:
     params = i.params_resident - (i.persist if zero == 3 else 0)  # _partition_all_parameters
     resident = params + i.grads_resident + i.optim + other
     temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * i.part,
-            "AdamW exp_avg_sq.sqrt() and its / bias_correction2_sqrt": 2 * FP32 * i.part,
+            f"AdamW {i.rules.adam_temporaries}": i.rules.adam_partition_temporaries * FP32 * i.part,
             "loss (last micro-batch)": FP32}
     if zero == 3:
         # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
@@ -205,7 +208,7 @@ def optimizer_step(st: _Step, first: bool) -> Peak:
               "resident/other": other, "activations/batch (tokens, labels)": batch}
     detail.update({f"temporary/{k}": v for k, v in temp.items()})
     return Peak.of(parts, phase="optimizer",
-                what="torch AdamW update on the fp32 partition (exp_avg_sq.sqrt() / bias_correction2_sqrt)",
+                what=f"torch AdamW update on the fp32 partition ({i.rules.adam_update})",
                 detail=detail)
 
 
@@ -447,7 +450,7 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
                 acts_now = batch
                 temp = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
                 phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
-            temp.update({"gloo's copy of the reduce-scatter input": w * f.flat,
+            temp.update({"gloo's copy of the reduce-scatter input": w * f.flat if i.rules.rs_input_copy else 0,
                          "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
                          "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
             flat_input = "(torch.cat)" if f.cat else "(an extra-large gradient)"

@@ -52,9 +52,12 @@ from ledger.faithful.deepspeed.common import DTYPES
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Placement
+from ledger.faithful.deepspeed.target import rules_of
 
 
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
+    """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: cpu-gloo)."""
+    rules = rules_of(target)
     if fw.precision not in DTYPES:
         raise ConfigError(f"framework.precision={fw.precision!r}: the faithful DeepSpeed ledger models bf16 and fp32")
     if not fw.contiguous_gradients:
@@ -66,14 +69,14 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                           "layers' recompute in backward fetches their parameters again (ZeRO-3's module hooks), "
                           "a fetch order the coordinator replay does not model; ZeRO-1/2 are modelled")
     if z == 3:
-        s = zero3.rank_state(model, lay, fw)
+        s = zero3.rank_state(model, lay, fw, rules)
         state = lambda r: s  # noqa: E731 (every rank's the same)
     elif z in (1, 2):
-        state = zero12.rank_states(model, lay, fw)
+        state = zero12.rank_states(model, lay, fw, rules)
     else:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3 "
                           "(stage 0, DeepSpeed as plain data parallelism, only with ledger.mode=textbook)")
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                   world=lay.world, rank_state=state, representatives=[0])
+                   world=lay.world, rank_state=state, representatives=[0], target=rules.target)
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{z}, {fw.precision}, torch AdamW; pure DP over {lay.dp} ranks")
     return pl

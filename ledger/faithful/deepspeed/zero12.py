@@ -20,6 +20,8 @@ from ledger.faithful.deepspeed import rules
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, block_perm, buffer_calls,
                                               counted_calls, fresh, grad_sizes, registration_sizes, size_parts)
 from ledger.faithful.deepspeed.peak import PeakInputs
+from ledger.faithful.deepspeed.target import RULES, Rules
+from ledger.target import CPU_GLOO
 from ledger.faithful.deepspeed.trace import block_params
 from ledger.layout import Layout
 from ledger.model import ModelShape, numel
@@ -28,8 +30,9 @@ from ledger.units import round_up
 from ledger.optim import add_adamw
 
 
-def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState]:
-    """rank -> its state: the states and collectives are every rank's, ZeRO-2's peak its partition's."""
+def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO]) -> Callable[[int], RankState]:
+    """rank -> its state: the states and collectives are every rank's, ZeRO-2's peak its partition's;
+    target_rules: the peak's target (target.py)."""
     s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
     # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
@@ -47,7 +50,8 @@ def rank_states(model: ModelShape, lay: Layout, fw) -> Callable[[int], RankState
             optim=s.optim_bytes, grads_resident=0, persist=0, n=model.num_params(), bucket=bucket,
             flush=flush, hooks=hooks,
             ipg_touched=deepspeed_backward.ipg_touched(model, lay.dp, bucket, order) if order else True,
-            grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model))))
+            grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model)),
+            rules=target_rules))
 
     # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
     # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no

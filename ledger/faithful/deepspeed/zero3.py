@@ -19,6 +19,8 @@ from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_or
 from ledger.faithful.deepspeed.coordinator import z3_fetches, z3_steady
 from ledger.faithful.deepspeed.gathered import z3_backward_moments, z3_first_moments, z3_moments
 from ledger.faithful.deepspeed.peak import PeakInputs
+from ledger.faithful.deepspeed.target import RULES, Rules
+from ledger.target import CPU_GLOO
 from ledger.faithful.deepspeed.trace import backward_module, z3_trace
 from ledger.layout import Layout
 from ledger.model import ModelShape
@@ -63,8 +65,9 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
     )
 
 
-def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
-    """Every rank's state (the same on each): the states, the collectives on first read, the peak."""
+def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO]) -> RankState:
+    """Every rank's state (the same on each): the states, the collectives on first read, the peak
+    (target_rules: its target's, target.py)."""
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
     s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec).state()
     key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size,
@@ -83,7 +86,7 @@ def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
         optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_gathered,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
         z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets),
-        z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size))))
+        z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size)), rules=target_rules))
     return s
 
 

@@ -37,6 +37,8 @@ class Knobs(NamedTuple):
     # MoE (moe.py): (token dispatcher, load balancing, aux-loss coeff, capacity factor, pad to
     # capacity, grouped GEMM), MOE_KNOBS order
     moe: tuple = ("allgather", "aux_loss", 0.0, None, False, False)
+    # the run the peak is for (ledger/target.py); "" = the spec's (target.of)
+    target: str = ""
 
     def __getattr__(self, name):  # the MoE knobs by the framework config's names
         try:

@@ -77,6 +77,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ledger.faithful.megatron import target as megatron_target
 from ledger.faithful.megatron.buffers import buffer_bytes, build_buffer, effective_bucket_size, owned_sizes
 from ledger.faithful.megatron.comm import micro_batch_comm
 from ledger.faithful.megatron.knobs import dtypes, knobs
@@ -429,8 +430,9 @@ def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
 
 
 # -- the layout ------------------------------------------------------------------------------------
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
-    k = knobs(fw)
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
+    k = megatron_target.with_target(knobs(fw), fw, target)
+    megatron_target.check(k)
     check_framework(k)
     check_interleaving(lay)
     check_moe(model, lay, k)
@@ -469,4 +471,5 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
         return s
 
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                     world=lay.world, rank_state=state, notes=notes, spec=k.transformer_impl)
+                     world=lay.world, rank_state=state, notes=notes, spec=k.transformer_impl,
+                     target=megatron_target.of(k))

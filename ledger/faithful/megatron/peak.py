@@ -40,6 +40,7 @@ from ledger.faithful.megatron.activations import (chunk_saved, chunk_units, rece
                                                   RECOMPUTED_CAST, Shape, shape_of, softmax_forward)
 from ledger.faithful.megatron.buffers import buffer_layout, effective_bucket_size, shard_ranges, shared
 from ledger.faithful.megatron.pipeline import stage_params, stage_shape
+from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.placement import Peak
@@ -186,10 +187,10 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
     _build_optimizer_group_ranges: per param group, the chunks' buckets in buffer order, each
     param's range on this DP rank; optimizer.py Float16OptimizerWithFloat16Params: whole fp32
     masters in named_parameters order); groups: weight decay first, then the norms."""
-    if k.transformer_impl == "transformer_engine":
-        # the GPU run the TE spec stands for: NCCL's reduce-scatter writes the shard in place, and
-        # Megatron's Adam is TE's / apex's FusedAdam (multi-tensor kernels, in place): neither holds a
-        # transient the size of a bucket or a param (no run here confirms it)
+    if fused_optimizer_in_place(k):
+        # a GPU run (target.py): NCCL's reduce-scatter writes the shard in place, and Megatron's Adam is
+        # TE's / apex's FusedAdam (multi-tensor kernels, in place): neither holds a transient the size of a
+        # bucket or a param (no run here confirms it)
         return (0, ""), (0, "")
     dist = k.use_distributed_optimizer
     gb = 4 if (k.grad_reduce_in_fp32 or k.precision != "bf16") else 2

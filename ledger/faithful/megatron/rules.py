@@ -30,17 +30,19 @@ def grad_dtype(fw) -> str:
 
 
 def default_transformer_impl(mode: str = "predict") -> str:
-    """framework.transformer_impl when none is given: what the job builds. mode=predict|dry describe
-    Megatron-LM's own default (arguments.py --transformer-impl transformer_engine, run.sh's); a run
-    here builds the local spec (launchers/megatron.py: TransformerEngine needs CUDA)."""
-    return "local" if mode == "run" else "transformer_engine"
+    """framework.transformer_impl when neither it nor a target is given (a bare Knobs): Megatron-LM's own
+    default (arguments.py --transformer-impl transformer_engine)."""
+    return "transformer_engine"
 
 
-def fill_mode_defaults(fw, mode: str) -> None:
-    # mode=plan keeps an unset transformer_impl unset: the ledger predicts Megatron-LM's default and
-    # the plan's sweep leaves the choice to the run (local on a CPU)
+def fill_mode_defaults(fw, mode: str, target: str) -> None:
+    # the spec the target's run builds (target.py default_transformer_impl); mode=plan keeps an unset
+    # transformer_impl unset: the ledger predicts Megatron-LM's default and the plan's sweep leaves the
+    # choice to the run (local on a CPU)
     if fw.get("transformer_impl") is None and mode != "plan":
-        fw.transformer_impl = default_transformer_impl(mode)
+        from ledger.faithful.megatron.target import default_transformer_impl as by_target
+
+        fw.transformer_impl = by_target(target)
 
 
 def model_config_error(model_cfg) -> str | None:
@@ -248,16 +250,3 @@ def split_knobs(split: tuple) -> dict:
     if loss:
         out["account_for_loss_in_pipeline_split"] = True
     return out
-
-
-def peak_target(fw) -> tuple:
-    """The run the peak follows: the local spec is the CPU runs' (every moment confirmed there); the
-    TransformerEngine spec follows a GPU run from the sources (peak.optimizer_moments: NCCL in place, no
-    gloo copy; FusedAdam, no per-param temporaries; TEDotProductAttention's saves, no s x s scores) with
-    the local spec's other moments standing for TE's fused kernels (no GPU run confirms it)."""
-    from ledger.frameworks import CPU_GLOO, CUDA_NCCL
-
-    if getattr(fw, "transformer_impl", None) == "transformer_engine":
-        return CUDA_NCCL, ("from sources, not confirmed by a GPU run: NCCL in place, FusedAdam, TE's fused attention; "
-                           "TE's fused norm+linear saves and workspaces not modelled")
-    return CPU_GLOO, "the local spec the CPU runs confirm (gloo's staging copies, CPU attention and AdamW temporaries)"

@@ -48,6 +48,7 @@ from ledger.faithful.megatron.heaviest import (chunk_bound, chunk_buckets, chunk
                                                pattern, pattern_cum, stage_class, stage_summaries, stage_totals)
 from ledger.faithful.megatron.knobs import dtypes, Knobs, knobs, optim_weights
 from ledger.faithful.megatron.peak import PEAK_NOTES, stage_peak
+from ledger.faithful.megatron import target as megatron_target
 from ledger.faithful.megatron.pipeline import padded_shape, stage_shape
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -340,7 +341,9 @@ def check_framework(fw) -> None:
                           "(training/arguments.py validate_args)")
 
 
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
+    """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: the spec's,
+    target.of)."""
     # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
     if lay.cp > 1:
         # transformer/dot_product_attention.py DotProductAttention asserts context_parallel_size == 1
@@ -350,7 +353,8 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
                           "TransformerEngine attention, which no CPU run can confirm; use ledger.mode=textbook)")
     if lay.dp_replicate > 1:
         raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
-    k = knobs(fw)
+    k = megatron_target.with_target(knobs(fw), fw, target)
+    megatron_target.check(k)
     check_framework(k)
     check_interleaving(lay)
     check_recompute(recompute_of(k))
@@ -397,7 +401,7 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
 
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, representatives=reps, notes=notes,
-                     stage_representatives=stage_reps, spec=k.transformer_impl)
+                     stage_representatives=stage_reps, spec=k.transformer_impl, target=megatron_target.of(k))
 
 
 _BUFFERS_NOTE = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "

@@ -2,9 +2,9 @@
 params and FSDP2 shards (fsdp), a step's FSDP / TP / CP collectives (comm), DTensor's mm strategies and
 their cost model (dtensor), a rank's resident state and the Placement over ranks (ranks), the pipeline
 (pp), the peak within a step (peak; with PP pp_peak), MoE (moe), how its step runs for the step-time
-model (steptime), what it accepts (rules), its textbook formulas (textbook). Registered once as the
+model (steptime), what its peak takes from the run it is for (target), what it accepts (rules), its textbook formulas (textbook). Registered once as the
 framework "titan"."""
-from ledger.faithful.titan import moe, rules, states, steptime, textbook
+from ledger.faithful.titan import moe, rules, states, steptime, target, textbook
 from ledger.frameworks import FrameworkLedger, register
 
 LEDGER = register(FrameworkLedger(
@@ -17,4 +17,4 @@ LEDGER = register(FrameworkLedger(
     overlaps=rules.overlaps, plan_hsdp=True,
     # torchtitan 0.3.0 config/configs.py ParallelismConfig.enable_sequence_parallel: bool = True
     default_sequence_parallel=True,
-    own_defaults=rules.OWN_DEFAULTS))
+    own_defaults=rules.OWN_DEFAULTS, peak_basis=target.peak_basis))

@@ -39,6 +39,7 @@ from ledger.faithful.titan.fsdp import chunk_rows, rows_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
+from ledger.target import CPU_GLOO
 from ledger.placement import Comm, CommBuilder, Placement, RankState
 from ledger.optim import MOMENT_BYTES, MOMENTS, STEP, STEP_BYTES
 
@@ -161,7 +162,7 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     return acc.build()
 
 
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     check(model, lay, fw)
     ds, ep = lay.dp_shard, lay.ep
     memo: dict[bool, list] = {}
@@ -188,4 +189,5 @@ def place(model: ModelShape, lay: Layout, fw) -> Placement:
     pl.notes.append(f"titan MoE (titan_moe.py): torchtitan's qwen3 MoE, ep={ep} over dp_shard={ds} (efsdp {ds // ep}); "
                     "the all-to-all bytes on the experts' side follow the router: predicted balanced, bounded by "
                     "buffer_range, exact over an EP group; the peak within a step is not modelled (no peak row)")
+    pl.target = target or CPU_GLOO
     return pl

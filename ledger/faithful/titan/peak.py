@@ -40,14 +40,16 @@ saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves
 from __future__ import annotations
 
 from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
+from ledger.faithful.titan.target import RULES, Rules
+from ledger.target import CPU_GLOO
 from ledger.placement import Peak
 from ledger.units import round_up
 
 LOSS_CHUNKS = 8  # components/loss.py ChunkedLossWrapper.Config.num_chunks (torchtitan's default)
 
 
-def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = False, cp: int = 1
-                    ) -> tuple[int, int, dict[str, int]]:
+def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = False, cp: int = 1,
+                    rules: Rules = RULES[CPU_GLOO]) -> tuple[int, int, dict[str, int]]:
     """Bytes one TransformerBlock keeps for backward: (saved outside a checkpoint: the probe's
     "activations", kept by a checkpoint's own storage: its "temporary", named pieces).
 
@@ -71,6 +73,8 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     tp > 1 without sequence parallelism (models/common/decoder_sharding.py): the norms and their
     outputs are replicated (whole T*h), the colwise outputs (q, k, v, w1, w3) and what follows them
     up to the rowwise wo / w2 hold their heads / ffn columns over tp (DTensor local shards).
+    rules (target.py): on cuda-nccl FlexAttention's kernel saves no dense mask, and SelectiveAC keeps
+    its output and logsumexp.
     """
     h, f, hd = model.hidden, model.ffn_hidden // tp, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads // tp * hd
@@ -82,6 +86,8 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
         return Tn * h * BF16, 0, {"block input": Tn * h * BF16}
     if ac == "selective":
         kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
+        if rules.sac_keeps_attention:
+            kept["flex_attention out, logsumexp, max_scores"] = T * q * BF16 + rules.attention_stats * B * heads * Sl * F32
         if sp:
             # the save list's comm ops include _c10d_functional.reduce_scatter_tensor: with sequence
             # parallelism the rowwise wo and w2 reduce-scatter their outputs to Shard(1), and both
@@ -91,7 +97,7 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
         return Tn * h * BF16, sum(kept.values()), {"block input": Tn * h * BF16, **kept}
     # sequence parallelism: the norms run on the rank's T/tp tokens (Shard(1)); their bf16 output is
     # all-gathered (Shard(1) -> Replicate) and the colwise linears save the gathered T*h input
-    norm = Tn * h * F32 + Tn * F32 + Tn * h * F32 + T * h * BF16
+    norm = (Tn * h * BF16 if rules.fused_rms_norm else 2 * Tn * h * F32) + Tn * F32 + T * h * BF16
     if cp == 1:
         # v = wv(x) and k after rope go to SDPA as they are
         kv_saved = {"v": T * kv * BF16, "k after rope": T * kv * BF16}
@@ -100,8 +106,9 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
         # K and V all-gathered over cp (every position) and saves those; the local ones are freed
         kv_saved = {"k, v all-gathered over cp": 2 * B * S * kv * BF16}
     parts = {"2 rmsnorms": 2 * norm, "rope cache rows": T * (hd // 2) * 8, "q after rope": T * q * BF16,
-             **kv_saved, "sdpa mask (bf16)": B * Sl * S * BF16,
-             "sdpa out + logsumexp": T * q * BF16 + B * heads * Sl * F32, "swiglu": 4 * T * f * BF16}
+             **kv_saved, "sdpa mask (bf16)": B * Sl * S * BF16 if rules.dense_mask else 0,
+             "sdpa out + logsumexp": T * q * BF16 + rules.attention_stats * B * heads * Sl * F32,
+             "swiglu": 4 * T * f * BF16}
     return sum(parts.values()), 0, parts
 
 
@@ -133,7 +140,8 @@ def _batch_bytes(model, B: int, S: int) -> int:
 
 
 
-def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
+def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
+         rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """The steady-step peak of a rank without PP: FSDP2 over dp_shard x cp (HSDP: replicated over
     dp_replicate), TP with or without SP, CP. sh: the rank's fsdp.Sharded;
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
@@ -144,10 +152,10 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     with activation checkpointing, each block's SwiGLU backward in its recompute (_at_recompute): the
     most of them, the earliest on ties. At long sequences and large vocabularies the second and third
     win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk), with a small vocabulary and
-    checkpointing the recompute (dp2 at seq 2048)."""
-    best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)
+    checkpointing the recompute (dp2 at seq 2048). rules: the target's (target.py)."""
+    best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)
     for pk in (_at_loss_chunk(best, model, lay, head_numel),
-               _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel)):
+               _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)):
         if pk.bytes > best.bytes:
             best = pk
     late = 0
@@ -155,13 +163,14 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
         # (with activation checkpointing, the block's recompute comes first in its backward)
         if ac:
-            rc = _at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k)
+            rc = _at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
             if rc.bytes > best.bytes:
                 best = rc
-        pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k)
+        pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
         if pk.bytes > best.bytes:
             best = pk
-        if k and lay.dp_shard * lay.cp > 1 and fw.reshard_after_forward in ("default", "always"):
+        if k and lay.dp_shard * lay.cp > 1 and fw.reshard_after_forward in ("default", "always") \
+                and rules.rs_input_copy:
             # RACE (a finding, not a tolerance): gloo's worker thread drops its copy of the input after
             # marking the reduce-scatter complete, so the copy may still be alive when the main thread
             # copies block k-1's prefetched all-gather out into its unsharded parameters (its
@@ -193,8 +202,9 @@ def ds_of(lay) -> int:
     return lay.dp_shard * lay.cp
 
 
-def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
-    """Live bytes while gloo reduce-scatters lm_head's grad at the loss's last chunk
+def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
+                rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """Live bytes while the backend reduce-scatters lm_head's grad at the loss's last chunk
     (components/loss.py ChunkedLossWrapper: set_requires_gradient_sync(True) before the last chunk,
     whose backward runs lm_head's post-backward; the decoder's backward has not started)."""
     B, L, tp = lay.micro_batch_size, model.layers, lay.tp
@@ -205,7 +215,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     h, V = model.hidden, head_numel // model.hidden  # lm_head's TP-local rows (head_numel = V*h + h)
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")
-    act1, kept1, _ = saved_per_layer(model, B, model.seq_len, ac, tp, sp, lay.cp)
+    act1, kept1, _ = saved_per_layer(model, B, model.seq_len, ac, tp, sp, lay.cp, rules)
     detail: dict[str, int] = {"resident/state": resident}
     # the wrapper's lm_head.unshard(): [norm, lm_head] unsharded (bf16); with "never" every block and
     # tok_embeddings too
@@ -213,7 +223,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     detail["resident/unsharded params"] = unsharded
     # every block's saved tensors, the root norm's (fp32 x, rsqrt, x*rsqrt) and its bf16 output (the
     # hidden states the wrapper backpropagates from), the valid-token count
-    root = Tn * h * F32 * 2 + Tn * F32 + T * h * BF16
+    root = (Tn * h * BF16 if rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
     copies = chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
     batch = _batch_saved_bytes(B, model.seq_len, ac)
     acts = L * act1 + root + I64 + copies[0] + batch
@@ -227,11 +237,13 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     rs_in, rs_out = sh.lm_full * F32, sh.lm_full * F32 // ds
     gathered = rs_in + rs_out
     detail[_LM_RS] = gathered
-    detail[_LM_RS_COPY] = rs_in
+    rs_copy = rs_in if rules.rs_input_copy else 0
+    if rs_copy:
+        detail[_LM_RS_COPY] = rs_copy
     # GradAccumulator's fp32 [B, S, h] buffer, lm_head's unsharded fp32 grad accumulated over the
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
     chunk = T // LOSS_CHUNKS
-    temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_in + L * kept1
+    temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_copy + L * kept1
             + _batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
@@ -241,7 +253,8 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
-                what="lm_head reduce-scatter at ChunkedLossWrapper's last chunk (gloo)", detail=_scalars(detail))
+                what=f"lm_head reduce-scatter at ChunkedLossWrapper's last chunk ({rules.collectives})",
+                detail=_scalars(detail))
 
 
 def chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
@@ -273,7 +286,7 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
     chunk = T // LOSS_CHUNKS
     V = head_numel // h  # lm_head's TP-local rows
     d = dict(at_lm_head.detail)
-    rs, rs_copy = d.pop(_LM_RS), d.pop(_LM_RS_COPY)
+    rs, rs_copy = d.pop(_LM_RS), d.pop(_LM_RS_COPY, 0)
     n_ce = 3 if tp == 1 else 4
     ce = n_ce * chunk * V * F32
     d["temporary/grad accumulator, lm_head unsharded grad, last chunk"] -= chunk * h * BF16
@@ -285,7 +298,8 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
                 what="a loss chunk's cross-entropy backward (ChunkedLossWrapper, after the first chunk)", detail=d)
 
 
-def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int) -> Peak:
+def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
+                   rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes in the final norm's backward (the decoder's backward starting from the wrapper's
     accumulated hidden grad), at the RMSNorm composite's last mul: every block's saved tensors, the
     norm's saved fp32 input, the five fp32 [T, h] temporaries of its backward (as pp_peak.py's
@@ -300,10 +314,11 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     Tn = T // tp if sp else T
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")
-    act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp)
+    act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp, rules)
     unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
     batch = _batch_saved_bytes(B, S, ac)
-    acts = L * act1 + Tn * h * F32 + I64 + batch
+    norm_saved = Tn * h * BF16 + Tn * F32 if rules.fused_rms_norm else Tn * h * F32
+    acts = L * act1 + norm_saved + I64 + batch
     work = 5 * Tn * h * F32 + h * BF16
     ag = sh.layer_full * BF16 if reshard and ds > 1 else 0
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
@@ -311,7 +326,8 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     # hands the decoder, bf16, is freed by the norm's backward before this moment)
     small = _batch_bytes(model, B, S) - batch - h * BF16 + L * kept1
     detail = {"resident/state": resident, "resident/unsharded params": unsharded,
-              f"activations/{L} blocks saved ({ac})": L * act1, "activations/the final norm's fp32 input": Tn * h * F32,
+              f"activations/{L} blocks saved ({ac})": L * act1, ("activations/the final norm's bf16 input and rstd" if rules.fused_rms_norm
+               else "activations/the final norm's fp32 input"): norm_saved,
               "activations/the batch on the device (ids, labels, positions)": batch,
               "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
               "gathered/lm_head's reduce-scatter input held (HSDP: its all-reduce input)": held,
@@ -340,15 +356,16 @@ def _fsdp_backward_held(sh, lay, fw, layers: int, k: int) -> tuple[int, int]:
     return ag, held
 
 
-def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
-    """Live bytes while gloo reduce-scatters block k's grads (its post-backward, after its reshard)."""
+def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+              rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """Live bytes while the backend reduce-scatters block k's grads (its post-backward, after its reshard)."""
     B, S, L = lay.micro_batch_size, model.seq_len, model.layers
     T = B * S
     ds = lay.dp_shard * lay.cp
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")  # distributed/fsdp.py: default = True without PP
     sp = bool(lay.sequence_parallel) and lay.tp > 1
-    act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp)
+    act1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp, rules)
     T = B * S // lay.cp  # the rank's tokens
     resid = (T // lay.tp if sp else T) * model.hidden * BF16  # the residual-stream grad (SP: its tokens)
     before = k  # blocks whose saved tensors are still held (k's own were freed by its backward)
@@ -380,8 +397,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
     small = _batch_bytes(model, B, S) - batch
-    temp = rs_in + resid + before * kept1 + small
-    detail["temporary/gloo reduce-scatter copy of the input"] = rs_in
+    rs_copy = rs_in if rules.rs_input_copy else 0
+    temp = rs_copy + resid + before * kept1 + small
+    if rs_copy:
+        detail["temporary/gloo reduce-scatter copy of the input"] = rs_copy
     detail["temporary/residual-stream grad (bf16)"] = resid
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
@@ -389,10 +408,11 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
-                what=f"layers.{k} post-backward reduce-scatter (gloo)", detail=_scalars(detail))
+                what=f"layers.{k} post-backward reduce-scatter ({rules.collectives})", detail=_scalars(detail))
 
 
-def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int) -> Peak:
+def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+                  rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes at a checkpointed block k's SwiGLU backward in its recompute (activation checkpointing,
     no PP): pp_peak.py's SwiGLU moment with FSDP2's steady-step state. The block's recompute holds its
     saves as without checkpointing (saved_per_layer "none"; w2's input freed by w2's mm backward),
@@ -405,8 +425,8 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     ac = getattr(fw, "activation_checkpoint", "none")
     reshard = fw.reshard_after_forward in ("default", "always")
     sp = bool(lay.sequence_parallel) and lay.tp > 1
-    full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp)[0]
-    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp)
+    full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp, rules)[0]
+    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp, rules)
     T = B * S // lay.cp
     f = model.ffn_hidden // lay.tp
     resid = (T // lay.tp if sp else T) * model.hidden * BF16
@@ -438,8 +458,14 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
                 what=f"layers.{k}: SwiGLU backward in its recompute", detail=_scalars(detail))
 
 
-def notes(lay, fw) -> list[str]:
+def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
+    if rules.target != CPU_GLOO:
+        if lay.pp > 1:
+            return [f"titan peak (PP): the pipeline's moments (pp_peak.py) follow the CPU harness's rules (gloo's "
+                    f"copies, CPU attention); their {rules.target} rules are not modelled"]
+        return [f"titan peak: predicted for {rules.target} from sources (ledger/faithful/titan/target.py), not "
+                "confirmed by a GPU run"]
     gpu = ("on CUDA the reduce-scatter runs in place (no gloo copy of its input), SDPA's flash/cuDNN kernels save "
            "no dense mask, FlexAttention's own kernel runs (SelectiveAC saves its output) and the allocator rounds "
            "to 512-byte blocks")

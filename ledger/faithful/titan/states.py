@@ -27,10 +27,12 @@ from ledger.faithful.titan.fsdp import rows_of, sharded, unit_params
 from ledger.faithful.titan.pp import place_pp
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.faithful.titan.rules import CP_BLOCK
+from ledger.faithful.titan.target import Rules, rules_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
 from ledger.placement import Placement, RankState
+from ledger.target import CPU_GLOO
 
 
 def check(model: ModelShape, lay: Layout) -> None:
@@ -74,29 +76,39 @@ _MODELLED_VALUES = ("float32", "bfloat16", "float32", "partial_dtensor")
 _modelled_of = attrgetter(*_MODELLED)
 
 
-def place(model: ModelShape, lay: Layout, fw) -> Placement:
+def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
+    """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: cpu-gloo)."""
     check(model, lay)
+    target = target or CPU_GLOO
     if _modelled_of(fw) != _MODELLED_VALUES:
         for field, want in zip(_MODELLED, _MODELLED_VALUES):
             if getattr(fw, field) != want:
                 raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models "
                                   f"{want!r}")
     if lay.pp > 1:
-        return place_pp(model, lay, fw)
+        pl = place_pp(model, lay, fw)
+        pl.target = target
+        if target != CPU_GLOO:
+            pl.notes.extend(titan_peak.notes(lay, fw, rules_of(target)))
+        return pl
     grid: Grid = lay.grid
     ds = lay.dp_shard * lay.cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
+    rules = rules_of(target)
     if model.vocab % lay.tp:
-        return _place_uneven_vocab(model, lay, fw, grid, ds)
-    return _place_tp_rank(model, lay, fw, grid, ds, 0)
+        pl = _place_uneven_vocab(model, lay, fw, grid, ds, rules)
+    else:
+        pl = _place_tp_rank(model, lay, fw, grid, ds, 0, rules)
+    pl.target = target
+    return pl
 
 
-def _place_uneven_vocab(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int) -> Placement:
+def _place_uneven_vocab(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, rules: Rules) -> Placement:
     """A vocab tp does not divide: DTensor's Shard(0) gives TP rank t its torch.chunk rows of
     tok_embeddings and lm_head (_shard_tp), so each TP rank's FSDP shards, state and FSDP
     collectives are its own (_place_tp_rank of each); the TP collectives move [tokens, hidden] and
     per-token values, no vocab rows. TP rank 0 holds the most rows: its representative is the most
     loaded."""
-    pls = [_place_tp_rank(model, lay, fw, grid, ds, t) for t in range(lay.tp)]
+    pls = [_place_tp_rank(model, lay, fw, grid, ds, t, rules) for t in range(lay.tp)]
     pl = pls[0]
     states = [p.rank_state for p in pls]
     pl.rank_state = lambda r: states[grid.coords(r)["tp"]](r)
@@ -105,7 +117,7 @@ def _place_uneven_vocab(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int)
     return pl
 
 
-def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: int) -> Placement:
+def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: int, rules: Rules) -> Placement:
     """place() for the ranks of TP rank t (every rank where tp divides the vocab)."""
     cp = lay.cp
     sh = sharded(model, lay.tp, ds, t)
@@ -134,13 +146,13 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         def peak():  # ledger/faithful/titan/peak.py
             emb, block, head = unit_params(model, lay.tp, t)
             return titan_peak.peak(model, lay, fw, sh, resident, *[sum([prod(p.shape) for p in u])
-                                                                   for u in (block, emb, head)])
+                                                                   for u in (block, emb, head)], rules=rules)
 
         st.peak = peak
         return st
 
     pl = placement(model, lay, grid, lambda s: sh, 0, state)
-    pl.notes.extend(titan_peak.notes(lay, fw))
+    pl.notes.extend(titan_peak.notes(lay, fw, rules))
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // cp
         _, gaps, priced = layer_backward_comm(model, T, lay.tp, bool(lay.sequence_parallel))
