@@ -143,3 +143,29 @@ def test_the_acceptance_command_for_a_gpu_and_for_this_cpu(tmp_path):
     text, pred = out["local_cpu"]
     assert pred["target"] == CPU_GLOO and "gloo copy or divided input (fp32)" in str(pred["rank_classes"][0]["peak"])
     assert "outside_allocator" not in pred
+
+
+# Llama-2-70B FSDP64 on A100-80GB at seq 4096 (torchtitan docs/performance.md, the published runs' rows
+# 10-12): local batch 1 with selective AC and local batch 2 with full AC ran; local batch 2 with selective
+# AC is published as out of memory
+_RUNS = """row,group,framework,model,arch,layers,hidden,ffn_hidden,heads,kv_heads,vocab,tied_embeddings,gpus,gpu,gpu_mem_gib,gpus_per_node,network_gbps_per_gpu,seq_len,micro_batch,global_batch,tp,pp,vp,pp_schedule,dp,cp,ep,recompute,precision,options,metric,value,mfu,memory_gib,oom,src
+10,TA,titan,Llama-2-70B,llama,80,8192,28672,64,8,32000,false,64,A100-SXM-80GB,80,8,,4096,1,64,1,1,,,64,1,1,selective-op,bf16,,tokens_per_s_per_gpu,355,,,,P
+11,TA,titan,Llama-2-70B,llama,80,8192,28672,64,8,32000,false,64,A100-SXM-80GB,80,8,,4096,2,128,1,1,,,64,1,1,full,bf16,,tokens_per_s_per_gpu,353,,,,P
+12,TA,titan,Llama-2-70B,llama,80,8192,28672,64,8,32000,false,64,A100-SXM-80GB,80,8,,4096,2,128,1,1,,,64,1,1,selective,bf16,,,,,,true,P
+"""
+
+
+def test_published_fit_and_oom_statements_agree_with_the_cuda_verdict():
+    import csv
+    import io
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, f"{REPO}/benchmarks")
+    from published_memory import predict_row
+
+    rows = {int(r["row"]): predict_row(r) for r in csv.DictReader(io.StringIO(_RUNS))}
+    assert {k: (r["verdict"], r["happened"]) for k, r in rows.items()} == {
+        10: ("fits", "ran"), 11: ("fits", "ran"), 12: ("OOM", "oom")}
+    assert all(r["agrees"] and r["beside_gib"] > 0 for r in rows.values())
