@@ -47,6 +47,39 @@ def test_titan_block_moment_differs_by_its_rules():
         assert "(gloo)" in cpu.what and "(NCCL)" in gpu.what
 
 
+def test_titan_pipeline_moments_differ_by_their_rules():
+    """pp2 over FSDP dp2: at perform_reduce_grad NCCL drops gloo's copy of each unit's reduce-scatter input;
+    in a micro-batch's backward the attention_norm's saved input is the fused kernel's (bf16 and rstd)."""
+    from ledger.faithful.titan import pp_peak as PK
+    from ledger.faithful.titan import states as L
+    from ledger.faithful.titan.target import RULES
+
+    m = preset("llama3_1b")
+    lay = titan_layout(world=4, pp=2, global_batch_size=8)
+    cpu_pl, gpu_pl = (L.place(m, lay, titan_fw(activation_checkpoint="none"), t) for t in (CPU_GLOO, CUDA_NCCL))
+    seen = []
+    real = PK.pp_moments
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+    PK.pp_moments = spy
+    try:
+        cpu_pl.rank_state(0).peak, gpu_pl.rank_state(0).peak  # noqa: B018
+    finally:
+        PK.pp_moments = real
+    cpu, gpu = seen
+    copy = "temporary/gloo copy or divided input (fp32)"
+    for a, b in zip(cpu, gpu):
+        assert a.what == b.what
+        d = _diff(a.detail, b.detail)
+        if a.what.startswith("perform_reduce_grad"):
+            assert d == {copy: -a.detail[copy]} and a.detail[copy] > 0
+        else:  # the saves differ (saved_per_layer's rules, the norm's input); nothing resident or gathered
+            assert d and all(k.startswith("activations/") for k in d), (a.what, d)
+            assert gpu[0] is not None and b.parts["resident"] == a.parts["resident"]
+
+
 def test_titan_placement_carries_its_target():
     from ledger.faithful.titan import states as L
 

@@ -182,6 +182,13 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     return best
 
 
+def rs_temporary(rules: Rules, ds: int, rs_in: int) -> int:
+    """The second buffer of a reduce-scatter input's size while FSDP2 reduces it: gloo's copy of the
+    input (target.py), or, with a shard group of one on any backend, foreach_reduce's
+    `reduce_scatter_input / gradient_divide_factor` (torch _fsdp_collectives.py: no collective then)."""
+    return rs_in if rules.rs_input_copy or ds == 1 else 0
+
+
 # scalars live from the previous step (the probe's "unnamed" at every world-2 peak)
 UNNAMED = 12
 
@@ -237,7 +244,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     rs_in, rs_out = sh.lm_full * F32, sh.lm_full * F32 // ds
     gathered = rs_in + rs_out
     detail[_LM_RS] = gathered
-    rs_copy = rs_in if rules.rs_input_copy else 0
+    rs_copy = rs_temporary(rules, ds, rs_in)
     if rs_copy:
         detail[_LM_RS_COPY] = rs_copy
     # GradAccumulator's fp32 [B, S, h] buffer, lm_head's unsharded fp32 grad accumulated over the
@@ -397,10 +404,11 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
     small = _batch_bytes(model, B, S) - batch
-    rs_copy = rs_in if rules.rs_input_copy else 0
+    rs_copy = rs_temporary(rules, ds, rs_in)
     temp = rs_copy + resid + before * kept1 + small
     if rs_copy:
-        detail["temporary/gloo reduce-scatter copy of the input"] = rs_copy
+        detail["temporary/gloo reduce-scatter copy of the input" if rules.rs_input_copy
+               else "temporary/foreach_reduce's divided input (a shard group of one)"] = rs_copy
     detail["temporary/residual-stream grad (bf16)"] = resid
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = before * kept1
@@ -461,11 +469,8 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
 def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     if rules.target != CPU_GLOO:
-        if lay.pp > 1:
-            return [f"titan peak (PP): the pipeline's moments (pp_peak.py) follow the CPU harness's rules (gloo's "
-                    f"copies, CPU attention); their {rules.target} rules are not modelled"]
-        return [f"titan peak: predicted for {rules.target} from sources (ledger/faithful/titan/target.py), not "
-                "confirmed by a GPU run"]
+        return [f"titan peak{' (PP)' if lay.pp > 1 else ''}: predicted for {rules.target} from sources "
+                "(ledger/faithful/titan/target.py), not confirmed by a GPU run"]
     gpu = ("on CUDA the reduce-scatter runs in place (no gloo copy of its input), SDPA's flash/cuDNN kernels save "
            "no dense mask, FlexAttention's own kernel runs (SelectiveAC saves its output) and the allocator rounds "
            "to 512-byte blocks")

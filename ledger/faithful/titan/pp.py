@@ -97,9 +97,9 @@ def _stage_kinds(layers: int, pp: int) -> tuple[tuple[tuple[bool, int, bool], ..
     return tuple(index), tuple(firsts), tuple(kind_of)
 
 
-def place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
+def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
     """states.place with pp > 1: each rank's state is its stage's modules' FSDP shards (_pp_parts), its
-    collectives its stage's (_pp_comm), its peak pp_peak's."""
+    collectives its stage's (_pp_comm), its peak pp_peak's (rules: the target's, target.py; None: cpu-gloo)."""
     if fw.reshard_after_forward == "always" or lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1 or lay.vp > 1:
         raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B over FSDP (dp_shard) only, "
                           "reshard_after_forward default/never (see ledger.layout.validate)")
@@ -123,7 +123,8 @@ def place_pp(model: ModelShape, lay: Layout, fw) -> Placement:
         def peak():  # pp_peak.py
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, 1)]
             return pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
-                           emb, block, head, getattr(fw, "activation_checkpoint", "none"))
+                           emb, block, head, getattr(fw, "activation_checkpoint", "none"),
+                           **({"rules": rules} if rules is not None else {}))
 
         st.peak = peak
         return st

@@ -30,19 +30,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, saved_per_layer
+from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, rs_temporary, saved_per_layer
+from ledger.faithful.titan.target import RULES, Rules
+from ledger.target import CPU_GLOO
 from ledger.placement import Peak
 
 
 def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> Peak:
+            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none", rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
-    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac),
+    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules),
                key=lambda p: p.bytes)
 
 
 def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-               emb_numel: int, block_numel: int, head_numel: int, ac: str = "none") -> list[Peak]:
+               emb_numel: int, block_numel: int, head_numel: int, ac: str = "none",
+               rules: Rules = RULES[CPU_GLOO]) -> list[Peak]:
     """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
     torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing `ac`. stage: pp.pp_stages'
     (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's fsdp.Sharded (padded
@@ -54,8 +57,9 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     micro-batch's backward at each block (_at_microbatch_backward); on the last stage, its last
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
-    (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm)."""
-    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac)
+    (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
+    rules: the target's (target.py)."""
+    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules)
     cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c)
     if c.has_head:
         x = _last_microbatch(c)
@@ -96,6 +100,13 @@ class _Stage:
     unsharded: int  # every unit unsharded, as in the micro-batches' backward
     acc_all: int  # every unit's fp32 accumulator (no head)
     recv: int  # the P2P receive buffers
+    rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
+
+    def norm_saved(self) -> int:
+        """What an RMSNorm saves of its input: the composite's fp32 upcast, or the fused kernel's bf16
+        input and fp32 rstd (target.py)."""
+        T, h = self.T, self.h
+        return T * h * BF16 + T * F32 if self.rules.fused_rms_norm else T * h * F32
 
     def chunk_saves(self) -> int:
         """One micro-batch's saves on this stage between its forward and backward."""
@@ -119,7 +130,7 @@ class _Stage:
         (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
         of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
         T, h, ffn = self.T, self.h, self.ffn
-        return (("attention_norm", self.before(k) + self.own(k) + T * h * F32,
+        return (("attention_norm", self.before(k) + self.own(k) + self.norm_saved(),
                  self.block_numel * BF16 + self.act + 5 * T * h * F32),
                 ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
                  ffn * h * BF16 + 3 * T * ffn * BF16 + incoming))
@@ -148,7 +159,7 @@ class _Stage:
 
 
 def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-           emb_numel: int, block_numel: int, head_numel: int, ac: str) -> _Stage:
+           emb_numel: int, block_numel: int, head_numel: int, ac: str, rules: Rules = RULES[CPU_GLOO]) -> _Stage:
     """pp_moments' _Stage."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
@@ -158,8 +169,8 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     # and what it holds between its forward and its backward under the configured checkpointing
     # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
     # checkpointed block is backpropagated its checkpoint still holds the block's input
-    act1 = saved_per_layer(model, B, S, "none")[0]
-    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac)
+    act1 = saved_per_layer(model, B, S, "none", rules=rules)[0]
+    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, rules=rules)
     ck_in = ac_saved if ac != "none" else 0
     first, last = s == 0, s == P - 1
     # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
@@ -176,7 +187,8 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
-        acc_all=(emb_numel * has_emb + Ls * block_numel) * F32, recv=n * ((not first) + (not last)) * act)
+        acc_all=(emb_numel * has_emb + Ls * block_numel) * F32, recv=n * ((not first) + (not last)) * act,
+        rules=rules)
 
 
 def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
@@ -196,15 +208,18 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
         g = c.head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
         p2p = c.recv + ((not c.last) + (not c.first)) * act
         last_out = act if c.last else 0  # the last micro-batch's final-norm output (the stage's output)
+        copy = rs_temporary(c.rules, c.ds, full * F32)
         d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
              "resident/unsharded params (units after)": unsharded_after,
              "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
-             "gathered/reduce-scatter input (fp32)": full * F32,
-             "temporary/gloo copy or divided input (fp32)": full * F32, "gathered/p2p buffers and held sends": p2p}
+             "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
+             "gathered/p2p buffers and held sends": p2p}
+        if not copy:
+            del d["temporary/gloo copy or divided input (fp32)"]
         if last_out:
             d["activations/last micro-batch's final norm output"] = last_out
         parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
-                 "temporary": acc + full * F32}
+                 "temporary": acc + copy}
         cands.append(Peak.of(parts, phase="optimizer",
                           what=f"perform_reduce_grad: {name}", detail=d))
     return cands
@@ -257,7 +272,9 @@ def _last_microbatch(c: _Stage) -> _LastMicrobatch:
     m = c.n - 1
     rs = c.head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
     copies = chunk_copies(c.lay, T, h)
-    root = T * h * F32 * 2 + T * F32 + T * h * BF16  # the final norm's saved tensors and output
+    # the final norm's saved tensors (the composite's x and x * rsqrt in fp32 and rsqrt, or the fused
+    # kernel's input and rstd) and its output
+    root = (T * h * BF16 if c.rules.fused_rms_norm else T * h * F32 * 2) + T * F32 + T * h * BF16
     return _LastMicrobatch(
         m=m, Vh=c.head_numel - h, rs=rs,
         g=sh.lm_full // ds * F32 + (c.head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32,
@@ -279,15 +296,18 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
     # where held() keeps it)
     wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + x.copies[1]
     acc = x.acc_blocks + c.held(Vh)  # lm_head is [norm, lm_head]'s last param
+    copy = rs_temporary(c.rules, c.ds, rs * F32)
     d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
          f"activations/{c.Ls} blocks and the final norm": saved,
          "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
-         "gathered/reduce-scatter input (fp32)": rs * F32, "temporary/gloo copy or divided input (fp32)": rs * F32,
+         "gathered/reduce-scatter input (fp32)": rs * F32, "temporary/gloo copy or divided input (fp32)": copy,
          "gathered/p2p buffers and held sends": x.p2p}
+    if not copy:
+        del d["temporary/gloo copy or divided input (fp32)"]
     parts = {"resident": kept + g + unsharded, "activations": saved, "gathered": rs * F32 + x.p2p,
-             "temporary": acc + wrapper + rs * F32}
+             "temporary": acc + wrapper + copy}
     return Peak.of(parts, phase="backward",
                 what=f"lm_head reduce-scatter at micro-batch {x.m}'s last loss chunk", detail=d)
 
@@ -326,11 +346,11 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
-         f"activations/{c.Ls} blocks, the final norm's fp32 input and bf16 output":
-             c.chunk_saves() + T * h * (F32 + BF16),
+         f"activations/{c.Ls} blocks, the final norm's {'bf16 input, rstd' if c.rules.fused_rms_norm else 'fp32 input'} "
+         "and bf16 output": c.chunk_saves() + c.norm_saved() + T * h * BF16,
          "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
          "gathered/lm_head's reduce-scatter input held": rs * F32, "gathered/p2p buffers and held sends": x.p2p}
-    parts = {"resident": kept + g + unsharded, "activations": c.chunk_saves() + T * h * (F32 + BF16),
+    parts = {"resident": kept + g + unsharded, "activations": c.chunk_saves() + c.norm_saved() + T * h * BF16,
              "gathered": rs * F32 + x.p2p, "temporary": x.acc_blocks + work}
     return Peak.of(parts, phase="backward",
                 what=f"micro-batch {x.m}'s final norm backward", detail=d)

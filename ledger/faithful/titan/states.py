@@ -86,7 +86,7 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
                 raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models "
                                   f"{want!r}")
     if lay.pp > 1:
-        pl = place_pp(model, lay, fw)
+        pl = place_pp(model, lay, fw, rules_of(target))
         pl.target = target
         if target != CPU_GLOO:
             pl.notes.extend(titan_peak.notes(lay, fw, rules_of(target)))

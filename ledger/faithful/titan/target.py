@@ -14,7 +14,9 @@ cpu-gloo, confirmed by the CPU matrices:
 cuda-nccl, from sources (no GPU run has confirmed them):
 - NCCL's reduce-scatter writes its output from the input in place on the device: no copy
   (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce: reduce_scatter_input on
-  the compute stream, the output a new shard-sized tensor, ReduceOp.AVG: no division buffer);
+  the compute stream, the output a new shard-sized tensor, ReduceOp.AVG: no division buffer); with a
+  shard group of one both targets hold foreach_reduce's `reduce_scatter_input / gradient_divide_factor`
+  (no collective runs: peak.rs_temporary);
 - attention is FlexAttention's compiled kernel (llama3's default attn_backend "flex",
   models/llama3/__init__.py model_registry; models/common/attention.py: torch.compile(flex_attention)):
   its autograd function saves q, k, v, its output, logsumexp and max_scores (fp32 [B, heads, S] each)
@@ -58,5 +60,5 @@ def peak_basis(fw, target: str) -> str:
         return ("from sources, not confirmed by a GPU run: NCCL's reduce-scatter in place (no gloo copy), "
                 "FlexAttention's CUDA kernel (no dense mask; SelectiveAC keeps its outputs), the fused RMSNorm's saves; "
                 "SwiGLU, the loss and the norms' backward as the CPU runs confirm them; the CUDA allocator's "
-                "rounding is not modelled; pipeline stages keep the CPU harness's rules")
+                "rounding is not modelled")
     return "the CPU harness's rules (gloo's staging copies, CPU attention), confirmed by CPU runs"
