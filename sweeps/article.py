@@ -12,8 +12,9 @@ framework-native artifacts (run.sh, ds_config.json, the torchtitan module) for a
 needs 8 GPUs (e.g. cluster=local_gpu, or a Slurm cluster config plus hydra/launcher=submitit_slurm);
 fake runs the three on this machine at full shape (cluster=fake: a fake world of 8, the ranks of
 each distinct predicted state materialised one after another under FakeTensorMode, two steps:
-first and steady) and prints their reconcile table, every step. Extra overrides apply to all three
-jobs.
+first and steady) and prints their reconcile table, every step, then per measured rank the fake
+world's peak (the CPU harness's code, cpu-gloo) beside the peak predicted for a GPU run (cuda-nccl) and
+the parts that differ. Extra overrides apply to all three jobs.
 
 --question answers the article's closing question: "A 70B dense model, 1,024 H100, sequence 8192,
 global batch 4M tokens. TP, PP, DP? micro-batch? recompute? Expected MFU? It ran at only 32% - where
@@ -154,7 +155,44 @@ def main(argv=None) -> int:
         from analysis import reconcile
 
         reconcile.main([a.out, "--all-steps"])
+        print(gpu_side_by_side(a.out))
     return rc
+
+
+def gpu_side_by_side(out: str) -> str:
+    """Per measured rank of each fake job, its steady peak as the fake world measured it (the CPU
+    harness's code: cpu-gloo) beside the peak the ledger predicts for the same rank of a GPU run
+    (cuda-nccl: ledger/target.py, from sources), and the parts in which the two predictions differ."""
+    from omegaconf import OmegaConf
+
+    import records as R
+    from analysis.compare import table
+    from launchers.job import check
+    from ledger.parallel import predict
+    from ledger.target import CPU_GLOO, CUDA_NCCL
+    from ledger.units import PEAK_PARTS, fmt
+
+    lines = ["the same ranks for a GPU run: cpu-gloo measured (the fake world) | cpu-gloo predicted | cuda-nccl "
+             "predicted (from sources), and the parts that differ"]
+    df = table(out)
+    for rec in R.load(out):
+        cfg = OmegaConf.create(rec["config"])
+        cfg.mode = "predict"  # the job's layout as predict sees it, for both targets
+        cfg.cluster = {**rec["config"]["cluster"], "kind": "local", "backend": "gloo", "device": "cpu"}
+        model, lay, _ = check(cfg)
+        pls = {t: predict(model, lay, cfg.framework, cfg.ledger.mode, target=t) for t in (CPU_GLOO, CUDA_NCCL)}
+        meas = df[(df.job == R.job_name(rec)) & (df.phase == "steady") & (df.quantity == "peak_bytes")]
+        for rank in sorted(set(meas["rank"])):
+            m = int(meas[meas["rank"] == rank].measured.max())
+            cpu, gpu = (pls[t].rank_state(int(rank)).peak for t in (CPU_GLOO, CUDA_NCCL))
+            if cpu is None or gpu is None:
+                continue
+            diff = ", ".join(f"{p} {'+' if gpu.parts.get(p, 0) >= cpu.parts.get(p, 0) else '-'}"
+                             f"{fmt(abs(gpu.parts.get(p, 0) - cpu.parts.get(p, 0)))}"
+                             for p in PEAK_PARTS if gpu.parts.get(p, 0) != cpu.parts.get(p, 0))
+            lines.append(f"  {R.job_name(rec)} rank {rank}: {fmt(m)} | {fmt(cpu.bytes)} | {fmt(gpu.bytes)} "
+                         f"({gpu.what}); cuda-nccl - cpu-gloo: {diff or 'none'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

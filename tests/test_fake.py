@@ -228,6 +228,23 @@ def test_titan_article_run_peaks_at_a_loss_chunk(titan_article_job):
     assert "cross-entropy" in predicted["what"] and (where["phase"], where["op"]) == ("backward", "aten.add.Tensor")
 
 
+@pytest.mark.real
+def test_article_fake_prints_the_gpu_run_beside_the_measured(titan_article_job):
+    """python -m sweeps.article --mode fake's last table: per measured rank the fake world's steady peak
+    (the CPU harness's code), the cpu-gloo prediction and the cuda-nccl one, with the parts that differ."""
+    from ledger.units import fmt
+    from sweeps.article import gpu_side_by_side
+
+    rec = titan_article_job
+    text = gpu_side_by_side(rec["job_dir"])
+    line = next(x for x in text.splitlines() if " rank 0: " in x)
+    df = table([rec])
+    pk = df[(df.quantity == "peak_bytes") & (df.phase == "steady")]
+    measured, predicted = fmt(int(pk.measured.max())), fmt(records.predicted_ranks(rec["prediction"])(0)["peak"]["bytes"])
+    assert line.split(" rank 0: ")[1].startswith(f"{measured} | {predicted} | ")
+    assert "cuda-nccl - cpu-gloo: " in line and "none" not in line.split("cuda-nccl - cpu-gloo: ")[1]
+
+
 @pytest.fixture(scope="module")
 def titan_article_sac_job(tmp_path_factory):
     """The article's torchtitan run with selective activation checkpointing (torchtitan's per-op SAC)."""
