@@ -78,6 +78,10 @@ def cuda_stats(reset_peak: bool = True) -> dict | None:
     torch.cuda.synchronize()
     s = torch.cuda.memory_stats()
     out = {k: s.get(k, -1) for k in CUDA_KEYS}
+    # the device's memory in use by every process and the driver (the CUDA context, NCCL's buffers, what
+    # the caching allocator reserved): what ledger/cuda.py's lines beside the tensors are checked against
+    free, total = torch.cuda.mem_get_info()
+    out["device_used_bytes"] = total - free
     if reset_peak:
         torch.cuda.reset_peak_memory_stats()
     return out

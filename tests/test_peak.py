@@ -380,13 +380,17 @@ def test_gpu_check_table_reads_cuda_and_probe_peaks():
 
     step = {"step": 1, "peak": {"peak_bytes": 1000, "peak_allocated_bytes": 1536,
                                 "where": {"phase": "backward", "micro_batch": 0}},
-            "cuda": {"allocated_bytes.all.peak": 2048}}
+            "cuda": {"allocated_bytes.all.peak": 2048, "reserved_bytes.all.peak": 4096, "device_used_bytes": 6000}}
     rec = {"status": "ok", "job_dir": "/x/0_titan", "config": {"framework": {"name": "titan"}},
-           "prediction": {"per_rank": [{"rank": 0, "peak": {"bytes": 990, "parts": {"temporary": 990}}}]},
+           "prediction": {"per_rank": [{"rank": 0, "peak": {"bytes": 990, "parts": {"temporary": 990}}}],
+                          "outside_allocator": {"CUDA context": 4000, "NCCL": 10}},
            "measurement": {"ranks": [{"rank": 0, "status": "ok", "steps": [step]}]}}
     row = table([rec]).iloc[0]
     assert (row.ledger_peak, row.probe_peak, row.probe_peak_blocks, row.cuda_max_allocated,
             row.allocated_minus_probe, row["where"]) == (990, 1000, 1536, 2048, 512, "backward mb 0")
+    # against the prediction: allocated (2048 - 990) / 990; the device's use against peak + beside the tensors
+    assert (row.cuda_max_reserved, row.device_used, row.ledger_need) == (4096, 6000, 5000)
+    assert abs(row.allocated_err - 1058 / 990) < 1e-12 and abs(row.device_err - 0.2) < 1e-12
 
 
 def test_a_tensor_of_symbolic_size_is_not_counted():
