@@ -345,16 +345,14 @@ def test_cuda_blocks_as_the_caching_allocator_rounds():
 
 
 def _gpu_check_jobs() -> list[list[str]]:
+    """scripts/gpu_check.sh's jobs as it lists them (GPU_CHECK_LIST=1): each job's launch.py overrides."""
     import os
-    import shlex
+    import subprocess
 
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "gpu_check.sh")
-    out = []
-    for line in open(path):
-        words = shlex.split(line, comments=True)
-        if words[:1] == ["job"] and len(words) > 2:
-            out.append(["cluster.device=cuda", "cluster.backend=nccl", "cluster.ranks=1", "train.steps=3", *words[3:]])
-    return out
+    out = subprocess.run(["bash", path], env={**os.environ, "GPU_CHECK_LIST": "1"}, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    return [line.split()[1:] for line in out.splitlines() if line.strip()]
 
 
 def test_gpu_check_jobs_are_valid_configs():
@@ -368,7 +366,8 @@ def test_gpu_check_jobs_are_valid_configs():
 
     register()
     jobs = _gpu_check_jobs()
-    assert len(jobs) == 4
+    # the tiny Llama on each framework, llama3_1b at seq 1024, and at seq 8192 and 4096 with each AC
+    assert len(jobs) == 10 and all("cluster.device=cuda" in j for j in jobs)
     for overrides in jobs:
         with initialize_config_dir(config_dir=f"{REPO}/conf", version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
