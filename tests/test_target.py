@@ -202,3 +202,20 @@ def test_published_fit_and_oom_statements_agree_with_the_cuda_verdict():
     assert {k: (r["verdict"], r["happened"]) for k, r in rows.items()} == {
         10: ("fits", "ran"), 11: ("fits", "ran"), 12: ("OOM", "oom")}
     assert all(r["agrees"] and r["beside_gib"] > 0 for r in rows.values())
+
+
+def test_titan_shard_to_shard_runs_as_an_all_gather_on_a_cpu_mesh():
+    """DTensor's Shard(i) -> Shard(j) redistribution: an all-gather on gloo's cpu mesh (torch's
+    shard_dim_alltoall), all_to_all on NCCL's; the same bytes, the same count."""
+    from ledger.faithful.titan import states as L
+    from ledger.model import ModelShape
+
+    m = ModelShape(layers=2, hidden=1024, ffn_hidden=3584, heads=16, kv_heads=4, vocab=1024, seq_len=1024)
+    lay = titan_layout(world=4, tp=4)
+    rows = {t: [c for c in L.place(m, lay, titan_fw(activation_checkpoint="none"), t).rank_state(0).comm
+                if c.what == "DTensor mm backward redistribution"] for t in (CPU_GLOO, CUDA_NCCL)}
+    cpu = {c.kind: (c.count, c.buffer_bytes) for c in rows[CPU_GLOO]}
+    gpu = {c.kind: (c.count, c.buffer_bytes) for c in rows[CUDA_NCCL]}
+    assert "all_to_all" not in cpu and gpu["all_to_all"][0] > 0
+    assert cpu["all_gather"][0] == gpu["all_gather"][0] + gpu["all_to_all"][0]
+    assert cpu["reduce_scatter"] == gpu["reduce_scatter"]

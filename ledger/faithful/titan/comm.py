@@ -57,7 +57,10 @@ def mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
-def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, grid: Grid | None = None) -> list[Comm]:
+def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, grid: Grid | None = None,
+              cpu_mesh: bool = True) -> list[Comm]:
+    """A rank's collectives of one step (steady or the first); cpu_mesh: the target's device mesh is cpu
+    (target.py: DTensor's Shard -> Shard redistributions run as all-gathers there)."""
     cp, rep, tp = lay.cp, lay.dp_replicate, lay.tp
     ds = lay.dp_shard * cp
     fsdp, batch_dim, loss_dim = mesh_labels(grid or lay.grid)  # the "fsdp" mesh: dp_shard x cp
@@ -106,7 +109,7 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
         # a checkpointed block's recompute gathers K and V again (not in SAC's save list)
         acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L * _recomputed(fw, "all_gather"), "CP K/V all-gather, recompute")
     if tp > 1:
-        _tp_comm(acc, model, lay, fw)
+        _tp_comm(acc, model, lay, fw, cpu_mesh)
     return acc.build()
 
 
@@ -121,7 +124,7 @@ def _recomputed(fw, kind: str) -> bool:
     return ac == "full" or (ac == "selective" and kind != "reduce_scatter")
 
 
-def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw) -> None:
+def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, cpu_mesh: bool = True) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel), and
     a checkpointed block's forward ones again in its recompute (_recomputed)."""
@@ -169,7 +172,7 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw) -> None:
     acc.add("tp", "all_reduce", T // chunks * F32, tp, "fp32", 3 * chunks, "loss-parallel CE")
     # backward, per layer: what DTensor's sharding propagation makes of each linear's MmBackward0
     # (derivation in dtensor.py); every layer is alike
-    for kind, full in layer_backward_comm(model, T, tp, sp)[0]:
+    for kind, full in layer_backward_comm(model, T, tp, sp, cpu_mesh)[0]:
         acc.add("tp", kind, full * BF16, tp, "bf16", L, _MM_BACKWARD)
 
 

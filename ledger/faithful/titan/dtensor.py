@@ -59,7 +59,8 @@ def _coll_cost(kind: str, nbytes: float, n: int) -> float:
 def _transition(cur: str, tgt: str) -> tuple[str | None, bool, str | None] | None:
     """_collective_utils.py _compute_placement_transition_cost on one mesh dim, by placements alone:
     (the collective it is priced as, priced on the 1/n local shard plus a 1.0 penalty, the
-    collective redistribute_local_tensor then runs); (None, False, None) free, None banned."""
+    collective redistribute_local_tensor then runs on a device mesh that has all-to-all: a cpu mesh
+    runs Shard -> Shard otherwise, _executed); (None, False, None) free, None banned."""
     if cur == tgt or cur == "R":  # Replicate -> Shard / Partial: a local chunk or view
         return None, False, None
     if cur[0] == "S" and tgt == "R":
@@ -151,12 +152,31 @@ def _mm_fast(a: tuple[str, int], b: tuple[str, int], n: int) -> tuple[str, list[
     return _MM[s][0], [(k, numel) for k, numel in ((ta[i][2], a[1]), (tb[j][2], b[1])) if k], True
 
 
+def _executed(kind: str, cpu_mesh: bool) -> str:
+    """The collective a redistribution runs: on a "cpu" device mesh (gloo, and the fake world's) torch
+    has no all-to-all for Shard(i) -> Shard(j): _collective_utils.py shard_dim_alltoall gathers the
+    whole tensor (funcol.all_gather_single) and keeps the rank's chunk (Shard._custom_chunk), "Gloo does
+    not support alltoall"; a cuda mesh (NCCL) runs all_to_all_single. The cost model prices both alike."""
+    return "all_gather" if cpu_mesh and kind == "all_to_all" else kind
+
+
+def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool:
+    """Whether a block's backward redistributes an activation-sized tensor beyond the rowwise input grads
+    (a Shard -> Shard move of x2d or W, or SwiGLU's reduce-scattered grads): buffers the peak's moments do
+    not hold (the Placement's notes name the finding)."""
+    out = layer_backward_comm(model, T, tp, sp, False)[0]
+    f = model.ffn_hidden
+    return any(k == "all_to_all" for k, _ in out) or sum(1 for k, n in out if k == "reduce_scatter" and n == T * f) > 1
+
+
 @lru_cache(maxsize=1024)
-def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
+def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False, cpu_mesh: bool = True
                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
     """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the
     paths this derivation does not cover (named in the Placement's notes), and whether any mm's
-    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came)."""
+    strategy was chosen by DTensor's cost model (else every mm took its inputs as they came).
+    cpu_mesh: the TP mesh's device type is cpu (the target's rules: target.py), where a Shard -> Shard
+    redistribution runs as an all-gather (_executed)."""
     h, f = model.hidden, model.ffn_hidden
     q = model.heads * model.head_dim
     out: list[tuple[str, int]] = []
@@ -176,10 +196,16 @@ def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False
         priced |= pr
         if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
             out.append(("reduce_scatter", T * k))
+        elif name == "w2" and o == "P":
+            # SwiGLU's backward (silu(w1 x) * w3 x): each factor's grad is mul(grad, the other factor), a
+            # Partial times a Shard(2): the propagator reduce-scatters the Partial grad to Shard(2) for
+            # each of the two muls (aten.mul.Tensor P -> S(2)); measured: tp4 no SP, hidden 1024, ffn
+            # 3584, T 1024 (tests/test_titan.py), two [T, ffn] reduce-scatters per layer
+            out += [("reduce_scatter", T * k)] * 2
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
     # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
     # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
     # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
-    return tuple(out), tuple(undone), priced
+    return tuple((_executed(k, cpu_mesh), n) for k, n in out), tuple(undone), priced

@@ -3,6 +3,9 @@ one home of the rules that differ between the CPU harness (cpu-gloo, launchers/t
 GPU run (cuda-nccl). The peak's moments (peak.py) read these flags; every other rule is shared.
 
 cpu-gloo, confirmed by the CPU matrices:
+- a DTensor redistribution Shard(i) -> Shard(j) on the cpu device mesh runs as an all-gather of the
+  whole tensor and a local chunk (torch/distributed/tensor/_collective_utils.py shard_dim_alltoall:
+  gloo has no all-to-all); NCCL's mesh runs all_to_all (dtensor._executed);
 - gloo's reduce-scatter reduces a copy of its whole input (ProcessGroupGloo.cpp reduce_scatter_tensor:
   `buffers.push_back(inputTensors[i].clone())`, all-reduce, then the rank's chunk copied out): a
   second fp32 buffer the size of FSDP2's reduce_scatter_input while it runs; and its worker thread
@@ -45,10 +48,11 @@ class Rules(NamedTuple):
     sac_keeps_attention: bool  # SelectiveAC keeps the attention's output, logsumexp and max_scores
     attention_stats: int  # fp32 values per query position and head the attention saves (lse; flex: max too)
     fused_rms_norm: bool  # the norms save their bf16 input and rstd (not the fp32 upcasts)
+    cpu_mesh: bool  # the device mesh is cpu: DTensor runs Shard -> Shard as an all-gather (dtensor._executed)
 
 
-RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, True, False, 1, False),
-         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True)}
+RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, True, False, 1, False, True),
+         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True, False)}
 
 
 def rules_of(target: str | None) -> Rules:
