@@ -324,6 +324,8 @@ class Placement:
     target: str = ""
     # cuda-nccl: device memory outside PyTorch's allocator per rank, named (ledger/cuda.py fixed_costs)
     outside_allocator: dict[str, int] = field(default_factory=dict)
+    # what a prediction no run here can confirm rests on ("from sources: ..."; "" where runs confirm it)
+    basis: str = ""
     _per_gpu: Optional[RankState] = None
 
     @property
@@ -404,6 +406,8 @@ class Placement:
             out["target"] = self.target
         if self.outside_allocator:
             out["outside_allocator"] = dict(self.outside_allocator)
+        if self.basis:
+            out["basis"] = self.basis
         return out
 
     def report(self, max_rows: int = 16, away_from_defaults: list[str] | None = None) -> str:

@@ -136,6 +136,7 @@ class Row:
     # for the fit
     outside_allocator_bytes: int = 0
     target: str = ""  # the run the row is predicted for (ledger/target.py)
+    basis: str = ""  # "from sources: ..." where no run here can confirm the row's prediction (Placement.basis)
     resident_bytes: Optional[int] = None
     state_bytes: dict = field(default_factory=dict)  # params / grads / optim / other of the most-loaded rank
     stage: Optional[int] = None  # pipeline stage of the most-loaded rank
@@ -167,6 +168,7 @@ class Row:
         return {"framework": self.framework, "layout": self.layout, "knobs": self.knobs, "fits": self.fits,
                 "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": self.peak_includes,
                 "outside_allocator_bytes": self.outside_allocator_bytes, "target": self.target,
+                **({"basis": self.basis} if self.basis else {}),
                 "resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes, "stage": self.stage,
                 "wire_bytes": self.wire_bytes, "links": self.links, "bubble": self.bubble,
                 "est_step_s": self.est_step_s, "est": self.est, "reason": self.reason,
@@ -368,7 +370,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         row.reason, row.placement = str(e), None
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
-    row.target = pl.target
+    row.target, row.basis = pl.target, pl.basis
     if pl.target == CUDA_NCCL:
         row.outside_allocator_bytes = sum(outside_allocator(pl).values())
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY

@@ -55,6 +55,7 @@ def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | 
                 st[k] = [min(st[k][0], v), max(st[k][1], v)]
     spec = f", {pl.spec}" if pl.spec else ""
     spec += f", for {pl.target}" if pl.target else ""
+    spec += ", from sources" if pl.basis else ""
     t = Table(title=f"{pl.framework} ({pl.mode}{spec}) {pl.model.get('name', '')} "
                     f"N={pl.model['num_params']:,} world={pl.world}: state bytes per rank at a step boundary"
                     + (f"\nknobs away from {pl.framework}'s own defaults: {', '.join(away_from_defaults)}"

@@ -74,7 +74,10 @@ def megatron_cases():
                                                                         recompute_method="block", recompute_num_layers=2),
                                                  *_lay(2, 4, 2, vp=2, global_batch_size=16)]
     yield "megatron/refused/tp-heads", ["model=tiny", *_fw("megatron"), *_lay(16, 1, 1)]
-    yield "megatron/refused/cp", ["model=llama3_1b", *_fw("megatron"), *_lay(1, 1, 4, cp=2)]
+    yield "megatron/llama3_1b/cp2", ["model=llama3_1b", *_fw("megatron"), *_lay(1, 1, 4, cp=2)]
+    yield "megatron/llama3_8b/tp2cp2pp2", ["model=llama3_8b", "model.seq_len=8192", *_fw("megatron"),
+                                           *_lay(2, 2, 2, cp=2, sequence_parallel=True, global_batch_size=16)]
+    yield "megatron/refused/cp-local", ["model=llama3_1b", *_fw("megatron", transformer_impl="local"), *_lay(1, 1, 4, cp=2)]
     yield "megatron/refused/recompute", ["model=tiny", *_fw("megatron", recompute_method="uniform"), *_lay(1, 1, 2)]
 
 

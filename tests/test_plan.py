@@ -221,7 +221,8 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
     GPUs, and says why. plan.json holds every predicted layout and the first refused ones (the rest
     counted by reason) with the fields a user reads, plus the plot and sweep."""
     rec, rows = _plan_job(tmp_path, "model=llama3_70b", "model.seq_len=8192", "plan.gpus=1024", "plan.gpus_per_node=8",
-                          "plan.gpu_memory_gb=80", "plan.global_batch_tokens=4194304", "framework=all")
+                          "plan.gpu_memory_gb=80", "plan.global_batch_tokens=4194304", "framework=all",
+                          "plan.max_cp=1")  # (Megatron's CP rows, from sources: tests/test_megatron_cp.py)
     p = rec["plan"]
     assert p["counts"]["megatron"]["fits"] > 0 and p["counts"]["titan"]["fits"] > 0
     assert p["counts"]["deepspeed"]["fits"] == 0 and p["counts"]["deepspeed"]["refused"] == p["counts"]["deepspeed"]["layouts"]
@@ -269,7 +270,7 @@ def test_llama3_405b_production_layout(tmp_path):
     saves no s^2 probabilities, so selective core_attn recompute saves little), and full recompute
     fits, with SP and without."""
     rec, rows = _plan_job(tmp_path, "model=llama3_405b", "plan.gpus=16384", "plan.global_batch_tokens=16777216",
-                          "framework=megatron", "plan.distributed_optimizer=[true]", "plan.top=1",
+                          "framework=megatron", "plan.distributed_optimizer=[true]", "plan.top=1", "plan.max_cp=1",
                           "plan.watch=[{tp:8,pp:16,cp:1,dp:128,vp:1,micro_batch_size:1}]")
     prod = [r for r in rows if r["layout"]["tp"] == 8 and r["layout"]["pp"] == 16 and r["layout"]["dp"] == 128
             and r["layout"]["vp"] == 1 and r["layout"]["micro_batch_size"] == 1

@@ -48,6 +48,7 @@ from ledger.faithful.megatron.heaviest import (chunk_bound, chunk_buckets, chunk
                                                pattern, pattern_cum, stage_class, stage_summaries, stage_totals)
 from ledger.faithful.megatron.knobs import dtypes, Knobs, knobs, optim_weights
 from ledger.faithful.megatron.peak import PEAK_NOTES, stage_peak
+from ledger.faithful.megatron import cp as megatron_cp
 from ledger.faithful.megatron import target as megatron_target
 from ledger.faithful.megatron.pipeline import padded_shape, stage_shape
 from ledger.layout import ConfigError, Layout
@@ -346,11 +347,11 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
     target.of)."""
     # what this ledger does not model is refused, naming the field (textbook mode still predicts it)
     if lay.cp > 1:
-        # transformer/dot_product_attention.py DotProductAttention asserts context_parallel_size == 1
-        # ("only supported by TEDotProductAttention"): CP needs TransformerEngine, which no CPU run
-        # here has, so no run could confirm a rule; textbook mode predicts it
-        raise ConfigError(f"megatron: cp={lay.cp}: the faithful ledger models cp=1 only (Megatron's CP needs "
-                          "TransformerEngine attention, which no CPU run can confirm; use ledger.mode=textbook)")
+        # TransformerEngine's context parallelism, from sources (cp.py): the same ranks without CP on
+        # s / cp tokens at dp x cp, with TE's K/V ring
+        k = megatron_target.with_target(knobs(fw), fw, target)
+        megatron_cp.check(model, lay, k)
+        return megatron_cp.place(model, lay, fw, target, place, lambda stage: _stage_layers(model, lay, k, stage))
     if lay.dp_replicate > 1:
         raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
     k = megatron_target.with_target(knobs(fw), fw, target)
@@ -402,6 +403,11 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, representatives=reps, notes=notes,
                      stage_representatives=stage_reps, spec=k.transformer_impl, target=megatron_target.of(k))
+
+
+def _stage_layers(model: ModelShape, lay: Layout, k, stage: int) -> int:
+    """The decoder layers of a pipeline stage, over its virtual chunks (pipeline.stage_shape)."""
+    return sum(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)[0] for ch in range(lay.vp))
 
 
 _BUFFERS_NOTE = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "
