@@ -48,10 +48,6 @@ GROUP_REASONS = {
 }
 
 
-def _int(x, default=None):
-    return int(x) if x not in ("", None) else default
-
-
 def _closest(r: dict) -> tuple[str, dict]:
     """The ledger a row is predicted with, and its framework config's overrides."""
     if r["framework"] == "titan":
@@ -85,7 +81,7 @@ def predict_row(r: dict) -> dict:
     from ledger.report import heaviest_rank
     from ledger.target import CUDA_NCCL
     from ledger.units import PEAK_PARTS
-    from published_runs import framework_of, model_of
+    from published_runs import framework_of, layout_cfg, model_of
 
     ran = bool(r["value"]) and r["oom"] != "true"
     out = {"row": int(r["row"]), "group": r["group"], "framework": r["framework"], "model": r["model"],
@@ -98,8 +94,8 @@ def predict_row(r: dict) -> dict:
     opts = set(filter(None, r["options"].split(";")))
     marks = [m for m in ("fp8" if r["precision"] == "fp8" else "", "compile" if "compile" in opts else "") if m]
     model = model_of(r)
-    tp, pp, cp = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["cp"], 1)
-    vp = _int(r["vp"], 1) if r["pp_schedule"].startswith("interleaved") else 1
+    lay_cfg = layout_cfg(r)
+    tp, pp, cp, vp = (lay_cfg[k] for k in ("tp", "pp", "cp", "vp"))
     if name == "megatron":
         rc = r["recompute"] or "none"
         kn = {**extra, "precision": "bf16", **_pp_split(model.layers, pp)}
@@ -110,9 +106,6 @@ def predict_row(r: dict) -> dict:
         fw = OmegaConf.structured(MegatronConfig(**kn))
     else:
         fw = framework_of("titan", r)
-    lay_cfg = {"tp": tp, "pp": pp, "cp": cp, "ep": 1, "etp": 1, "vp": vp, "dp_replicate": 1, "dp": _int(r["dp"]),
-               "sequence_parallel": tp > 1, "micro_batch_size": _int(r["micro_batch"], 1),
-               "global_batch_size": int(r["global_batch"])}
     try:
         lay = resolve(lay_cfg, framework=name)
         validate(model, lay, name, fw)

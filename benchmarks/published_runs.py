@@ -68,6 +68,16 @@ def framework_of(name: str, r: dict):
     return OmegaConf.structured(MegatronConfig(**kn))
 
 
+def layout_cfg(r: dict) -> dict:
+    """The row's layout as layout.* fields (SP wherever TP: every published TP run uses it; vp only under
+    an interleaved schedule)."""
+    tp = _int(r["tp"], 1)
+    return {"tp": tp, "pp": _int(r["pp"], 1), "cp": _int(r["cp"], 1), "ep": 1, "etp": 1,
+            "vp": _int(r["vp"], 1) if r["pp_schedule"].startswith("interleaved") else 1, "dp_replicate": 1,
+            "dp": _int(r["dp"]), "sequence_parallel": tp > 1, "micro_batch_size": _int(r["micro_batch"], 1),
+            "global_batch_size": int(r["global_batch"])}
+
+
 def predict_row(r: dict) -> dict:
     from ledger import frameworks
     from ledger.errors import ConfigError
@@ -88,11 +98,8 @@ def predict_row(r: dict) -> dict:
     marks = [m for m in ("fp8" if r["precision"] == "fp8" else "", "compile" if "compile" in opts else "") if m]
     model = model_of(r)
     fw = framework_of(fw_name, r)
-    tp, pp, cp = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["cp"], 1)
-    vp = _int(r["vp"], 1) if r["pp_schedule"].startswith("interleaved") else 1
-    lay_cfg = {"tp": tp, "pp": pp, "cp": cp, "ep": 1, "etp": 1, "vp": vp, "dp_replicate": 1,
-               "dp": _int(r["dp"]), "sequence_parallel": tp > 1, "micro_batch_size": _int(r["micro_batch"], 1),
-               "global_batch_size": int(r["global_batch"])}
+    lay_cfg = layout_cfg(r)
+    tp, pp, cp, vp = (lay_cfg[k] for k in ("tp", "pp", "cp", "vp"))
     hw_over = {}
     if r["network_gbps_per_gpu"]:
         hw_over["inter_busbw_gbps"] = 0.9 * float(r["network_gbps_per_gpu"]) / 8
