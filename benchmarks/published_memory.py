@@ -74,7 +74,6 @@ def predict_row(r: dict) -> dict:
     from omegaconf import OmegaConf
 
     from conf.schema import MegatronConfig, TitanConfig
-    from ledger.cuda import outside_allocator
     from ledger.errors import ConfigError
     from ledger.layout import resolve, validate
     from ledger.parallel import predict
@@ -114,7 +113,7 @@ def predict_row(r: dict) -> dict:
         pk = st.peak
         if pk is None:
             raise ConfigError("the ledger predicts no peak for this layout")
-        beside = sum(outside_allocator(pl).values())
+        beside = sum(pl.outside_allocator.values())
     except (ConfigError, ValueError, KeyError) as e:
         return {**out, "status": "refused", "why": str(e)[:200], "ledger": name}
     need = pk.bytes + beside

@@ -159,10 +159,6 @@ def check(cfg):
         if cfg.mode == "run":
             fake_layout_supported(cfg.framework.name, lay, model)
     pl = predict(model, lay, cfg.framework, cfg.ledger.mode, target=target_of(cfg))
-    if pl.target == targets.CUDA_NCCL:  # what a GPU rank holds beside its tensors (ledger/cuda.py)
-        from ledger import cuda
-
-        pl.outside_allocator = cuda.outside_allocator(pl)
     if cfg.mode == "run" and cfg.cluster.kind == "local":  # every rank on this machine: can it hold them?
         from launchers.local import local_world_error
         from ledger.report import heaviest_rank

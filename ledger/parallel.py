@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from ledger import frameworks
+from ledger.cuda import outside_allocator
 from ledger.layout import Layout, resolve, validate
 from ledger.memory import StateBytes, state_bytes
 from ledger.model import ModelShape
 from ledger.placement import Comm, Placement, RankState, fmt  # noqa: F401  (the article's API: ledger.parallel.fmt, ...)
+from ledger.target import CUDA_NCCL
 
 
 def grad_dtype(fw) -> str:
@@ -38,7 +40,10 @@ def predict(model: ModelShape, lay: Layout, fw, mode: str = "faithful", state: S
         raise ValueError(f"ledger.mode={mode!r} must be faithful or textbook")
     spec = frameworks.get(fw.name)
     # each framework's MoE ledger beside its dense one
-    return (spec.place_moe if model.is_moe else spec.place)(model, lay, fw, target)
+    pl = (spec.place_moe if model.is_moe else spec.place)(model, lay, fw, target)
+    if pl.target == CUDA_NCCL:  # what a GPU rank holds beside its tensors (ledger/cuda.py)
+        pl.outside_allocator = outside_allocator(pl)
+    return pl
 
 
 def report(model: ModelShape, cfg, world: int | None = None) -> str:

@@ -29,9 +29,7 @@ from ledger.units import peak_or_resident
 from ledger.grid import DIMS, link_of
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
-from ledger.cuda import outside_allocator
 from ledger.parallel import predict
-from ledger.target import CUDA_NCCL
 
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
@@ -371,8 +369,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
     row.target, row.basis = pl.target, pl.basis
-    if pl.target == CUDA_NCCL:
-        row.outside_allocator_bytes = sum(outside_allocator(pl).values())
+    row.outside_allocator_bytes = sum(pl.outside_allocator.values())  # (cuda-nccl: ledger.parallel.predict)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from typing import TYPE_CHECKING
 
+from ledger.target import CPU_GLOO, CUDA_NCCL
 from ledger.units import STATES, fmt
 
 if TYPE_CHECKING:  # render() reads a Placement; ledger.placement imports this module to print one
@@ -113,11 +114,11 @@ def fit_verdict(pl: "Placement", gpu_memory_gb: float, memory_fraction: float) -
     line = (f"fit: {verdict} cluster.gpu_memory_gb={gpu_memory_gb:g} GB x plan.memory_fraction={memory_fraction:g} "
             f"= {fmt(budget)}: rank {best_rank} (stage {best.stage}) {what} {fmt(need)} "
             f"({need / (gpu_memory_gb * 1e9):.0%} of the GPU)")
-    if pl.target == "cuda-nccl":
+    if pl.target == CUDA_NCCL:
         line += (f"\n  headroom {fmt(budget - need)} below the budget, {fmt(gpu_memory_gb * 1e9 - need)} below the GPU's "
                  "memory; the CUDA allocator's rounding and fragmentation are not predicted (the budget's "
                  f"{1 - memory_fraction:.0%} is kept for them); from sources, no GPU run has confirmed this target")
-    if pl.target == "cpu-gloo" and best.peak is not None:
+    if pl.target == CPU_GLOO and best.peak is not None:
         line += ("\n  this peak follows cpu-gloo rules (the CPU harness): a GPU run's differs; predict it for a GPU "
                  "cluster (cluster=local_gpu or cluster.target=cuda-nccl)")
     return line

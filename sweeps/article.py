@@ -178,9 +178,10 @@ def gpu_side_by_side(out: str) -> str:
     for rec in R.load(out):
         cfg = OmegaConf.create(rec["config"])
         cfg.mode = "predict"  # the job's layout as predict sees it, for both targets
-        cfg.cluster = {**rec["config"]["cluster"], "kind": "local", "backend": "gloo", "device": "cpu"}
-        model, lay, _ = check(cfg)
-        pls = {t: predict(model, lay, cfg.framework, cfg.ledger.mode, target=t) for t in (CPU_GLOO, CUDA_NCCL)}
+        cfg.cluster = {**rec["config"]["cluster"], "kind": "local", "backend": "gloo", "device": "cpu",
+                       "target": CPU_GLOO}
+        model, lay, cpu_pl = check(cfg)
+        pls = {CPU_GLOO: cpu_pl, CUDA_NCCL: predict(model, lay, cfg.framework, cfg.ledger.mode, target=CUDA_NCCL)}
         meas = df[(df.job == R.job_name(rec)) & (df.phase == "steady") & (df.quantity == "peak_bytes")]
         for rank in sorted(set(meas["rank"])):
             m = int(meas[meas["rank"] == rank].measured.max())

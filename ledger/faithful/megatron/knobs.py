@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 from ledger.faithful.megatron.activations import recompute_of
 from ledger.faithful.megatron.pipeline import EVEN_SPLIT
-from ledger.faithful.megatron.rules import default_transformer_impl, grad_dtype
+from ledger.faithful.megatron.rules import grad_dtype
+from ledger.faithful.megatron.target import TE
 from ledger.dtypes import nbytes
 from ledger.optim import MOMENT_BYTES, STEP_BYTES
 
@@ -30,7 +31,7 @@ class Knobs(NamedTuple):
     bucket_size: int | None
     clip_grad: float
     make_vocab_size_divisible_by: int
-    transformer_impl: str  # local | transformer_engine (default_transformer_impl fills None)
+    transformer_impl: str  # local | transformer_engine (None: Megatron-LM's default, TE; a target's: target.py)
     pp_split: tuple = EVEN_SPLIT  # (first, last, embedding, loss) of the pipeline split (pipeline.split_error)
     # (granularity, method, num_layers, modules) of activation recompute (activations.Recompute)
     recompute: tuple = (None, None, None, ("core_attn",))
@@ -73,7 +74,7 @@ def knobs(fw) -> Knobs:
         return fw
     return Knobs(fw.precision, bool(fw.grad_reduce_in_fp32), bool(fw.use_distributed_optimizer),
                  bool(fw.overlap_grad_reduce), bool(fw.overlap_param_gather), fw.bucket_size, fw.clip_grad,
-                 fw.make_vocab_size_divisible_by, fw.transformer_impl or default_transformer_impl(), pp_split(fw),
+                 fw.make_vocab_size_divisible_by, fw.transformer_impl or TE, pp_split(fw),
                  tuple(recompute_of(fw)), tuple(getattr(fw, n, d) for n, d in zip(MOE_KNOBS, Knobs._field_defaults["moe"])))
 
 

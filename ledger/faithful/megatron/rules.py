@@ -3,6 +3,7 @@ limits beside the shared rules (ledger/layout.py), the knobs whose default depen
 planner's view of its recompute and overlap knobs. ledger/faithful/megatron/__init__.py registers them."""
 from __future__ import annotations
 
+from ledger.faithful.megatron.target import default_transformer_impl
 from ledger.checks import at_least, check_sizes, knob, one_of, positive
 from ledger.faithful.megatron.pipeline import split_error, stage_layers
 from ledger.layout import ConfigError
@@ -29,20 +30,12 @@ def grad_dtype(fw) -> str:
     return "fp32" if fw.grad_reduce_in_fp32 or fw.precision == "fp32" else "bf16"
 
 
-def default_transformer_impl(mode: str = "predict") -> str:
-    """framework.transformer_impl when neither it nor a target is given (a bare Knobs): Megatron-LM's own
-    default (arguments.py --transformer-impl transformer_engine)."""
-    return "transformer_engine"
-
-
 def fill_mode_defaults(fw, mode: str, target: str) -> None:
     # the spec the target's run builds (target.py default_transformer_impl); mode=plan keeps an unset
     # transformer_impl unset: the ledger predicts Megatron-LM's default and the plan's sweep leaves the
     # choice to the run (local on a CPU)
     if fw.get("transformer_impl") is None and mode != "plan":
-        from ledger.faithful.megatron.target import default_transformer_impl as by_target
-
-        fw.transformer_impl = by_target(target)
+        fw.transformer_impl = default_transformer_impl(target)
 
 
 def model_config_error(model_cfg) -> str | None:

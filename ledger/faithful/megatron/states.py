@@ -50,7 +50,7 @@ from ledger.faithful.megatron.knobs import dtypes, Knobs, knobs, optim_weights
 from ledger.faithful.megatron.peak import PEAK_NOTES, stage_peak
 from ledger.faithful.megatron import cp as megatron_cp
 from ledger.faithful.megatron import target as megatron_target
-from ledger.faithful.megatron.pipeline import padded_shape, stage_shape
+from ledger.faithful.megatron.pipeline import padded_shape, stage_layers, stage_shape
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Placement, RankState
@@ -406,8 +406,8 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
 
 
 def _stage_layers(model: ModelShape, lay: Layout, k, stage: int) -> int:
-    """The decoder layers of a pipeline stage, over its virtual chunks (pipeline.stage_shape)."""
-    return sum(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split)[0] for ch in range(lay.vp))
+    """The decoder layers of a pipeline stage, over its virtual chunks (pipeline.stage_layers)."""
+    return sum(stage_layers(model.layers, lay.pp, lay.vp, stage, ch, k.pp_split) for ch in range(lay.vp))
 
 
 _BUFFERS_NOTE = ("megatron-core 0.18.0: DDP buffers padded as distrib_optimizer.py _compute_per_buffer_param_layout; "

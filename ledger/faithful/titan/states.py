@@ -80,20 +80,20 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
     """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: cpu-gloo)."""
     check(model, lay)
     target = target or CPU_GLOO
+    rules = rules_of(target)
     if _modelled_of(fw) != _MODELLED_VALUES:
         for field, want in zip(_MODELLED, _MODELLED_VALUES):
             if getattr(fw, field) != want:
                 raise ConfigError(f"titan: framework.{field}={getattr(fw, field)!r}: the faithful ledger models "
                                   f"{want!r}")
     if lay.pp > 1:
-        pl = place_pp(model, lay, fw, rules_of(target))
+        pl = place_pp(model, lay, fw, rules)
         pl.target = target
         if target != CPU_GLOO:
-            pl.notes.extend(titan_peak.notes(lay, fw, rules_of(target)))
+            pl.notes.extend(titan_peak.notes(lay, fw, rules))
         return pl
     grid: Grid = lay.grid
     ds = lay.dp_shard * lay.cp  # the FSDP shard degree: parallel_dims.py "fsdp" = dp_shard x cp
-    rules = rules_of(target)
     if model.vocab % lay.tp:
         pl = _place_uneven_vocab(model, lay, fw, grid, ds, rules)
     else:
