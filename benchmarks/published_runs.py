@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 DEFAULT = os.path.join(REPO, "..", "shared", "data", "published_runs_open.csv")
 
-GPU = {"A100-SXM-80GB": "a100", "H100-SXM-80GB": "h100", "H100-SXM-96GB-500W": "h100"}
+GPU = {"A100-SXM-80GB": "a100", "H100-SXM-80GB": "h100", "H100-SXM-96GB-500W": "h100-96gb"}
 FRAMEWORK = {"titan": "titan", "megatron": "megatron"}
 
 

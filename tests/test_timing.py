@@ -2,6 +2,7 @@
 simulation's bubble against the textbook, a GEMM's time by hand, the waterfall adding up to the step,
 the Chrome trace, and a prediction of each framework."""
 import json
+from types import SimpleNamespace
 import math
 
 import pytest
@@ -256,3 +257,73 @@ def test_the_article_s_question_is_answered():
     assert "Llama-3-70B, 1,024 x h100" in out and "global batch 512" in out
     assert "best: " in out and "predicted MFU" in out and "model FLOPs at peak" in out
     assert "measured at 32% MFU" in out and "GEMM / attention efficiency" in out.split("measured at 32% MFU")[1]
+
+
+def test_selective_ac_recomputes_the_ops_the_titan_time_policy_names():
+    """torchtitan's SelectiveAC policy on a real block run on the CPU (the plain Llama's: wq wk wv, SDPA,
+    wo, w1 w3 w2 in torchtitan's op order): the forward mms its backward runs again are exactly the
+    GEMMs the torchtitan time policy recomputes (wk, wo, w3: every second mm), and on the CPU the SDPA
+    math kernel runs again as the policy's CPU recompute says."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from launchers.llama import Block
+    from ledger.faithful.titan.steptime import time_policy
+    from ledger.model import ModelShape
+
+    # a forward linear's mm multiplies by the weight's transpose (a strided view), a backward's by the
+    # weight or an activation: the operands' shapes and strides tell the recomputed forward mms apart
+    shape = ModelShape(layers=1, hidden=64, ffn_hidden=96, heads=4, kv_heads=2, vocab=128, seq_len=10)
+    block = SelectiveAC(SelectiveAC.Config())._wrap_block(Block(shape, 10000.0, 1e-5))
+    mm = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in mm:
+                self.calls.append((tuple(args[0].shape), tuple(args[1].shape), tuple(args[1].stride())))
+            elif "scaled_dot_product" in str(func) and "backward" not in str(func):
+                self.calls.append("sdpa")
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 10, 64, requires_grad=True)
+    with Record() as fwd:
+        out = block(x)
+    with Record() as bwd:
+        out.sum().backward()
+    forward_sig = dict(zip(("q", "k", "v", "proj", "w1", "w3", "fc2"), [c for c in fwd.calls if c != "sdpa"]))
+    assert len(forward_sig) == 7 and fwd.calls.count("sdpa") == 1
+    recomputed = Counter(c for c in bwd.calls if c == "sdpa" or c in forward_sig.values())
+
+    for device, attention_again in (("cuda", 0), ("cpu", 1)):
+        names = time_policy(SimpleNamespace(activation_checkpoint="selective"), SimpleNamespace(pp=1), device).recompute_ops
+        predicted = Counter(sig for name, sig in forward_sig.items() if name in names)
+        assert {n for n in forward_sig if n in names} == {"k", "proj", "w3"}
+        assert recomputed - Counter({"sdpa": 1}) == predicted
+        assert ("attention" in names) == bool(attention_again)
+    assert recomputed["sdpa"] == 1  # this CPU run: the math kernel is not in the save list
+
+
+def test_attention_runs_at_its_kernel_s_efficiency():
+    """An attention op's time on a preset: its FLOPs at the profile's fraction for the kernel that runs
+    (FlexAttention 0.90 / 0.85 of FlashAttention-2's 35% on Hopper; TE's fused attention FlashAttention-3's),
+    the GEMMs' efficiency for batched matmuls and where a profile names no figure (B200)."""
+    h100, b200 = hardware.profile("h100"), hardware.profile("b200")
+    flops, over = 1e12, h100.kernel_overhead_s
+    cases = [(h100, "flex", False, 0.35 * 0.90), (h100, "flex", True, 0.35 * 0.85), (h100, "flash2", True, 0.35),
+             (h100, "te_fused", False, 0.75), (h100, "unfused", False, h100.gemm_efficiency),
+             (b200, "flex", False, b200.gemm_efficiency)]
+    for p, kernel, backward, eff in cases:
+        op = ops.Op("attention", "attention", flops, 1.0, kernel=kernel, backward=backward)
+        assert ops.op_seconds(op, p) == pytest.approx(flops / (p.peak() * eff) + over)
+    # a calibrated yaml keeps the figures; a kernel it does not know is refused naming the field
+    assert hardware.from_dict(hardware.to_dict(h100)) == h100
+    bad = hardware.to_dict(h100) | {"attention_efficiency": {"fa9": [0.5, 0.5]}}
+    with pytest.raises(Exception, match="attention_efficiency"):
+        hardware.from_dict(bad)

@@ -52,6 +52,9 @@ class Profile:
     sources: dict = field(default_factory=dict)
     measured: bool = False
     device: str = "cuda"  # cuda | cpu: which kernels the frameworks run (the time policies ask)
+    # attention kernel (ATTENTION_KERNELS) -> (forward, backward) fraction of the bf16 peak it reaches;
+    # a kernel not named runs at gemm_efficiency (batched matmuls)
+    attention_efficiency: dict = field(default_factory=dict)
 
     def peak(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for dtype (bf16 and fp16 share the tensor cores' rate)."""
@@ -76,7 +79,34 @@ _DATASHEET = {
     "b200": "NVIDIA DGX B200 datasheet: 8 GPUs, 72 PFLOPS fp8 training (dense 4.5 PF / GPU, bf16 2.25 PF), "
             "1,440 GB HBM3e (180 GB / GPU) at 8 TB/s each, NVLink 5 1.8 TB/s total (900 each way); "
             "network: one 400 Gb/s NIC per GPU",
+    "h100-96gb": "torchtitan docs/performance.md (Grand Teton): H100 with 96 GB HBM2e at 2.4 TB/s, the default "
+                 "500 W power limit, NVLink 8 per host, 400 Gb/s RDMA per GPU; tensor-core peaks the H100 SXM5 "
+                 "datasheet's (989 TFLOPS bf16 dense)",
 }
+# the attention kernels a framework's time policy names: torch SDPA's flash backend (FlashAttention-2's
+# kernels), FlexAttention's compiled Triton kernel, TransformerEngine's fused attention (cuDNN's fused
+# flash attention on sm80 / sm90), the batched matmuls of an unfused attention (Megatron's local spec)
+# and the CPU's SDPA math kernel (both at the GEMMs' rate: no entry in a profile)
+ATTENTION_KERNELS = ("flash2", "flex", "te_fused", "unfused", "math")
+
+_ATTENTION_SOURCES = (
+    "attention_efficiency: FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches 50-73% of the A100's peak "
+    "(0.70 forward, 0.60 backward assumed inside that range: its backward is the slower pass) and only 35% "
+    "of the H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, which reaches 75% forward and "
+    "runs its backward 1.5-1.75x faster than FlashAttention-2's); FlexAttention's kernel reaches 90% of "
+    "FlashAttention-2's forward and 85% of its backward (PyTorch blog 'FlexAttention', Aug 2024); "
+    "TransformerEngine's fused attention is taken as FlashAttention-2 on A100 and as FlashAttention-3 on "
+    "Hopper (0.75 forward, 0.35 x 1.6 = 0.56 backward); B200: no source gives a figure (the GEMMs' used)")
+
+
+def _attention(flash2: tuple, hopper_native: tuple | None = None) -> dict:
+    """The kernels' (forward, backward) fractions from FlashAttention-2's on the device
+    (_ATTENTION_SOURCES): FlexAttention 0.90 / 0.85 of it, TE's fused attention FlashAttention-2's or,
+    on Hopper, FlashAttention-3's."""
+    fwd, bwd = flash2
+    return {"flash2": (fwd, bwd), "flex": (0.90 * fwd, 0.85 * bwd), "te_fused": hopper_native or (fwd, bwd)}
+
+
 # what is assumed, not measured: a calibrate run on the device replaces each
 _ASSUMED = ("gemm_efficiency: cuBLAS on large bf16 GEMMs reaches 70-80% of the dense peak on Hopper and "
             "Blackwell (public GEMM benchmarks; e.g. B200 cuBLAS 1,532-1,652 TFLOPS at 4096-8192 cubed) and "
@@ -85,19 +115,30 @@ _ASSUMED = ("gemm_efficiency: cuBLAS on large bf16 GEMMs reaches 70-80% of the d
             "~5 us (NVLink) / ~10 us (network): assumptions, not measurements")
 
 def _preset(name: str, peaks: dict, hbm_gbps: float, memory_gb: float, nvlink_each_way_gbps: float,
-            nic_gbit: float, gemm_efficiency: float, sms: int) -> Profile:
+            nic_gbit: float, gemm_efficiency: float, sms: int, attention: dict) -> Profile:
     """A datasheet preset (_DATASHEET[name]) with the assumed fractions (_ASSUMED): NVLink busbw 80% of
-    its one-way rate, the network 90% of one NIC per GPU, streaming kernels at 80% of HBM."""
+    its one-way rate, the network 90% of one NIC per GPU, streaming kernels at 80% of HBM; the attention
+    kernels' fractions (_ATTENTION_SOURCES)."""
     return Profile(name, peaks, hbm_gbps, memory_gb, 8, Link(0.8 * nvlink_each_way_gbps, 5.0),
-                   Link(0.9 * nic_gbit / 8, 10.0), gemm_efficiency, 0.8, sms=sms,
-                   sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED})
+                   Link(0.9 * nic_gbit / 8, 10.0), gemm_efficiency, 0.8, sms=sms, attention_efficiency=attention,
+                   sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED, "attention": _ATTENTION_SOURCES})
 
 
+_HOPPER_ATTENTION = _attention((0.35, 0.35), hopper_native=(0.75, 0.35 * 1.6))
 PRESETS: dict[str, Profile] = {
-    "a100": _preset("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 300.0, 200.0, 0.85, 108),
-    "h100": _preset("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 450.0, 400.0, 0.75, 132),
-    "h200": _preset("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 450.0, 400.0, 0.75, 132),
-    "b200": _preset("b200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0}, 8000.0, 180.0, 900.0, 400.0, 0.72, 148),
+    "a100": _preset("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 300.0, 200.0, 0.85, 108,
+                    _attention((0.70, 0.60))),
+    "h100": _preset("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 450.0, 400.0, 0.75, 132,
+                    _HOPPER_ATTENTION),
+    # the torchtitan benchmarks' Grand Teton H100 (docs/performance.md): HBM2e at 2.4 TB/s, 96 GB, the
+    # default 500 W power limit; the tensor cores' peak is the datasheet's (what the power limit takes
+    # from the clocks under load is not modelled: no source gives it)
+    "h100-96gb": _preset("h100-96gb", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 2400.0, 96.0, 450.0, 400.0,
+                         0.75, 132, _HOPPER_ATTENTION),
+    "h200": _preset("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 450.0, 400.0, 0.75, 132,
+                    _HOPPER_ATTENTION),
+    "b200": _preset("b200", {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0}, 8000.0, 180.0, 900.0, 400.0, 0.72, 148,
+                    {}),
 }
 
 
@@ -141,7 +182,14 @@ def from_dict(d: dict) -> Profile:
     try:
         intra, inter = Link(**d.pop("intra")), Link(**d.pop("inter"))
         table = tuple((tuple(k), float(v)) for k, v in d.pop("gemm_table", []))
-        return with_overrides(Profile(intra=intra, inter=inter, gemm_table=table, **d))
+        attention = {str(k): tuple(float(x) for x in v) for k, v in (d.pop("attention_efficiency", None) or {}).items()}
+        bad = sorted(set(attention) - set(ATTENTION_KERNELS))
+        if bad or any(len(v) != 2 or not all(0 < x <= 1 for x in v) for v in attention.values()):
+            raise ConfigError(f"hardware.file: attention_efficiency maps a kernel of {list(ATTENTION_KERNELS)} to "
+                              f"[forward, backward] fractions in (0, 1] (got {attention})")
+        if "gemm_tile" in d:
+            d["gemm_tile"] = tuple(int(x) for x in d["gemm_tile"])
+        return with_overrides(Profile(intra=intra, inter=inter, gemm_table=table, attention_efficiency=attention, **d))
     except (TypeError, KeyError) as e:
         raise ConfigError(f"hardware.file: not a profile ({e})") from None
 
@@ -150,6 +198,7 @@ def to_dict(p: Profile) -> dict:
     d = dataclasses.asdict(p)
     d["gemm_table"] = [[list(k), v] for k, v in p.gemm_table]
     d["gemm_tile"] = list(p.gemm_tile)
+    d["attention_efficiency"] = {k: list(v) for k, v in p.attention_efficiency.items()}
     return d
 
 

@@ -3,21 +3,29 @@
 Per decoder layer on a rank (T tokens of the micro-batch on it: micro_batch x seq / cp; Ts = T / tp
 where sequence parallelism shards the norms and residual adds), forward:
   GEMMs      qkv [T, h] x [h, (heads + 2 kv_heads) d / tp], proj [T, heads d / tp] x [.., h],
-             fc1 [T, h] x [h, 2 f / tp] (SwiGLU's gate and up), fc2 [T, f / tp] x [.., h]
+             fc1 [T, h] x [h, 2 f / tp] (SwiGLU's gate and up), fc2 [T, f / tp] x [.., h]; where the
+             framework runs the projections as separate linears (torchtitan's and the plain Llama's
+             wq wk wv, w1 w3: Shard.split_projections) each is its own GEMM, as the SAC policy counts them
   attention  Q K^T and P V over heads / tp heads: 4 b s^2 (heads d) / tp FLOPs, halved by a causal
-             kernel that skips the masked blocks (flash / cuDNN / TE fused on CUDA), whole with the
-             CPU's SDPA math kernel (dense masks, s x s scores) - the kernel is the policy's
+             kernel that skips the masked blocks (flash / cuDNN / TE fused / FlexAttention on CUDA),
+             whole with the CPU's SDPA math kernel (dense masks, s x s scores) and Megatron's local
+             spec - the kernel is the policy's, and its efficiency the profile's (attention_efficiency)
   memory     two RMSNorms and two residual adds over Ts x h, RoPE over q and k, SwiGLU's product over
-             T x f / tp, (CPU math attention: the s x s scores' softmax) - bytes read and written
+             T x f / tp, (CPU math attention: the s x s scores' softmax), a GQA K/V repeat where the
+             model repeats them - bytes read and written per element as the framework's kernels move
+             them (Shard.kernel_bytes, its TimePolicy's; fused_bytes where one fused kernel reads each
+             input and writes each output once)
 Backward: every GEMM twice (the input's grad and the weight's), attention 2.5 x its forward (flash:
-five matmuls to the forward's two), the memory-bound ops twice their forward bytes. The head: the final
-norm, the output GEMM [T, h] x [h, V / tp] and the cross-entropy over T x V / tp in fp32.
+five matmuls to the forward's two), the memory-bound ops their kernel_bytes' backward. The head: the
+final norm, the output GEMM [T, h] x [h, V / tp] and the cross-entropy over T x V / tp in fp32.
 
 A GEMM's time on a profile (from sources until calibrated): its FLOPs at gemm_efficiency x peak,
 divided by the wave quantization's utilisation (ceil(M / tm) ceil(N / tn) tiles over the SMs in whole
 waves), or its bytes at memory_efficiency x HBM when that is longer, plus a kernel's fixed cost. A
 calibrated profile's measured table (the shape's own, or the nearest by FLOPs of the dtype) replaces
-the model."""
+the model. An attention kernel runs at the profile's attention_efficiency for it (forward and
+backward), or at the GEMM's efficiency where the profile names none (the local spec's and the CPU's
+batched matmuls)."""
 from __future__ import annotations
 
 import math
@@ -34,6 +42,20 @@ class Op:
     bytes: float = 0.0
     mnk: tuple = ()  # a GEMM's (M, N, K)
     dtype: str = "bf16"
+    kernel: str = ""  # an attention op's kernel (hardware.ATTENTION_KERNELS)
+    backward: bool = False
+    bwd_bytes: float = -1.0  # a memory-bound op's backward bytes (< 0: twice its forward's)
+
+
+# bytes per element (forward, backward) of each memory-bound op when one fused kernel reads every input
+# and writes every output once, at w bytes an activation: a norm reads x and writes y (its backward
+# reads x and the grad, writes the grad: twice), RoPE reads and writes q / k, SwiGLU reads gate and up
+# and writes their product (over the ffn elements), a residual add reads two and writes one; the
+# cross-entropy reads the bf16 logits and streams three fp32 passes (softmax, loss, grad). Megatron's
+# TransformerEngine spec runs such kernels (TE's fused RoPE, bias_swiglu, the norms in LayerNormLinear).
+def fused_bytes(w: int) -> dict:
+    return {"norm": (2 * w, 4 * w), "rope": (2 * w, 4 * w), "swiglu": (3 * w, 6 * w), "gelu": (2 * w, 4 * w),
+            "residual_add": (3 * w, 6 * w), "cross_entropy": (w + 12, 2 * (w + 12)), "kv_repeat": (0, 0)}
 
 
 def gemm(name: str, m: int, n: int, k: int, w: int, dtype: str = "bf16") -> Op:
@@ -45,10 +67,21 @@ def op_seconds(op: Op, p: Profile) -> float:
     mem = op.bytes / (p.hbm_gbps * 1e9 * p.memory_efficiency)
     if op.kind == "memory":
         return mem + p.kernel_overhead_s
-    rate = _table_rate(op, p) if p.gemm_table and op.kind == "gemm" else None
-    if rate is None:
-        rate = p.peak(op.dtype) * p.gemm_efficiency * _wave_utilisation(op, p)
+    if op.kind == "attention":
+        rate = p.peak(op.dtype) * attention_efficiency(p, op.kernel, op.backward)
+    else:
+        rate = _table_rate(op, p) if p.gemm_table else None
+        if rate is None:
+            rate = p.peak(op.dtype) * p.gemm_efficiency * _wave_utilisation(op, p)
     return max(op.flops / rate, mem) + p.kernel_overhead_s
+
+
+def attention_efficiency(p: Profile, kernel: str, backward: bool) -> float:
+    """The fraction of the peak an attention kernel reaches on p (its forward or backward): the
+    profile's figure for the kernel (hardware.py, each from its source), else the GEMMs' (batched
+    matmuls: the local spec's and the CPU's attention, or a device no source gives a figure for)."""
+    eff = p.attention_efficiency.get(kernel)
+    return p.gemm_efficiency if eff is None else eff[1 if backward else 0]
 
 
 def _wave_utilisation(op: Op, p: Profile) -> float:
@@ -90,6 +123,22 @@ class Shard:
     w: int = 2  # activation bytes
     swiglu: bool = True  # SwiGLU's gate and up in fc1; else one fc1 of ffn and a GeLU
     cp: int = 1  # context parallel: the rank's queries (seq) attend to the whole sequence (seq x cp keys)
+    attention_kernel: str = "flash2"  # which kernel runs attention (hardware.ATTENTION_KERNELS)
+    split_projections: bool = False  # wq wk wv and w1 w3 separate linears (each its own GEMM)
+    repeat_kv: bool = False  # GQA's K and V repeated to the query heads before attention (a copy)
+    # memory-bound op -> (forward, backward) bytes per element, where the framework's kernels move more
+    # than one fused kernel (fused_bytes); its TimePolicy's, each entry citing the code it counts
+    kernel_bytes: tuple = ()
+
+    def bytes_per_element(self, op: str) -> tuple:
+        return dict(self.kernel_bytes).get(op) or fused_bytes(self.w)[op]
+
+
+def _memory(s: Shard, name: str, kind: str, elements: float) -> Op:
+    """A memory-bound op over `elements`, its bytes as the framework's kernels move them (kind: the
+    kernel_bytes entry)."""
+    fwd, bwd = s.bytes_per_element(kind)
+    return Op(name, "memory", bytes=float(fwd) * elements, bwd_bytes=float(bwd) * elements)
 
 
 def layer_forward(s: Shard) -> list[Op]:
@@ -101,24 +150,36 @@ def layer_forward(s: Shard) -> list[Op]:
     # the rank's queries against every key: with CP the load-balanced chunks give each rank 1/cp of the
     # whole sequence's attention
     attn_flops = 4.0 * s.micro_batch * s.seq * (s.seq * s.cp) * (s.heads * d // tp) * (0.5 if s.causal_kernel else 1.0)
-    ops = [Op("attention_norm", "memory", bytes=2.0 * Ts * h * w),
-           gemm("qkv", T, q + 2 * kv, h, w),
-           Op("rope", "memory", bytes=2.0 * T * (q + kv) * w),
+    if s.split_projections:
+        qkv = [gemm("q", T, q, h, w), gemm("k", T, kv, h, w), gemm("v", T, kv, h, w)]
+        fc1 = [gemm("w1", T, f, h, w), gemm("w3", T, f, h, w)] if s.swiglu else [gemm("w1", T, f, h, w)]
+    else:
+        qkv, fc1 = [gemm("qkv", T, q + 2 * kv, h, w)], [gemm("fc1", T, (2 if s.swiglu else 1) * f, h, w)]
+    # a repeat_interleave of K and V to the query heads reads them and writes query-sized copies (its
+    # backward sums the copies back)
+    repeat = ([Op("kv_repeat", "memory", bytes=float(w * T * 2 * (kv + q)), bwd_bytes=float(w * T * 2 * (kv + q)))]
+              if s.repeat_kv and q != kv else [])
+    ops = [_memory(s, "attention_norm", "norm", Ts * h),
+           *qkv,
+           _memory(s, "rope", "rope", T * (q + kv)),
+           *repeat,
            Op("attention", "attention", attn_flops,
               float(w * T * (2 * q + 2 * kv))
-              + (0.0 if s.causal_kernel else 3.0 * 4 * s.micro_batch * (s.heads // tp) * s.seq * s.seq * s.cp)),
+              + (0.0 if s.causal_kernel else 3.0 * 4 * s.micro_batch * (s.heads // tp) * s.seq * s.seq * s.cp),
+              kernel=s.attention_kernel),
            gemm("proj", T, h, q, w),
-           Op("residual_add", "memory", bytes=3.0 * Ts * h * w),
-           Op("ffn_norm", "memory", bytes=2.0 * Ts * h * w),
-           gemm("fc1", T, (2 if s.swiglu else 1) * f, h, w),
-           Op("swiglu" if s.swiglu else "gelu", "memory", bytes=(3.0 if s.swiglu else 2.0) * T * f * w),
+           _memory(s, "residual_add", "residual_add", Ts * h),
+           _memory(s, "ffn_norm", "norm", Ts * h),
+           *fc1,
+           _memory(s, "swiglu", "swiglu", T * f) if s.swiglu else _memory(s, "gelu", "gelu", T * f),
            gemm("fc2", T, h, f, w),
-           Op("residual_add", "memory", bytes=3.0 * Ts * h * w)]
+           _memory(s, "residual_add", "residual_add", Ts * h)]
     return ops
 
 
 def backward_of(ops: list[Op]) -> list[Op]:
-    """The backward's ops: a GEMM's two (input grad, weight grad), attention 2.5 x, memory-bound 2 x."""
+    """The backward's ops: a GEMM's two (input grad, weight grad), attention 2.5 x, memory-bound ops
+    their backward bytes."""
     out = []
     for op in reversed(ops):
         if op.kind == "gemm":
@@ -127,9 +188,10 @@ def backward_of(ops: list[Op]) -> list[Op]:
             out += [Op(op.name + ".dgrad", "gemm", op.flops, w * (m * n + n * k + m * k), (m, k, n), op.dtype),
                     Op(op.name + ".wgrad", "gemm", op.flops, w * (m * k + m * n + k * n), (k, n, m), op.dtype)]
         elif op.kind == "attention":
-            out.append(Op(op.name + ".backward", "attention", 2.5 * op.flops, 2.0 * op.bytes))
+            out.append(Op(op.name + ".backward", "attention", 2.5 * op.flops, 2.0 * op.bytes, kernel=op.kernel,
+                          backward=True))
         else:
-            out.append(Op(op.name + ".backward", "memory", bytes=2.0 * op.bytes))
+            out.append(Op(op.name + ".backward", "memory", bytes=op.bwd_bytes if op.bwd_bytes >= 0 else 2.0 * op.bytes))
     return out
 
 
@@ -137,10 +199,10 @@ def head_forward(s: Shard) -> list[Op]:
     T = s.micro_batch * s.seq
     Ts = T // s.tp if s.sp else T
     v = s.vocab // s.tp
-    return [Op("final_norm", "memory", bytes=2.0 * Ts * s.hidden * s.w),
+    return [_memory(s, "final_norm", "norm", Ts * s.hidden),
             gemm("output", T, v, s.hidden, s.w),
             # the logits cast to fp32, their softmax and the loss: read bf16, write fp32, read it twice
-            Op("cross_entropy", "memory", bytes=float(T * v * (s.w + 3 * 4)))]
+            _memory(s, "cross_entropy", "cross_entropy", T * v)]
 
 
 def seconds(ops: list[Op], p: Profile) -> float:

@@ -3,7 +3,7 @@ step:
 
   compute     each stage's forward and backward of one micro-batch, op by op (ledger/timing/ops.py),
               the recompute's extra forward work where the framework recomputes (full: the layers'
-              forward again; selective: attention's core)
+              forward again; selective: the ops its policy names, TimePolicy.recompute_ops)
   TP / CP / EP  the collectives of those dims on a rank of the stage (the comm ledger's rows, per step,
               divided over its micro-batches), timed by ledger/timing/collectives.py on their link
               class and left exposed (no tp_comm_overlap / async TP modelled): a third in forward, two
@@ -50,6 +50,12 @@ class TimePolicy:
     schedule: str = "1f1b"  # none | 1f1b | interleaved (the pipeline's order; pipeline.order)
     recompute: str = "none"  # none | selective | full
     causal_kernel: bool = True  # attention skips the masked blocks (flash / cuDNN / TE fused)
+    attention_kernel: str = "flash2"  # the kernel that runs attention (hardware.ATTENTION_KERNELS)
+    # what selective recompute re-runs in backward: the names of a layer's forward ops (ops.layer_forward)
+    recompute_ops: tuple = ("attention",)
+    split_projections: bool = False  # wq wk wv, w1 w3 as separate linears (ops.Shard)
+    repeat_kv: bool = False  # the model repeats GQA's K / V to the query heads (ops.Shard)
+    kernel_bytes: tuple = ()  # memory-bound op -> (forward, backward) bytes per element (ops.Shard)
     dp_grad: str = "exposed"  # exposed | last_backward | every_pass
     dp_param: str = "exposed"  # exposed | first_forward | every_pass
     optimizer_state_bytes: int = 12  # the optimizer's state bytes per element it updates
@@ -92,7 +98,9 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
     return ops.Shard(hidden=model.hidden, ffn=model.ffn_hidden, heads=model.heads, kv_heads=model.kv_heads,
                      head_dim=model.head_dim, vocab=model.vocab, seq=model.seq_len // lay.cp,
                      micro_batch=lay.micro_batch_size, tp=lay.tp, sp=bool(lay.sequence_parallel) and lay.tp > 1,
-                     causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu, cp=lay.cp)
+                     causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu, cp=lay.cp,
+                     attention_kernel=policy.attention_kernel, split_projections=policy.split_projections,
+                     repeat_kv=policy.repeat_kv, kernel_bytes=policy.kernel_bytes)
 
 
 def _stage_of_rank(lay: Layout, stage: int) -> int:
@@ -114,7 +122,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     bwd_layer = ops.backward_of(fwd_layer)
     head_f = ops.head_forward(sh)
     head_b = ops.backward_of(head_f)
-    rc_layer = {"full": fwd_layer, "selective": [o for o in fwd_layer if o.kind == "attention"]}.get(policy.recompute, [])
+    rc_layer = {"full": fwd_layer,
+                "selective": [o for o in fwd_layer if o.name in policy.recompute_ops]}.get(policy.recompute, [])
     per_chunk = model.layers // (lay.pp * vp)
     extra = model.layers - per_chunk * lay.pp * vp  # the remainder on the last virtual stage
 

@@ -4,7 +4,14 @@ deepspeed/runtime/.
   schedule   no pipelining (the ZeRO engine; every GPU a data-parallel rank)
   recompute  activation_checkpointing: every layer's forward again in backward (the launcher's
              checkpointed Llama layers)
-  attention  the Llama's SDPA: flash on CUDA (causal blocks skipped), the math kernel on the CPU
+  attention  the Llama's SDPA (launchers/llama.py): flash on CUDA (FlashAttention-2's kernel, causal blocks
+             skipped), the math kernel on the CPU
+  kernels    the Llama's eager ops (launchers/llama.py): wq wk wv and w1 w3 separate linears; GQA's K and
+             V repeated to the query heads (repeat_interleave); RMSNorm in fp32 (x.float(), pow, mean,
+             rsqrt, the product, type_as, the weight: 36 bytes an element forward); RoPE by cos / sin in
+             fp32 (x.float(), four products and two sums over the halves, stack, type_as: 44 bytes an
+             element); SwiGLU as F.silu(w1(x)) * w3(x) (as torchtitan's: 10 and 16 bytes); backward
+             twice the forward's bytes where not counted
   DP         zero/stage_1_and_2.py: with overlap_comm the IPG buckets reduce on a side stream while the
              backward goes on (stage 2 every micro-batch, stage 1 at the accumulation boundary: the
              last backward), else after it; the updated partitions are all-gathered after the step
@@ -17,6 +24,9 @@ from __future__ import annotations
 from ledger.faithful.deepspeed.rules import overlap_comm
 from ledger.timing.step import TimePolicy
 
+# the Llama's eager kernels' bytes per element (forward, backward), module docstring
+KERNEL_BYTES = (("norm", (36, 72)), ("rope", (44, 88)), ("swiglu", (10, 16)))
+
 
 def time_policy(fw, lay, device: str) -> TimePolicy:
     ov = overlap_comm(fw)
@@ -24,6 +34,8 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     grad = ("every_pass" if z >= 2 else "last_backward") if ov else "exposed"
     param = "every_pass" if z == 3 else "exposed"
     return TimePolicy(schedule="none", recompute="full" if fw.activation_checkpointing else "none",
-                      causal_kernel=device == "cuda", dp_grad=grad, dp_param=param,
+                      causal_kernel=device == "cuda", attention_kernel="flash2" if device == "cuda" else "math",
+                      split_projections=True, repeat_kv=True, kernel_bytes=KERNEL_BYTES,
+                      dp_grad=grad, dp_param=param,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
                                f"param gathers {param.replace('_', ' ')} (ledger/faithful/deepspeed/steptime.py)",))

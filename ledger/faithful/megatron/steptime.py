@@ -6,8 +6,11 @@ megatron/core/.
   recompute  recompute_granularity: full re-runs the checkpointed layers' forward in backward
              (transformer_block.py _checkpointed_forward); selective re-runs core attention
              (transformer/attention.py _checkpointed_attention_forward)
-  attention  transformer_engine: TEDotProductAttention (fused / flash: the causal mask's blocks skipped);
-             the local spec's DotProductAttention computes the whole [s, s] scores (baddbmm, then the mask)
+  attention  transformer_engine: TEDotProductAttention (TE's fused attention, cuDNN on sm80 / sm90: the
+             causal mask's blocks skipped); the local spec's DotProductAttention computes the whole
+             [s, s] scores (baddbmm, then the mask: batched matmuls at the GEMMs' rate)
+  kernels    linear_qkv and linear_fc1 (gate and up) one GEMM each; the memory-bound ops fused (TE's
+             RoPE, bias_swiglu, the norms): ops.fused_bytes
   DP         distributed/distributed_data_parallel.py: with overlap_grad_reduce the buckets' grad
              reductions start as they fill in the backward of the last micro-batch (no_sync for the
              others: training.py / schedules.py), else after the backward (finish_grad_sync); with
@@ -25,6 +28,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     schedule = "none" if lay.pp == 1 else "interleaved" if lay.vp > 1 else "1f1b"
     return TimePolicy(schedule=schedule, recompute=fw.recompute_granularity or "none",
                       causal_kernel=impl == "transformer_engine",
+                      attention_kernel="te_fused" if impl == "transformer_engine" else "unfused",
                       dp_grad="last_backward" if fw.overlap_grad_reduce else "exposed",
                       dp_param="first_forward" if fw.overlap_param_gather else "exposed",
                       sources=(f"megatron time policy: {schedule} schedule, attention {impl} "

@@ -2,10 +2,23 @@
 
   schedule   no pipelining at pp = 1; with PP the schedule 1F1B (parallelisms/pipeline: the
              pipelining schedules of torch.distributed.pipelining; the ledger's PP is 1F1B)
-  recompute  activation_checkpoint: full re-runs every block's forward in backward, selective (op)
-             re-runs what its save list does not keep (the attention core: SDPA is not saved on CPU)
-  attention  on CUDA torch's SDPA picks flash / cuDNN for bf16 (the causal mask's blocks skipped);
-             on the CPU the math kernel computes the whole [s, s] scores
+  recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
+             (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
+             keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
+             reduce-scatters, but its policy recomputes every second mm of a block's forward (the mm
+             count restarts per block: wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7), so wk, wo and w3 run
+             again, with the norms, RoPE, SwiGLU's silu and product and the residual adds; on the CPU
+             the harness's math attention is not saved either (SELECTIVE_RECOMPUTE)
+  attention  models/llama3 model_registry: attn_backend "flex", FlexAttention's compiled kernel on
+             CUDA (the causal block mask skips the masked blocks); on the CPU the math kernel computes
+             the whole [s, s] scores
+  kernels    the model's own eager ops (models/common/): wq wk wv and w1 w3 separate linears; GQA by
+             enable_gqa (no K / V copy); RoPE in complex fp32 (rope.py apply_rotary_emb: query.float(),
+             view_as_complex, the product with the cache, view_as_real, type_as: a bf16 read and fp32
+             write, an fp32 read and write, an fp32 read and bf16 write, 20 bytes an element each way);
+             SwiGLU as F.silu(w1(x)) * w3(x) (feed_forward.py: silu reads and writes 4 bytes, the product
+             reads 4 and writes 2; backward: the product's two grads read 6 and write 4, silu's reads 4
+             and writes 2); the norms nn.RMSNorm, one fused kernel on CUDA (target.py fused_rms_norm)
   DP         FSDP2 (_fsdp_param_group.py): each unit's all-gather is prefetched under the previous
              unit's compute, each unit's reduce-scatter runs behind the next unit's backward: both
              hidden by the passes' compute as far as it lasts
@@ -16,12 +29,24 @@ from __future__ import annotations
 
 from ledger.timing.step import TimePolicy
 
+# SelectiveAC's recompute of a block (module docstring): every forward op but the kept mms (wq, wv, w1,
+# w2: ops.layer_forward's q, v, w1, fc2) and the attention
+SELECTIVE_RECOMPUTE = ("attention_norm", "k", "rope", "proj", "residual_add", "ffn_norm", "w3", "swiglu")
+# the eager kernels' bytes per element (forward, backward), module docstring
+KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
+
 
 def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
-    return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=device == "cuda",
+    cuda = device == "cuda"
+    return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
+                      attention_kernel="flex" if cuda else "math",
+                      recompute_ops=SELECTIVE_RECOMPUTE + (() if cuda else ("attention",)),
+                      split_projections=True, kernel_bytes=KERNEL_BYTES,
                       dp_grad="every_pass", dp_param="every_pass", optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
-                               f"activation_checkpoint={ac}, attention {'flash (CUDA)' if device == 'cuda' else 'math (CPU)'} "
-                               "(ledger/faithful/titan/steptime.py)",))
+                               f"activation_checkpoint={ac}"
+                               + (" (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)" if ac == "selective" else "")
+                               + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
+                               "and SwiGLU (ledger/faithful/titan/steptime.py)",))
