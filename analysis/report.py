@@ -390,9 +390,13 @@ def time_table(recs: list[dict]) -> pd.DataFrame:
         s = timing.job_summary(rec)
         st = (rec.get("prediction") or {}).get("step_time") or {}
         if s:
-            rows.append({"job": s["job"], "framework": s["framework"], "layout": s["layout"],
-                         "predicted s": round(s["predicted_s"], 5), "measured s (median, slowest rank)": round(s["measured_s"], 5),
-                         "rel_err": round(s["rel_err"], 3), "target": st.get("target")})
+            row = {"job": s["job"], "framework": s["framework"], "layout": s["layout"],
+                   "predicted s": round(s["predicted_s"], 5), "measured s (median, slowest rank)": round(s["measured_s"], 5),
+                   "rel_err": round(s["rel_err"], 3)}
+            for q in timing.PHASES:  # the phases, predicted / measured (probes/phases.py)
+                if f"measured_{q}" in s:
+                    row[f"{q[:-2]} s p / m"] = f"{s[f'predicted_{q}']:.4g} / {s[f'measured_{q}']:.4g}"
+            rows.append({**row, "target": st.get("target")})
     return pd.DataFrame(rows)
 
 
@@ -424,8 +428,15 @@ def fig_gantt(recs: list[dict], path: str) -> bool:
             ax.broken_barh([(e["ts"] / 1e6, e["dur"] / 1e6)], (y - 0.4, 0.8), color=color)
         labels = [names[t] for t in lanes]
         if summ:
-            ax.broken_barh([(0, summ["measured_s"])], (len(lanes) - 0.4, 0.8), color="#8c8c8c")
-            labels.append("measured step")
+            # the measured step split by phase (probes/phases.py: summed times, not a schedule): forward,
+            # backward, optimizer, then the rest of the step
+            t, y = 0.0, len(lanes)
+            for q, color in (("forward_s", "#4c72b0"), ("backward_s", "#dd8452"), ("optimizer_s", "#55a868")):
+                d = summ.get(f"measured_{q}", 0.0)
+                ax.broken_barh([(t, d)], (y - 0.4, 0.8), color=color)
+                t += d
+            ax.broken_barh([(t, max(0.0, summ["measured_s"] - t))], (y - 0.4, 0.8), color="#8c8c8c")
+            labels.append("measured step (phases, then the rest)")
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_xlabel("seconds")
         ax.set_title(_title(rec), fontsize=8)

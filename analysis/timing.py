@@ -1,6 +1,8 @@
-"""Step time, predicted against measured: one row per job and steady step, the prediction's step_s
+"""Step time, predicted against measured: per job and steady step, the prediction's step_s
 (prediction.json step_time, for the target it names) beside the slowest rank's measured step
-(probes/session.py time_s: the step's wall clock on each rank), with rel_err. Reported, not judged:
+(probes/session.py time_s: the step's wall clock on each rank), and the same rank's forward, backward
+and optimizer times (probes/phases.py) beside the prediction's (the critical stage's forwards and
+backwards with their exposed TP / CP collectives, the optimizer's update), with rel_err. Reported, not judged:
 a CPU's step time is noisy and the probes' own work inflates it on the steps they record (measure with
 probe.peak=false and probe.comm_steps=[0], as benchmarks/time_cpu.py does)."""
 from __future__ import annotations
@@ -10,28 +12,47 @@ import statistics
 import records as R
 
 
+PHASES = ("forward_s", "backward_s", "optimizer_s")
+
+
 def rows(rec: dict, skip_steps: int = 1) -> list[dict]:
     st = ((rec.get("prediction") or {}).get("step_time") or {})
     pred = st.get("step_s")
     ranks = ((rec.get("measurement") or {}).get("ranks")) or []
     if pred is None or not ranks:
         return []
-    by_step: dict[int, float] = {}
+    slowest: dict[int, dict] = {}  # step -> the slowest rank's step record
     for r in ranks:
         for s in r.get("steps") or []:
             if s.get("time_s") is not None and s.get("step", 0) >= skip_steps:
-                by_step[s["step"]] = max(by_step.get(s["step"], 0.0), s["time_s"])
-    return [{"job": R.job_name(rec), "layout": R.layout_name(rec), "framework": R.framework_variant(rec), "step": k,
-             "quantity": "time/step_s", "predicted": pred, "measured": v, "rel_err": (pred - v) / v,
-             "target": st.get("target")} for k, v in sorted(by_step.items())]
+                if s["time_s"] > slowest.get(s["step"], {}).get("time_s", -1.0):
+                    slowest[s["step"]] = s
+    base = {"job": R.job_name(rec), "layout": R.layout_name(rec), "framework": R.framework_variant(rec),
+            "target": st.get("target")}
+    out = []
+    for k, s in sorted(slowest.items()):
+        measured = [("time/step_s", pred, s["time_s"])]
+        measured += [(f"time/{q}", st.get(q), (s.get("phases") or {}).get(q)) for q in PHASES]
+        out += [{**base, "step": k, "quantity": q, "predicted": p, "measured": m,
+                 "rel_err": (p - m) / m if m else None}
+                for q, p, m in measured if p is not None and m is not None]
+    return out
 
 
 def job_summary(rec: dict, skip_steps: int = 1) -> dict | None:
-    """The job's median measured step over its steady steps against the prediction."""
-    rs = rows(rec, skip_steps)
+    """The job's median measured step over its steady steps against the prediction, and the median of
+    each phase (measured_forward_s, ...) where the probes recorded them."""
+    allrows = rows(rec, skip_steps)
+    rs = [r for r in allrows if r["quantity"] == "time/step_s"]
     if not rs:
         return None
     meas = statistics.median(r["measured"] for r in rs)
     pred = rs[0]["predicted"]
-    return {"job": rs[0]["job"], "framework": rs[0]["framework"], "layout": rs[0]["layout"], "predicted_s": pred,
-            "measured_s": meas, "rel_err": (pred - meas) / meas, "steps": len(rs)}
+    out = {"job": rs[0]["job"], "framework": rs[0]["framework"], "layout": rs[0]["layout"], "predicted_s": pred,
+           "measured_s": meas, "rel_err": (pred - meas) / meas, "steps": len(rs)}
+    for q in PHASES:
+        ph = [r for r in allrows if r["quantity"] == f"time/{q}"]
+        if ph:
+            out[f"predicted_{q}"] = ph[0]["predicted"]
+            out[f"measured_{q}"] = statistics.median(r["measured"] for r in ph)
+    return out

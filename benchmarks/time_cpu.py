@@ -48,10 +48,16 @@ def main(argv=None) -> int:
             s = timing.job_summary(rec, skip_steps=2)
             if s:
                 out.append(s)
-    print(f"{'job':<40} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    # per phase: predicted / measured seconds of the slowest rank (probes/phases.py); the rest of the
+    # measured step is neither (the frameworks' bookkeeping, data, waits outside a model chunk)
+    print(f"{'job':<32} {'predicted s':>12} {'measured s':>11} {'error':>8}   forward p/m       backward p/m      "
+          f"optimizer p/m     other m")
     for s in out:
-        print(f"{s['framework'] + ' ' + s['layout']:<40} {s['predicted_s']:>12.4f} {s['measured_s']:>11.4f} "
-              f"{100 * s['rel_err']:>7.1f}%")
+        ph = "  ".join(f"{s.get('predicted_' + q, 0):.4f}/{s.get('measured_' + q, 0):.4f}"
+                       for q in timing.PHASES)
+        other = s["measured_s"] - sum(s.get("measured_" + q, 0) for q in timing.PHASES)
+        print(f"{s['framework'] + ' ' + s['layout']:<32} {s['predicted_s']:>12.4f} {s['measured_s']:>11.4f} "
+              f"{100 * s['rel_err']:>7.1f}%   {ph}   {other:.4f}")
     if out:
         errs = sorted(abs(s["rel_err"]) for s in out)
         print(f"\n{len(out)} jobs: median |error| {100 * statistics.median(errs):.1f}%, "

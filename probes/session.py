@@ -8,7 +8,8 @@
         session.state(framework_state_groups())   # at the step boundary
     session.dump()
 
-The peak probe (probes/peak.py) runs inside every step: `peak` per step (the most live bytes, where,
+Every step records its wall time (`time_s`) and its phases (`phases`: forward, backward, optimizer and
+the rest; probes/phases.py). The peak probe (probes/peak.py) runs inside every step: `peak` per step (the most live bytes, where,
 and by category at that moment) and, for one step, the `timeline`. `session.watch(model_chunks)`
 names modules and counts micro-batches.
 
@@ -28,6 +29,7 @@ from ledger.grid import Grid
 from probes.comm import CommProbe
 from probes.memory import GROUPS, account, cuda_stats
 from probes.peak import PeakTracker
+from probes.phases import PhaseTimer
 
 
 class ProbeSession:
@@ -46,6 +48,7 @@ class ProbeSession:
         self.info: dict = {"rank": rank, "coords": grid.coords(rank)}
         self._cur: dict | None = None
         self.tracker = self._guard("peak probe", PeakTracker, fake_world) if peak else None
+        self.phases = self._guard("phase timer", PhaseTimer)
         self.last_step = None if steps is None else steps - 1
         # -1: the last step (steady; step 0 also allocates the optimizer's state)
         self.timeline_step = (self.last_step if timeline_step < 0 else timeline_step) if steps else timeline_step
@@ -62,6 +65,8 @@ class ProbeSession:
         """The model chunks: their forward calls count micro-batches; their modules are named."""
         if self.tracker is not None:
             self._guard("peak probe", self.tracker.watch, list(roots))
+        if self.phases is not None:
+            self._guard("phase timer", self.phases.watch, list(roots))
 
     def _guard(self, what: str, fn, *a, **k):
         try:
@@ -93,6 +98,8 @@ class ProbeSession:
         else:
             peak_ctx = contextlib.nullcontext()
             mode = self.comm.recording() if records_comm else contextlib.nullcontext()
+        if self.phases is not None:
+            self.phases.start()
         t0 = time.perf_counter()
         with prof as p, mode, peak_ctx:
             yield rec
@@ -102,6 +109,9 @@ class ProbeSession:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         rec["time_s"] = time.perf_counter() - t0
+        if self.phases is not None:
+            # on CUDA the phases are host time (kernels still queued count where they are waited on)
+            rec["phases"] = self.phases.stop(rec["time_s"])
         if self._records_comm(step):
             rec["comm"] = self.comm.take()
         if p is not None:

@@ -50,3 +50,51 @@ def test_state_counts_each_storage_once(probe_out):
 def test_steps_timed_and_ordered(probe_out):
     assert [s["step"] for s in probe_out[3]["steps"]] == [0, 1]
     assert all(s["time_s"] > 0 for s in probe_out[3]["steps"])
+
+
+def test_phase_timer_splits_a_step_into_forward_backward_optimizer():
+    """probes/phases.py on a step of known sleeps: the root's forward (20 ms), its backward (30 ms, a
+    custom Function's) under a reentrant checkpoint whose recompute runs the forward again inside the
+    backward (counted as backward, once: the checkpoint's nested run_backward is not counted twice),
+    and a torch optimizer's step (10 ms)."""
+    import time
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from probes.phases import PhaseTimer
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(0.02)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.03)
+            return g * 2
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return checkpoint(lambda y: Slow.apply(y * self.w), x, use_reentrant=True)
+
+    root = Root()
+    opt = torch.optim.SGD(root.parameters(), lr=0.1)
+    h = opt.register_step_pre_hook(lambda o, a, k: time.sleep(0.01))
+    timer = PhaseTimer()
+    timer.watch([root])
+    timer.start()
+    t0 = time.perf_counter()
+    root(torch.ones(4, requires_grad=True)).sum().backward()
+    opt.step()
+    ph = timer.stop(time.perf_counter() - t0)
+    h.remove()
+    timer.close()
+    assert 0.02 <= ph["forward_s"] < 0.04
+    assert 0.05 <= ph["backward_s"] < 0.08
+    assert 0.01 <= ph["optimizer_s"] < 0.03 and ph["other_s"] >= 0.0

@@ -234,7 +234,14 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
     rec = records.read_object(str(d / "record.json"))
     assert rec["status"] == "ok" and "(calibrated)" in rec["prediction"]["step_time"]["target"]
     rows = timing.rows(rec)
-    assert [r["step"] for r in rows] == [1, 2] and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
+    steps = [r for r in rows if r["quantity"] == "time/step_s"]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
+    # the phases of the slowest rank (probes/phases.py) beside the prediction's: each phase timed, and
+    # together no longer than the step
+    for st in steps:
+        ph = {r["quantity"]: r["measured"] for r in rows if r["step"] == st["step"] and r["quantity"] != "time/step_s"}
+        assert set(ph) == {"time/forward_s", "time/backward_s", "time/optimizer_s"}
+        assert all(v > 0 for v in ph.values()) and sum(ph.values()) <= st["measured"]
     # the report's step-time section: the table and the predicted step above the measured one
     from analysis import report
 
