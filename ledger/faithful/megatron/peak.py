@@ -300,39 +300,48 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     return (*moments, e_p)
 
 
+@lru_cache(maxsize=4096)
+def _chunk_top(sh, rc, layers: int, first: bool, last: bool, model: ModelShape, e_p: int) -> tuple:
+    """One micro-batch's chunk of `layers` layers: its saved bytes and the first of its backward moments
+    with the most bytes, (inner bytes, this micro-batch's saved, temporary, gathered, what) - the same
+    for every stage and row whose chunk has this shape (cached)."""
+    units = chunk_units(sh, rc, layers, first, last, model)
+    saved = chunk_saved(units)
+    top, rest = None, saved
+    for i, u in enumerate(units):
+        rest -= u.saved
+        recv = e_p if i == 0 and not last else 0
+        for name, own, tmp, gat in u.moments:
+            t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
+            v = rest + own + t + gat
+            if top is None or v > top[0]:
+                top = (v, rest + own, t, gat, f"{u.name}: {name}")
+    return saved, top
+
+
 @lru_cache(maxsize=1024)
 def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
-    """_step_moments (the readable reference, kept beside it) reduced to what a peak needs: per
-    backward j, its cross-entropy forward and only the first of its backward moments with the most
-    bytes, in the reference's order, so max() of either list is the same moment. Each backward's
-    moments are the chunk's own (computed once per chunk) over what the schedule holds then, which
-    prefix sums over the forward and backward orders give: O(micro-batches + layers) instead of the
-    reference's O(micro-batches x (micro-batches + layers)) (a planner row of llama3_70b on 1,024 GPUs
-    took 25 ms). tests/test_megatron_peak.py checks the two agree."""
+    """_step_moments (the readable reference, kept beside it) reduced to what a peak needs: the
+    reference's first forward moment with the most bytes and its first backward moment with the most
+    bytes, in the reference's order, so max() of either list is the same moment (and so is the
+    largest of each phase). Each backward's moments are the chunk's own (its top computed once per
+    chunk shape, _chunk_top) over what the schedule holds then, which prefix sums over the forward and
+    backward orders give, compared as numbers and built as moments only for the two kept:
+    O(micro-batches + layers) instead of the reference's O(micro-batches x (micro-batches + layers)).
+    tests/test_megatron_peak.py checks the two agree."""
     rc = recompute_of(k)
     sh = shape_of(model, lay, k)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))
-    chunks, shapes = [], []
+    chunks, shapes, saved, best = [], [], [], []
     for ch in range(lay.vp):
         shapes.append(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
         n, first, last = shapes[-1]
-        chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
-    saved = [chunk_saved(u) for u, _, _ in chunks]
-    pw = [(e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
-          for _u, first, last in chunks]  # p2p() per chunk
-    best = []  # per chunk: (inner bytes, this micro-batch's saved, temporary, gathered, what) of its top moment
-    for ch, (units, first, last) in enumerate(chunks):
-        top = None
-        rest = saved[ch]
-        for i, u in enumerate(units):
-            rest -= u.saved
-            recv = e_p if i == 0 and not last else 0
-            for name, own, tmp, gat in u.moments:
-                t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
-                v = rest + own + t + gat
-                if top is None or v > top[0]:
-                    top = (v, rest + own, t, gat, f"{u.name}: {name}")
+        chunks.append((first, last))
+        sv, top = _chunk_top(sh, rc, n, first, last, model, e_p)
+        saved.append(sv)
         best.append(top)
+    pw = [(e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
+          for first, last in chunks]  # p2p() per chunk
     w, fwd, bwd = schedule(lay.pp, lay.vp, stage, lay.num_microbatches)
     sf, pf = [0], [0]
     for c in fwd:
@@ -342,32 +351,53 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     for c in bwd:
         sb.append(sb[-1] + saved[c])
         pb.append(pb[-1] + pw[c])
-    moments = []
+    logits = sh.e * sh.s * sh.b * sh.v
+    best_f = best_b = None  # (bytes, position in the reference's order, j, others, held or g_base, ch)
+    pos = 0
     for j in range(len(fwd)):
         nf = min(w + j, len(fwd) - 1) + 1
         ch = bwd[j]
-        _units, first, last = chunks[ch]
+        first, last = chunks[ch]
         others = sf[nf] - sb[j] - saved[ch]
         held = pf[nf] - pb[j]  # p2p(live + [ch])
-        g_base = held + (0 if last else e_p) + (e_p if j > 0 and not first else 0)
-        # moment()'s tuples, built inline (this loop runs per micro-batch for every planner row)
-        if last:
-            tmp, gat = sh.e * sh.s * sh.b * sh.v, held + (e_p if j > 0 and not first else 0)
-            act = others + saved[ch]
-            moments.append((act + tmp + gat, {"activations": act, "temporary": tmp, "gathered": gat}, "forward",
-                            f"cross-entropy forward (micro-batch {j})", (others, saved[ch])))
+        prev = e_p if j > 0 and not first else 0
+        if last:  # the cross-entropy forward
+            v = others + saved[ch] + logits + held + prev
+            if best_f is None or v > best_f[0]:
+                best_f = (v, pos, j, others, held + prev, ch)
+            pos += 1
         top = best[ch]
         if top is not None:
-            act, gat = others + top[1], g_base + top[3]
-            moments.append((act + top[2] + gat, {"activations": act, "temporary": top[2], "gathered": gat}, "backward",
-                            f"{top[4]} (micro-batch {j})", (others, top[1])))
+            g_base = held + (0 if last else e_p) + prev
+            v = others + top[1] + top[2] + g_base + top[3]
+            if best_b is None or v > best_b[0]:
+                best_b = (v, pos, j, others, g_base, ch)
+            pos += 1
+    kept = []
+    if best_f is not None:
+        v, p, j, others, gat, ch = best_f
+        act = others + saved[ch]
+        kept.append((p, (v, {"activations": act, "temporary": logits, "gathered": gat}, "forward",
+                         f"cross-entropy forward (micro-batch {j})", (others, saved[ch]))))
+    if best_b is not None:
+        v, p, j, others, g_base, ch = best_b
+        top = best[ch]
+        act, gat = others + top[1], g_base + top[3]
+        kept.append((p, (v, {"activations": act, "temporary": top[2], "gathered": gat}, "backward",
+                         f"{top[4]} (micro-batch {j})", (others, top[1]))))
+    moments = [m for _p, m in sorted(kept, key=lambda pm: pm[0])]
     if lay.vp == 1:
-        # the reference's forward softmax moments grow with the micro-batches in flight up to forward w
-        # and stay level from forward w + 1 (w in flight, the previous iteration's p2p locals): the
-        # first of each, in its order
+        # the reference's forward softmax moments (after its backward moments) grow with the
+        # micro-batches in flight up to forward w and stay level from forward w + 1 (w in flight, the
+        # previous iteration's p2p locals): the first of each, in its order; a softmax moment is kept
+        # where it is larger than the forward moment kept so far
         total = len(fwd)
         ks = sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])})
-        moments += _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p)
+        top_f = best_f[0] if best_f is not None else None
+        for m in _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p):
+            if top_f is None or m[0] > top_f:
+                moments = [x for x in moments if x[2] != "forward"] + [m]
+                top_f = m[0]
     return (*moments, e_p)
 
 
