@@ -7,7 +7,9 @@ target (cuda-nccl on a GPU), the peak probe's peak_bytes (exact storage bytes) a
 (CUDA storages in the allocator's 512-byte blocks), torch.cuda.max_memory_allocated() and
 max_memory_reserved() of that step (the probe resets them at each step's start), and the device's memory
 in use at the step's end (torch.cuda.mem_get_info) against the prediction plus what it says lies beside
-the tensors (prediction.json outside_allocator: ledger/cuda.py). Goals (the GPU-target issue): peak
+the tensors (prediction.json outside_allocator: ledger/cuda.py), and the reserved peak the probe's
+replay of the step through the caching allocator's policy gives (sim_reserved: ledger/cuda_allocator.py)
+against max_memory_reserved (reserved_err). Goals (the GPU-target issue): peak
 allocated within 1% of the ledger's peak, reserved within 3% (the ledger predicts no reserve: reported),
 device used within 5% of peak + beside. allocated - probe is what the allocator holds that no tensor
 storage of the step explains (cuBLAS workspaces, kernels' own scratch): a finding to explain, never a
@@ -21,6 +23,10 @@ import sys
 import pandas as pd
 
 import records as R
+
+
+def _err(measured, predicted):
+    return (measured - predicted) / predicted if measured is not None and predicted else None
 
 
 def table(recs: list[dict]) -> pd.DataFrame:
@@ -42,6 +48,9 @@ def table(recs: list[dict]) -> pd.DataFrame:
                             "allocated_minus_probe": cuda - blocks if cuda is not None and blocks is not None else None,
                             "allocated_err": (cuda - ledger) / ledger if cuda is not None and ledger else None,
                             "cuda_max_reserved": cs.get("reserved_bytes.all.peak"),
+                            "sim_reserved": (probe.get("cuda_allocator_sim") or {}).get("peak_reserved_bytes"),
+                            "reserved_err": _err(cs.get("reserved_bytes.all.peak"),
+                                                 (probe.get("cuda_allocator_sim") or {}).get("peak_reserved_bytes")),
                             "device_used": cs.get("device_used_bytes"),
                             "ledger_need": ledger + beside if ledger is not None else None,
                             "device_err": ((cs["device_used_bytes"] - ledger - beside) / (ledger + beside)
@@ -49,9 +58,9 @@ def table(recs: list[dict]) -> pd.DataFrame:
                             "where": "{phase} mb {micro_batch}".format(**probe["where"]) if probe.get("where") else None})
     df = pd.DataFrame(out, columns=["job", "rank", "step", "ledger_peak", "probe_peak", "probe_peak_blocks",
                                     "cuda_max_allocated", "allocated_minus_probe", "allocated_err", "cuda_max_reserved",
-                                    "device_used", "ledger_need", "device_err", "where"])
+                                    "sim_reserved", "reserved_err", "device_used", "ledger_need", "device_err", "where"])
     for c in ("ledger_peak", "probe_peak", "probe_peak_blocks", "cuda_max_allocated", "allocated_minus_probe",
-              "cuda_max_reserved", "device_used", "ledger_need"):
+              "cuda_max_reserved", "sim_reserved", "device_used", "ledger_need"):
         df[c] = df[c].astype("Int64")
     return df
 

@@ -44,6 +44,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ledger.cuda_allocator import CachingAllocator
 from probes import peak_analysis
 from probes.comm import is_collective
 
@@ -204,6 +205,32 @@ def freeze_imports() -> int:
     gc.freeze()
     return len(_FROZEN)
 _ORIG_RESIZE = None
+# DTensor's sharding propagation (torch/distributed/tensor/_sharding_prop.py
+# _propagate_tensor_meta_non_cached) runs each new op signature once on global-shape fake tensors to
+# learn its output's metadata, in the active FakeTensorMode: on the fake world (cluster=fake) the
+# world's own mode, so its fakes looked like the world's tensors (measured: torchtitan FSDP4 x TP2's
+# first optimizer step, 735 full-size fp32 copies of its parameters, 24 GB, where the steady steps'
+# cached propagation makes none). While it runs, meta storages are not memory.
+_PROPAGATING = [0]
+_ORIG_PROPAGATE = None
+
+
+def _install_propagation_hook() -> None:
+    global _ORIG_PROPAGATE
+    if _ORIG_PROPAGATE is not None:
+        return
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    _ORIG_PROPAGATE = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def _propagate_tensor_meta_non_cached(self, *args, **kwargs):
+        _PROPAGATING[0] += 1
+        try:
+            return _ORIG_PROPAGATE(self, *args, **kwargs)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = _propagate_tensor_meta_non_cached
 
 
 def _install_resize_hook() -> None:
@@ -255,7 +282,13 @@ class PeakTracker:
         self._in_gc = False
         self.gc_freed = 0  # bytes freed by the cyclic garbage collector during the step
         self.gc_runs = 0
+        # the CUDA caching allocator simulated over the storages' sizes as they come and go, kept across
+        # steps as a process's allocator is (allocator_replay)
+        self.allocator = CachingAllocator()
+        self._allocator_sizes: dict[int, int] = {}  # serial -> bytes, as the simulation has it
         _install_resize_hook()
+        if fake_world:
+            _install_propagation_hook()
         _TRACKERS.append(self)
         gc.callbacks.append(self._gc)
 
@@ -288,8 +321,8 @@ class PeakTracker:
         e = self._live.get(k)
         if e is None:
             dev = st.device.type
-            if dev == "meta" and not self.fake_world:  # a FakeTensor's: no memory (fake_world above)
-                return
+            if dev == "meta" and (not self.fake_world or _PROPAGATING[0]):
+                return  # a FakeTensor's: no memory (fake_world above; DTensor's propagation: _PROPAGATING)
             self._serial += 1
             s = self._serial
             cuda = dev == "cuda"
@@ -458,6 +491,30 @@ class PeakTracker:
                 h2.remove()
 
         return ctx()
+
+    def allocator_replay(self) -> dict:
+        """The recorded step through the CUDA caching allocator's policy (ledger/cuda_allocator.py):
+        first the simulation's live set made the step's start's (storages freed or made between steps,
+        unseen, freed or allocated there, in serial order), then every event of the step in order.
+        Returns its stats, the peaks this step's."""
+        sim, sizes = self.allocator, self._allocator_sizes
+        for s in [s for s in sizes if s not in self.start_serials]:
+            sim.free(s)
+            del sizes[s]
+        for s in sorted(self.start_serials):
+            nb = self.start_serials[s]
+            if sizes.get(s) != nb:
+                sim.resize(s, nb)
+                sizes[s] = nb
+        sim.reset_peaks()
+        for s, d, *_ in self.events:
+            nb = sizes.get(s, 0) + d
+            sim.resize(s, nb)
+            if nb > 0:
+                sizes[s] = nb
+            else:
+                sizes.pop(s, None)
+        return sim.stats()
 
     # ---- the step's record
     def result(self, named: dict[str, set[int]] | None, timeline: bool) -> dict:

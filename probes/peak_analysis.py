@@ -67,6 +67,9 @@ def result(tr, named: dict[str, set[int]] | None, timeline: bool) -> dict:
         out["prompt_peak_bytes"] = tr.peak
     if tr.cuda_seen:  # to compare with torch.cuda.max_memory_allocated() after its per-step reset
         out["peak_allocated_bytes"] = tr.peak_blocks
+    # what CUDA's caching allocator would hold for this step's sequence (ledger/cuda_allocator.py): its
+    # allocated and reserved peaks; on a GPU, beside torch.cuda's own (analysis/gpu_check.py)
+    out["cuda_allocator_sim"] = tr.allocator_replay()
     if timeline:
         out["timeline"] = thin(points, tr.peak_index + 1)
         # the timeline's most live bytes per category had the worker threads freed promptly (its

@@ -172,8 +172,9 @@ def gpu_side_by_side(out: str) -> str:
     from ledger.target import CPU_GLOO, CUDA_NCCL
     from ledger.units import PEAK_PARTS, fmt
 
-    lines = ["the same ranks for a GPU run: cpu-gloo measured (the fake world) | cpu-gloo predicted | cuda-nccl "
-             "predicted (from sources), and the parts that differ"]
+    lines = ["the same ranks for a GPU run: cpu-gloo measured (the fake world; in brackets the CUDA caching "
+             "allocator's reserved peak for the measured step's allocations, simulated: ledger/cuda_allocator.py) | "
+             "cpu-gloo predicted | cuda-nccl predicted (from sources), and the parts that differ"]
     df = table(out)
     for rec in R.load(out):
         cfg = OmegaConf.create(rec["config"])
@@ -183,6 +184,12 @@ def gpu_side_by_side(out: str) -> str:
         model, lay, cpu_pl = check(cfg)
         pls = {CPU_GLOO: cpu_pl, CUDA_NCCL: predict(model, lay, cfg.framework, cfg.ledger.mode, target=CUDA_NCCL)}
         meas = df[(df.job == R.job_name(rec)) & (df.phase == "steady") & (df.quantity == "peak_bytes")]
+        sim = {}  # rank -> the steady steps' simulated reserved peak
+        for m_rank in (rec.get("measurement") or {}).get("ranks", []):
+            for st in m_rank.get("steps", [])[1:]:
+                r = ((st.get("peak") or {}).get("cuda_allocator_sim") or {}).get("peak_reserved_bytes")
+                if r is not None:
+                    sim[m_rank["rank"]] = max(sim.get(m_rank["rank"], 0), r)
         for rank in sorted(set(meas["rank"])):
             m = int(meas[meas["rank"] == rank].measured.max())
             cpu, gpu = (pls[t].rank_state(int(rank)).peak for t in (CPU_GLOO, CUDA_NCCL))
@@ -191,7 +198,8 @@ def gpu_side_by_side(out: str) -> str:
             diff = ", ".join(f"{p} {'+' if gpu.parts.get(p, 0) >= cpu.parts.get(p, 0) else '-'}"
                              f"{fmt(abs(gpu.parts.get(p, 0) - cpu.parts.get(p, 0)))}"
                              for p in PEAK_PARTS if gpu.parts.get(p, 0) != cpu.parts.get(p, 0))
-            lines.append(f"  {R.job_name(rec)} rank {rank}: {fmt(m)} | {fmt(cpu.bytes)} | {fmt(gpu.bytes)} "
+            reserved = f" [{fmt(sim[int(rank)])}]" if int(rank) in sim else ""
+            lines.append(f"  {R.job_name(rec)} rank {rank}: {fmt(m)}{reserved} | {fmt(cpu.bytes)} | {fmt(gpu.bytes)} "
                          f"({gpu.what}); cuda-nccl - cpu-gloo: {diff or 'none'}")
     return "\n".join(lines)
 

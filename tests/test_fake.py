@@ -231,7 +231,9 @@ def test_titan_article_run_peaks_at_a_loss_chunk(titan_article_job):
 @pytest.mark.real
 def test_article_fake_prints_the_gpu_run_beside_the_measured(titan_article_job):
     """python -m sweeps.article --mode fake's last table: per measured rank the fake world's steady peak
-    (the CPU harness's code), the cpu-gloo prediction and the cuda-nccl one, with the parts that differ."""
+    (the CPU harness's code) with the caching allocator's simulated reserved peak for its allocations
+    (at least the peak: reserved holds every allocated block), the cpu-gloo prediction and the cuda-nccl
+    one, with the parts that differ."""
     from ledger.units import fmt
     from sweeps.article import gpu_side_by_side
 
@@ -241,7 +243,11 @@ def test_article_fake_prints_the_gpu_run_beside_the_measured(titan_article_job):
     df = table([rec])
     pk = df[(df.quantity == "peak_bytes") & (df.phase == "steady")]
     measured, predicted = fmt(int(pk.measured.max())), fmt(records.predicted_ranks(rec["prediction"])(0)["peak"]["bytes"])
-    assert line.split(" rank 0: ")[1].startswith(f"{measured} | {predicted} | ")
+    head = line.split(" rank 0: ")[1]
+    assert head.startswith(f"{measured} [") and f"] | {predicted} | " in head
+    sim = max(st["peak"]["cuda_allocator_sim"]["peak_reserved_bytes"]
+              for st in rec["measurement"]["ranks"][0]["steps"][1:])
+    assert sim >= int(pk.measured.max()) and f"[{fmt(sim)}]" in head
     assert "cuda-nccl - cpu-gloo: " in line and "none" not in line.split("cuda-nccl - cpu-gloo: ")[1]
 
 
