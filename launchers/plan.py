@@ -31,7 +31,7 @@ from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED
                          search)
 
 EST_NOTE = ("est_step_s of a fitting row is the step-time model's (ledger/timing: the ops on the hardware.* profile, "
-            "its collectives, the simulated schedule; docs/steptime.md), never a measurement; MoE rows and rows that do "
+            "its collectives, the simulated schedule; docs/steptime.md), never a measurement (MoE layers with routing balanced); rows that do "
             "not fit keep the roofline (FLOPs / (gpus x the profile's peak x its GEMM efficiency) x (1 + bubble) + "
             "communication not hidden: ledger/plan.py estimate)")
 TE_NOTE = ("megatron: predicted with framework.transformer_impl=transformer_engine (Megatron-LM's default) unless "

@@ -399,8 +399,8 @@ def _step_time(model: ModelShape, lay: Layout, c: Candidate, hw: Hardware, row: 
     from ledger.timing.step import step_time
 
     spec = frameworks.get(c.framework)
-    if spec.time_policy is None or model.is_moe:
-        row.est["model"] = "roofline (the profile's peak x its GEMM efficiency): the step-time model does not cover MoE"
+    if spec.time_policy is None:
+        row.est["model"] = f"roofline (the profile's peak x its GEMM efficiency): {c.framework} has no time policy"
         return
     st = step_time(model, lay, row.placement, spec.time_policy(c.fw, lay, hw.profile.device), hw.profile)
     row.est = {"model": "step time (ledger/timing)", "target": st.target, "est_step_s": st.step_s, "mfu": st.mfu,

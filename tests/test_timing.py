@@ -149,11 +149,16 @@ def _predict(framework, layout, *over, model="llama3_8b", trace=False):
     ("titan", dict(dp=16, global_batch_size=32), ("framework.activation_checkpoint=selective",)),
     ("deepspeed", dict(dp=16, global_batch_size=32), ("framework.zero_stage=3",)),
     ("deepspeed", dict(dp=16, global_batch_size=32), ("framework.zero_stage=1",)),
+    ("megatron", dict(tp=4, pp=2, ep=2, etp=1, dp=8, sequence_parallel=True, global_batch_size=64),
+     ("model=mixtral_8x7b", "framework.use_distributed_optimizer=true")),
+    ("titan", dict(ep=8, dp=8, global_batch_size=8), ("model=qwen3_30b_a3b", "framework.activation_checkpoint=none")),
+    ("deepspeed", dict(ep=2, dp=2, global_batch_size=2), ("model=tiny_moe", "framework.zero_stage=1")),
 ])
 def test_the_waterfall_adds_up_to_the_step_and_mfu_follows(framework, layout, over):
     from ledger.timing.step import model_flops
 
-    m, lay, st = _predict(framework, layout, *over)
+    model = next((o.split("=")[1] for o in over if o.startswith("model=")), "llama3_8b")
+    m, lay, st = _predict(framework, layout, *[o for o in over if not o.startswith("model=")], model=model)
     assert sum(t for _, t in st.waterfall) == pytest.approx(st.step_s, rel=1e-9)
     assert all(t >= -1e-12 for _, t in st.waterfall), st.waterfall
     assert st.mfu == pytest.approx(model_flops(m, lay) / (lay.world * 989e12 * st.step_s))
@@ -334,3 +339,22 @@ def test_attention_runs_at_its_kernel_s_efficiency():
     bad = hardware.to_dict(h100) | {"attention_efficiency": {"fa9": [0.5, 0.5]}}
     with pytest.raises(Exception, match="attention_efficiency"):
         hardware.from_dict(bad)
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (1, 2, 1), (1, 8, 1), (2, 2, 2), (4, 1, 4), (2, 4, 1)])
+def test_an_moe_layer_s_experts_do_the_rank_s_balanced_share(tp, ep, etp):
+    """With routing balanced every rank of a stage computes T x topk / tp routed copies through one
+    expert's SwiGLU (6 h ffn FLOPs each, forward), whatever the expert layout (ep, etp); a capacity
+    factor pads every expert to its capacity, at least min_capacity rows."""
+    T, h, f, E, k = 4096, 1024, 2816, 8, 2
+    base = dict(hidden=h, ffn=4 * h, heads=8, kv_heads=8, head_dim=128, vocab=1000, seq=T, micro_batch=1, tp=tp,
+                sp=tp > 1, causal_kernel=True, num_experts=E, topk=k, expert_ffn=f, ep=ep, etp=etp)
+    experts = [op for op in ops.moe_layer_forward(ops.Shard(**base)) if op.name.startswith("expert_w")]
+    assert sum(op.flops for op in experts) == pytest.approx(6 * (T * k // tp) * h * f)
+    padded = [op for op in ops.moe_layer_forward(ops.Shard(**base, capacity_factor=1.25)) if op.name == "expert_w1"][0]
+    assert padded.mnk[0] == (E // ep) * math.ceil(T * k // tp * etp * ep / E * 1.25)
+    floor = [op for op in ops.moe_layer_forward(ops.Shard(**base, min_capacity=10 ** 6)) if op.name == "expert_w1"][0]
+    assert floor.mnk[0] == (E // ep) * 10 ** 6
+    # the router reads the rank's tokens (its SP shard) and scores every expert
+    router = next(op for op in ops.moe_layer_forward(ops.Shard(**base)) if op.name == "router")
+    assert router.mnk == (T // tp if tp > 1 else T, E, h)

@@ -38,8 +38,6 @@ def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: 
     """The step's time for the job's target, or why there is none (a line for the table)."""
     if mode != "faithful":
         return "step time: the textbook ledger has no step-time model"
-    if model.is_moe:
-        return "step time: MoE layers (the experts' GEMMs and the token dispatch) are not modelled yet"
     spec = frameworks.get(fw.name)
     if spec.time_policy is None:
         return f"step time: {fw.name} has no time policy"

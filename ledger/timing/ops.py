@@ -129,6 +129,17 @@ class Shard:
     # memory-bound op -> (forward, backward) bytes per element, where the framework's kernels move more
     # than one fused kernel (fused_bytes); its TimePolicy's, each entry citing the code it counts
     kernel_bytes: tuple = ()
+    # an MoE layer's feed-forward (moe_layer_forward): routed experts, top-k, one expert's width, the
+    # shared expert's width (0: none), expert parallel and expert tensor parallel degrees
+    num_experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    ep: int = 1
+    etp: int = 1
+    # a capacity-padded dispatch: each expert computes max(ceil(balanced x factor), min_capacity) rows
+    capacity_factor: float = 1.0
+    min_capacity: int = 0
 
     def bytes_per_element(self, op: str) -> tuple:
         return dict(self.kernel_bytes).get(op) or fused_bytes(self.w)[op]
@@ -175,6 +186,44 @@ def layer_forward(s: Shard) -> list[Op]:
            gemm("fc2", T, h, f, w),
            _memory(s, "residual_add", "residual_add", Ts * h)]
     return ops
+
+
+def moe_layer_forward(s: Shard) -> list[Op]:
+    """An MoE decoder layer: attention as layer_forward's, then the router and the routed experts in
+    place of the dense feed-forward, with routing balanced (each expert the same tokens; the comm
+    ledger's EP rows carry the dispatch's all-to-alls or all-gathers, timed as exposed collectives).
+
+    Per rank: its T tokens' router GEMM [Ts, h] x [h, E] (the MoE layer's input is the SP shard), the
+    permutation of the T x topk routed copies into the experts' order and back (a read and a write of
+    [.., h] each way), and the E / ep local experts as grouped GEMMs. Every rank of a stage does an
+    equal share of the experts' work when routing is balanced (Megatron's expert layout tp x cp x dp =
+    etp x ep x edp; torchtitan's ep inside dp x cp): R = T topk / tp routed copies per rank, M = R etp
+    ep / E tokens per local expert over ffn / etp columns; stacked as one GEMM of E / ep x M rows (a
+    grouped GEMM's tiles over the SMs). A capacity-padded dispatch (DeepSpeed's gate; Megatron's
+    pad_expert_input_to_capacity) computes each expert's capacity, max(ceil(M x capacity_factor),
+    min_capacity) rows. The shared expert is a dense SwiGLU of shared_ffn / tp."""
+    dense = layer_forward(s)
+    cut = next(i for i, op in enumerate(dense) if op.name == "ffn_norm") + 1
+    T = s.micro_batch * s.seq
+    Ts = T // s.tp if s.sp else T
+    h, w = s.hidden, s.w
+    local = s.num_experts // s.ep
+    routed = T * s.topk // s.tp
+    per_expert = max(math.ceil(routed * s.etp * s.ep / s.num_experts * s.capacity_factor), s.min_capacity, 1)
+    rows = local * per_expert  # E / ep experts x M tokens each
+    f = s.expert_ffn // s.etp
+    ops = [gemm("router", Ts, s.num_experts, h, w),
+           Op("permute", "memory", bytes=float(2 * w * routed * s.etp * h), bwd_bytes=float(2 * w * routed * s.etp * h)),
+           gemm("expert_w1", rows, f, h, w), gemm("expert_w3", rows, f, h, w) if s.swiglu else None,
+           _memory(s, "expert_swiglu", "swiglu", rows * f) if s.swiglu else _memory(s, "expert_gelu", "gelu", rows * f),
+           gemm("expert_w2", rows, h, f, w),
+           Op("unpermute", "memory", bytes=float(2 * w * routed * s.etp * h), bwd_bytes=float(2 * w * routed * s.etp * h))]
+    if s.shared_ffn:
+        fs = s.shared_ffn // s.tp
+        ops += [gemm("shared_w1", T, fs, h, w), gemm("shared_w3", T, fs, h, w),
+                _memory(s, "shared_swiglu", "swiglu", T * fs), gemm("shared_w2", T, h, fs, w)]
+    ops.append(_memory(s, "residual_add", "residual_add", Ts * h))
+    return dense[:cut] + [op for op in ops if op is not None]
 
 
 def backward_of(ops: list[Op]) -> list[Op]:

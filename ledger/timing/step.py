@@ -56,6 +56,8 @@ class TimePolicy:
     split_projections: bool = False  # wq wk wv, w1 w3 as separate linears (ops.Shard)
     repeat_kv: bool = False  # the model repeats GQA's K / V to the query heads (ops.Shard)
     kernel_bytes: tuple = ()  # memory-bound op -> (forward, backward) bytes per element (ops.Shard)
+    expert_capacity_factor: float = 1.0  # a capacity-padded MoE dispatch (ops.Shard); 1: balanced, drop-less
+    expert_min_capacity: int = 0
     dp_grad: str = "exposed"  # exposed | last_backward | every_pass
     dp_param: str = "exposed"  # exposed | first_forward | every_pass
     optimizer_state_bytes: int = 12  # the optimizer's state bytes per element it updates
@@ -100,7 +102,10 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
                      micro_batch=lay.micro_batch_size, tp=lay.tp, sp=bool(lay.sequence_parallel) and lay.tp > 1,
                      causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu, cp=lay.cp,
                      attention_kernel=policy.attention_kernel, split_projections=policy.split_projections,
-                     repeat_kv=policy.repeat_kv, kernel_bytes=policy.kernel_bytes)
+                     repeat_kv=policy.repeat_kv, kernel_bytes=policy.kernel_bytes,
+                     num_experts=model.num_experts, topk=model.moe_router_topk if model.is_moe else 0,
+                     expert_ffn=model.expert_ffn, shared_ffn=model.moe_shared_expert_hidden, ep=lay.ep, etp=lay.etp,
+                     capacity_factor=policy.expert_capacity_factor, min_capacity=policy.expert_min_capacity)
 
 
 def _stage_of_rank(lay: Layout, stage: int) -> int:
@@ -113,28 +118,38 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     """The step (module docstring). placement: the ledger's prediction of this layout (its ranks' comm
     rows and states). trace: keep the simulated schedule's tasks (StepTime.simulation, the Chrome
     trace's lanes); without it the pipeline's step comes from pipeline.step_seconds (the planner's)."""
-    if model.is_moe:
-        raise ValueError("step time: MoE layers are not modelled (the experts' GEMMs and the dispatch)")
     m = lay.num_microbatches
     vp = lay.vp if policy.schedule == "interleaved" else 1
     sh = shard_of(model, lay, policy)
-    fwd_layer = ops.layer_forward(sh)
-    bwd_layer = ops.backward_of(fwd_layer)
     head_f = ops.head_forward(sh)
     head_b = ops.backward_of(head_f)
-    rc_layer = {"full": fwd_layer,
-                "selective": [o for o in fwd_layer if o.name in policy.recompute_ops]}.get(policy.recompute, [])
+    # a layer's ops by its kind: dense, and MoE where the model has experts (ModelShape.is_moe_layer)
+    fwd_of = {"dense": ops.layer_forward(sh)}
+    if model.is_moe:
+        fwd_of["moe"] = ops.moe_layer_forward(sh)
+    bwd_of = {k: ops.backward_of(v) for k, v in fwd_of.items()}
+    rc_of = {k: {"full": v, "selective": [o for o in v if o.name in policy.recompute_ops]}.get(policy.recompute, [])
+             for k, v in fwd_of.items()}
     per_chunk = model.layers // (lay.pp * vp)
     extra = model.layers - per_chunk * lay.pp * vp  # the remainder on the last virtual stage
 
     def chunk_layers(stage: int, chunk: int) -> int:
         return per_chunk + (extra if (stage, chunk) == (lay.pp - 1, vp - 1) else 0)
 
+    def chunk_kinds(stage: int, chunk: int) -> dict:
+        """The chunk's layers by kind: virtual stage chunk x pp + stage holds the per_chunk layers from
+        its index on (the last one the remainder too)."""
+        first = (chunk * lay.pp + stage) * per_chunk
+        n = chunk_layers(stage, chunk)
+        moe = sum(model.is_moe_layer(i) for i in range(first, first + n)) if model.is_moe else 0
+        return {"dense": n - moe, "moe": moe}
+
     def has_head(stage, chunk):
         return (stage, chunk) == (lay.pp - 1, vp - 1)
 
-    f_layer, b_layer = ops.seconds(fwd_layer, hw), ops.seconds(bwd_layer, hw)
-    r_layer = ops.seconds(rc_layer, hw)
+    f_layer = {k: ops.seconds(v, hw) for k, v in fwd_of.items()}
+    b_layer = {k: ops.seconds(bwd_of[k], hw) + ops.seconds(rc_of[k], hw) for k in fwd_of}
+    kinds = {(st, c): chunk_kinds(st, c) for st in range(lay.pp) for c in range(vp)}
     f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
 
     # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside
@@ -146,11 +161,11 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     per_mb_tp = [sum(t for c, t in rows if c.dim not in DP_DIMS) / m for rows in stage_rows]
 
     def fwd_s(stage, chunk):
-        return (chunk_layers(stage, chunk) * f_layer + (f_head if has_head(stage, chunk) else 0.0)
+        return (sum(n * f_layer[k] for k, n in kinds[stage, chunk].items() if n) + (f_head if has_head(stage, chunk) else 0.0)
                 + per_mb_tp[stage] / 3 / vp)
 
     def bwd_s(stage, chunk):
-        return (chunk_layers(stage, chunk) * (b_layer + r_layer) + (b_head if has_head(stage, chunk) else 0.0)
+        return (sum(n * b_layer[k] for k, n in kinds[stage, chunk].items() if n) + (b_head if has_head(stage, chunk) else 0.0)
                 + 2 * per_mb_tp[stage] / 3 / vp)
 
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
@@ -198,11 +213,16 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
 
     # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
     # layers), the recompute's
-    n_layers = sum(chunk_layers(crit, c) for c in range(vp))
+    n_kind = {k: sum(kinds[crit, c][k] for c in range(vp)) for k in fwd_of}
     head = any(has_head(crit, c) for c in range(vp))
-    layer_split, head_split = ops.split(fwd_layer + bwd_layer, hw), ops.split(head_f + head_b, hw)
-    split = {k: n_layers * v + (head_split[k] if head else 0.0) for k, v in layer_split.items()}
-    rc = {k: n_layers * v for k, v in ops.split(rc_layer, hw).items()}
+    head_split = ops.split(head_f + head_b, hw)
+    split = {k: v if head else 0.0 for k, v in head_split.items()}
+    rc = {k: 0.0 for k in head_split}
+    for kind, n in n_kind.items():
+        for k, v in ops.split(fwd_of[kind] + bwd_of[kind], hw).items():
+            split[k] += n * v
+        for k, v in ops.split(rc_of[kind], hw).items():
+            rc[k] += n * v
     ideal = split["ideal"] * m
     tp_exposed = per_mb_tp[crit] * m
     # every TP / CP / EP call is exposed (per_mb_tp is their sum); the p2p transfers sit inside the

@@ -36,6 +36,9 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     return TimePolicy(schedule="none", recompute="full" if fw.activation_checkpointing else "none",
                       causal_kernel=device == "cuda", attention_kernel="flash2" if device == "cuda" else "math",
                       split_projections=True, repeat_kv=True, kernel_bytes=KERNEL_BYTES,
+                      # the MoE gate's capacity (moe/sharded_moe.py _capacity): every expert computes C rows
+                      expert_capacity_factor=getattr(fw, "capacity_factor", 1.0) or 1.0,
+                      expert_min_capacity=getattr(fw, "min_capacity", 0) or 0,
                       dp_grad=grad, dp_param=param,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
                                f"param gathers {param.replace('_', ' ')} (ledger/faithful/deepspeed/steptime.py)",))

@@ -29,6 +29,10 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     return TimePolicy(schedule=schedule, recompute=fw.recompute_granularity or "none",
                       causal_kernel=impl == "transformer_engine",
                       attention_kernel="te_fused" if impl == "transformer_engine" else "unfused",
+                      # drop-less routing unless padded to a capacity (moe/token_dispatcher.py, moe_utils.py
+                      # get_capacity with moe_pad_expert_input_to_capacity)
+                      expert_capacity_factor=(getattr(fw, "moe_expert_capacity_factor", None) or 1.0)
+                      if getattr(fw, "moe_pad_expert_input_to_capacity", False) else 1.0,
                       dp_grad="last_backward" if fw.overlap_grad_reduce else "exposed",
                       dp_param="first_forward" if fw.overlap_param_gather else "exposed",
                       sources=(f"megatron time policy: {schedule} schedule, attention {impl} "
