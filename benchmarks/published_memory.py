@@ -37,13 +37,13 @@ GROUP_REASONS = {
     # a finding, with the terms of the prediction (row 2: stage 1, 8 layers, 16 micro-batches of 1 x 8192)
     "L3": "Meta's 4D stack, not Megatron: the closest ledger (Megatron, TE spec, distributed optimizer, 1F1B "
           "at vp 1: the row states no vp) says OOM where Meta trained without recompute. Its terms at stage 1: "
-          "15 other micro-batches in flight x 7.1 GiB (1F1B keeps pp - stage of them), 11.9 GiB of fp32 "
-          "grads (Megatron's DDP buffer is whole on each rank; Meta's FSDP shards grads), and 0.89 GiB saved "
-          "per layer per micro-batch, the local spec's saves standing for TransformerEngine's fused "
-          "LayerNormLinear / LayerNormMLP (not modelled; about 0.55 GiB by TE's own saves of norm inputs, "
-          "fc1 / SwiGLU outputs and the flash output at tp 8 with SP). Meta tuned the micro-batches in flight "
-          "of its interleaved schedule and deallocated stage inputs / outputs early (Llama 3 paper, 3.3.2): "
-          "the schedule's in-flight count and TE's saves are the terms to model before this row can agree",
+          "15 other micro-batches in flight x 6.0 GiB (1F1B keeps pp - stage of them), 11.9 GiB of fp32 "
+          "grads (Megatron's DDP buffer is whole on each rank; Meta's FSDP shards grads), and 0.77 GiB saved "
+          "per layer per micro-batch at tp 8 with SP (TE's LayerNormLinear saves, from sources; of it 0.51 GiB "
+          "the MLP's unfused SwiGLU, TransformerConfig's bias_activation_fusion=False: fused, 0.30). Meta "
+          "tuned the micro-batches in flight of its interleaved schedule and deallocated stage inputs / "
+          "outputs early (Llama 3 paper, 3.3.2): the schedule's in-flight count is the term to model before "
+          "this row can agree",
     "N1": "NeMo with fp8 (TransformerEngine keeps fp8 copies of linear inputs: not modelled)",
 }
 

@@ -214,3 +214,25 @@ def test_fast_step_moments_keep_the_references_peak(model, lay, fw):
         fw_fast = [x for x in fast[:-1] if x[2] == "forward"]
         assert (max(fw_ref, key=lambda x: x[0]) if fw_ref else None) == (
             max(fw_fast, key=lambda x: x[0]) if fw_fast else None)
+
+
+def test_te_spec_norms_save_what_layernorm_linear_saves():
+    """TransformerEngine's LayerNormLinear (linear_qkv, linear_fc1 with their norms fused) saves the
+    norm's input, its normalised output (the GEMM's input) and rsigma (fp32, a token); its fused
+    rmsnorm_bwd has none of torch's fp32 intermediates. The local spec's torch RMSNorm saves its fp32
+    copies (measured on every CPU run): the two specs differ by exactly that in each norm."""
+    from ledger.faithful.megatron.activations import Shape, _layer_moments, layer_groups
+
+    for sp in (False, True):
+        local = Shape(512, 2, 256, 256, 64, 704, 8, 1000, 32, 2, sp, 2, False)
+        te = local._replace(te=True)
+        n = local.sbh_n
+        g_local, g_te = layer_groups(local, P.recompute_of(K.knobs(_fw()))), layer_groups(te, P.recompute_of(K.knobs(_fw())))
+        for norm in ("norm1", "norm2"):
+            assert g_te[norm] == 2 * 2 * n + 4 * (n // 256)
+            assert g_local[norm] - g_te[norm] == 4 * n + 4 * n + 2 * n - 2 * 2 * n
+        gin = 2 * n
+        te_moments = dict((name, tmp) for name, _live, tmp, _g in _layer_moments(te, P.recompute_of(K.knobs(_fw())))[1])
+        local_moments = dict((name, tmp) for name, _live, tmp, _g in _layer_moments(local, P.recompute_of(K.knobs(_fw())))[1])
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            assert te_moments[name] == 2 * gin and local_moments[name] == 2 * gin + 16 * n

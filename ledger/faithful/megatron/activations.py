@@ -126,14 +126,28 @@ def norm_bytes(sh: Shape) -> int:
     normalised value cast back (activation dtype), each saved for backward; with SP the norm sees the
     sequence shard [s/tp, b, h]."""
     n = sh.sbh_n
+    if sh.te:
+        return te_norm_bytes(sh)
     return 4 * n + 4 * (n // sh.h) + 4 * n + sh.e * n
+
+
+def te_norm_bytes(sh: Shape) -> int:
+    """The TransformerEngine spec's norms (from sources; no CPU run can confirm them): input_layernorm
+    and pre_mlp_layernorm are fused into linear_qkv / linear_fc1 (TELayerNormColumnParallelLinear,
+    TE module/layernorm_linear.py _LayerNormLinear.forward), which saves the norm's input (inputmat,
+    the activation-dtype residual stream: its backward's rmsnorm_bwd reads it), the normalised output
+    ln_out (the GEMM's input; with SP the sequence shard, all-gathered again for the weight grad) and
+    rsigma (fp32, one per token); the final norm (TENorm, module/rmsnorm.py) saves its input and rsigma,
+    and the output layer its output. RMSNorm: LayerNorm's mu (4 bytes a token more) is not counted."""
+    n = sh.sbh_n
+    return 2 * sh.e * n + 4 * (n // sh.h)
 
 
 def layer_groups(sh: Shape, rc: Recompute) -> dict[str, int]:
     """Bytes one decoder layer saves for backward per micro-batch, by sub-block in forward order
     (transformer/transformer_layer.py TransformerLayer.forward, local spec gpt_layer_specs.py
     get_gpt_layer_local_spec):
-      norm1 / norm2  norm_bytes (input_layernorm, pre_mlp_layernorm)
+      norm1 / norm2  norm_bytes (input_layernorm, pre_mlp_layernorm; TE spec: te_norm_bytes)
       rope           models/common/embeddings/rope_utils.py _apply_rotary_pos_emb_bshd: cos and sin cast
                      to the activation dtype ([s, 1, 1, head_dim]) for q and for k, saved by the
                      multiplies; the rotated q ([s, b, heads/tp, head_dim], torch.cat) saved by the
@@ -205,11 +219,14 @@ def _layer_moments(sh: Shape, rc: Recompute):
     total = sum(g.values())
     gin = e * sh.sbh_n  # the incoming grad (the residual stream: the sequence shard with SP)
     sp_g = e * sh.sbh if sh.sp else 0
+    # a norm's backward: torch's composite rms_norm backward runs in fp32 (16 bytes an element of
+    # intermediates); TE's fused rmsnorm_bwd writes the input grad alone
+    norm_tmp = 0 if sh.te else 16 * sh.sbh_n
     after_mlp = total - g["mlp"]
     after_norm2 = after_mlp - g["norm2"]
     out = [("fc2", total, gin + e * sb * sh.f + e * h * sh.f, sp_g),
            ("fc1", after_mlp, gin + e * sb * 2 * sh.f + e * sh.sbh + e * 2 * sh.f * h, sp_g),
-           ("pre_mlp_layernorm", total - g["mlp"], 2 * gin + 16 * sh.sbh_n, 0),
+           ("pre_mlp_layernorm", total - g["mlp"], 2 * gin + norm_tmp, 0),
            ("proj", after_norm2, 2 * gin + e * h * sh.hq, sp_g)]
     if not sh.te:
         # the score grads: bmm grad of the bf16 probabilities, its fp32 cast, _softmax_backward_data's
@@ -226,7 +243,7 @@ def _layer_moments(sh: Shape, rc: Recompute):
             tmp += 2 * e * sb * sh.hq
         out.append(("attention scores", live, tmp, 0))
     out += [("qkv", g["norm1"], gin + e * sb * (sh.hq + 2 * sh.hkv) + e * sh.sbh + e * (sh.hq + 2 * sh.hkv) * h, sp_g),
-            ("input_layernorm", g["norm1"], 2 * gin + 16 * sh.sbh_n, 0)]
+            ("input_layernorm", g["norm1"], 2 * gin + norm_tmp, 0)]
     return total, out
 
 
@@ -256,7 +273,7 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
             # logits grad, the output layer's input grad and its weight grad (activation dtype)
             ("output layer weight grad", hg["final norm"], e * sb * sh.v + e * sh.sbh + e * sh.v * sh.h,
              gather + (e * sh.sbh // sh.tp if sh.sp else 0)),
-            ("final_layernorm", hg["final norm"], 2 * e * sh.sbh + 16 * sh.sbh_n, 0))))
+            ("final_layernorm", hg["final norm"], 2 * e * sh.sbh + (0 if sh.te else 16 * sh.sbh_n), 0))))
     total, moments = _layer_moments(sh, rc)
     if rc.granularity == "full":
         n = rc.num_layers

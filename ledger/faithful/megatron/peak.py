@@ -59,9 +59,10 @@ PEAK_NOTES = {
     "transformer_engine": (_PEAK_COMMON, "peak, transformer_impl=transformer_engine: TEDotProductAttention (fused / flash) "
                            "saves no [b, heads/tp, s, s] probabilities (softmax statistics [b, heads/tp, s] fp32 instead) "
                            "and has no score-grad moment; NCCL reduce-scatters in place and FusedAdam adds no per-param "
-                           "temporaries (no gloo copy, no Adam denominators); TE's fused norm+linear saves, gradient-accumulation fusion "
-                           "(weight grads straight into main_grad) and workspaces are not modelled: the local spec's "
-                           "moments stand for them (no CPU run confirms TE)"),
+                           "temporaries (no gloo copy, no Adam denominators); TE's LayerNormLinear saves the norm's input, its "
+                           "output and rsigma (activations.te_norm_bytes) and its fused rmsnorm_bwd no fp32 temporaries; "
+                           "gradient-accumulation fusion (weight grads straight into main_grad) and workspaces are not "
+                           "modelled: the local spec's other moments stand for them (no CPU run confirms TE)"),
 }
 
 # the moments (by their name's end) of a chunk's first backward unit whose incoming grad is the received

@@ -66,6 +66,6 @@ def default_transformer_impl(target: str) -> str:
 def peak_basis(fw, target: str) -> str:
     if target == CUDA_NCCL:
         spec = "TE's fused attention" if getattr(fw, "transformer_impl", None) == TE else "the local spec's attention"
-        return (f"from sources, not confirmed by a GPU run: NCCL in place, FusedAdam, {spec}; TE's fused norm+linear "
-                "saves and workspaces and the CUDA allocator's rounding not modelled")
+        return (f"from sources, not confirmed by a GPU run: NCCL in place, FusedAdam, {spec}, TE's LayerNormLinear "
+                "saves; TE's workspaces and the CUDA allocator's rounding not modelled")
     return "the local spec the CPU runs confirm (gloo's staging copies, CPU attention and AdamW temporaries)"
