@@ -40,6 +40,7 @@ import zlib
 import pandas as pd
 
 import records as R
+from analysis.timing import PHASES
 
 # what one run's summary carries of the record (enough for reconcile.table and .summary)
 RECORD_KEYS = ("status", "error", "mode", "job_dir", "timings", "prediction", "measurement")
@@ -255,14 +256,16 @@ def headline(record: dict, df: pd.DataFrame) -> dict:
     st = pred.get("step_time") or {}
     if st.get("step_s") is not None:  # the step-time model's, for the target it names (ledger/timing)
         out.update(predicted_step_s=st["step_s"], predicted_mfu=st["mfu"],
-                   predicted_tokens_per_s_per_gpu=st["tokens_per_s_per_gpu"], step_time_target=st["target"])
+                   predicted_tokens_per_s_per_gpu=st["tokens_per_s_per_gpu"], step_time_target=st["target"],
+                   **{f"predicted_{q}": st[q] for q in PHASES if st.get(q) is not None})
     out.update(_measured_headline(record))
     return out
 
 
 def _measured_headline(record: dict) -> dict:
     """measured_peak_bytes: the largest steady-step peak over the ranks; measured_step_s: the slowest
-    rank's median steady-step wall time (the step ends when the last rank's does); measured_resident_bytes."""
+    rank's median steady-step wall time (the step ends when the last rank's does), and that rank's
+    median forward / backward / optimizer times (probes/phases.py); measured_resident_bytes."""
     ranks = [r for r in ((record.get("measurement") or {}).get("ranks") or []) if r.get("status") == "ok"]
     steady = [[s for s in r.get("steps") or [] if s.get("step", 0) > 0] for r in ranks]
     out = {}
@@ -272,6 +275,11 @@ def _measured_headline(record: dict) -> dict:
     times = [sorted(s["time_s"] for s in st if s.get("time_s") is not None) for st in steady]
     if times and all(times):
         out["measured_step_s"] = max(t[len(t) // 2] for t in times)
+        slowest = max(range(len(times)), key=lambda i: times[i][len(times[i]) // 2])
+        for q in PHASES:
+            ph = sorted((s.get("phases") or {}).get(q) for s in steady[slowest] if (s.get("phases") or {}).get(q) is not None)
+            if ph:
+                out[f"measured_{q}"] = ph[len(ph) // 2]
     res = [(s.get("state") or {}).get("resident_bytes") for st in steady for s in st[-1:]]
     if res and all(v is not None for v in res):
         out["measured_resident_bytes"] = max(res)

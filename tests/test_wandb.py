@@ -92,6 +92,9 @@ def test_prediction_and_measurements_are_in_the_summary(sweep, recs):
         steady_steps = [st for m in rec["measurement"]["ranks"] for st in m["steps"] if st["step"] > 0]
         assert s["measured_peak_bytes"] == max(st["peak"]["peak_bytes"] for st in steady_steps)
         assert 0 < s["measured_step_s"] <= max(st["time_s"] for st in steady_steps)
+        # the slowest rank's phases (probes/phases.py): each timed, together within its step
+        assert all(s[f"measured_{q}"] > 0 for q in ("forward_s", "backward_s", "optimizer_s"))
+        assert s["measured_forward_s"] + s["measured_backward_s"] <= max(st["time_s"] for st in steady_steps)
 
 
 @pytest.mark.real
