@@ -187,6 +187,8 @@ def test_acceptance_command_prints_the_peak_per_stage():
     # where a forward's softmax cast is the peak (softmax_forward): pp1, 1F1B, the article's run
     (preset("tiny", seq_len=512), dict(tp=2, pp=1, dp=1, sequence_parallel=True, global_batch_size=2), {}),
     (preset("tiny", seq_len=512), dict(tp=1, pp=2, dp=1, global_batch_size=4), {}),
+    (preset("tiny", seq_len=512), dict(tp=1, pp=2, dp=1, vp=2, global_batch_size=4), {}),  # interleaved
+    (preset("tiny", seq_len=512, layers=8), dict(tp=1, pp=4, dp=1, vp=2, global_batch_size=8), {}),
     (preset("llama3_1b", seq_len=8192), dict(tp=2, pp=2, dp=2, sequence_parallel=True, global_batch_size=16), {}),
     # full recompute: a recomputed layer's softmax cast in backward (the article's run), a forward's
     # softmax cast beside a checkpointed layer 0 (block)

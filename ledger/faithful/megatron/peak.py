@@ -48,7 +48,9 @@ from ledger.placement import Peak
 
 _PEAK_COMMON = ("peak (megatron_peak.py): resident + saved activations of the micro-batches in flight + p2p "
                 "buffers + the largest temporary of the moment, over every backward moment, the cross-entropy "
-                "forward, the local spec's forward softmax (1F1B / no pipelining; not selective recompute) and a "
+                "forward, the local spec's forward softmax (1F1B, interleaved, no pipelining; not selective recompute; "
+                "interleaved: the 1F1B loop's p2p locals, one [s/tp, b, h] tensor over the CPU run's at pp2 vp2 "
+                "stage 0's second chunk) and a "
                 "fully recomputed layer's softmax cast in its backward, the grad sync and "
                 "Adam's step; no allocator rounding (CUDA: 512-byte blocks); other forward transients, the launcher's "
                 "batch and a few 4-byte step leftovers are not modelled")
@@ -128,6 +130,47 @@ def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: 
         gat, stale = _forward_gathered(kk, w, first, last, e_p, per_live, received_in_p2p(first, rc))
         out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1], gat, "forward",
                           f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+    return out
+
+
+def _interleaved_softmax_moments(sh: Shape, rc: Recompute, shapes: list, fwd: list, bwd: list, w: int,
+                                 saved: list, pw: list, e_p: int, pp: int) -> list[tuple]:
+    """The interleaved schedule's (vp > 1) forward softmax casts (pipeline_parallel/schedules.py
+    forward_backward_pipelining_with_interleaving: w warm-up forwards, then forward k and backward
+    k - w): before forward k the chunks of forwards 0..k-1 not yet backpropagated keep their saves
+    and p2p tensors (pw: a chunk's received input and sent output), and forward k's chunk holds its
+    softmax_forward moment with its received input; from the steady loop on, the previous
+    iteration's locals as _forward_gathered counts them for 1F1B, the input grad only where the
+    previous backward's chunk sent one (a first virtual stage's backward returns none). Measured on
+    the CPU (pp2 · vp2, s = 512, the local spec): both stages' forward peaks to the p2p byte. shapes:
+    each chunk's (layers, first, last)."""
+    sf_of = [softmax_forward(sh, rc, n, first) for n, first, _last in shapes]
+    if not any(sf_of):
+        return []
+    out = []
+    sf_sum = pf_sum = 0
+    sb, pb = [0], [0]
+    for c in bwd:
+        sb.append(sb[-1] + saved[c])
+        pb.append(pb[-1] + pw[c])
+    for k, ch in enumerate(fwd):
+        done = max(0, k - w)
+        sf = sf_of[ch]
+        if sf is not None:
+            n, first, last = shapes[ch]
+            in_p2p = received_in_p2p(first, rc)
+            recv = 0 if first else e_p
+            g = pf_sum - pb[done] + (recv if in_p2p else 0)
+            stale = 0
+            if done:
+                sent_grad = 0 if shapes[bwd[done - 1]][1] else e_p  # the previous backward's input grad
+                g += (0 if last else 2 * e_p) + sent_grad + (recv if in_p2p else 0)
+                stale = 0 if in_p2p else recv
+            mb = (k // (pp * len(shapes))) * pp + k % pp
+            out.append(moment(sf_sum - sb[done], sf[0] + stale, sf[1], g, "forward",
+                              f"layer {n - 1} of chunk {ch}: softmax cast (micro-batch {mb})"))
+        sf_sum += saved[ch]
+        pf_sum += pw[ch]
     return out
 
 
@@ -298,6 +341,9 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
                 add(others, rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
     if lay.vp == 1:  # each forward's softmax moment (softmax_forward), after the backward moments
         moments += _softmax_moments(sh, rc, shapes[0], range(len(fwd)), w, saved[0], p2p([0]), e_p)
+    else:
+        moments += _interleaved_softmax_moments(sh, rc, shapes, fwd, bwd, w, saved, [p2p([c]) for c in range(lay.vp)],
+                                                e_p, lay.pp)
     return (*moments, e_p)
 
 
@@ -390,15 +436,18 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     if lay.vp == 1:
         # the reference's forward softmax moments (after its backward moments) grow with the
         # micro-batches in flight up to forward w and stay level from forward w + 1 (w in flight, the
-        # previous iteration's p2p locals): the first of each, in its order; a softmax moment is kept
-        # where it is larger than the forward moment kept so far
+        # previous iteration's p2p locals): the first of each, in its order
         total = len(fwd)
         ks = sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])})
-        top_f = best_f[0] if best_f is not None else None
-        for m in _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p):
-            if top_f is None or m[0] > top_f:
-                moments = [x for x in moments if x[2] != "forward"] + [m]
-                top_f = m[0]
+        softmax = _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p)
+    else:
+        softmax = _interleaved_softmax_moments(sh, rc, shapes, fwd, bwd, w, saved, pw, e_p, lay.pp)
+    # a softmax moment is kept where it is larger than the forward moment kept so far
+    top_f = best_f[0] if best_f is not None else None
+    for m in softmax:
+        if top_f is None or m[0] > top_f:
+            moments = [x for x in moments if x[2] != "forward"] + [m]
+            top_f = m[0]
     return (*moments, e_p)
 
 
