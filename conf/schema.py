@@ -308,7 +308,7 @@ class PlanConfig:
 @dataclass
 class HardwareConfig:
     """The device a step-time prediction is for (ledger/timing/hardware.py): a preset by name (a100, h100,
-    h200, b200: datasheet peaks and bandwidths, assumed efficiencies, labelled "from sources"), or a
+    h100-96gb, h200, b200: datasheet peaks and bandwidths, assumed efficiencies, labelled "from sources"), or a
     profile yaml `python -m ledger.timing.calibrate` measured (file). The fields below replace the
     profile's; a CPU mode=run job predicts its step time only with a calibrated CPU profile (file)."""
     name: str = "h100"
