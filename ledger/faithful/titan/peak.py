@@ -487,5 +487,8 @@ def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
         out.append("titan peak with activation checkpointing, TP and no PP: a checkpointed block's recompute moment "
                    "(_at_recompute) is modelled as without TP's extra buffers; where it is the peak the prediction "
                    "is under (measured on the CPU at tp2-SP, seq 2048: 1,400,544 B, 1.9% with selective AC, 2.3% "
-                   "with full; the article's FSDP4-TP2-SP run at s=8192 peaks at a loss chunk instead, exact)")
+                   "with full, where the measured peak is at w2's reduce-scatter in the block's recompute forward: "
+                   "SP's all-gathered inputs, w2's [T, h] output, gloo's copy and the reduce-scatter output live, "
+                   "gathered +4,257,792 B and temporary -2,861,344 B against the SwiGLU-backward moment; the "
+                   "article's FSDP4-TP2-SP run at s=8192 peaks at a loss chunk instead, exact)")
     return out
