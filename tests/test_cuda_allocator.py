@@ -60,14 +60,18 @@ def test_a_resize_frees_the_block_and_allocates_the_new_size():
 
 
 def test_the_peak_probe_replays_each_step_through_the_allocator():
-    """A recorded step of tensors made and dropped: the replay's allocated peak is the probe's peak in
-    512-byte blocks, and reserved holds at least that."""
+    """A recorded step of tensors made and dropped, replayed after what was live when it began (in this
+    process: whatever earlier tests left, found by the probe's scan): its allocated peak is those
+    storages' blocks plus the step's largest moment in 512-byte blocks; reserved is the simulation's
+    from the same start; an identical second step, served from the cached segments, reserves nothing
+    more."""
     import torch
 
     from probes.peak import PeakTracker
 
     tr = PeakTracker()
     keep = torch.ones(1000)  # live before the step: the replay starts with it
+    sims = []
     for step in range(2):
         tr.begin(scan=True)
         with tr.recording():
@@ -77,8 +81,19 @@ def test_the_peak_probe_replays_each_step_through_the_allocator():
             c = torch.ones(MiB // 4 + 1)  # fits the cached 3 MiB block
             del b, c
         tr.end()
-        res = tr.result(None, timeline=False)
-        sim = res["cuda_allocator_sim"]
-        assert sim["peak_allocated_bytes"] == round_size(4000) + round_size(3 * MiB) + round_size(400)
-        assert sim["peak_reserved_bytes"] == 2 * MiB + 20 * MiB  # one small segment, one large
+        sims.append(tr.result(None, timeline=False)["cuda_allocator_sim"])
+        if step == 0:
+            ref = CachingAllocator()
+            for s in sorted(tr.start_serials):
+                ref.malloc(s, tr.start_serials[s])
+            ref.reset_peaks()
+            start_blocks = ref.allocated
+            for key, size in (("a", 3 * MiB), ("b", 400)):
+                ref.malloc(key, size)
+            ref.free("a")
+            ref.malloc("c", MiB + 4)
+            assert sims[0]["peak_allocated_bytes"] == start_blocks + round_size(3 * MiB) + round_size(400)
+            assert sims[0]["peak_reserved_bytes"] == ref.peak_reserved
+    assert sims[1]["peak_allocated_bytes"] == sims[0]["peak_allocated_bytes"]
+    assert sims[1]["reserved_bytes"] == sims[0]["reserved_bytes"] and sims[1]["segments"] == sims[0]["segments"]
     del keep
