@@ -55,7 +55,7 @@ class Op:
 # TransformerEngine spec runs such kernels (TE's fused RoPE, bias_swiglu, the norms in LayerNormLinear).
 def fused_bytes(w: int) -> dict:
     return {"norm": (2 * w, 4 * w), "rope": (2 * w, 4 * w), "swiglu": (3 * w, 6 * w), "gelu": (2 * w, 4 * w),
-            "residual_add": (3 * w, 6 * w), "cross_entropy": (w + 12, 2 * (w + 12)), "kv_repeat": (0, 0)}
+            "residual_add": (3 * w, 6 * w), "cross_entropy": (w + 12, 2 * (w + 12))}
 
 
 def gemm(name: str, m: int, n: int, k: int, w: int, dtype: str = "bf16") -> Op:
