@@ -163,9 +163,13 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     for k in range(model.layers - 1, -1, -1):  # backward order: the last block's reduce-scatter first
         # (with activation checkpointing, the block's recompute comes first in its backward)
         if ac:
-            rc = _at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
-            if rc.bytes > best.bytes:
-                best = rc
+            # with TP and SP the block's recompute forward ends at w2's reduce-scatter (its moment
+            # first), then the recompute's SwiGLU backward
+            for rc in ((_at_recompute_rs(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),)
+                       if lay.tp > 1 and lay.sequence_parallel else ()) + \
+                    (_at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),):
+                if rc.bytes > best.bytes:
+                    best = rc
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
         if pk.bytes > best.bytes:
             best = pk
@@ -466,6 +470,55 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
                 what=f"layers.{k}: SwiGLU backward in its recompute", detail=_scalars(detail))
 
 
+def _at_recompute_rs(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+                     rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """Live bytes at w2's reduce-scatter in a checkpointed block k's recompute forward (full or selective
+    AC, TP with SP, no PP): the block's output grad has already been all-gathered for w2's backward (the
+    reduce-scatter's backward, the first node of the block's backward, before w2's mm backward unpacks
+    the saved input that starts the recompute: torch/utils/checkpoint.py non-reentrant), and the
+    recompute runs the block's forward again to its last collective: every save of the block
+    (saved_per_layer "none"), the attention's residual sum h (live until the block's last add),
+    ffn_norm's bf16 output (the feed-forward's argument while it runs), w2's Partial [T, h] output, the
+    reduce-scatter's output and, on gloo, its copy of the input. Measured on the CPU (tp2 SP, seq 2048,
+    full and selective AC; tests/test_titan.py w2tpspac): the steady peak at this moment, 24,288 B over
+    the prediction (the step's small setup tensors)."""
+    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")
+    full1 = saved_per_layer(model, B, S, "none", lay.tp, True, lay.cp, rules)[0]
+    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, True, lay.cp, rules)
+    T = B * S // lay.cp
+    h = model.hidden
+    Ts = T // lay.tp
+    detail: dict[str, int] = {"resident/state": resident}
+    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
+    batch = _batch_saved_bytes(B, S, ac)
+    acts = (k + 1) * ck1 + I64 + batch
+    detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
+    detail["activations/the batch on the device (ids, labels, positions)"] = batch
+    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
+    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
+    rs_in = T * h * BF16
+    sp_buffers = rs_in + rs_temporary(rules, 1, rs_in) * bool(rules.rs_input_copy) + Ts * h * BF16 + Ts * h * BF16
+    gathered = ag + rs_held + held + sp_buffers
+    if ag:
+        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
+    detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
+    if held:
+        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
+    detail["gathered/the output grad all-gathered, w2's reduce-scatter copy and output, ffn_norm's output"] = sp_buffers
+    work = full1 + Ts * h * BF16 + rs_in + Ts * h * BF16
+    small = _batch_bytes(model, B, S) - batch
+    temp = work + k * kept1 + small
+    detail["temporary/the recompute's saves, the residual sum h, w2's output, the incoming residual grad"] = work
+    detail["temporary/batch, document mask, scalars"] = small
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
+             "unnamed": UNNAMED}
+    return Peak.of(parts, phase="backward",
+                   what=f"layers.{k}: w2's reduce-scatter in its recompute forward", detail=_scalars(detail))
+
+
 def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
     """The Placement's notes on what the peak model covers, and where a GPU run differs."""
     if rules.target != CPU_GLOO:
@@ -481,14 +534,4 @@ def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
                 "micro-batches in flight (a checkpointed block recomputed first), or at the last stage's loss. Not "
                 "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
     out = ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
-    if getattr(fw, "activation_checkpoint", "none") != "none" and lay.tp > 1:
-        # a finding: _at_recompute is exact at dp2 (seq 2048, full and selective: 3,808 B under, the
-        # batch); with TP and SP its moment holds more than modelled (SP's gathered inputs in the recompute)
-        out.append("titan peak with activation checkpointing, TP and no PP: a checkpointed block's recompute moment "
-                   "(_at_recompute) is modelled as without TP's extra buffers; where it is the peak the prediction "
-                   "is under (measured on the CPU at tp2-SP, seq 2048: 1,400,544 B, 1.9% with selective AC, 2.3% "
-                   "with full, where the measured peak is at w2's reduce-scatter in the block's recompute forward: "
-                   "SP's all-gathered inputs, w2's [T, h] output, gloo's copy and the reduce-scatter output live, "
-                   "gathered +4,257,792 B and temporary -2,861,344 B against the SwiGLU-backward moment; the "
-                   "article's FSDP4-TP2-SP run at s=8192 peaks at a loss chunk instead, exact)")
     return out
