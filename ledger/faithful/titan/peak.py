@@ -39,6 +39,8 @@ saves no dense mask and FlexAttention's own kernel runs there (SelectiveAC saves
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
@@ -423,6 +425,47 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
                 what=f"layers.{k} post-backward reduce-scatter ({rules.collectives})", detail=_scalars(detail))
 
 
+class _RecomputeState(NamedTuple):
+    """What a checkpointed block k's recompute moments share (_recompute_state)."""
+    detail: dict
+    T: int
+    full1: int  # one block's saves without checkpointing (what its recompute rebuilds)
+    kept1: int  # one block's selective-AC kept outputs
+    unsharded: int
+    acts: int
+    gathered: int  # FSDP's: the prefetch all-gather, the reduce-scatter input held, HSDP's
+    small: int
+
+
+def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int, sp: bool,
+                     rules: Rules) -> _RecomputeState:
+    """The parts every recompute moment of block k holds (no PP): block k's unsharded parameters (with
+    "never" the earlier ones too), blocks 0..k-1's checkpoint saves and block k's input, the batch, and
+    FSDP2's backward buffers (the unit before's prefetched all-gather, the reduce-scatter input of the
+    unit after still held: _fsdp_param_group.py keeps it until the next post_backward, HSDP's)."""
+    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
+    ac = getattr(fw, "activation_checkpoint", "none")
+    reshard = fw.reshard_after_forward in ("default", "always")
+    full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp, rules)[0]
+    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp, rules)
+    detail: dict[str, int] = {"resident/state": resident}
+    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
+    batch = _batch_saved_bytes(B, S, ac)
+    acts = (k + 1) * ck1 + I64 + batch
+    detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
+    detail["activations/the batch on the device (ids, labels, positions)"] = batch
+    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
+    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
+    if ag:
+        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
+    detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
+    if held:
+        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
+    return _RecomputeState(detail, B * S // lay.cp, full1, kept1, unsharded, acts, ag + rs_held + held,
+                           _batch_bytes(model, B, S) - batch)
+
+
 def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
                   rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes at a checkpointed block k's SwiGLU backward in its recompute (activation checkpointing,
@@ -433,32 +476,13 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     its parameters are unsharded, the block before's all-gather prefetched, and the reduce-scatter input
     of the block after still held (_fsdp_param_group.py: the reduce-scatter state is kept until the next
     post_backward)."""
-    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
-    ac = getattr(fw, "activation_checkpoint", "none")
-    reshard = fw.reshard_after_forward in ("default", "always")
     sp = bool(lay.sequence_parallel) and lay.tp > 1
-    full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp, rules)[0]
-    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp, rules)
-    T = B * S // lay.cp
+    st = _recompute_state(model, lay, fw, sh, resident, block_numel, emb_numel, k, sp, rules)
+    detail, T, full1, kept1 = st.detail, st.T, st.full1, st.kept1
     f = model.ffn_hidden // lay.tp
     resid = (T // lay.tp if sp else T) * model.hidden * BF16
-    detail: dict[str, int] = {"resident/state": resident}
-    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
-    detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
-    batch = _batch_saved_bytes(B, S, ac)
-    acts = (k + 1) * ck1 + I64 + batch
-    detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
-    detail["activations/the batch on the device (ids, labels, positions)"] = batch
-    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
-    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
-    gathered = ag + rs_held + held
-    if ag:
-        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
-    detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
-    if held:
-        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
+    unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered, st.small
     work = full1 - T * f * BF16 + f * model.hidden * BF16 + 3 * T * f * BF16 + resid
-    small = _batch_bytes(model, B, S) - batch
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves (w2's input freed), w2's weight grad, SwiGLU grads, residual grad"] = work
     if kept1:
@@ -482,34 +506,16 @@ def _at_recompute_rs(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     reduce-scatter's output and, on gloo, its copy of the input. Measured on the CPU (tp2 SP, seq 2048,
     full and selective AC; tests/test_titan.py w2tpspac): the steady peak at this moment, 24,288 B over
     the prediction (the step's small setup tensors)."""
-    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
-    ac = getattr(fw, "activation_checkpoint", "none")
-    reshard = fw.reshard_after_forward in ("default", "always")
-    full1 = saved_per_layer(model, B, S, "none", lay.tp, True, lay.cp, rules)[0]
-    ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, True, lay.cp, rules)
-    T = B * S // lay.cp
-    h = model.hidden
-    Ts = T // lay.tp
-    detail: dict[str, int] = {"resident/state": resident}
-    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
-    detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
-    batch = _batch_saved_bytes(B, S, ac)
-    acts = (k + 1) * ck1 + I64 + batch
-    detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
-    detail["activations/the batch on the device (ids, labels, positions)"] = batch
-    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
-    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
+    st = _recompute_state(model, lay, fw, sh, resident, block_numel, emb_numel, k, True, rules)
+    detail, T, full1, kept1 = st.detail, st.T, st.full1, st.kept1
+    h, Ts = model.hidden, st.T // lay.tp
     rs_in = T * h * BF16
-    sp_buffers = rs_in + rs_temporary(rules, 1, rs_in) * bool(rules.rs_input_copy) + Ts * h * BF16 + Ts * h * BF16
-    gathered = ag + rs_held + held + sp_buffers
-    if ag:
-        detail["gathered/backward prefetch all-gather (the unit before)"] = ag
-    detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
-    if held:
-        detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
+    # the output grad all-gathered (rs_in's size), gloo's copy of the reduce-scatter's input, its output
+    # and ffn_norm's output (the sequence shard each)
+    sp_buffers = rs_in + (rs_in if rules.rs_input_copy else 0) + Ts * h * BF16 + Ts * h * BF16
+    unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered + sp_buffers, st.small
     detail["gathered/the output grad all-gathered, w2's reduce-scatter copy and output, ffn_norm's output"] = sp_buffers
     work = full1 + Ts * h * BF16 + rs_in + Ts * h * BF16
-    small = _batch_bytes(model, B, S) - batch
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves, the residual sum h, w2's output, the incoming residual grad"] = work
     detail["temporary/batch, document mask, scalars"] = small
