@@ -14,7 +14,8 @@ fake runs the three on this machine at full shape (cluster=fake: a fake world of
 each distinct predicted state materialised one after another under FakeTensorMode, two steps:
 first and steady) and prints their reconcile table, every step, then per measured rank the fake
 world's peak (the CPU harness's code, cpu-gloo) beside the peak predicted for a GPU run (cuda-nccl) and
-the parts that differ. Extra overrides apply to all three jobs.
+the parts that differ, and judges the rows (judge: states and collectives exact, every peak within 1%;
+the exit status says). Extra overrides apply to all three jobs.
 
 --question answers the article's closing question: "A 70B dense model, 1,024 H100, sequence 8192,
 global batch 4M tokens. TP, PP, DP? micro-batch? recompute? Expected MFU? It ran at only 32% - where
@@ -156,7 +157,30 @@ def main(argv=None) -> int:
 
         reconcile.main([a.out, "--all-steps"])
         print(gpu_side_by_side(a.out))
+        from analysis.compare import table
+
+        verdict, bad = judge(table(a.out))
+        print(verdict)
+        rc |= bool(bad)
     return rc
+
+
+def judge(df) -> tuple[str, int]:
+    """The fake world's rows held to the CPU matrices' contract (analysis.compare.off): every state and
+    collective row of every step exact, every peak_bytes row, first step and steady, within 1%. The
+    fake group's collectives allocate what gloo's do (launchers/fake.py), so the cpu-gloo peak is the
+    one to judge. df: analysis.compare.table's rows. Returns (the verdict's text, the rows off)."""
+    from analysis.compare import off
+
+    rows = df[~df.quantity.str.startswith("peak/")]  # a peak's parts are reported, not judged
+    bad = rows[off(rows)]
+    peaks = rows[rows.quantity == "peak_bytes"]
+    if bad.empty:
+        worst = peaks.rel_err.abs().max() if len(peaks) else 0.0
+        return (f"judged: {len(rows) - len(peaks)} state and collective rows exact, {len(peaks)} peak rows "
+                f"(first and steady) within 1% (worst {100 * worst:.4f}%)"), 0
+    cols = ["job", "rank", "step", "quantity", "predicted", "measured", "rel_err"]
+    return f"judged: {len(bad)} rows off\n{bad[cols].to_string(index=False)}", len(bad)
 
 
 def gpu_side_by_side(out: str) -> str:

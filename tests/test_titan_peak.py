@@ -193,3 +193,29 @@ def test_gloo_copy_race_names_the_other_outcome():
     pk = L.place(m, _lay(world=4), _fw(reshard_after_forward="always")).rank_state(1).peak
     assert pk.bytes == 23_740_000 and pk.detail[P.RACE] == 24_493_664
     assert P.RACE not in L.place(m, _lay(world=2, tp=2), _fw()).rank_state(0).peak.detail
+
+
+def test_first_step_peak_is_the_moment_without_what_step_0_has_not_made():
+    """peak.FirstStep: at the loss's moments no unit has been reduced, so step 0 holds neither AdamW's
+    state nor any sharded grad; at block k's reduce-scatter the grads of lm_head, the norm and the
+    blocks after k exist; where every moment falls under it, the state the first optimizer step makes.
+    PP (pp_peak): its moments hold the grads of any step already, less AdamW's state."""
+    m = preset("tiny", seq_len=512)
+    st = L.place(m, _lay(2), _fw()).rank_state(0)
+    pk = st.peak
+    assert pk.first is not None and "first step" in pk.first.what
+    if pk.what.startswith(("lm_head", "a loss chunk")):
+        assert pk.first.bytes == pk.bytes - st.optim_bytes - st.grads_bytes
+    # the blocks' moments: a unit's grads count once it is reduced
+    sh = F.sharded(m, 1, 2)
+    fs = P.FirstStep(st.optim_bytes, st.grads_bytes)
+    assert fs.grads_done(0, m.layers, sh) == 0
+    total = sh.emb_full + sh.norm_full + sh.lm_full + m.layers * sh.layer_full
+    # every unit but tok_embeddings, reduced last
+    assert fs.grads_done(2 + m.layers, m.layers, sh) == st.grads_bytes * (total - sh.emb_full) // total
+    # a short sequence: every backward moment less the state is under the state itself
+    short = L.place(preset("tiny", seq_len=32), _lay(2), _fw()).rank_state(0)
+    assert short.peak.first.phase == "optimizer" and short.peak.first.bytes == short.resident_bytes
+    # PP: the same moment less AdamW's state, or the state
+    pp = L.place(preset("tiny", seq_len=1024), _lay(2, pp=2), _fw()).rank_state(0)
+    assert pp.peak.first.bytes in (pp.peak.bytes - pp.optim_bytes, pp.resident_bytes)

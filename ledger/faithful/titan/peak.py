@@ -31,6 +31,10 @@ every block's). While block k's is reduced a rank holds
   storage of the input's size appear at aten.split and go at aten.copy_), the residual-stream grad
   flowing to the block before (bf16 [B, S, hidden]), and the batch's small tensors.
 
+The first step (FirstStep): the same moments without what it has not made yet, AdamW's state and the
+sharded grads of the units backward has not reduced, or the state its optimizer step completes;
+measured on the matrix's jobs (tests/test_titan.py), PP's too.
+
 PP layouts: pp_peak.py (its docstring: what pipelining does to FSDP2; a function per moment).
 Every layout has a peak. (SP with CP, once 8% off, was the probe counting AsyncCollectiveTensor
 wrappers: probes/peak.py _unwrap; the SP and CP rules together are within 0.03% since.)
@@ -143,7 +147,7 @@ def _batch_bytes(model, B: int, S: int) -> int:
 
 
 def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
-         rules: Rules = RULES[CPU_GLOO]) -> Peak:
+         rules: Rules = RULES[CPU_GLOO], first: "FirstStep | None" = None) -> Peak:
     """The steady-step peak of a rank without PP: FSDP2 over dp_shard x cp (HSDP: replicated over
     dp_replicate), TP with or without SP, CP. sh: the rank's fsdp.Sharded;
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
@@ -156,8 +160,11 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk), with a small vocabulary and
     checkpointing the recompute (dp2 at seq 2048). rules: the target's (target.py)."""
     best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)
-    for pk in (_at_loss_chunk(best, model, lay, head_numel),
-               _at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)):
+    # (moment, the grads its step 0 already holds: FirstStep.grads_done's unit count)
+    seen = [(best, 0)]
+    for pk, done in ((_at_loss_chunk(best, model, lay, head_numel), 0),
+                     (_at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules), 1)):
+        seen.append((pk, done))
         if pk.bytes > best.bytes:
             best = pk
     late = 0
@@ -170,9 +177,11 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
             for rc in ((_at_recompute_rs(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),)
                        if lay.tp > 1 and lay.sequence_parallel else ()) + \
                     (_at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),):
+                seen.append((rc, model.layers + 1 - k))
                 if rc.bytes > best.bytes:
                     best = rc
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
+        seen.append((pk, model.layers + 1 - k))
         if pk.bytes > best.bytes:
             best = pk
         if k and lay.dp_shard * lay.cp > 1 and fw.reshard_after_forward in ("default", "always") \
@@ -185,7 +194,52 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
             late = max(late, pk.bytes - sh.layer_full * F32 // ds_of(lay) + block_numel * BF16 - model.hidden * BF16)
     if late > best.bytes:
         best.detail[RACE] = late
+    if first is not None:
+        step0 = first.peak(seen, model.layers, sh, resident)
+        if step0.bytes != best.bytes:
+            best.first = step0
     return best
+
+
+class FirstStep(NamedTuple):
+    """What the first step's backward does not hold yet: torch's AdamW makes its state in the first
+    optimizer step (torch/optim/adamw.py _init_group: exp_avg, exp_avg_sq, step, param by param), and
+    FSDP2 assigns a sharded grad when its unit's reduce-scatter lands (_fsdp_param_group.py
+    post_backward -> foreach_reduce_scatter_copy_out: `sharded_param.grad = new_sharded_grad` while
+    .grad is None; torchtitan's zero_grad keeps them from then on: trainer.py
+    zero_grad(set_to_none=training.disable_cuda_graphs), False unless set)."""
+    optim: int  # the rank's optimizer-state bytes
+    grads: int  # its sharded grads' bytes
+
+    def grads_done(self, units: int, layers: int, sh) -> int:
+        """The grads of the first `units` units backward has reduced, in backward order: lm_head
+        (its reduce-scatter at the loss's last chunk), the final norm, then the blocks last first;
+        each unit's share of the rank's grads is its padded full numel's."""
+        fulls = [sh.lm_full, sh.norm_full] + [sh.layer_full] * layers
+        total = sum(fulls) + sh.emb_full
+        return self.grads * sum(fulls[:units]) // total
+
+    def peak(self, seen: list, layers: int, sh, resident: int) -> Peak:
+        """Step 0's peak over the backward moments seen ((moment, units reduced before it)); resident:
+        the rank's state bytes."""
+        return first_step_peak([(pk, self.optim + self.grads - self.grads_done(done, layers, sh)) for pk, done in seen],
+                               resident, "resident/state")
+
+
+def first_step_peak(seen: list, state: int, state_key: str) -> Peak:
+    """Step 0's peak: each moment less what it holds in a steady step that step 0 has not made yet
+    (seen: (moment, those bytes); FirstStep), or, where all of them are below it, the state the first
+    optimizer step completes (its temporaries not modelled: a lower bound). state: the rank's state
+    bytes once that step is done; state_key: the moments' detail line the absent bytes come off."""
+    pk, absent = max(seen, key=lambda m: m[0].bytes - m[1])  # the first on ties
+    if pk.bytes - absent < state:
+        return Peak.of({"resident": state, "activations": 0, "gathered": 0, "temporary": 0, "unnamed": 0},
+                       "optimizer", "the state made by the first optimizer step (its temporaries not modelled)",
+                       detail={state_key: state})
+    d = dict(pk.detail)
+    d[state_key] -= absent
+    return Peak.of({**pk.parts, "resident": pk.parts["resident"] - absent}, pk.phase, f"{pk.what}, first step",
+                   detail=d)
 
 
 def rs_temporary(rules: Rules, ds: int, rs_in: int) -> int:

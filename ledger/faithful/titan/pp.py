@@ -124,7 +124,7 @@ def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, 1)]
             return pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
-                           **({"rules": rules} if rules is not None else {}))
+                           **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
 
         st.peak = peak
         return st

@@ -30,17 +30,30 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, rs_temporary, saved_per_layer
+from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.placement import Peak
 
 
+# the moments' detail line of the rank's params, optimizer state and other state
+_STATE = "resident/state (params, optim, other)"
+
+
 def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none", rules: Rules = RULES[CPU_GLOO]) -> Peak:
-    """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties)."""
-    return max(pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules),
-               key=lambda p: p.bytes)
+            emb_numel: int, block_numel: int, head_numel: int, ac: str = "none", rules: Rules = RULES[CPU_GLOO],
+            optim: int | None = None) -> Peak:
+    """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties).
+    optim: the rank's optimizer-state bytes, for the first step's peak (`first`): its moments hold no
+    AdamW state before the first optimizer step (peak.FirstStep), and their grads as in any step
+    (zero_grad(set_to_none=True) with PP: none but the units already reduced)."""
+    cands = pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules)
+    best = max(cands, key=lambda p: p.bytes)
+    if optim is not None:
+        first = first_step_peak([(c, optim) for c in cands], kept + grads, _STATE)
+        if first.bytes != best.bytes:
+            best.first = first
+    return best
 
 
 def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
@@ -148,7 +161,7 @@ class _Stage:
         every unit unsharded, g: [norm, lm_head]'s grads (the last stage), acc: the fp32 accumulators,
         gathered: P2P buffers and held sends (the last stage: lm_head's reduce-scatter input held too)."""
         kept, unsharded = self.kept, self.unsharded
-        d = {"resident/state (params, optim, other)": kept, "resident/unsharded params (every unit)": unsharded,
+        d = {_STATE: kept, "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads": acc, f"activations/{saved_label}": saved,
              f"temporary/{work_label}": work, "gathered/p2p buffers and held sends": gathered}
         if g:
@@ -209,7 +222,7 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
         p2p = c.recv + ((not c.last) + (not c.first)) * act
         last_out = act if c.last else 0  # the last micro-batch's final-norm output (the stage's output)
         copy = rs_temporary(c.rules, c.ds, full * F32)
-        d = {"resident/state (params, optim, other)": kept, "resident/grads (units reduced, lm_head synced)": g,
+        d = {_STATE: kept, "resident/grads (units reduced, lm_head synced)": g,
              "resident/unsharded params (units after)": unsharded_after,
              "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
              "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
@@ -297,7 +310,7 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
     wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + x.copies[1]
     acc = x.acc_blocks + c.held(Vh)  # lm_head is [norm, lm_head]'s last param
     copy = rs_temporary(c.rules, c.ds, rs * F32)
-    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+    d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc,
          f"activations/{c.Ls} blocks and the final norm": saved,
@@ -323,7 +336,7 @@ def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     g_before = x.g - x.rs // c.ds * F32
     ce = 3 * chunk * (Vh // h) * F32
     wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + x.copies[1]
-    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
+    d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
          f"activations/{c.Ls} blocks, the final norm, chunk copies": x.saved,
@@ -343,7 +356,7 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     without PP, is the stage's output, which pipelining keeps."""
     T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g, x.rs
     work = 5 * T * h * F32 + h * BF16
-    d = {"resident/state (params, optim, other)": kept, "resident/grads ([norm, lm_head]'s outputs)": g,
+    d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
          f"activations/{c.Ls} blocks, the final norm's {'bf16 input, rstd' if c.rules.fused_rms_norm else 'fp32 input'} "
