@@ -37,10 +37,13 @@ def off(df: pd.DataFrame) -> pd.Series:
     under some thread timing; where no worker thread held a storage at the peak it is one value."""
     peak = df.quantity.map(is_peak) if len(df) else pd.Series([], dtype=bool)
     total = df.quantity == "peak_bytes"
-    # a collective whose sizes follow data (an MoE router's all-to-all) carries its predicted range
+    # a collective whose sizes follow data (an MoE router's all-to-all) carries its predicted range,
+    # and so does a peak that follows them (judged inside its range, each end held to PEAK_REL_TOL)
     routed = df["bound_low"].notna() if "bound_low" in df else pd.Series(False, index=df.index)
-    outside = routed & ((df.measured < df.get("bound_low", 0)) | (df.measured > df.get("bound_high", 0)))
-    return (~peak & ~routed & (df.abs_err != 0)) | outside | (total & (peak_gap(df).abs() > PEAK_REL_TOL))
+    slack = total.astype(float) * PEAK_REL_TOL
+    outside = routed & ((df.measured < df.get("bound_low", 0) * (1 - slack))
+                        | (df.measured > df.get("bound_high", 0) * (1 + slack)))
+    return (~peak & ~routed & (df.abs_err != 0)) | outside | (total & ~routed & (peak_gap(df).abs() > PEAK_REL_TOL))
 
 
 def peak_gap(df: pd.DataFrame) -> pd.Series:
@@ -56,8 +59,9 @@ def peak_gap(df: pd.DataFrame) -> pd.Series:
 COLUMNS = ["job", "framework", "layout", "rank", "step", "phase", "quantity", "predicted", "measured",
            "abs_err", "rel_err", "race_bytes", "bound_low", "bound_high"]
 # bound_low / bound_high: the predicted range of a collective's buffer bytes whose sizes follow data
-# (Comm.buffer_range: an MoE router's all-to-all without capacity padding); the row agrees when the
-# measurement is inside it, `predicted` being the balanced case. Empty on every other row (exact)
+# (Comm.buffer_range: an MoE router's all-to-all without capacity padding), or of a peak's bytes that
+# follow them (Peak.bound); the row agrees when the measurement is inside it, `predicted` being the
+# balanced case. Empty on every other row (exact)
 
 
 def _comm_totals(comm: list[dict]) -> dict[str, int]:
@@ -119,6 +123,8 @@ def _peak_rows(p: dict, st: dict) -> list[dict]:
         pk = pk["first"]
     out = [{"quantity": "peak_bytes", "predicted": pk["bytes"], "measured": mk["peak_bytes"],
             "race_bytes": mk["peak_bytes"] - mk.get("prompt_peak_bytes", mk["peak_bytes"])}]
+    if pk.get("bound"):  # a peak whose bytes follow the router (Peak.bound)
+        out[0]["bound_low"], out[0]["bound_high"] = pk["bound"]
     meas = measured_peak_parts(mk)
     for part in sorted(pk.get("parts") or {}):
         out.append({"quantity": f"peak/{part}_bytes", "predicted": pk["parts"][part], "measured": meas.get(part, 0)})

@@ -27,8 +27,8 @@ import records
 from ledger import frameworks
 from ledger.model import PRESETS, ModelShape
 from ledger.units import fmt
-from ledger.plan import (FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED_ROWS, RESIDENT_ONLY, recompute_mode, Hardware, Plan, Row, Space,
-                         search)
+from ledger.plan import (BOUND_NOTE, FRAMEWORK_NAMES, PEAK_INCLUDES, RECOMPUTE_NOTE, REFUSED_ROWS, RESIDENT_ONLY,
+                         recompute_mode, Hardware, Plan, Row, Space, search)
 
 EST_NOTE = ("est_step_s of a fitting row is the step-time model's (ledger/timing: the ops on the hardware.* profile, "
             "its collectives, the simulated schedule; docs/steptime.md), never a measurement (MoE layers with routing balanced); rows that do "
@@ -114,6 +114,8 @@ def run_plan(cfg, job_dir: str) -> dict:
         files["plot_error"] = f"{type(e).__name__}: {e}"
     notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`)",
              RECOMPUTE_NOTE, EST_NOTE]
+    if any(st.get("peak_bound") for r in rows for st in (r.get("per_stage") or [])):
+        notes.append(BOUND_NOTE)
     if plan.refused_unlisted:
         notes.append(f"plan.json / plan.csv list the first {REFUSED_ROWS:,} refused layouts (and the watched ones); "
                      f"{plan.refused_unlisted:,} more are counted under their reasons above, not listed")

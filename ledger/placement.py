@@ -98,6 +98,9 @@ class Peak:
     # the step as the ledger sees it, in order: [{"label": "mb 0 forward", "phase": "forward",
     # <part>: bytes, ...}, ...] (optional; the report draws it above the measured timeline)
     timeline: list[dict] = field(default_factory=list)
+    # (low, high): the peak's range where its bytes follow data (an MoE router's drop-less dispatch:
+    # no rows and the most rows to this rank's experts), `bytes` being the balanced case; None: exact
+    bound: Optional[tuple[int, int]] = None
 
     def __post_init__(self):
         unknown = set(self.parts) - set(PEAK_PARTS)
@@ -118,6 +121,8 @@ class Peak:
             d["first"] = self.first.to_dict()
         if self.timeline:
             d["timeline"] = [dict(p) for p in self.timeline]
+        if self.bound is not None:
+            d["bound"] = list(self.bound)
         return d
 
 

@@ -38,6 +38,8 @@ RECOMPUTE_NOTE = ("recompute: enumerated as each framework names it (Megatron re
                   "it lowers the peak's activations, and the step-time estimate charges its forward FLOPs again "
                   "(recompute_flops)")
 RECOMPUTE = ("none", "selective", "full")
+BOUND_NOTE = ("MoE rows: the peak with routing balanced (every expert T*topk/E rows); per_stage's peak_bound in "
+              "plan.json is its range from the fewest to the most rows routed to one rank's experts")
 
 
 def recompute_mode(framework: str, knobs) -> str:
@@ -442,6 +444,8 @@ def _rank_of(pl, state) -> int:
 def _stage_row(st: int, rank: int, s) -> dict:
     pk = s.peak
     return {"stage": st, "rank": rank, "peak_bytes": peak_of(s), "peak_modelled": pk is not None,
+            # an MoE peak's range over the routing (Peak.bound), peak_bytes being the balanced case
+            "peak_bound": list(pk.bound) if pk is not None and pk.bound is not None else None,
             "peak_parts": dict(pk.parts) if pk is not None else None, "peak_phase": pk.phase if pk is not None else None,
             "resident_bytes": s.resident_bytes,
             "params": s.params_bytes, "grads": s.grads_bytes, "optim": s.optim_bytes, "other": s.other_bytes}

@@ -229,7 +229,7 @@ def routed_rows_by_ep_group(sweep):
     import records
 
     df = sweep["table"]
-    rt = df[df["bound_low"].notna()]
+    rt = df[df["bound_low"].notna() & ~df.quantity.str.startswith("peak")]
     for rec in sweep["ok"]:
         lay = rec["prediction"]["layout"]
         d = rt[rt.job == records.job_name(rec)]

@@ -263,6 +263,25 @@ def test_moe_rows_say_they_fit_on_their_resident_state_only(tmp_path, capsys):
     assert "yes" in cells and "state only" not in cells and "on their resident state only" not in out
 
 
+def test_megatron_moe_rows_are_judged_on_their_peak_and_carry_its_routed_bound(tmp_path, capsys):
+    """Megatron's MoE peak (moe_activations): Mixtral's rows fit or not on the predicted peak with routing
+    balanced, each stage's range over the routing in plan.json (peak_bound), and the note says so."""
+    from ledger.plan import BOUND_NOTE, PEAK_INCLUDES
+
+    rec, rows = _plan_job(tmp_path, "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
+                          "framework=megatron")
+    out = capsys.readouterr().out
+    judged = [r for r in rows if r["status"] in ("fits", "too_big")]
+    assert judged and any(r["fits"] for r in judged)
+    assert all(r["peak_includes"] == PEAK_INCLUDES for r in judged)
+    for r in judged:
+        for st in r["per_stage"]:
+            low, high = st["peak_bound"]
+            # with ep = 1 every routed row is local: no range
+            assert low <= st["peak_bytes"] <= high and (low < high) == (r["layout"].get("ep", 1) > 1), (r["layout"], st)
+    assert "on their resident state only" not in out and " ".join(BOUND_NOTE.split()[:6]) in " ".join(out.split())
+
+
 def test_llama3_405b_production_layout(tmp_path):
     """TP8 · CP1 · PP16 · DP128 on 16,384 GPUs, seq 8192 (16M tokens per step): in plan.json with its peak
     per stage (126 layers as 7 + 14 x 8 + 7), for each recompute setting: the activations of the 16

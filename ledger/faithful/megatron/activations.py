@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ledger.faithful.megatron.moe_activations import (expert_moments, experts_cat, forward_locals, moe_groups, MoEShape,
+                                                      rows_range)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
 
@@ -100,6 +102,13 @@ class Shape(NamedTuple):
     sp: bool
     e: int
     te: bool
+    # an MoE model's layer (moe_activations.MoEShape; None: dense) and which of this chunk's layers
+    # are MoE layers, in order (empty: none; chunk_shape sets it per chunk)
+    moe: "MoEShape | None" = None
+    kinds: tuple = ()
+
+    def is_moe(self, i: int) -> bool:
+        return bool(self.kinds) and self.kinds[i]
 
     @property
     def sbh(self) -> int:
@@ -111,12 +120,30 @@ class Shape(NamedTuple):
         return self.sbh // (self.tp if self.sp else 1)
 
 
-def shape_of(model: ModelShape, lay: Layout, k) -> Shape:
+def shape_of(model: ModelShape, lay: Layout, k, rows: str = "balanced") -> Shape:
+    """rows: an MoE model's routed rows per rank, "balanced", "low" or "high" (moe_activations.rows_range)."""
     tp = lay.tp
+    e = 2 if k.precision == "bf16" else 4
+    mo = None
+    if model.is_moe:
+        T = model.seq_len * lay.micro_batch_size // (tp if lay.sequence_parallel else 1)
+        mo = MoEShape(model.num_experts, model.num_experts // lay.ep, model.moe_router_topk, lay.etp * lay.ep, lay.ep,
+                      model.expert_ffn // lay.etp, T, model.hidden, e, k.moe_token_dispatcher_type == "allgather",
+                      k.moe_aux_loss_coeff > 0, model.moe_shared_expert_hidden // tp,
+                      model.seq_len * lay.micro_batch_size, 0)
+        balanced, low, high = rows_range(mo)
+        mo = mo.with_rows({"balanced": balanced, "low": low, "high": high}[rows])
     return Shape(model.seq_len, lay.micro_batch_size, model.hidden, model.heads // tp * model.head_dim,
                  model.kv_heads // tp * model.head_dim, model.ffn_hidden // tp, model.heads // tp,
-                 model.vocab // tp, model.head_dim, tp, lay.sequence_parallel,
-                 2 if k.precision == "bf16" else 4, k.transformer_impl == "transformer_engine")
+                 model.vocab // tp, model.head_dim, tp, lay.sequence_parallel, e,
+                 k.transformer_impl == "transformer_engine", mo)
+
+
+def chunk_shape(sh: Shape, model: ModelShape, first_layer: int, layers: int) -> Shape:
+    """sh for one model chunk: which of its layers (global first_layer on) are MoE layers."""
+    if sh.moe is None:
+        return sh
+    return sh._replace(kinds=tuple(model.is_moe_layer(first_layer + i) for i in range(layers)))
 
 
 # -- what autograd saves -------------------------------------------------------------------------
@@ -143,7 +170,7 @@ def te_norm_bytes(sh: Shape) -> int:
     return 2 * sh.e * n + 4 * (n // sh.h)
 
 
-def layer_groups(sh: Shape, rc: Recompute) -> dict[str, int]:
+def layer_groups(sh: Shape, rc: Recompute, moe_layer: bool = False) -> dict[str, int]:
     """Bytes one decoder layer saves for backward per micro-batch, by sub-block in forward order
     (transformer/transformer_layer.py TransformerLayer.forward, local spec gpt_layer_specs.py
     get_gpt_layer_local_spec):
@@ -166,7 +193,8 @@ def layer_groups(sh: Shape, rc: Recompute) -> dict[str, int]:
                      and linear_proj saves the checkpoint's output (the context)
       mlp            transformer/mlp.py MLP.forward (gated, swiglu): linear_fc1's output
                      [s, b, 2 ffn/tp], silu of its first half, the second half (a copy: the glu's
-                     chunk + add), their product (linear_fc2's input), each activation dtype
+                     chunk + add), their product (linear_fc2's input), each activation dtype;
+                     an MoE layer's (moe_layer) instead: moe_activations.moe_groups
     """
     e, s, b = sh.e, sh.s, sh.b
     sb = s * b
@@ -178,7 +206,7 @@ def layer_groups(sh: Shape, rc: Recompute) -> dict[str, int]:
         core = 3 * e * sb * sh.hq + s * s + (4 + e) * b * sh.a * s * s
     if rc.core_attn:
         core = e * sb * sh.hkv + e * sb * (sh.hq + 2 * sh.hkv) + 4 + e * sb * sh.hq
-    mlp = e * sb * 2 * sh.f + 3 * e * sb * sh.f
+    mlp = sum(moe_groups(sh.moe).values()) if moe_layer else e * sb * 2 * sh.f + 3 * e * sb * sh.f
     return {"norm1": n, "rope": rope, "core": core, "norm2": n, "mlp": mlp}
 
 
@@ -207,14 +235,14 @@ def embedding_groups(sh: Shape) -> dict[str, int]:
 
 
 # -- moments of the backward -----------------------------------------------------------------------
-def _layer_moments(sh: Shape, rc: Recompute):
+def _layer_moments(sh: Shape, rc: Recompute, moe_layer: bool = False):
     """(name, saved bytes of the layer still live, temporaries, gathered) at each moment of one
     layer's backward, last sub-block first (tensor_parallel/layers.py
     LinearWithGradAccumulationAndAsyncCommunication.backward: the input grad, then the weight grad
     grad_output^T @ input in the activation dtype, before the DDP hook adds it to main_grad). The
     incoming [s, b, h] grad is live throughout. SP: the column-parallel input is all-gathered again
     for the weight grad and the row-parallel output grad gathered (gathered [s, b, h])."""
-    g = layer_groups(sh, rc)
+    g = layer_groups(sh, rc, moe_layer)
     e, sb, h = sh.e, sh.s * sh.b, sh.h
     total = sum(g.values())
     gin = e * sh.sbh_n  # the incoming grad (the residual stream: the sequence shard with SP)
@@ -224,10 +252,13 @@ def _layer_moments(sh: Shape, rc: Recompute):
     norm_tmp = 0 if sh.te else 16 * sh.sbh_n
     after_mlp = total - g["mlp"]
     after_norm2 = after_mlp - g["norm2"]
-    out = [("fc2", total, gin + e * sb * sh.f + e * h * sh.f, sp_g),
-           ("fc1", after_mlp, gin + e * sb * 2 * sh.f + e * sh.sbh + e * 2 * sh.f * h, sp_g),
-           ("pre_mlp_layernorm", total - g["mlp"], 2 * gin + norm_tmp, 0),
-           ("proj", after_norm2, 2 * gin + e * h * sh.hq, sp_g)]
+    if moe_layer:
+        out = [(name, total, tmp, 0) for name, tmp in expert_moments(sh.moe, gin)]
+    else:
+        out = [("fc2", total, gin + e * sb * sh.f + e * h * sh.f, sp_g),
+               ("fc1", after_mlp, gin + e * sb * 2 * sh.f + e * sh.sbh + e * 2 * sh.f * h, sp_g)]
+    out += [("pre_mlp_layernorm", total - g["mlp"], 2 * gin + norm_tmp, 0),
+            ("proj", after_norm2, 2 * gin + e * h * sh.hq, sp_g)]
     if not sh.te:
         # the score grads: bmm grad of the bf16 probabilities, its fp32 cast, _softmax_backward_data's
         # fp32 output (fused_softmax.py torch path); the context, the bf16 probabilities and the
@@ -276,6 +307,7 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
             ("final_layernorm", hg["final norm"], 2 * e * sh.sbh + (0 if sh.te else 16 * sh.sbh_n), 0))))
     total, moments = _layer_moments(sh, rc)
     if rc.granularity == "full":
+        assert not any(sh.kinds), "recompute with MoE layers is refused (moe.check_moe)"
         n = rc.num_layers
         ck = sh.e * sh.sbh_n
         if rc.method == "uniform":
@@ -310,7 +342,12 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
                 ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h, g) for name, live, t, g in moments]
             units.append(Unit(f"layers {lo}-{hi - 1} (checkpointed)", own, tuple(ms)))
     else:
-        units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(layers))]
+        kinds = {}  # dense / MoE -> (total, moments)
+        for i in reversed(range(layers)):
+            m = sh.is_moe(i)
+            if m not in kinds:
+                kinds[m] = _layer_moments(sh, rc, m)
+            units.append(Unit(f"layer {i}", kinds[m][0], tuple(kinds[m][1])))
     if last and first and model.tied_embeddings:
         # one weight for the embedding and the output layer (pp = 1, share_embeddings_and_output_weights):
         # autograd sums both uses' grads before the param's AccumulateGrad (and the DDP hook,
@@ -363,12 +400,34 @@ def softmax_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple
         return None
     ck = sh.e * sh.sbh_n  # a checkpoint's input; on a stage that receives it, layer 0's is the p2p buffer
     own, tmp = softmax_cast(sh, rc)
-    own += n * ck + (layers - 1 - n) * sum(layer_groups(sh, rc).values())
+    own += n * ck + sum(sum(layer_groups(sh, rc, sh.is_moe(i)).values()) for i in range(n, layers - 1))
     if first:
         own += sum(embedding_groups(sh).values())
     # the last layer's residual (the previous layer's output) and, on the first chunk without a
     # checkpoint around layer 0 (which saves it), GPTModel.forward's decoder_input
     return own, tmp + ck * ((layers > 1) + (first and not n))
+
+
+def moe_forward(sh: Shape, rc: Recompute, layers: int, first: bool) -> tuple[int, int, int] | None:
+    """(this micro-batch's saved bytes in the chunk, temporaries, the layer) at the chunk's last MoE
+    layer's experts' torch.cat in the forward (moe_activations.experts_cat): the layers before it
+    and the embedding hold all their saves, the layer all its own; temporaries the experts' outputs
+    and their cat, the MLP's residual (TransformerLayer.forward: the attention's output added to the
+    layer's input), the layer's input itself (TransformerBlock.forward's hidden_states, the previous
+    layer's output; on a later stage layer 0's is the received p2p buffer), on the first chunk
+    GPTModel.forward's decoder_input (layer 0's input), each [s, b, h] (the sequence shard with SP),
+    and MoELayer.forward's locals (moe_activations.forward_locals). None without an MoE layer, or
+    with recompute (refused with MoE). Measured on the CPU (tp2·ep2·etp2, s = 512, the ranks whose
+    experts got the most rows peak here) within 0.01% at the rows the run routed."""
+    last = max((i for i in range(layers) if sh.is_moe(i)), default=None)
+    if last is None or rc.granularity is not None:
+        return None
+    own = sum(sum(layer_groups(sh, rc, sh.is_moe(i)).values()) for i in range(last + 1))
+    if first:
+        own += sum(embedding_groups(sh).values())
+    x = sh.e * sh.sbh_n
+    residuals = x * (1 + (last > 0) + first)
+    return own, experts_cat(sh.moe) + residuals + forward_locals(sh.moe), last
 
 
 def softmax_cast(sh: Shape, rc: Recompute) -> tuple[int, int]:

@@ -64,9 +64,13 @@ ever sums those grads: the replicas drift apart. Megatron-LM's --expert-tensor-p
 to tp for this reason (training/arguments.py); the ledger predicts ep = 1 with etp = tp and refuses
 to run (or write a run.sh for) any other etp there.
 
+The peak within a step: the dense rules (ledger.faithful.megatron.peak) with the MoE layers' saves of
+ledger.faithful.megatron.moe_activations at balanced routing and its bound (moe_stage_peak), the two
+optimizers' transients (moe_optimizer_moments); not with capacity padding, the router in fp32 or the
+sequence aux loss (peak_modelled: no peak row).
+
 Not modelled (refused, naming the knob): etp > 1 with the alltoall dispatcher, interleaving (vp > 1),
-recompute, fp32, overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine), the peak
-within a step.
+recompute, fp32, overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine).
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
 from __future__ import annotations
@@ -78,16 +82,21 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.faithful.megatron import target as megatron_target
-from ledger.faithful.megatron.buffers import buffer_bytes, build_buffer, effective_bucket_size, owned_sizes
+from ledger.faithful.megatron.buffers import (buffer_bytes, buffer_layout, build_buffer, effective_bucket_size, owned_sizes,
+                                              shard_ranges)
 from ledger.faithful.megatron.comm import micro_batch_comm
 from ledger.faithful.megatron.knobs import dtypes, knobs
-from ledger.faithful.megatron.pipeline import padded_shape, pieces, stage_layers
+from ledger.faithful.megatron.pipeline import layer_range, padded_shape, pieces
+from ledger.faithful.megatron.moe_activations import held, MoEShape
+from ledger.faithful.megatron.activations import shape_of
+from ledger.faithful.megatron.peak import adam_denominators, stage_peak
 from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
+from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
 from ledger.placement import CommBuilder, Placement, RankState
-from ledger.optim import add_adamw
+from ledger.optim import add_adamw, adamw_bytes
 
 # the expert groups' labels, as launchers/megatron.py expert_group_labels names them to the comm probe
 # (parallel_state's expert grid "tp-ep-dp-pp" with tp = etp): EP, expert TP, the two together (what the
@@ -96,7 +105,13 @@ EXPERT_DIMS = ("ep", "etp", "etp-ep", "etp-ep-pp", "edp")
 
 MOE_NOTE = ("MoE (ledger/faithful/megatron/moe.py): routed experts in DDP's expert_parallel_buffers over the expert "
             "data parallel group, a second optimizer over them (ChainedOptimizer; distributed optimizers all-gather "
-            "every param twice per step); the peak within a step is not modelled for MoE (no peak row)")
+            "every param twice per step)")
+MOE_PEAK_NOTE = ("MoE peak (moe_activations.py): the MoE layers' saves at balanced routing (every expert T*topk/E rows), "
+                 "bounded from the fewest to the most rows routed to this rank's experts (Peak.bound); the dispatchers' "
+                 "routing kept between forwards is temporary; the experts' backward moments are from sources (no CPU job "
+                 "peaks there); measured on the CPU (s = 512) inside the bound and within 0.01% at the rows the run routed")
+NO_PEAK_NOTE = ("MoE: the peak within a step is not modelled with capacity padding, the router in fp32 or the sequence "
+                "aux loss (no peak row; moe_activations.py)")
 ROUTED_NOTE = ("alltoall without capacity padding: the all-to-all bytes on the experts' side follow the router; "
                "predicted balanced (T*topk rows), bounded by buffer_range; exact over an EP group")
 
@@ -212,18 +227,11 @@ def _moe_layer(model: ModelShape, tp: int, ep: int, etp: int) -> tuple[tuple, tu
     return dense, tuple(expert), after
 
 
-def _layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
-    """The global indexes of a stage's decoder layers (one chunk: vp is refused): the MoE pattern
-    (moe_layer_freq) is over global layers."""
-    first = sum(stage_layers(model.layers, pp, 1, s, 0, split) for s in range(stage))
-    return range(first, first + stage_layers(model.layers, pp, 1, stage, 0, split))
-
-
 def stage_params(model: ModelShape, tp: int, pp: int, ep: int, etp: int, stage: int, split: tuple) -> tuple[list, list]:
     """(dense, expert) (name, local numel) lists of one pipeline stage, GPTModel order, its layers
     global index offset by the stages before it (the MoE pattern is over global layers)."""
     emb, layer, head = pieces(model, tp)
-    layers = _layer_range(model, pp, stage, split)
+    layers = layer_range(model, pp, stage, split)
     first = layers.start
     dense = list(emb) if stage == 0 else []
     expert = []
@@ -264,7 +272,7 @@ def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
     emb, layer, head = pieces(model, lay.tp)
     moe_layer = sum(_moe_layer(model, lay.tp, 1, lay.etp), ())
     out = list(emb) if stage == 0 else []
-    for i in _layer_range(model, lay.pp, stage, k.pp_split):
+    for i in layer_range(model, lay.pp, stage, k.pp_split):
         out += list(moe_layer) if model.is_moe_layer(i) else list(layer)
     return out + (list(head) if stage == lay.pp - 1 else [])
 
@@ -276,7 +284,7 @@ def tokens(model: ModelShape, lay: Layout) -> int:
 
 
 def _moe_layers_of(model: ModelShape, lay: Layout, k, stage: int) -> int:
-    return sum(model.is_moe_layer(i) for i in _layer_range(model, lay.pp, stage, k.pp_split))
+    return sum(model.is_moe_layer(i) for i in layer_range(model, lay.pp, stage, k.pp_split))
 
 
 def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
@@ -321,7 +329,63 @@ def rank_state(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_
     if mpu:
         s.add("other_bytes", "global memory buffer (mpu)", (2 if bf16 else 4) * mpu)
     s.comm_fn = lambda: _comm(model, lay, k, stage)
+    if peak_modelled(model, k):
+        adam = adamw_bytes(s.detail)
+        s.peak = lambda: moe_stage_peak(model, lay, k, stage, dp_rank, edp_rank, s.totals(), adam)
     return s
+
+
+# -- the peak --------------------------------------------------------------------------------------
+def peak_modelled(model: ModelShape, k) -> bool:
+    """Where moe_activations models the MoE layer's saves (its docstring): drop-less routing, the router
+    in the activation dtype, the aux loss of aux_loss (or none)."""
+    return (model.moe_router_dtype is None and k.moe_expert_capacity_factor is None
+            and (k.moe_aux_loss_coeff == 0 or k.moe_router_load_balancing_type == "aux_loss"))
+
+
+def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_rank: int, resident: dict,
+                   adam_state: int):
+    """The rank's peak (peak.stage_peak) with its MoE layers' saves at the balanced rows, bounded by the
+    same at no rows and at the most rows to this rank's experts (moe_activations.rows_range; Peak.bound),
+    with the two optimizers' moments (moe_optimizer_moments)."""
+    opt = moe_optimizer_moments(model, lay, k, stage, dp_rank, edp_rank)
+    n_moe = _moe_layers_of(model, lay, k, stage)
+
+    def at(rows: str):
+        mo = shape_of(model, lay, k, rows).moe
+        return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo))
+
+    pk, low, high = at("balanced"), at("low"), at("high")
+    pk.bound = (low.bytes, high.bytes)
+    if pk.first is not None:
+        pk.first.bound = ((low.first or low).bytes, (high.first or high).bytes)
+    return pk
+
+
+@lru_cache(maxsize=256)
+def moe_optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, edp_rank: int) -> tuple:
+    """peak.optimizer_moments for the ChainedOptimizer of an MoE model (optimizer/__init__.py: one
+    optimizer over the dense buffer's params, one over the experts'): the grad sync's gloo copy of the
+    largest bucket of either buffer (distributed optimizer), and the largest single-tensor AdamW
+    transient of either optimizer (peak.adam_denominators over each one's param groups)."""
+    if fused_optimizer_in_place(k):
+        return (0, ""), (0, "")
+    dist = k.use_distributed_optimizer
+    _pdt, _gdt, _pb, gb = dtypes(k)
+    bucket = effective_bucket_size(k, lay.dp, stage)
+    dense, expert = _dense_and_expert(model, lay, k, stage)
+    sync, adam = (0, ""), (0, "")
+    for params, group, rank in ((dense, lay.dp, dp_rank), (expert, lay.edp, edp_rank)):
+        if not params:
+            continue
+        buckets = buffer_layout(params, bucket, group, dist)
+        if dist:
+            sync = max(sync, max((gb * b.numel, "grad bucket reduce-scatter (gloo copy)") for b in buckets))
+            shards = shard_ranges(buckets, group, rank)
+        else:
+            shards = params
+        adam = max(adam, adam_denominators(shards))
+    return sync, adam
 
 
 def _comm(model: ModelShape, lay: Layout, k, stage: int):
@@ -437,7 +501,7 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
     check_interleaving(lay)
     check_moe(model, lay, k)
     check_moe_knobs(k)
-    notes = list(NOTES[k.transformer_impl]) + [MOE_NOTE]
+    notes = list(NOTES[k.transformer_impl]) + [MOE_NOTE, MOE_PEAK_NOTE if peak_modelled(model, k) else NO_PEAK_NOTE]
     if etp_error(model, lay):
         # as for SP below: the layout Megatron-LM trains by default (etp = tp), said so
         notes.insert(0, f"layout.etp={lay.etp} at ep=1 with tp={lay.tp}: the TP ranks' expert replicas would drift apart "

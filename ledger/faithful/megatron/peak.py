@@ -36,10 +36,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ledger.faithful.megatron.activations import (chunk_saved, chunk_units, received_in_p2p, Recompute, recompute_of,
-                                                  RECOMPUTED_CAST, Shape, shape_of, softmax_forward)
+from ledger.faithful.megatron.activations import (chunk_saved, chunk_shape, chunk_units, moe_forward, received_in_p2p,
+                                                  Recompute, recompute_of, RECOMPUTED_CAST, Shape, shape_of,
+                                                  softmax_forward)
 from ledger.faithful.megatron.buffers import buffer_layout, effective_bucket_size, shard_ranges, shared
-from ledger.faithful.megatron.pipeline import stage_params, stage_shape
+from ledger.faithful.megatron.pipeline import layer_range, stage_params, stage_shape
 from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.layout import Layout
 from ledger.model import ModelShape
@@ -66,6 +67,9 @@ PEAK_NOTES = {
                            "gradient-accumulation fusion (weight grads straight into main_grad) and workspaces are not "
                            "modelled: the local spec's other moments stand for them (no CPU run confirms TE)"),
 }
+
+# the detail line of what an MoE model's token dispatchers keep between forwards (counted as temporary)
+HELD = "temporary/MoE token dispatchers' routing, kept until each layer's next forward"
 
 # the moments (by their name's end) of a chunk's first backward unit whose incoming grad is the received
 # output grad itself (gathered), not a new tensor: the last layer's fc2 and fc1, and under full recompute
@@ -123,13 +127,16 @@ def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: 
     forward's own (softmax_forward) and the p2p tensors of that moment (_forward_gathered)."""
     n, first, last = stage_shape
     sf = softmax_forward(sh, rc, n, first)
-    if sf is None:
-        return []
+    mf = moe_forward(sh, rc, n, first)
     out = []
     for kk in forwards:
         gat, stale = _forward_gathered(kk, w, first, last, e_p, per_live, received_in_p2p(first, rc))
-        out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1], gat, "forward",
-                          f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+        if sf is not None:
+            out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1], gat, "forward",
+                              f"layer {n - 1}: softmax cast (micro-batch {kk})"))
+        if mf is not None:
+            out.append(moment((kk - max(0, kk - w)) * saved, mf[0] + stale, mf[1], gat, "forward",
+                              f"layer {mf[2]}: the experts' outputs cat (micro-batch {kk})"))
     return out
 
 
@@ -238,7 +245,7 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
         return (0, ""), (0, "")
     dist = k.use_distributed_optimizer
     gb = 4 if (k.grad_reduce_in_fp32 or k.precision != "bf16") else 2
-    sync, groups = (0, ""), {False: [], True: []}
+    sync, shards = (0, ""), []
     for ch in range(lay.vp):
         params, buckets = _chunk_params(model, lay, k, stage, ch)
         if dist and lay.dp >= 1:
@@ -247,30 +254,40 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
             else:
                 sync = max(sync, max((gb * b.numel, "grad bucket reduce-scatter (gloo copy)") for b in buckets))
             for b in buckets:
-                for name, kk in shard_ranges([b], lay.dp, dp_rank):
-                    groups[_no_wd(name)].append(4 * kk)
+                shards += shard_ranges([b], lay.dp, dp_rank)
         else:
-            for name, kk in params:
-                groups[_no_wd(name)].append(4 * kk)
+            shards += params
+    if not dist:
+        sync = (0, "")
+    return sync, adam_denominators(shards)
+
+
+def adam_denominators(shards: list[tuple[str, int]]) -> tuple[int, str]:
+    """The largest single-tensor AdamW transient over one optimizer's fp32 params (name, elements) in its
+    order (optimizer_moments): per param group (weight decay first, then the norms: _no_wd) param i
+    holds the previous one's denominator and two of its own."""
+    groups = {False: [], True: []}
+    for name, kk in shards:
+        groups[_no_wd(name)].append(4 * kk)
     best = (0, "")
     for g in (False, True):
         d = groups[g]
         for i, x in enumerate(d):
             best = max(best, ((d[i - 1] if i else 0) + 2 * x, "Adam denominators (fp32 sqrt / div)"))
-    if not dist:
-        sync = (0, "")
-    return sync, best
+    return best
 
 
 # -- the peak --------------------------------------------------------------------------------------
-def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -> list[tuple]:
+def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, rows: str = "balanced",
+                  optimizer: tuple | None = None) -> list[tuple]:
     """Every moment of a steady step the peak is looked for at, each (bytes over the resident state,
     parts, phase, what): the backward moments of every micro-batch of the schedule (each unit's
     moments with the other in-flight micro-batches' saved bytes), the cross-entropy forward, then
-    the grad sync and Adam's step (optimizer_moments), these two last."""
-    moments = list(_step_moments_fast(model, lay, k, stage))
+    the grad sync and Adam's step (optimizer_moments, or `optimizer`: an MoE model's, moe.py), these
+    two last. rows: an MoE model's routed rows (shape_of)."""
+    moments = list(_step_moments_fast(model, lay, k, stage, rows))
     e_p = moments.pop()
-    (sync_b, sync_w), (adam_b, adam_w) = optimizer_moments(model, lay, k, stage, dp_rank)
+    (sync_b, sync_w), (adam_b, adam_w) = optimizer or optimizer_moments(model, lay, k, stage, dp_rank)
     # finalize_model_grads runs after the last backward, inside the schedule function: the probe's
     # phase "optimizer"; the schedule still holds the last micro-batch's p2p tensors (its received
     # input or output grad, and the one it sent)
@@ -280,18 +297,25 @@ def stage_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int) -
     return moments
 
 
+def _chunk_sh(sh: Shape, model: ModelShape, lay: Layout, k, stage: int, layers: int) -> Shape:
+    """sh with the chunk's MoE layers marked (an MoE model has one chunk a stage: vp > 1 is refused)."""
+    if sh.moe is None:
+        return sh
+    return chunk_shape(sh, model, layer_range(model, lay.pp, stage, k.pp_split).start, layers)
+
+
 @lru_cache(maxsize=1024)
-def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
+def _step_moments(model: ModelShape, lay: Layout, k, stage: int, rows: str = "balanced") -> tuple:
     """stage_moments' forward and backward moments (the same on every DP rank of a stage: cached), and
-    last the bytes of one p2p tensor."""
+    last the bytes of one p2p tensor. rows: an MoE model's routed rows (shape_of)."""
     rc = recompute_of(k)
-    sh = shape_of(model, lay, k)
+    sh = shape_of(model, lay, k, rows)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))  # one p2p tensor ([s/tp, b, h] with SP)
     chunks, shapes = [], []
     for ch in range(lay.vp):
         shapes.append(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
         n, first, last = shapes[-1]
-        chunks.append((chunk_units(sh, rc, n, first, last, model), first, last))
+        chunks.append((chunk_units(_chunk_sh(sh, model, lay, k, stage, n), rc, n, first, last, model), first, last))
     saved = [chunk_saved(u) for u, _, _ in chunks]
     w, fwd, bwd = schedule(lay.pp, lay.vp, stage, lay.num_microbatches)
     moments = []  # moment(): (extra bytes over resident, parts without resident, phase, what, detail)
@@ -340,7 +364,8 @@ def _step_moments(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
                 t = tmp - recv if name.endswith(INCOMING_IS_RECEIVED) else tmp
                 add(others, rest + own, t, g_base + gat, "backward", f"{u.name}: {name} (micro-batch {j})")
     if lay.vp == 1:  # each forward's softmax moment (softmax_forward), after the backward moments
-        moments += _softmax_moments(sh, rc, shapes[0], range(len(fwd)), w, saved[0], p2p([0]), e_p)
+        moments += _softmax_moments(_chunk_sh(sh, model, lay, k, stage, shapes[0][0]), rc, shapes[0], range(len(fwd)),
+                                    w, saved[0], p2p([0]), e_p)
     else:
         moments += _interleaved_softmax_moments(sh, rc, shapes, fwd, bwd, w, saved, [p2p([c]) for c in range(lay.vp)],
                                                 e_p, lay.pp)
@@ -367,7 +392,7 @@ def _chunk_top(sh, rc, layers: int, first: bool, last: bool, model: ModelShape, 
 
 
 @lru_cache(maxsize=1024)
-def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
+def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int, rows: str = "balanced") -> tuple:
     """_step_moments (the readable reference, kept beside it) reduced to what a peak needs: the
     reference's first forward moment with the most bytes and its first backward moment with the most
     bytes, in the reference's order, so max() of either list is the same moment (and so is the
@@ -377,14 +402,14 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
     O(micro-batches + layers) instead of the reference's O(micro-batches x (micro-batches + layers)).
     tests/test_megatron_peak.py checks the two agree."""
     rc = recompute_of(k)
-    sh = shape_of(model, lay, k)
+    sh = shape_of(model, lay, k, rows)
     e_p = sh.e * (sh.sbh // (sh.tp if sh.sp else 1))
     chunks, shapes, saved, best = [], [], [], []
     for ch in range(lay.vp):
         shapes.append(stage_shape(model, lay.pp, stage, lay.vp, ch, k.pp_split))
         n, first, last = shapes[-1]
         chunks.append((first, last))
-        sv, top = _chunk_top(sh, rc, n, first, last, model, e_p)
+        sv, top = _chunk_top(_chunk_sh(sh, model, lay, k, stage, n), rc, n, first, last, model, e_p)
         saved.append(sv)
         best.append(top)
     pw = [(e_p if received_in_p2p(first, rc) else 0) + (0 if last else e_p)
@@ -439,7 +464,8 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
         # previous iteration's p2p locals): the first of each, in its order
         total = len(fwd)
         ks = sorted({min(w, total - 1), *([w + 1] if w + 1 < total else [])})
-        softmax = _softmax_moments(sh, rc, shapes[0], ks, w, saved[0], pw[0], e_p)
+        softmax = _softmax_moments(_chunk_sh(sh, model, lay, k, stage, shapes[0][0]), rc, shapes[0], ks, w, saved[0],
+                                   pw[0], e_p)
     else:
         softmax = _interleaved_softmax_moments(sh, rc, shapes, fwd, bwd, w, saved, pw, e_p, lay.pp)
     # a softmax moment is kept where it is larger than the forward moment kept so far
@@ -452,18 +478,21 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int) -> tuple:
 
 
 def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: dict,
-               adam_state: int) -> Peak:
+               adam_state: int, rows: str = "balanced", optimizer: tuple | None = None, held: int = 0) -> Peak:
     """The rank's peak in a steady step: its largest moment (stage_moments). `first`: the first
     step's, where Adam's exp_avg / exp_avg_sq / step (adam_state bytes) do not exist before its
     optimizer step (torch/optim/adam.py _init_group makes them param by param: bounded by the steady
-    Adam moment). resident: the rank's states by name (RankState.totals), the detail's resident lines."""
-    moments = stage_moments(model, lay, k, stage, dp_rank)
+    Adam moment). resident: the rank's states by name (RankState.totals), the detail's resident lines.
+    An MoE model's (moe.py moe_stage_peak): rows, its optimizer moments, and held: what its token
+    dispatchers keep from one forward to the next, live at every moment (moe_activations.held)."""
+    moments = stage_moments(model, lay, k, stage, dp_rank, rows, optimizer)
     adam_b, adam_w = moments[-1][0], moments[-1][3]
     res = sum(resident.values())
     res_detail = {f"resident/{name}": b for name, b in resident.items() if b}
-    top = max(moments, key=lambda m: m[0])
+    top = max(moments, key=lambda m: m[0])  # held is live at every moment: it moves none
     _x, parts, phase, what, _ = top
-    steady = Peak.of({"resident": res, **parts, "unnamed": 0}, phase, what, detail={**res_detail, **moment_detail(top)})
+    steady = _with_held(Peak.of({"resident": res, **parts, "unnamed": 0}, phase, what,
+                                detail={**res_detail, **moment_detail(top)}), held)
     # the first step: without Adam's state until the optimizer step
     fb = max(moments[:-1], key=lambda m: m[0])
     if res - adam_state + fb[0] >= res + adam_b:
@@ -475,5 +504,14 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
                         "optimizer",
                         f"{adam_w}, first step (bound)" if adam_b else "the state made by the first optimizer step",
                         detail={**res_detail, **({f"temporary/{adam_w}": adam_b} if adam_b else {})})
+    first = _with_held(first, held)
     return Peak.of(steady.parts, steady.phase, steady.what, detail=steady.detail,
                    first=None if first.bytes == steady.bytes else first)
+
+
+def _with_held(pk: Peak, held: int) -> Peak:
+    """pk with an MoE model's dispatcher-held bytes (stage_peak's held) in its temporary part."""
+    if not held:
+        return pk
+    return Peak.of({**pk.parts, "temporary": pk.parts["temporary"] + held}, pk.phase, pk.what,
+                   detail={**pk.detail, HELD: held})

@@ -153,6 +153,13 @@ def stage_layers(layers: int, pp: int, vp: int, stage: int, chunk: int, split: t
     return n
 
 
+def layer_range(model: ModelShape, pp: int, stage: int, split: tuple) -> range:
+    """The global indexes of a stage's decoder layers (one chunk, vp = 1): an MoE model's pattern
+    (moe_layer_freq) is over global layers."""
+    first = sum(stage_layers(model.layers, pp, 1, s, 0, split) for s in range(stage))
+    return range(first, first + stage_layers(model.layers, pp, 1, stage, 0, split))
+
+
 def stage_shape(model: ModelShape, pp: int, stage: int, vp: int, chunk: int,
                 split: tuple = EVEN_SPLIT) -> tuple[int, bool, bool]:
     """(layers, holds the embedding, holds the output) of one model chunk of one stage.
