@@ -2,7 +2,8 @@
 (prediction.json step_time, for the target it names) beside the slowest rank's measured step
 (probes/session.py time_s: the step's wall clock on each rank), and the same rank's forward, backward
 and optimizer times (probes/phases.py) beside the prediction's (the critical stage's forwards and
-backwards with their exposed TP / CP collectives, the optimizer's update), with rel_err. Reported, not judged:
+backwards with their exposed TP / CP collectives, the optimizer's update), and per dimension its
+collectives' time and the part waited for (probes/comm_time.py) beside comm_s / exposed_s, with rel_err. Reported, not judged:
 a CPU's step time is noisy and the probes' own work inflates it on the steps they record (measure with
 probe.peak=false and probe.comm_steps=[0], as benchmarks/time_cpu.py does)."""
 from __future__ import annotations
@@ -36,6 +37,26 @@ def rows(rec: dict, skip_steps: int = 1) -> list[dict]:
         out += [{**base, "step": k, "quantity": q, "predicted": p, "measured": m,
                  "rel_err": (p - m) / m if m else None}
                 for q, p, m in measured if p is not None and m is not None]
+        out += _comm_rows(st, s, {**base, "step": k})
+    return out
+
+
+def _comm_rows(st: dict, s: dict, base: dict) -> list[dict]:
+    """Per dimension, the step's collectives' time (issue to completion, summed: time/comm/<dim>_s) and
+    the part the rank waited for (time/exposed/<dim>_s), measured (probes/comm_time.py) beside the
+    prediction's comm_s / exposed_s; `timed` says how many of the dimension's collectives the probe
+    timed (an AsyncCollectiveTensor waited where the probe cannot see is not)."""
+    issued: dict[str, int] = {}
+    for c in s.get("comm") or []:
+        issued[c["dim"]] = issued.get(c["dim"], 0) + c["count"]
+    out = []
+    for dim, t in sorted((s.get("comm_time") or {}).items()):
+        for q, pk, mk in (("comm", "comm_s", "total_s"), ("exposed", "exposed_s", "exposed_s")):
+            p, m = (st.get(pk) or {}).get(dim), t[mk]
+            if p is None:
+                continue
+            out.append({**base, "quantity": f"time/{q}/{dim}_s", "predicted": p, "measured": m,
+                        "rel_err": (p - m) / m if m else None, "timed": f"{t['count']}/{issued.get(dim, 0)}"})
     return out
 
 

@@ -14,12 +14,15 @@ Groups of one rank are ignored (nothing leaves the rank), as the ledger does.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from probes.comm_time import CommClock, PENDING
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +97,27 @@ class _Mode(TorchDispatchMode):
         # reductions) would go unseen; deferring to DTensor lets its inner ops come back here.
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        if is_collective(func):
-            self.probe.observe(func, args, kwargs)
-        return func(*args, **kwargs)
+        if PENDING:
+            PENDING.clear()  # the Works issued before are the caller's now (comm_time.PENDING)
+        after = self.probe.observe(func, args, kwargs) if observed(func, types) else None
+        out = func(*args, **kwargs)
+        if after is not None:
+            after(out)
+        return out
 
 
 _COLLECTIVE: dict = {}  # operator -> whether it is a collective (OpOverload.namespace is a slow property)
+
+try:  # a functional collective's output before its wait (torch.distributed._functional_collectives)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor as _ACT
+except ImportError:
+    _ACT = None
+
+
+def observed(func, types) -> bool:
+    """Whether the comm probe's observe wants an operator: a collective, or an operator on an
+    AsyncCollectiveTensor (whose own dispatch waits for its collective where the mode cannot see it)."""
+    return is_collective(func) or (_ACT is not None and _ACT in types)
 
 
 def is_collective(func) -> bool:
@@ -123,18 +141,52 @@ class CommProbe:
         # group name -> label for groups that a rank set cannot name: a framework's expert groups
         # (Megatron's EP group holds the same ranks as a DP group when ep = dp), given by the launcher
         self.group_labels: dict[str, str] = {}
+        # each collective's time, issue to completion, and the time waited for it (probes/comm_time.py),
+        # while the session records the step's collectives (start_clock / take_time)
+        self.clock = CommClock()
+        self._clocked = False
+
+    def start_clock(self) -> None:
+        self.clock.start()
+        self._clocked = True
+
+    def take_time(self) -> dict:
+        self.clock.stop()
+        self._clocked = False
+        self.errors += self.clock.errors
+        self.clock.errors = []
+        return self.clock.take()
 
     def recording(self):
         """This probe's own dispatch mode. Where the peak probe records the same step, the session
         hands `observe` to the peak probe's mode instead (one Python mode per operator, not two)."""
         return _Mode(self)
 
-    def observe(self, func, args, kwargs) -> None:
-        """Record one collective operator (is_collective(func)), called before it runs."""
+    def observe(self, func, args, kwargs):
+        """Record one collective operator (is_collective(func)), called before it runs; returns what to
+        call with its output once it has run (the clock's), or None."""
+        if not is_collective(func):  # an operator on an AsyncCollectiveTensor (observed)
+            if not self._clocked:
+                return None
+            pending = [a for a in _tensors(list(args) + list(kwargs.values()))
+                       if isinstance(a, _ACT) and not a.completed]
+            if not pending:
+                return None
+            t0 = time.perf_counter()
+            return lambda _out: [self.clock.waited(a.elem, t0) for a in pending]
         try:
-            self._record(func.namespace, func._opname, args, kwargs)
+            dim = self._record(func.namespace, func._opname, args, kwargs)
         except Exception as e:  # a probe never breaks training
             self.errors.append(f"comm probe: {func}: {type(e).__name__}: {e}")
+            return None
+        if not self._clocked:
+            return None
+        t0 = time.perf_counter()
+        if func._opname == "wait_tensor":
+            return lambda _out: self.clock.waited(args[0], t0)
+        if dim is None:
+            return None
+        return lambda out: self.clock.issued(dim, out, t0)
 
     def _group_info(self, pg) -> tuple[str, int]:
         key = pg.group_name
@@ -145,11 +197,12 @@ class CommProbe:
             self._group_cache[key] = (label, len(ranks))
         return self._group_cache[key]
 
-    def _record(self, ns: str, op: str, args, kwargs) -> None:
+    def _record(self, ns: str, op: str, args, kwargs) -> str | None:
+        """Count the collective; its dimension's label, or None where it is not counted."""
         if ns == "c10d":
             kind = _C10D.get(op)
             if kind is None:
-                return
+                return None
             # the dispatcher boxes the ProcessGroup as a ScriptObject; it is the first one
             # in every c10d op's schema (the ReduceOp, when present, comes after it)
             boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
@@ -168,28 +221,28 @@ class CommProbe:
         else:
             kind = _FUNCTIONAL.get(op)
             if kind is None:
-                return
+                return None
             name = next(a for a in reversed(args) if isinstance(a, str))
             pg = dist.distributed_c10d._resolve_process_group(name)
             ts = _tensors(args[0])
             if kind == "all_gather":
                 # functional all-gather takes the local shard: the full buffer is shard * group size
                 label, n = self._group_info(pg)
-                self._add(label, n, kind, ts, scale=n)
-                return
+                return self._add(label, n, kind, ts, scale=n)
         label, n = self._group_info(pg)
-        self._add(label, n, kind, ts)
+        return self._add(label, n, kind, ts)
 
-    def _add(self, label: str, n: int, kind: str, ts, scale: int = 1) -> None:
+    def _add(self, label: str, n: int, kind: str, ts, scale: int = 1) -> str | None:
         if n <= 1:
             self.ignored_single += 1
-            return
+            return None
         if kind == "barrier":
-            return
+            return None
         dtype = _DTYPE.get(ts[0].dtype, str(ts[0].dtype)) if ts else ""
         a = self._acc[(label, kind, dtype)]
         a[0] += 1
         a[1] += _nbytes(ts) * scale
+        return label
 
     def take(self) -> list[dict]:
         out = [{"dim": d, "kind": k, "dtype": t, "count": c, "buffer_bytes": b}

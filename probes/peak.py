@@ -46,7 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ledger.cuda_allocator import CachingAllocator
 from probes import peak_analysis
-from probes.comm import is_collective
+from probes.comm import is_collective, observed
+from probes.comm_time import PENDING
 
 # CUDA's caching allocator hands out blocks in multiples of 512 bytes, at least 512
 # (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, round_size): what allocated_bytes counts
@@ -134,6 +135,8 @@ class _ReferenceMode(TorchDispatchMode):
         for t in types:
             if issubclass(t, dt):
                 return NotImplemented
+        if PENDING:
+            PENDING.clear()  # the Works issued before are the caller's now (comm_time.PENDING)
         tr = self.tracker
         tr.op = func
         ins = _tensors(args, [])
@@ -143,9 +146,11 @@ class _ReferenceMode(TorchDispatchMode):
             kwargs = {}
         self._see_tensors(tr, ins)
         coll = is_collective(func)
-        if coll and self.on_collective is not None:
-            self.on_collective(func, args, kwargs)
+        after = (self.on_collective(func, args, kwargs)
+                 if self.on_collective is not None and (coll or observed(func, types)) else None)
         out = func(*args, **kwargs)
+        if after is not None:
+            after(out)
         outs = _tensors((out,), [])
         self._see_tensors(tr, outs)
         if coll:
@@ -457,7 +462,8 @@ class PeakTracker:
     def recording(self, on_collective=None, reference: bool = False):
         """The step's context: dispatch mode, saved-tensor hook, module hooks. on_collective(func, args,
         kwargs) is called before each collective operator runs (the comm probe's observe, when it
-        records the same step); reference: the readable per-operator path (_ReferenceMode)."""
+        records the same step), and what it returns, if anything, with the operator's output;
+        reference: the readable per-operator path (_ReferenceMode)."""
         import contextlib
 
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook

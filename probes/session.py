@@ -9,7 +9,8 @@
     session.dump()
 
 Every step records its wall time (`time_s`) and its phases (`phases`: forward, backward, optimizer and
-the rest; probes/phases.py). The peak probe (probes/peak.py) runs inside every step: `peak` per step (the most live bytes, where,
+the rest; probes/phases.py); a step whose collectives are recorded, their time per dimension
+(`comm_time`: issue to completion and the time the rank waited for them; probes/comm_time.py). The peak probe (probes/peak.py) runs inside every step: `peak` per step (the most live bytes, where,
 and by category at that moment) and, for one step, the `timeline`. `session.watch(model_chunks)`
 names modules and counts micro-batches.
 
@@ -100,9 +101,16 @@ class ProbeSession:
             mode = self.comm.recording() if records_comm else contextlib.nullcontext()
         if self.phases is not None:
             self.phases.start()
+        if records_comm:
+            self.comm.start_clock()
         t0 = time.perf_counter()
-        with prof as p, mode, peak_ctx:
-            yield rec
+        try:
+            with prof as p, mode, peak_ctx:
+                yield rec
+        except BaseException:
+            if records_comm:
+                self.comm.clock.stop()  # Work.wait as torch has it
+            raise
         if tr is not None:
             tr.end()
             self._peak_open = True
@@ -114,6 +122,8 @@ class ProbeSession:
             rec["phases"] = self.phases.stop(rec["time_s"])
         if self._records_comm(step):
             rec["comm"] = self.comm.take()
+            # each dimension's collectives: issue to completion, and the time waited for them (comm_time.py)
+            rec["comm_time"] = self.comm.take_time()
         if p is not None:
             rec["nccl_kernels"] = self._guard("profiler", _nccl_kernels, p)
         cs = self._guard("cuda stats", cuda_stats)

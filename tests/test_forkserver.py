@@ -22,7 +22,7 @@ from tests.conftest import launch
 # torchtitan job; the matrices compare the peak with the ledger. The live total at the last boundary
 # (`live_bytes`, and `unnamed_bytes` = live - resident) is read while a gloo worker thread may still
 # hold a finished collective's small buffers (a 4-byte free seen landing on either side of it)
-CLOCKS = {"time_s", "phases", "peak", "timeline", "live_bytes", "unnamed_bytes"}
+CLOCKS = {"time_s", "phases", "comm_time", "peak", "timeline", "live_bytes", "unnamed_bytes"}
 
 
 def _measured(rank: dict):

@@ -247,6 +247,20 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
         ph = {r["quantity"]: r["measured"] for r in rows if r["step"] == st["step"] and r["quantity"] != "time/step_s"}
         assert set(ph) == {"time/forward_s", "time/backward_s", "time/optimizer_s"}
         assert all(v > 0 for v in ph.values()) and sum(ph.values()) <= st["measured"]
+    # each dimension's collectives timed (probes/comm_time.py): Megatron's TP all-reduces, synchronous,
+    # every one timed, most of their time waited for, beside the prediction's comm_s / exposed_s
+    d2 = tmp_path / "tp"
+    p = launch("framework=megatron", "model=tiny", "model.seq_len=32", "train.steps=2", "cluster.ranks=2", "layout.tp=2",
+               "probe.peak=false", f"hardware.file={prof}", f"hydra.run.dir={d2}", timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    tp = records.read_object(str(d2 / "record.json"))
+    comm = {r["quantity"]: r for r in timing.rows(tp) if r["quantity"].startswith(("time/comm/", "time/exposed/"))}
+    assert set(comm) == {"time/comm/tp_s", "time/exposed/tp_s"}, sorted(comm)
+    total, exposed = comm["time/comm/tp_s"], comm["time/exposed/tp_s"]
+    n = sum(c["count"] for c in tp["measurement"]["ranks"][0]["steps"][1]["comm"] if c["dim"] == "tp")
+    assert total["timed"] == exposed["timed"] == f"{n}/{n}" and n > 0
+    assert 0 < 0.5 * total["measured"] < exposed["measured"] <= 1.05 * total["measured"] and total["predicted"] > 0
+    assert all(not r["errors"] for r in tp["measurement"]["ranks"])
     # the report's step-time section: the table and the predicted step above the measured one
     from analysis import report
 

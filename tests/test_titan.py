@@ -967,3 +967,21 @@ def test_fsdp_mem_tracker_cannot_track_torchtitans_chunked_loss(tmp_path):
     (rec,) = records.load(str(tmp_path))
     assert rec["status"] == "failed"
     assert "FSDPMemTracker does not support memory tracking for multiple iterative calls" in rec["error"], rec["error"]
+
+
+@pytest.mark.real
+def test_tp_collectives_are_timed(sweep):
+    """probes/comm_time.py on DTensor's functional collectives: every TP collective of a TP job's steady
+    step is timed (its end where its AsyncCollectiveTensor is waited), the time waited within it."""
+    seen = 0
+    for rec in sweep["ok"]:
+        if rec["prediction"]["layout"]["tp"] < 2:
+            continue
+        for rank in rec["measurement"]["ranks"]:
+            st = rank["steps"][-1]
+            issued = sum(c["count"] for c in st["comm"] if c["dim"] == "tp")
+            t = st["comm_time"]["tp"]
+            assert t["count"] == issued > 0, (records.job_name(rec), t, issued)
+            assert 0 <= t["exposed_s"] <= 1.05 * t["total_s"] and t["total_s"] > 0
+            seen += 1
+    assert seen >= 8
