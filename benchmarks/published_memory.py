@@ -34,16 +34,16 @@ GROUP_REASONS = {
           "0.3.0's chunked loss is predicted); published = max over GPUs, probably max_reserved (the caching "
           "allocator's segments), predicted = allocated tensors + what lies beside them",
     "TA": "torchtitan of Apr 2024 (FSDP2 early, no chunked loss)",
-    # a finding, with the terms of the prediction (row 2: stage 1, 8 layers, 16 micro-batches of 1 x 8192)
+    # a finding, with the terms of the prediction (_l3_terms: the heaviest rank's stage, computed)
     "L3": "Meta's 4D stack, not Megatron: the closest ledger (Megatron, TE spec, distributed optimizer, 1F1B "
-          "at vp 1: the row states no vp) says OOM where Meta trained without recompute. Its terms at stage 1: "
-          "15 other micro-batches in flight x 6.0 GiB (1F1B keeps pp - stage of them), 11.9 GiB of fp32 "
-          "grads (Megatron's DDP buffer is whole on each rank; Meta's FSDP shards grads), and 0.77 GiB saved "
-          "per layer per micro-batch at tp 8 with SP (TE's LayerNormLinear saves, from sources; of it 0.51 GiB "
-          "the MLP's unfused SwiGLU, TransformerConfig's bias_activation_fusion=False: fused, 0.30). Meta "
-          "tuned the micro-batches in flight of its interleaved schedule and deallocated stage inputs / "
-          "outputs early (Llama 3 paper, 3.3.2): the schedule's in-flight count is the term to model before "
-          "this row can agree",
+          "at vp 1: the row states no vp) says OOM where Meta trained without recompute. Its terms at stage "
+          "{stage}: {inflight} other micro-batches in flight x {mb:.1f} GiB (1F1B keeps pp - stage of them), "
+          "{grads:.1f} GiB of fp32 grads (Megatron's DDP buffer is whole on each rank; Meta's FSDP shards "
+          "grads), and {layer:.2f} GiB saved per layer per micro-batch at tp {tp} with SP (TE's LayerNormLinear "
+          "and fused attention saves, from sources; of it {mlp:.2f} GiB the MLP's unfused SwiGLU, "
+          "TransformerConfig's bias_activation_fusion=False: fused, {fused:.2f}). Meta tuned the micro-batches in "
+          "flight of its interleaved schedule and deallocated stage inputs / outputs early (Llama 3 paper, "
+          "3.3.2): the schedule's in-flight count is the term to model before this row can agree",
     "N1": "NeMo with fp8 (TransformerEngine keeps fp8 copies of linear inputs: not modelled)",
 }
 
@@ -130,7 +130,27 @@ def predict_row(r: dict) -> dict:
     if out["published_gib"] is not None:
         res["error"] = (need / GiB - out["published_gib"]) / out["published_gib"]
     res["why"] = GROUP_REASONS.get(r["group"], "")
+    if r["group"] == "L3":
+        res["why"] = res["why"].format(**_l3_terms(model, lay, fw, st))
     return res
+
+
+def _l3_terms(model, lay, fw, st) -> dict:
+    """The Megatron ledger's terms of a Llama 3 405B row at its heaviest rank's stage (GiB): one micro-batch's
+    saves there, the micro-batches 1F1B holds beside it, the grads, one layer's saves and its MLP's."""
+    from ledger.faithful.megatron.activations import chunk_saved, chunk_units, layer_groups, recompute_of, shape_of
+    from ledger.faithful.megatron.knobs import knobs
+    from ledger.faithful.megatron.pipeline import stage_shape
+
+    k = knobs(fw)
+    rc = recompute_of(k)
+    sh = shape_of(model, lay, k)
+    n, first, last = stage_shape(model, lay.pp, st.stage, lay.vp, 0, k.pp_split)
+    g = layer_groups(sh, rc)
+    mb = chunk_saved(chunk_units(sh, rc, n, first, last, model))
+    others = st.peak.detail.get("activations/other micro-batches in flight (saved for backward)", 0)
+    return {"stage": st.stage, "inflight": round(others / mb), "tp": lay.tp, "mb": mb / GiB, "grads": st.grads_bytes / GiB,
+            "layer": sum(g.values()) / GiB, "mlp": g["mlp"] / GiB, "fused": g["mlp"] * 3 / 5 / GiB}
 
 
 def main(argv=None) -> int:
@@ -163,7 +183,8 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts_gib"].items() if v >= 0.05)
             print(f"  row {r['row']}: rank {r['rank']} stage {r['stage']} at {r['at']}: {parts}")
     for g in sorted({r["group"] for r in rows} & set(GROUP_REASONS)):
-        print(f"  {g}: {GROUP_REASONS[g]}")
+        why = next((r["why"] for r in rows if r["group"] == g and r.get("why")), GROUP_REASONS[g])
+        print(f"  {g}: {why}")
     judged = [r for r in rows if r.get("agrees") is not None and r["status"] == "covered"]
     print(f"\nverdicts judged (covered rows with a fit or OOM statement): {len(judged)}; agree: "
           f"{sum(r['agrees'] for r in judged)}; disagree: {[r['row'] for r in judged if not r['agrees']]}")

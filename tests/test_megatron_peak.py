@@ -238,3 +238,16 @@ def test_te_spec_norms_save_what_layernorm_linear_saves():
         local_moments = dict((name, tmp) for name, _live, tmp, _g in _layer_moments(local, P.recompute_of(K.knobs(_fw())))[1])
         for name in ("input_layernorm", "pre_mlp_layernorm"):
             assert te_moments[name] == 2 * gin and local_moments[name] == 2 * gin + 16 * n
+
+
+def test_te_attention_saves_k_and_v_at_kv_heads():
+    """TransformerEngine's attention under GQA (from sources: TE's get_qkv_layout and FusedAttnFunc): k and
+    v saved at kv heads, v as a contiguous copy of linear_qkv's view, the output and fp32 softmax
+    statistics; the rotated q counted with RoPE. Llama-3-8B (32 heads, 8 kv, head 128), s 8192, tp 1."""
+    m = preset("llama3_8b", seq_len=8192)
+    sh = A.Shape(8192, 1, m.hidden, 32 * 128, 8 * 128, m.ffn_hidden, 32, m.vocab, 128, 1, False, 2, True)
+    e, sb = 2, 8192
+    assert A.layer_groups(sh, A.Recompute())["core"] == e * sb * 2 * 8 * 128 + e * sb * 32 * 128 + 4 * 32 * 8192
+    # multi-head attention: k and v at every head, as the local spec's expanded ones
+    mha = sh._replace(hkv=sh.hq)
+    assert A.layer_groups(mha, A.Recompute())["core"] == e * sb * 3 * 32 * 128 + 4 * 32 * 8192

@@ -184,8 +184,15 @@ def layer_groups(sh: Shape, rc: Recompute, moe_layer: bool = False) -> dict[str,
                      the fp32 softmax ([b, heads/tp, s, s], fusions/fused_softmax.py
                      FusedScaleMaskSoftmax.forward_torch_softmax: softmax in fp32) and its cast back,
                      and the context ([s, b, heads/tp * head_dim]) saved by linear_proj.
-                     TransformerEngine's TEDotProductAttention (fused / flash): q, k, v, the output
-                     and fp32 softmax statistics [b, heads/tp, s], no s^2 tensor.
+                     TransformerEngine's TEDotProductAttention (fused / flash; from sources, no CPU
+                     run can confirm it): FusedAttnFunc saves q, k, v as it is handed them, the
+                     output and the fp32 softmax statistics [b, heads/tp, s], no s^2 tensor; GQA
+                     runs natively (k and v at kv heads/tp, no repeat). q (rope's, counted there)
+                     and the rotated k are contiguous; v, a view of linear_qkv's output, has strides
+                     no qkv layout matches, so get_qkv_layout (attention/dot_product_attention/
+                     utils.py: "not_supported" -> x.contiguous()) saves a contiguous copy of it
+                     (FlashAttention's backend copies the same way): k and v [s, b, kv/tp, head_dim]
+                     each, and linear_qkv's output storage is not kept.
                      Selective core_attn (attention.py _checkpointed_attention_forward):
                      CheckpointFunction saves its tensor inputs: q (the rotated q, already counted),
                      the rotated k ([s, b, kv/tp, head_dim]), value (a view of linear_qkv's output,
@@ -201,7 +208,7 @@ def layer_groups(sh: Shape, rc: Recompute, moe_layer: bool = False) -> dict[str,
     n = norm_bytes(sh)
     rope = 4 * e * s * sh.hd + e * sb * sh.hq
     if sh.te:
-        core = e * sb * (2 * sh.hq) + e * sb * sh.hq + 4 * b * sh.a * s  # k, v expanded, context, softmax stats
+        core = e * sb * (2 * sh.hkv) + e * sb * sh.hq + 4 * b * sh.a * s  # k, v at kv heads, context, softmax stats
     else:
         core = 3 * e * sb * sh.hq + s * s + (4 + e) * b * sh.a * s * s
     if rc.core_attn:
