@@ -285,9 +285,10 @@ def test_megatron_moe_rows_are_judged_on_their_peak_and_carry_its_routed_bound(t
 def test_llama3_405b_production_layout(tmp_path):
     """TP8 · CP1 · PP16 · DP128 on 16,384 GPUs, seq 8192 (16M tokens per step): in plan.json with its peak
     per stage (126 layers as 7 + 14 x 8 + 7), for each recompute setting: the activations of the 16
-    micro-batches stage 0 holds in flight do not fit in 80 GB without full recompute (TE's attention
-    saves no s^2 probabilities, so selective core_attn recompute saves little), and full recompute
-    fits, with SP and without."""
+    micro-batches stage 0 holds in flight do not fit in 80 GB without full recompute, and full recompute
+    fits, with SP and without. Selective core_attn recompute holds more than none under the TE spec: TE's
+    attention saves no s^2 probabilities and k and v at kv heads, while the checkpoint around it saves its
+    inputs, v a view that keeps linear_qkv's whole output (activations.layer_groups)."""
     rec, rows = _plan_job(tmp_path, "model=llama3_405b", "plan.gpus=16384", "plan.global_batch_tokens=16777216",
                           "framework=megatron", "plan.distributed_optimizer=[true]", "plan.top=1", "plan.max_cp=1",
                           "plan.watch=[{tp:8,pp:16,cp:1,dp:128,vp:1,micro_batch_size:1}]")
@@ -303,7 +304,7 @@ def test_llama3_405b_production_layout(tmp_path):
         assert r["links"]["tp"] == "intra" and r["links"]["dp"] == "inter"
         assert r["bubble"] == 15 / 16  # 2048 / (1 x 128) = 16 micro-batches
     for sp in (False, True):  # recompute only ever lowers the peak; SP divides the activations by tp
-        assert by[(sp, "full")]["peak_bytes"] < by[(sp, "selective")]["peak_bytes"] <= by[(sp, None)]["peak_bytes"]
+        assert by[(sp, "full")]["peak_bytes"] < by[(sp, None)]["peak_bytes"] < by[(sp, "selective")]["peak_bytes"]
     assert by[(True, None)]["peak_bytes"] < by[(False, None)]["peak_bytes"]
     assert any(n.startswith("recompute: enumerated") for n in rec["plan"]["notes"])
     assert all(isinstance(x, int) for x in rec["plan"]["watch"][0]["rows"])

@@ -65,7 +65,10 @@ PEAK_NOTES = {
                            "temporaries (no gloo copy, no Adam denominators); TE's LayerNormLinear saves the norm's input, its "
                            "output and rsigma (activations.te_norm_bytes) and its fused rmsnorm_bwd no fp32 temporaries; "
                            "gradient-accumulation fusion (weight grads straight into main_grad) and workspaces are not "
-                           "modelled: the local spec's other moments stand for them (no CPU run confirms TE)"),
+                           "modelled: the local spec's other moments stand for them (no CPU run confirms TE); TE's "
+                           "attention saves k and v at kv heads (v a contiguous copy), so selective core_attn "
+                           "recompute, whose checkpoint keeps linear_qkv's whole output through v's view, holds more "
+                           "than no recompute"),
 }
 
 # the detail line of what an MoE model's token dispatchers keep between forwards (counted as temporary)
