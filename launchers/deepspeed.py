@@ -78,7 +78,8 @@ def _no_shm_op() -> None:
 #    partitions and optimizer state under FakeTensorMode. The fake-only shims, each counted in
 #    FAKE_HITS; installed by install_fake() only when cluster.device == "fake".
 FAKE_HITS: dict[str, int] = {}
-FAKE_SHIMS = ("module_to_skipped_on_cpu", "rank0_list_is_local", "reduce_scatter_coalesced_flat")
+FAKE_SHIMS = ("module_to_skipped_on_cpu", "rank0_list_is_local", "reduce_scatter_coalesced_flat",
+              "allgather_coalesced_wait_whole", "allgather_dtype_own_partition")
 
 # data-dependent reads of FakeTensors answered 0 / False (launchers/fake.py scalar_reads)
 FAKE_SCALAR_SITES: set[tuple[str, str]] = {
@@ -175,12 +176,13 @@ def _reduce_scatter_coalesced_flat() -> None:
         else:
             flat = torch.empty(world_sz * sum(padded), dtype=tensors[0].dtype, device=tensors[0].device)
         flat.div_(world_sz)
-        per_rank = torch.chunk(flat, world_sz)
-        cc._torch_reduce_scatter_fn(flat, per_rank[this_rank], group=group)
+        # this rank's chunk of torch.chunk(flat, world_sz) (flat divides evenly), without the world's views
+        chunk = flat.narrow(0, this_rank * sum(padded), sum(padded))
+        cc._torch_reduce_scatter_fn(flat, chunk, group=group)
         out, offset = [], 0
         for t, pad in zip(tensors, padded):
             mine = max(0, min(pad, t.numel() - this_rank * pad))  # flattened[r*c : r*c+c]'s length
-            out.append(per_rank[this_rank].narrow(0, offset, mine))
+            out.append(chunk.narrow(0, offset, mine))
             offset += pad
         return out
 
@@ -188,10 +190,90 @@ def _reduce_scatter_coalesced_flat() -> None:
     stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
 
 
+def _allgather_coalesced_wait_whole() -> None:
+    # runtime/zero/partition_parameters.py AllGatherCoalescedHandle.wait (ZeRO-3's parameter fetch):
+    # for every parameter of the bucket, a narrow of every rank's partition, then torch.cat of them
+    # into the parameter's new data: O(world x params) operators per fetch, each a FakeTensor dispatch
+    # in the fake world (at DP 256 12 of a rank's 34 s; growing with the DP degree). Here each
+    # parameter's data is the same allocation (ds_numel elements in the partitions' dtype, viewed as
+    # its shape and cast to its dtype) in one operator: the same storages, sizes and order; what
+    # differs is their values (a fake world has none). The quantized and secondary-tensor paths, which
+    # this project does not configure, keep the original
+    import torch
+
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    orig = pp.AllGatherCoalescedHandle.wait
+
+    def wait(self, handle_dependency=True) -> None:
+        if self.complete or self.quantization or self.use_secondary_tensor:
+            return orig(self, handle_dependency)
+        _fake_hit("allgather_coalesced_wait_whole")
+        self.allgather_handle.wait()
+        dtype, device = self.partitions[0].dtype, self.partitions[0].device
+        for param in self.params:
+            assert param.ds_status == pp.ZeroParamStatus.INFLIGHT, f"expected param {param.ds_summary()} to be inflight"
+            whole = torch.empty(param.ds_numel, dtype=dtype, device=device)
+            param.data = whole.view(param.ds_shape).to(param.ds_tensor.dtype)
+            param.ds_status = pp.ZeroParamStatus.AVAILABLE
+        self.complete = True
+
+    pp.AllGatherCoalescedHandle.wait = wait
+
+
+def _allgather_dtype_own_partition() -> None:
+    # runtime/zero/partition_parameters.py Init._convert_to_deepspeed_param's _all_gather_dtype (every
+    # coalesced fetch of ZeRO-3): the flat all-gather buffer, then a narrow of it for every rank's
+    # partition, of which it fills and sends its own: O(world) operators per fetch in the fake world (at
+    # DP 16,384 a rank's fetches took most of its time). Here only the rank's own partition is viewed:
+    # the same buffer, copy and collective; the handle's partitions list holds that one view (the
+    # buffer stays alive with it as with all of them), which _allgather_coalesced_wait_whole reads.
+    # The closure is per parameter: its cell is set after each conversion
+    import torch
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    def own_partition(orig):
+        def _all_gather_dtype(params, world_size, rank_in_group, ds_process_group, allgather_dtype):
+            if params[0].ds_secondary_tensor is not None:
+                return orig(params, world_size, rank_in_group, ds_process_group, allgather_dtype)
+            _fake_hit("allgather_dtype_own_partition")
+            assert all(pp.get_allgather_dtype(p, p.ds_tensor) == allgather_dtype for p in params)
+            partition_sz = sum(p.ds_tensor.ds_numel for p in params)
+            flat = torch.empty(partition_sz * world_size, dtype=allgather_dtype,
+                               device=get_accelerator().current_device_name(), requires_grad=False)
+            mine = flat.narrow(0, partition_sz * rank_in_group, partition_sz)
+            torch.cat([p.ds_tensor.to(get_accelerator().current_device_name()).to(allgather_dtype) for p in params],
+                      out=mine)
+            handle = pp._dist_allgather_fn(mine, flat, ds_process_group)
+            return pp.AllGatherCoalescedHandle(allgather_handle=handle, params=params, partitions=[mine],
+                                               world_size=world_size, use_secondary_tensor=False)
+        return _all_gather_dtype
+
+    def cell(fn, name):
+        # through DeepSpeed's instrument_w_nvtx wrapper (utils/nvtx.py: wrapped_fn calls `func`)
+        while name not in fn.__code__.co_freevars:
+            fn = getattr(fn, "__wrapped__", None) or fn.__closure__[fn.__code__.co_freevars.index("func")].cell_contents
+        return fn.__closure__[fn.__code__.co_freevars.index(name)]
+
+    orig = pp.Init._convert_to_deepspeed_param
+
+    def convert(self, param):
+        orig(self, param)
+        inner = cell(param.all_gather_coalesced, "_all_gather_coalesced").cell_contents
+        c = cell(inner, "_all_gather_dtype")
+        c.cell_contents = own_partition(c.cell_contents)
+
+    pp.Init._convert_to_deepspeed_param = convert
+
+
 def install_fake() -> None:
     _module_to_skipped_on_cpu()
     _rank0_list_is_local()
     _reduce_scatter_coalesced_flat()
+    _allgather_coalesced_wait_whole()
+    _allgather_dtype_own_partition()
 
 
 def preload(device: str) -> None:

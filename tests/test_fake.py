@@ -300,8 +300,10 @@ def test_megatron_fake_job(megatron_job):
 @pytest.mark.real
 @pytest.mark.parametrize("stage,shims,reads", [
     # ZeRO-3: zero.Init places the params (no engine .to); the trace checks' broadcasts are issued;
-    # the grad reduction's flat buffer is one allocation (O(tensors), not O(world x tensors))
-    (3, {"rank0_list_is_local", "reduce_scatter_coalesced_flat"}, {("deepspeed.runtime.utils", "is_invalid_grad_norm")}),
+    # the grad reduction's flat buffer is one allocation (O(tensors), not O(world x tensors)); a fetch
+    # views its own partition and each param's data is one allocation (O(params), not O(world x params))
+    (3, {"rank0_list_is_local", "reduce_scatter_coalesced_flat", "allgather_coalesced_wait_whole",
+         "allgather_dtype_own_partition"}, {("deepspeed.runtime.utils", "is_invalid_grad_norm")}),
     # ZeRO-1: the engine's module.to(device) and the overflow check's read
     (1, {"module_to_skipped_on_cpu"}, {("deepspeed.runtime.utils", "is_invalid_grad_norm"),
                                         ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow")}),
