@@ -112,7 +112,8 @@ def run_plan(cfg, job_dir: str) -> dict:
         files["plot"] = "plan.png"
     except Exception as e:  # noqa: BLE001 - a plot that cannot be drawn (no matplotlib backend) loses no row
         files["plot_error"] = f"{type(e).__name__}: {e}"
-    notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`)",
+    notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`; a row whose "
+             "resident state alone exceeds the budget is too big, its peak not computed)",
              RECOMPUTE_NOTE, EST_NOTE]
     if any(st.get("peak_bound") for r in rows for st in (r.get("per_stage") or [])):
         notes.append(BOUND_NOTE)

@@ -33,6 +33,7 @@ from ledger.parallel import predict
 
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
+OVER_BUDGET = "resident state only: it alone exceeds the budget (the peak, at least as large, is not computed)"
 RECOMPUTE_NOTE = ("recompute: enumerated as each framework names it (Megatron recompute_granularity selective / "
                   "full uniform 1 layer, torchtitan activation_checkpoint, DeepSpeed activation_checkpointing); "
                   "it lowers the peak's activations, and the step-time estimate charges its forward FLOPs again "
@@ -364,14 +365,19 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     res = g.resident_bytes
     row.resident_bytes = res
     row.placement = pl
+    row.target, row.basis = pl.target, pl.basis
+    row.outside_allocator_bytes = sum(pl.outside_allocator.values())  # (cuda-nccl: ledger.parallel.predict)
+    if res + row.outside_allocator_bytes > hw.budget_bytes:
+        # the peak holds the resident state and more: a row whose state alone is over the budget is too
+        # big whatever its peak, which is not computed (a search meets thousands; per_stage is most of a
+        # predicted row's cost)
+        return _over_budget(row, res, g, wire, links, lay, hw, model, c)
     try:
         row.per_stage = per_stage(row)
     except ConfigError as e:  # the peak model refuses what it does not model (e.g. a recompute setting)
         row.reason, row.placement = str(e), None
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
-    row.target, row.basis = pl.target, pl.basis
-    row.outside_allocator_bytes = sum(pl.outside_allocator.values())  # (cuda-nccl: ledger.parallel.predict)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}
@@ -391,6 +397,26 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
                   if row.outside_allocator_bytes else "")
         row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}){beside} > plan.memory_fraction x "
                       f"plan.gpu_memory_gb = {hw.budget_bytes / 1e9:.2f} GB")
+    return row
+
+
+def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
+                 c: Candidate) -> Row:
+    """evaluate's row for a layout whose resident state (and what lies beside the tensors) alone exceeds
+    the budget: too big, its peak (at least the state) not computed; peak_bytes the state, said so."""
+    row.peak_bytes = res
+    row.peak_includes = OVER_BUDGET
+    row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
+                       "other": g.other_bytes}
+    row.stage = g.stage
+    row.wire_bytes, row.links = wire, links
+    row.bubble = bubble(lay)
+    row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
+    row.est_step_s = row.est["est_step_s"]
+    row.status = "too_big"
+    beside = f" + {row.outside_allocator_bytes / 1e9:.2f} GB beside the tensors" if row.outside_allocator_bytes else ""
+    row.reason = (f"resident state {res / 1e9:.2f} GB{beside} > plan.memory_fraction x plan.gpu_memory_gb = "
+                  f"{hw.budget_bytes / 1e9:.2f} GB (the peak, larger, not computed)")
     return row
 
 

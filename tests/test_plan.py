@@ -15,7 +15,7 @@ from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
 from ledger.faithful.megatron.rules import pipeline_splits
-from ledger.plan import (PEAK_INCLUDES, REFUSED_ROWS, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
+from ledger.plan import (OVER_BUDGET, PEAK_INCLUDES, REFUSED_ROWS, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
                          per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, compose_config, launch
 
@@ -231,7 +231,10 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
     assert sum(r["status"] == "refused" for r in rows) == min(REFUSED_ROWS, sum(c["refused"] for c in p["counts"].values()))
     for r in rows:
         assert ROW_KEYS <= set(r) and LAYOUT_KEYS <= set(r["layout"])
-        assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY) if r["status"] != "refused" else ("",))
+        assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY, OVER_BUDGET) if r["status"] != "refused" else ("",))
+        if r["peak_includes"] == OVER_BUDGET:  # its state alone over the budget: too big, no peak computed
+            assert r["status"] == "too_big" and r["per_stage"] is None and r["peak_bytes"] == r["resident_bytes"]
+            assert r["resident_bytes"] + r["outside_allocator_bytes"] > 0.9 * 80e9
         assert (r["reason"] is None) == r["fits"]
         assert set(r["links"]) == set(r["wire_bytes"]) and set(r["links"].values()) <= {"intra", "inter"}
     fits = [r for r in rows if r["fits"]]
@@ -266,12 +269,12 @@ def test_moe_rows_say_they_fit_on_their_resident_state_only(tmp_path, capsys):
 def test_megatron_moe_rows_are_judged_on_their_peak_and_carry_its_routed_bound(tmp_path, capsys):
     """Megatron's MoE peak (moe_activations): Mixtral's rows fit or not on the predicted peak with routing
     balanced, each stage's range over the routing in plan.json (peak_bound), and the note says so."""
-    from ledger.plan import BOUND_NOTE, PEAK_INCLUDES
+    from ledger.plan import BOUND_NOTE
 
     rec, rows = _plan_job(tmp_path, "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
                           "framework=megatron")
     out = capsys.readouterr().out
-    judged = [r for r in rows if r["status"] in ("fits", "too_big")]
+    judged = [r for r in rows if r["status"] in ("fits", "too_big") and r["peak_includes"] != OVER_BUDGET]
     assert judged and any(r["fits"] for r in judged)
     assert all(r["peak_includes"] == PEAK_INCLUDES for r in judged)
     for r in judged:
