@@ -379,13 +379,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
-    row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
-                       "other": g.other_bytes}
-    row.stage = g.stage
-    row.wire_bytes, row.links = wire, links
-    row.bubble = bubble(lay)
-    row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
-    row.est_step_s = row.est["est_step_s"]
+    _state_and_estimate(row, g, wire, links, lay, hw, model, c)
     if row.peak_bytes + row.outside_allocator_bytes <= hw.budget_bytes:
         row.status = "fits"
         if hw.profile is not None and mode == "faithful":
@@ -400,12 +394,9 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     return row
 
 
-def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
-                 c: Candidate) -> Row:
-    """evaluate's row for a layout whose resident state (and what lies beside the tensors) alone exceeds
-    the budget: too big, its peak (at least the state) not computed; peak_bytes the state, said so."""
-    row.peak_bytes = res
-    row.peak_includes = OVER_BUDGET
+def _state_and_estimate(row: Row, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
+                        c: Candidate) -> None:
+    """A predicted row's most-loaded rank's state, its wire and links, and the roofline estimate."""
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}
     row.stage = g.stage
@@ -413,6 +404,15 @@ def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lay: Layout, hw
     row.bubble = bubble(lay)
     row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
     row.est_step_s = row.est["est_step_s"]
+
+
+def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
+                 c: Candidate) -> Row:
+    """evaluate's row for a layout whose resident state (and what lies beside the tensors) alone exceeds
+    the budget: too big, its peak (at least the state) not computed; peak_bytes the state, said so."""
+    row.peak_bytes = res
+    row.peak_includes = OVER_BUDGET
+    _state_and_estimate(row, g, wire, links, lay, hw, model, c)
     row.status = "too_big"
     beside = f" + {row.outside_allocator_bytes / 1e9:.2f} GB beside the tensors" if row.outside_allocator_bytes else ""
     row.reason = (f"resident state {res / 1e9:.2f} GB{beside} > plan.memory_fraction x plan.gpu_memory_gb = "
