@@ -1,7 +1,8 @@
 """Megatron Core 0.18.0 Mixture-of-Experts: the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
-One shared sweep (21 jobs, s=32, two steps): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+One shared sweep (24 jobs, two steps; s=32 but three at s=512, where the MoE layers' saves weigh in the
+peak): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
 (world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP, expert tensor
 parallelism (tp2·ep2·etp2; tp2·etp2 at ep 1, the experts dense parameters split over TP); the alltoall
 dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
