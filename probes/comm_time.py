@@ -11,10 +11,12 @@ Completion:
   a Work without a future (gloo's coalesced works, FSDP2's: "Work::getFuture not implemented"), the
   return of its wait (an upper bound), whichever comes first;
 - a functional collective (`_c10d_functional.*`, DTensor's) returns a tensor whose Work torch keeps in
-  C++; its end is taken where `_c10d_functional.wait_tensor` returns on it: an upper bound (the
-  collective may have completed earlier). AsyncCollectiveTensor waits inside its own dispatch, where
-  the probe's mode is off: those collectives stay untimed (`count` is the timed ones; analysis/timing.py
-  sets a dimension's time beside the prediction only where every collective of it was timed).
+  C++; its end is taken where `_c10d_functional.wait_tensor` returns on it, or where an operator on
+  its AsyncCollectiveTensor returns (that wrapper waits inside its own dispatch, where the probe's mode
+  is off: the probe times the operator that triggered it, probes/comm.py observed): an upper bound
+  (the collective may have completed earlier). A wait the probe sees neither way (torchtitan's scalar
+  all-reduces of the loss's token count and the grad norm) leaves its collective untimed: `count` is
+  the timed ones, and analysis/timing.py's rows say how many of the dimension's were (`timed`).
 Blocked: Work.wait (patched on the class while the clock runs: torch.distributed's synchronous calls
 wait through it, as the frameworks' asynchronous ones do) and wait_tensor, each timed on the calling
 thread and booked to the dimension of the collective it waits for.

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ledger.faithful.megatron.moe_activations import (expert_moments, experts_cat, forward_locals, moe_groups, MoEShape,
-                                                      rows_range)
+from ledger.faithful.megatron.moe_activations import (expert_moments, experts_cat, forward_locals, mlp_saved, moe_groups,
+                                                      moe_shape, MoEShape)
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
 
@@ -124,15 +124,7 @@ def shape_of(model: ModelShape, lay: Layout, k, rows: str = "balanced") -> Shape
     """rows: an MoE model's routed rows per rank, "balanced", "low" or "high" (moe_activations.rows_range)."""
     tp = lay.tp
     e = 2 if k.precision == "bf16" else 4
-    mo = None
-    if model.is_moe:
-        T = model.seq_len * lay.micro_batch_size // (tp if lay.sequence_parallel else 1)
-        mo = MoEShape(model.num_experts, model.num_experts // lay.ep, model.moe_router_topk, lay.etp * lay.ep, lay.ep,
-                      model.expert_ffn // lay.etp, T, model.hidden, e, k.moe_token_dispatcher_type == "allgather",
-                      k.moe_aux_loss_coeff > 0, model.moe_shared_expert_hidden // tp,
-                      model.seq_len * lay.micro_batch_size, 0)
-        balanced, low, high = rows_range(mo)
-        mo = mo.with_rows({"balanced": balanced, "low": low, "high": high}[rows])
+    mo = moe_shape(model, lay, k, rows) if model.is_moe else None
     return Shape(model.seq_len, lay.micro_batch_size, model.hidden, model.heads // tp * model.head_dim,
                  model.kv_heads // tp * model.head_dim, model.ffn_hidden // tp, model.heads // tp,
                  model.vocab // tp, model.head_dim, tp, lay.sequence_parallel, e,
@@ -213,7 +205,7 @@ def layer_groups(sh: Shape, rc: Recompute, moe_layer: bool = False) -> dict[str,
         core = 3 * e * sb * sh.hq + s * s + (4 + e) * b * sh.a * s * s
     if rc.core_attn:
         core = e * sb * sh.hkv + e * sb * (sh.hq + 2 * sh.hkv) + 4 + e * sb * sh.hq
-    mlp = sum(moe_groups(sh.moe).values()) if moe_layer else e * sb * 2 * sh.f + 3 * e * sb * sh.f
+    mlp = sum(moe_groups(sh.moe).values()) if moe_layer else mlp_saved(e, sb, sh.f)
     return {"norm1": n, "rope": rope, "core": core, "norm2": n, "mlp": mlp}
 
 

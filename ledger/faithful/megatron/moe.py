@@ -87,9 +87,8 @@ from ledger.faithful.megatron.buffers import (buffer_bytes, buffer_layout, build
 from ledger.faithful.megatron.comm import micro_batch_comm
 from ledger.faithful.megatron.knobs import dtypes, knobs
 from ledger.faithful.megatron.pipeline import layer_range, padded_shape, pieces
-from ledger.faithful.megatron.moe_activations import held, MoEShape
-from ledger.faithful.megatron.activations import shape_of
-from ledger.faithful.megatron.peak import adam_denominators, stage_peak
+from ledger.faithful.megatron.moe_activations import held, moe_shape, rows_range, tokens
+from ledger.faithful.megatron.peak import adam_denominators, bucket_copy, stage_peak
 from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
 from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.grid import Grid
@@ -278,11 +277,6 @@ def _ordered(model: ModelShape, lay: Layout, k, stage: int) -> list:
 
 
 # -- one rank ----------------------------------------------------------------------------------------
-def tokens(model: ModelShape, lay: Layout) -> int:
-    """T: the tokens of one micro-batch on one rank (sequence-parallel shards with SP)."""
-    return model.seq_len * lay.micro_batch_size // (lay.tp if lay.sequence_parallel else 1)
-
-
 def _moe_layers_of(model: ModelShape, lay: Layout, k, stage: int) -> int:
     return sum(model.is_moe_layer(i) for i in layer_range(model, lay.pp, stage, k.pp_split))
 
@@ -352,10 +346,13 @@ def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, 
     n_moe = _moe_layers_of(model, lay, k, stage)
 
     def at(rows: str):
-        mo = shape_of(model, lay, k, rows).moe
+        mo = moe_shape(model, lay, k, rows)
         return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo))
 
-    pk, low, high = at("balanced"), at("low"), at("high")
+    pk = at("balanced")
+    # with every choice local (ep 1) the rows cannot move: the bound is the peak itself
+    fixed = len(set(rows_range(moe_shape(model, lay, k)))) == 1
+    low, high = (pk, pk) if fixed else (at("low"), at("high"))
     pk.bound = (low.bytes, high.bytes)
     if pk.first is not None:
         pk.first.bound = ((low.first or low).bytes, (high.first or high).bytes)
@@ -380,7 +377,7 @@ def moe_optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank
             continue
         buckets = buffer_layout(params, bucket, group, dist)
         if dist:
-            sync = max(sync, max((gb * b.numel, "grad bucket reduce-scatter (gloo copy)") for b in buckets))
+            sync = max(sync, bucket_copy(buckets, gb))
             shards = shard_ranges(buckets, group, rank)
         else:
             shards = params

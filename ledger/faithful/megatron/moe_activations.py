@@ -48,6 +48,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ledger.dtypes import INT64 as I64, FP32 as F32
+from ledger.layout import Layout
+from ledger.model import ModelShape
 
 
 class MoEShape(NamedTuple):
@@ -69,6 +71,27 @@ class MoEShape(NamedTuple):
 
     def with_rows(self, rows: int) -> "MoEShape":
         return self._replace(rows=rows)
+
+
+def tokens(model: ModelShape, lay: Layout) -> int:
+    """T: the tokens of one micro-batch on one rank (sequence-parallel shards with SP)."""
+    return model.seq_len * lay.micro_batch_size // (lay.tp if lay.sequence_parallel else 1)
+
+
+def moe_shape(model: ModelShape, lay: Layout, k, rows: str = "balanced") -> MoEShape:
+    """The rank's MoE layer, its rows "balanced", "low" or "high" (rows_range)."""
+    mo = MoEShape(model.num_experts, model.num_experts // lay.ep, model.moe_router_topk, lay.etp * lay.ep, lay.ep,
+                  model.expert_ffn // lay.etp, tokens(model, lay), model.hidden, 2 if k.precision == "bf16" else 4,
+                  k.moe_token_dispatcher_type == "allgather", k.moe_aux_loss_coeff > 0,
+                  model.moe_shared_expert_hidden // lay.tp, model.seq_len * lay.micro_batch_size, 0)
+    return mo.with_rows(dict(zip(("balanced", "low", "high"), rows_range(mo)))[rows])
+
+
+def mlp_saved(e: int, rows: int, f: int, probs: bool = False) -> int:
+    """What a gated (SwiGLU) MLP of width f saves over `rows` tokens (transformer/mlp.py MLP.forward:
+    linear_fc1's output, 2 f, silu of its first half, the second half's copy, their product, each the
+    activation dtype), and with an expert's probs (per_token_scale) the product times them, f more."""
+    return (5 + probs) * e * rows * f
 
 
 def rows_range(mo: MoEShape) -> tuple[int, int, int]:
@@ -103,11 +126,11 @@ def held(mo: MoEShape) -> int:
 
 
 def experts_saved(mo: MoEShape) -> int:
-    return 6 * mo.e * mo.f * mo.rows
+    return mlp_saved(mo.e, mo.rows, mo.f, probs=True)
 
 
 def shared_saved(mo: MoEShape) -> int:
-    return 5 * mo.e * mo.sb * mo.shared_f
+    return mlp_saved(mo.e, mo.sb, mo.shared_f)
 
 
 def moe_groups(mo: MoEShape) -> dict[str, int]:

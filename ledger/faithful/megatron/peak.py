@@ -255,7 +255,7 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
             if ch > 0:
                 sync = max(sync, (gb * sum(b.numel for b in buckets), f"grad buckets of chunk {ch} (coalesced)"))
             else:
-                sync = max(sync, max((gb * b.numel, "grad bucket reduce-scatter (gloo copy)") for b in buckets))
+                sync = max(sync, bucket_copy(buckets, gb))
             for b in buckets:
                 shards += shard_ranges([b], lay.dp, dp_rank)
         else:
@@ -263,6 +263,12 @@ def optimizer_moments(model: ModelShape, lay: Layout, k, stage: int, dp_rank: in
     if not dist:
         sync = (0, "")
     return sync, adam_denominators(shards)
+
+
+def bucket_copy(buckets, gb: int) -> tuple[int, str]:
+    """The grad sync's largest transient over one buffer's buckets, reduced one at a time: gloo's copy of
+    a bucket's grads (gb bytes an element) in its reduce-scatter (optimizer_moments)."""
+    return max((gb * b.numel, "grad bucket reduce-scatter (gloo copy)") for b in buckets)
 
 
 def adam_denominators(shards: list[tuple[str, int]]) -> tuple[int, str]:
