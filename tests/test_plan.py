@@ -247,12 +247,19 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
                                                                      for r in sweep["runs"])
 
 
-def test_moe_rows_say_they_fit_on_their_resident_state_only(tmp_path, capsys):
-    """An MoE ledger predicts no peak: a Mixtral row within the budget fits on its resident state alone,
-    which the table's fits column ("state only", never "yes") and the framework's count line say; a
-    dense model's fitting rows say "yes"."""
-    rec, rows = _plan_job(tmp_path / "moe", "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
+def test_rows_without_a_peak_say_they_fit_on_their_resident_state_only(tmp_path, capsys):
+    """A layout whose ledger predicts no peak (DeepSpeed-MoE with top-3 routing: topkgating's saves are not
+    derived): a Mixtral row within the budget fits on its resident state alone, which the table's fits
+    column ("state only", never "yes") and the framework's count line say; with top-2 routing every
+    DeepSpeed row is judged on its peak; a dense model's fitting rows say "yes"."""
+    rec, rows = _plan_job(tmp_path / "moe2", "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
                           "framework=deepspeed")
+    out = capsys.readouterr().out
+    judged = [r for r in rows if r["status"] in ("fits", "too_big") and r["peak_includes"] != OVER_BUDGET]
+    assert judged and all(r["peak_includes"] == PEAK_INCLUDES for r in judged)
+    assert "on their resident state only" not in out
+    rec, rows = _plan_job(tmp_path / "moe", "model=mixtral_8x7b", "model.moe_router_topk=3", "plan.gpus=64",
+                          "plan.global_batch_tokens=1048576", "framework=deepspeed")
     out = capsys.readouterr().out
     fits = [r for r in rows if r["fits"]]
     assert fits and all(r["peak_includes"] == RESIDENT_ONLY for r in fits)

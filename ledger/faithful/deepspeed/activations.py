@@ -11,8 +11,17 @@ torch.get_rng_state() on the CPU accelerator).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ledger.dtypes import FP32, INT64
 from ledger.model import ModelShape
+
+
+class Dispatch(NamedTuple):
+    """What a DeepSpeed-MoE layer's saves depend on beyond the model: the expert-parallel size and the
+    capacity C (rows per expert a micro-batch dispatches: moe.py capacity)."""
+    ep: int
+    capacity: int
 
 # torch.get_rng_state(): the CPU generator's state, a uint8 tensor of 5056 bytes (mt19937 + extras)
 CPU_RNG_STATE = 5056
@@ -38,8 +47,19 @@ def batch_bytes(model: ModelShape, mbs: int) -> int:
     return 2 * INT64 * mbs * model.seq_len
 
 
-def layer_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
-    """Bytes one Block's forward saves for backward (launchers/llama.py Block), w: model dtype bytes."""
+def layer_activations(model: ModelShape, mbs: int, w: int, layer: int | None = None,
+                      dispatch: Dispatch | None = None) -> dict[str, int]:
+    """Bytes one Block's forward saves for backward (launchers/llama.py Block), w: model dtype bytes;
+    an MoE layer (`layer` one of model.is_moe_layer's) its DeepSpeed-MoE layer's (moe_saves)."""
+    if layer is not None and model.is_moe_layer(layer):
+        if dispatch is None:
+            raise ValueError(f"layer {layer} is an MoE layer: its saves need the dispatch (ep, capacity)")
+        dense = layer_activations(model, mbs, w)
+        # the ffn_norm's output is saved by no op of the MoE layer (the gate casts it, the encode
+        # concatenates it: neither saves it), unlike a FeedForward's Linears
+        return {"attention_norm": dense["attention_norm"], "attention": dense["attention"],
+                "ffn_norm": dense["ffn_norm"] - w * mbs * model.seq_len * model.hidden,
+                **moe_saves(model, mbs, w, dispatch)}
     b, s, h, f = mbs, model.seq_len, model.hidden, model.ffn_hidden
     H, d = model.heads, model.head_dim
     bsh = b * s * h
@@ -61,6 +81,43 @@ def layer_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
     }
 
 
+def moe_saves(model: ModelShape, mbs: int, w: int, d: Dispatch) -> dict[str, int]:
+    """What one DeepSpeed-MoE layer (deepspeed/moe/sharded_moe.py MOELayer around moe/experts.py Experts
+    of launchers/llama.py FeedForward) saves for backward, by part, measured with saved_tensors_hooks
+    on a layer and in the probe's census. S = mbs x seq tokens, E experts, C capacity, k the top-k."""
+    S, E, C, h, k = mbs * model.seq_len, model.num_experts, d.capacity, model.hidden, model.moe_router_topk
+    f, local = model.expert_ffn, model.num_experts // d.ep
+    # TopKGate.forward: linear(input.float(), wg.weight.float()) saves both fp32 operands; softmax
+    # its output (gates [S, E]); l_aux's me * ce saves ce ([E] fp32)
+    gate = FP32 * E * h + FP32 * S * h + FP32 * S * E + FP32 * E
+    if k == 1:
+        # top1gating: (gates * mask1).sum(1) saves mask1 (int64 one-hot [S, E])
+        gate += INT64 * S * E
+    else:
+        # top2gating: the einsums "se,se->s" save mask1 and mask2 as fp32 [S, E]; clamp saves the
+        # denominator, the in-place divisions the clamped one and clones of the two gate values ([S]
+        # fp32 each); the gates' stack ([k, S] fp32) is the combine's. (masked_fill's bool mask dies with
+        # logits_except1, whose only use is an argmax: no backward reaches it)
+        gate += 2 * FP32 * S * E + 4 * FP32 * S
+    # _sparse_encode: index_select saves its index, the source token of every slot (int64 [E*C + 1])
+    encode = INT64 * (E * C + 1)
+    # Experts: each local expert's chunk [ep, 1, C, h] of the all-to-all's output. With one local
+    # expert or ep 1 the chunk is contiguous: w1 and w3 save a view of the one dispatched buffer
+    # (E x C rows); else each Linear's matmul reshapes it into its own copy (ep x C rows), w1's and
+    # w3's. Then silu saves w1's output, the mul silu's and w3's, w2 the product ([ep*C, f] each)
+    copies = 1 if d.ep == 1 or local == 1 else 2
+    experts = copies * w * E * C * h + 4 * w * E * C * f
+    # _sparse_decode: index_select saves the slots (int64 [k*S]); routed * gates saves the routed
+    # rows ([k, S, h], the model dtype) and the gates ([k, S, 1] fp32)
+    combine = INT64 * k * S + w * k * S * h + FP32 * k * S
+    return {"moe gate": gate, "moe dispatch (encode)": encode, "moe experts": experts, "moe combine": combine}
+
+
+def ffn_saves(per: dict[str, int]) -> int:
+    """A block's FFN saves in layer_activations' dict: the FeedForward's or the MoE layer's parts."""
+    return per.get("feed_forward", 0) + sum(v for k, v in per.items() if k.startswith("moe "))
+
+
 def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
     """The final norm, the output Linear's input, the cross-entropy in fp32 and the batch."""
     b, s = mbs, model.seq_len
@@ -75,8 +132,8 @@ def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
     }
 
 
-def saved_activations(model: ModelShape, mbs: int, w: int,
-                      checkpointing: bool) -> tuple[dict[str, int], dict[str, int]]:
+def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
+                      dispatch: Dispatch | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
     ZeRO-3's gathered weights that mm saves are not among them: mm saves the Parameter itself (a
     leaf), so the saved tensor holds the gathered storage only while the coordinator has not released
@@ -85,7 +142,6 @@ def saved_activations(model: ModelShape, mbs: int, w: int,
     (gathered.z3_moments, Z3Live.saved)."""
     acts: dict[str, int] = {}
     held: dict[str, int] = {}
-    per = layer_activations(model, mbs, w)
     if checkpointing:
         # CheckpointFunction.forward: no grad inside; ctx keeps the layer input (the residual stream,
         # w) and two CPU RNG states
@@ -94,30 +150,35 @@ def saved_activations(model: ModelShape, mbs: int, w: int,
             held[f"layer {i} rng states"] = 2 * CPU_RNG_STATE
     else:
         for i in range(model.layers):
-            for k, v in per.items():
+            for k, v in layer_activations(model, mbs, w, i, dispatch).items():
                 acts[f"layer {i} {k}"] = v
     acts.update(head_activations(model, mbs, w))
     return acts, held
 
 
-def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool) -> int:
+def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
+                          dispatch: Dispatch | None = None) -> int:
     """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
     micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
     of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
     recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
     saves, the batch; the head's saves were freed by its backward before)."""
-    acts, _ = saved_activations(model, mbs, w, checkpointing)
+    acts, _ = saved_activations(model, mbs, w, checkpointing, dispatch)
     if not checkpointing:
         return sum(acts.values())
     layer = sum(layer_activations(model, mbs, w).values())
     return max(sum(acts.values()), layer + batch_bytes(model, mbs))
 
 
-def per_kind(acts: dict[str, int], layers: int) -> dict[str, int]:
-    """saved_activations' names with the identical layers folded: "layers x4 attention" etc."""
+def per_kind(acts: dict[str, int]) -> dict[str, int]:
+    """saved_activations' names with the layers folded by kind: "layers x4 attention" etc. (an MoE
+    model's MoE parts under the number of MoE layers)."""
     out: dict[str, int] = {}
+    count: dict[str, int] = {}
     for k, v in acts.items():
         if k.startswith("layer "):
-            k = f"layers x{layers} " + k.split(" ", 2)[2]
+            k = k.split(" ", 2)[2]
+            count[k] = count.get(k, 0) + 1
+            k = f"layer {k}"
         out[k] = out.get(k, 0) + v
-    return out
+    return {f"layers x{count[k[6:]]} {k[6:]}" if k.startswith("layer ") else k: v for k, v in out.items()}

@@ -107,13 +107,14 @@ class Hooks(NamedTuple):
     norm: int  # the final norm's weight (0 when tied: the output's weight is the embedding's, last)
     w2: tuple[int, ...]  # per layer, its feed_forward.w2 weight's: the block's first gradient
     ffn_norm: tuple[int, ...]  # per layer, its ffn_norm weight's
+    count: int = 0  # the hooks in a backward (the epilogue's index)
 
 
 @lru_cache(maxsize=64)
 def hooks(order: tuple[tuple[str, tuple[int, ...]], ...], layers: int) -> Hooks:
     at = {name: i for i, (name, _) in enumerate(order)}
     return Hooks(at["norm.weight"], tuple(at[f"layers.{j}.feed_forward.w2.weight"] for j in range(layers)),
-                 tuple(at[f"layers.{j}.ffn_norm.weight"] for j in range(layers)))
+                 tuple(at[f"layers.{j}.ffn_norm.weight"] for j in range(layers)), len(order))
 
 
 def allreduce_calls(n: int, offset: int, part: int, bucket: int) -> list[tuple[int, int]]:
@@ -227,3 +228,116 @@ def z3_flushes(dp: int, bucket: int, order: tuple[tuple[str, tuple[int, ...]], .
     if sizes:
         flush(len(order), "")
     return tuple(out)
+
+
+# -- several param groups (DeepSpeed-MoE), or one: a gradient as a piece of its group's flat buffer ------
+class Piece(NamedTuple):
+    """One parameter's gradient as the IPG bucket sees it: its param group, its offset in the group's flat
+    buffer (elements) and its numel."""
+    group: int
+    offset: int
+    numel: int
+
+
+def flushes(pieces: tuple[Piece, ...], bucket: int) -> list[tuple[int, tuple[Piece, ...]]]:
+    """(index of the hook that reduces it, its content) of every IPG bucket reduction, the epilogue's
+    (index len(pieces)) last: a hook whose numel would take the bucket past reduce_bucket_size reduces
+    the bucket first (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads); an extra-large
+    gradient counts its own numel, so the next hook reduces it alone."""
+    out, content, elements = [], [], 0
+    for i, p in enumerate(pieces):
+        if elements + p.numel > bucket and content:
+            out.append((i, tuple(content)))
+            content, elements = [], 0
+        content.append(p)
+        elements += p.numel
+    if content:
+        out.append((len(pieces), tuple(content)))
+    return out
+
+
+def reduction_calls(content: tuple[Piece, ...], parts: tuple[int, ...], pgs: tuple[int, ...],
+                    bucket: int) -> list[tuple[int, int, int]]:
+    """(process group, elements, slices) of each all-reduce average_tensor makes of one bucket: a
+    gradient's slice per partition of its group it lies in (parts: each group's partition elements;
+    pgs: each group's process group), merged with the previous slice when both go to the same
+    partition of the same process group; with use_multi_rank_bucket_allreduce each process group's
+    slices go to allreduce_and_scatter, one call each time their sum passes reduce_bucket_size and one
+    for the rest (allreduce_bucket: a torch.cat of several slices, a view of one)."""
+    slices: list[list[int]] = []  # [process group, partition, elements]
+    for p in content:
+        part, pg = parts[p.group], pgs[p.group]
+        end = p.offset + p.numel
+        for q in range(p.offset // part, (end - 1) // part + 1):
+            n = min(end, (q + 1) * part) - max(p.offset, q * part)
+            if slices and slices[-1][0] == pg and slices[-1][1] == q:
+                slices[-1][2] += n
+            else:
+                slices.append([pg, q, n])
+    calls = []
+    for pg in dict.fromkeys(sl[0] for sl in slices):
+        acc = cnt = 0
+        for _, _, n in (sl for sl in slices if sl[0] == pg):
+            acc, cnt = acc + n, cnt + 1
+            if acc > bucket:
+                calls.append((pg, acc, cnt))
+                acc = cnt = 0
+        if cnt:
+            calls.append((pg, acc, cnt))
+    return calls
+
+
+def piece_flush(pieces: tuple[Piece, ...], parts: tuple[int, ...], mine: tuple[int, ...],
+                bucket: int) -> PartitionFlush:
+    """partition_flushes for one rank over pieces: mine, the rank's partition in each group."""
+    def in_mine(p: Piece) -> bool:
+        q = mine[p.group]
+        return p.offset < (q + 1) * parts[p.group] and p.offset + p.numel > q * parts[p.group]
+
+    overlap = sum(p.numel for p in pieces if in_mine(p))
+    copied = 0
+    for at, content in flushes(pieces, bucket):
+        copied_before = sum(p.numel for p in pieces[:at] if p.numel <= bucket)
+        if any(in_mine(p) for p in content):
+            return PartitionFlush(overlap, at, copied_before)
+    return PartitionFlush(overlap, len(pieces), copied)
+
+
+def piece_hooked(pieces: tuple[Piece, ...], parts: tuple[int, ...], pgs: tuple[int, ...],
+                 bucket: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """hooked over pieces: per hook, the elements made and of those an all-reduce reduces in place (an
+    extra-large gradient a call takes as one slice of its own storage)."""
+    cum, cum_touched, a, t = [], [], 0, 0
+    for p in pieces:
+        a += p.numel
+        if p.numel > bucket and any(n == 1 for _, _, n in reduction_calls((p,), parts, pgs, bucket)):
+            t += p.numel
+        cum.append(a)
+        cum_touched.append(t)
+    return tuple(cum), tuple(cum_touched)
+
+
+def piece_ipg_touched(pieces: tuple[Piece, ...], parts: tuple[int, ...], pgs: tuple[int, ...], bucket: int) -> bool:
+    """ipg_touched over pieces: a bucket of copied gradients one of whose all-reduces is of one slice (a
+    view of the IPG buffer)."""
+    return any(all(p.numel <= bucket for p in content)
+               and any(n == 1 for _, _, n in reduction_calls(content, parts, pgs, bucket))
+               for _, content in flushes(pieces, bucket))
+
+
+def epilogue_copies(pieces: tuple[Piece, ...], parts: tuple[int, ...], pgs: tuple[int, ...], bucket: int,
+                    names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """The epilogue's reduction (the last bucket): (what, elements) of each flattened copy its
+    all-reduces make (a call of several slices), in order; names: each process group's."""
+    at, content = flushes(pieces, bucket)[-1]
+    if at != len(pieces):
+        return ()
+    return tuple((f"{names[pg]} slices", n) for pg, n, k in reduction_calls(content, parts, pgs, bucket) if k > 1)
+
+
+@lru_cache(maxsize=64)
+def dense_epilogue(model: ModelShape, dp: int, bucket: int,
+                   order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[str, int], ...]:
+    """epilogue_copies of the one flat group (_flat) over dp, its gradients in `order`."""
+    part, at = _flat(model, dp)
+    return epilogue_copies(tuple(Piece(0, *at[name]) for name, _ in order), (part,), (0,), bucket, ("dp",))

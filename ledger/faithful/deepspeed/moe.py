@@ -37,13 +37,19 @@ checkpointing with MoE, the peak within a step.
 """
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import numpy as np
 
 from ledger.dtypes import FP32, INT64
+from ledger.faithful.deepspeed import backward as deepspeed_backward
+from ledger.faithful.deepspeed import peak as deepspeed_peak
+from ledger.faithful.deepspeed.activations import Dispatch, modelled
+from ledger.faithful.deepspeed.backward import Hooks, Piece
 from ledger.faithful.deepspeed.common import DTYPES
 from ledger.faithful.deepspeed import rules
+from ledger.faithful.deepspeed.target import RULES, Rules, rules_of
 from ledger.faithful.deepspeed.zero12 import allreduce_chunks
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict, numel
@@ -135,6 +141,12 @@ def order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[int, in
     buckets see them: registration (stage 1 without overlap_comm walks the groups one after another) or
     gradient-ready: the output, the final norm, each block last to first (an MoE block: its local
     experts last to first, each w2 w3 w1, then the gate, then the dense ones), the embedding last."""
+    return tuple(where for _, where in named_order(model, ep, registration))
+
+
+@lru_cache(maxsize=64)
+def named_order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+    """order with each parameter's name."""
     gs = groups(model, ep)
     where = {}
     for g, params in enumerate(gs):
@@ -143,7 +155,7 @@ def order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[int, in
             where[name] = (g, off, n)
             off += n
     if registration:
-        return tuple(where[name] for params in gs for name, _ in params)
+        return tuple((name, where[name]) for params in gs for name, _ in params)
     names = ([] if model.tied_embeddings else ["output.weight"]) + [n for n, _ in model.norm_params("norm")]
     for i in reversed(range(model.layers)):
         p = f"layers.{i}"
@@ -157,7 +169,7 @@ def order(model: ModelShape, ep: int, registration: bool) -> tuple[tuple[int, in
         lp = [n for n, _ in model.layer_params(i)]
         names += [n for mod in _BLOCK_BACKWARD for n in lp if n.startswith(f"{p}.{mod}.")]
     names.append("tok_embeddings.weight")
-    return tuple(where[n] for n in names)
+    return tuple((n, where[n]) for n in names)
 
 
 def flat(model: ModelShape, lay: Layout, g: int) -> int:
@@ -172,6 +184,27 @@ def _size(lay: Layout, g: int) -> int:
 
 
 # -- one rank ----------------------------------------------------------------------------------------
+def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO]):
+    """rank -> its state: the states and collectives every rank's, the peak its partitions' (where its
+    grads_in_partition is made, its size): one state per distinct (flush, epilogue), sharing the rest."""
+    s = rank_state(model, lay, fw)
+    if peak_modelled(model, fw) is not None:
+        return lambda r: s
+    by_key: dict = {}
+    by_rank: dict[int, RankState] = {}
+
+    def state(r: int) -> RankState:  # on first use: a search that reads the resident state builds no peak input
+        if r not in by_rank:
+            inputs = _peak_inputs(model, lay, fw, s, r, target_rules)
+            key = (inputs.flush, inputs.epilogue)
+            if key not in by_key:
+                st = by_key[key] = copy.copy(s) if by_key else s
+                st.peak = (lambda inputs=inputs: deepspeed_peak.peak(inputs))
+            by_rank[r] = by_key[key]
+        return by_rank[r]
+    return state
+
+
 def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
     w = DTYPES[fw.precision]
     s = RankState()
@@ -182,8 +215,7 @@ def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
         s.add("optim_bytes", f"{what}fp32 partition (single_partition_of_fp32_groups)", FP32 * part)
         add_adamw(s, part, 1, what)  # one flat fp32 partition per group: one `step`
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
-    s.add("other_bytes", "MOELayer l_aux (fp32) + exp_counts (int64 [E])",
-          model.moe_layers() * (FP32 + INT64 * model.num_experts))
+    s.add("other_bytes", "MOELayer l_aux (fp32) + exp_counts (int64 [E])", _moe_other(model))
     s.comm_fn = lambda: list(_comm(model, lay, fw.zero_stage, rules.overlap_comm(fw), int(fw.reduce_bucket_size),
                                    fw.precision, float(fw.capacity_factor), int(fw.min_capacity)))
     return s
@@ -244,12 +276,90 @@ def _comm(model: ModelShape, lay: Layout, stage: int, overlap: bool, bucket: int
     return tuple(cb.build())
 
 
+# -- the peak within a step ------------------------------------------------------------------------------
+# module-level tensors sharded_moe.py makes on the first forward and keeps: top1gating's Random Token
+# Selection sampler (exp_selection_uniform_map: Uniform(tensor(0.), tensor(1.))), top2gating's second-expert
+# sampling (gumbel_map: Gumbel(tensor(0.), tensor(1.)) and its transforms' tensors), fp32 scalars,
+# measured (the probe's `unnamed` of a steady step)
+SAMPLERS = {1: 2 * FP32, 2: 6 * FP32}
+
+
+def peak_modelled(model: ModelShape, fw) -> str | None:
+    """None where the peak is predicted; else why not (the prediction's note)."""
+    if model.moe_router_topk not in SAMPLERS:
+        return f"model.moe_router_topk={model.moe_router_topk}: topkgating's saves are not derived (top-1 and top-2 are)"
+    if fw.zero_stage == 1 and rules.overlap_comm(fw):
+        return None  # an estimate, said in the peak's `what` (peak.py)
+    return modelled(model)
+
+
+def _mine(lay: Layout, ngroups: int, rank: int) -> tuple[int, ...]:
+    """The rank's partition in each param group: its DP rank in the dense group (pure DP: the rank),
+    its rank in its expert data parallel group (ranks r % ep + j*ep: utils/groups.py) in the others."""
+    return (rank,) + (rank // lay.ep,) * (ngroups - 1)
+
+
+def _hooks(model: ModelShape, ep: int) -> Hooks:
+    at = {name: i for i, (name, _) in enumerate(named_order(model, ep, False))}
+    def first(j: int) -> int:  # a block's first gradient: its w2 (dense), its last local expert's w2 (MoE)
+        if not model.is_moe_layer(j):
+            return at[f"layers.{j}.feed_forward.w2.weight"]
+        return at[f"layers.{j}.feed_forward.deepspeed_moe.experts.deepspeed_experts.{model.num_experts // ep - 1}.w2.weight"]
+
+    return Hooks(at["norm.weight"], tuple(first(j) for j in range(model.layers)),
+                 tuple(at[f"layers.{j}.ffn_norm.weight"] for j in range(model.layers)), len(at))
+
+
+def _peak_inputs(model: ModelShape, lay: Layout, fw, s: RankState, rank: int,
+                 target_rules: Rules) -> deepspeed_peak.PeakInputs:
+    """One rank's PeakInputs: the dense ledger's moments (peak.py) over the param groups (the IPG
+    bucket's gradients as pieces of their group's flat buffer), the MoE layers' saves (Dispatch)."""
+    ngroups = len(groups(model, lay.ep))
+    parts = tuple(flat(model, lay, g) // _size(lay, g) for g in range(ngroups))
+    pgs = (0,) + (1,) * (ngroups - 1)
+    bucket, stage = int(fw.reduce_bucket_size), fw.zero_stage
+    grad_order = tuple(Piece(*where) for where in order(model, lay.ep, False))
+    flush = hooks = None
+    touched, epilogue = True, ()
+    if not (stage == 1 and rules.overlap_comm(fw)):  # stage 1 with overlap_comm: an estimate (peak.py)
+        walk = grad_order if stage == 2 else tuple(Piece(*where) for where in order(model, lay.ep, True))
+        flush = deepspeed_backward.piece_flush(walk, parts, _mine(lay, ngroups, rank), bucket)
+        hooks = _hooks(model, lay.ep)
+        touched = deepspeed_backward.piece_ipg_touched(walk, parts, pgs, bucket)
+        if stage == 2:
+            epilogue = deepspeed_backward.epilogue_copies(grad_order, parts, pgs, bucket, ("dp", "edp"))
+    cf, mc = float(fw.capacity_factor), int(fw.min_capacity)
+    return deepspeed_peak.PeakInputs(
+        model, lay.micro_batch_size, lay.num_microbatches, stage, DTYPES[fw.precision], False,
+        part=parts[0], params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
+        n=sum(n for g in groups(model, lay.ep) for _, n in g), bucket=bucket, flush=flush, hooks=hooks,
+        ipg_touched=touched, grads_hooked=deepspeed_backward.piece_hooked(grad_order, parts, pgs, bucket),
+        rules=target_rules, dispatch=Dispatch(lay.ep, capacity(model, lay, cf, mc)), group_parts=parts,
+        other_extra=_moe_other(model), samplers=SAMPLERS[model.moe_router_topk], epilogue=epilogue)
+
+
+def _moe_other(model: ModelShape) -> int:
+    """What each MOELayer keeps after its forward: l_aux (fp32) and exp_counts (int64 [E])."""
+    return model.moe_layers() * (FP32 + INT64 * model.num_experts)
+
+
 def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     check(model, lay, fw)
-    s = rank_state(model, lay, fw)
+    rules_ = rules_of(target)
     pl = Placement(framework="deepspeed", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
-                   world=lay.world, rank_state=lambda r: s, representatives=[0], target=target or CPU_GLOO)
+                   world=lay.world, rank_state=rank_states(model, lay, fw, rules_), representatives=[0],
+                   target=rules_.target)
     pl.notes.append(f"DeepSpeed 0.19.8 ZeRO-{fw.zero_stage}, {fw.precision}, torch AdamW; DeepSpeed-MoE ep={lay.ep} "
                     f"over {lay.dp} ranks (expert data parallel {lay.edp}): deepspeed_moe.py")
-    pl.notes.append("DeepSpeed-MoE: the peak within a step is not modelled (no peak row)")
+    why = peak_modelled(model, fw)
+    if why is not None:
+        pl.notes.append(f"DeepSpeed-MoE: the peak within a step is not modelled (no peak row): {why}")
+    else:
+        pl.notes.append(MOE_PEAK_NOTE)
     return pl
+
+
+MOE_PEAK_NOTE = ("DeepSpeed-MoE peak: the dense ledger's moments (peak.py) over the param groups, the MoE layers' "
+                 "saves from sharded_moe.py (the gate in fp32, the capacity-padded dispatch, each expert's "
+                 "rows, the combine): the capacity fixes every size whatever the router decides. Not a "
+                 "candidate: an MoE layer's own backward")

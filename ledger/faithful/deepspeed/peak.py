@@ -59,8 +59,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ledger.dtypes import FP32, FP64
-from ledger.faithful.deepspeed.activations import (batch_bytes, head_activations, layer_activations, modelled,
-                                                   most_live_activations, per_kind, saved_activations)
+from ledger.faithful.deepspeed.activations import (Dispatch, batch_bytes, ffn_saves, head_activations,
+                                                   layer_activations, modelled, most_live_activations, per_kind,
+                                                   saved_activations)
 from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
 from ledger.faithful.deepspeed.gathered import Z3Live
 from ledger.faithful.deepspeed.target import RULES, Rules
@@ -94,7 +95,15 @@ class PeakInputs:
     grads_hooked (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in
     place (deepspeed_backward.hooked); z3_flushes (ZeRO-3): a backward's IPG reductions
     (deepspeed_backward.z3_flushes) and, per micro-batch of a steady step and of step 0, the gathered
-    params at each (gathered.z3_backward_moments)."""
+    params at each (gathered.z3_backward_moments).
+
+    Several param groups (DeepSpeed-MoE: moe.py): dispatch, the MoE layers' expert-parallel size and
+    capacity (their saves: activations.moe_saves); group_parts, each group's fp32 partition elements
+    in step()'s order (empty: one group, `part`); other_extra, resident `other` bytes beside the grad
+    norm (the MoE layers' l_aux and exp_counts); samplers, module-level tensors made in step 0's
+    forward and kept (DeepSpeed-MoE's cached random samplers: step 0 `temporary`, then `unnamed`);
+    epilogue, ZeRO-2's last reduction of a backward, (what, elements) of each flattened copy its
+    all-reduces make (a process group's slices of the bucket, several: torch.cat) in order."""
     model: ModelShape
     mbs: int
     m: int
@@ -116,6 +125,11 @@ class PeakInputs:
     grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())
     rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
+    dispatch: Dispatch | None = None
+    group_parts: tuple[int, ...] = ()
+    other_extra: int = 0
+    samplers: int = 0
+    epilogue: tuple[tuple[str, int], ...] = ()
 
 
 class _Step:
@@ -125,7 +139,7 @@ class _Step:
     def __init__(self, i: PeakInputs):
         model, mbs, w, zero, m = i.model, i.mbs, i.w, i.zero, i.m
         self.i = i
-        self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing)
+        self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing, i.dispatch)
         self.act = sum(self.acts.values())
         self.batch = batch_bytes(model, mbs)
         self.norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
@@ -150,8 +164,8 @@ class _Step:
         # setup_buckets allocates it (reduce_bucket_size elements), after the MmBackward's outputs and the
         # release of the logits' gradient: in deep_in_backward (ZeRO-2) and reduce_gradients_at_boundary
         # (ZeRO-1), not in backward_start
-        self.act_named = per_kind(self.acts, model.layers)
-        most = most_live_activations(model, mbs, w, i.checkpointing)
+        self.act_named = per_kind(self.acts)
+        most = most_live_activations(model, mbs, w, i.checkpointing, i.dispatch)
         if zero == 3:
             # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
             # backward's start adds only storages gathered for the backward, which no op saves)
@@ -160,14 +174,32 @@ class _Step:
         self.base_temp = sum(self.held.values()) + _loss_scalars() + held_grads - held_touched
         # past the loss's backward: nll_loss's total_weight and log_softmax's output released
         self.past_head = self.act - FP32 - FP32 * b * s * V
-        self.per = layer_activations(model, mbs, w)
+        self.per = layer_activations(model, mbs, w)  # a dense block's
         self.per_layer = sum(self.per.values())
+        # each block's saves (an MoE layer's differ), and the saves of the blocks after block j
+        self.layer_per = tuple(layer_activations(model, mbs, w, j, i.dispatch) for j in range(model.layers))
+        after, acc = [0] * model.layers, 0
+        for j in reversed(range(model.layers)):
+            after[j] = acc
+            acc += sum(self.layer_per[j].values())
+        self.saves_after = tuple(after)
+        moe = [j for j in range(model.layers) if i.dispatch is not None and model.is_moe_layer(j)]
+        self.first_moe = min(moe) if moe else None
+
+    def aux(self, j: int) -> dict[str, int]:
+        """The MoE layers' aux losses' gradient (launchers/llama.py: loss + coeff * sum(l_aux)): the loss's
+        backward makes it first (its nodes are the newest) and it waits in each MoE layer's l_aux node
+        until the last of them runs, in the gate of the first MoE layer: live while an MoE layer at or
+        below block j has not run its gate's backward."""
+        if self.first_moe is None or self.first_moe > j:
+            return {}
+        return {"the aux losses' gradient (waiting in the MoE layers' l_aux nodes)": FP32}
 
     def block_saves(self, j: int) -> int:
         # in block j's backward, before it released anything: its saves and the blocks' below, the
         # batch; the final norm's and the later blocks' released
         i = self.i
-        return self.past_head - head_activations(i.model, i.mbs, i.w)["norm"] - (i.model.layers - 1 - j) * self.per_layer
+        return self.past_head - head_activations(i.model, i.mbs, i.w)["norm"] - self.saves_after[j]
 
     def resident_in_step(self, first: bool) -> int:
         # within a step's passes: the params (ZeRO-3: partitions and persistent params), ZeRO-3's grad
@@ -182,34 +214,50 @@ class _Step:
         i = self.i
         return {"resident/params": i.params_resident - (i.persist if first else 0),
                 "resident/grads": i.grads_resident,
-                "resident/optim": i.optim - (2 * FP32 * i.part + FP32 if first else 0),
-                "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0)}
+                "resident/optim": i.optim - (sum(2 * FP32 * p + FP32 for p in i.group_parts or (i.part,)) if first
+                                             else 0),
+                "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0) + i.other_extra}
 
 
 def optimizer_step(st: _Step, first: bool) -> Peak:
-    """torch AdamW's update on the fp32 partition (engine.step() at the accumulation boundary)."""
+    """torch AdamW's update on each group's fp32 partition (engine.step() at the accumulation
+    boundary), the largest (the first of equals)."""
+    parts = st.i.group_parts or (st.i.part,)
+    return max((_group_step(st, first, g, parts) for g in range(len(parts))), key=lambda p: p.bytes)
+
+
+def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
     i, zero, batch = st.i, st.i.zero, st.batch
     # the previous step's _global_grad_norm is replaced only after the new one is computed
-    other = st.norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0)  # + inf_or_nan_tracker (bool)
+    other = st.norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0) + i.other_extra  # + inf_or_nan_tracker
     params = i.params_resident - (i.persist if zero == 3 else 0)  # _partition_all_parameters
-    resident = params + i.grads_resident + i.optim + other
-    temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * i.part,
-            f"AdamW {i.rules.adam_temporaries}": i.rules.adam_partition_temporaries * FP32 * i.part,
+    # step 0: a later group's exp_avg, exp_avg_sq and step are made at its own update (_init_group)
+    later = sum(2 * FP32 * p + FP32 for p in parts[g + 1:]) if first else 0
+    optim = i.optim - later
+    resident = params + i.grads_resident + optim + other
+    part = parts[g]
+    temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * part,
+            f"AdamW {i.rules.adam_temporaries}": i.rules.adam_partition_temporaries * FP32 * part,
             "loss (last micro-batch)": FP32}
+    if g < len(parts) - 1 and i.flush is not None:
+        # stage_1_and_2.py step(): a group's averaged_gradients are views of the one
+        # grads_in_partition buffer, released group by group: alive until the last group's step
+        temp["grads_in_partition (the later groups' gradients)"] = i.w * i.flush.overlap
     if zero == 3:
         # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
         # utils.combine_grad_norm_groups' where result (scaled_global_grad_norm), fp64
         temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * FP64
     else:
         temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
-    parts = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
-             "unnamed": 0}
-    detail = {"resident/params": params, "resident/grads": i.grads_resident, "resident/optim": i.optim,
+    moment = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
+              "unnamed": 0}
+    detail = {"resident/params": params, "resident/grads": i.grads_resident, "resident/optim": optim,
               "resident/other": other, "activations/batch (tokens, labels)": batch}
     detail.update({f"temporary/{k}": v for k, v in temp.items()})
-    return Peak.of(parts, phase="optimizer",
-                what=f"torch AdamW update on the fp32 partition ({i.rules.adam_update})",
-                detail=detail)
+    what = "" if len(parts) == 1 else f" of param group {g}"
+    return Peak.of(moment, phase="optimizer",
+                   what=f"torch AdamW update on the fp32 partition{what} ({i.rules.adam_update})",
+                   detail=detail)
 
 
 def backward_start(st: _Step, first: bool) -> Peak:
@@ -239,8 +287,9 @@ def backward_start(st: _Step, first: bool) -> Peak:
     bb_won = total(a) < total(bb)
     (acts_now, grads_now, z), at = (bb, "the output Linear's mm backward") if bb_won else \
         (a, "_log_softmax_backward_data")
+    aux = st.aux(i.model.layers)
     parts = {"resident": res, "activations": acts_now, "gathered": z.gathered + held_touched,
-             "temporary": grads_now + st.base_temp + z.temporary, "unnamed": 0}
+             "temporary": grads_now + st.base_temp + z.temporary + sum(aux.values()), "unnamed": 0}
     detail = {f"activations/{k}": v for k, v in st.act_named.items() if k != "nll_loss total_weight"}
     if i.zero == 3:
         detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
@@ -249,6 +298,7 @@ def backward_start(st: _Step, first: bool) -> Peak:
             detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
     detail["temporary/cross-entropy and output gradients at " + at] = grads_now
     detail["temporary/loss scalars"] = _loss_scalars()
+    detail.update({f"temporary/{k}": v for k, v in aux.items()})
     if held:
         detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
     if st.held_grads - held_touched:
@@ -336,6 +386,17 @@ def _deep_moment(st: _Step, res: int, fired: int, acts_now: int, temp: dict[str,
                          "backward", f"the last micro-batch's backward at {what}")
 
 
+def moe_combine_gradients(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
+    """An MoE layer's backward, its first node past the residual add: sharded_moe.py _sparse_decode's
+    `(routed * gates.unsqueeze(-1)).sum(0).to(dtype)` backwards. The cast's gradient in fp32 [S, h];
+    the mul's two gradients in fp32 (routed's and gates', [k, S, h] each, before their casts and sums)
+    and routed's cast to the model dtype, all live at its end (measured: the probe's census)."""
+    S, h, k = mbs * model.seq_len, model.hidden, model.moe_router_topk
+    return {"the combine's cast gradient (fp32 [S, h])": FP32 * S * h,
+            "the combine's mul gradients (fp32 [k, S, h], routed's and the gates')": 2 * FP32 * k * S * h,
+            "routed's gradient in the model dtype": w * k * S * h}
+
+
 def deep_in_backward(st: _Step, first: bool) -> Peak:
     """ZeRO-2 (and ZeRO-1 with one micro-batch): the last micro-batch's backward past the output Linear."""
     i, model, w, past_head = st.i, st.i.model, st.i.w, st.past_head
@@ -374,25 +435,67 @@ def deep_in_backward(st: _Step, first: bool) -> Peak:
         acts0, temp0, hooked0 = past_head - w * bsh, {"the output Linear's input gradient": w * bsh}, w * V * h
     if i.zero == 2 and (tied or V * h <= i.bucket):
         temp0["the first hook's gradient (copied into the IPG buffer next)"] = hooked0
-    cands = [moment(0, acts0, temp0, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
+    head_aux = st.aux(model.layers)
+    cands = [moment(0, acts0, {**temp0, **head_aux}, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
     cands.append(moment(i.hooks.norm - 1, past_head - w * bsh,
                         {"output Linear's input gradient, the norm's mul gradients and their sum":
-                         3 * w * bsh + w * h}, 0, "the final norm's weight gradient (sum)"))
+                         3 * w * bsh + w * h, **head_aux}, 0, "the final norm's weight gradient (sum)"))
     large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > i.bucket else 0
     for j in reversed(range(model.layers)):
-        acts_now = st.block_saves(j) - w * bsf
-        cands.append(moment(i.hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
-                                                       "w2 input gradient and the mul's two": 3 * w * bsf},
-                            large_w2, f"block {j}'s SwiGLU mul"))
+        per, below = st.layer_per[j], st.aux(j - 1)
+        if model.is_moe_layer(j):
+            cands.append(moment(i.hooks.w2[j] - 1, st.block_saves(j),
+                                {"residual stream gradient": w * bsh, **moe_combine_gradients(model, b, w),
+                                 **st.aux(j)}, 0, f"block {j}'s MoE combine (routed * gates) backward"))
+        else:
+            acts_now = st.block_saves(j) - w * bsf
+            cands.append(moment(i.hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
+                                                           "w2 input gradient and the mul's two": 3 * w * bsf,
+                                                           **below},
+                                large_w2, f"block {j}'s SwiGLU mul"))
         # (3) its ffn_norm's backward at PowBackward's last mul (RMSNorm in fp32: x.float().pow(2)):
-        # the FFN's saves, the norm's output and y.type_as(x) released, and rsqrt's (its and mean's
-        # backward ran); the residual stream's gradient, the mul-by-rsqrt's gradient for xf, the
-        # mean's backward (expanded / h) and pow's backward's three, each (b, s, h) fp32
-        acts_n = st.block_saves(j) - 4 * w * bsf - 2 * w * bsh - FP32 * b * s
+        # the FFN's saves, the norm's output (where an FFN Linear saved it) and y.type_as(x)
+        # released, and rsqrt's (its and mean's backward ran): its xf is left; the residual stream's
+        # gradient, the mul-by-rsqrt's gradient for xf, the mean's backward (expanded / h) and pow's
+        # backward's three, each (b, s, h) fp32
+        acts_n = st.block_saves(j) - ffn_saves(per) - (per["ffn_norm"] - FP32 * bsh)
         cands.append(moment(i.hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
                                                           "the norm's fp32 gradients (xf's, mean's, pow's three)":
-                                                          5 * FP32 * bsh}, 0, f"block {j}'s ffn_norm backward (pow)"))
+                                                          5 * FP32 * bsh, **below}, 0,
+                            f"block {j}'s ffn_norm backward (pow)"))
     return max(cands, key=lambda p: p.bytes)
+
+
+def epilogue(st: _Step, first: bool) -> list[Peak]:
+    """ZeRO-2: the last micro-batch's backward epilogue (independent_gradient_partition_epilogue), its
+    IPG reduction: each flattened copy its all-reduces make, and grads_in_partition's allocation where
+    this reduction is the first into the rank's partition."""
+    i, w = st.i, st.i.w
+    # every saved tensor released but the batch; the loss, its scaled copy and product (the seed
+    # freed). The IPG buffer, micro-batch 0's grads_in_partition (several micro-batches: kept by
+    # all_grad_tensors) and this backward's where an earlier hook's reduction made it. average_tensor
+    # all-reduces each process group's slices (allreduce_bucket: a torch.cat of several, reduced in
+    # place: `gathered`; backward.reduction_calls), one after another, each copy freed before the next;
+    # then copy_grads_in_partition allocates grads_in_partition on its first copy
+    res = st.resident_in_step(first)
+    made = i.flush.first_hook < i.hooks.count
+    base = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32,
+            "grads_in_partition (micro-batch 0's)": w * i.flush.overlap if i.m > 1 else 0,
+            "grads_in_partition (this backward's)": w * i.flush.overlap if made else 0}
+    ipg = {"IPG buffer (reduce_bucket_size elements)": w * i.bucket}
+    out = []
+    for what, n in i.epilogue:
+        temp, gathered = dict(base), {f"the all-reduce's flattened copy ({what})": w * n}
+        (gathered if i.ipg_touched else temp).update(ipg)
+        out.append(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
+                                 f"the last micro-batch's backward epilogue: the IPG all-reduce of {what}"))
+    if not made:
+        temp, gathered = dict(base), {}
+        temp["grads_in_partition (this backward's)"] = w * i.flush.overlap
+        (gathered if i.ipg_touched else temp).update(ipg)
+        out.append(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
+                                 "the last micro-batch's backward epilogue: grads_in_partition's allocation"))
+    return out
 
 
 def reduce_gradients_at_boundary(st: _Step, first: bool) -> Peak:
@@ -543,6 +646,10 @@ def _pick(st: _Step, first: bool) -> Peak:
         cands.append(reduce_gradients_at_boundary(st, first))
     names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
     names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
+    if zero == 2:
+        ends = epilogue(st, first)
+        cands += ends
+        names.update({id(c): "backward epilogue" for c in ends})
     if zero == 3:
         flushes = ipg_reduce_scatter(st, first)
         cands += flushes
@@ -558,6 +665,8 @@ def _pick(st: _Step, first: bool) -> Peak:
                 key=lambda p: p.bytes)
         cands.append(f)
     best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
+    if i.checkpointing and "an estimate" not in best.what:
+        best.what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
                      "candidate)"
@@ -569,6 +678,13 @@ def _pick(st: _Step, first: bool) -> Peak:
         lines = st.resident_lines(first)
         assert sum(lines.values()) == best.parts["resident"], (lines, best.parts)
         best.detail = {**{key: v for key, v in lines.items() if v}, **best.detail}
+    if i.samplers:
+        # at every moment alike: made in step 0's first forward (its `temporary`), kept after
+        part = "temporary" if first else "unnamed"
+        parts = dict(best.parts)
+        parts[part] += i.samplers
+        detail = {**best.detail, f"{part}/DeepSpeed-MoE's cached random samplers (sharded_moe.py)": i.samplers}
+        best = Peak.of(parts, best.phase, best.what, detail=detail)
     return best
 
 

@@ -51,7 +51,9 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
             flush=flush, hooks=hooks,
             ipg_touched=deepspeed_backward.ipg_touched(model, lay.dp, bucket, order) if order else True,
             grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model)),
-            rules=target_rules))
+            rules=target_rules,
+            epilogue=deepspeed_backward.dense_epilogue(model, lay.dp, bucket, order) if order and fw.zero_stage == 2
+            else ()))
 
     # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
     # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no
