@@ -1,15 +1,17 @@
 """DeepSpeed 0.19.8 with DeepSpeed-MoE: the faithful ledger (ledger/faithful/deepspeed/moe.py)
 against real CPU/gloo runs of the tiny MoE Llama, deepspeed.moe.layer.MoE in every MoE layer.
 
-One shared sweep (13 jobs, s=128, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
+One shared sweep (15 jobs, s=128, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
 expert reduction on the wire) and at world 4 (edp 2: the expert partitions over it), ep4, ZeRO-1 and
 ZeRO-2; small IPG buckets (200,000 elements: buckets mixing dense and expert gradients, the output
 weight an extra-large parameter) with and without overlap_comm at two micro-batches; top-1 routing
 with another capacity factor; every second layer MoE; a large vocabulary (the dense param group the
-larger: its update, the first, holds grads_in_partition). Every state row and every collective row
+larger: its update, the first, holds grads_in_partition); activation checkpointing at ZeRO-1 and 2 (a
+checkpointed MoE layer's recompute dispatches again: 6 all-to-alls a layer). Every state row and every collective row
 (first and steady steps) on every rank reconciles with abs_err 0: DeepSpeed's capacity makes every
 all-to-all the same size whatever the router decides; so does every peak row (peak.py's moments over
-the param groups, the MoE layers' saves: activations.moe_saves), inside the probe's thread-timing range.
+the param groups, the MoE layers' saves: activations.moe_saves), inside the probe's thread-timing range,
+but the named finding (PEAK_FINDINGS).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ SWEEPS = (
     ("w2freq", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=2", "model.moe_layer_freq=2")),
     ("w4vocab", ("cluster.ranks=4", "layout={ep:2,global_batch_size:8}", "framework.zero_stage=1,2",
                  "model.vocab=32768", "framework.reduce_bucket_size=200000")),
+    ("w2ac", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=1,2", "framework.activation_checkpointing=true")),
 )
 
 
@@ -47,16 +50,24 @@ def _job(rec) -> tuple:
     fw, m = c["framework"], c["model"]
     # overlap_comm unset is DeepSpeed's own default (off below stage 3): the job is the same
     return (records.layout_name(rec), fw["zero_stage"], overlap_comm(types.SimpleNamespace(**fw)), fw["reduce_bucket_size"],
-            m["moe_router_topk"], m["moe_layer_freq"], m["vocab"])
+            m["moe_router_topk"], m["moe_layer_freq"], m["vocab"], bool(fw["activation_checkpointing"]))
 
 
 BIG = 500_000_000
 V = 1024
-EXPECTED = {("ep2·dp2", 1, False, BIG, 2, 1, V), ("ep2·dp2", 2, False, BIG, 2, 1, V), ("ep2·dp4", 2, False, BIG, 2, 1, V),
-            ("ep4·dp4", 2, False, BIG, 2, 1, V), ("ep2·dp4", 1, False, BIG, 2, 1, V),
-            *(("ep2·dp4", z, o, 200_000, 2, 1, V) for z in (1, 2) for o in (False, True)),
-            ("ep2·dp2", 2, False, BIG, 1, 1, V), ("ep2·dp2", 2, False, BIG, 2, 2, V),
-            *(("ep2·dp4", z, False, 200_000, 2, 1, 32768) for z in (1, 2))}
+NO, AC = (V, False), (V, True)
+EXPECTED = {("ep2·dp2", 1, False, BIG, 2, 1, *NO), ("ep2·dp2", 2, False, BIG, 2, 1, *NO),
+            ("ep2·dp4", 2, False, BIG, 2, 1, *NO), ("ep4·dp4", 2, False, BIG, 2, 1, *NO),
+            ("ep2·dp4", 1, False, BIG, 2, 1, *NO),
+            *(("ep2·dp4", z, o, 200_000, 2, 1, *NO) for z in (1, 2) for o in (False, True)),
+            ("ep2·dp2", 2, False, BIG, 1, 1, *NO), ("ep2·dp2", 2, False, BIG, 2, 2, *NO),
+            *(("ep2·dp4", z, False, 200_000, 2, 1, 32768, False) for z in (1, 2)),
+            *(("ep2·dp2", z, False, BIG, 2, 1, *AC) for z in (1, 2))}
+# jobs whose peak is at a moment the ledger does not model: checked to stay what they are (a fix shows
+# up here), never covered by a wider tolerance. ZeRO-1 with activation checkpointing peaks in block 0's
+# ffn_norm backward after its recompute, every gradient held (the deep backward moments are no candidate
+# under checkpointing: peak.py), 0.15% above the epilogue's prediction
+PEAK_FINDINGS = {("ep2·dp2", 1, False, BIG, 2, 1, *AC): "within 1%"}
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +102,19 @@ MOMENTS = ("epilogue: the IPG all-reduce of edp slices", "epilogue: grads_in_par
 def test_every_peak_row_is_exact(sweep):
     """Every rank's peak rows, first and steady steps, to the byte: a total inside the probe's
     thread-timing range (compare.peak_gap; a gloo worker thread freeing the epilogue's copy late), each
-    part off by at most those bytes; and the matrix peaks at each of MOMENTS."""
+    part off by at most those bytes, but the named findings (within 1%, not exact); and the matrix
+    peaks at each of MOMENTS."""
     from analysis.compare import peak_gap
 
     df = sweep["table"]
     pk = df[df.quantity.str.startswith("peak")]
     steps = sum(len(r["steps"]) for rec in sweep["ok"] for r in rec["measurement"]["ranks"])
     assert (pk.quantity == "peak_bytes").sum() == steps
+    found = {records.job_name(r) for r in sweep["ok"] if _job(r) in PEAK_FINDINGS}
+    assert len(found) == len(PEAK_FINDINGS)
+    named = pk[pk.job.isin(found) & (pk.quantity == "peak_bytes")]
+    assert (peak_gap(named).abs() <= 0.01).all() and (peak_gap(named) != 0).any(), named.to_string()
+    pk = pk[~pk.job.isin(found)]
     tot = pk[pk.quantity == "peak_bytes"]
     assert (peak_gap(tot) == 0).all(), tot[peak_gap(tot) != 0].to_string()
     race = {(r.job, r.rank, r.step): r.race_bytes for r in tot.itertuples()}
@@ -124,14 +141,14 @@ def test_expert_groups_are_named_and_buckets_mix_groups(sweep):
         assert f"comm/{dim_kind}/count" in q, dim_kind
     steady = df[(df.phase == "steady") & (df.quantity == "comm/edp/all_reduce/count")]
     by_bucket = {_job(r)[1:4]: int(steady[steady.job == records.job_name(r)].measured.iloc[0])
-                 for r in sweep["ok"] if _job(r)[0] == "ep2·dp4" and _job(r)[4:] == (2, 1, V)}
+                 for r in sweep["ok"] if _job(r)[0] == "ep2·dp4" and _job(r)[4:] == (2, 1, *NO)}
     assert by_bucket[(2, False, 200_000)] > by_bucket[(2, False, BIG)], by_bucket
 
 
 @pytest.mark.real
 def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
     def optim(layout):
-        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 2, False, BIG, 2, 1, V))
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 2, False, BIG, 2, 1, *NO))
         p = records.predicted_ranks(rec["prediction"])(0)
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
         return p["detail"]["optim/expert group 1: fp32 partition (single_partition_of_fp32_groups)"]
@@ -168,8 +185,7 @@ def test_peak_by_hand():
 
 
 @pytest.mark.parametrize("fw,msg", [({"zero_stage": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
-                                    ({"drop_tokens": False}, "drop_tokens=false"),
-                                    ({"activation_checkpointing": True}, "dispatches again in backward")])
+                                    ({"drop_tokens": False}, "drop_tokens=false")])
 def test_faithful_ledger_refuses_what_it_does_not_model(fw, msg):
     from omegaconf import OmegaConf
 

@@ -166,7 +166,7 @@ def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bo
     acts, _ = saved_activations(model, mbs, w, checkpointing, dispatch)
     if not checkpointing:
         return sum(acts.values())
-    layer = sum(layer_activations(model, mbs, w).values())
+    layer = max(sum(layer_activations(model, mbs, w, i, dispatch).values()) for i in range(model.layers))
     return max(sum(acts.values()), layer + batch_bytes(model, mbs))
 
 

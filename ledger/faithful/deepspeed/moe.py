@@ -74,8 +74,6 @@ def check(model: ModelShape, lay: Layout, fw) -> None:
            "not modelled")
     if model.moe_shared_expert_hidden:
         no("model.moe_shared_expert_hidden: DeepSpeed's residual MoE (use_residual) is not modelled")
-    if fw.get("activation_checkpointing", False):
-        no("framework.activation_checkpointing=true: a checkpointed MoE layer dispatches again in backward")
     if lay.etp > 1:
         no(f"layout.etp={lay.etp}: expert tensor parallelism is not modelled")
     if model.bias or model.qkv_bias:
@@ -217,7 +215,8 @@ def rank_state(model: ModelShape, lay: Layout, fw) -> RankState:
     s.add("other_bytes", "_global_grad_norm (fp32 scalar)", FP32)
     s.add("other_bytes", "MOELayer l_aux (fp32) + exp_counts (int64 [E])", _moe_other(model))
     s.comm_fn = lambda: list(_comm(model, lay, fw.zero_stage, rules.overlap_comm(fw), int(fw.reduce_bucket_size),
-                                   fw.precision, float(fw.capacity_factor), int(fw.min_capacity)))
+                                   fw.precision, float(fw.capacity_factor), int(fw.min_capacity),
+                                   bool(fw.get("activation_checkpointing", False))))
     return s
 
 
@@ -231,7 +230,7 @@ def capacity(model: ModelShape, lay: Layout, capacity_factor: float, min_capacit
 
 @lru_cache(maxsize=256)
 def _comm(model: ModelShape, lay: Layout, stage: int, overlap: bool, bucket: int, precision: str,
-          capacity_factor: float, min_capacity: int):
+          capacity_factor: float, min_capacity: int, checkpointing: bool = False):
     w = DTYPES[precision]
     cb = CommBuilder()
     dims = ("dp", "edp")  # a dense group's process group, an MoE group's
@@ -269,10 +268,12 @@ def _comm(model: ModelShape, lay: Layout, stage: int, overlap: bool, bucket: int
     for g in range(ngroups):
         cb.add(dims[min(g, 1)], "all_gather", w * flat(model, lay, g), _size(lay, g), precision,
                what=f"updated {precision} partitions (all_gather_dp_groups)")
-    # the gate's dispatch and combine, forward and backward
+    # the gate's dispatch and combine, forward and backward; a checkpointed layer's recompute in backward
+    # (deepspeed.checkpointing.checkpoint) runs its forward's two again
     c = capacity(model, lay, capacity_factor, min_capacity)
+    calls = 6 if checkpointing else 4
     cb.add("ep", "all_to_all", w * model.num_experts * c * model.hidden, lay.ep, precision,
-           count=4 * model.moe_layers() * lay.num_microbatches, what="MoE dispatch / combine (sharded_moe.py _AllToAll)")
+           count=calls * model.moe_layers() * lay.num_microbatches, what="MoE dispatch / combine (sharded_moe.py _AllToAll)")
     return tuple(cb.build())
 
 
@@ -330,12 +331,27 @@ def _peak_inputs(model: ModelShape, lay: Layout, fw, s: RankState, rank: int,
             epilogue = deepspeed_backward.epilogue_copies(grad_order, parts, pgs, bucket, ("dp", "edp"))
     cf, mc = float(fw.capacity_factor), int(fw.min_capacity)
     return deepspeed_peak.PeakInputs(
-        model, lay.micro_batch_size, lay.num_microbatches, stage, DTYPES[fw.precision], False,
+        model, lay.micro_batch_size, lay.num_microbatches, stage, DTYPES[fw.precision],
+        bool(fw.get("activation_checkpointing", False)),
         part=parts[0], params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
         n=sum(n for g in groups(model, lay.ep) for _, n in g), bucket=bucket, flush=flush, hooks=hooks,
         ipg_touched=touched, grads_hooked=deepspeed_backward.piece_hooked(grad_order, parts, pgs, bucket),
         rules=target_rules, dispatch=Dispatch(lay.ep, capacity(model, lay, cf, mc)), group_parts=parts,
-        other_extra=_moe_other(model), samplers=SAMPLERS[model.moe_router_topk], epilogue=epilogue)
+        other_extra=_moe_other(model), samplers=SAMPLERS[model.moe_router_topk], epilogue=epilogue,
+        recomputed_aux=recomputed_aux(model, lay.micro_batch_size, DTYPES[fw.precision])
+        if fw.get("activation_checkpointing", False) else None)
+
+
+def recomputed_aux(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
+    """What a checkpointed MoE layer's recompute leaves behind (deepspeed.checkpointing.checkpoint:
+    CheckpointFunction.backward reruns the layer with grad): launchers/llama.py Block keeps the
+    recomputed l_aux (self.aux_loss), whose graph no backward runs (the loss holds the forward's,
+    made without grad); its saved ce ([E] fp32) and the AccumulateGrad at its root, the layer's detached
+    input with the gradient the backward accumulated into it, live until the layer's next forward
+    replaces aux_loss (measured: the probe's census at the epilogue)."""
+    n, bsh = model.moe_layers(), mbs * model.seq_len * model.hidden
+    return {"activations/the recomputed l_aux graphs' ce (checkpointed MoE layers)": n * FP32 * model.num_experts,
+            "temporary/the recomputed l_aux graphs' layer inputs and their gradients": n * 2 * w * bsh}
 
 
 def _moe_other(model: ModelShape) -> int:

@@ -103,7 +103,9 @@ class PeakInputs:
     norm (the MoE layers' l_aux and exp_counts); samplers, module-level tensors made in step 0's
     forward and kept (DeepSpeed-MoE's cached random samplers: step 0 `temporary`, then `unnamed`);
     epilogue, ZeRO-2's last reduction of a backward, (what, elements) of each flattened copy its
-    all-reduces make (a process group's slices of the bucket, several: torch.cat) in order."""
+    all-reduces make (a process group's slices of the bucket, several: torch.cat) in order;
+    recomputed_aux, "part/name" -> bytes a checkpointed MoE layer's recompute leaves from its backward
+    to the layer's next forward (moe.py recomputed_aux), live at every moment past the backward."""
     model: ModelShape
     mbs: int
     m: int
@@ -130,6 +132,7 @@ class PeakInputs:
     other_extra: int = 0
     samplers: int = 0
     epilogue: tuple[tuple[str, int], ...] = ()
+    recomputed_aux: dict[str, int] | None = None
 
 
 class _Step:
@@ -255,9 +258,9 @@ def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
               "resident/other": other, "activations/batch (tokens, labels)": batch}
     detail.update({f"temporary/{k}": v for k, v in temp.items()})
     what = "" if len(parts) == 1 else f" of param group {g}"
-    return Peak.of(moment, phase="optimizer",
-                   what=f"torch AdamW update on the fp32 partition{what} ({i.rules.adam_update})",
-                   detail=detail)
+    return _past_backward(Peak.of(moment, phase="optimizer",
+                                  what=f"torch AdamW update on the fp32 partition{what} ({i.rules.adam_update})",
+                                  detail=detail), st)
 
 
 def backward_start(st: _Step, first: bool) -> Peak:
@@ -343,6 +346,18 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
     return Peak.of(parts, phase="forward",
                 what=f"micro-batch {mb}'s forward at the final norm (ZeRO-3's gathered params: the coordinator "
                      "replay)", detail=detail)
+
+
+def _past_backward(p: Peak, st: _Step) -> Peak:
+    """p with what outlives the backward and is not resident state (PeakInputs.recomputed_aux)."""
+    extra = st.i.recomputed_aux
+    if not extra:
+        return p
+    parts, detail = dict(p.parts), dict(p.detail)
+    for key, v in extra.items():
+        parts[key.split("/", 1)[0]] += v
+        detail[key] = v
+    return Peak.of(parts, p.phase, p.what, detail=detail)
 
 
 def _named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
@@ -487,14 +502,16 @@ def epilogue(st: _Step, first: bool) -> list[Peak]:
     for what, n in i.epilogue:
         temp, gathered = dict(base), {f"the all-reduce's flattened copy ({what})": w * n}
         (gathered if i.ipg_touched else temp).update(ipg)
-        out.append(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
-                                 f"the last micro-batch's backward epilogue: the IPG all-reduce of {what}"))
+        out.append(_past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
+                                                f"the last micro-batch's backward epilogue: the IPG all-reduce of {what}"),
+                                  st))
     if not made:
         temp, gathered = dict(base), {}
         temp["grads_in_partition (this backward's)"] = w * i.flush.overlap
         (gathered if i.ipg_touched else temp).update(ipg)
-        out.append(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
-                                 "the last micro-batch's backward epilogue: grads_in_partition's allocation"))
+        out.append(_past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
+                                                "the last micro-batch's backward epilogue: grads_in_partition's allocation"),
+                                  st))
     return out
 
 
@@ -515,8 +532,9 @@ def reduce_gradients_at_boundary(st: _Step, first: bool) -> Peak:
             "loss scalars": _loss_scalars() - FP32}
     gathered = {"extra-large gradients a collective reduces in place": w * touched}
     (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * i.bucket
-    return _named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch), temp, gathered,
-                         "optimizer", "reduce_gradients at the boundary: the first copy into grads_in_partition")
+    return _past_backward(_named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch), temp,
+                                        gathered, "optimizer",
+                                        "reduce_gradients at the boundary: the first copy into grads_in_partition"), st)
 
 
 def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
