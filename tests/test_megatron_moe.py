@@ -1,8 +1,8 @@
 """Megatron Core 0.18.0 Mixture-of-Experts: the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
-One shared sweep (24 jobs, two steps; s=32 but three at s=512, where the MoE layers' saves weigh in the
-peak): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+One shared sweep (25 jobs, two steps; s=32 but four at s=512, where the MoE layers' saves weigh in the
+peak, one of them with selective recompute): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
 (world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP, expert tensor
 parallelism (tp2·ep2·etp2; tp2·etp2 at ep 1, the experts dense parameters split over TP); the alltoall
 dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
@@ -70,6 +70,9 @@ SWEEPS = (
     ("w2long", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2}",
                 "framework.moe_token_dispatcher_type=allgather,alltoall")),
     ("w4long", ("cluster.ranks=4", "model.seq_len=512", "layout={tp:2,ep:2,etp:2,sequence_parallel:true}")),
+    # selective recompute (core_attn): the MoE layers' saves as without it, the attention's the dense rule's
+    ("w2sel", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall",
+               "framework.recompute_granularity=selective")),
 )
 
 
@@ -79,7 +82,7 @@ def _job(rec) -> tuple:
     return (records.layout_name(rec), m["num_experts"], fw["moe_token_dispatcher_type"],
             fw["moe_expert_capacity_factor"], fw["moe_aux_loss_coeff"] > 0, m["moe_layer_freq"],
             m["qk_layernorm"] or ("shared" if m["moe_shared_expert_hidden"] else False), m["moe_router_dtype"],
-            fw["use_distributed_optimizer"], m["seq_len"])
+            fw["use_distributed_optimizer"], m["seq_len"], fw["recompute_granularity"])
 
 
 EXPECTED_S32 = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True), ("ep2·dp2", 8, "allgather", None, False, 1, False, None, True),
@@ -97,10 +100,11 @@ EXPECTED_S32 = {("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True), 
             ("ep2·dp2", 8, "alltoall", None, False, 1, False, "fp32", True), ("ep2·dp2", 8, "allgather", None, False, 1, False, "fp32", True),
             ("pp2·ep2·dp2", 8, "alltoall", None, False, 1, False, None, False),
             ("tp2·ep2·dp2·sp", 8, "alltoall", None, False, 1, False, None, False)}
-EXPECTED = {(*j, 32) for j in EXPECTED_S32} | {
-    ("ep2·dp2", 8, "allgather", None, False, 1, False, None, True, 512),
-    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512),
-    ("tp2·ep2·etp2·dp2·sp", 8, "allgather", None, False, 1, False, None, True, 512)}
+EXPECTED = {(*j, 32, None) for j in EXPECTED_S32} | {
+    ("ep2·dp2", 8, "allgather", None, False, 1, False, None, True, 512, None),
+    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, None),
+    ("tp2·ep2·etp2·dp2·sp", 8, "allgather", None, False, 1, False, None, True, 512, None),
+    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, "selective")}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,7 @@ def test_every_steady_peak_inside_its_routed_bound(sweep):
     moe = pk[pk.framework == "megatron"]
     moe = moe[~moe.job.str.startswith("w2qkdense")]
     assert moe.bound_low.notna().all() and (moe.bound_low <= moe.predicted).all() and (moe.predicted <= moe.bound_high).all()
-    long = [r for r in sweep["ok"] if _job(r)[-1] == 512]
+    long = [r for r in sweep["ok"] if _job(r)[-2:] == (512, None)]
     assert len(long) == 3
     for rec in long:
         for m in rec["measurement"]["ranks"]:
@@ -187,7 +191,7 @@ def test_expert_groups_are_named_and_every_kind_measured(sweep):
 def test_expert_state_is_sharded_over_the_expert_data_parallel_group(sweep):
     """ep2 at world 2 (edp 1) keeps every expert's master and Adam state; ep2 at world 4 (edp 2) half."""
     def master(layout):  # the fp32 master shard of the experts, predicted and measured on rank 0
-        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None, True, 32))
+        rec = next(r for r in sweep["ok"] if _job(r) == (layout, 8, "alltoall", None, False, 1, False, None, True, 32, None))
         p = records.predicted_ranks(rec["prediction"])(0)
         assert rec["measurement"]["ranks"][0]["steps"][-1]["state"]["optim_bytes"] == p["optim_bytes"]
         return p["detail"]["optim/expert fp32 master params"]

@@ -69,8 +69,11 @@ ledger.faithful.megatron.moe_activations at balanced routing and its bound (moe_
 optimizers' transients (moe_optimizer_moments); not with capacity padding, the router in fp32 or the
 sequence aux loss (peak_modelled: no peak row).
 
+Selective recompute (core_attn) is the dense layers' rule for the attention (activations.layer_groups):
+the MoE layers' saves do not change, nor does a collective.
 Not modelled (refused, naming the knob): etp > 1 with the alltoall dispatcher, interleaving (vp > 1),
-recompute, fp32, overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine).
+full recompute (a recomputed MoE layer dispatches its tokens again), fp32, overlap_param_gather, tied
+embeddings, grouped GEMM (TransformerEngine).
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
 from __future__ import annotations
@@ -137,7 +140,7 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
         no("model.tied_embeddings")
     if lay.cp > 1:
         no(f"layout.cp={lay.cp}")
-    if k.recompute_granularity is not None:
+    if k.recompute_granularity == "full":
         # a recomputed MoE layer dispatches its tokens again in backward: other collectives
         no(f"framework.recompute_granularity={k.recompute_granularity}: recompute")
 
