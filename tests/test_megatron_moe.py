@@ -1,8 +1,9 @@
 """Megatron Core 0.18.0 Mixture-of-Experts: the MoE shapes, layout.ep, the faithful ledger
 (ledger/faithful/megatron/moe.py) against real CPU/gloo runs of the tiny MoE Llama, run.sh's MoE flags.
 
-One shared sweep (25 jobs, two steps; s=32 but four at s=512, where the MoE layers' saves weigh in the
-peak, one of them with selective recompute): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
+One shared sweep (28 jobs, two steps; s=32 but five at s=512, where the MoE layers' saves weigh in the
+peak, one of them with selective recompute, one with full uniform recompute; full block recompute under
+TP + SP with both dispatchers: a recomputed MoE layer dispatches again): ep2 (world 2: EP = the DP ranks, edp 1), ep2 with dp4
 (world 4: edp 2, the expert buffer sharded over it), ep4, pp2·ep2, tp2·ep2 with SP, expert tensor
 parallelism (tp2·ep2·etp2; tp2·etp2 at ep 1, the experts dense parameters split over TP); the alltoall
 dispatcher (drop-less: all-to-all sizes follow the router) and the allgather one (Megatron's default:
@@ -73,6 +74,14 @@ SWEEPS = (
     # selective recompute (core_attn): the MoE layers' saves as without it, the attention's the dense rule's
     ("w2sel", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall",
                "framework.recompute_granularity=selective")),
+    # full recompute: a checkpoint's MoE layers dispatch again in its backward (the forward's collectives
+    # once more), and hold its input and the input's grad until their next forward (recompute_holding)
+    ("w2full", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2}", "framework.moe_token_dispatcher_type=alltoall",
+                "framework.recompute_granularity=full", "framework.recompute_method=uniform",
+                "framework.recompute_num_layers=1")),
+    ("w4block", ("cluster.ranks=4", "layout={tp:2,ep:2,sequence_parallel:true}",
+                 "framework.moe_token_dispatcher_type=allgather,alltoall", "framework.recompute_granularity=full",
+                 "framework.recompute_method=block", "framework.recompute_num_layers=2")),
 )
 
 
@@ -104,7 +113,9 @@ EXPECTED = {(*j, 32, None) for j in EXPECTED_S32} | {
     ("ep2·dp2", 8, "allgather", None, False, 1, False, None, True, 512, None),
     ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, None),
     ("tp2·ep2·etp2·dp2·sp", 8, "allgather", None, False, 1, False, None, True, 512, None),
-    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, "selective")}
+    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, "selective"),
+    ("ep2·dp2", 8, "alltoall", None, False, 1, False, None, True, 512, "full"),
+    *(("tp2·ep2·dp2·sp", 8, d, None, False, 1, False, None, True, 32, "full") for d in ("allgather", "alltoall"))}
 
 
 @pytest.fixture(scope="module")
@@ -467,3 +478,27 @@ def test_moe_layer_saves_by_hand():
     assert MA.moe_groups(b)["dispatch"] == 8 * 8 * 512 + 2 * 1024 * 256 + 2 * 1024  # argsort, rows, probs
     assert MA.held(b) == 2 * 512 * 8 + 512 * 8 + 8 * 512 * 2  # the dense probs, routing map, reversed mapping
     assert MA.experts_saved(mo(2, rows="high")) == 2 * MA.experts_saved(a)
+
+
+def test_full_recompute_holding_by_hand():
+    """activations.recompute_holding at the tiny MoE Llama, s = 512, bf16: every checkpoint with an MoE
+    layer holds its input and the input's grad ([s, b, h] each) from its recompute to its MoE layers'
+    next dispatch; uniform 1 layer: four checkpoints, from layer 3 on one; block 2: the first two
+    layers' checkpoints alone; selective recompute and a dense model hold nothing."""
+    from ledger.faithful.megatron.activations import Recompute, chunk_shape, recompute_holding, shape_of
+    from ledger.faithful.megatron.knobs import knobs
+    from tests.conftest import megatron_fw
+
+    m = preset("tiny_moe", seq_len=512)
+    k = knobs(megatron_fw(moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=None,
+                          moe_pad_expert_input_to_capacity=False, moe_router_load_balancing_type="aux_loss",
+                          moe_grouped_gemm=False))
+    sh = chunk_shape(shape_of(m, layout_of(2, ep=2), k), m, 0, 4)
+    one = 2 * 2 * 512 * 256
+    assert recompute_holding(sh, Recompute("full", "uniform", 1), 4) == 4 * one
+    assert recompute_holding(sh, Recompute("full", "uniform", 1), 4, 3) == one
+    assert recompute_holding(sh, Recompute("full", "uniform", 2), 4) == 2 * one
+    assert recompute_holding(sh, Recompute("full", "block", 2), 4) == 2 * one
+    assert recompute_holding(sh, Recompute("selective"), 4) == 0
+    dense = preset("tiny", seq_len=512)
+    assert recompute_holding(shape_of(dense, layout_of(2), k), Recompute("full", "uniform", 1), 4) == 0

@@ -277,6 +277,34 @@ def _layer_moments(sh: Shape, rc: Recompute, moe_layer: bool = False):
     return total, out
 
 
+def checkpoint_groups(rc: Recompute, layers: int) -> list[tuple[int, int, bool]]:
+    """Full recompute's checkpoints over a chunk of `layers` (transformer_block.py _checkpointed_forward):
+    (first layer, end, checkpointed) in forward order; uniform: groups of recompute_num_layers, block:
+    the first recompute_num_layers one by one, checkpointed, the rest one by one, not."""
+    n = rc.num_layers
+    if rc.method == "uniform":
+        return [(i, min(i + n, layers), True) for i in range(0, layers, n)]
+    return [(i, i + 1, i < n) for i in range(layers)]
+
+
+def _group_end(rc: Recompute, lo: int, layers: int) -> int:
+    """The end of the checkpoint_groups group starting at layer lo."""
+    return min(lo + rc.num_layers, layers) if rc.method == "uniform" else lo + 1
+
+
+def recompute_holding(sh: Shape, rc: Recompute, layers: int, from_layer: int = 0) -> int:
+    """Full recompute with MoE layers: a checkpoint's recompute builds its MoE layers' routing again and
+    the token dispatcher keeps the recomputed probs as an attribute until the layer's next forward;
+    their graph reaches the checkpoint's detached input, an autograd leaf that holds its storage and
+    the grad backward accumulated into it ([s, b, h] each, the sequence shard with SP: measured, the
+    probe's census after the step's backward). The bytes of the checkpoints holding so whose MoE layers
+    at or after from_layer have not dispatched again."""
+    if rc.granularity != "full" or not any(sh.kinds):
+        return 0
+    return sum(2 * sh.e * sh.sbh_n for lo, hi, c in checkpoint_groups(rc, layers)
+               if c and any(sh.is_moe(x) for x in range(max(lo, from_layer), hi)))
+
+
 class Unit(NamedTuple):
     """A piece of one micro-batch's chunk in backward order: what it holds saved while not yet
     backpropagated, and its moments (name, its own live bytes then, temporaries, gathered)."""
@@ -304,21 +332,25 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
             ("output layer weight grad", hg["final norm"], e * sb * sh.v + e * sh.sbh + e * sh.v * sh.h,
              gather + (e * sh.sbh // sh.tp if sh.sp else 0)),
             ("final_layernorm", hg["final norm"], 2 * e * sh.sbh + (0 if sh.te else 16 * sh.sbh_n), 0))))
-    total, moments = _layer_moments(sh, rc)
+    kinds = {}  # dense / MoE -> (total, moments)
+
+    def of(i: int):  # layer i's (saved total, moments)
+        m = sh.is_moe(i)
+        if m not in kinds:
+            kinds[m] = _layer_moments(sh, rc, m)
+        return kinds[m]
+
     if rc.granularity == "full":
-        assert not any(sh.kinds), "recompute with MoE layers is refused (moe.check_moe)"
-        n = rc.num_layers
         ck = sh.e * sh.sbh_n
-        if rc.method == "uniform":
-            groups = [(i, min(i + n, layers)) for i in range(0, layers, n)]
-            ckpt = [True] * len(groups)
-        else:
-            groups = [(i, i + 1) for i in range(layers)]
-            ckpt = [i < n for i in range(layers)]
-        for (lo, hi), c in reversed(list(zip(groups, ckpt))):
+        left = 0  # what the checkpoints already recomputed in this backward hold (recompute_holding)
+        for lo, hi, c in reversed(checkpoint_groups(rc, layers)):
+            # the next checkpoint's held input grad is the grad this one's backward receives (its out_h)
+            held = left - (ck if left and (hi < layers and any(sh.is_moe(x) for x in range(hi, _group_end(rc, hi, layers))))
+                           else 0)
             k = hi - lo
             if not c:
-                units += [Unit(f"layer {i}", total, tuple(moments)) for i in reversed(range(lo, hi))]
+                units += [Unit(f"layer {i}", of(i)[0], tuple((name, live, t + held, g) for name, live, t, g in of(i)[1]))
+                          for i in reversed(range(lo, hi))]
                 continue
             # the group's saved input; the first group's, on a stage that receives it, is the p2p buffer
             # itself, counted here and not as p2p (received_in_p2p)
@@ -334,19 +366,18 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
                 # checkpoint's output grad is live. Measured where it is the peak: the article's
                 # TP2-PP2-DP2-SP run with full uniform recompute (cluster=fake, s=8192), both stages
                 cast_own, cast_tmp = softmax_cast(sh, rc)
-                ms += [(f"layer {i} {RECOMPUTED_CAST}", own + (i - lo) * total + cast_own,
-                        cast_tmp + out_h + (out_h if i > lo else 0), 0) for i in range(lo, hi)]
+                ms += [(f"layer {i} {RECOMPUTED_CAST}", own + sum(of(x)[0] for x in range(lo, i)) + cast_own,
+                        cast_tmp + out_h + (out_h if i > lo else 0) + held, 0) for i in range(lo, hi)]
             for j in range(k):  # the layer j from the end of the group
-                rest = (k - 1 - j) * total
-                ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h, g) for name, live, t, g in moments]
+                rest = sum(of(x)[0] for x in range(lo, hi - 1 - j))
+                ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h + held, g)
+                       for name, live, t, g in of(hi - 1 - j)[1]]
             units.append(Unit(f"layers {lo}-{hi - 1} (checkpointed)", own, tuple(ms)))
+            if any(sh.is_moe(x) for x in range(lo, hi)):
+                left += 2 * ck
     else:
-        kinds = {}  # dense / MoE -> (total, moments)
         for i in reversed(range(layers)):
-            m = sh.is_moe(i)
-            if m not in kinds:
-                kinds[m] = _layer_moments(sh, rc, m)
-            units.append(Unit(f"layer {i}", kinds[m][0], tuple(kinds[m][1])))
+            units.append(Unit(f"layer {i}", of(i)[0], tuple(of(i)[1])))
     if last and first and model.tied_embeddings:
         # one weight for the embedding and the output layer (pp = 1, share_embeddings_and_output_weights):
         # autograd sums both uses' grads before the param's AccumulateGrad (and the DDP hook,

@@ -70,10 +70,13 @@ optimizers' transients (moe_optimizer_moments); not with capacity padding, the r
 sequence aux loss (peak_modelled: no peak row).
 
 Selective recompute (core_attn) is the dense layers' rule for the attention (activations.layer_groups):
-the MoE layers' saves do not change, nor does a collective.
+the MoE layers' saves do not change, nor does a collective. Full recompute: a checkpoint's recompute
+runs its MoE layers' forward again, their dispatcher's forward collectives with it (_dispatcher_comm
+forward_only; the MLP's SP calls an MoE layer does not make, micro_batch_comm's, taken off), and its
+dispatchers then hold the checkpoint's input and the input's grad until their next forward
+(activations.recompute_holding, in the backward's later moments, the optimizer's and the forward's).
 Not modelled (refused, naming the knob): etp > 1 with the alltoall dispatcher, interleaving (vp > 1),
-full recompute (a recomputed MoE layer dispatches its tokens again), fp32, overlap_param_gather, tied
-embeddings, grouped GEMM (TransformerEngine).
+fp32, overlap_param_gather, tied embeddings, grouped GEMM (TransformerEngine).
 T: a micro-batch's tokens on a rank, seq_len * micro_batch_size / tp with sequence parallelism.
 """
 from __future__ import annotations
@@ -85,13 +88,15 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.faithful.megatron import target as megatron_target
+from ledger.faithful.megatron.activations import recompute_holding, recompute_of, recomputed_layers
 from ledger.faithful.megatron.buffers import (buffer_bytes, buffer_layout, build_buffer, effective_bucket_size, owned_sizes,
                                               shard_ranges)
 from ledger.faithful.megatron.comm import micro_batch_comm
 from ledger.faithful.megatron.knobs import dtypes, knobs
 from ledger.faithful.megatron.pipeline import layer_range, padded_shape, pieces
 from ledger.faithful.megatron.moe_activations import held, moe_shape, rows_range, tokens
-from ledger.faithful.megatron.peak import adam_denominators, bucket_copy, stage_peak
+from ledger.faithful.megatron.activations import shape_of
+from ledger.faithful.megatron.peak import _chunk_sh, adam_denominators, bucket_copy, stage_peak
 from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
 from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.grid import Grid
@@ -140,9 +145,6 @@ def check_moe(model: ModelShape, lay: Layout, k) -> None:
         no("model.tied_embeddings")
     if lay.cp > 1:
         no(f"layout.cp={lay.cp}")
-    if k.recompute_granularity == "full":
-        # a recomputed MoE layer dispatches its tokens again in backward: other collectives
-        no(f"framework.recompute_granularity={k.recompute_granularity}: recompute")
 
 
 def sp_error(model: ModelShape, lay: Layout) -> str | None:
@@ -284,6 +286,14 @@ def _moe_layers_of(model: ModelShape, lay: Layout, k, stage: int) -> int:
     return sum(model.is_moe_layer(i) for i in layer_range(model, lay.pp, stage, k.pp_split))
 
 
+def _recomputed_moe_layers(model: ModelShape, lay: Layout, k, stage: int) -> int:
+    """The stage's MoE layers whose forward full recompute runs again in backward (recomputed_layers:
+    every layer with uniform, the chunk's first recompute_num_layers with block)."""
+    layers = layer_range(model, lay.pp, stage, k.pp_split)
+    again = recomputed_layers(recompute_of(k), len(layers))
+    return sum(model.is_moe_layer(i) for i in list(layers)[:again])
+
+
 def mpu_numel(model: ModelShape, lay: Layout, k, stage: int) -> int:
     """utils.py GlobalMemoryBuffer "mpu" (activation dtype): the local spec's attention scores, the SP
     all-gathers, and the allgather dispatcher's gathered hidden states [T*N, h] (mappings.py
@@ -347,10 +357,12 @@ def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, 
     with the two optimizers' moments (moe_optimizer_moments)."""
     opt = moe_optimizer_moments(model, lay, k, stage, dp_rank, edp_rank)
     n_moe = _moe_layers_of(model, lay, k, stage)
+    again = recompute_holdings(model, lay, k, stage)
 
     def at(rows: str):
         mo = moe_shape(model, lay, k, rows)
-        return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo))
+        return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo),
+                          after_backward=again)
 
     pk = at("balanced")
     # with every choice local (ep 1) the rows cannot move: the bound is the peak itself
@@ -360,6 +372,14 @@ def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, 
     if pk.first is not None:
         pk.first.bound = ((low.first or low).bytes, (high.first or high).bytes)
     return pk
+
+
+def recompute_holdings(model: ModelShape, lay: Layout, k, stage: int) -> int:
+    """Full recompute: what the stage's checkpoints hold past the step's backward
+    (activations.recompute_holding: every checkpoint with an MoE layer, its input and the input's grad)."""
+    rc = recompute_of(k)
+    n = len(layer_range(model, lay.pp, stage, k.pp_split))
+    return recompute_holding(_chunk_sh(shape_of(model, lay, k), model, lay, k, stage, n), rc, n)
 
 
 @lru_cache(maxsize=256)
@@ -430,8 +450,11 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     # attention's 3 and 2, the MLP's 3 and 2) an MoE layer makes attention's alone
     # A shared expert is an ordinary TP MLP (moe_layer.py runs it beside the routed ones, without
     # moe_shared_expert_overlap): its calls are the dense MLP's
-    mlp_calls = {} if model.moe_shared_expert_hidden else {("tp", "all_gather"): 3 * moe,
-                                                           ("tp", "reduce_scatter"): 2 * moe}
+    # (and a recomputed one's forward again, the MLP's all-gather and reduce-scatter, micro_batch_comm's
+    # two of each a recomputed layer)
+    again = _recomputed_moe_layers(model, lay, k, stage)
+    mlp_calls = {} if model.moe_shared_expert_hidden else {("tp", "all_gather"): 3 * moe + again,
+                                                           ("tp", "reduce_scatter"): 2 * moe + again}
 
     def per_mb(dim, kind, dtype, what, calls, unit, div, group, wires):
         calls -= mlp_calls.get((dim, kind), 0) if what.startswith("SP ") else 0
@@ -442,6 +465,8 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
     micro_batch_comm(per_mb, model, lay.tp, lay.pp, 1, k, stage, lay.sequence_parallel)
     if moe and lay.etp * lay.ep > 1:
         _dispatcher_comm(cb, model, lay, k, moe * m)
+        if again:  # a recomputed MoE layer's forward dispatches and combines again in its backward
+            _dispatcher_comm(cb, model, lay, k, again * m, forward_only=True)
     if moe and k.moe_aux_loss_coeff > 0 and k.moe_router_load_balancing_type in AUX_LOSS_TOKENS:
         # router.py TopKRouter._apply_aux_loss / _apply_seq_aux_loss -> moe_utils.py
         # get_tokens_per_expert_and_token_count: the routing map's tokens per expert (int64; per
@@ -456,8 +481,9 @@ def _comm(model: ModelShape, lay: Layout, k, stage: int):
 AUX_LOSS_TOKENS = {"aux_loss": lambda b: 1, "seq_aux_loss": lambda b: b}
 
 
-def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: int) -> None:
-    """The token dispatcher's collectives over `calls` = MoE layers x micro-batches (module docstring)."""
+def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: int, forward_only: bool = False) -> None:
+    """The token dispatcher's collectives over `calls` = MoE layers x micro-batches (module docstring);
+    forward_only: the forward's alone (full recompute runs a checkpointed MoE layer's forward again)."""
     pdt, _, ab, _ = dtypes(k)
     prob_dt = {"fp32": "fp32", "fp64": "fp64"}.get(model.moe_router_dtype, pdt)
     prob_b = {"fp32": 4, "fp64": 8}.get(prob_dt, ab)
@@ -466,24 +492,31 @@ def _dispatcher_comm(cb: CommBuilder, model: ModelShape, lay: Layout, k, calls: 
     if k.moe_token_dispatcher_type == "allgather":
         rows = T * n
         what = "allgather token dispatcher (token_dispatcher.py)"
+        bwd = 0 if forward_only else calls
         cb.add("etp-ep", "all_gather", rows * E, n, "bool", count=calls, what=what)  # routing map
         cb.add("etp-ep", "all_gather", rows * E * prob_b, n, prob_dt, count=calls, what=what)  # probs
-        cb.add("etp-ep", "reduce_scatter", rows * E * prob_b, n, prob_dt, count=calls, what=what)  # probs grad
+        cb.add("etp-ep", "reduce_scatter", rows * E * prob_b, n, prob_dt, count=bwd, what=what)  # probs grad
         cb.add("etp-ep", "all_gather", rows * h * ab, n, pdt, count=calls, what=what)  # hidden states
-        cb.add("etp-ep", "reduce_scatter", rows * h * ab, n, pdt, count=calls, what=what)  # their grad
+        cb.add("etp-ep", "reduce_scatter", rows * h * ab, n, pdt, count=bwd, what=what)  # their grad
         cb.add("etp-ep", "reduce_scatter", rows * h * prob_b, n, prob_dt, count=calls, what=what)  # combine
-        cb.add("etp-ep", "all_gather", rows * h * prob_b, n, prob_dt, count=calls, what=what)  # combine grad
+        cb.add("etp-ep", "all_gather", rows * h * prob_b, n, prob_dt, count=bwd, what=what)  # combine grad
         return
     what = "alltoall token dispatcher (token_dispatcher.py)"
     if k.moe_pad_expert_input_to_capacity:
         # every rank sends each expert `capacity` rows and receives as many for each local expert
         rows = _capacity(T * kk, E, k.moe_expert_capacity_factor) * E
-        cb.add("ep", "all_to_all", rows * h * ab, ep, pdt, count=4 * calls, what=what)
-        cb.add("ep", "all_to_all", rows * prob_b, ep, prob_dt, count=2 * calls, what=what)
+        per = 1 if forward_only else 2  # forward, and backward
+        cb.add("ep", "all_to_all", rows * h * ab, ep, pdt, count=2 * per * calls, what=what)
+        cb.add("ep", "all_to_all", rows * prob_b, ep, prob_dt, count=per * calls, what=what)
         return
     # the count all-gather: each rank's tokens per expert (int64 [E]) over tp_ep, forward only
     cb.add("etp-ep", "all_gather", E * 8 * n, n, "int64", count=calls, what="tokens per expert (preprocess)")
     own, most = T * kk, ep * T * min(kk, E // ep)  # rows of this rank's tokens, the most its experts get
+    if forward_only:
+        # the dispatch (its own tokens, fixed) and the combine (its experts' rows, routed); the probs' dispatch
+        cb.add_token_all_to_all("ep", pdt, ep, what, own, most, h * ab, calls)
+        cb.add_routed("ep", "all_to_all", prob_dt, ep, what, [(own * prob_b, calls, 0, 0)])
+        return
     cb.add_token_all_to_all("ep", pdt, ep, what, own, most, h * ab, 2 * calls)  # tokens, expert outputs
     cb.add_token_all_to_all("ep", prob_dt, ep, what, own, most, prob_b, calls)  # their probs
 

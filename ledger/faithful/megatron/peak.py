@@ -37,6 +37,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ledger.faithful.megatron.activations import (chunk_saved, chunk_shape, chunk_units, moe_forward, received_in_p2p,
+                                                 recompute_holding,
                                                   Recompute, recompute_of, RECOMPUTED_CAST, Shape, shape_of,
                                                   softmax_forward)
 from ledger.faithful.megatron.buffers import buffer_layout, effective_bucket_size, shard_ranges, shared
@@ -89,6 +90,12 @@ def moment(in_flight: int, own: int, tmp: int, gat: int, phase: str, what: str) 
             what, (in_flight, own))
 
 
+def moment_plus(m: tuple, extra: int) -> tuple:
+    """m with `extra` temporary bytes: full recompute's holding checkpoints (activations.recompute_holding)."""
+    return (m[0] + extra, {**m[1], "temporary": m[1]["temporary"] + extra}, m[2],
+            f"{m[3]}, with full recompute's MoE checkpoints' inputs and grads", m[4])
+
+
 def moment_detail(m: tuple) -> dict:
     """A moment's detail lines, each part's pieces summing to it."""
     _x, parts, _phase, what, (in_flight, own) = m
@@ -131,14 +138,18 @@ def _softmax_moments(sh: Shape, rc: Recompute, stage_shape: tuple, forwards, w: 
     n, first, last = stage_shape
     sf = softmax_forward(sh, rc, n, first)
     mf = moe_forward(sh, rc, n, first)
+    # full recompute: the checkpoints whose MoE layers have not dispatched again since their last
+    # recompute still hold (recompute_holding; every one at the step's first forward: an upper bound there)
+    sf_hold = recompute_holding(sh, rc, n, n - 1)
+    mf_hold = recompute_holding(sh, rc, n, mf[2] + 1) if mf is not None else 0
     out = []
     for kk in forwards:
         gat, stale = _forward_gathered(kk, w, first, last, e_p, per_live, received_in_p2p(first, rc))
         if sf is not None:
-            out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1], gat, "forward",
+            out.append(moment((kk - max(0, kk - w)) * saved, sf[0] + stale, sf[1] + sf_hold, gat, "forward",
                               f"layer {n - 1}: softmax cast (micro-batch {kk})"))
         if mf is not None:
-            out.append(moment((kk - max(0, kk - w)) * saved, mf[0] + stale, mf[1], gat, "forward",
+            out.append(moment((kk - max(0, kk - w)) * saved, mf[0] + stale, mf[1] + mf_hold, gat, "forward",
                               f"layer {mf[2]}: the experts' outputs cat (micro-batch {kk})"))
     return out
 
@@ -487,14 +498,20 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int, rows: str 
 
 
 def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: dict,
-               adam_state: int, rows: str = "balanced", optimizer: tuple | None = None, held: int = 0) -> Peak:
+               adam_state: int, rows: str = "balanced", optimizer: tuple | None = None,
+               held: int | dict[str, int] = 0, after_backward: int = 0) -> Peak:
     """The rank's peak in a steady step: its largest moment (stage_moments). `first`: the first
     step's, where Adam's exp_avg / exp_avg_sq / step (adam_state bytes) do not exist before its
     optimizer step (torch/optim/adam.py _init_group makes them param by param: bounded by the steady
     Adam moment). resident: the rank's states by name (RankState.totals), the detail's resident lines.
     An MoE model's (moe.py moe_stage_peak): rows, its optimizer moments, and held: what its token
-    dispatchers keep from one forward to the next, live at every moment (moe_activations.held)."""
+    dispatchers keep from one forward to the next, live at every moment (moe_activations.held; a dict:
+    each by its detail name, temporary/...); after_backward: temporaries live past the last backward
+    (full recompute's holding checkpoints: activations.recompute_holding), added to the optimizer
+    moments."""
     moments = stage_moments(model, lay, k, stage, dp_rank, rows, optimizer)
+    if after_backward:
+        moments = [moment_plus(m, after_backward) if m[2] == "optimizer" else m for m in moments]
     adam_b, adam_w = moments[-1][0], moments[-1][3]
     res = sum(resident.values())
     res_detail = {f"resident/{name}": b for name, b in resident.items() if b}
@@ -518,9 +535,11 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
                    first=None if first.bytes == steady.bytes else first)
 
 
-def _with_held(pk: Peak, held: int) -> Peak:
+def _with_held(pk: Peak, held: int | dict[str, int]) -> Peak:
     """pk with an MoE model's dispatcher-held bytes (stage_peak's held) in its temporary part."""
-    if not held:
+    lines = {HELD: held} if isinstance(held, int) else held
+    lines = {k: v for k, v in lines.items() if v}
+    if not lines:
         return pk
-    return Peak.of({**pk.parts, "temporary": pk.parts["temporary"] + held}, pk.phase, pk.what,
-                   detail={**pk.detail, HELD: held})
+    return Peak.of({**pk.parts, "temporary": pk.parts["temporary"] + sum(lines.values())}, pk.phase, pk.what,
+                   detail={**pk.detail, **lines})
