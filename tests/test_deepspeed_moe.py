@@ -10,8 +10,7 @@ larger: its update, the first, holds grads_in_partition); activation checkpointi
 checkpointed MoE layer's recompute dispatches again: 6 all-to-alls a layer). Every state row and every collective row
 (first and steady steps) on every rank reconciles with abs_err 0: DeepSpeed's capacity makes every
 all-to-all the same size whatever the router decides; so does every peak row (peak.py's moments over
-the param groups, the MoE layers' saves: activations.moe_saves), inside the probe's thread-timing range,
-but the named finding (PEAK_FINDINGS).
+the param groups, the MoE layers' saves: activations.moe_saves), inside the probe's thread-timing range.
 """
 from __future__ import annotations
 
@@ -64,10 +63,10 @@ EXPECTED = {("ep2·dp2", 1, False, BIG, 2, 1, *NO), ("ep2·dp2", 2, False, BIG, 
             *(("ep2·dp4", z, False, 200_000, 2, 1, 32768, False) for z in (1, 2)),
             *(("ep2·dp2", z, False, BIG, 2, 1, *AC) for z in (1, 2))}
 # jobs whose peak is at a moment the ledger does not model: checked to stay what they are (a fix shows
-# up here), never covered by a wider tolerance. ZeRO-1 with activation checkpointing peaks in block 0's
-# ffn_norm backward after its recompute, every gradient held (the deep backward moments are no candidate
-# under checkpointing: peak.py), 0.15% above the epilogue's prediction
-PEAK_FINDINGS = {("ep2·dp2", 1, False, BIG, 2, 1, *AC): "within 1%"}
+# up here), never covered by a wider tolerance. None now: ZeRO-1 with activation checkpointing, which
+# peaks in block 0's ffn_norm backward after its recompute, every gradient held, is modelled (peak.py
+# _Step.ac)
+PEAK_FINDINGS: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +111,10 @@ def test_every_peak_row_is_exact(sweep):
     assert (pk.quantity == "peak_bytes").sum() == steps
     found = {records.job_name(r) for r in sweep["ok"] if _job(r) in PEAK_FINDINGS}
     assert len(found) == len(PEAK_FINDINGS)
-    named = pk[pk.job.isin(found) & (pk.quantity == "peak_bytes")]
-    assert (peak_gap(named).abs() <= 0.01).all() and (peak_gap(named) != 0).any(), named.to_string()
-    pk = pk[~pk.job.isin(found)]
+    if found:
+        named = pk[pk.job.isin(found) & (pk.quantity == "peak_bytes")]
+        assert (peak_gap(named).abs() <= 0.01).all() and (peak_gap(named) != 0).any(), named.to_string()
+        pk = pk[~pk.job.isin(found)]
     tot = pk[pk.quantity == "peak_bytes"]
     assert (peak_gap(tot) == 0).all(), tot[peak_gap(tot) != 0].to_string()
     race = {(r.job, r.rank, r.step): r.race_bytes for r in tot.itertuples()}

@@ -46,7 +46,9 @@ What the probe (probes/peak.py) sees on the plain Llama (launchers/llama.py), on
   ranks and short sequences peaks. Each hook's moment is where a matrix job peaks, exact; so are
   ZeRO-3 at 4 ranks with a partial reuse distance and tied with nothing kept (were 1.5% and 0.63%
   under).
-An estimate elsewhere: a checkpointed layer's recompute; ZeRO-1's reductions in the hooks with
+With activation checkpointing (ZeRO-1/2) the deep backward moments are a block's after its recompute:
+its recomputed saves, the blocks below holding their inputs, its recompute's output (_Step.ac; where
+tiny at s = 512 peaks, exact). An estimate elsewhere: ZeRO-1's reductions in the hooks with
 overlap_comm.
 tests/test_deepspeed.py PEAK_FINDINGS names the matrix jobs that are not exact.
 One function per moment: optimizer_step, backward_start, forward_at_final_norm, deep_in_backward,
@@ -194,15 +196,44 @@ class _Step:
         backward makes it first (its nodes are the newest) and it waits in each MoE layer's l_aux node
         until the last of them runs, in the gate of the first MoE layer: live while an MoE layer at or
         below block j has not run its gate's backward."""
-        if self.first_moe is None or self.first_moe > j:
+        if self.first_moe is None or self.first_moe > j or self.i.checkpointing:
+            # (checkpointed: the forward's l_aux are made without grad, the loss has no aux branch)
             return {}
         return {"the aux losses' gradient (waiting in the MoE layers' l_aux nodes)": FP32}
 
     def block_saves(self, j: int) -> int:
         # in block j's backward, before it released anything: its saves and the blocks' below, the
-        # batch; the final norm's and the later blocks' released
+        # batch; the final norm's and the later blocks' released. Checkpointed: its recompute's saves
+        # and the batch (the blocks below hold their inputs only: ac())
         i = self.i
+        if i.checkpointing:
+            return self.batch + sum(self.layer_per[j].values())
         return self.past_head - head_activations(i.model, i.mbs, i.w)["norm"] - self.saves_after[j]
+
+    def ac(self, j: int | None) -> tuple[dict[str, int], int]:
+        """Activation checkpointing (deepspeed.checkpointing.checkpoint): (temporaries, activations) it
+        adds in block j's backward (j None: the head's, before any recompute), measured with the probe's
+        census. Each block j' <= j holds its input (ctx.deepspeed_saved_tensors, freed by its
+        CheckpointFunction.backward); block j's recompute its output, until its backward ends. An MoE
+        block past its recompute (recomputed_aux): its ce (activations) from the recompute, and once
+        its backward ran its input and the input's grad, which for block j + 1 is the residual stream's
+        gradient block j's backward receives (counted as such)."""
+        i = self.i
+        if not i.checkpointing:
+            return {}, 0
+        model, bsh = i.model, i.w * self.b * self.s * self.h
+        temp = {"checkpointed blocks' inputs (ctx.deepspeed_saved_tensors)": (model.layers if j is None else j + 1) * bsh}
+        if j is None:
+            return temp, 0
+        temp["the recomputed block's output"] = bsh
+        acts = 0
+        if i.recomputed_aux:
+            ce = FP32 * model.num_experts
+            acts = sum(ce for x in range(j, model.layers) if model.is_moe_layer(x))
+            done = sum(2 * bsh for x in range(j + 1, model.layers) if model.is_moe_layer(x))
+            done -= bsh if j + 1 < model.layers and model.is_moe_layer(j + 1) else 0
+            temp["the recomputed MoE blocks' l_aux graphs: inputs and their grads"] = done
+        return temp, acts
 
     def resident_in_step(self, first: bool) -> int:
         # within a step's passes: the params (ZeRO-3: partitions and persistent params), ZeRO-3's grad
@@ -309,8 +340,6 @@ def backward_start(st: _Step, first: bool) -> Peak:
     if held_touched:
         detail["gathered/gradients held across micro-batches that a boundary collective reduces"] = held_touched
     what = f"the last micro-batch's backward at {at}"
-    if i.checkpointing:
-        what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
     return Peak.of(parts, phase="backward", what=what, detail=detail)
 
 
@@ -450,20 +479,21 @@ def deep_in_backward(st: _Step, first: bool) -> Peak:
         acts0, temp0, hooked0 = past_head - w * bsh, {"the output Linear's input gradient": w * bsh}, w * V * h
     if i.zero == 2 and (tied or V * h <= i.bucket):
         temp0["the first hook's gradient (copied into the IPG buffer next)"] = hooked0
-    head_aux = st.aux(model.layers)
+    head_aux = {**st.aux(model.layers), **st.ac(None)[0]}
     cands = [moment(0, acts0, {**temp0, **head_aux}, 0, "the first hook (setup_buckets allocates the IPG buffer)")]
     cands.append(moment(i.hooks.norm - 1, past_head - w * bsh,
                         {"output Linear's input gradient, the norm's mul gradients and their sum":
                          3 * w * bsh + w * h, **head_aux}, 0, "the final norm's weight gradient (sum)"))
     large_w2 = w * model.ffn_hidden * h if model.ffn_hidden * h > i.bucket else 0
     for j in reversed(range(model.layers)):
-        per, below = st.layer_per[j], st.aux(j - 1)
+        ac_temp, ac_acts = st.ac(j)
+        per, below = st.layer_per[j], {**st.aux(j - 1), **ac_temp}
         if model.is_moe_layer(j):
-            cands.append(moment(i.hooks.w2[j] - 1, st.block_saves(j),
+            cands.append(moment(i.hooks.w2[j] - 1, st.block_saves(j) + ac_acts,
                                 {"residual stream gradient": w * bsh, **moe_combine_gradients(model, b, w),
-                                 **st.aux(j)}, 0, f"block {j}'s MoE combine (routed * gates) backward"))
+                                 **st.aux(j), **ac_temp}, 0, f"block {j}'s MoE combine (routed * gates) backward"))
         else:
-            acts_now = st.block_saves(j) - w * bsf
+            acts_now = st.block_saves(j) - w * bsf + ac_acts
             cands.append(moment(i.hooks.w2[j], acts_now, {"residual stream gradient": w * bsh,
                                                            "w2 input gradient and the mul's two": 3 * w * bsf,
                                                            **below},
@@ -473,7 +503,7 @@ def deep_in_backward(st: _Step, first: bool) -> Peak:
         # released, and rsqrt's (its and mean's backward ran): its xf is left; the residual stream's
         # gradient, the mul-by-rsqrt's gradient for xf, the mean's backward (expanded / h) and pow's
         # backward's three, each (b, s, h) fp32
-        acts_n = st.block_saves(j) - ffn_saves(per) - (per["ffn_norm"] - FP32 * bsh)
+        acts_n = st.block_saves(j) - ffn_saves(per) - (per["ffn_norm"] - FP32 * bsh) + ac_acts
         cands.append(moment(i.hooks.ffn_norm[j], acts_n, {"residual stream gradient": w * bsh,
                                                           "the norm's fp32 gradients (xf's, mean's, pow's three)":
                                                           5 * FP32 * bsh, **below}, 0,
@@ -658,7 +688,7 @@ def _pick(st: _Step, first: bool) -> Peak:
     o, k = optimizer_step(st, first), backward_start(st, first)
     cands = [o, k]
     names = {id(o): "optimizer step", id(k): "backward start"}
-    if (zero == 2 or zero == 1 and m == 1 and flush is not None) and not i.checkpointing:
+    if zero == 2 or zero == 1 and m == 1 and flush is not None:
         cands.append(deep_in_backward(st, first))
     if zero == 1 and flush is not None:
         cands.append(reduce_gradients_at_boundary(st, first))
@@ -683,7 +713,7 @@ def _pick(st: _Step, first: bool) -> Peak:
                 key=lambda p: p.bytes)
         cands.append(f)
     best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
-    if i.checkpointing and "an estimate" not in best.what:
+    if i.checkpointing and flush is None and "an estimate" not in best.what:
         best.what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
