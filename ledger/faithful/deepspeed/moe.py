@@ -31,9 +31,13 @@ MoE layer per micro-batch of E x C x h in the model dtype, C = max(ceil(S/E x ca
 min_capacity) (_capacity, top1gating / top2gating / topkgating) for S tokens of a micro-batch: fixed.
 
 Resident extras: each MOELayer keeps its last l_aux (fp32) and exp_counts (int64 [E]).
+Activation checkpointing (deepspeed.checkpointing.checkpoint around each layer): a checkpointed MoE
+layer's recompute in backward dispatches and combines again (6 all-to-alls a layer and micro-batch) and
+leaves its l_aux graph on the block (recomputed_aux).
+The peak within a step: peak.py's moments over the param groups (_peak_inputs), the MoE layers' saves
+(activations.moe_saves); top-k above 2 has none (peak_modelled).
 Not modelled (refused): ZeRO-3 (DeepSpeed refuses native MoE at stage 3), fp32, drop_tokens=false (the capacity
-follows the router: an all-reduce of it per layer), shared experts (use_residual), activation
-checkpointing with MoE, the peak within a step.
+follows the router: an all-reduce of it per layer), shared experts (use_residual).
 """
 from __future__ import annotations
 
