@@ -1396,3 +1396,41 @@ def test_activations_derivation():
     # fp32: x.float() and type_as are the tensors themselves, the norm saves its input instead
     assert P.layer_activations(m, 1, 4)["attention_norm"] == 12 * 128 * 256 + 4 * 128
     assert P.modelled(preset("tiny", norm="layernorm")) and P.modelled(preset("tiny", swiglu=False))
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(tied_embeddings=True), dict(layers=3, vocab=1000)])
+def test_piece_rules_are_the_one_group_rules(shape):
+    """backward.py's rules over param-group pieces (DeepSpeed-MoE's several groups) are, for one flat
+    group, the dense ledger's fast per-group ones: each rank's grads_in_partition and the hook that
+    makes it (partition_flushes), the gradients made and reduced in place per hook (hooked), whether a
+    collective reduces the IPG buffer itself (ipg_touched), over both walk orders, several dp and
+    buckets (one below the embedding, one below a block's largest weight, one above the model)."""
+    from ledger.faithful.deepspeed import backward as B
+    from ledger.faithful.deepspeed.common import backward_order
+
+    m = preset("tiny", **shape)
+    for dp, bucket in itertools.product((2, 3, 4), (BELOW_EMBEDDING, 150_000, 500_000_000)):
+        part, at = B._flat(m, dp)
+        for order in (backward_order(m), tuple(m.params())):
+            pieces = tuple(B.Piece(0, *at[name]) for name, _ in order)
+            assert tuple(B.piece_flush(pieces, (part,), (r,), bucket) for r in range(dp)) == \
+                B.partition_flushes(m, dp, bucket, order), (dp, bucket)
+            assert B.piece_hooked(pieces, (part,), (0,), bucket) == B.hooked(m, dp, bucket, order)
+            assert B.piece_ipg_touched(pieces, (part,), (0,), bucket) == B.ipg_touched(m, dp, bucket, order)
+
+
+def test_reduction_calls_merge_slices_as_average_tensor_does():
+    """stage_1_and_2.py average_tensor by hand: a gradient's slice per partition of its group it lies
+    in, merged with the previous slice only when both go to the same partition of the same process
+    group; each process group's slices one all-reduce (a torch.cat of several) while their sum stays
+    within reduce_bucket_size."""
+    from ledger.faithful.deepspeed.backward import Piece, reduction_calls
+
+    parts, pgs = (100, 50), (0, 1)  # a dense group over dp (partitions of 100), an expert group over edp (50)
+    # dense [0, 60) and [60, 130): partitions 0, then 0 and 1; an expert piece between breaks the merge
+    content = (Piece(0, 0, 60), Piece(1, 0, 40), Piece(0, 60, 70))
+    assert reduction_calls(content, parts, pgs, 1000) == [(0, 130, 3), (1, 40, 1)]
+    # consecutive dense pieces of one partition merge: one slice, a view of the bucket
+    assert reduction_calls((Piece(0, 0, 30), Piece(0, 30, 20)), parts, pgs, 1000) == [(0, 50, 1)]
+    # a bucket limit of 60 cuts the dense slices into calls once their sum passes it
+    assert reduction_calls(content, parts, pgs, 60) == [(0, 100, 2), (0, 30, 1), (1, 40, 1)]
