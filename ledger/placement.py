@@ -7,7 +7,7 @@ record lists each distinct state once with the ranks that hold it (Placement.ran
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -113,6 +113,16 @@ class Peak:
     def of(cls, parts: dict[str, int], phase: str = "", what: str = "", **rest) -> "Peak":
         """A peak whose bytes are its parts' sum (the one way the ledgers build one)."""
         return cls(sum(parts.values()), parts, phase, what, **rest)
+
+    def plus(self, lines: dict[str, int]) -> "Peak":
+        """This peak with more named bytes, live at its moment: lines "part/name" -> bytes, each added to
+        its part and named in the detail (lines of 0 bytes left out)."""
+        parts, detail = dict(self.parts), dict(self.detail)
+        for key, v in lines.items():
+            if v:
+                parts[key.split("/", 1)[0]] += v
+                detail[key] = v
+        return replace(self, bytes=sum(parts.values()), parts=parts, detail=detail)
 
     def to_dict(self) -> dict:
         d = {"bytes": self.bytes, "parts": dict(self.parts), "phase": self.phase, "what": self.what,

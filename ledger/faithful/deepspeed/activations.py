@@ -113,6 +113,17 @@ def moe_saves(model: ModelShape, mbs: int, w: int, d: Dispatch) -> dict[str, int
     return {"moe gate": gate, "moe dispatch (encode)": encode, "moe experts": experts, "moe combine": combine}
 
 
+def recomputed_aux(model: ModelShape, mbs: int, w: int) -> tuple[int, int]:
+    """What one checkpointed MoE layer's recompute leaves behind (deepspeed.checkpointing.checkpoint:
+    CheckpointFunction.backward reruns the layer with grad), (activations, temporaries):
+    launchers/llama.py Block keeps the recomputed l_aux (self.aux_loss), whose graph no backward runs
+    (the loss holds the forward's, made without grad); its saved ce ([E] fp32), and once the layer's
+    backward ran, the AccumulateGrad at its root: the layer's detached input with the gradient the
+    backward accumulated into it ([b, s, h] each), live until the layer's next forward replaces
+    aux_loss (measured: the probe's census at the epilogue and in the backward)."""
+    return FP32 * model.num_experts, 2 * w * mbs * model.seq_len * model.hidden
+
+
 def ffn_saves(per: dict[str, int]) -> int:
     """A block's FFN saves in layer_activations' dict: the FeedForward's or the MoE layer's parts."""
     return per.get("feed_forward", 0) + sum(v for k, v in per.items() if k.startswith("moe "))

@@ -239,7 +239,8 @@ class Piece(NamedTuple):
     numel: int
 
 
-def flushes(pieces: tuple[Piece, ...], bucket: int) -> list[tuple[int, tuple[Piece, ...]]]:
+@lru_cache(maxsize=64)
+def flushes(pieces: tuple[Piece, ...], bucket: int) -> tuple[tuple[int, tuple[Piece, ...]], ...]:
     """(index of the hook that reduces it, its content) of every IPG bucket reduction, the epilogue's
     (index len(pieces)) last: a hook whose numel would take the bucket past reduce_bucket_size reduces
     the bucket first (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads); an extra-large
@@ -253,7 +254,7 @@ def flushes(pieces: tuple[Piece, ...], bucket: int) -> list[tuple[int, tuple[Pie
         elements += p.numel
     if content:
         out.append((len(pieces), tuple(content)))
-    return out
+    return tuple(out)
 
 
 def reduction_calls(content: tuple[Piece, ...], parts: tuple[int, ...], pgs: tuple[int, ...],
@@ -295,11 +296,11 @@ def piece_flush(pieces: tuple[Piece, ...], parts: tuple[int, ...], mine: tuple[i
         return p.offset < (q + 1) * parts[p.group] and p.offset + p.numel > q * parts[p.group]
 
     overlap = sum(p.numel for p in pieces if in_mine(p))
-    copied = 0
+    copied = 0  # the gradients copied into the IPG buffer up to the reduction (an extra-large one is not)
     for at, content in flushes(pieces, bucket):
-        copied_before = sum(p.numel for p in pieces[:at] if p.numel <= bucket)
+        copied += sum(p.numel for p in content if p.numel <= bucket)
         if any(in_mine(p) for p in content):
-            return PartitionFlush(overlap, at, copied_before)
+            return PartitionFlush(overlap, at, copied)
     return PartitionFlush(overlap, len(pieces), copied)
 
 

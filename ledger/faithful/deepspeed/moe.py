@@ -33,7 +33,7 @@ min_capacity) (_capacity, top1gating / top2gating / topkgating) for S tokens of 
 Resident extras: each MOELayer keeps its last l_aux (fp32) and exp_counts (int64 [E]).
 Activation checkpointing (deepspeed.checkpointing.checkpoint around each layer): a checkpointed MoE
 layer's recompute in backward dispatches and combines again (6 all-to-alls a layer and micro-batch) and
-leaves its l_aux graph on the block (recomputed_aux).
+leaves its l_aux graph on the block (activations.recomputed_aux).
 The peak within a step: peak.py's moments over the param groups (_peak_inputs), the MoE layers' saves
 (activations.moe_saves); top-k above 2 has none (peak_modelled).
 Not modelled (refused): ZeRO-3 (DeepSpeed refuses native MoE at stage 3), fp32, drop_tokens=false (the capacity
@@ -42,6 +42,7 @@ follows the router: an all-reduce of it per layer), shared experts (use_residual
 from __future__ import annotations
 
 import copy
+import dataclasses
 from functools import lru_cache
 
 import numpy as np
@@ -192,17 +193,21 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     s = rank_state(model, lay, fw)
     if peak_modelled(model, fw) is not None:
         return lambda r: s
-    by_key: dict = {}
+    by_flush: dict = {}
     by_rank: dict[int, RankState] = {}
+    shared: list = []  # the layout's PeakInputs but the rank's flush, made on first use
 
     def state(r: int) -> RankState:  # on first use: a search that reads the resident state builds no peak input
         if r not in by_rank:
-            inputs = _peak_inputs(model, lay, fw, s, r, target_rules)
-            key = (inputs.flush, inputs.epilogue)
-            if key not in by_key:
-                st = by_key[key] = copy.copy(s) if by_key else s
-                st.peak = (lambda inputs=inputs: deepspeed_peak.peak(inputs))
-            by_rank[r] = by_key[key]
+            if not shared:
+                shared.append(_peak_inputs(model, lay, fw, s, target_rules))
+            inputs, walk, parts = shared[0]
+            flush = deepspeed_backward.piece_flush(walk, parts, _mine(lay, len(parts), r), inputs.bucket) if walk \
+                else None
+            if flush not in by_flush:
+                st = by_flush[flush] = copy.copy(s) if by_flush else s
+                st.peak = (lambda inputs=dataclasses.replace(inputs, flush=flush): deepspeed_peak.peak(inputs))
+            by_rank[r] = by_flush[flush]
         return by_rank[r]
     return state
 
@@ -315,20 +320,21 @@ def _hooks(model: ModelShape, ep: int) -> Hooks:
                  tuple(at[f"layers.{j}.ffn_norm.weight"] for j in range(model.layers)), len(at))
 
 
-def _peak_inputs(model: ModelShape, lay: Layout, fw, s: RankState, rank: int,
-                 target_rules: Rules) -> deepspeed_peak.PeakInputs:
-    """One rank's PeakInputs: the dense ledger's moments (peak.py) over the param groups (the IPG
-    bucket's gradients as pieces of their group's flat buffer), the MoE layers' saves (Dispatch)."""
+def _peak_inputs(model: ModelShape, lay: Layout, fw, s: RankState,
+                 target_rules: Rules) -> tuple[deepspeed_peak.PeakInputs, tuple[Piece, ...] | None, tuple[int, ...]]:
+    """(the layout's PeakInputs but a rank's flush, the pieces in the order the bucket reduces them (None:
+    stage 1 with overlap_comm, an estimate), each group's partition elements): the dense ledger's
+    moments (peak.py) over the param groups (the IPG bucket's gradients as pieces of their group's flat
+    buffer), the MoE layers' saves (Dispatch). A rank's flush: backward.piece_flush over its partitions."""
     ngroups = len(groups(model, lay.ep))
     parts = tuple(flat(model, lay, g) // _size(lay, g) for g in range(ngroups))
     pgs = (0,) + (1,) * (ngroups - 1)
     bucket, stage = int(fw.reduce_bucket_size), fw.zero_stage
     grad_order = tuple(Piece(*where) for where in order(model, lay.ep, False))
-    flush = hooks = None
+    walk = hooks = None
     touched, epilogue = True, ()
     if not (stage == 1 and rules.overlap_comm(fw)):  # stage 1 with overlap_comm: an estimate (peak.py)
         walk = grad_order if stage == 2 else tuple(Piece(*where) for where in order(model, lay.ep, True))
-        flush = deepspeed_backward.piece_flush(walk, parts, _mine(lay, ngroups, rank), bucket)
         hooks = _hooks(model, lay.ep)
         touched = deepspeed_backward.piece_ipg_touched(walk, parts, pgs, bucket)
         if stage == 2:
@@ -338,24 +344,10 @@ def _peak_inputs(model: ModelShape, lay: Layout, fw, s: RankState, rank: int,
         model, lay.micro_batch_size, lay.num_microbatches, stage, DTYPES[fw.precision],
         bool(fw.get("activation_checkpointing", False)),
         part=parts[0], params_resident=s.params_bytes, optim=s.optim_bytes, grads_resident=0, persist=0,
-        n=sum(n for g in groups(model, lay.ep) for _, n in g), bucket=bucket, flush=flush, hooks=hooks,
+        n=sum(n for g in groups(model, lay.ep) for _, n in g), bucket=bucket, hooks=hooks,
         ipg_touched=touched, grads_hooked=deepspeed_backward.piece_hooked(grad_order, parts, pgs, bucket),
         rules=target_rules, dispatch=Dispatch(lay.ep, capacity(model, lay, cf, mc)), group_parts=parts,
-        other_extra=_moe_other(model), samplers=SAMPLERS[model.moe_router_topk], epilogue=epilogue,
-        recomputed_aux=recomputed_aux(model, lay.micro_batch_size, DTYPES[fw.precision])
-        if fw.get("activation_checkpointing", False) else None)
-
-
-def recomputed_aux(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
-    """What a checkpointed MoE layer's recompute leaves behind (deepspeed.checkpointing.checkpoint:
-    CheckpointFunction.backward reruns the layer with grad): launchers/llama.py Block keeps the
-    recomputed l_aux (self.aux_loss), whose graph no backward runs (the loss holds the forward's,
-    made without grad); its saved ce ([E] fp32) and the AccumulateGrad at its root, the layer's detached
-    input with the gradient the backward accumulated into it, live until the layer's next forward
-    replaces aux_loss (measured: the probe's census at the epilogue)."""
-    n, bsh = model.moe_layers(), mbs * model.seq_len * model.hidden
-    return {"activations/the recomputed l_aux graphs' ce (checkpointed MoE layers)": n * FP32 * model.num_experts,
-            "temporary/the recomputed l_aux graphs' layer inputs and their gradients": n * 2 * w * bsh}
+        other_extra=_moe_other(model), samplers=SAMPLERS[model.moe_router_topk], epilogue=epilogue), walk, parts
 
 
 def _moe_other(model: ModelShape) -> int:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from ledger.dtypes import FP32, FP64
 from ledger.faithful.deepspeed.activations import (Dispatch, batch_bytes, ffn_saves, head_activations,
                                                    layer_activations, modelled, most_live_activations, per_kind,
-                                                   saved_activations)
+                                                   recomputed_aux, saved_activations)
 from ledger.faithful.deepspeed.backward import Hooks, PartitionFlush, Z3Flush
 from ledger.faithful.deepspeed.gathered import Z3Live
 from ledger.faithful.deepspeed.target import RULES, Rules
@@ -105,9 +105,9 @@ class PeakInputs:
     norm (the MoE layers' l_aux and exp_counts); samplers, module-level tensors made in step 0's
     forward and kept (DeepSpeed-MoE's cached random samplers: step 0 `temporary`, then `unnamed`);
     epilogue, ZeRO-2's last reduction of a backward, (what, elements) of each flattened copy its
-    all-reduces make (a process group's slices of the bucket, several: torch.cat) in order;
-    recomputed_aux, "part/name" -> bytes a checkpointed MoE layer's recompute leaves from its backward
-    to the layer's next forward (moe.py recomputed_aux), live at every moment past the backward."""
+    all-reduces make (a process group's slices of the bucket, several: torch.cat) in order. With
+    dispatch and checkpointing, what a checkpointed MoE layer's recompute leaves behind
+    (activations.recomputed_aux) is live at every moment past the backward and in the later blocks'."""
     model: ModelShape
     mbs: int
     m: int
@@ -134,7 +134,6 @@ class PeakInputs:
     other_extra: int = 0
     samplers: int = 0
     epilogue: tuple[tuple[str, int], ...] = ()
-    recomputed_aux: dict[str, int] | None = None
 
 
 class _Step:
@@ -190,6 +189,8 @@ class _Step:
         self.saves_after = tuple(after)
         moe = [j for j in range(model.layers) if i.dispatch is not None and model.is_moe_layer(j)]
         self.first_moe = min(moe) if moe else None
+        # a checkpointed MoE layer's recompute: (activations, temporaries) it leaves, per MoE layer
+        self.aux_left = recomputed_aux(model, mbs, w) if moe and i.checkpointing else None
 
     def aux(self, j: int) -> dict[str, int]:
         """The MoE layers' aux losses' gradient (launchers/llama.py: loss + coeff * sum(l_aux)): the loss's
@@ -227,10 +228,10 @@ class _Step:
             return temp, 0
         temp["the recomputed block's output"] = bsh
         acts = 0
-        if i.recomputed_aux:
-            ce = FP32 * model.num_experts
+        if self.aux_left:
+            ce, held = self.aux_left
             acts = sum(ce for x in range(j, model.layers) if model.is_moe_layer(x))
-            done = sum(2 * bsh for x in range(j + 1, model.layers) if model.is_moe_layer(x))
+            done = sum(held for x in range(j + 1, model.layers) if model.is_moe_layer(x))
             done -= bsh if j + 1 < model.layers and model.is_moe_layer(j + 1) else 0
             temp["the recomputed MoE blocks' l_aux graphs: inputs and their grads"] = done
         return temp, acts
@@ -378,15 +379,14 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
 
 
 def _past_backward(p: Peak, st: _Step) -> Peak:
-    """p with what outlives the backward and is not resident state (PeakInputs.recomputed_aux)."""
-    extra = st.i.recomputed_aux
-    if not extra:
+    """p with what outlives the backward and is not resident state: every checkpointed MoE layer's
+    recompute's leavings (activations.recomputed_aux)."""
+    if not st.aux_left:
         return p
-    parts, detail = dict(p.parts), dict(p.detail)
-    for key, v in extra.items():
-        parts[key.split("/", 1)[0]] += v
-        detail[key] = v
-    return Peak.of(parts, p.phase, p.what, detail=detail)
+    n = st.i.model.moe_layers()
+    ce, held = st.aux_left
+    return p.plus({"activations/the recomputed l_aux graphs' ce (checkpointed MoE layers)": n * ce,
+                   "temporary/the recomputed l_aux graphs' layer inputs and their gradients": n * held})
 
 
 def _named_moment(res: int, acts: tuple[str, int], temp: dict[str, int], gathered: dict[str, int],
@@ -528,20 +528,17 @@ def epilogue(st: _Step, first: bool) -> list[Peak]:
             "grads_in_partition (micro-batch 0's)": w * i.flush.overlap if i.m > 1 else 0,
             "grads_in_partition (this backward's)": w * i.flush.overlap if made else 0}
     ipg = {"IPG buffer (reduce_bucket_size elements)": w * i.bucket}
-    out = []
-    for what, n in i.epilogue:
-        temp, gathered = dict(base), {f"the all-reduce's flattened copy ({what})": w * n}
+
+    def at(temp: dict[str, int], gathered: dict[str, int], what: str) -> Peak:
         (gathered if i.ipg_touched else temp).update(ipg)
-        out.append(_past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
-                                                f"the last micro-batch's backward epilogue: the IPG all-reduce of {what}"),
-                                  st))
+        return _past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
+                                            f"the last micro-batch's backward epilogue: {what}"), st)
+
+    out = [at(dict(base), {f"the all-reduce's flattened copy ({what})": w * n}, f"the IPG all-reduce of {what}")
+           for what, n in i.epilogue]
     if not made:
-        temp, gathered = dict(base), {}
-        temp["grads_in_partition (this backward's)"] = w * i.flush.overlap
-        (gathered if i.ipg_touched else temp).update(ipg)
-        out.append(_past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
-                                                "the last micro-batch's backward epilogue: grads_in_partition's allocation"),
-                                  st))
+        out.append(at({**base, "grads_in_partition (this backward's)": w * i.flush.overlap}, {},
+                      "grads_in_partition's allocation"))
     return out
 
 
@@ -726,14 +723,9 @@ def _pick(st: _Step, first: bool) -> Peak:
         lines = st.resident_lines(first)
         assert sum(lines.values()) == best.parts["resident"], (lines, best.parts)
         best.detail = {**{key: v for key, v in lines.items() if v}, **best.detail}
-    if i.samplers:
-        # at every moment alike: made in step 0's first forward (its `temporary`), kept after
-        part = "temporary" if first else "unnamed"
-        parts = dict(best.parts)
-        parts[part] += i.samplers
-        detail = {**best.detail, f"{part}/DeepSpeed-MoE's cached random samplers (sharded_moe.py)": i.samplers}
-        best = Peak.of(parts, best.phase, best.what, detail=detail)
-    return best
+    # at every moment alike: made in step 0's first forward (its `temporary`), kept after
+    part = "temporary" if first else "unnamed"
+    return best.plus({f"{part}/DeepSpeed-MoE's cached random samplers (sharded_moe.py)": i.samplers})
 
 
 def peak(i: PeakInputs) -> Peak | None:

@@ -287,11 +287,6 @@ def checkpoint_groups(rc: Recompute, layers: int) -> list[tuple[int, int, bool]]
     return [(i, i + 1, i < n) for i in range(layers)]
 
 
-def _group_end(rc: Recompute, lo: int, layers: int) -> int:
-    """The end of the checkpoint_groups group starting at layer lo."""
-    return min(lo + rc.num_layers, layers) if rc.method == "uniform" else lo + 1
-
-
 def recompute_holding(sh: Shape, rc: Recompute, layers: int, from_layer: int = 0) -> int:
     """Full recompute with MoE layers: a checkpoint's recompute builds its MoE layers' routing again and
     the token dispatcher keeps the recomputed probs as an attribute until the layer's next forward;
@@ -343,14 +338,15 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
     if rc.granularity == "full":
         ck = sh.e * sh.sbh_n
         left = 0  # what the checkpoints already recomputed in this backward hold (recompute_holding)
+        next_holds = False  # whether the checkpoint after this one holds
         for lo, hi, c in reversed(checkpoint_groups(rc, layers)):
             # the next checkpoint's held input grad is the grad this one's backward receives (its out_h)
-            held = left - (ck if left and (hi < layers and any(sh.is_moe(x) for x in range(hi, _group_end(rc, hi, layers))))
-                           else 0)
+            held = left - (ck if next_holds else 0)
             k = hi - lo
             if not c:
                 units += [Unit(f"layer {i}", of(i)[0], tuple((name, live, t + held, g) for name, live, t, g in of(i)[1]))
                           for i in reversed(range(lo, hi))]
+                next_holds = False
                 continue
             # the group's saved input; the first group's, on a stage that receives it, is the p2p buffer
             # itself, counted here and not as p2p (received_in_p2p)
@@ -373,8 +369,8 @@ def chunk_units(sh: Shape, rc: Recompute, layers: int, first: bool, last: bool, 
                 ms += [(f"layer {hi - 1 - j} {name}", own + rest + live, t + out_h + held, g)
                        for name, live, t, g in of(hi - 1 - j)[1]]
             units.append(Unit(f"layers {lo}-{hi - 1} (checkpointed)", own, tuple(ms)))
-            if any(sh.is_moe(x) for x in range(lo, hi)):
-                left += 2 * ck
+            next_holds = any(sh.is_moe(x) for x in range(lo, hi))
+            left += 2 * ck if next_holds else 0
     else:
         for i in reversed(range(layers)):
             units.append(Unit(f"layer {i}", of(i)[0], tuple(of(i)[1])))

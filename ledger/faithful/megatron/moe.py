@@ -88,15 +88,14 @@ from functools import lru_cache
 import numpy as np
 
 from ledger.faithful.megatron import target as megatron_target
-from ledger.faithful.megatron.activations import recompute_holding, recompute_of, recomputed_layers
+from ledger.faithful.megatron.activations import recompute_of, recomputed_layers
 from ledger.faithful.megatron.buffers import (buffer_bytes, buffer_layout, build_buffer, effective_bucket_size, owned_sizes,
                                               shard_ranges)
 from ledger.faithful.megatron.comm import micro_batch_comm
 from ledger.faithful.megatron.knobs import dtypes, knobs
 from ledger.faithful.megatron.pipeline import layer_range, padded_shape, pieces
 from ledger.faithful.megatron.moe_activations import held, moe_shape, rows_range, tokens
-from ledger.faithful.megatron.activations import shape_of
-from ledger.faithful.megatron.peak import _chunk_sh, adam_denominators, bucket_copy, stage_peak
+from ledger.faithful.megatron.peak import adam_denominators, bucket_copy, stage_peak
 from ledger.faithful.megatron.states import check_framework, check_interleaving, mpu_numel as dense_mpu_numel, NOTES
 from ledger.faithful.megatron.target import fused_optimizer_in_place
 from ledger.grid import Grid
@@ -357,12 +356,10 @@ def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, 
     with the two optimizers' moments (moe_optimizer_moments)."""
     opt = moe_optimizer_moments(model, lay, k, stage, dp_rank, edp_rank)
     n_moe = _moe_layers_of(model, lay, k, stage)
-    again = recompute_holdings(model, lay, k, stage)
 
     def at(rows: str):
         mo = moe_shape(model, lay, k, rows)
-        return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo),
-                          after_backward=again)
+        return stage_peak(model, lay, k, stage, dp_rank, resident, adam_state, rows, opt, n_moe * held(mo))
 
     pk = at("balanced")
     # with every choice local (ep 1) the rows cannot move: the bound is the peak itself
@@ -372,14 +369,6 @@ def moe_stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, 
     if pk.first is not None:
         pk.first.bound = ((low.first or low).bytes, (high.first or high).bytes)
     return pk
-
-
-def recompute_holdings(model: ModelShape, lay: Layout, k, stage: int) -> int:
-    """Full recompute: what the stage's checkpoints hold past the step's backward
-    (activations.recompute_holding: every checkpoint with an MoE layer, its input and the input's grad)."""
-    rc = recompute_of(k)
-    n = len(layer_range(model, lay.pp, stage, k.pp_split))
-    return recompute_holding(_chunk_sh(shape_of(model, lay, k), model, lay, k, stage, n), rc, n)
 
 
 @lru_cache(maxsize=256)

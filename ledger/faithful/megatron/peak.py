@@ -37,9 +37,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ledger.faithful.megatron.activations import (chunk_saved, chunk_shape, chunk_units, moe_forward, received_in_p2p,
-                                                 recompute_holding,
-                                                  Recompute, recompute_of, RECOMPUTED_CAST, Shape, shape_of,
-                                                  softmax_forward)
+                                                  Recompute, recompute_holding, recompute_of, RECOMPUTED_CAST, Shape,
+                                                  shape_of, softmax_forward)
 from ledger.faithful.megatron.buffers import buffer_layout, effective_bucket_size, shard_ranges, shared
 from ledger.faithful.megatron.pipeline import layer_range, stage_params, stage_shape
 from ledger.faithful.megatron.target import fused_optimizer_in_place
@@ -499,19 +498,19 @@ def _step_moments_fast(model: ModelShape, lay: Layout, k, stage: int, rows: str 
 
 def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resident: dict,
                adam_state: int, rows: str = "balanced", optimizer: tuple | None = None,
-               held: int | dict[str, int] = 0, after_backward: int = 0) -> Peak:
+               held: int = 0) -> Peak:
     """The rank's peak in a steady step: its largest moment (stage_moments). `first`: the first
     step's, where Adam's exp_avg / exp_avg_sq / step (adam_state bytes) do not exist before its
     optimizer step (torch/optim/adam.py _init_group makes them param by param: bounded by the steady
     Adam moment). resident: the rank's states by name (RankState.totals), the detail's resident lines.
     An MoE model's (moe.py moe_stage_peak): rows, its optimizer moments, and held: what its token
-    dispatchers keep from one forward to the next, live at every moment (moe_activations.held; a dict:
-    each by its detail name, temporary/...); after_backward: temporaries live past the last backward
-    (full recompute's holding checkpoints: activations.recompute_holding), added to the optimizer
-    moments."""
+    dispatchers keep from one forward to the next, live at every moment (moe_activations.held). With
+    full recompute an MoE stage's checkpoints also hold past the last backward (activations.
+    recompute_holding, every one): added to the optimizer moments."""
     moments = stage_moments(model, lay, k, stage, dp_rank, rows, optimizer)
-    if after_backward:
-        moments = [moment_plus(m, after_backward) if m[2] == "optimizer" else m for m in moments]
+    after = _held_past_backward(model, lay, k, stage, rows)
+    if after:
+        moments = [moment_plus(m, after) if m[2] == "optimizer" else m for m in moments]
     adam_b, adam_w = moments[-1][0], moments[-1][3]
     res = sum(resident.values())
     res_detail = {f"resident/{name}": b for name, b in resident.items() if b}
@@ -535,11 +534,15 @@ def stage_peak(model: ModelShape, lay: Layout, k, stage: int, dp_rank: int, resi
                    first=None if first.bytes == steady.bytes else first)
 
 
-def _with_held(pk: Peak, held: int | dict[str, int]) -> Peak:
+def _with_held(pk: Peak, held: int) -> Peak:
     """pk with an MoE model's dispatcher-held bytes (stage_peak's held) in its temporary part."""
-    lines = {HELD: held} if isinstance(held, int) else held
-    lines = {k: v for k, v in lines.items() if v}
-    if not lines:
-        return pk
-    return Peak.of({**pk.parts, "temporary": pk.parts["temporary"] + sum(lines.values())}, pk.phase, pk.what,
-                   detail={**pk.detail, **lines})
+    return pk.plus({HELD: held})
+
+
+def _held_past_backward(model: ModelShape, lay: Layout, k, stage: int, rows: str) -> int:
+    """What a stage's full-recompute checkpoints hold past its last backward (recompute_holding: every
+    checkpoint with an MoE layer; 0 without MoE layers, vp 1 with them)."""
+    if not model.is_moe:
+        return 0
+    n = stage_shape(model, lay.pp, stage, 1, 0, k.pp_split)[0]
+    return recompute_holding(_chunk_sh(shape_of(model, lay, k, rows), model, lay, k, stage, n), recompute_of(k), n)
