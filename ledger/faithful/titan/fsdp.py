@@ -173,3 +173,12 @@ def sharded_part(model: ModelShape, tp: int, ds: int, has_emb: bool, L: int, has
                 uneven[d0] = uneven.get(d0, 0) + rest
     return Sharded(n_params, padded, even, tuple(sorted(uneven.items())), emb.full, head.fulls[0], head.fulls[1],
                     block.full)
+
+
+def block_params(model: ModelShape) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(dense, expert) global shapes of one MoE block (ModelShape.layer_params: the same tensors): the experts
+    are an FSDP group of their own under EP (moe.py)."""
+    dense, expert = [], []
+    for name, shape in model.layer_params(0):
+        (expert if ".moe.experts." in name else dense).append(shape)
+    return dense, expert

@@ -27,7 +27,8 @@ combine, the dispatch's backward): predicted balanced with the range [0, ep x T 
 experts' stacked norms reduced once over their (efsdp, ep) mesh, the rest over fsdp.
 components/optimizer/optimizer.py register_moe_load_balancing_hook: the [layers, E] fp32 token
 counts all-reduced over the loss mesh before every optimizer step.
-Not modelled: the peak within a step (no peak row), TP / PP / CP / HSDP with MoE, Shard(1) experts.
+The peak within a step: moe_activations.py (a block's saves), moe_peak.py (EP's moments).
+Not modelled: TP / PP / CP / HSDP with MoE, Shard(1) experts, activation checkpointing.
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ from math import prod
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import REGATHER, lm_head_regathers
-from ledger.faithful.titan.fsdp import chunk_rows, rows_of
+from ledger.faithful.titan import moe_peak
+from ledger.faithful.titan import peak as titan_peak
+from ledger.faithful.titan.fsdp import block_params, chunk_rows, rows_of, sharded, unit_params
+from ledger.faithful.titan.target import rules_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape, model_dict
@@ -57,14 +61,6 @@ def check(model: ModelShape, lay: Layout, fw) -> None:
                               f"the faithful MoE ledger models {want!r}")
     if model.seq_len % 8:
         raise ConfigError(f"titan: seq_len={model.seq_len} must be divisible by ChunkedLossWrapper.num_chunks=8")
-
-
-def block_params(model: ModelShape) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """(dense, expert) global shapes of one block (ModelShape.layer_params: the same tensors)."""
-    dense, expert = [], []
-    for name, shape in model.layer_params(0):
-        (expert if ".moe.experts." in name else dense).append(shape)
-    return dense, expert
 
 
 def rank_state(model: ModelShape, lay: Layout, k: int, e: int, comm_fn, comm_first) -> RankState:
@@ -162,6 +158,18 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     return acc.build()
 
 
+def _dense_peak(model: ModelShape, lay: Layout, fw, st: RankState, rules):
+    """Without expert parallelism the experts are a block's params like the rest (one FSDP group over
+    fsdp): the dense model's moments (peak.py) over the qwen3 block's saves (moe_activations.py)."""
+    def peak():
+        emb, block, head = unit_params(model, 1)
+        resident = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
+        return titan_peak.peak(model, lay, fw, sharded(model, 1, lay.dp_shard), resident,
+                               *[sum([prod(p.shape) for p in u]) for u in (block, emb, head)], rules=rules,
+                               first=titan_peak.FirstStep(st.optim_bytes, st.grads_bytes))
+    return peak
+
+
 def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     check(model, lay, fw)
     ds, ep = lay.dp_shard, lay.ep
@@ -177,17 +185,28 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
     grid: Grid = lay.grid
     cache: dict[tuple[int, int], RankState] = {}
 
+    rules = rules_of(target)
+
     def state(r: int) -> RankState:
         k = grid.coords(r)["dp"]
         key = (k, k // ep)  # the fsdp shard rank, the efsdp one (ep innermost on the sparse mesh)
         if key not in cache:
-            cache[key] = rank_state(model, lay, *key, lambda: comm(True), first)
+            st = cache[key] = rank_state(model, lay, *key, lambda: comm(True), first)
+            st.peak = _dense_peak(model, lay, fw, st, rules) if ep == 1 else \
+                (lambda st=st: moe_peak.ep_peak(model, lay, fw, st, rules))
         return cache[key]
 
     pl = Placement(framework="titan", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                    world=lay.world, rank_state=state, representatives=[0])
-    pl.notes.append(f"titan MoE (titan_moe.py): torchtitan's qwen3 MoE, ep={ep} over dp_shard={ds} (efsdp {ds // ep}); "
+    pl.notes.append(f"titan MoE (moe.py): torchtitan's qwen3 MoE, ep={ep} over dp_shard={ds} (efsdp {ds // ep}); "
                     "the all-to-all bytes on the experts' side follow the router: predicted balanced, bounded by "
-                    "buffer_range, exact over an EP group; the peak within a step is not modelled (no peak row)")
+                    "buffer_range, exact over an EP group")
+    pl.notes.append("titan MoE peak: the qwen3 block's saves (moe_activations.py) in the dense moments"
+                    + (" (ep 1: the experts are the blocks' params)" if ep == 1 else
+                       ", with EP's own (moe_peak.py: grads set to None each step, two FSDP groups a block, the "
+                       "combine's backward); the rows this rank's experts compute follow the router: predicted "
+                       "balanced, bounded from the fewest to the most (Peak.bound); measured on the CPU exact at "
+                       "the rows the run routed but for 288 B of the step's setup tensors (s = 512)"))
+    pl.notes.extend(titan_peak.notes(lay, fw, rules))
     pl.target = target or CPU_GLOO
     return pl

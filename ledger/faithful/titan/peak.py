@@ -46,12 +46,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
+from ledger.faithful.titan import moe_activations
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.placement import Peak
 from ledger.units import round_up
 
 LOSS_CHUNKS = 8  # components/loss.py ChunkedLossWrapper.Config.num_chunks (torchtitan's default)
+FLEX_BLOCK = 128  # torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE (create_block_mask's)
 
 
 def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = False, cp: int = 1,
@@ -81,7 +83,12 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     up to the rowwise wo / w2 hold their heads / ffn columns over tp (DTensor local shards).
     rules (target.py): on cuda-nccl FlexAttention's kernel saves no dense mask, and SelectiveAC keeps
     its output and logsumexp.
+    An MoE shape's block (torchtitan's qwen3) is moe_activations.block_saves's, at balanced routing.
     """
+    if model.num_experts:
+        # torchtitan's MoE model is qwen3's (moe.py): its block without checkpointing, TP or CP (refused there)
+        parts = moe_activations.block_saves(model, B, S // cp, rules)
+        return sum(parts.values()), 0, parts
     h, f, hd = model.hidden, model.ffn_hidden // tp, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads // tp * hd
     heads = model.heads // tp
@@ -136,12 +143,16 @@ def _batch_bytes(model, B: int, S: int) -> int:
     (2 x T int64), the three moved to the device (3 x T int64; those saved for backward are
     activations: _batch_saved_bytes), the document mask of models/common/attention.py
     get_efficient_causal_mask_mod_for_packed_document (document_id int32 [B, S]; with B == 1 the
-    offsets table, int32 round_up(S + 1, 128)), per-sequence fp32 scalars (8 x B), a norm weight's
-    bf16 grad ([hidden]) and three more scalars (the loader's int64, two fp32)."""
+    offsets table, int32 round_up(S + 1, 128)), the BlockMask's eight int32 block tables
+    (torch/nn/attention/flex_attention.py BlockMask: kv_num_blocks, full_kv_num_blocks, q_num_blocks,
+    full_q_num_blocks [B, 1, nb] and the four indices [B, 1, nb, nb], nb = S / 128 blocks, its
+    _DEFAULT_SPARSE_BLOCK_SIZE), a norm weight's bf16 grad ([hidden]) and three more scalars (the
+    loader's int64, two fp32)."""
     out = 3 * S * I64 + 2 * B * S * I64 + 3 * B * S * I64 + B * S * 4
     if B == 1:
         out += round_up(S + 1, 128) * 4
-    return out + 8 * B * F32 + model.hidden * BF16 + I64 + 2 * F32
+    nb = -(-S // FLEX_BLOCK)
+    return out + 4 * B * (nb + nb * nb) * 4 + model.hidden * BF16 + I64 + 2 * F32
 
 
 

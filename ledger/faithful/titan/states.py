@@ -168,6 +168,6 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
             pl.notes.append("titan peak, TP without SP: where DTensor redistributes inside a block's backward "
                             "(the all-gather a cpu mesh runs for Shard -> Shard, SwiGLU's grads reduce-scattered) "
                             "its buffers are not in the peak's moments; measured on the CPU at tp4, hidden 1024, "
-                            "ffn 3584, T 1024: the steady peak 6,044,776 B (2.9%) over the prediction, at such a "
-                            "reduce-scatter (the first step's 6,048,872 B)")
+                            "ffn 3584, T 1024: the steady peak 6,043,656 B (2.9%) over the prediction, at such a "
+                            "reduce-scatter (the first step's 6,047,752 B)")
     return pl

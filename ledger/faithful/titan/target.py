@@ -31,7 +31,10 @@ cuda-nccl, from sources (no GPU run has confirmed them):
   kernel (aten/src/ATen/native/layer_norm.cpp rms_norm_symint; derivatives.yaml saves input, weight and
   rstd): the bf16 input and an fp32 rstd per token, where the CPU's rms_norm_composite saves the fp32
   upcast input, rsqrt and x * rsqrt. The norm's backward temporaries are the CPU's (not modelled for the
-  CUDA kernel).
+  CUDA kernel);
+- the MoE router's torch.autocast(dtype=float32) runs on CUDA (torch/amp/autocast_mode.py checks the
+  dtype only for other devices), while CPU autocast refuses float32 and is disabled: the router's saves
+  are fp32 there, bf16 here (moe_activations.py).
 """
 from __future__ import annotations
 
@@ -49,10 +52,11 @@ class Rules(NamedTuple):
     attention_stats: int  # fp32 values per query position and head the attention saves (lse; flex: max too)
     fused_rms_norm: bool  # the norms save their bf16 input and rstd (not the fp32 upcasts)
     cpu_mesh: bool  # the device mesh is cpu: DTensor runs Shard -> Shard as an all-gather (dtensor._executed)
+    router_fp32: bool  # the MoE router's autocast(float32) runs (CUDA), not disabled (CPU): moe_activations.py
 
 
-RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, True, False, 1, False, True),
-         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True, False)}
+RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, True, False, 1, False, True, False),
+         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True, False, True)}
 
 
 def rules_of(target: str | None) -> Rules:

@@ -1,0 +1,269 @@
+"""The peak within a steady step of a torchtitan 0.3.0 rank training its MoE model (qwen3) with expert
+parallelism (ep > 1; without it the dense moments of peak.py hold, moe.py). Paths under torch/ or
+torchtitan/.
+
+What EP changes in the step (measured with the peak probe's event lists, tests/test_titan_moe.py):
+- grads are set to None every step: trainer.py zero_grad(set_to_none=training.disable_cuda_graphs), and
+  CUDA graphs refuse EP (launchers/titan.py sets it, trainer.py _validate_cuda_graphs): a unit's sharded
+  grads exist from its reduce-scatter on, as in a first step (peak.FirstStep);
+- a block has two FSDP param groups (distributed/fsdp.py: the experts on the efsdp mesh, the rest on
+  fsdp), each all-gathered (backward prefetch: the block before's dense group and, efsdp > 1, its
+  experts; efsdp = 1 casts the experts' shards into their unsharded bf16 params at the block's own
+  pre-backward, no buffer) and reduced on its own: the experts' group first, then the dense one;
+  _fsdp_param_group.py post_backward lets only a state's last group reclaim the shared
+  reduce_scatter_states (reduce_scatter_max_input_buffers 1), so the experts' reduce-scatter input
+  stays held beside the dense one's until the next block's experts reduce (both the block after's
+  while a block's backward runs). With efsdp = 1 the experts' "reduce-scatter" is foreach_reduce's
+  `reduce_scatter_input / gradient_divide_factor` copied into a new grad (no collective);
+- the MoE layer's backward starts at the combine (token_dispatcher.py combine: scatter_add's backward
+  gathers the output grad [N, hidden], the fp32 cast's backward makes it fp32, and the score
+  multiplication's backward makes two fp32 [N, hidden] products and their row sums): the moment the
+  probe measured as the step's peak on every rank of the EP jobs.
+
+The moments per block j, backward order (the last block first), beside lm_head's reduce-scatter, a loss
+chunk's backward and the final norm's (peak.py's, with the grads reduced so far and the block's two
+groups): the combine backward (_at_combine), the experts' reduce-scatter (_at_experts_rs), the dense
+group's (_at_dense_rs). Routed rows follow the router: the peak is predicted at balanced routing (every
+block's experts compute T*k rows) and bounded from the fewest to the most rows (Peak.bound).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+from typing import NamedTuple
+
+from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
+from ledger.faithful.titan import moe_activations
+from ledger.faithful.titan import peak as titan_peak
+from ledger.faithful.titan.fsdp import block_params, chunk_rows, sharded, unit_params
+from ledger.faithful.titan.target import Rules
+from ledger.placement import Peak
+
+
+class EPUnits(NamedTuple):
+    """One rank's FSDP units under EP, in elements: padded full numels (what all-gathers and
+    reduce-scatters move) and unsharded numels (the bf16 params FSDP2 allocates)."""
+    ds: int  # the dense fsdp degree (dp_shard)
+    efsdp: int  # the experts' FSDP degree
+    dense_full: int  # one block's dense group over ds
+    expert_full: int  # one block's local experts over efsdp
+    dense_numel: int
+    expert_numel: int
+    emb_full: int
+    emb_numel: int
+    norm_full: int
+    lm_full: int
+    head_numel: int  # [norm, lm_head] unsharded
+
+    def grad_shards(self, units: list[str]) -> int:
+        """fp32 bytes of this rank's sharded grads of the named units (dim-0 padded shards)."""
+        per = {"lm_head": self.lm_full // self.ds, "norm": self.norm_full // self.ds,
+               "dense": self.dense_full // self.ds, "experts": self.expert_full // self.efsdp,
+               "emb": self.emb_full // self.ds}
+        return sum(per[u] for u in units) * F32
+
+
+def ep_units(model, lay) -> EPUnits:
+    ds, ep = lay.dp_shard, lay.ep
+    efsdp = ds // ep
+    dense, expert = block_params(model)
+    local = [(s[0] // ep, *s[1:]) for s in expert]
+
+    def full(shapes, n):
+        return sum(chunk_rows(s[0], n) * n * prod(s[1:]) for s in shapes)
+
+    sh = sharded(model, 1, ds)
+    emb, _, head = unit_params(model, 1)
+    return EPUnits(ds, efsdp, full(dense, ds), full(local, efsdp), sum(prod(s) for s in dense),
+                   sum(prod(s) for s in local), sh.emb_full, sum(prod(p.shape) for p in emb), sh.norm_full,
+                   sh.lm_full, sum(prod(p.shape) for p in head))
+
+
+class _Common(NamedTuple):
+    """What every moment of one rank shares."""
+    base: int  # params, optimizer state and buffers (the state less its grads)
+    saves: tuple[int | None, ...]  # each block's saves at its rows (None: unknown)
+    batch: int  # the batch's saved ids, labels and the valid-token count
+    small: int  # the batch's other small tensors (peak._batch_bytes less the saved ones and a norm's grad)
+    resid: int  # the residual-stream grad, bf16 [T, hidden]
+
+
+def _common(model, lay, st, rules: Rules, rows: tuple[int, ...]) -> _Common:
+    B, S = lay.micro_batch_size, model.seq_len
+    saves = tuple(None if r is None else sum(moe_activations.block_saves(model, B, S, rules, lay.ep, r).values())
+                  for r in rows)
+    batch = titan_peak._batch_saved_bytes(B, S, "none")
+    # (_batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
+    # moments name the grads they hold)
+    return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, batch + I64,
+                   titan_peak._batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
+
+
+def _block_grads(u: EPUnits, after: int, layers: int) -> list[str]:
+    """The units reduced before block `after`'s backward: lm_head, the norm, the blocks after it."""
+    return ["lm_head", "norm"] + ["dense", "experts"] * (layers - 1 - after)
+
+
+def _held_states(u: EPUnits, j: int, layers: int) -> dict[str, int]:
+    """The reduce-scatter inputs held while block j's backward runs (the module docstring): the block
+    after's two groups' (the experts' a buffer of the probe's "gathered" only where a collective ran),
+    or, for the last block, the final norm's."""
+    if j == layers - 1:
+        return {"gathered/the final norm's reduce-scatter input held": u.norm_full * F32}
+    part = "gathered" if u.efsdp > 1 else "temporary"
+    return {"gathered/the block after's dense reduce-scatter input held": u.dense_full * F32,
+            f"{part}/the block after's experts' reduce-scatter input held": u.expert_full * F32}
+
+
+def _prefetched(u: EPUnits, j: int, reshard: bool) -> dict[str, int]:
+    """The block before's all-gather outputs (bf16) prefetched while block j's backward runs; before
+    block 0, tok_embeddings'."""
+    if not reshard:
+        return {}
+    if j == 0:
+        return {"gathered/tok_embeddings' all-gather (backward prefetch)": u.emb_full * BF16}
+    return {"gathered/the block before's dense all-gather (backward prefetch)": u.dense_full * BF16,
+            "gathered/the block before's experts' all-gather (backward prefetch)":
+                u.expert_full * BF16 if u.efsdp > 1 else 0}
+
+
+def _unsharded(u: EPUnits, j: int, reshard: bool, this_block: bool) -> int:
+    """bf16 unsharded params live in block j's backward: its own (this_block: before its reshard), and
+    with reshard_after_forward "never" the blocks before and tok_embeddings."""
+    block = u.dense_numel + u.expert_numel
+    return ((block if this_block else 0) + (0 if reshard else j * block + u.emb_numel)) * BF16
+
+
+def _moment(c: _Common, grads: int, unsharded: int, acts_blocks: int, lines: dict[str, int], what: str) -> Peak:
+    detail = {"resident/state less its grads": c.base, "resident/the grads reduced so far": grads,
+              "resident/unsharded params (bf16)": unsharded,
+              f"activations/{acts_blocks} blocks saved": sum(c.saves[:acts_blocks]),
+              "activations/the batch on the device, the valid-token count": c.batch,
+              "temporary/batch, document mask, scalars": c.small,
+              "unnamed/scalars live from the previous step": titan_peak.UNNAMED}
+    detail.update({k: v for k, v in lines.items() if v})
+    parts = {p: 0 for p in ("resident", "activations", "gathered", "temporary", "unnamed")}
+    for k, v in detail.items():
+        parts[k.split("/", 1)[0]] += v
+    return Peak.of(parts, phase="backward", what=what, detail={k: v for k, v in detail.items() if v})
+
+
+def _at_combine(model, lay, fw, u: EPUnits, c: _Common, j: int) -> Peak:
+    """Block j's MoE backward at the combine's score-multiplication backward (its row sums)."""
+    L, h = model.layers, model.hidden
+    N = lay.micro_batch_size * model.seq_len * model.moe_router_topk
+    reshard = fw.reshard_after_forward in ("default", "always")
+    lines = {**_held_states(u, j, L), **_prefetched(u, j, reshard),
+             "temporary/the residual-stream grad (bf16)": c.resid,
+             "temporary/combine backward: the grad in fp32, two fp32 products, their row sums":
+                 3 * N * h * F32 + N * F32}
+    return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j + 1, lines,
+                   f"layers.{j}: the MoE combine's backward (token_dispatcher.py)")
+
+
+def _rs_buffers(full: int, n: int, rules: Rules, name: str) -> dict[str, int]:
+    """A group's reduce-scatter buffers while it runs (grads set to None: its output is the new sharded
+    grad): the fp32 input, the output, gloo's copy of the input; over a group of one foreach_reduce's
+    input, the new grad and the input divided (no collective)."""
+    if n == 1:
+        return {f"temporary/{name}: foreach_reduce's input": full * F32,
+                f"resident/{name}: the new sharded grad": full * F32,
+                f"temporary/{name}: the input divided": full * F32}
+    return {f"gathered/{name}: reduce-scatter input (fp32)": full * F32,
+            f"resident/{name}: the new sharded grad (the reduce-scatter's output)": full * F32 // n,
+            f"temporary/{name}: gloo's copy of the input": titan_peak.rs_temporary(rules, n, full * F32)}
+
+
+def _at_experts_rs(model, lay, fw, u: EPUnits, c: _Common, j: int, rules: Rules) -> Peak:
+    """Block j's experts' reduce-scatter, its post-backward's first group: the block after's states
+    reclaimed first, block j's saves freed, its experts resharded while the dense group's params and their
+    bf16 grads wait for their own post-backward. Measured: with efsdp > 1 one of the three expert
+    params' bf16 grads (all of one size) outlives the copy-in (freed at the copy-out), with efsdp = 1 all
+    three die in it (its cause not traced: a named rule of the CPU runs)."""
+    L = model.layers
+    reshard = fw.reshard_after_forward in ("default", "always")
+    lines = {**_prefetched(u, j, reshard), **_rs_buffers(u.expert_full, u.efsdp, rules, "experts"),
+             "temporary/the dense group's unsharded grads (bf16)": u.dense_numel * BF16,
+             "temporary/an expert param's unsharded grad (bf16)": u.expert_numel // 3 * BF16 if u.efsdp > 1 else 0,
+             "temporary/the residual-stream grad (bf16)": c.resid}
+    unsharded = _unsharded(u, j, reshard, False) + u.dense_numel * BF16
+    return _moment(c, u.grad_shards(_block_grads(u, j, L)), unsharded, j, lines,
+                   f"layers.{j} experts' post-backward reduce-scatter ({rules.collectives})")
+
+
+def _at_dense_rs(model, lay, fw, u: EPUnits, c: _Common, j: int, rules: Rules) -> Peak:
+    """Block j's dense group's reduce-scatter, the experts' input held."""
+    L = model.layers
+    reshard = fw.reshard_after_forward in ("default", "always")
+    grads = u.grad_shards(_block_grads(u, j, L) + ["experts"])
+    held = "gathered" if u.efsdp > 1 else "temporary"
+    lines = {**_prefetched(u, j, reshard), **_rs_buffers(u.dense_full, u.ds, rules, "dense"),
+             f"{held}/the experts' reduce-scatter input held": u.expert_full * F32,
+             "temporary/the residual-stream grad (bf16)": c.resid}
+    return _moment(c, grads, _unsharded(u, j, reshard, False), j, lines,
+                   f"layers.{j} dense post-backward reduce-scatter ({rules.collectives})")
+
+
+def _rows(model, lay) -> tuple[int, int, int]:
+    """(balanced, fewest, most) rows one rank's E/ep experts compute in one MoE layer: T tokens on each of
+    the ep ranks, each routed to k distinct experts (megatron's moe_activations.rows_range's rule)."""
+    T, k, E, ep = lay.micro_batch_size * model.seq_len, model.moe_router_topk, model.num_experts, lay.ep
+    tg, local = T * ep, E // ep
+    return tg * k * local // E, tg * k - tg * min(k, E - local), tg * min(k, local)
+
+
+def _dense_moments(model, lay, fw, u: EPUnits, c: _Common, rules: Rules) -> list[Peak]:
+    """peak.py's lm_head, loss-chunk and final-norm moments with EP's units: the grads reduced so far
+    (lm_head's from its reduce-scatter on) and the EP block's saves (peak.py's are the balanced ep 1
+    block's: the difference added)."""
+    sh = sharded(model, 1, u.ds)._replace(layer_full=u.dense_full + (u.expert_full if u.efsdp > 1 else 0))
+    block = u.dense_numel + u.expert_numel
+    L = model.layers
+    ep1 = sum(moe_activations.block_saves(model, lay.micro_batch_size, model.seq_len, rules).values())
+    extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.saves) - L * ep1}
+    lm_grad = u.grad_shards(["lm_head"])
+    lm = titan_peak._at_lm_head(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
+    chunk = titan_peak._at_loss_chunk(lm, model, lay, u.head_numel)
+    norm = titan_peak._at_final_norm(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
+    # lm_head's grad exists from its reduce-scatter on (not yet at a loss chunk's backward)
+    return [_split_state(pk, c.base).plus({**extra, "resident/the grads reduced so far": g})
+            for pk, g in ((lm, lm_grad), (chunk, 0), (norm, lm_grad))]
+
+
+def _split_state(pk: Peak, base: int) -> Peak:
+    """peak.py's moment with its "resident/state" line (given `base`) named as the EP moments name it."""
+    d = dict(pk.detail)
+    d["resident/state less its grads"] = d.pop("resident/state")
+    assert d["resident/state less its grads"] == base
+    return replace(pk, detail=d)
+
+
+def ep_peak(model, lay, fw, st, rules: Rules, rows: tuple[int | None, ...] | None = None) -> Peak:
+    """The steady-step peak of a rank under EP: the most of every moment (the earliest on ties), at
+    balanced routing, bounded at the fewest and the most routed rows; step 0's the same without AdamW's
+    state (or the state its optimizer step completes). rows: each block's routed rows instead (no bound;
+    a block's None: unknown, the moments holding its saves left out)."""
+    u = ep_units(model, lay)
+
+    state = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
+
+    def at(rows: tuple[int, ...]) -> Peak:
+        c = _common(model, lay, st, rules, rows)
+        # (a block's rows None: unknown; the moments holding its saves are left out)
+        seen = _dense_moments(model, lay, fw, u, c, rules) if None not in rows else []
+        for j in range(model.layers - 1, -1, -1):
+            if None not in rows[:j + 1]:
+                seen.append(_at_combine(model, lay, fw, u, c, j))
+            if None not in rows[:j]:
+                seen += [_at_experts_rs(model, lay, fw, u, c, j, rules), _at_dense_rs(model, lay, fw, u, c, j, rules)]
+        pk = max(seen, key=lambda p: p.bytes)  # the first of the most
+        pk.first = titan_peak.first_step_peak([(m, st.optim_bytes) for m in seen], state,
+                                              "resident/state less its grads")
+        return pk
+
+    if rows is not None:  # the rows a run routed (a test's)
+        return at(rows)
+    pk, lo, hi = [at((r,) * model.layers) for r in _rows(model, lay)]
+    pk.bound = (lo.bytes, hi.bytes)
+    pk.first.bound = (lo.first.bytes, hi.first.bytes)
+    return pk
