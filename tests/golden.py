@@ -97,8 +97,8 @@ def deepspeed_cases():
     yield "deepspeed/llama3_70b/z3", ["model=llama3_70b", *_fw("deepspeed", zero_stage=3), *_lay(1, 1, 64)]
     yield "deepspeed/tiny/odd-seq", ["model=tiny", "model.seq_len=96", *_fw("deepspeed", zero_stage=3), *_lay(1, 1, 4)]
     yield "deepspeed/refused/tp", ["model=tiny", *_fw("deepspeed"), *_lay(2, 1, 2)]
-    yield "deepspeed/refused/z3-ac", ["model=tiny", *_fw("deepspeed", zero_stage=3, activation_checkpointing=True),
-                                      *_lay(1, 1, 2)]
+    yield "deepspeed/tiny/z3-ac", ["model=tiny", *_fw("deepspeed", zero_stage=3, activation_checkpointing=True),
+                                   *_lay(1, 1, 2)]
 
 
 def titan_cases():

@@ -98,6 +98,14 @@ AC = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "frame
 AC_LONG = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "framework.activation_checkpointing=true",
            "model.seq_len=512", f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=2",
            "layout.global_batch_size=4", f"train.steps={STEPS}"]
+# ZeRO-3 with checkpointing: the recompute fetches each block's modules again inside the backward (the trace
+# and the replay with its budgets: every all-gather and the trace checks' broadcasts); at s = 512 the peak is in
+# block 3's SwiGLU backward after its recompute, with the coordinator's gathered params there
+Z3_AC = _Z3 + ["cluster.ranks=2", "framework.activation_checkpointing=true", "framework.stage3_prefetch_bucket_size=300000",
+               "framework.stage3_max_live_parameters=600000", "framework.stage3_max_reuse_distance=400000"]
+Z3_AC_LONG = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2", "framework.activation_checkpointing=true",
+              "model.seq_len=512", f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=2",
+              "layout.global_batch_size=4", f"train.steps={STEPS}"]
 FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
         f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", f"train.steps={STEPS}"]
 # one micro-batch, fp32, 4 ranks: ZeRO-1 peaks in reduce_gradients at the boundary (its first copy into
@@ -583,6 +591,29 @@ def test_zero3_fetch_on_use_is_the_event_replay():
             (shape, th, ml, m)
 
 
+def test_zero3_checkpointed_replay_fast_path_is_the_event_replay():
+    """With activation checkpointing (each backward block's events: its recompute's forward fetches and
+    releases, then its backward's; trace.z3_trace ac) the coordinator replay's fast path against the
+    event-by-event replay, and the fetch-on-use shortcut (a block's modules fetched three times) against
+    the replay, over models, thresholds, budgets and micro-batches: every step's all-gathers equal."""
+    import dataclasses
+
+    from ledger.faithful.deepspeed.coordinator import z3_fetches as _z3_fetches, z3_steady as _z3_steady
+    from ledger.faithful.deepspeed.trace import z3_trace as _z3_trace
+
+    tiny = preset("tiny", layers=12)
+    models = [tiny, dataclasses.replace(tiny, tied_embeddings=True), dataclasses.replace(tiny, swiglu=False)]
+    budgets = [(1000, 10**9, 0), (300_000, 600_000, 400_000), (100_000, 250_000, 150_000), (50_000, 20_000, 10**7),
+               (5 * 10**7, 10**9, 10**9), (100_000, 200_000, 10**6)]
+    for shape, th, (pf, ml, rd), m in itertools.product(models, (0, 100_000), budgets, (1, 2)):
+        assert _z3_fetches(shape, m, th, pf, ml, rd, True, ac=True) == _z3_fetches(shape, m, th, pf, ml, rd, False, ac=True), \
+            (shape, th, pf, ml, rd, m)
+    for shape, th, m in itertools.product(models, (0, 100_000, 10**9), (1, 2)):
+        assert _z3_steady(shape, m, th, 0, 10**9, 0, True, ac=True) == _z3_steady(shape, m, th, 0, 10**9, 0, False, ac=True)
+    # the trace: one more forward's fetches per block in the backward
+    assert _z3_trace(tiny, 0, True).steps - _z3_trace(tiny, 0).steps == 12 * 12
+
+
 def test_zero3_watched_replay_makes_the_same_pass():
     """Watching a pass (the memory walk's events) changes nothing the replay decides: the same calls and
     end, and the watched fetches are those calls (as numel tuples), over budgets that keep everything,
@@ -767,7 +798,8 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ds")
     sweeps = {"matrix": MATRIX, "knobs0": KNOBS0, "gas2": GAS2, "fp32": FP32, "budgets": BUDGETS,
-              "budgets_small": BUDGETS_SMALL, "ac": AC, "ac_long": AC_LONG, "fp32_one": FP32_ONE, "odd": ODD,
+              "budgets_small": BUDGETS_SMALL, "ac": AC, "ac_long": AC_LONG, "z3_ac": Z3_AC, "z3_ac_long": Z3_AC_LONG,
+              "fp32_one": FP32_ONE, "odd": ODD,
               "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET}
     # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
@@ -1142,7 +1174,7 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 38, exact
+    assert exact == 40, exact
 
 
 @pytest.mark.real
@@ -1255,7 +1287,8 @@ def _members(sizes, flushes):
 def test_most_live_activations_are_the_ledgers(runs):
     """The activations derived op by op from launchers/llama.py (deepspeed_peak.saved_activations): the
     most live at once in the last step's timeline is the ledger's, with and without checkpointing
-    (checkpointing: one layer's recompute in backward), ZeRO-3's saved gathered weights included."""
+    (checkpointing: one layer's recompute in backward), ZeRO-3's saved gathered weights included (with
+    checkpointing: those a block's recompute saved, from the coordinator replay)."""
     recs, _ = runs
     seen, budgets = set(), 0
     for name, rec in [(k, r) for k in recs for r in recs[k]]:
@@ -1281,8 +1314,9 @@ def test_most_live_activations_are_the_ledgers(runs):
             assert prompt == pred <= most, (R_name(rec), r["rank"], prompt, most)
         budgets += budget
         seen.add((fw["zero_stage"], _ckpt(rec), fw["stage3_max_reuse_distance"] == 0))
-    assert seen >= {(1, False, False), (2, False, False), (3, False, False), (3, False, True), (2, True, False)}
-    assert budgets == 4
+    assert seen >= {(1, False, False), (2, False, False), (3, False, False), (3, False, True), (2, True, False),
+                    (3, True, False)}
+    assert budgets == 5
 
 
 def R_name(rec):
@@ -1308,8 +1342,14 @@ def test_activation_checkpointing_config():
     conf = ds_config(cfg, _lay(2))
     assert conf["activation_checkpointing"]["partition_activations"] is False
     assert "activation_checkpointing" not in ds_config(OmegaConf.create({**cfg, "framework": OmegaConf.to_container(_fw())}), _lay(2))
-    with pytest.raises(ConfigError, match="activation_checkpointing=true with framework.zero_stage=3"):
-        place(preset("tiny"), _lay(2), _fw(zero_stage=3, activation_checkpointing=True))
+    # ZeRO-3: the checkpoint's recompute fetches each block module a third time (no prefetch, no reuse)
+    s = place(preset("tiny"), _lay(2), _fw(zero_stage=3, activation_checkpointing=True, stage3_prefetch_bucket_size=0,
+                                          stage3_max_reuse_distance=0, stage3_param_persistence_threshold=0)).rank_state(0)
+    plain = place(preset("tiny"), _lay(2), _fw(zero_stage=3, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0,
+                                              stage3_param_persistence_threshold=0)).rank_state(0)
+    gathers = {c.kind: c.buffer_bytes for c in s.comm}["all_gather"], {c.kind: c.buffer_bytes for c in plain.comm}["all_gather"]
+    blocks = 2 * 4 * sum(numel(sh) for _, sh in preset("tiny").layer_params(0))  # bf16, the 4 blocks once
+    assert gathers[0] - gathers[1] == blocks
 
 
 def test_llama_checkpointed_layers_train_the_same():

@@ -433,34 +433,35 @@ class _Z3Sim(BlockSkip):
 
 
 @lru_cache(maxsize=64)
-def _z3_record(model: ModelShape, threshold: int, periodic: bool = True) -> tuple[Counter, frozenset]:
+def _z3_record(model: ModelShape, threshold: int, periodic: bool = True, ac: bool = False) -> tuple[Counter, frozenset]:
     """Step 0's recording pass (trace RECORD: no prefetch, every own param released), which starts
     with nothing gathered (persistent params are first gathered by step 0's _post_step)."""
-    tr = z3_trace(model, threshold)
+    tr = z3_trace(model, threshold, ac)
     return _Z3Sim(tr, 0, 0, 0, periodic).run(frozenset(), record=True)
 
 
 @lru_cache(maxsize=128)
-def _z3_sims(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, periodic: bool) -> dict:
+def _z3_sims(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, periodic: bool,
+             ac: bool = False) -> dict:
     """The coordinators of one budget setting by `accumulate` (_z3_sim), built on first use."""
     return {}
 
 
 def _z3_sim(model: ModelShape, threshold: int, prefetch: int, max_live: int, reuse: int, accumulate: bool,
-            periodic: bool = True) -> _Z3Sim:
+            periodic: bool = True, ac: bool = False) -> _Z3Sim:
     """A coordinator whose __params_to_release cache is filled by the first complete pass, as in a real
     run: with gradient accumulation that pass is step 0's micro-batch 1, which starts with nothing
     gathered (the recording pass released every param, persistent ones too); with one micro-batch it is
     step 1's, which starts with the persistent params gathered by step 0's _post_step."""
-    sims = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic)
+    sims = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic, ac)
     sim = sims.get(accumulate)
     if sim is None:
-        tr = z3_trace(model, threshold)
+        tr = z3_trace(model, threshold, ac)
         sim = sims[accumulate] = _Z3Sim(tr, prefetch, max_live, reuse, periodic)
         if not accumulate:
             sim.run(_z3_persistent(tr))
         else:  # the reference takes the recording pass's end from its replay
-            sim.run(_z3_after_record(tr) if periodic else _z3_record(model, threshold, periodic)[1])
+            sim.run(_z3_after_record(tr) if periodic else _z3_record(model, threshold, periodic, ac)[1])
     return sim
 
 
@@ -493,7 +494,7 @@ def _z3_passes(sim: _Z3Sim, start: frozenset, k: int) -> Counter:
 
 
 @lru_cache(maxsize=64)
-def _z3_fetch_on_use(model: ModelShape, threshold: int) -> Counter:
+def _z3_fetch_on_use(model: ModelShape, threshold: int, ac: bool = False) -> Counter:
     """A complete pass's all-gathers without prefetch or reuse distance (stage3_prefetch_bucket_size = 0,
     stage3_max_reuse_distance = 0, any stage3_max_live_parameters: it only caps prefetches), from the
     persistent params, where every steady pass starts. Each module with params is fetched once in the
@@ -503,72 +504,72 @@ def _z3_fetch_on_use(model: ModelShape, threshold: int) -> Counter:
     backward ends (the root's and the embedding's backward by release_backward_leftovers), while the
     persistent ones stay gathered. So every fetch all-gathers the module's non-persistent params
     (fetch_sub_module: one all_gather_coalesced), and the pass ends where it started. Tested against
-    the event replay."""
+    the event replay. ac: a block's modules are fetched a third time, by the checkpoint's recompute."""
     block: dict[str, list[int]] = {}
     for mo, n in block_params(model):
         block.setdefault(mo, []).append(n)
     e = model.vocab * model.hidden
     # the blocks' modules; the embedding, the final norm and the output (tied: the embedding's Parameter)
-    mods = [(ns, model.layers) for ns in block.values()]
-    mods += [([e], 1), ([numel(sh) for _, sh in model.norm_params("norm")], 1), ([e], 1)]
+    mods = [(ns, model.layers * (3 if ac else 2)) for ns in block.values()]
+    mods += [([e], 2), ([numel(sh) for _, sh in model.norm_params("norm")], 2), ([e], 2)]
     out: dict[tuple[int, ...], int] = {}
     for ns, k in mods:
         key = tuple(sorted([n for n in ns if n > threshold]))  # ds_persist: ds_numel <= threshold
         if key:
-            out[key] = out.get(key, 0) + 2 * k
+            out[key] = out.get(key, 0) + k
     return Counter(out)
 
 
 @lru_cache(maxsize=256)
 def z3_steady(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
-              periodic: bool = True) -> Counter:
+              periodic: bool = True, ac: bool = False) -> Counter:
     """The coordinator's all-gather calls of a steady optimizer step (numel tuples, dp-independent): m
     passes from the persistent params _post_step gathered. periodic=False: the event-by-event replay
     (the reference)."""
     if periodic and prefetch == 0 and reuse == 0:  # every pass the same, known without a replay
-        return Counter({key: k * m for key, k in _z3_fetch_on_use(model, threshold).items()})
-    tr = z3_trace(model, threshold)
+        return Counter({key: k * m for key, k in _z3_fetch_on_use(model, threshold, ac).items()})
+    tr = z3_trace(model, threshold, ac)
     if m == 1 and periodic:
         # step 1's pass is a fresh coordinator's first complete pass from the persistent params: the
         # coordinator of gradient accumulation, if built, makes that very pass when it reads only
         # entries that pass would compute (_Z3Sim.as_first)
-        acc = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic).get(True)
+        acc = _z3_sims(model, threshold, prefetch, max_live, reuse, periodic, ac).get(True)
         if acc is not None:
             calls, _ = acc.run(_z3_persistent(tr))
             if acc.as_first[_z3_persistent(tr)]:
                 return Counter(calls)
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, m > 1, periodic, ac)
     return _z3_passes(sim, _z3_persistent(tr), m)
 
 
 @lru_cache(maxsize=256)
 def z3_fetches(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
-               periodic: bool = True):
+               periodic: bool = True, ac: bool = False):
     """The coordinator's all-gather calls per optimizer step, dp-independent (numel tuples):
     (recording pass, the rest of step 0 [m > 1], steady step [z3_steady]). periodic=False: the
     event-by-event replay (the reference)."""
-    record, after_record = _z3_record(model, threshold, periodic)
-    steady = z3_steady(model, m, threshold, prefetch, max_live, reuse, periodic)
+    record, after_record = _z3_record(model, threshold, periodic, ac)
+    steady = z3_steady(model, m, threshold, prefetch, max_live, reuse, periodic, ac)
     if m == 1:
         return record, Counter(), steady
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True, periodic, ac)
     return record, _z3_passes(sim, after_record, m - 1), steady
 
 
 def pass_logs(model: ModelShape, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
-              first: bool) -> list[list]:
+              first: bool, ac: bool = False) -> list[list]:
     """The watched event logs (_Z3Sim.run(watch=)) of a step's passes: a steady step's m (the passes of
     z3_steady); step 0's (first) recording pass alone with one micro-batch, else the m - 1 after it,
     the first of which is the coordinator's first complete pass from what the recording pass left
     gathered (nothing persistent gathered yet: _post_step gathers the persistent params at step 0's
     end), so its prefetch gathers the persistent params too (_z3_sim's fill pass)."""
-    tr = z3_trace(model, threshold)
+    tr = z3_trace(model, threshold, ac)
     if first and m == 1:
         log: list = []
         _Z3Sim(tr, 0, 0, 0, periodic=False).run(frozenset(), record=True, watch=log)
         return [log]
-    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True if first else m > 1, periodic=False)
-    start = _z3_record(model, threshold, periodic=False)[1] if first else _z3_persistent(tr)
+    sim = _z3_sim(model, threshold, prefetch, max_live, reuse, True if first else m > 1, periodic=False, ac=ac)
+    start = _z3_record(model, threshold, periodic=False, ac=ac)[1] if first else _z3_persistent(tr)
     logs, passes = [], m - 1 if first else m
     while len(logs) < passes:
         log = []

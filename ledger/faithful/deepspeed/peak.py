@@ -97,7 +97,9 @@ class PeakInputs:
     grads_hooked (ZeRO-1): the elements of the gradients made through each hook, and of those reduced in
     place (deepspeed_backward.hooked); z3_flushes (ZeRO-3): a backward's IPG reductions
     (deepspeed_backward.z3_flushes) and, per micro-batch of a steady step and of step 0, the gathered
-    params at each (gathered.z3_backward_moments).
+    params at each (gathered.z3_backward_moments); z3_swiglu (ZeRO-3 with checkpointing): per micro-batch of
+    a steady step and of step 0, the gathered params at each block's recompute end and right after its w2
+    released its params (gathered.z3_recompute_moments), for the block's SwiGLU backward after its recompute.
 
     Several param groups (DeepSpeed-MoE: moe.py): dispatch, the MoE layers' expert-parallel size and
     capacity (their saves: activations.moe_saves); group_parts, each group's fp32 partition elements
@@ -128,6 +130,8 @@ class PeakInputs:
     ipg_touched: bool = True
     grads_hooked: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     z3_flushes: tuple[tuple[Z3Flush, ...], tuple, tuple] = ((), (), ())
+    z3_swiglu: tuple[tuple, tuple] = ((), ())  # ZeRO-3 checkpointed: the gathered params in each block's recompute
+    dp: int = 1  # the data-parallel degree (ZeRO-3 with checkpointing: whether a gradient reduces as it is)
     rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
     dispatch: Dispatch | None = None
     group_parts: tuple[int, ...] = ()
@@ -170,7 +174,14 @@ class _Step:
         # (ZeRO-1), not in backward_start
         self.act_named = per_kind(self.acts)
         most = most_live_activations(model, mbs, w, i.checkpointing, i.dispatch)
-        if zero == 3:
+        if zero == 3 and i.checkpointing:
+            # the forward's end (the head's saves, the weights its mm saved) or a block's recompute end
+            # (its saves, the batch, every weight its mm saved and the coordinator still holds)
+            layer = max(sum(layer_activations(model, mbs, w, j, i.dispatch).values()) for j in range(model.layers))
+            head = sum(saved_activations(model, mbs, w, True, i.dispatch)[0].values())
+            most = max(head + max(z[1].saved for z in i.z3_moments),
+                       layer + batch_bytes(model, mbs) + max(r.saved for mb in i.z3_swiglu[0] for r, _ in mb))
+        elif zero == 3:
             # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
             # backward's start adds only storages gathered for the backward, which no op saves)
             most += max(z[1].saved for z in i.z3_moments)
@@ -354,21 +365,25 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
     # inf tracker in `other`); the previous loss still bound by the training loop: the last
     # step's (live at the step's start: unnamed) or the last micro-batch's
     res = st.resident_in_step(first)  # step 0: the pass gathers the persistent params (z)
-    acts = {f"layers x{model.layers} saved": model.layers * sum(layer_activations(model, mbs, w).values()),
+    # checkpointed: the blocks saved nothing (no grad inside CheckpointFunction.forward), their ctx holds
+    # each block's input and RNG states
+    layers = 0 if i.checkpointing else model.layers * sum(layer_activations(model, mbs, w).values())
+    acts = {f"layers x{model.layers} saved": layers,
             "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
             "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
     bsh = mbs * model.seq_len * model.hidden
     # RMSNorm in bf16: xf * rsqrt (fp32, saved by no op: .type_as copies it) and the last block's
     # output x (.float() copies it); in fp32 both are the tensors the norm saves
     temp = {"norm's xf * rsqrt and its input": 0 if w == FP32 else FP32 * bsh + w * bsh,
-            "gathered params' torch.cat copies (ZeRO-3)": z.temporary}
+            "gathered params' torch.cat copies (ZeRO-3)": z.temporary,
+            "checkpointed layer inputs and rng states (ctx)": sum(st.held.values())}
     if mb:
         temp["loss (the last micro-batch's)"] = FP32
     last_loss = 0 if mb or first else FP32  # step 0 follows no step
     parts = {"resident": res, "activations": sum(acts.values()), "gathered": z.gathered,
              "temporary": sum(temp.values()), "unnamed": last_loss}
     detail = st.resident_lines(first)
-    detail.update({f"activations/{k}": v for k, v in acts.items()})
+    detail.update({f"activations/{k}": v for k, v in acts.items() if v})
     detail.update({f"temporary/{k}": v for k, v in temp.items() if v})
     detail["gathered/flat buffers and single-param buffers (ZeRO-3)"] = z.gathered
     if last_loss:
@@ -585,6 +600,7 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
             mb = k + (1 if first and i.m > 1 else 0)  # step 0: the passes after the recording one
             if f.name:
                 acts_now, temp, at = z3_hook_moment(st, f.name)
+                temp.update(_z3_checkpointed(st, f.name))
                 temp["loss scalars"] = _loss_scalars()
                 # the tied weight's output gradient waits in the embedding's AccumulateGrad input
                 temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
@@ -606,6 +622,53 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
                         "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
             p = _named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
                               phase, what)
+            p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
+            out.append(p)
+    return out
+
+
+def _z3_checkpointed(st: _Step, name: str) -> dict[str, int]:
+    """With checkpointing, what a ZeRO-3 gradient hook's moment holds beside z3_hook_moment's (_Step.ac): a
+    block's hook runs after its recompute (the ctx inputs of the blocks up to it, its recomputed output);
+    the final norm's before any recompute (every block's input); the embedding's after every block's."""
+    if not st.i.checkpointing or name == "tok_embeddings.weight":
+        return {}
+    return st.ac(int(name.split(".")[1]) if name.startswith("layers.") else None)[0]
+
+
+def z3_swiglu_backward(st: _Step, first: bool) -> list[Peak]:
+    """ZeRO-3 with checkpointing: each micro-batch's backward in each block's SwiGLU backward at its mul,
+    after the block's recompute (CheckpointFunction.backward ran its forward again with grad, then
+    w2's backward: its input's gradient made, its post-backward released its params). What
+    deep_in_backward's SwiGLU moment holds (the recomputed saves but w2's input, the residual stream's
+    gradient, w2's input gradient and the mul's two, the ctx inputs of the blocks below and the recomputed
+    output), with ZeRO-3's gathered params there (gathered.z3_release_moments) and its resident IPG
+    bucket; the hooks' gradients are copied into the bucket (their reductions are ipg_reduce_scatter's)
+    but an extra-large w2's (above reduce_bucket_size), its own storage until the next hook reduces it
+    (backward.z3_flushes): `gathered` where the reduce-scatter takes it as it is (a multiple of dp), else
+    `temporary` (it is cat'ed into a padded copy then)."""
+    i, model, w = st.i, st.i.model, st.i.w
+    b, s, V, h = st.b, st.s, st.V, st.h
+    bsh, bsf = b * s * h, b * s * model.ffn_hidden
+    res = st.resident_in_step(first)
+    fh, dp = model.ffn_hidden * h, st.i.dp
+    large = {("gathered" if fh % dp == 0 else "temporary"): w * fh} if fh > i.bucket else {}
+    out = []
+    for k, per_block in enumerate(i.z3_swiglu[1] if first else i.z3_swiglu[0]):
+        mb = k + (1 if first and i.m > 1 else 0)  # step 0: the passes after the recording one
+        for j, (_, z) in enumerate(per_block):
+            ac_temp, ac_acts = st.ac(j)
+            temp = {"residual stream gradient": w * bsh, "w2 input gradient and the mul's two": 3 * w * bsf,
+                    **ac_temp, "loss scalars": _loss_scalars(),
+                    "the tied weight's output gradient (AccumulateGrad's input)": w * V * h if model.tied_embeddings
+                    else 0, "gathered params' torch.cat copies (ZeRO-3)": z.temporary,
+                    "w2's weight gradient (extra-large: its own storage)": large.get("temporary", 0)}
+            p = _named_moment(res, ("saved (what backward has not released)",
+                                    st.block_saves(j) - w * bsf + ac_acts + z.saved), temp,
+                              {"flat buffers and single-param buffers (ZeRO-3)": z.gathered,
+                               "w2's weight gradient (extra-large: its own storage)": large.get("gathered", 0)},
+                              "backward",
+                              f"micro-batch {mb}'s backward: block {j}'s SwiGLU mul after its recompute")
             p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
             out.append(p)
     return out
@@ -699,6 +762,9 @@ def _pick(st: _Step, first: bool) -> Peak:
         flushes = ipg_reduce_scatter(st, first)
         cands += flushes
         names.update({id(c): "IPG reduce-scatter" for c in flushes})
+        swiglu = z3_swiglu_backward(st, first) if i.checkpointing else []
+        cands += swiglu
+        names.update({id(c): "SwiGLU backward after the recompute" for c in swiglu})
     if zero == 3 and not first:
         # the first micro-batch reaching the most (the probe keeps the first maximum)
         f = max((forward_at_final_norm(st, mb, z[0]) for mb, z in enumerate(i.z3_moments)), key=lambda p: p.bytes)
@@ -710,7 +776,7 @@ def _pick(st: _Step, first: bool) -> Peak:
                 key=lambda p: p.bytes)
         cands.append(f)
     best = max(cands, key=lambda p: p.bytes)  # the first of equals: optimizer, backward, forward
-    if i.checkpointing and flush is None and "an estimate" not in best.what:
+    if i.checkpointing and flush is None and zero != 3 and "an estimate" not in best.what:
         best.what += "; an estimate (a checkpointed layer's recompute is not a candidate)"
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \

@@ -126,7 +126,7 @@ def _block_hooks(model: ModelShape) -> tuple[dict[str, int], list[tuple[str, int
 
 
 @lru_cache(maxsize=64)
-def z3_trace(model: ModelShape, threshold: int) -> Z3Trace:
+def z3_trace(model: ModelShape, threshold: int, ac: bool = False) -> Z3Trace:
     """The hook order of launchers.llama.Llama under parameter_offload.py's hooks, as dumped from the
     coordinator (fetch_sub_module / release_sub_module) on a real run:
 
@@ -143,7 +143,14 @@ def z3_trace(model: ModelShape, threshold: int) -> Z3Trace:
 
     Modules are numbered as first fetched, params in registration order (embedding, blocks, final
     norm, output); every block is the same, so one block's events are built by name (_block_hooks) and the others
-    are the same events offset by the block's module and param numbers."""
+    are the same events offset by the block's module and param numbers.
+
+    ac (activation checkpointing, deepspeed.checkpointing.checkpoint around each block: a reentrant
+    CheckpointFunction): the block's forward runs under no_grad, its module hooks fetch and release as
+    without it (its outputs need no gradient: no backward hook fires for that forward); the backward of
+    the block's checkpoint runs its forward again with grad (the same pre-forward fetches and forward
+    releases, now inside the backward) and then its backward: each backward block is the forward's
+    events followed by the backward's."""
     L, e = model.layers, model.vocab * model.hidden
     blk = block_params(model)
     blk_mod = [mo for mo, _ in blk]
@@ -216,7 +223,7 @@ def z3_trace(model: ModelShape, threshold: int) -> Z3Trace:
     plain(head)
     blocks(fwd, 0, 1)
     plain(mid)
-    blocks(bwd, L - 1, -1)
+    blocks(fwd + bwd if ac else bwd, L - 1, -1)
     plain(tail)
     qstart.extend([len(qp), len(qp)])  # a reuse-distance walk may end past the last step
     kinds = "".join(kinds)
@@ -229,9 +236,9 @@ def z3_trace(model: ModelShape, threshold: int) -> Z3Trace:
                     tuple(periods), tuple(local))
 
 
-def backward_module(model: ModelShape, threshold: int, param: str) -> int:
+def backward_module(model: ModelShape, threshold: int, param: str, ac: bool = False) -> int:
     """The module (as z3_trace numbers them) whose pre-backward hook fetches `param` in the backward."""
-    tr = z3_trace(model, threshold)
+    tr = z3_trace(model, threshold, ac)
     M = modules_per_block(tr)
     if param.startswith("layers."):
         _, j, rest = param.split(".", 2)

@@ -64,10 +64,6 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
         raise ConfigError("framework.contiguous_gradients=false: DeepSpeed then reduces through "
                           "buffered_reduce_fallback (stage 1/2) and keeps no IPG buffer (stage 3), not modelled")
     z = fw.zero_stage
-    if z == 3 and fw.get("activation_checkpointing", False):
-        raise ConfigError("framework.activation_checkpointing=true with framework.zero_stage=3: the checkpointed "
-                          "layers' recompute in backward fetches their parameters again (ZeRO-3's module hooks), "
-                          "a fetch order the coordinator replay does not model; ZeRO-1/2 are modelled")
     if z == 3:
         s = zero3.rank_state(model, lay, fw, rules)
         state = lambda r: s  # noqa: E731 (every rank's the same)

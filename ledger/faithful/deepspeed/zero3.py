@@ -17,7 +17,7 @@ from ledger.faithful.deepspeed import peak as deepspeed_peak
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, buffer_calls, counted_calls,
                                               fresh, size_parts)
 from ledger.faithful.deepspeed.coordinator import z3_fetches, z3_steady
-from ledger.faithful.deepspeed.gathered import z3_backward_moments, z3_first_moments, z3_moments
+from ledger.faithful.deepspeed.gathered import z3_backward_moments, z3_first_moments, z3_moments, z3_recompute_moments
 from ledger.faithful.deepspeed.peak import PeakInputs
 from ledger.faithful.deepspeed.target import RULES, Rules
 from ledger.target import CPU_GLOO
@@ -69,10 +69,11 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
     """Every rank's state (the same on each): the states, the collectives on first read, the peak
     (target_rules: its target's, target.py)."""
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
+    ac = bool(fw.get("activation_checkpointing", False))  # the checkpoint's recompute fetches again (trace.py)
     s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec).state()
     key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size,
            int(fw.stage3_prefetch_bucket_size), int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance),
-           prec)
+           prec, ac)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: fresh(_zero3_steady(*key))
     s.comm_first = lambda: fresh(_zero3_comm(*key)[1])
@@ -82,22 +83,32 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
     budgets = (model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
                int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w)
     s.peak = lambda: deepspeed_peak.peak(PeakInputs(
-        model, lay.micro_batch_size, m, 3, w, False, part=z.part, params_resident=s.params_bytes,
+        model, lay.micro_batch_size, m, 3, w, ac, part=z.part, params_resident=s.params_bytes,
         optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_gathered,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
-        z3_moments=z3_moments(*budgets), z3_first=z3_first_moments(*budgets),
-        z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size)), rules=target_rules))
+        z3_moments=z3_moments(*budgets, ac=ac), z3_first=z3_first_moments(*budgets, ac=ac),
+        z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size), ac),
+        z3_swiglu=_z3_swiglu_moments(model, budgets) if ac else ((), ()), dp=dp, rules=target_rules))
     return s
 
 
-def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int) -> tuple:
+def _z3_swiglu_moments(model: ModelShape, budgets: tuple) -> tuple[tuple, tuple]:
+    """With checkpointing: the coordinator's gathered params at each block's recompute end and right after
+    its w2 released its params in the backward (its SwiGLU backward follows), per micro-batch of a steady
+    step and of step 0 (gathered.z3_recompute_moments)."""
+    mods = tuple(backward_module(model, budgets[2], f"layers.{j}.feed_forward.w2.weight", True)
+                 for j in range(model.layers))
+    return z3_recompute_moments(*budgets, False, mods), z3_recompute_moments(*budgets, True, mods)
+
+
+def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int, ac: bool = False) -> tuple:
     """ZeRO-3's IPG reductions in a backward, with the coordinator's gathered params at each (at its hook's
     module; the epilogue's, "", at the embedding's fetch, the backward's last), per micro-batch of a steady
     step and of step 0."""
     threshold, dp = budgets[2], budgets[6]
     flushes = deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))
-    mods = tuple(backward_module(model, threshold, f.name or "tok_embeddings.weight") for f in flushes)
-    return flushes, z3_backward_moments(*budgets, False, mods), z3_backward_moments(*budgets, True, mods)
+    mods = tuple(backward_module(model, threshold, f.name or "tok_embeddings.weight", ac) for f in flushes)
+    return flushes, z3_backward_moments(*budgets, False, mods, ac), z3_backward_moments(*budgets, True, mods, ac)
 
 
 @lru_cache(maxsize=256)
@@ -136,10 +147,10 @@ _COMPLETING_WHAT = "trace checks (reset_step completing the trace)"
 
 
 def _steady_fetches(model: ModelShape, dp: int, m: int, threshold: int, prefetch: int, max_live: int, reuse: int,
-                    precision: str) -> CommBuilder:
+                    precision: str, ac: bool = False) -> CommBuilder:
     """A new builder holding the coordinator's all-gathers of a steady step (coordinator.z3_steady), which step 1
     (one micro-batch) makes too."""
-    calls = z3_steady(model, m, threshold, prefetch, max_live, reuse)
+    calls = z3_steady(model, m, threshold, prefetch, max_live, reuse, ac=ac)
     return CommBuilder().add_calls("dp", "all_gather", precision, *_gathers(calls, dp, DTYPES[precision]),
                                    "coordinator fetch + prefetch (fetch_sub_module), every micro-batch")
 
@@ -169,17 +180,17 @@ def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int,
 
 @lru_cache(maxsize=1024)
 def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False) -> tuple[Comm, ...]:
     """_zero3_comm's steady step alone (a search reads no other)."""
     if dp == 1:
         return ()
-    out = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision)
+    out = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
     return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision).build())
 
 
 @lru_cache(maxsize=1024)
 def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                reuse: int, precision: str):
+                reuse: int, precision: str, ac: bool = False):
     """(steady, step 0, step 1 or None) collectives of one rank.
 
     The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
@@ -196,41 +207,41 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
         return (), (), (None if m > 1 else ())
     w = DTYPES[precision]
     t = precision  # the dtype of the param all-gathers and gradient reduce-scatters
-    record, rest0, _ = z3_fetches(model, m, threshold, prefetch, max_live, reuse)
+    record, rest0, _ = z3_fetches(model, m, threshold, prefetch, max_live, reuse, ac=ac)
 
     def common(out: CommBuilder) -> CommBuilder:
         return _zero3_common(out, model, dp, m, threshold, bucket, precision)
 
-    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision)
+    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision, ac)
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
     first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
     first.add_calls("dp", "broadcast", "int64", *buffer_calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
     if m == 1:
         return steady, tuple(common(first).build()), _zero3_warmup(model, dp, m, threshold, bucket, prefetch, max_live,
-                                                                   reuse, precision)
+                                                                   reuse, precision, ac)
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
-    first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp), _COMPLETING_WHAT)
+    first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
     first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
     return steady, tuple(common(first).build()), None
 
 
 @lru_cache(maxsize=1024)
 def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False) -> tuple[Comm, ...]:
     """_zero3_comm's step 1 (one micro-batch; built apart: a RankState holds it from the start): it
     starts with the trace completion, then runs as steady state."""
     if dp == 1:
         return ()
-    warmup = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision)
-    warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp), _COMPLETING_WHAT)
+    warmup = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
+    warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
     return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision).build())
 
 
-def _trace_checks(model: ModelShape, threshold: int, dp: int) -> Calls:
+def _trace_checks(model: ModelShape, threshold: int, dp: int, ac: bool = False) -> Calls:
     """reset_step completing the trace: assert_ints_same_as_other_ranks (zero/utils.py: a length
     broadcast, then the list broadcast) on the module ids (every fetch, forward and backward), the
     param ids (record_parameters: each fetched module's params) and their step ids."""
-    tr = z3_trace(model, threshold)
+    tr = z3_trace(model, threshold, ac)
     n_mod, n_par = tr.steps, len(tr.qp)
     return buffer_calls("broadcast", [INT64, INT64 * n_mod, INT64, INT64 * n_par, INT64, INT64 * n_par], dp)
