@@ -1,12 +1,12 @@
 """torchtitan 0.3.0 MoE: its qwen3 MoE through its own Trainer with expert parallelism over
 dp_shard, against the faithful ledger (ledger/faithful/titan/moe.py), real CPU/gloo runs.
 
-One shared sweep (8 jobs, two steps): at s=128 ep1 at world 2 (no expert parallelism: the experts in
+One shared sweep (10 jobs, two steps): at s=128 ep1 at world 2 (no expert parallelism: the experts in
 the blocks' FSDP groups), ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,
 the EP group is the whole world, torchtitan's default group; no q/k norms), and with Qwen3's q/k norms
 ep2 at world 4 (efsdp 2: the experts'
 own FSDP all-gathers and reduce-scatters), ep4 at world 4, and ep2 at world 4 with
-reshard_after_forward=never and micro-batch 2; at s=512 ep1 and ep2 at world 2 and ep2 at world 4.
+reshard_after_forward=never and micro-batch 2; at s=512 ep1 and ep2 at world 2 (also with full activation checkpointing) and ep2 at world 4.
 Every state row and every collective count and fixed
 byte row (first and steady steps) reconciles with abs_err 0; the routed all-to-all bytes lie in the
 predicted range and sum over each EP group to the balanced prediction. The peaks (ledger/faithful/titan/
@@ -23,29 +23,36 @@ from ledger.layout import ConfigError, validate
 from ledger.model import preset
 from tests.conftest import assert_every_row_reconciles, assert_jobs, assert_states_on_every_rank, layout_of, routed_rows_by_ep_group, run_sweeps
 
-# activation checkpointing off: torchtitan's default (selective) is not modelled for MoE (refused)
-COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2", "framework.activation_checkpoint=none")
+# activation checkpointing off but in the w2ac jobs (full): torchtitan's default (selective) is not modelled for
+# MoE (refused)
+COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2")
+NO_AC = "framework.activation_checkpoint=none"
 # the world-4 jobs with Qwen3's per-head q/k norms (model.qk_layernorm: torchtitan's qwen3 builds them),
 # the world-2 one without (its attention's qk_norm off)
 SWEEPS = (
     # ep1: the experts are the blocks' params like the rest (one FSDP group, one grad-norm reduce)
-    ("w2", ("cluster.ranks=2", "layout={ep:2},{}")),
-    ("w4", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2},{ep:4}")),
+    ("w2", ("cluster.ranks=2", "layout={ep:2},{}", NO_AC)),
+    ("w4", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2},{ep:4}", NO_AC)),
     ("w4never", ("cluster.ranks=4", "model.qk_layernorm=true", "layout={ep:2,micro_batch_size:2}",
-                 "framework.reshard_after_forward=never")),
+                 "framework.reshard_after_forward=never", NO_AC)),
     # s = 512: the EP peaks move to an MoE layer's combine backward (efsdp 1 and 2), ep1's to lm_head's
     # reduce-scatter with the MoE saves of four blocks
-    ("w2s512", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}")),
-    ("w4s512", ("cluster.ranks=4", "model.seq_len=512", "model.qk_layernorm=true", "layout={ep:2}")),
+    ("w2s512", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}", NO_AC)),
+    ("w4s512", ("cluster.ranks=4", "model.seq_len=512", "model.qk_layernorm=true", "layout={ep:2}", NO_AC)),
+    # full activation checkpointing: the recompute's all-to-alls; the peak in block 0's recompute (its
+    # combine forward, or its combine backward after it)
+    ("w2ac", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}", "framework.activation_checkpoint=full")),
 )
-EXPECTED = {("dp2", "default", 1, 128), ("ep2·dp2", "default", 1, 128), ("ep2·dp4", "default", 1, 128),
-            ("ep4·dp4", "default", 1, 128), ("ep2·dp4", "never", 2, 128), ("dp2", "default", 1, 512),
-            ("ep2·dp2", "default", 1, 512), ("ep2·dp4", "default", 1, 512)}
+EXPECTED = {("dp2", "default", 1, 128, "none"), ("ep2·dp2", "default", 1, 128, "none"),
+            ("ep2·dp4", "default", 1, 128, "none"), ("ep4·dp4", "default", 1, 128, "none"),
+            ("ep2·dp4", "never", 2, 128, "none"), ("dp2", "default", 1, 512, "none"), ("ep2·dp2", "default", 1, 512, "none"),
+            ("ep2·dp4", "default", 1, 512, "none"), ("dp2", "default", 1, 512, "full"), ("ep2·dp2", "default", 1, 512, "full")}
 
 
 def _job(rec) -> tuple:
     return (records.layout_name(rec), rec["config"]["framework"]["reshard_after_forward"],
-            rec["config"]["layout"]["micro_batch_size"], rec["config"]["model"]["seq_len"])
+            rec["config"]["layout"]["micro_batch_size"], rec["config"]["model"]["seq_len"],
+            rec["config"]["framework"]["activation_checkpoint"])
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +146,9 @@ def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
 
     checked = set()
     for rec in sweep["ok"]:
-        if rec["config"]["layout"].get("ep", 1) == 1:
+        # (the checkpointed jobs: the recompute's moments, judged with the rest inside their bound; at the
+        # rows they routed 2,080 B and 4,096 B of the recompute's small routing tensors are not named)
+        if rec["config"]["layout"].get("ep", 1) == 1 or rec["config"]["framework"]["activation_checkpoint"] != "none":
             continue
         cfg = load(rec["config"])
         model, lay, pl = check(cfg)
@@ -182,3 +191,24 @@ def test_qwen3_block_saves_by_hand():
     ep = sum(moe_activations.block_saves(qk, 1, 512, rules, ep=2, rows=992).values())
     per_row = 256 * 2 + 4 * 512 * 2 + 8  # routed input, the four [R, F] saves, the permuted index
     assert ep == attention + moe + 1_331_200 - (1024 - 992) * (per_row - 8) + 992 * 8 - 16
+
+
+@pytest.mark.parametrize("ac,refused", [("selective", True), ("full", False), ("none", False)])
+def test_checkpointing_modes(ac, refused):
+    """Full activation checkpointing is modelled for MoE (the recompute's all-to-alls: three more a layer at
+    ep 2, measured), SelectiveAC's policy over the MoE layer's ops is not: refused, naming the field."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import TitanConfig
+    from ledger.faithful.titan import moe
+
+    fw = OmegaConf.structured(TitanConfig)
+    fw.activation_checkpoint = ac
+    m, lay = preset("tiny_moe"), layout_of(2, ep=2)
+    if refused:
+        with pytest.raises(ConfigError, match="framework.activation_checkpoint='selective'"):
+            moe.place(m, lay, fw)
+        return
+    a2a = {c.dtype: c.count for c in moe.place(m, lay, fw).rank_state(0).comm if c.kind == "all_to_all"}
+    # per layer: the token counts once (twice with the recompute), the tokens four times (six)
+    assert a2a == ({"int64": 8, "bf16": 24} if ac == "full" else {"int64": 4, "bf16": 16}), a2a

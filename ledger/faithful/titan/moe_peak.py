@@ -23,7 +23,8 @@ What EP changes in the step (measured with the peak probe's event lists, tests/t
 The moments per block j, backward order (the last block first), beside lm_head's reduce-scatter, a loss
 chunk's backward and the final norm's (peak.py's, with the grads reduced so far and the block's two
 groups): the combine backward (_at_combine), the experts' reduce-scatter (_at_experts_rs), the dense
-group's (_at_dense_rs). Routed rows follow the router: the peak is predicted at balanced routing (every
+group's (_at_dense_rs); with full activation checkpointing a block keeps its input, and its recompute's
+combine forward (_at_recompute_combine) is a moment too. Routed rows follow the router: the peak is predicted at balanced routing (every
 block's experts compute T*k rows) and bounded from the fewest to the most rows (Peak.bound).
 """
 from __future__ import annotations
@@ -82,20 +83,26 @@ def ep_units(model, lay) -> EPUnits:
 class _Common(NamedTuple):
     """What every moment of one rank shares."""
     base: int  # params, optimizer state and buffers (the state less its grads)
-    saves: tuple[int | None, ...]  # each block's saves at its rows (None: unknown)
+    saves: tuple[int | None, ...]  # each block's saves at its rows (None: unknown); checkpointed: its recompute's
+    kept: tuple[int | None, ...]  # what each block holds while the backward runs above it (checkpointed: its input)
+    ctx: int  # what a checkpointed block holds beside its recompute's saves in its own backward: its input
     batch: int  # the batch's saved ids, labels and the valid-token count
     small: int  # the batch's other small tensors (peak._batch_bytes less the saved ones and a norm's grad)
     resid: int  # the residual-stream grad, bf16 [T, hidden]
 
 
-def _common(model, lay, st, rules: Rules, rows: tuple[int, ...]) -> _Common:
+def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...], checkpointed: bool) -> _Common:
     B, S = lay.micro_batch_size, model.seq_len
     saves = tuple(None if r is None else sum(moe_activations.block_saves(model, B, S, rules, lay.ep, r).values())
                   for r in rows)
-    batch = titan_peak._batch_saved_bytes(B, S, "none")
+    # full activation checkpointing (FullAC's checkpoint_wrapper): a block keeps its input (bf16 [T, hidden])
+    # through the step, its saves only while its recompute's backward runs
+    inp = B * S * model.hidden * BF16 if checkpointed else 0
+    kept = (inp,) * len(rows) if checkpointed else saves
+    batch = titan_peak._batch_saved_bytes(B, S, fw.activation_checkpoint)
     # (_batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
     # moments name the grads they hold)
-    return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, batch + I64,
+    return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, batch + I64,
                    titan_peak._batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
 
 
@@ -134,10 +141,12 @@ def _unsharded(u: EPUnits, j: int, reshard: bool, this_block: bool) -> int:
     return ((block if this_block else 0) + (0 if reshard else j * block + u.emb_numel)) * BF16
 
 
-def _moment(c: _Common, grads: int, unsharded: int, acts_blocks: int, lines: dict[str, int], what: str) -> Peak:
+def _moment(c: _Common, grads: int, unsharded: int, below: int, lines: dict[str, int], what: str) -> Peak:
+    """A moment in block `below`'s backward (or, past it, block below - 1's post-backward): what the blocks
+    under it keep, the named lines."""
     detail = {"resident/state less its grads": c.base, "resident/the grads reduced so far": grads,
               "resident/unsharded params (bf16)": unsharded,
-              f"activations/{acts_blocks} blocks saved": sum(c.saves[:acts_blocks]),
+              f"activations/{below} blocks below (saved, or their inputs where checkpointed)": sum(c.kept[:below]),
               "activations/the batch on the device, the valid-token count": c.batch,
               "temporary/batch, document mask, scalars": c.small,
               "unnamed/scalars live from the previous step": titan_peak.UNNAMED}
@@ -153,12 +162,43 @@ def _at_combine(model, lay, fw, u: EPUnits, c: _Common, j: int) -> Peak:
     L, h = model.layers, model.hidden
     N = lay.micro_batch_size * model.seq_len * model.moe_router_topk
     reshard = fw.reshard_after_forward in ("default", "always")
+    # a checkpointed block's recompute keeps what it recomputed in the checkpoint's frame (the probe's
+    # `temporary`), its input saved by the checkpoint (`activations`)
     lines = {**_held_states(u, j, L), **_prefetched(u, j, reshard),
+             f"{'temporary' if c.ctx else 'activations'}/layers.{j}'s saves{' (its recompute)' if c.ctx else ''}":
+                 c.saves[j],
+             "activations/its input (the checkpoint's)": c.ctx,
              "temporary/the residual-stream grad (bf16)": c.resid,
              "temporary/combine backward: the grad in fp32, two fp32 products, their row sums":
                  3 * N * h * F32 + N * F32}
-    return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j + 1, lines,
-                   f"layers.{j}: the MoE combine's backward (token_dispatcher.py)")
+    return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j, lines,
+                   f"layers.{j}: the MoE combine's backward{' in its recompute' if c.ctx else ''} (token_dispatcher.py)")
+
+
+def _at_recompute_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: int) -> Peak:
+    """Full activation checkpointing: block j's recompute forward at its combine's cast back to bf16
+    (token_dispatcher.py combine: the all-to-all's output [N, hidden] still held, its fp32 copy and the
+    product by the scores, the cast, out_TD's zeros), w2's grouped_mm output [R, hidden] (the unpermute's
+    source) and the attention's residual sum h (live until the block's last add) beside the recompute's
+    saves so far (all but the scatter's: they are in its checkpoint frame), the routing map and the token
+    counts' all-to-all output, and what every moment of block j's backward holds. Measured (ep2 at world 2,
+    s = 512): the step's peak, at block 0's, 2,080 B of the recompute's small tensors not named."""
+    L, h = model.layers, model.hidden
+    T = lay.micro_batch_size * model.seq_len
+    N = T * model.moe_router_topk
+    reshard = fw.reshard_after_forward in ("default", "always")
+    lines = {**_held_states(u, j, L), **_prefetched(u, j, reshard),
+             f"temporary/layers.{j}'s saves (its recompute)": c.saves[j],
+             "activations/its input (the checkpoint's)": c.ctx,
+             "temporary/the residual-stream grad (bf16)": c.resid,
+             "gathered/the combine all-to-all's output (bf16 [N, hidden]), the token counts' (int64 [E])":
+                 N * h * BF16 + model.num_experts * I64,
+             "temporary/the routing map (bool [T, E])": T * model.num_experts,
+             "temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
+                 N * h * F32 + N * h * BF16 + T * h * BF16,
+             "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16}
+    return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j, lines,
+                   f"layers.{j}: its recompute's combine (token_dispatcher.py), the cast back to bf16")
 
 
 def _rs_buffers(full: int, n: int, rules: Rules, name: str) -> dict[str, int]:
@@ -219,8 +259,8 @@ def _dense_moments(model, lay, fw, u: EPUnits, c: _Common, rules: Rules) -> list
     sh = sharded(model, 1, u.ds)._replace(layer_full=u.dense_full + (u.expert_full if u.efsdp > 1 else 0))
     block = u.dense_numel + u.expert_numel
     L = model.layers
-    ep1 = sum(moe_activations.block_saves(model, lay.micro_batch_size, model.seq_len, rules).values())
-    extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.saves) - L * ep1}
+    ep1 = titan_peak.saved_per_layer(model, lay.micro_batch_size, model.seq_len, fw.activation_checkpoint, rules=rules)[0]
+    extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.kept) - L * ep1}
     lm_grad = u.grad_shards(["lm_head"])
     lm = titan_peak._at_lm_head(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
     chunk = titan_peak._at_loss_chunk(lm, model, lay, u.head_numel)
@@ -247,14 +287,18 @@ def ep_peak(model, lay, fw, st, rules: Rules, rows: tuple[int | None, ...] | Non
 
     state = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
 
+    checkpointed = fw.activation_checkpoint == "full"
+
     def at(rows: tuple[int, ...]) -> Peak:
-        c = _common(model, lay, st, rules, rows)
+        c = _common(model, lay, fw, st, rules, rows, checkpointed)
         # (a block's rows None: unknown; the moments holding its saves are left out)
-        seen = _dense_moments(model, lay, fw, u, c, rules) if None not in rows else []
+        seen = _dense_moments(model, lay, fw, u, c, rules) if None not in c.kept else []
         for j in range(model.layers - 1, -1, -1):
-            if None not in rows[:j + 1]:
+            if None not in c.kept[:j] and c.saves[j] is not None:
+                if checkpointed:
+                    seen.append(_at_recompute_combine(model, lay, fw, u, c, j, rows[j]))
                 seen.append(_at_combine(model, lay, fw, u, c, j))
-            if None not in rows[:j]:
+            if None not in c.kept[:j]:
                 seen += [_at_experts_rs(model, lay, fw, u, c, j, rules), _at_dense_rs(model, lay, fw, u, c, j, rules)]
         pk = max(seen, key=lambda p: p.bytes)  # the first of the most
         pk.first = titan_peak.first_step_peak([(m, st.optim_bytes) for m in seen], state,

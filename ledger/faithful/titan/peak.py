@@ -85,10 +85,6 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     its output and logsumexp.
     An MoE shape's block (torchtitan's qwen3) is moe_activations.block_saves's, at balanced routing.
     """
-    if model.num_experts:
-        # torchtitan's MoE model is qwen3's (moe.py): its block without checkpointing, TP or CP (refused there)
-        parts = moe_activations.block_saves(model, B, S // cp, rules)
-        return sum(parts.values()), 0, parts
     h, f, hd = model.hidden, model.ffn_hidden // tp, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads // tp * hd
     heads = model.heads // tp
@@ -97,6 +93,11 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     Tn = T // tp if sp else T  # the tokens a norm sees (SP: Shard(1))
     if ac == "full":
         return Tn * h * BF16, 0, {"block input": Tn * h * BF16}
+    if model.num_experts:
+        # torchtitan's MoE model is qwen3's (moe.py): its block without checkpointing (or full), TP or CP
+        # (refused there)
+        parts = moe_activations.block_saves(model, B, Sl, rules)
+        return sum(parts.values()), 0, parts
     if ac == "selective":
         kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
         if rules.sac_keeps_attention:
@@ -185,9 +186,10 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
         if ac:
             # with TP and SP the block's recompute forward ends at w2's reduce-scatter (its moment
             # first), then the recompute's SwiGLU backward
+            at_recompute = _at_recompute_moe if model.num_experts else _at_recompute
             for rc in ((_at_recompute_rs(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),)
                        if lay.tp > 1 and lay.sequence_parallel else ()) + \
-                    (_at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),):
+                    (at_recompute(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules),):
                 seen.append((rc, model.layers + 1 - k))
                 if rc.bytes > best.bytes:
                     best = rc
@@ -557,6 +559,25 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
                 what=f"layers.{k}: SwiGLU backward in its recompute", detail=_scalars(detail))
+
+
+def _at_recompute_moe(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+                      rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """Live bytes at a checkpointed MoE block k's combine backward in its recompute (full activation
+    checkpointing, no EP: the experts are the block's params): the recompute's saves (the qwen3 block's,
+    moe_activations.py), the residual stream's gradient and the combine backward's fp32 buffers (the
+    grad cast to fp32, the score multiplication's two products, their row sums: moe_peak.py's EP moment),
+    beside what every recompute moment holds (_recompute_state)."""
+    st = _recompute_state(model, lay, fw, sh, resident, block_numel, emb_numel, k, False, rules)
+    T, h = st.T, model.hidden
+    N = T * model.moe_router_topk
+    work = st.full1 + T * h * BF16 + 3 * N * h * F32 + N * F32
+    st.detail["temporary/the recompute's saves, the residual grad, the combine backward's fp32 buffers"] = work
+    st.detail["temporary/batch, document mask, scalars"] = st.small
+    parts = {"resident": resident + st.unsharded, "activations": st.acts, "gathered": st.gathered,
+             "temporary": work + st.small, "unnamed": UNNAMED}
+    return Peak.of(parts, phase="backward", what=f"layers.{k}: the MoE combine's backward in its recompute",
+                   detail=_scalars(st.detail))
 
 
 def _at_recompute_rs(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
