@@ -170,6 +170,15 @@ def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool
 
 
 @lru_cache(maxsize=1024)
+def w2_grad_placements(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[str, str]:
+    """The placements w2's weight grad and input grad leave their mms with (layer_backward_comm's choice):
+    "P" is a full-size Partial tensor on every TP rank, [hidden, ffn] and [T, ffn]."""
+    h, f = model.hidden, model.ffn_hidden
+    g_row = "R" if sp else "P"
+    return _mm_fast((g_row, h * T), ("S1", T * f), tp)[0], _mm_fast((g_row, T * h), ("S1", h * f), tp)[0]
+
+
+@lru_cache(maxsize=1024)
 def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False, cpu_mesh: bool = True
                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
     """Collectives (kind, full numel) one TransformerBlock's TP linears cause in backward, the

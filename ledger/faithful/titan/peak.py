@@ -193,6 +193,12 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
                 seen.append((rc, model.layers + 1 - k))
                 if rc.bytes > best.bytes:
                     best = rc
+        if not ac and lay.tp > 1 and not lay.sequence_parallel and lay.cp == 1 and not model.num_experts:
+            sw = _at_swiglu_partial(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
+            if sw is not None:
+                seen.append((sw, model.layers + 1 - k))
+                if sw.bytes > best.bytes:
+                    best = sw
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
         seen.append((pk, model.layers + 1 - k))
         if pk.bytes > best.bytes:
@@ -490,6 +496,55 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
                 what=f"layers.{k} post-backward reduce-scatter ({rules.collectives})", detail=_scalars(detail))
+
+
+def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+                       rules: Rules = RULES[CPU_GLOO]) -> Peak | None:
+    """TP without SP where DTensor's cost model leaves w2's input grad Partial (dtensor.w2_grad_placements:
+    a full [T, ffn] on every TP rank): block k's SwiGLU backward at the second of its two reduce-scatters
+    (each factor's grad is a mul of that Partial grad by the other factor's Shard: the propagator
+    reduce-scatters it to Shard for each, dtensor.layer_backward_comm). Live: w2's weight grad (Partial,
+    a full [hidden, ffn], where its mm leaves it so, until FSDP's post-backward reduces it), its input grad
+    (Partial [T, ffn]), the first mul's result (the rank's [T, ffn / tp]), the second reduce-scatter's cat'ed
+    input and its output; w2's saved input freed by its mm backward; the block's unsharded parameters, the
+    residual stream's (Partial) grad, the reduce-scatter input of the unit after held (FSDP: until the next
+    post-backward). None where the input grad is not Partial. Measured on the CPU (tp4, GQA 16 / 4
+    heads, hidden 1024, ffn 3584, T 1024: tests/test_titan.py w4tp4gqa): the steady peak on every rank."""
+    from ledger.faithful.titan.dtensor import w2_grad_placements
+
+    B, S, L, h, tp = lay.micro_batch_size, model.seq_len, model.layers, model.hidden, lay.tp
+    T, f = B * S, model.ffn_hidden
+    o_w, o_x = w2_grad_placements(model, T, tp)
+    if o_x != "P":
+        return None
+    ds = lay.dp_shard
+    reshard = fw.reshard_after_forward in ("default", "always")
+    act1, _, _ = saved_per_layer(model, B, S, "none", tp, False, 1, rules)
+    batch = _batch_saved_bytes(B, S, "none")
+    acts = (k + 1) * act1 - T * (f // tp) * BF16 + I64 + batch
+    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
+    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32  # the unit after's reduce-scatter input
+    # a shard group of one runs no collective: its held input is not a collective's buffer
+    held_part = "gathered" if ds > 1 else "temporary"
+    swiglu = {"temporary/w2's weight grad (Partial, full [hidden, ffn])": h * f * BF16 if o_w == "P" else 0,
+              "temporary/w2's input grad (Partial, full [T, ffn])": T * f * BF16,
+              "temporary/the first mul's result (the rank's [T, ffn / tp])": T * (f // tp) * BF16,
+              "gathered/the second reduce-scatter's input (cat) and output": T * f * BF16 + T * (f // tp) * BF16,
+              "temporary/residual-stream grad (Partial, bf16)": T * h * BF16,
+              f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
+              "gathered/backward prefetch all-gather (the unit before)": ag,
+              "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
+              "temporary/batch, document mask, scalars": _batch_bytes(model, B, S) - batch}
+    detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
+              f"activations/{k + 1} blocks saved (w2's input freed)": acts - I64 - batch,
+              "activations/the batch on the device (ids, labels, positions)": batch}
+    detail.update({key: v for key, v in swiglu.items() if v})
+    parts = {"resident": resident + unsharded, "activations": acts, "gathered": 0, "temporary": 0, "unnamed": UNNAMED}
+    for key, v in swiglu.items():
+        parts[key.split("/", 1)[0]] += v
+    return Peak.of(parts, phase="backward", what=f"layers.{k}: SwiGLU backward, its second reduce-scatter of w2's "
+                   "Partial input grad", detail=_scalars(detail))
 
 
 class _RecomputeState(NamedTuple):

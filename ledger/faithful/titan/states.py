@@ -164,10 +164,10 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         for gap in gaps:
             pl.notes.append(f"titan tp: {gap}; collectives past that point are not predicted")
         if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
-            # a finding, named with its measured size (tests/test_titan.py PEAK_FINDINGS)
-            pl.notes.append("titan peak, TP without SP: where DTensor redistributes inside a block's backward "
-                            "(the all-gather a cpu mesh runs for Shard -> Shard, SwiGLU's grads reduce-scattered) "
-                            "its buffers are not in the peak's moments; measured on the CPU at tp4, hidden 1024, "
-                            "ffn 3584, T 1024: the steady peak 6,043,656 B (2.9%) over the prediction, at such a "
-                            "reduce-scatter (the first step's 6,047,752 B)")
+            pl.notes.append("titan peak, TP without SP: where DTensor leaves w2's input grad Partial, SwiGLU's "
+                            "backward reduce-scatters it twice and the peak holds both full-size Partial grads "
+                            "(peak._at_swiglu_partial; measured at tp4, hidden 1024, ffn 3584, T 1024: within "
+                            "8,200 B); the transient buffers of DTensor's other redistributions inside a block's "
+                            "backward (the all-gather a cpu mesh runs for Shard -> Shard) are freed before it and "
+                            "are not a moment of their own")
     return pl
