@@ -213,7 +213,7 @@ def titan_article_job(tmp_path_factory):
 @pytest.mark.real
 def test_titan_article_run_peaks_at_a_loss_chunk(titan_article_job):
     """Llama-3.2-1B at s=8192, FSDP4·TP2·SP, local batch 2 on the fake world: the steady peak is a loss
-    chunk's vocab-parallel cross-entropy backward (titan_peak._at_loss_chunk: four fp32 [2048, 64128]
+    chunk's vocab-parallel cross-entropy backward (titan_peak.at_loss_chunk: four fp32 [2048, 64128]
     buffers beside the lm_head's fp32 grad, the wrapper's chunk copies), which no reduce-scatter joins,
     so the fake world's collectives (no gloo copy) do not move it: within 1% (measured 57,312 B under
     of 27.3 GB: the chunk's index and mask vectors), states and collectives exact. Before this moment

@@ -219,7 +219,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
 
 @pytest.mark.real
 def test_long_sequences_peak_at_their_moments(sweep):
-    """Long sequences (titan_peak: _at_final_norm, _at_loss_chunk; pp_peak's SwiGLU, final-norm and loss-chunk
+    """Long sequences (titan_peak: at_final_norm, at_loss_chunk; pp_peak's SwiGLU, final-norm and loss-chunk
     moments, with and without activation checkpointing): each rank's measured steady peak is in the
     backward at the operator of the moment the ledger predicts, and the jobs reach every one of those
     moments (with activation checkpointing and no PP: a block's SwiGLU backward in its recompute; with TP

@@ -104,7 +104,7 @@ def test_never_holds_the_unsharded_blocks_and_gathers_nothing_in_backward():
     def at(raf, k=None):
         fw = _fw(reshard_after_forward=raf)
         if k is None:
-            return P._at_lm_head(*args, fw, sh, res, block, emb, head)
+            return P.at_lm_head(*args, fw, sh, res, block, emb, head)
         return P._at_block(*args, fw, sh, res, block, emb, k)
 
     d, n = at("default", m.layers - 1), at("never", m.layers - 1)

@@ -87,7 +87,7 @@ class _Common(NamedTuple):
     kept: tuple[int | None, ...]  # what each block holds while the backward runs above it (checkpointed: its input)
     ctx: int  # what a checkpointed block holds beside its recompute's saves in its own backward: its input
     batch: int  # the batch's saved ids, labels and the valid-token count
-    small: int  # the batch's other small tensors (peak._batch_bytes less the saved ones and a norm's grad)
+    small: int  # the batch's other small tensors (peak.batch_bytes less the saved ones and a norm's grad)
     resid: int  # the residual-stream grad, bf16 [T, hidden]
 
 
@@ -99,11 +99,11 @@ def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...], checkpointe
     # through the step, its saves only while its recompute's backward runs
     inp = B * S * model.hidden * BF16 if checkpointed else 0
     kept = (inp,) * len(rows) if checkpointed else saves
-    batch = titan_peak._batch_saved_bytes(B, S, fw.activation_checkpoint)
-    # (_batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
+    batch = titan_peak.batch_saved_bytes(B, S, fw.activation_checkpoint)
+    # (batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
     # moments name the grads they hold)
     return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, batch + I64,
-                   titan_peak._batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
+                   titan_peak.batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
 
 
 def _block_grads(u: EPUnits, after: int, layers: int) -> list[str]:
@@ -262,9 +262,9 @@ def _dense_moments(model, lay, fw, u: EPUnits, c: _Common, rules: Rules) -> list
     ep1 = titan_peak.saved_per_layer(model, lay.micro_batch_size, model.seq_len, fw.activation_checkpoint, rules=rules)[0]
     extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.kept) - L * ep1}
     lm_grad = u.grad_shards(["lm_head"])
-    lm = titan_peak._at_lm_head(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
-    chunk = titan_peak._at_loss_chunk(lm, model, lay, u.head_numel)
-    norm = titan_peak._at_final_norm(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
+    lm = titan_peak.at_lm_head(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
+    chunk = titan_peak.at_loss_chunk(lm, model, lay, u.head_numel)
+    norm = titan_peak.at_final_norm(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
     # lm_head's grad exists from its reduce-scatter on (not yet at a loss chunk's backward)
     return [_split_state(pk, c.base).plus({**extra, "resident/the grads reduced so far": g})
             for pk, g in ((lm, lm_grad), (chunk, 0), (norm, lm_grad))]
@@ -284,9 +284,7 @@ def ep_peak(model, lay, fw, st, rules: Rules, rows: tuple[int | None, ...] | Non
     state (or the state its optimizer step completes). rows: each block's routed rows instead (no bound;
     a block's None: unknown, the moments holding its saves left out)."""
     u = ep_units(model, lay)
-
     state = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
-
     checkpointed = fw.activation_checkpoint == "full"
 
     def at(rows: tuple[int, ...]) -> Peak:

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32, INT64 as I64
 from ledger.faithful.titan import moe_activations
+from ledger.faithful.titan.dtensor import w2_grad_placements
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.placement import Peak
@@ -128,7 +129,7 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
 
 
 
-def _batch_saved_bytes(B: int, S: int, ac: str) -> int:
+def batch_saved_bytes(B: int, S: int, ac: str) -> int:
     """Of the step's small tensors, those of the three moved to the device (trainer.py
     post_dataloading_process: input ids, labels, positions, T int64 each) that autograd packs for
     backward, which the probe counts as activations (its category: saved for backward), as the ledger
@@ -138,11 +139,11 @@ def _batch_saved_bytes(B: int, S: int, ac: str) -> int:
     return (2 if ac == "none" else 3) * B * S * I64
 
 
-def _batch_bytes(model, B: int, S: int) -> int:
+def batch_bytes(model, B: int, S: int) -> int:
     """The step's small tensors live at the peak, as the probe's event list shows them (T = B*S):
     the data loader's last sample (input, labels, positions: 3 x S int64) and the collated batch
     (2 x T int64), the three moved to the device (3 x T int64; those saved for backward are
-    activations: _batch_saved_bytes), the document mask of models/common/attention.py
+    activations: batch_saved_bytes), the document mask of models/common/attention.py
     get_efficient_causal_mask_mod_for_packed_document (document_id int32 [B, S]; with B == 1 the
     offsets table, int32 round_up(S + 1, 128)), the BlockMask's eight int32 block tables
     (torch/nn/attention/flex_attention.py BlockMask: kv_num_blocks, full_kv_num_blocks, q_num_blocks,
@@ -165,17 +166,17 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
     resident: its resident state bytes (params + grads + optim + other); block_numel, emb_numel,
     head_numel: the unpadded TP-local numel of one TransformerBlock, tok_embeddings and [norm,
     lm_head] (FSDP2's unsharded parameters). The most live bytes over lm_head's reduce-scatter at
-    the loss's last chunk (_at_lm_head), a loss chunk's cross-entropy backward (_at_loss_chunk), the
-    final norm's backward (_at_final_norm), the blocks' post-backward reduce-scatters (_at_block) and,
+    the loss's last chunk (at_lm_head), a loss chunk's cross-entropy backward (at_loss_chunk), the
+    final norm's backward (at_final_norm), the blocks' post-backward reduce-scatters (_at_block) and,
     with activation checkpointing, each block's SwiGLU backward in its recompute (_at_recompute): the
     most of them, the earliest on ties. At long sequences and large vocabularies the second and third
     win (the article's FSDP4·TP2·SP run at s=8192: the loss chunk), with a small vocabulary and
     checkpointing the recompute (dp2 at seq 2048). rules: the target's (target.py)."""
-    best = _at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)
+    best = at_lm_head(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules)
     # (moment, the grads its step 0 already holds: FirstStep.grads_done's unit count)
     seen = [(best, 0)]
-    for pk, done in ((_at_loss_chunk(best, model, lay, head_numel), 0),
-                     (_at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules), 1)):
+    for pk, done in ((at_loss_chunk(best, model, lay, head_numel), 0),
+                     (at_final_norm(model, lay, fw, sh, resident, block_numel, emb_numel, head_numel, rules), 1)):
         seen.append((pk, done))
         if pk.bytes > best.bytes:
             best = pk
@@ -288,7 +289,7 @@ def ds_of(lay) -> int:
     return lay.dp_shard * lay.cp
 
 
-def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
+def at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
                 rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes while the backend reduce-scatters lm_head's grad at the loss's last chunk
     (components/loss.py ChunkedLossWrapper: set_requires_gradient_sync(True) before the last chunk,
@@ -311,7 +312,7 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # hidden states the wrapper backpropagates from), the valid-token count
     root = (Tn * h * BF16 if rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
     copies = chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
-    batch = _batch_saved_bytes(B, model.seq_len, ac)
+    batch = batch_saved_bytes(B, model.seq_len, ac)
     acts = L * act1 + root + I64 + copies[0] + batch
     detail[f"activations/{L} blocks saved ({ac})"] = L * act1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
@@ -330,12 +331,12 @@ def _at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: 
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
     chunk = T // LOSS_CHUNKS
     temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_copy + L * kept1
-            + _batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
+            + batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = L * kept1
-    detail["temporary/batch, document mask, scalars"] = _batch_bytes(model, B, model.seq_len) - batch - h * BF16
+    detail["temporary/batch, document mask, scalars"] = batch_bytes(model, B, model.seq_len) - batch - h * BF16
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
@@ -352,14 +353,14 @@ def chunk_copies(lay, T: int, h: int) -> tuple[int, int]:
     return (T * h * BF16 + T * I64, T * I64) if lay.micro_batch_size > 1 else (0, 0)
 
 
-# _at_lm_head's detail keys of lm_head's reduce-scatter buffers, which _at_loss_chunk takes out
+# at_lm_head's detail keys of lm_head's reduce-scatter buffers, which at_loss_chunk takes out
 _LM_RS = "gathered/lm_head's reduce-scatter input and output (fp32)"
 _LM_RS_COPY = "temporary/gloo copy or divided input (fp32)"
 
 
-def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
+def at_loss_chunk(lm_moment: Peak, model, lay, head_numel: int) -> Peak:
     """Live bytes at a loss chunk's cross-entropy backward, any chunk after the first (the first has
-    no fp32 lm_head grad yet): what _at_lm_head holds but the reduce-scatter's buffers and the last
+    no fp32 lm_head grad yet): what at_lm_head holds but the reduce-scatter's buffers and the last
     chunk's input grad, with the cross-entropy's fp32 [chunk, V] buffers instead. Plain cross-entropy
     (tp 1: aten log_softmax + nll_loss): the saved log-softmax, nll_loss_backward's output and
     _log_softmax_backward_data's, three; loss parallel (torchtitan's default with TP: DTensor's
@@ -371,20 +372,20 @@ def _at_loss_chunk(at_lm_head: Peak, model, lay, head_numel: int) -> Peak:
     T = lay.micro_batch_size * model.seq_len // lay.cp
     chunk = T // LOSS_CHUNKS
     V = head_numel // h  # lm_head's TP-local rows
-    d = dict(at_lm_head.detail)
+    d = dict(lm_moment.detail)
     rs, rs_copy = d.pop(_LM_RS), d.pop(_LM_RS_COPY, 0)
     n_ce = 3 if tp == 1 else 4
     ce = n_ce * chunk * V * F32
     d["temporary/grad accumulator, lm_head unsharded grad, last chunk"] -= chunk * h * BF16
     d[f"temporary/cross-entropy backward, fp32 [chunk, V] x {n_ce}"] = ce
-    parts = dict(at_lm_head.parts)
+    parts = dict(lm_moment.parts)
     parts["gathered"] -= rs
     parts["temporary"] += ce - rs_copy - chunk * h * BF16
     return Peak.of(parts, phase="backward",
                 what="a loss chunk's cross-entropy backward (ChunkedLossWrapper, after the first chunk)", detail=d)
 
 
-def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
+def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
                    rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes in the final norm's backward (the decoder's backward starting from the wrapper's
     accumulated hidden grad), at the RMSNorm composite's last mul: every block's saved tensors, the
@@ -402,7 +403,7 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     reshard = fw.reshard_after_forward in ("default", "always")
     act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp, rules)
     unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
-    batch = _batch_saved_bytes(B, S, ac)
+    batch = batch_saved_bytes(B, S, ac)
     norm_saved = Tn * h * BF16 + Tn * F32 if rules.fused_rms_norm else Tn * h * F32
     acts = L * act1 + norm_saved + I64 + batch
     work = 5 * Tn * h * F32 + h * BF16
@@ -410,7 +411,7 @@ def _at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_nume
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
     # (the wrapper has returned: its chunk copies and GradAccumulator are gone, the accumulated grad it
     # hands the decoder, bf16, is freed by the norm's backward before this moment)
-    small = _batch_bytes(model, B, S) - batch - h * BF16 + L * kept1
+    small = batch_bytes(model, B, S) - batch - h * BF16 + L * kept1
     detail = {"resident/state": resident, "resident/unsharded params": unsharded,
               f"activations/{L} blocks saved ({ac})": L * act1, ("activations/the final norm's bf16 input and rstd" if rules.fused_rms_norm
                else "activations/the final norm's fp32 input"): norm_saved,
@@ -464,7 +465,7 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
     # activations: the blocks before, and the global valid-token count the loss divides by
     # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
-    batch = _batch_saved_bytes(B, S, ac)
+    batch = batch_saved_bytes(B, S, ac)
     acts = before * act1 + I64 + batch
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
@@ -481,8 +482,8 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     detail["gathered/reduce-scatter output (fp32 shard)"] = rs_out
     # temporaries: gloo's copy of the reduce-scatter input (a shard group of one: foreach_reduce's
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
-    # checkpoint's kept outputs, the batch and mask bookkeeping (_batch_bytes)
-    small = _batch_bytes(model, B, S) - batch
+    # checkpoint's kept outputs, the batch and mask bookkeeping (batch_bytes)
+    small = batch_bytes(model, B, S) - batch
     rs_copy = rs_temporary(rules, ds, rs_in)
     temp = rs_copy + resid + before * kept1 + small
     if rs_copy:
@@ -510,8 +511,6 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
     residual stream's (Partial) grad, the reduce-scatter input of the unit after held (FSDP: until the next
     post-backward). None where the input grad is not Partial. Measured on the CPU (tp4, GQA 16 / 4
     heads, hidden 1024, ffn 3584, T 1024: tests/test_titan.py w4tp4gqa): the steady peak on every rank."""
-    from ledger.faithful.titan.dtensor import w2_grad_placements
-
     B, S, L, h, tp = lay.micro_batch_size, model.seq_len, model.layers, model.hidden, lay.tp
     T, f = B * S, model.ffn_hidden
     o_w, o_x = w2_grad_placements(model, T, tp)
@@ -520,7 +519,7 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
     ds = lay.dp_shard
     reshard = fw.reshard_after_forward in ("default", "always")
     act1, _, _ = saved_per_layer(model, B, S, "none", tp, False, 1, rules)
-    batch = _batch_saved_bytes(B, S, "none")
+    batch = batch_saved_bytes(B, S, "none")
     acts = (k + 1) * act1 - T * (f // tp) * BF16 + I64 + batch
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
@@ -535,7 +534,7 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
               f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
               "gathered/backward prefetch all-gather (the unit before)": ag,
               "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
-              "temporary/batch, document mask, scalars": _batch_bytes(model, B, S) - batch}
+              "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
     detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
               f"activations/{k + 1} blocks saved (w2's input freed)": acts - I64 - batch,
               "activations/the batch on the device (ids, labels, positions)": batch}
@@ -573,7 +572,7 @@ def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     detail: dict[str, int] = {"resident/state": resident}
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
-    batch = _batch_saved_bytes(B, S, ac)
+    batch = batch_saved_bytes(B, S, ac)
     acts = (k + 1) * ck1 + I64 + batch
     detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
@@ -585,7 +584,7 @@ def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     if held:
         detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
     return _RecomputeState(detail, B * S // lay.cp, full1, kept1, unsharded, acts, ag + rs_held + held,
-                           _batch_bytes(model, B, S) - batch)
+                           batch_bytes(model, B, S) - batch)
 
 
 def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,

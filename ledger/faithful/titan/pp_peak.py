@@ -300,7 +300,7 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
     reduce-scatters lm_head's grad (with the norm's accumulated from the micro-batch before): the blocks'
     and the root norm's saved tensors (one micro-batch in flight on the last stage), the accumulators of
     the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's logits
-    and input grad, the reduce-scatter input, output and gloo copy (as peak.py's _at_lm_head); with a
+    and input grad, the reduce-scatter input, output and gloo copy (as peak.py's at_lm_head); with a
     shard group of more than one lm_head's unsharded fp32 grad too (_Stage.held)."""
     T, h, kept, unsharded = c.T, c.h, c.kept, c.unsharded
     Vh, rs, g, saved, chunk = x.Vh, x.rs, x.g, x.saved, x.chunk
@@ -327,7 +327,7 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
 
 def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     """The last micro-batch's loss at a chunk's cross-entropy backward (after the first chunk; as
-    peak.py's _at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its
+    peak.py's at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its
     reduce-scatter: the micro-batch before's reduce-scatter input still held (until this
     foreach_reduce), lm_head's fp32 unsharded grad accumulating."""
     T, h, kept, unsharded, sh = c.T, c.h, c.kept, c.unsharded, c.sh
