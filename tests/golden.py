@@ -142,7 +142,7 @@ def moe_cases():
         yield f"deepspeed-moe/tiny_moe/z{z}", ["model=tiny_moe", *_fw("deepspeed", zero_stage=z), *_lay(1, 1, 4, ep=2)]
     yield "deepspeed-moe/mixtral/z2", ["model=mixtral_8x7b", *_fw("deepspeed", zero_stage=2), *_lay(1, 1, 16, ep=8)]
     yield "titan-moe/tiny_moe/ep2", ["model=tiny_moe", *_fw("titan", activation_checkpoint="none"), *_lay(1, 1, 2, ep=2)]
-    yield "titan-moe/refused/default-ac", ["model=tiny_moe", *_fw("titan"), *_lay(1, 1, 2, ep=2)]
+    yield "titan-moe/tiny/default-ac", ["model=tiny_moe", *_fw("titan"), *_lay(1, 1, 2, ep=2)]
     yield "titan-moe/tiny_moe/ep4", ["model=tiny_moe", *_fw("titan", reshard_after_forward="never", activation_checkpoint="none"),
                                           *_lay(1, 1, 8, ep=4)]
     yield "titan-moe/qwen3/ep8", ["model=qwen3_30b_a3b", *_fw("titan", activation_checkpoint="none"),

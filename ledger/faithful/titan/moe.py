@@ -28,8 +28,9 @@ experts' stacked norms reduced once over their (efsdp, ep) mesh, the rest over f
 components/optimizer/optimizer.py register_moe_load_balancing_hook: the [layers, E] fp32 token
 counts all-reduced over the loss mesh before every optimizer step.
 The peak within a step: moe_activations.py (a block's saves), moe_peak.py (EP's moments).
-Not modelled: TP / PP / CP / HSDP with MoE, Shard(1) experts, selective activation checkpointing (full is:
-the recompute's all-to-alls here, its moments in moe_peak.py and peak.py).
+Not modelled: TP / PP / CP / HSDP with MoE, Shard(1) experts. Activation checkpointing: full's recompute runs
+the all-to-alls again (here); SelectiveAC keeps their outputs (no more collectives); the kept outputs and the
+recompute's moments: moe_activations.py, moe_peak.py and peak.py.
 """
 from __future__ import annotations
 
@@ -54,10 +55,6 @@ def check(model: ModelShape, lay: Layout, fw) -> None:
     if efsdp * lay.ep > model.num_experts:
         raise ConfigError(f"titan: dp_shard={lay.dp_shard} > num_experts={model.num_experts}: FSDP then shards the "
                           "experts on dim 1 (distributed/fsdp.py), not modelled")
-    if fw.activation_checkpoint not in ("none", "full"):
-        raise ConfigError(f"titan: model.num_experts={model.num_experts}: framework.activation_checkpoint="
-                          f"{fw.activation_checkpoint!r}: the faithful MoE ledger models 'none' and 'full' (SelectiveAC's "
-                          "policy over the MoE layer's ops is not derived)")
     for field, want in (("dtype", "float32"), ("mixed_precision_param", "bfloat16"),
                         ("mixed_precision_reduce", "float32"), ("spmd_backend", "partial_dtensor")):
         if getattr(fw, field) != want:
@@ -156,7 +153,8 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
             "tokens per expert (register_moe_load_balancing_hook)")
     # the token dispatcher, every MoE layer's forward and backward; with full activation checkpointing
     # (distributed/activation_checkpoint.py FullAC: checkpoint_wrapper, early_stop False) each block's
-    # recompute runs its forward's all-to-alls again (measured: 3 more a layer at ep2)
+    # recompute runs its forward's all-to-alls again (measured: 3 more a layer at ep2); SelectiveAC's save
+    # list has all_to_all_single: none again (measured)
     T, k, E, h = lay.micro_batch_size * model.seq_len, model.moe_router_topk, model.num_experts, model.hidden
     full = fw.activation_checkpoint == "full"
     acc.add(ep_dim, "all_to_all", E * 8, ep, "int64", L * (1 + full), "tokens per expert (token_dispatcher.py)")

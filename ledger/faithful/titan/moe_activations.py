@@ -88,6 +88,25 @@ def moe_saves(model, T: int, ep: int, rows: int, rules: Rules) -> dict[str, int]
     return parts
 
 
+def sac_kept(model, B: int, S: int, rules: Rules, ep: int = 1, rows: int | None = None) -> dict[str, int]:
+    """What torchtitan's SelectiveAC keeps of one checkpointed qwen3 MoE block until its backward
+    (distributed/activation_checkpoint.py: the outputs of its save ops, in the checkpoint's cache), named
+    by the probe's category: every second mm of the block (wq's and wv's; measured: the router's gate mm
+    is not kept), topk's values and indices (the router), and with EP every all_to_all_single's output
+    (the token counts' int64 [E], the dispatch's [R, hidden] and the combine's [T*k, hidden], bf16: a
+    collective's output, `gathered`). Measured (s = 512; ep2 at world 4: block 0's, with block 1 in its
+    recompute)."""
+    T, h, hd, k, E = B * S, model.hidden, model.head_dim, model.moe_router_topk, model.num_experts
+    rows = T * k if rows is None else rows
+    kept = {"temporary/SelectiveAC: wq's and wv's outputs": T * (model.heads + model.kv_heads) * hd * BF16,
+            # topk runs on the scores plus the fp32 expert_bias_E (moe.py: load balancing): fp32 values
+            "temporary/SelectiveAC: the router's topk values (fp32) and indices": T * k * F32 + T * k * I64}
+    if ep > 1:
+        kept["gathered/SelectiveAC: the all-to-alls' outputs (token counts, dispatch, combine)"] = \
+            E * I64 + rows * h * BF16 + T * k * h * BF16
+    return kept
+
+
 def block_saves(model, B: int, S: int, rules: Rules, ep: int = 1, rows: int | None = None) -> dict[str, int]:
     """One block's saves, named: attention_saves and moe_saves (rows: balanced, T*k, unless given)."""
     T = B * S

@@ -23,8 +23,9 @@ What EP changes in the step (measured with the peak probe's event lists, tests/t
 The moments per block j, backward order (the last block first), beside lm_head's reduce-scatter, a loss
 chunk's backward and the final norm's (peak.py's, with the grads reduced so far and the block's two
 groups): the combine backward (_at_combine), the experts' reduce-scatter (_at_experts_rs), the dense
-group's (_at_dense_rs); with full activation checkpointing a block keeps its input, and its recompute's
-combine forward (_at_recompute_combine) is a moment too. Routed rows follow the router: the peak is predicted at balanced routing (every
+group's (_at_dense_rs); with activation checkpointing a block keeps its input (SelectiveAC also its
+policy's kept outputs, moe_activations.sac_kept), and its recompute's combine forward
+(_at_recompute_combine) is a moment too. Routed rows follow the router: the peak is predicted at balanced routing (every
 block's experts compute T*k rows) and bounded from the fewest to the most rows (Peak.bound).
 """
 from __future__ import annotations
@@ -86,24 +87,37 @@ class _Common(NamedTuple):
     saves: tuple[int | None, ...]  # each block's saves at its rows (None: unknown); checkpointed: its recompute's
     kept: tuple[int | None, ...]  # what each block holds while the backward runs above it (checkpointed: its input)
     ctx: int  # what a checkpointed block holds beside its recompute's saves in its own backward: its input
+    cached: tuple[dict | None, ...]  # SelectiveAC: each block's kept outputs by part (moe_activations.sac_kept)
     batch: int  # the batch's saved ids, labels and the valid-token count
     small: int  # the batch's other small tensors (peak.batch_bytes less the saved ones and a norm's grad)
     resid: int  # the residual-stream grad, bf16 [T, hidden]
 
 
-def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...], checkpointed: bool) -> _Common:
+def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...]) -> _Common:
     B, S = lay.micro_batch_size, model.seq_len
     saves = tuple(None if r is None else sum(moe_activations.block_saves(model, B, S, rules, lay.ep, r).values())
                   for r in rows)
-    # full activation checkpointing (FullAC's checkpoint_wrapper): a block keeps its input (bf16 [T, hidden])
-    # through the step, its saves only while its recompute's backward runs
+    # activation checkpointing (FullAC's and SelectiveAC's checkpoint_wrapper): a block keeps its input (bf16
+    # [T, hidden]) through the step, its saves only while its recompute's backward runs; SelectiveAC also
+    # the outputs its policy keeps
+    checkpointed = fw.activation_checkpoint != "none"
     inp = B * S * model.hidden * BF16 if checkpointed else 0
     kept = (inp,) * len(rows) if checkpointed else saves
+    cached = tuple(None if r is None else _by_part(moe_activations.sac_kept(model, B, S, rules, lay.ep, r))
+                   for r in rows) if fw.activation_checkpoint == "selective" else ({},) * len(rows)
     batch = titan_peak.batch_saved_bytes(B, S, fw.activation_checkpoint)
     # (batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
     # moments name the grads they hold)
-    return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, batch + I64,
+    return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, cached, batch + I64,
                    titan_peak.batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
+
+
+def _by_part(lines: dict[str, int]) -> dict[str, int]:
+    """Named lines ("part/name") summed by part."""
+    out: dict[str, int] = {}
+    for key, v in lines.items():
+        out[key.split("/", 1)[0]] = out.get(key.split("/", 1)[0], 0) + v
+    return out
 
 
 def _block_grads(u: EPUnits, after: int, layers: int) -> list[str]:
@@ -150,6 +164,8 @@ def _moment(c: _Common, grads: int, unsharded: int, below: int, lines: dict[str,
               "activations/the batch on the device, the valid-token count": c.batch,
               "temporary/batch, document mask, scalars": c.small,
               "unnamed/scalars live from the previous step": titan_peak.UNNAMED}
+    for part in ("temporary", "gathered"):
+        detail[f"{part}/{below} blocks below: SelectiveAC's kept outputs"] = sum(x.get(part, 0) for x in c.cached[:below])
     detail.update({k: v for k, v in lines.items() if v})
     parts = {p: 0 for p in ("resident", "activations", "gathered", "temporary", "unnamed")}
     for k, v in detail.items():
@@ -191,8 +207,9 @@ def _at_recompute_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: 
              f"temporary/layers.{j}'s saves (its recompute)": c.saves[j],
              "activations/its input (the checkpoint's)": c.ctx,
              "temporary/the residual-stream grad (bf16)": c.resid,
+             # (SelectiveAC: the combine's output from its cache; the token counts' consumed)
              "gathered/the combine all-to-all's output (bf16 [N, hidden]), the token counts' (int64 [E])":
-                 N * h * BF16 + model.num_experts * I64,
+                 N * h * BF16 + (model.num_experts * I64 if fw.activation_checkpoint == "full" else 0),
              "temporary/the routing map (bool [T, E])": T * model.num_experts,
              "temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
                  N * h * F32 + N * h * BF16 + T * h * BF16,
@@ -259,8 +276,12 @@ def _dense_moments(model, lay, fw, u: EPUnits, c: _Common, rules: Rules) -> list
     sh = sharded(model, 1, u.ds)._replace(layer_full=u.dense_full + (u.expert_full if u.efsdp > 1 else 0))
     block = u.dense_numel + u.expert_numel
     L = model.layers
-    ep1 = titan_peak.saved_per_layer(model, lay.micro_batch_size, model.seq_len, fw.activation_checkpoint, rules=rules)[0]
-    extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.kept) - L * ep1}
+    ep1, kept1, _ = titan_peak.saved_per_layer(model, lay.micro_batch_size, model.seq_len, fw.activation_checkpoint,
+                                              rules=rules)
+    extra = {"activations/EP's block saves beside the balanced ep 1 block's": sum(c.kept) - L * ep1,
+             "temporary/EP's SelectiveAC kept outputs beside the ep 1 block's": sum(x.get("temporary", 0) for x in c.cached)
+             - L * kept1,
+             "gathered/SelectiveAC: the all-to-alls' kept outputs": sum(x.get("gathered", 0) for x in c.cached)}
     lm_grad = u.grad_shards(["lm_head"])
     lm = titan_peak.at_lm_head(model, lay, fw, sh, c.base, block, u.emb_numel, u.head_numel, rules)
     chunk = titan_peak.at_loss_chunk(lm, model, lay, u.head_numel)
@@ -285,13 +306,15 @@ def ep_peak(model, lay, fw, st, rules: Rules, rows: tuple[int | None, ...] | Non
     a block's None: unknown, the moments holding its saves left out)."""
     u = ep_units(model, lay)
     state = st.params_bytes + st.grads_bytes + st.optim_bytes + st.other_bytes
-    checkpointed = fw.activation_checkpoint == "full"
+    checkpointed = fw.activation_checkpoint != "none"
 
     def at(rows: tuple[int, ...]) -> Peak:
-        c = _common(model, lay, fw, st, rules, rows, checkpointed)
+        c = _common(model, lay, fw, st, rules, rows)
         # (a block's rows None: unknown; the moments holding its saves are left out)
-        seen = _dense_moments(model, lay, fw, u, c, rules) if None not in c.kept else []
+        seen = _dense_moments(model, lay, fw, u, c, rules) if None not in c.kept + c.cached else []
         for j in range(model.layers - 1, -1, -1):
+            if None in c.cached[:j]:
+                continue
             if None not in c.kept[:j] and c.saves[j] is not None:
                 if checkpointed:
                     seen.append(_at_recompute_combine(model, lay, fw, u, c, j, rows[j]))

@@ -95,8 +95,11 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     if ac == "full":
         return Tn * h * BF16, 0, {"block input": Tn * h * BF16}
     if model.num_experts:
-        # torchtitan's MoE model is qwen3's (moe.py): its block without checkpointing (or full), TP or CP
-        # (refused there)
+        # torchtitan's MoE model is qwen3's (moe.py): its block without TP or CP (refused there); with
+        # SelectiveAC its input and the outputs its policy keeps (moe_activations.sac_kept)
+        if ac == "selective":
+            kept = moe_activations.sac_kept(model, B, Sl, rules)
+            return Tn * h * BF16, sum(kept.values()), {"block input": Tn * h * BF16, **kept}
         parts = moe_activations.block_saves(model, B, Sl, rules)
         return sum(parts.values()), 0, parts
     if ac == "selective":
@@ -627,9 +630,11 @@ def _at_recompute_moe(model, lay, fw, sh, resident: int, block_numel: int, emb_n
     N = T * model.moe_router_topk
     work = st.full1 + T * h * BF16 + 3 * N * h * F32 + N * F32
     st.detail["temporary/the recompute's saves, the residual grad, the combine backward's fp32 buffers"] = work
+    if st.kept1:
+        st.detail["temporary/selective AC kept outputs (earlier blocks)"] = k * st.kept1
     st.detail["temporary/batch, document mask, scalars"] = st.small
     parts = {"resident": resident + st.unsharded, "activations": st.acts, "gathered": st.gathered,
-             "temporary": work + st.small, "unnamed": UNNAMED}
+             "temporary": work + k * st.kept1 + st.small, "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward", what=f"layers.{k}: the MoE combine's backward in its recompute",
                    detail=_scalars(st.detail))
 
