@@ -163,14 +163,13 @@ def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
         model, lay, pl = check(cfg)
         for m in rec["measurement"]["ranks"]:
             step = m["steps"][-1]
-            pk = moe_peak.ep_peak(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules_of(None),
-                                  _routed_rows(step, model))
+            rows = _routed_rows(step, model)
+            pk = moe_peak.ep_peak(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules_of(None), rows)
             # the peak in the framework's own order (gloo's worker thread frees the all-to-alls' buffers when
             # it gets to it: the probe's prompt replay puts each free right after the last use), and the
             # probe's "unnamed" (storages live from the previous step no launcher names: 12 B at world 2,
             # 20 B at world 4, as in the dense matrix) aside: every part to the byte
             prompt = step["peak"].get("prompt_at_peak") or step["peak"]["at_peak"]
-            rows = _routed_rows(step, model)
             got, want = pk.bytes - pk.parts["unnamed"], step["peak"]["prompt_peak_bytes"] - prompt.get("unnamed", 0)
             if got != want and None in rows:
                 # the census is of the measured peak, which a late free by gloo's worker thread can move to a

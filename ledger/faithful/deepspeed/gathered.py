@@ -6,6 +6,7 @@ watched events (coordinator.pass_logs), by the probe's category of each storage.
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import islice
 from typing import NamedTuple
 
 from ledger.faithful.deepspeed.coordinator import pass_logs
@@ -125,8 +126,8 @@ def _per_log(logs: list[list], walk) -> tuple:
 
 
 def _fetch_at(log: list, kind: str, mod: int, nth: int = 0) -> int:
-    """The index of the nth event of `kind` of module `mod` in a pass's log."""
-    return [i for i, ev in enumerate(log) if ev[0] == kind and ev[1] == mod][nth]
+    """The index of the nth event of `kind` of module `mod` in a pass's log (the scan stops there)."""
+    return next(islice((i for i, ev in enumerate(log) if ev[0] == kind and ev[1] == mod), nth, None))
 
 
 @lru_cache(maxsize=64)
