@@ -105,6 +105,19 @@ def link_of(lay, dim: str, kind: str, gpus_per_node: int) -> str:
     return "intra" if block <= gpus_per_node and gpus_per_node % block == 0 else "inter"
 
 
+def node_ranks(lay, dim: str, gpus_per_node: int) -> int:
+    """How many ranks of one group of a collective over `dim` share a node: the members of rank 0's
+    group (offsets sum k_d x stride_d over the group's dims) below gpus_per_node. Nodes hold
+    consecutive ranks and the grid is regular, so every group of the dim has as many on each node."""
+    st = dim_strides(lay)
+    inner = [st[d] for d in dim.split("-") if d in st and st[d][0] < gpus_per_node and st[d][1] > 1]
+    offsets = [0]
+    for stride, size in inner:
+        offsets = [o + k * stride for o in offsets for k in range(min(size, -(-gpus_per_node // stride)))
+                   if o + k * stride < gpus_per_node]
+    return len(offsets)
+
+
 def group_size(lay, dim: str) -> int:
     """Ranks in one group of a collective whose `dim` is a dash-joined list of grid dims."""
     st = dim_strides(lay)

@@ -26,10 +26,11 @@ from typing import Iterator, Optional
 
 from ledger import frameworks
 from ledger.units import peak_or_resident
-from ledger.grid import DIMS, link_of
+from ledger.grid import DIMS, link_of, node_ranks
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
 from ledger.parallel import predict
+from ledger.timing.collectives import network_lanes
 
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
@@ -307,12 +308,14 @@ def overlaps(framework: str, fw) -> bool:
     return frameworks.get(framework).overlaps(fw)
 
 
-def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict) -> dict:
+def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, wire: dict, links: dict,
+             lanes: dict | None = None) -> dict:
     """A roofline step-time estimate, not a measurement:
 
         compute_s = (FLOPs per step + recompute's, recompute_flops) / (gpus x peak_tflops x efficiency) x (1 + bubble)
         comm_s[d] = wire bytes of dim d x 8 / (nvlink_gbps if its groups are inside a node else
-                    network_gbps) x 1e-9
+                    network_gbps x the NICs its groups drive, lanes[d], at most nvlink_gbps) x 1e-9
+                    (ledger/timing/collectives.py network_lanes, the step-time model's rule)
         exposed   = TP, CP, PP and any other dim in full; the data-parallel dims (dp, dp_replicate,
                     cp-dp) beyond the compute time where the framework overlaps them (overlaps()),
                     in full where it does not
@@ -324,7 +327,9 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
     ov = overlaps(framework, fw)
     dp_s = other_s = 0.0
     for d, b in wire.items():
-        t = b * 8 / ((hw.nvlink_gbps if links[d] == "intra" else hw.network_gbps) * 1e9)
+        rate = hw.nvlink_gbps if links[d] == "intra" else min(hw.network_gbps * (lanes or {}).get(d, 1),
+                                                              max(hw.nvlink_gbps, hw.network_gbps))
+        t = b * 8 / (rate * 1e9)
         if d in _DP_FAMILY:
             dp_s += t
         else:
@@ -362,6 +367,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
             wire[x.dim] = wire.get(x.dim, 0) + x.wire_bytes
             kinds.setdefault(x.dim, x.kind)
     links = {d: link_of(lay, d, kinds[d], hw.gpus_per_node) for d in wire}
+    lanes = {d: network_lanes(kinds[d], node_ranks(lay, d, hw.gpus_per_node)) for d in wire}
     res = g.resident_bytes
     row.resident_bytes = res
     row.placement = pl
@@ -371,7 +377,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         # the peak holds the resident state and more: a row whose state alone is over the budget is too
         # big whatever its peak, which is not computed (a search meets thousands; per_stage is most of a
         # predicted row's cost)
-        return _over_budget(row, res, g, wire, links, lay, hw, model, c)
+        return _over_budget(row, res, g, wire, links, lanes, lay, hw, model, c)
     try:
         row.per_stage = per_stage(row)
     except ConfigError as e:  # the peak model refuses what it does not model (e.g. a recompute setting)
@@ -379,7 +385,7 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
-    _state_and_estimate(row, g, wire, links, lay, hw, model, c)
+    _state_and_estimate(row, g, wire, links, lanes, lay, hw, model, c)
     if row.peak_bytes + row.outside_allocator_bytes <= hw.budget_bytes:
         row.status = "fits"
         if hw.profile is not None and mode == "faithful":
@@ -394,25 +400,25 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     return row
 
 
-def _state_and_estimate(row: Row, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
-                        c: Candidate) -> None:
+def _state_and_estimate(row: Row, g, wire: dict, links: dict, lanes: dict, lay: Layout, hw: Hardware,
+                        model: ModelShape, c: Candidate) -> None:
     """A predicted row's most-loaded rank's state, its wire and links, and the roofline estimate."""
     row.state_bytes = {"params": g.params_bytes, "grads": g.grads_bytes, "optim": g.optim_bytes,
                        "other": g.other_bytes}
     row.stage = g.stage
     row.wire_bytes, row.links = wire, links
     row.bubble = bubble(lay)
-    row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links)
+    row.est = estimate(model, lay, hw, c.framework, c.fw, wire, links, lanes)
     row.est_step_s = row.est["est_step_s"]
 
 
-def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lay: Layout, hw: Hardware, model: ModelShape,
-                 c: Candidate) -> Row:
+def _over_budget(row: Row, res: int, g, wire: dict, links: dict, lanes: dict, lay: Layout, hw: Hardware,
+                 model: ModelShape, c: Candidate) -> Row:
     """evaluate's row for a layout whose resident state (and what lies beside the tensors) alone exceeds
     the budget: too big, its peak (at least the state) not computed; peak_bytes the state, said so."""
     row.peak_bytes = res
     row.peak_includes = OVER_BUDGET
-    _state_and_estimate(row, g, wire, links, lay, hw, model, c)
+    _state_and_estimate(row, g, wire, links, lanes, lay, hw, model, c)
     row.status = "too_big"
     beside = f" + {row.outside_allocator_bytes / 1e9:.2f} GB beside the tensors" if row.outside_allocator_bytes else ""
     row.reason = (f"resident state {res / 1e9:.2f} GB{beside} > plan.memory_fraction x plan.gpu_memory_gb = "

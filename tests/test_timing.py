@@ -45,6 +45,29 @@ def test_a_group_across_nodes_runs_at_the_network_s_rate():
     assert group_size(lay, "dp") == 4 and group_size(lay, "tp") == 8 and group_size(lay, "tp-dp") == 32
 
 
+def test_a_group_drives_a_nic_per_rank_it_has_on_a_node():
+    """Across nodes a ring leaves each node through a NIC per group rank there (nccl-tests' inter-node
+    busbw is the node's NICs together): FSDP over 64 ranks at 8 a node runs at 8 NICs' busbw, a dp
+    group of one rank a node (tp 8 inside) at one NIC's, tp 2 leaves 4 dp ranks a node; an all_to_all
+    or a pipeline hop sends each rank's bytes through its own NIC; never above NVLink's busbw."""
+    from tests.conftest import layout_of
+
+    hw = hardware.profile("a100")
+    nic = hw.inter.busbw_gbps
+    assert collectives.group_link(hw, layout_of(64), "dp", "reduce_scatter").busbw_gbps == pytest.approx(8 * nic)
+    assert collectives.group_link(hw, layout_of(64, tp=8), "dp", "all_reduce").busbw_gbps == pytest.approx(nic)
+    assert collectives.group_link(hw, layout_of(64, tp=2), "dp", "all_gather").busbw_gbps == pytest.approx(4 * nic)
+    assert collectives.group_link(hw, layout_of(64), "dp", "all_to_all").busbw_gbps == pytest.approx(nic)
+    assert collectives.group_link(hw, layout_of(64, tp=8), "tp", "all_gather") == hw.intra
+    fast_net = hardware.profile("a100", inter_busbw_gbps=100.0)
+    assert collectives.group_link(fast_net, layout_of(64), "dp", "all_gather").busbw_gbps == fast_net.intra.busbw_gbps
+    # the time follows: 1 GB reduce-scattered over 64 ranks, 8 a node, against one NIC's rate
+    from ledger.placement import Comm, wire_bytes
+    rs = Comm("dp", "reduce_scatter", 1, 10 ** 9, wire_bytes("reduce_scatter", 10 ** 9, 64))
+    t = collectives.comm_seconds(rs, 64, collectives.group_link(hw, layout_of(64), "dp", "reduce_scatter"))
+    assert t == pytest.approx(63 * 10e-6 + 10 ** 9 * 63 / 64 / (8 * nic * 1e9))
+
+
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 16), (4, 4)])
 def test_uniform_stages_bubble_is_the_textbook(pp, m):
     """1F1B with equal stages and no p2p time: the step is (m + p - 1)(F + B) and every stage idles

@@ -9,19 +9,45 @@ all_gather / reduce_scatter / all_to_all, 2(n-1) for a ring all_reduce, 2 log2(n
 all_reduce (NCCL's double binary tree, whose bandwidth term is the whole tensor twice: reduced up,
 broadcast down), one for send/recv; an all_reduce takes the faster of ring and tree, as NCCL's tuner
 picks the algorithm of the least predicted time (src/graph/tuning.cc). A group spanning nodes runs at the
-network's busbw and latency (its slowest link); one inside a node at NVLink's (ledger/grid.py
-link_of decides which)."""
+network's latency and at its busbw times the NICs the group drives (network_lanes); one inside a node
+at NVLink's (ledger/grid.py link_of decides which)."""
 from __future__ import annotations
 
 import math
 
+from ledger.grid import link_of, node_ranks
 from ledger.placement import wire_bytes
-from ledger.timing.hardware import Link
+from ledger.timing.hardware import Link, Profile
 
 # busbw factor per kind (nccl-tests), as a function of the group size
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
            "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
+
+
+def network_lanes(kind: str, ranks_on_node: int) -> int:
+    """How many NICs of a node one group's collective drives across nodes, each GPU with its own NIC
+    (the presets' DGX / HGX nodes). NCCL's rings and trees leave a node through a channel per NIC its
+    ranks there are close to, so a group with g ranks on each node moves its ring traffic over g NICs at
+    once: nccl-tests' inter-node busbw is the node's NICs together, not one NIC (NVIDIA/nccl-tests
+    issue 119: 8 A100 and 4 HDR NICs a node, busbw 85-96 GB/s against "200G x 4 / 8" = 100 GB/s;
+    issue 290, NCCL's maintainer: "for NDR @ 400Gbps you should see 46-48GB/s per NIC"). Groups of the
+    same dim run their collectives at once on their own ranks' NICs, so the share never exceeds g. An
+    all_to_all or a send / recv pair sends each rank's own bytes off the node through that rank's NIC:
+    one lane."""
+    if kind in ("all_to_all", "send_recv"):
+        return 1
+    return max(1, ranks_on_node)
+
+
+def group_link(hw: Profile, lay, dim: str, kind: str) -> Link:
+    """The link a collective over `dim` runs on: NVLink's inside a node; across nodes the network's
+    latency and its per-NIC busbw times network_lanes, never above NVLink's (the ring's hops inside
+    each node)."""
+    if link_of(lay, dim, kind, hw.gpus_per_node) == "intra":
+        return hw.intra
+    lanes = network_lanes(kind, node_ranks(lay, dim, hw.gpus_per_node))
+    return Link(min(hw.inter.busbw_gbps * lanes, max(hw.intra.busbw_gbps, hw.inter.busbw_gbps)), hw.inter.latency_us)
 
 
 def steps(kind: str, n: int, algorithm: str = "ring") -> int:

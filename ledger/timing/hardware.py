@@ -36,7 +36,7 @@ class Profile:
     memory_gb: float
     gpus_per_node: int
     intra: Link  # inside a node (NVLink)
-    inter: Link  # between nodes (the network, per GPU)
+    inter: Link  # between nodes: one NIC (one per GPU); a group drives one per rank it has on a node (collectives.group_link)
     # the fraction of peak_tflops large GEMMs reach (the vendor library on big square shapes)
     gemm_efficiency: float
     # the fraction of hbm_gbps streaming (memory-bound) kernels reach

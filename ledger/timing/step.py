@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ledger.grid import group_size, link_of
+from ledger.grid import group_size
 from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.timing import collectives, ops
-from ledger.timing.hardware import Profile, link
+from ledger.timing.hardware import Profile
 from ledger.timing.pipeline import simulate, step_seconds
 
 # the data-parallel family of dims (the grad reductions and the param gathers of DDP, the distributed
@@ -153,8 +153,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
 
     # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside
-    stage_rows = [[(c, collectives.comm_seconds(c, group_size(lay, c.dim),
-                                                link(hw, link_of(lay, c.dim, c.kind, hw.gpus_per_node))))
+    stage_rows = [[(c, collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(hw, lay, c.dim, c.kind)))
                    for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
                   for s in range(lay.pp)]
     # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks)
@@ -171,7 +170,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
     if lay.pp > 1:
-        lk = link(hw, link_of(lay, "pp", "send_recv", hw.gpus_per_node))
+        lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
     sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p) if trace else None
     pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p)
