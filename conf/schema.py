@@ -119,6 +119,13 @@ class MegatronConfig(FrameworkConfig):
     moe_expert_capacity_factor: Optional[float] = None
     moe_pad_expert_input_to_capacity: bool = False
     moe_grouped_gemm: bool = False
+    # context parallelism's attention (cp > 1; TransformerEngine only), Megatron-LM --cp-comm-type and
+    # --hierarchical-context-parallel-sizes (TransformerConfig cp_comm_type, ModelParallelConfig
+    # hierarchical_context_parallel_sizes): p2p (the K/V ring), all_gather (K/V gathered), a2a (Ulysses:
+    # heads scattered, sequence gathered), a2a+p2p (a2a inside groups of the first size, the ring over
+    # the second); ledger/faithful/megatron/cp.py
+    cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
 
 
 @dataclass

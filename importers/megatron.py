@@ -48,7 +48,9 @@ FRAMEWORK = {"--transformer-impl": "framework.transformer_impl",
              "--moe-aux-loss-coeff": "framework.moe_aux_loss_coeff",
              "--moe-expert-capacity-factor": "framework.moe_expert_capacity_factor",
              "--moe-pad-expert-input-to-capacity": "framework.moe_pad_expert_input_to_capacity",
-             "--moe-grouped-gemm": "framework.moe_grouped_gemm"}
+             "--moe-grouped-gemm": "framework.moe_grouped_gemm",
+             "--cp-comm-type": "framework.cp_comm_type",
+             "--hierarchical-context-parallel-sizes": "framework.hierarchical_context_parallel_sizes"}
 # read by a rule below (not one field each)
 SPECIAL = ("--group-query-attention", "--num-query-groups", "--normalization", "--rotary-base",
            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16", "--fp16",
@@ -144,6 +146,11 @@ def overrides(args: list[str], world: int) -> tuple[list[str], list[str]]:
                 # nargs="+" in Megatron-LM (one per router kind)
                 if len(set(v)) > 1:
                     raise ConfigError(f"megatron import: {flag}={v}: one load-balancing type is modelled")
+                v = v[0]
+            if flag == "--cp-comm-type" and isinstance(v, list):
+                # nargs="+": one type for every layer, or one per layer (TransformerConfig cp_comm_type)
+                if len(set(v)) > 1:
+                    raise ConfigError(f"megatron import: {flag}={v}: one comm type for every layer is modelled")
                 v = v[0]
             if v is not None:
                 out.append(f"{field}={_val(v)}")

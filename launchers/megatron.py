@@ -430,7 +430,9 @@ def pretrain_gpt_args(cfg, lay: Layout) -> list[str]:
     a += ["--attention-dropout", 0.0, "--hidden-dropout", 0.0,
           "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
     if lay.cp > 1:
-        a += ["--context-parallel-size", lay.cp]
+        a += ["--context-parallel-size", lay.cp, "--cp-comm-type", fw.cp_comm_type]
+        if fw.hierarchical_context_parallel_sizes:
+            a += ["--hierarchical-context-parallel-sizes", *fw.hierarchical_context_parallel_sizes]
     split = (fw.decoder_first_pipeline_num_layers, fw.decoder_last_pipeline_num_layers)
     if lay.vp > 1 and split == (None, None) and not (fw.account_for_embedding_in_pipeline_split
                                                      or fw.account_for_loss_in_pipeline_split):

@@ -26,6 +26,9 @@ ROUND_TRIP = [
     ["model=tiny_moe", "layout.tp=2", "layout.ep=2", "layout.dp=2", "layout.sequence_parallel=true",
      "framework.use_distributed_optimizer=true", "framework.moe_token_dispatcher_type=alltoall"],
     ["model=qwen3_30b_a3b", "layout.ep=8", "layout.dp=8", "framework.use_distributed_optimizer=true"],
+    ["model=llama3_1b", "layout.cp=4", "layout.dp=2", "framework.cp_comm_type=a2a+p2p",
+     "framework.hierarchical_context_parallel_sizes=[2,2]"],
+    ["model=llama3_1b", "layout.cp=2", "layout.dp=2", "framework.cp_comm_type=all_gather"],
 ]
 
 
@@ -35,7 +38,10 @@ def _resolved(cfg):
     from ledger.model import ModelShape
 
     model, lay, _ = check(cfg)
-    return dataclasses.replace(ModelShape.from_config(cfg.model), name="-"), lay, knobs(cfg.framework)
+    fw = cfg.framework
+    # the context-parallel attention (read by ledger/faithful/megatron/cp.py, not a Knobs field)
+    cp = (fw.cp_comm_type, list(fw.hierarchical_context_parallel_sizes or []))
+    return dataclasses.replace(ModelShape.from_config(cfg.model), name="-"), lay, knobs(fw), cp
 
 
 @pytest.mark.parametrize("overrides", ROUND_TRIP, ids=lambda o: " ".join(o))

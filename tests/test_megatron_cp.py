@@ -84,3 +84,89 @@ def test_what_megatron_refuses_with_cp(impl, seq, why):
     m = dataclasses.replace(preset("llama3_1b"), seq_len=seq)
     with pytest.raises(ConfigError, match=why):
         L.place(m, megatron_layout(dp=2, cp=2), megatron_fw(transformer_impl=impl), "cuda-nccl")
+
+
+def _cp_rows(fw_kw, **lay_kw):
+    """The cp-dim collectives of every rank of a llama3_1b CP layout (seq 4096) with the comm type's knobs,
+    beside the layout and its flat twin's collectives."""
+    m = dataclasses.replace(preset("llama3_1b"), seq_len=4096)
+    lay = megatron_layout(**lay_kw)
+    fw = megatron_fw(transformer_impl=TE, **fw_kw)
+    pl = L.place(m, lay, fw, "cuda-nccl")
+    return m, lay, pl
+
+
+def test_all_gather_cp_gathers_k_and_v_twice_and_reduce_scatters_their_grads():
+    """TE's all_gather attention: per layer and micro-batch K and V all-gathered in forward and again in
+    backward (the gathered K/V are not saved), dK and dV reduce-scattered: each of cp x the local
+    [s/cp, b, kv_heads/tp, head_dim] bf16."""
+    m, lay, pl = _cp_rows({"cp_comm_type": "all_gather"}, tp=2, pp=2, dp=1, cp=4, sequence_parallel=True,
+                          global_batch_size=4)
+    local = (m.seq_len // 4) * 1 * (m.kv_heads // 2) * m.head_dim * 2
+    n = (m.layers // 2) * lay.num_microbatches
+    rows = {c.kind: c for c in pl.rank_state(0).comm if c.dim == "cp"}
+    assert set(rows) == {"all_gather", "reduce_scatter"}
+    assert (rows["all_gather"].count, rows["all_gather"].buffer_bytes, rows["all_gather"].wire_bytes) == \
+        (4 * n, 4 * n * 4 * local, 4 * n * 3 * local)
+    assert (rows["reduce_scatter"].count, rows["reduce_scatter"].buffer_bytes, rows["reduce_scatter"].wire_bytes) == \
+        (2 * n, 2 * n * 4 * local, 2 * n * 3 * local)
+    assert "all_gather context parallelism" in pl.basis and "from sources" in pl.basis
+
+
+def test_a2a_cp_moves_q_k_v_o_and_their_grads_once_each():
+    """TE's a2a (Ulysses) attention: 8 all_to_all_single calls per layer and micro-batch, Q, O, dO, dQ of
+    the local [s/cp, b, heads/tp, head_dim] and K, V, dK, dV of kv_heads/tp; each rank keeps 1/cp of
+    what it sends."""
+    m, lay, pl = _cp_rows({"cp_comm_type": "a2a"}, tp=1, pp=1, dp=2, cp=4, global_batch_size=4)
+    q = (m.seq_len // 4) * 1 * m.heads * m.head_dim * 2
+    kv = (m.seq_len // 4) * 1 * m.kv_heads * m.head_dim * 2
+    n = m.layers * lay.num_microbatches
+    (row,) = [c for c in pl.rank_state(0).comm if c.dim == "cp"]
+    assert (row.kind, row.count, row.buffer_bytes, row.wire_bytes) == \
+        ("all_to_all", 8 * n, n * (4 * q + 4 * kv), n * (4 * q + 4 * kv) * 3 // 4)
+    # the states are the flat layout's, whatever the attention
+    p2p = L.place(m, lay, megatron_fw(transformer_impl=TE), "cuda-nccl")
+    assert pl.rank_state(0).params_bytes == p2p.rank_state(0).params_bytes
+    assert pl.rank_state(0).optim_bytes == p2p.rank_state(0).optim_bytes
+
+
+def test_a2a_p2p_runs_the_all_to_alls_inside_its_groups_and_the_ring_over_the_rest():
+    """a2a+p2p with hierarchical sizes [2, 2] of cp 4: the 8 all-to-alls over 2 ranks, then the ring over 2
+    on heads / 2 of s / 2 tokens: 3 (2 - 1) K/V exchanges per layer and micro-batch; [1, 4] is TE's p2p
+    and [4, 1] its a2a (attn_forward_func_with_cp collapses them)."""
+    m, lay, pl = _cp_rows({"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
+                          dp=1, cp=4, global_batch_size=2)
+    q = (m.seq_len // 4) * m.heads * m.head_dim * 2
+    kv = (m.seq_len // 4) * m.kv_heads * m.head_dim * 2
+    n = m.layers * lay.num_microbatches
+    rows = {c.kind: c for c in pl.rank_state(0).comm if c.dim == "cp"}
+    assert (rows["all_to_all"].count, rows["all_to_all"].wire_bytes) == (8 * n, n * (4 * q + 4 * kv) // 2)
+    ring_kv = 2 * (m.seq_len // 2) * (m.kv_heads // 2) * m.head_dim * 2
+    assert (rows["send_recv"].count, rows["send_recv"].wire_bytes) == (2 * 3 * n, 3 * n * ring_kv)
+    for sizes, same in (([1, 4], "p2p"), ([4, 1], "a2a")):
+        _, _, hier = _cp_rows({"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": sizes},
+                              dp=1, cp=4, global_batch_size=2)
+        _, _, plain = _cp_rows({"cp_comm_type": same}, dp=1, cp=4, global_batch_size=2)
+        assert hier.rank_state(0).comm == plain.rank_state(0).comm and hier.basis == plain.basis
+
+
+@pytest.mark.parametrize("kw,lay_kw,why", [
+    ({"cp_comm_type": "a2a+p2p"}, {}, "needs framework.hierarchical_context_parallel_sizes"),
+    ({"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 4]}, {}, "a2a x p2p = cp=4"),
+    ({"cp_comm_type": "p2p", "hierarchical_context_parallel_sizes": [2, 3]}, {}, "must multiply to cp=4"),
+    ({"cp_comm_type": "a2a"}, {"tp": 8, "dp": 1, "cp": 4}, "kv_heads=8 / tp=8 must be divisible by the a2a size 4"),
+])
+def test_what_te_refuses_of_the_cp_comm_types(kw, lay_kw, why):
+    m = dataclasses.replace(preset("llama3_1b"), seq_len=4096)
+    with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace("[", r"\[")):
+        L.place(m, megatron_layout(**{"dp": 2, "cp": 4, **lay_kw}), megatron_fw(transformer_impl=TE, **kw),
+                "cuda-nccl")
+
+
+def test_a_bad_cp_comm_type_is_refused_before_anything_runs(tmp_path):
+    from tests.conftest import launch
+
+    p = launch("mode=predict", "model=llama3_1b", "framework=megatron", "layout.cp=2", "layout.dp=2",
+               "framework.cp_comm_type=ring", f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode != 0 and "framework.cp_comm_type='ring' must be one of p2p, all_gather, a2a, a2a+p2p" in \
+        (p.stdout + p.stderr)

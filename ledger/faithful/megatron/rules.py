@@ -3,6 +3,7 @@ limits beside the shared rules (ledger/layout.py), the knobs whose default depen
 planner's view of its recompute and overlap knobs. ledger/faithful/megatron/__init__.py registers them."""
 from __future__ import annotations
 
+from ledger.faithful.megatron.cp import CP_COMM_TYPES
 from ledger.faithful.megatron.target import default_transformer_impl
 from ledger.checks import at_least, check_sizes, knob, one_of, positive
 from ledger.faithful.megatron.pipeline import split_error, stage_layers
@@ -59,6 +60,17 @@ def validate_knobs(fw) -> None:
     at_least("framework", fw, ("clip_grad",), 0)
     validate_recompute(fw)
     validate_moe(fw)
+    validate_cp(fw)
+
+
+def validate_cp(fw) -> None:
+    """The context-parallel attention's knobs (ledger/faithful/megatron/cp.py checks them with the
+    layout): TransformerConfig's four cp_comm_type values; hierarchical sizes, if set, are positive."""
+    one_of("framework", fw, "cp_comm_type", CP_COMM_TYPES)
+    sizes = fw.get("hierarchical_context_parallel_sizes")
+    if sizes is not None and (not list(sizes) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                                     for x in sizes)):
+        raise ConfigError(f"framework.hierarchical_context_parallel_sizes={list(sizes)!r} must list integers >= 1")
 
 
 def validate_moe(fw) -> None:

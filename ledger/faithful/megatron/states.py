@@ -350,7 +350,7 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
         # TransformerEngine's context parallelism, from sources (cp.py): the same ranks without CP on
         # s / cp tokens at dp x cp, with TE's K/V ring
         k = megatron_target.with_target(knobs(fw), fw, target)
-        megatron_cp.check(model, lay, k)
+        megatron_cp.check(model, lay, k, fw)
         return megatron_cp.place(model, lay, fw, target, place, lambda stage: _stage_layers(model, lay, k, stage))
     if lay.dp_replicate > 1:
         raise ConfigError("megatron: dp_replicate (HSDP) is a torchtitan layout")
