@@ -62,6 +62,9 @@ class TimePolicy:
     dp_param: str = "exposed"  # exposed | first_forward | every_pass
     optimizer_state_bytes: int = 12  # the optimizer's state bytes per element it updates
     optimizer_traffic_bytes: int = 30  # bytes its step reads and writes per element
+    # the CP ring's K/V exchanges (cp send_recv) run behind the attention kernels (TE's p2p: each
+    # step's next exchange is issued before its attention runs): exposed only where longer
+    cp_ring_behind_attention: bool = False
     sources: tuple = ()
 
 
@@ -156,8 +159,21 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     stage_rows = [[(c, collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(hw, lay, c.dim, c.kind)))
                    for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
                   for s in range(lay.pp)]
-    # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks)
-    per_mb_tp = [sum(t for c, t in rows if c.dim not in DP_DIMS) / m for rows in stage_rows]
+    # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks);
+    # the CP ring beyond its stage's attention kernels where the policy hides it behind them
+    attn_layer = {k: ops.seconds([o for o in v + bwd_of[k] if o.kind == "attention"], hw) for k, v in fwd_of.items()}
+
+    def cp_hidden(stage: int, rows) -> float:
+        """The stage's CP ring seconds per step that its attention kernels hide."""
+        if not policy.cp_ring_behind_attention:
+            return 0.0
+        ring = sum(t for c, t in rows if c.dim == "cp" and c.kind == "send_recv")
+        attn = m * sum(n * attn_layer[k] for c in range(vp) for k, n in kinds[stage, c].items() if n)
+        return min(ring, attn)
+
+    hidden_cp = [cp_hidden(s, rows) for s, rows in enumerate(stage_rows)]
+    per_mb_tp = [(sum(t for c, t in rows if c.dim not in DP_DIMS) - hidden_cp[s]) / m
+                 for s, rows in enumerate(stage_rows)]
 
     def fwd_s(stage, chunk):
         return (sum(n * f_layer[k] for k, n in kinds[stage, chunk].items() if n) + (f_head if has_head(stage, chunk) else 0.0)
@@ -224,9 +240,11 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
             rc[k] += n * v
     ideal = split["ideal"] * m
     tp_exposed = per_mb_tp[crit] * m
-    # every TP / CP / EP call is exposed (per_mb_tp is their sum); the p2p transfers sit inside the
-    # simulated schedule (the bubble)
+    # every TP / CP / EP call is exposed (per_mb_tp is their sum), the CP ring beyond its attention where
+    # hidden behind it; the p2p transfers sit inside the simulated schedule (the bubble)
     exposed = {d: t for d, t in comm_s.items() if d not in DP_DIMS}
+    if hidden_cp[crit]:
+        exposed["cp"] -= hidden_cp[crit]
     assert abs(sum(exposed.values()) - tp_exposed) <= 1e-9 * max(1.0, tp_exposed)
     exposed.update(dp_exposed)
     bubble = pipe_s - busy_f - busy_b

@@ -17,6 +17,12 @@ megatron/core/.
              overlap_param_gather the distributed optimizer's param all-gathers run in the next step's
              forward pre-hooks (distrib_optimizer.py), else in the optimizer step
   optimizer  TE's / apex's FusedAdam over the rank's fp32 master shard (12 bytes of state an element)
+  CP         TE's p2p attention (cp_comm_type p2p, a2a+p2p's ring; TransformerEngine
+             dot_product_attention/context_parallel.py AttnFuncWithCPAndKVP2P): each ring step waits for
+             the previous exchange, issues the next one, then runs its attention chunk, so the ring runs
+             behind the attention kernels and is exposed only where longer; all_gather's gathers ("KV
+             all-gather between CP ranks is exposed", its docstring) and a2a's all-to-alls stand before /
+             after the attention, exposed
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       if getattr(fw, "moe_pad_expert_input_to_capacity", False) else 1.0,
                       dp_grad="last_backward" if fw.overlap_grad_reduce else "exposed",
                       dp_param="first_forward" if fw.overlap_param_gather else "exposed",
+                      cp_ring_behind_attention=impl == "transformer_engine" and lay.cp > 1
+                      and (getattr(fw, "cp_comm_type", None) or "p2p") in ("p2p", "a2a+p2p"),
                       sources=(f"megatron time policy: {schedule} schedule, attention {impl} "
                                f"({'causal blocks skipped' if impl == 'transformer_engine' else 'whole s x s scores'}), "
                                f"grad reduce {'behind the last backward' if fw.overlap_grad_reduce else 'exposed'}, "
