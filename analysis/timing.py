@@ -60,11 +60,15 @@ def _comm_rows(st: dict, s: dict, base: dict) -> list[dict]:
     return out
 
 
-def job_summary(rec: dict, skip_steps: int = 1) -> dict | None:
+def job_summary(rec: dict, skip_steps: int = 1, comm_steps: tuple = ()) -> dict | None:
     """The job's median measured step over its steady steps against the prediction, and the median of
-    each phase (measured_forward_s, ...) where the probes recorded them."""
+    each phase (measured_forward_s, ...) where the probes recorded them. comm_steps: the steps the comm
+    probe recorded (its dispatch mode slows them: left out of the step and its phases); per dimension
+    the median of its collectives' time and exposed part over the steps that timed them (`comm`:
+    dim -> predicted / measured comm_s and exposed_s)."""
     allrows = rows(rec, skip_steps)
-    rs = [r for r in allrows if r["quantity"] == "time/step_s"]
+    steady = [r for r in allrows if r["step"] not in comm_steps]
+    rs = [r for r in steady if r["quantity"] == "time/step_s"]
     if not rs:
         return None
     meas = statistics.median(r["measured"] for r in rs)
@@ -72,8 +76,19 @@ def job_summary(rec: dict, skip_steps: int = 1) -> dict | None:
     out = {"job": rs[0]["job"], "framework": rs[0]["framework"], "layout": rs[0]["layout"], "predicted_s": pred,
            "measured_s": meas, "rel_err": (pred - meas) / meas, "steps": len(rs)}
     for q in PHASES:
-        ph = [r for r in allrows if r["quantity"] == f"time/{q}"]
+        ph = [r for r in steady if r["quantity"] == f"time/{q}"]
         if ph:
             out[f"predicted_{q}"] = ph[0]["predicted"]
             out[f"measured_{q}"] = statistics.median(r["measured"] for r in ph)
+    comm: dict[str, dict] = {}
+    for q in ("comm", "exposed"):
+        by_dim: dict[str, list] = {}
+        for r in allrows:
+            if r["quantity"].startswith(f"time/{q}/"):
+                by_dim.setdefault(r["quantity"][len(f"time/{q}/"):-2], []).append(r)
+        for dim, rr in by_dim.items():
+            comm.setdefault(dim, {})[f"predicted_{q}_s"] = rr[0]["predicted"]
+            comm[dim][f"measured_{q}_s"] = statistics.median(r["measured"] for r in rr)
+    if comm:
+        out["comm"] = comm
     return out

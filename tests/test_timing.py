@@ -284,6 +284,15 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
     assert total["timed"] == exposed["timed"] == f"{n}/{n}" and n > 0
     assert 0 < 0.5 * total["measured"] < exposed["measured"] <= 1.05 * total["measured"] and total["predicted"] > 0
     assert all(not r["errors"] for r in tp["measurement"]["ranks"])
+    # the benchmark's summary (benchmarks/time_cpu.py): the comm probe's steps left out of the step, the
+    # collectives' time per dimension the median over the steps that timed them
+    import statistics
+
+    s = timing.job_summary(tp, skip_steps=0, comm_steps=(1,))
+    every = [r for r in timing.rows(tp, skip_steps=0) if r["quantity"] == "time/comm/tp_s"]
+    assert s["steps"] == 1 and len(every) == 2
+    assert s["comm"]["tp"]["predicted_comm_s"] == total["predicted"]
+    assert s["comm"]["tp"]["measured_comm_s"] == statistics.median(r["measured"] for r in every)
     # the report's step-time section: the table and the predicted step above the measured one
     from analysis import report
 
