@@ -147,6 +147,9 @@ class DeepSpeedConfig(FrameworkConfig):
     activation_checkpointing: bool = False
     # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
     # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
+    # DeepSpeed-Ulysses (layout.cp > 1): the dtype its gradient reductions run in (ds_config
+    # seq_parallel_communication_data_type; DeepSpeed's default fp32, runtime/constants.py)
+    seq_parallel_communication_data_type: str = "fp32"
     capacity_factor: float = 1.0
     min_capacity: int = 4
     drop_tokens: bool = True

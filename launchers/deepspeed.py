@@ -50,6 +50,13 @@ def ds_config(cfg, lay: Layout) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if lay.cp > 1:
+        # DeepSpeed-Ulysses (layout.cp: the sequence parallel degree): the engine reads the size from the mpu
+        # (runtime/sequence_parallel/parallel_state_sp.py); its gradient reductions run in
+        # seq_parallel_communication_data_type (runtime/constants.py: fp32 by default; engine.py sets
+        # communication_data_type from it when sequence_parallel_size > 1)
+        out["sequence_parallel_size"] = lay.cp
+        out["seq_parallel_communication_data_type"] = fw.seq_parallel_communication_data_type
     if fw.get("activation_checkpointing", False):
         # read by deepspeed.checkpointing.configure(mpu_, deepspeed_config=...) (runtime/
         # activation_checkpointing/config.py): plain reentrant checkpoints, inputs kept on the device
@@ -339,6 +346,7 @@ def _train(cfg, lay: Layout, session) -> dict:
     conf = ds_config(cfg, lay)
     shape = ModelShape.from_config(cfg.model)
     torch.manual_seed(cfg.train.seed)
+    mpu, sp_rank, sequence_parallel = ulysses(lay.cp, shape)
     ckpt = None
     if "activation_checkpointing" in conf:
         # as a DeepSpeed user does it (Megatron-DeepSpeed's pattern): configure from the ds_config,
@@ -347,10 +355,12 @@ def _train(cfg, lay: Layout, session) -> dict:
         ckpt = deepspeed.checkpointing.checkpoint
     if cfg.framework.zero_stage == 3:
         # no dtype: zero.Init(dtype=float32) yields bf16 params on CPUs without fp16 (Init._set_dtype)
-        with deepspeed.zero.Init(config_dict_or_path=conf):
-            model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt)
+        with deepspeed.zero.Init(config_dict_or_path=conf, mpu=mpu):
+            model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt,
+                          sequence_parallel=sequence_parallel)
     else:
-        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt, **moe_layers(cfg, lay))
+        model = Llama(shape, cfg.model.rope_theta, cfg.model.norm_eps, checkpoint=ckpt,
+                      sequence_parallel=sequence_parallel, **moe_layers(cfg, lay))
     params = model.parameters()
     if shape.is_moe:
         # as a DeepSpeed-MoE user writes it (moe/utils.py): the experts in param groups of their own,
@@ -358,26 +368,61 @@ def _train(cfg, lay: Layout, session) -> dict:
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "parameters"})
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf, mpu=mpu)
     session.watch([engine.module])
     if shape.is_moe:
         session.name_groups(expert_group_labels(lay))
 
-    dp_rank, dp = rank, lay.dp  # pure data parallelism: the DP rank is the global rank
+    # the DP rank: the global rank, or with Ulysses the sequence group's index (its ranks are consecutive)
+    dp_rank, dp, sp = rank // lay.cp, lay.dp, lay.cp
+    piece = slice(sp_rank * shape.seq_len // sp, (sp_rank + 1) * shape.seq_len // sp)
     for step in range(cfg.train.steps):
         losses = []
         with session.step(step):
             for micro in range(lay.num_microbatches):
                 tokens, labels = batch(shape.vocab, shape.seq_len, lay.micro_batch_size, cfg.train.seed, step,
                                        micro, dp_rank, dp, engine.device)
-                loss = engine(tokens, labels)
-                engine.backward(loss)
+                loss = engine(tokens[:, piece].contiguous(), labels[:, piece].contiguous())
+                # a sequence's loss is the mean over its sp slices: ZeRO sums the sp ranks' gradients
+                # (its reductions divide by dp x sp / sp), so each rank's slice mean counts 1 / sp
+                engine.backward(loss if sp == 1 else loss / sp)
                 engine.step()
                 if not fake_world:  # fake: no value to read (numerics are meaningless there)
                     losses.append(loss.detach().float().item())
         session.loss(sum(losses) / len(losses) if losses else None)
         session.state(lambda: state_groups(engine))
     return {"ds_config": conf, "global_steps": engine.global_steps}
+
+
+def ulysses(cp: int, shape) -> tuple:
+    """DeepSpeed-Ulysses for layout.cp > 1, as a user of a custom model sets it up (train_ds.py too): the sequence groups
+    (runtime/sequence_parallel/parallel_state_sp.py initialize_sequence_parallel: consecutive ranks,
+    the sequence-data-parallel group all of them), passed to deepspeed.initialize as its mpu, and each
+    layer's attention wrapped in deepspeed.sequence.layer.DistributedAttention (the all-to-alls that
+    gather the sequence and scatter the heads, scatter_idx 2 / gather_idx 1 on (batch, seq, heads,
+    head_dim)). (mpu, this rank's index in its sequence group, Llama's sequence_parallel)."""
+    if cp == 1:
+        return None, 0, None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+    from deepspeed.sequence.layer import DistributedAttention
+
+    mpu.initialize_sequence_parallel(cp)
+    sp_rank = mpu.get_sequence_parallel_rank()
+    attend = DistributedAttention(_local_attention_module(), mpu.get_sequence_parallel_group(), scatter_idx=2, gather_idx=1)
+    return mpu, sp_rank, (attend, sp_rank * (shape.seq_len // cp))
+
+
+def _local_attention_module():
+    """launchers.llama.local_attention as the module DistributedAttention wraps."""
+    import torch
+
+    from launchers.llama import local_attention
+
+    class LocalAttention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return local_attention(q, k, v)
+
+    return LocalAttention()
 
 
 def moe_layers(cfg, lay: Layout) -> dict:
@@ -459,6 +504,7 @@ SLURM_HOSTFILE = ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slo
 TRAIN_DS = """\"\"\"train-ledger: ZeRO on the plain-PyTorch Llama (launchers/llama.py), as run_rank does it.\"\"\"
 import argparse, json, os
 import deepspeed, torch
+from launchers.deepspeed import ulysses
 from launchers.llama import Llama
 from launchers.data import batch
 from ledger.model import ModelShape
@@ -482,22 +528,26 @@ if shape.num_experts:   # deepspeed.moe.layer.MoE around each MoE layer's expert
     coeff = moe.pop("moe_loss_coeff")
     kw = {"moe": lambda expert: MoE(shape.hidden, expert=expert, num_experts=shape.num_experts,
                                     k=shape.moe_router_topk, **moe), "aux_loss_coeff": coeff}
+# DeepSpeed-Ulysses: the sequence groups as deepspeed.initialize's mpu, DistributedAttention in every layer
+sp = conf.get("sequence_parallel_size", 1)
+mpu, sp_rank, seq_parallel = ulysses(sp, shape)
 if conf["zero_optimization"]["stage"] == 3:
-    with deepspeed.zero.Init(config_dict_or_path=conf):   # no dtype: the config decides
-        model = Llama(shape, checkpoint=ckpt)
+    with deepspeed.zero.Init(config_dict_or_path=conf, mpu=mpu):   # no dtype: the config decides
+        model = Llama(shape, checkpoint=ckpt, sequence_parallel=seq_parallel)
 else:
-    model = Llama(shape, checkpoint=ckpt, **kw)
+    model = Llama(shape, checkpoint=ckpt, sequence_parallel=seq_parallel, **kw)
 params = model.parameters()
 if shape.num_experts:   # the experts in param groups of their own
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "parameters"})
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf, mpu=mpu)
+piece = slice(sp_rank * shape.seq_len // sp, (sp_rank + 1) * shape.seq_len // sp)   # this rank's slice
 for step in range(a.steps):
     for micro in range(engine.gradient_accumulation_steps()):
         x, y = batch(shape.vocab, shape.seq_len, engine.train_micro_batch_size_per_gpu(), 1234, step, micro,
-                     engine.global_rank, engine.dp_world_size, engine.device)
-        loss = engine(x, y)
-        engine.backward(loss)
+                     engine.global_rank // sp, torch.distributed.get_world_size() // sp, engine.device)
+        loss = engine(x[:, piece].contiguous(), y[:, piece].contiguous())
+        engine.backward(loss / sp)   # ZeRO sums a sequence group's gradients: each slice's mean counts 1 / sp
         engine.step()
 """
 

@@ -34,11 +34,12 @@ def _norm(shape: ModelShape, eps: float) -> nn.Module:
     return RMSNorm(shape.hidden, eps)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding on (batch, seq, heads, head_dim), pairs (2i, 2i+1) as torchtitan's."""
+def rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
+    """Rotary embedding on (batch, seq, heads, head_dim), pairs (2i, 2i+1) as torchtitan's; offset: the
+    position of the first token (a sequence-parallel rank's slice)."""
     b, s, h, d = x.shape
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (s, d/2)
+    ang = torch.outer(torch.arange(offset, offset + s, device=x.device, dtype=torch.float32), inv)  # (s, d/2)
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     xf = x.float().reshape(b, s, h, d // 2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
@@ -57,15 +58,27 @@ class Attention(nn.Module):
         self.wv = nn.Linear(shape.hidden, shape.kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(shape.heads * hd, shape.hidden, bias=bias)
 
+    # sequence parallelism (set by Llama): (attention over the whole sequence, this rank's first
+    # position); not a submodule: it holds no parameters, and ZeRO-3's module hooks stay as without it
+    sequence_parallel: tuple | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = rope(self.wq(x).view(b, s, self.heads, self.head_dim), self.theta)
-        k = rope(self.wk(x).view(b, s, self.kv_heads, self.head_dim), self.theta)
+        attend, offset = self.sequence_parallel or (local_attention, 0)
+        q = rope(self.wq(x).view(b, s, self.heads, self.head_dim), self.theta, offset)
+        k = rope(self.wk(x).view(b, s, self.kv_heads, self.head_dim), self.theta, offset)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
-        rep = self.heads // self.kv_heads  # GQA: each K/V head serves `rep` query heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        o = attend(q, k, v) if self.sequence_parallel is None else attend(q, k, v, 0)
+        return self.wo(o.reshape(b, s, -1))
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over (batch, seq, heads, head_dim) tensors, GQA's K / V heads repeated to the
+    query heads (each K/V head serves heads / kv_heads of them); (batch, seq, heads, head_dim) out."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return o.transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -104,7 +117,7 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     def __init__(self, shape: ModelShape, rope_theta: float = 500000.0, norm_eps: float = 1e-5, checkpoint=None,
-                 moe=None, aux_loss_coeff: float = 0.0):
+                 moe=None, aux_loss_coeff: float = 0.0, sequence_parallel: tuple | None = None):
         super().__init__()
         self.shape = shape
         # checkpoint(layer, h) -> h: activation checkpointing of every decoder layer, as a user wraps
@@ -119,6 +132,11 @@ class Llama(nn.Module):
             Block(shape, rope_theta, norm_eps,
                   moe(FeedForward(shape, shape.expert_ffn)) if moe is not None and shape.is_moe_layer(i) else None)
             for i in range(shape.layers))
+        # sequence_parallel: (attend(q, k, v, batch_dim) over the whole sequence, e.g. DeepSpeed-Ulysses'
+        # DistributedAttention around local_attention, this rank's first position): each rank holds a
+        # slice of every sequence
+        for block in self.layers:
+            block.attention.sequence_parallel = sequence_parallel
         self.norm = _norm(shape, norm_eps)
         self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
         if shape.tied_embeddings:

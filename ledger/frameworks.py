@@ -57,7 +57,7 @@ class FrameworkLedger:
     recompute_knobs: Callable[[str], Optional[dict]] = _nothing
     recompute_mode: Callable[[Any], str] = lambda knobs: "none"
     overlaps: Callable[[Any], bool] = lambda fw: True
-    # its search's own axes: pure data parallelism over knob sets (DeepSpeed's ZeRO stages), the base
+    # its search's own axes: data parallelism over knob sets (DeepSpeed's ZeRO stages; cp as its Ulysses), the base
     # config's knobs the search sets itself, the pipeline splits it tries (as knobs), HSDP replicas
     plan_data_parallel_only: bool = False
     # (space, model, dp) -> the knob sets a layout of that DP degree is tried with

@@ -202,14 +202,18 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
     G, N, gbs = hw.gpus_per_node, hw.gpus, space.global_batch_size
     rcs = [kn for kn in (recompute_knobs(framework, r) for r in space.recompute) if kn is not None]
     spec = frameworks.get(framework)
-    if spec.plan_data_parallel_only:  # DeepSpeed ZeRO: every GPU one data-parallel rank, over its stages
-        for kn0 in spec.plan_knob_sets(space, model, N):
-            for rc in rcs:
-                kn = {**kn0, **rc}
-                fw = FrameworkView(base, **kn)
-                for mbs in space.micro_batch_sizes:
-                    for ep in expert_degrees(model, framework, N):
-                        yield Candidate(framework, Layout(1, 1, N, 1, 1, ep, 1, False, mbs, gbs), kn, fw)
+    if spec.plan_data_parallel_only:  # DeepSpeed ZeRO: every GPU a data-parallel rank or, with cp (Ulysses),
+        # cp of them share each sequence; over its stages
+        for cp in divisors(N):
+            if cp > space.max_cp:
+                break
+            for kn0 in spec.plan_knob_sets(space, model, N // cp):
+                for rc in rcs:
+                    kn = {**kn0, **rc}
+                    fw = FrameworkView(base, **kn)
+                    for mbs in space.micro_batch_sizes:
+                        for ep in expert_degrees(model, framework, N):
+                            yield Candidate(framework, Layout(1, 1, N // cp, 1, cp, ep, 1, False, mbs, gbs), kn, fw)
         return
     base = {**base, **spec.plan_chooses}
     fw_of: dict[tuple, FrameworkView] = {}
@@ -569,6 +573,9 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
             rows.append(r)
         counts[name] = n
     key = sort_key(sort)
-    predicted = sorted((r for r in rows if r.status != "refused"), key=lambda r: (not r.fits, key(r)))
+    # fitting rows first, those judged on a predicted peak before those that fit on their resident state
+    # only (no peak predicted: an unconfirmed fit), then by the sort key
+    predicted = sorted((r for r in rows if r.status != "refused"),
+                       key=lambda r: (not r.fits, r.peak_includes == RESIDENT_ONLY, key(r)))
     rest = [r for r in rows if r.status == "refused"]
     return Plan(predicted + rest, refused, counts, time.perf_counter() - t0, unlisted)

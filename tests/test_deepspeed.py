@@ -128,6 +128,15 @@ EPILOGUE = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", 
             "framework.reduce_bucket_size=500000000,3279104", f"train.steps={STEPS}"]
 EMB_TIED = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
             "model.tied_embeddings=true", "framework.reduce_bucket_size=3016960", f"train.steps={STEPS}"]
+# DeepSpeed-Ulysses (layout.cp): ZeRO over the sequence-data-parallel group, DistributedAttention's
+# all-to-alls over each sequence group; ZeRO-3 at cp2 dp2 with DeepSpeed's default fp32 reductions (its
+# IPG bucket in fp32), ZeRO-1 / ZeRO-2 at cp2 with bf16 ones (their bucket all-reduces in fp32 anyway)
+ULYSSES_Z3 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "layout.cp=2",
+              f"framework.reduce_bucket_size={SMALL_BUCKET}", "layout.global_batch_size=4", f"train.steps={STEPS}"]
+ULYSSES_Z12 = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2", "layout.cp=2",
+               "framework.seq_parallel_communication_data_type=bf16", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
+               "layout.global_batch_size=2", f"train.steps={STEPS}"]
+ULYSSES = ("ulysses_z3", "ulysses_z12")  # no peak row: the ledger predicts none (ulysses.py)
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
 # that hook peaks (nothing prefetched or kept, so no forward moment above it)
 HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3_196_928, "wq": 3_213_312,
@@ -358,6 +367,73 @@ def test_ledger_refuses_what_it_does_not_model():
                dict(stage3_prefetch_bucket_size=300_000, stage3_max_reuse_distance=10**6)):
         for gbs in (2, 4):
             place(shape, _lay(2, gbs=gbs), _fw(zero_stage=3, reduce_bucket_size=SMALL_BUCKET, **kw)).rank_state(0).comm
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ulysses_is_the_flat_layout_plus_the_all_to_alls(stage):
+    """DeepSpeed-Ulysses at cp 2 x dp 2 (ulysses.py): the states of ZeRO at dp 4 on s / 2 tokens but ZeRO-3's IPG
+    bucket in DeepSpeed's default fp32 reductions; the flat layout's collectives over the cp-dp group, ZeRO-1/2's
+    bucket all-reduces in fp32 (twice the bf16 bytes), ZeRO-3's reduce-scatters in the comm dtype; per layer and
+    micro-batch 8 all-to-alls over cp; no peak."""
+    import dataclasses
+
+    from ledger.faithful.deepspeed.zero import place
+
+    shape = preset("tiny")
+    lay = dataclasses.replace(_lay(2, gbs=4), cp=2)
+    flat_shape = dataclasses.replace(shape, seq_len=shape.seq_len // 2)
+    for comm_dtype in ("fp32", "bf16"):
+        fw = _fw(zero_stage=stage, reduce_bucket_size=SMALL_BUCKET, seq_parallel_communication_data_type=comm_dtype)
+        u, f = place(shape, lay, fw).rank_state(0), place(flat_shape, _lay(4, gbs=8), fw).rank_state(0)
+        extra = 2 * SMALL_BUCKET if stage == 3 and comm_dtype == "fp32" else 0
+        assert (u.params_bytes, u.grads_bytes, u.optim_bytes) == (f.params_bytes, f.grads_bytes + extra, f.optim_bytes)
+        assert u.peak is None
+        rows = {(c.dim, c.kind, c.dtype): c for c in u.comm}
+        flat_rows = {(c.dim, c.kind, c.dtype): c for c in f.comm}
+        local = shape.seq_len // 2 * shape.head_dim * 2
+        a2a = rows.pop(("cp", "all_to_all", "bf16"))
+        assert (a2a.count, a2a.buffer_bytes) == (8 * shape.layers * 2, 2 * shape.layers * 4 * local * (shape.heads + shape.kv_heads))
+        red = ("all_reduce", "bf16") if stage < 3 else ("reduce_scatter", "bf16")
+        want = "fp32" if stage < 3 else comm_dtype
+        got = rows[("cp-dp", red[0], want)]
+        flat_red = flat_rows[("dp", *red)]
+        assert got.count == flat_red.count + (1 if stage < 3 and want == "fp32" else 0)  # + the fp32 grad norm
+        assert got.buffer_bytes == (2 if want == "fp32" else 1) * flat_red.buffer_bytes + (4 if stage < 3 else 0)
+        assert {k[0] for k in rows} == {"cp-dp"}
+
+
+def test_dry_hands_train_ds_the_ulysses_setup(tmp_path):
+    """mode=dry with layout.cp: ds_config.json carries sequence_parallel_size and the reductions' dtype, and
+    train_ds.py sets Ulysses up as the run does (launchers/deepspeed.py ulysses: the mpu, DistributedAttention,
+    each rank's slice)."""
+    import ast
+
+    from tests.conftest import launch
+
+    p = launch("mode=dry", "framework=deepspeed", "cluster=local_gpu", "model=llama3_1b", "layout.cp=4",
+               f"hydra.run.dir={tmp_path}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    conf = json.load(open(tmp_path / "ds_config.json"))
+    assert conf["sequence_parallel_size"] == 4 and conf["seq_parallel_communication_data_type"] == "fp32"
+    assert conf["train_batch_size"] == 2  # dp = 8 GPUs / cp 4
+    src = (tmp_path / "train_ds.py").read_text()
+    ast.parse(src)
+    assert "ulysses(sp, shape)" in src and "mpu=mpu" in src and "x[:, piece]" in src
+
+
+def test_ulysses_refusals_name_the_rule():
+    import dataclasses
+
+    from ledger.faithful.deepspeed.zero import place
+    from ledger.faithful.deepspeed.rules import validate_layout
+
+    lay = dataclasses.replace(_lay(1, gbs=1), cp=4)
+    with pytest.raises(ConfigError, match="kv_heads=2 must be divisible by cp"):
+        validate_layout(preset("tiny"), lay, _fw())
+    with pytest.raises(ConfigError, match="seq_parallel_communication_data_type=fp16"):
+        place(preset("tiny"), dataclasses.replace(_lay(1, gbs=1), cp=2), _fw(seq_parallel_communication_data_type="fp16"))
+    with pytest.raises(ConfigError, match="tp=2 pp=1"):
+        validate_layout(preset("tiny"), dataclasses.replace(_lay(1), tp=2), _fw())
 
 
 def test_zero3_3n_versus_2n_prediction():
@@ -801,7 +877,8 @@ def runs(tmp_path_factory):
               "budgets_small": BUDGETS_SMALL, "ac": AC, "ac_long": AC_LONG, "z3_ac": Z3_AC, "z3_ac_long": Z3_AC_LONG,
               "fp32_one": FP32_ONE, "odd": ODD,
               "epilogue": EPILOGUE,
-              "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET}
+              "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET,
+              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12}
     # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
     launch_many([["-m", *args, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}"] for name, args in sweeps.items()],
                 timeout=900 * len(sweeps))
@@ -873,8 +950,9 @@ def test_every_row_reconciles_to_the_byte(runs):
     for name, df in tables.items():
         assert_every_row_reconciles(df, recs[name])  # peaks: test_peak_rows
         steady = df[(df.phase == "steady") & ~df.quantity.str.startswith("peak")]
+        dp = ("comm/cp-dp/", "comm/cp/") if name in ULYSSES else ("comm/dp/",)  # Ulysses: sequence-data-parallel
         for (job, rank), g in steady.groupby(["job", "rank"]):  # and its data-parallel collectives
-            assert any(q.startswith("comm/dp/") for q in g.quantity), (name, job, rank)
+            assert any(q.startswith(dp) for q in g.quantity), (name, job, rank)
 
 
 @pytest.mark.real
@@ -1153,6 +1231,9 @@ def test_peak_rows(runs):
     exact = 0
     for name, df in tables.items():
         pk = df[df.quantity.str.startswith("peak")]
+        if name in ULYSSES:  # measured, not predicted: no row (test_ulysses)
+            assert pk.empty, name
+            continue
         steps = sum(len(r["steps"]) for rec in recs[name] for r in rec["measurement"]["ranks"])
         assert (pk.quantity == "peak_bytes").sum() == steps, name
         assert set(pk.quantity) == {"peak_bytes", *(f"peak/{p}_bytes" for p in
@@ -1175,6 +1256,39 @@ def test_peak_rows(runs):
             exact += 1
     assert all(seen.values()), seen
     assert exact == 40, exact
+
+
+@pytest.mark.real
+def test_ulysses_sends_each_layer_s_eight_all_to_alls_and_reduces_over_dp_x_cp(runs):
+    """DeepSpeed-Ulysses (ulysses.py): per layer and micro-batch 8 all_to_all over the cp group of the
+    local [b, s / cp, heads or kv_heads, head_dim] (Q, K, V, O and their grads); ZeRO over every rank (cp
+    x dp), its states those of the flat layout at dp x cp on s / cp tokens; ZeRO-1/2's bucket
+    all-reduces in fp32 (bf16 comm dtype set), ZeRO-3's reduce-scatters in DeepSpeed's default fp32;
+    each rank's measured peak recorded, none predicted."""
+    from ledger.faithful.deepspeed import ulysses
+
+    recs, tables = runs
+    assert sorted(_key(r) for r in recs["ulysses_z3"] + recs["ulysses_z12"]) == [(1, 2), (2, 2), (3, 4)]
+    for name in ULYSSES:
+        df = tables[name]
+        for rec in recs[name]:
+            m = ModelShape.from_config(rec["config"]["model"])
+            lay = rec["prediction"]["layout"]
+            local = (m.seq_len // 2) * lay["micro_batch_size"] * m.head_dim * 2
+            n = m.layers * lay["num_microbatches"]
+            job = df[(df.job == R_name(rec)) & (df.phase == "steady")]
+            a2a = job[job.quantity == "comm/cp/all_to_all/buffer_bytes"]
+            assert len(a2a) == rec["measurement"]["world"] * job.step.nunique() > 0
+            assert (a2a.measured == n * 4 * local * (m.heads + m.kv_heads)).all()
+            assert (job[job.quantity == "comm/cp/all_to_all/count"].measured == 8 * n).all()
+            reduce = "all_reduce/buffer" if _key(rec)[0] < 3 else "reduce_scatter/buffer"
+            group = "cp" if rec["measurement"]["world"] == 2 else "cp-dp"
+            assert not job[job.quantity.str.startswith(f"comm/{group}/{reduce}")].empty
+            assert all(s.get("peak") for r in rec["measurement"]["ranks"] for s in r["steps"])
+            assert any(ulysses.NOTE == n for n in rec["prediction"]["notes"])
+    z3 = recs["ulysses_z3"][0]
+    assert any(c["dtype"] == "fp32" and c["kind"] == "reduce_scatter"
+               for c in z3["measurement"]["ranks"][0]["steps"][LAST]["comm"])
 
 
 @pytest.mark.real
@@ -1291,7 +1405,7 @@ def test_most_live_activations_are_the_ledgers(runs):
     checkpointing: those a block's recompute saved, from the coordinator replay)."""
     recs, _ = runs
     seen, budgets = set(), 0
-    for name, rec in [(k, r) for k in recs for r in recs[k]]:
+    for name, rec in [(k, r) for k in recs if k not in ULYSSES for r in recs[k]]:
         pred = records.predicted_ranks(rec["prediction"])(0)["peak"]["detail"]["candidate/activations most live"]
         fw = rec["config"]["framework"]
         # a ZeRO-3 reuse distance between 0 and "everything" releases some gathered weights mm saved

@@ -87,8 +87,13 @@ def test_search_is_the_ledger_per_layout():
     assert all(c["fits"] for c in plan.counts.values())  # every framework has a fitting layout of tiny on 8
     order = [r for r in plan.rows if r.status != "refused"]
     assert [r.fits for r in order] == sorted((r.fits for r in order), reverse=True)
-    fitting = [r.est_step_s for r in order if r.fits]
-    assert fitting == sorted(fitting)
+    # the fitting rows judged on their peak first, then those that fit on their resident state only (no peak
+    # predicted: DeepSpeed-Ulysses'), each by step time
+    judged = [r.peak_includes != RESIDENT_ONLY for r in order if r.fits]
+    assert judged == sorted(judged, reverse=True) and any(judged) and not all(judged)
+    for j in (True, False):
+        fitting = [r.est_step_s for r in order if r.fits and (r.peak_includes != RESIDENT_ONLY) == j]
+        assert fitting == sorted(fitting)
 
 
 @pytest.mark.parametrize("model,gpus", [(preset("tiny", layers=6), 8), (preset("llama3_1b", seq_len=1024), 64)])
@@ -266,11 +271,18 @@ def test_rows_without_a_peak_say_they_fit_on_their_resident_state_only(tmp_path,
     cells = [ln.split("│")[6].strip() for ln in out.splitlines() if ln.count("│") > 8 and "deepspeed" in ln]
     assert cells and set(cells) <= {"state only", "no"} and "state only" in cells
     assert f"{len(fits):,} fit ({len(fits):,} on their resident state only: no peak predicted)" in out
+    # a dense model: its data-parallel rows are judged on their peak and rank first; its Ulysses rows (cp > 1,
+    # no peak predicted: ledger/faithful/deepspeed/ulysses.py) fit on their resident state only, after them
     rec, rows = _plan_job(tmp_path / "dense", "model=llama3_8b", "plan.gpus=8", "plan.global_batch_tokens=65536",
                           "framework=deepspeed")
     out = capsys.readouterr().out
     cells = [ln.split("│")[6].strip() for ln in out.splitlines() if ln.count("│") > 8 and "deepspeed" in ln]
-    assert "yes" in cells and "state only" not in cells and "on their resident state only" not in out
+    assert "yes" in cells and set(cells) <= {"yes", "state only", "no"}
+    assert "yes" not in cells[cells.index("state only"):] if "state only" in cells else True
+    fits = [r for r in rows if r["fits"]]
+    only = [r for r in fits if r["peak_includes"] == RESIDENT_ONLY]
+    assert only and all(r["layout"]["cp"] > 1 for r in only)
+    assert all(r["peak_includes"] == PEAK_INCLUDES and r["layout"]["cp"] == 1 for r in fits[:len(fits) - len(only)])
 
 
 def test_megatron_moe_rows_are_judged_on_their_peak_and_carry_its_routed_bound(tmp_path, capsys):
@@ -478,5 +490,6 @@ def test_fitting_rows_are_timed_by_the_step_time_model(tmp_path):
     for r in fits:
         assert sum(v for _, v in r["est"]["waterfall"]) == pytest.approx(r["est_step_s"], rel=1e-9)
         assert 0 < r["est"]["mfu"] < 1
-    times = [r["est_step_s"] for r in fits]
-    assert times == sorted(times)  # plan.sort=time
+    for judged in (True, False):  # plan.sort=time, the rows judged on their peak first (search)
+        times = [r["est_step_s"] for r in fits if (r["peak_includes"] != RESIDENT_ONLY) == judged]
+        assert times == sorted(times)

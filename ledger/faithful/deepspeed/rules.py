@@ -37,12 +37,33 @@ def validate_knobs(fw) -> None:
 def validate_layout(model, lay, fw_cfg) -> None:
     if fw_cfg is not None:
         check_sizes(fw_cfg, SIZES)
-    if not (lay.tp == 1 and lay.pp == 1 and lay.cp == 1):
-        raise ConfigError(f"deepspeed: tp={lay.tp} pp={lay.pp} cp={lay.cp}: train-ledger drives DeepSpeed "
-                          "ZeRO as pure data "
-                          "parallelism (tp, pp and cp come from Megatron-DeepSpeed, which it does not drive)")
+    if not (lay.tp == 1 and lay.pp == 1):
+        raise ConfigError(f"deepspeed: tp={lay.tp} pp={lay.pp}: train-ledger drives DeepSpeed ZeRO as data "
+                          "parallelism, with DeepSpeed-Ulysses as cp (tp and pp come from Megatron-DeepSpeed, "
+                          "which it does not drive)")
+    if lay.cp > 1:
+        ulysses_check(model, lay, fw_cfg)
     if not (lay.dp_replicate == 1):
         raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+
+
+def ulysses_check(model, lay, fw_cfg) -> None:
+    """DeepSpeed-Ulysses (layout.cp: sequence_parallel_size) as DeepSpeed runs it: every rank a slice of
+    s / cp tokens (the launcher's); DistributedAttention's all-to-alls scatter the heads
+    (sequence/layer.py _generate_layout_params: "Number of heads ... must be divisible by the sequence
+    parallel size"; a K/V head count that does not divide takes its uneven path, not modelled)."""
+    if model.seq_len % lay.cp:
+        raise ConfigError(f"deepspeed: cp={lay.cp} (Ulysses): model.seq_len={model.seq_len} must be divisible by cp "
+                          "(each rank holds s / cp tokens of every sequence)")
+    for what, heads in (("heads", model.heads), ("kv_heads", model.kv_heads)):
+        if heads % lay.cp:
+            raise ConfigError(f"deepspeed: cp={lay.cp} (Ulysses): model.{what}={heads} must be divisible by cp "
+                              "(DistributedAttention scatters the heads; DeepSpeed's uneven K/V head split is "
+                              "not modelled)")
+    if model.is_moe:
+        raise ConfigError(f"deepspeed: cp={lay.cp} (Ulysses) with MoE is not modelled")
+    if fw_cfg is not None:
+        one_of("framework", fw_cfg, "seq_parallel_communication_data_type", ("fp32", "bf16", "fp16"))
 
 
 def recompute_knobs(mode: str) -> dict | None:

@@ -30,15 +30,18 @@ from ledger.units import round_up
 from ledger.optim import add_adamw
 
 
-def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO]) -> Callable[[int], RankState]:
+def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO],
+                ipg_reduce_dtype: str | None = None) -> Callable[[int], RankState]:
     """rank -> its state: the states and collectives are every rank's, ZeRO-2's peak its partition's;
-    target_rules: the peak's target (target.py)."""
+    target_rules: the peak's target (target.py); ipg_reduce_dtype: the dtype the IPG buckets are
+    all-reduced in (None: the model's; DeepSpeed-Ulysses: fp32, ulysses.py)."""
     s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
     # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
     # (reduce_ready_partitions_and_remove_grads: partition_gradients)
     rounds = lay.num_microbatches if fw.zero_stage == 2 else 1
-    key = (model, lay.dp, fw.zero_stage, rules.overlap_comm(fw), fw.reduce_bucket_size, rounds, fw.precision)
+    key = (model, lay.dp, fw.zero_stage, rules.overlap_comm(fw), fw.reduce_bucket_size, rounds, fw.precision,
+           ipg_reduce_dtype)
     s.comm_fn = lambda: fresh(_zero12_comm(*key))
     w, part = DTYPES[fw.precision], round_up(model.num_params(), 2 * lay.dp) // lay.dp
     bucket = int(fw.reduce_bucket_size)
@@ -202,7 +205,7 @@ def allreduce_chunks(n: int, offset: int, part: int, bucket: int) -> list[int]:
 def _zero12_ipg(model: ModelShape, dp: int, bucket: int, registration: bool, precision: str) -> Calls:
     """One round of IPG all-reduces (every gradient once): average_tensor(reduce_scatter=True,
     use_multi_rank_bucket_allreduce) -> allreduce_and_scatter: all-reduces (no reduce-scatter at stage
-    1 or 2), in the model dtype."""
+    1 or 2), in `precision` (the model dtype; fp32 under Ulysses: _zero12_comm's caller)."""
     w = DTYPES[precision]
     flat = round_up(model.num_params(), 2 * dp)
     normal, large = _split12(model, bucket, registration)
@@ -215,8 +218,8 @@ def _zero12_ipg(model: ModelShape, dp: int, bucket: int, registration: bool, pre
 
 @lru_cache(maxsize=1024)
 def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: int, rounds: int,
-                 precision: str) -> tuple[Comm, ...]:
-    """rounds: IPG reductions per optimizer step (rank_states)."""
+                 precision: str, ipg_reduce_dtype: str | None = None) -> tuple[Comm, ...]:
+    """rounds: IPG reductions per optimizer step (rank_states); ipg_reduce_dtype: rank_states'."""
     if dp == 1:
         return ()
     n = model.num_params()
@@ -224,8 +227,9 @@ def _zero12_comm(model: ModelShape, dp: int, stage: int, overlap: bool, bucket: 
     flat = round_up(n, 2 * dp)
     # stage 1 without overlap_comm walks bit16_groups (registration order), else the grad hooks
     registration = stage == 1 and not overlap
-    ipg = _zero12_ipg(model, dp, bucket, registration, precision).times(rounds)
-    out = CommBuilder().add_calls("dp", "all_reduce", precision, *ipg, "IPG bucket (average_tensor)")
+    reduce_dtype = ipg_reduce_dtype or precision
+    ipg = _zero12_ipg(model, dp, bucket, registration, reduce_dtype).times(rounds)
+    out = CommBuilder().add_calls("dp", "all_reduce", reduce_dtype, *ipg, "IPG bucket (average_tensor)")
     # step(): bf16 checks overflow (has_overflow -> all_reduce uint8 MAX; engine
     # _configure_zero_optimizer: check_grad_overflow from the bf16 section, False for fp32); grad norm
     # (fp32 SUM)

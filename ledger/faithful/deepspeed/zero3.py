@@ -41,8 +41,9 @@ class _Z3Shape(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -> _Z3Shape:
-    """w: bytes per element of the model dtype (params gathered, gradients reduce-scattered in it)."""
+def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int, w_reduce: int | None = None) -> _Z3Shape:
+    """w: bytes per element of the model dtype (params gathered, gradients reduce-scattered in it);
+    w_reduce: the reduce-scatters' where another (the engine's communication_data_type: Ulysses')."""
     # partition_parameters.py _aligned_size: each param padded to a multiple of dp; ds_persist when
     # ds_numel <= param_persistence_threshold (Init._convert_to_deepspeed_param; the model-wide
     # stage3_model_persistence_threshold is left at its default, sys.maxsize)
@@ -60,20 +61,24 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int) -
         # (each gradient padded to dp; the bucket fills by ds_numel, unpadded). A parameter above
         # reduce_bucket_size is not copied into the IPG buffer (__add_grad_to_ipg_bucket) but is
         # bucketed alike: alone, one reduce-scatter of it (deepspeed_backward.z3_flushes)
-        ipg=counted_calls("reduce_scatter", ((w * b, k) for b, k in Counter(
+        ipg=counted_calls("reduce_scatter", (((w_reduce or w) * b, k) for b, k in Counter(
             f.flat for f in deepspeed_backward.z3_flushes(dp, bucket, backward_order(model))).items()), dp),
     )
 
 
-def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO]) -> RankState:
+def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO],
+               reduce_precision: str | None = None) -> RankState:
     """Every rank's state (the same on each): the states, the collectives on first read, the peak
-    (target_rules: its target's, target.py)."""
+    (target_rules: its target's, target.py). reduce_precision: the dtype of the IPG bucket and its
+    reduce-scatters where not the model's (the engine's communication_data_type: DeepSpeed-Ulysses'
+    seq_parallel_communication_data_type, ulysses.py; the peak is then not asked for)."""
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
+    red = reduce_precision if reduce_precision not in (None, prec) else None
     ac = bool(fw.get("activation_checkpointing", False))  # the checkpoint's recompute fetches again (trace.py)
-    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec).state()
+    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec, red).state()
     key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size,
            int(fw.stage3_prefetch_bucket_size), int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance),
-           prec, ac)
+           prec, ac, red)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: fresh(_zero3_steady(*key))
     s.comm_first = lambda: fresh(_zero3_comm(*key)[1])
@@ -112,7 +117,8 @@ def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int, ac: bool =
 
 
 @lru_cache(maxsize=256)
-def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str) -> "Memory":
+def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str,
+                  reduce: str | None = None) -> "Memory":
     w = DTYPES[precision]
     z = _z3_shape(model, dp, threshold, bucket, w)
     s = Memory()  # pipeline stage 0
@@ -127,7 +133,8 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     # larger than the bucket; micro-batches accumulate into the same partitions (partition_grads:
     # copy_ at micro_step_id 0, add_ after)
     s.add("grads_bytes", "grad partitions (grad_partitions_flat_buffer)", w * z.part)
-    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", w * bucket)
+    # (IPGBucketZ3 in the engine's communication_data_type: `reduce` where not the model dtype)
+    s.add("grads_bytes", "IPG bucket (reduce_bucket_size)", DTYPES[reduce or precision] * bucket)
     # _create_fp32_partitions: an fp32 copy (.to(self.device, fp32).clone()), fp32 models too: its
     # no-copy branch needs `fp16_partitioned_groups_flat[i].device == self.device`, a torch.device
     # against the accelerator's device name (a str: 'cpu', 'cuda:0'), which is never equal
@@ -156,13 +163,13 @@ def _steady_fetches(model: ModelShape, dp: int, m: int, threshold: int, prefetch
 
 
 def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
-                  precision: str) -> CommBuilder:
-    """What every optimizer step adds besides the parameter fetches."""
-    ipg, norm, persist = _zero3_fixed(model, dp, threshold, bucket, precision)
+                  precision: str, reduce: str | None = None) -> CommBuilder:
+    """What every optimizer step adds besides the parameter fetches (reduce: rank_state's)."""
+    ipg, norm, persist = _zero3_fixed(model, dp, threshold, bucket, precision, reduce)
     # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
     # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
     # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
-    out.add_calls("dp", "reduce_scatter", precision, *ipg.times(m), "IPG bucket (__avg_scatter_grads)")
+    out.add_calls("dp", "reduce_scatter", reduce or precision, *ipg.times(m), "IPG bucket (__avg_scatter_grads)")
     out.add_calls("dp", "all_reduce", "fp64", *norm, "grad norm")
     out.add_calls("dp", "all_gather", precision, *persist, "persistent params (_post_step)")
     return out
@@ -170,27 +177,27 @@ def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshol
 
 @lru_cache(maxsize=256)
 def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int,
-                 precision: str) -> tuple[Calls, Calls, Calls]:
+                 precision: str, reduce: str | None = None) -> tuple[Calls, Calls, Calls]:
     """_zero3_common's calls whatever the micro-batches: one backward's IPG reduce-scatters; at the
     boundary get_grad_norm_direct's fp64 norm all-reduce (only fp16 has an overflow all-reduce at stage
     3) and _post_step's persistent_parameters[0].all_gather(persistent_parameters)."""
-    z = _z3_shape(model, dp, threshold, bucket, DTYPES[precision])
+    z = _z3_shape(model, dp, threshold, bucket, DTYPES[precision], DTYPES[reduce] if reduce else None)
     return z.ipg, buffer_calls("all_reduce", [FP64], dp), z.persist
 
 
 @lru_cache(maxsize=1024)
 def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str, ac: bool = False) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None) -> tuple[Comm, ...]:
     """_zero3_comm's steady step alone (a search reads no other)."""
     if dp == 1:
         return ()
     out = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
-    return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision).build())
+    return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision, reduce).build())
 
 
 @lru_cache(maxsize=1024)
 def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                reuse: int, precision: str, ac: bool = False):
+                reuse: int, precision: str, ac: bool = False, reduce: str | None = None):
     """(steady, step 0, step 1 or None) collectives of one rank.
 
     The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
@@ -210,16 +217,16 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     record, rest0, _ = z3_fetches(model, m, threshold, prefetch, max_live, reuse, ac=ac)
 
     def common(out: CommBuilder) -> CommBuilder:
-        return _zero3_common(out, model, dp, m, threshold, bucket, precision)
+        return _zero3_common(out, model, dp, m, threshold, bucket, precision, reduce)
 
-    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision, ac)
+    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision, ac, reduce)
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
     first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
     first.add_calls("dp", "broadcast", "int64", *buffer_calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
     if m == 1:
         return steady, tuple(common(first).build()), _zero3_warmup(model, dp, m, threshold, bucket, prefetch, max_live,
-                                                                   reuse, precision, ac)
+                                                                   reuse, precision, ac, reduce)
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
     first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
     first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
@@ -228,14 +235,14 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
 
 @lru_cache(maxsize=1024)
 def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str, ac: bool = False) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None) -> tuple[Comm, ...]:
     """_zero3_comm's step 1 (one micro-batch; built apart: a RankState holds it from the start): it
     starts with the trace completion, then runs as steady state."""
     if dp == 1:
         return ()
     warmup = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
     warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
-    return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision).build())
+    return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision, reduce).build())
 
 
 def _trace_checks(model: ModelShape, threshold: int, dp: int, ac: bool = False) -> Calls:
