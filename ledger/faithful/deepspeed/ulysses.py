@@ -58,14 +58,17 @@ def flat(model: ModelShape, lay):
 
 def all_to_alls(model: ModelShape, lay, fw) -> Comm:
     """DistributedAttention per optimizer step: per layer and micro-batch 8 all_to_all_single calls over
-    the cp group, Q, O, dQ, dO of the local [b, s / cp, heads, head_dim] and K, V, dK, dV of kv_heads."""
+    the cp group, Q, O, dQ, dO of the local [b, s / cp, heads, head_dim] and K, V, dK, dV of kv_heads;
+    with activation checkpointing the recompute's forward runs Q, K, V, O's again (12)."""
     dt = "bf16" if fw.precision == "bf16" else "fp32"
     local = (model.seq_len // lay.cp) * lay.micro_batch_size * model.head_dim * nbytes(dt)
     q, kv = local * model.heads, local * model.kv_heads
     n = model.layers * lay.num_microbatches
-    return Comm("cp", "all_to_all", 8 * n, n * (4 * q + 4 * kv),
-                n * (4 * wire_bytes("all_to_all", q, lay.cp) + 4 * wire_bytes("all_to_all", kv, lay.cp)), dt,
-                "DeepSpeed-Ulysses DistributedAttention: Q, K, V, O (forward), dO, dQ, dK, dV (backward)")
+    each = 3 if getattr(fw, "activation_checkpointing", False) else 2  # passes: forward, (recompute,) backward
+    return Comm("cp", "all_to_all", 4 * each * n, n * each * (2 * q + 2 * kv),
+                n * each * (2 * wire_bytes("all_to_all", q, lay.cp) + 2 * wire_bytes("all_to_all", kv, lay.cp)), dt,
+                "DeepSpeed-Ulysses DistributedAttention: Q, K, V, O (forward" +
+                (", recompute" if each == 3 else "") + "), dO, dQ, dK, dV (backward)")
 
 
 def place(model: ModelShape, lay, fw, target, place_flat) -> Placement:
