@@ -5,7 +5,8 @@ says what it follows.
 - outside PyTorch's caching allocator: the CUDA context (driver, loaded kernels) and NCCL's
   communicator buffers;
 - inside the allocator but unseen by the probe (it sees tensors, not workspaces): cuBLAS's and
-  cuBLASLt's workspaces.
+  cuBLASLt's workspaces, and what a framework's kernels keep (Placement.workspaces: TransformerEngine's
+  cuBLAS workspace for Megatron's TE spec).
 The caching allocator's rounding of each tensor (512-byte blocks, 2 MiB segments for small blocks,
 20 MiB or 2 MiB-rounded segments for large ones: c10/cuda/CUDACachingAllocator.cpp round_size,
 get_allocation_size) and its fragmentation are not modelled: the fit verdict keeps
@@ -53,7 +54,7 @@ def outside_allocator(pl) -> dict[str, int]:
     n = sum(comms.values())
     out = {"CUDA context and loaded kernels (assumed, not from a source)": CUDA_CONTEXT,
            "cuBLAS + cuBLASLt workspaces (CublasHandlePool.cpp defaults, sm90; in the allocator)":
-               CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE}
+               CUBLAS_WORKSPACE + CUBLASLT_WORKSPACE, **pl.workspaces}
     if n:
         dims = ", ".join(f"{d}" + (f" x{k}" if k > 1 else "") for d, k in comms.items())
         out[f"NCCL buffers: {n} communicator{"s" if n > 1 else ""} ({dims}) x {NCCL_CHANNELS} channels (assumed) x "

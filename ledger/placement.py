@@ -339,6 +339,9 @@ class Placement:
     target: str = ""
     # cuda-nccl: device memory outside PyTorch's allocator per rank, named (ledger/cuda.py fixed_costs)
     outside_allocator: dict[str, int] = field(default_factory=dict)
+    # cuda-nccl: buffers the framework's kernels keep beside the tensors its ledger counts, named (e.g.
+    # TransformerEngine's cuBLAS workspace); ledger/cuda.py adds them to outside_allocator
+    workspaces: dict[str, int] = field(default_factory=dict)
     # what a prediction no run here can confirm rests on ("from sources: ..."; "" where runs confirm it)
     basis: str = ""
     _per_gpu: Optional[RankState] = None

@@ -219,3 +219,20 @@ def test_titan_shard_to_shard_runs_as_an_all_gather_on_a_cpu_mesh():
     assert "all_to_all" not in cpu and gpu["all_to_all"][0] > 0
     assert cpu["all_gather"][0] == gpu["all_gather"][0] + gpu["all_to_all"][0]
     assert cpu["reduce_scatter"] == gpu["reduce_scatter"]
+
+
+def test_megatron_te_spec_keeps_its_cublas_workspace_beside_the_tensors():
+    """TransformerEngine's GEMMs keep one cuBLAS workspace (module/base.py get_workspace: 32 MiB + 1 KiB on
+    Hopper) in the allocator, beside what the probe sees: a cuda-nccl prediction of the TE spec names it
+    among what a rank holds beside its tensors; the local spec (its GEMMs torch's) and a CPU target do not."""
+    from ledger.faithful.megatron import target as MT
+    from ledger.parallel import predict
+
+    m, lay = preset("tiny"), megatron_layout(dp=2)
+    te = predict(m, lay, megatron_fw(transformer_impl="transformer_engine"), target=CUDA_NCCL)
+    local = predict(m, lay, megatron_fw(transformer_impl="local"), target=CUDA_NCCL)
+    cpu = predict(m, lay, megatron_fw(transformer_impl="local"), target=CPU_GLOO)
+    extra = {k: v for k, v in te.outside_allocator.items() if k not in local.outside_allocator}
+    assert list(extra.values()) == [32 * 1024 * 1024 + 1024] and "TransformerEngine" in next(iter(extra))
+    assert sum(te.outside_allocator.values()) - sum(local.outside_allocator.values()) == MT.TE_CUBLAS_WORKSPACE
+    assert not cpu.outside_allocator and not cpu.workspaces

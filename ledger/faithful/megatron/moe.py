@@ -558,4 +558,4 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
 
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, notes=notes, spec=k.transformer_impl,
-                     target=megatron_target.of(k))
+                     target=megatron_target.of(k), workspaces=megatron_target.workspaces(k))

@@ -402,7 +402,8 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Plac
 
     return Placement(framework="megatron", mode="faithful", model=lambda: model_dict(model), layout=lay.to_dict,
                      world=lay.world, rank_state=state, representatives=reps, notes=notes,
-                     stage_representatives=stage_reps, spec=k.transformer_impl, target=megatron_target.of(k))
+                     stage_representatives=stage_reps, spec=k.transformer_impl, target=megatron_target.of(k),
+                     workspaces=megatron_target.workspaces(k))
 
 
 def _stage_layers(model: ModelShape, lay: Layout, k, stage: int) -> int:

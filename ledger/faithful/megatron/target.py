@@ -63,9 +63,25 @@ def default_transformer_impl(target: str) -> str:
     return TE if target == CUDA_NCCL else "local"
 
 
+# TransformerEngine v2.8 module/base.py get_workspace: one cuBLAS workspace for TE's GEMMs, allocated with
+# torch.empty on the first one and kept (a global), get_cublas_workspace_size_bytes: "32 MiB if using
+# hopper" (+1 KiB "for alignment and misc scales"; sm90 assumed, as ledger/cuda.py's cuBLAS line),
+# 4 MiB before; TE's grouped GEMM (moe_grouped_gemm) keeps one per cuBLAS stream besides
+TE_CUBLAS_WORKSPACE = 32 * 1024 * 1024 + 1024
+
+
+def workspaces(k) -> dict[str, int]:
+    """Device buffers the spec's kernels keep beside the tensors the ledger counts, for a cuda-nccl
+    prediction (ledger/cuda.py adds them to what a rank holds beside its tensors)."""
+    if of(k) != CUDA_NCCL or k.transformer_impl != TE:
+        return {}
+    return {"TransformerEngine's cuBLAS workspace (module/base.py get_workspace, sm90; in the allocator)":
+            TE_CUBLAS_WORKSPACE}
+
+
 def peak_basis(fw, target: str) -> str:
     if target == CUDA_NCCL:
         spec = "TE's fused attention" if getattr(fw, "transformer_impl", None) == TE else "the local spec's attention"
         return (f"from sources, not confirmed by a GPU run: NCCL in place, FusedAdam, {spec}, TE's LayerNormLinear "
-                "saves; TE's workspaces and the CUDA allocator's rounding not modelled")
+                "saves; TE's cuBLAS workspace beside the tensors; the CUDA allocator's rounding not modelled")
     return "the local spec the CPU runs confirm (gloo's staging copies, CPU attention and AdamW temporaries)"
