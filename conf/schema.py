@@ -290,6 +290,9 @@ class PlanConfig:
     micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     vps: list[int] = field(default_factory=lambda: [1, 2])  # virtual pipeline chunks tried (pp > 1)
     max_cp: int = 8
+    # Megatron's context-parallel attentions tried where cp > 1 (p2p | all_gather | a2a; a2a+p2p needs its
+    # hierarchical sizes: set framework.cp_comm_type for it); [] = framework.cp_comm_type as configured
+    cp_comm_types: list[str] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
     # Megatron: use_distributed_optimizer tried (Megatron-LM's default is off; most large runs turn it on)
     distributed_optimizer: list[bool] = field(default_factory=lambda: [False, True])

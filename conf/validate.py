@@ -188,6 +188,10 @@ def validate_plan(p, model, layout=None) -> None:
         if p.global_batch_tokens % model.seq_len:
             raise ConfigError(f"plan.global_batch_tokens={p.global_batch_tokens} must be a multiple of "
                               f"model.seq_len={model.seq_len} (whole sequences per step)")
+    for t in p.get("cp_comm_types") or []:
+        if t not in ("p2p", "all_gather", "a2a"):
+            raise ConfigError(f"plan.cp_comm_types has {t!r}: each must be one of p2p, all_gather, a2a (a2a+p2p "
+                              "needs framework.hierarchical_context_parallel_sizes: set framework.cp_comm_type)")
     for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
                        ("sequence_parallel", (False, True)), ("distributed_optimizer", (False, True)),
                        ("recompute", ("none", "selective", "full"))):

@@ -58,7 +58,7 @@ def space(cfg) -> Space:
         gbs = cfg.layout.global_batch_size
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
                  tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute),
-                 tuple(bool(x) for x in p.distributed_optimizer))
+                 tuple(bool(x) for x in p.distributed_optimizer), tuple(p.get("cp_comm_types") or ()))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -258,6 +258,8 @@ def _lay(r: Row) -> str:
         s += f" z{kn['zero_stage']}"
     if kn.get("use_distributed_optimizer"):
         s += " dopt"
+    if "cp_comm_type" in kn:
+        s += f" cp:{kn['cp_comm_type']}"
     if "decoder_first_pipeline_num_layers" in kn or "decoder_last_pipeline_num_layers" in kn:
         s += f" split {kn.get('decoder_first_pipeline_num_layers', '-')}/{kn.get('decoder_last_pipeline_num_layers', '-')}"
     if kn.get("account_for_embedding_in_pipeline_split"):

@@ -60,8 +60,8 @@ class FrameworkLedger:
     # its search's own axes: data parallelism over knob sets (DeepSpeed's ZeRO stages; cp as its Ulysses), the base
     # config's knobs the search sets itself, the pipeline splits it tries (as knobs), HSDP replicas
     plan_data_parallel_only: bool = False
-    # (space, model, dp) -> the knob sets a layout of that DP degree is tried with
-    plan_knob_sets: Callable[..., list] = lambda space, model=None, dp=None: [{}]
+    # (space, model, dp, cp) -> the knob sets a layout of that DP and CP degree is tried with
+    plan_knob_sets: Callable[..., list] = lambda space, model=None, dp=None, cp=1: [{}]
     # the knobs the search sets per row (a value the base config gives them is not carried into a row,
     # nor into the ready sweep's overrides), each with the value a row starts from
     plan_chooses: dict = field(default_factory=dict)

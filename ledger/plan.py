@@ -114,6 +114,7 @@ class Space:
     hsdp: bool = True  # torchtitan: every dp_replicate that divides dp
     recompute: tuple[str, ...] = ("none",)  # RECOMPUTE settings tried (recompute_knobs)
     distributed_optimizer: tuple[bool, ...] = (False, True)  # Megatron's use_distributed_optimizer tried
+    cp_comm_types: tuple[str, ...] = ()  # Megatron's cp_comm_type tried where cp > 1; () = as configured
 
 
 @dataclass(slots=True)
@@ -231,7 +232,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
                     splits = spec.plan_splits(model.layers, pp, vp)
-                    for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space, model, dp) for s in splits for r in rcs):
+                    for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space, model, dp, cp) for s in splits for r in rcs):
                         kn = {**kn0, **split, **rc}
                         key = tuple(kn.items())
                         fw = fw_of.get(key)

@@ -493,3 +493,28 @@ def test_fitting_rows_are_timed_by_the_step_time_model(tmp_path):
     for judged in (True, False):  # plan.sort=time, the rows judged on their peak first (search)
         times = [r["est_step_s"] for r in fits if (r["peak_includes"] != RESIDENT_ONLY) == judged]
         assert times == sorted(times)
+
+
+def test_megatron_cp_layouts_are_tried_with_each_listed_attention(tmp_path, capsys):
+    """plan.cp_comm_types: each Megatron layout with cp > 1 once per context-parallel attention (the knob
+    in its row and the sweep), cp = 1 once; a2a where the heads divide by cp, refused with TE's reason
+    where they do not; unlisted, the configured framework.cp_comm_type alone."""
+    from ledger.faithful.megatron.cp import basis
+
+    rec, rows = _plan_job(tmp_path / "types", "model=llama3_1b", "model.seq_len=4096", "plan.gpus=16",
+                          "plan.global_batch_tokens=262144", "framework=megatron", "plan.max_cp=4",
+                          "plan.cp_comm_types=[p2p,all_gather,a2a]", "plan.recompute=[none]")
+    cp_rows = [r for r in rows if r["layout"]["cp"] > 1]
+    types = {r["knobs"].get("cp_comm_type") for r in cp_rows}
+    assert types == {"p2p", "all_gather", "a2a"}
+    assert all("cp_comm_type" not in r["knobs"] for r in rows if r["layout"]["cp"] == 1)
+    for r in cp_rows:
+        if r["status"] != "refused":
+            assert r["basis"] == basis(r["knobs"]["cp_comm_type"])
+    # llama3_1b's 8 K/V heads over tp 2 leave 4: a2a at cp 4 fits them, at tp 4 they do not divide
+    bad = [r for r in cp_rows if r["knobs"]["cp_comm_type"] == "a2a" and (8 // r["layout"]["tp"]) % r["layout"]["cp"]]
+    assert bad and all(r["status"] == "refused" and "must be divisible by the a2a size" in r["reason"] for r in bad)
+    _, plain = _plan_job(tmp_path / "plain", "model=llama3_1b", "model.seq_len=4096", "plan.gpus=16",
+                         "plan.global_batch_tokens=262144", "framework=megatron", "plan.max_cp=4", "plan.recompute=[none]")
+    assert len(plain) < len(rows) and all("cp_comm_type" not in r["knobs"] for r in plain)
+    assert {r["basis"] for r in plain if r["layout"]["cp"] > 1 and r["status"] != "refused"} == {basis("p2p")}

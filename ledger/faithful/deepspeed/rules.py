@@ -95,6 +95,6 @@ def overlap_comm(fw) -> bool:
     return fw.zero_stage == 3 if v is None else bool(v)
 
 
-def plan_knob_sets(space, model=None, dp: int | None = None) -> list[dict]:
+def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> list[dict]:
     """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank)."""
     return [{"zero_stage": z} for z in space.zero_stages]

@@ -193,15 +193,17 @@ PLAN_CHOOSES = {**dict.fromkeys(SPLIT[:2]), **dict.fromkeys(SPLIT[2:], False),
                 "use_distributed_optimizer": False}  # (every row sets it: plan_knob_sets)
 
 
-def plan_knob_sets(space, model=None, dp: int | None = None) -> list[dict]:
+def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> list[dict]:
     """The planner tries the distributed optimizer on and off (plan.distributed_optimizer), where it
     shards something: a dense model's layout of one DP rank keeps every param on it either way
     (distrib_optimizer.py splits each bucket into dp ranges), so it is tried off alone, as Megatron-LM
-    runs by default (both stay for MoE: the experts' optimizer shards over their own data-parallel group)."""
+    runs by default (both stay for MoE: the experts' optimizer shards over their own data-parallel group).
+    With cp > 1, each context-parallel attention of plan.cp_comm_types (none listed: as configured)."""
     values = list(space.distributed_optimizer)
     if dp == 1 and model is not None and not model.is_moe and False in values:
         values = [False]
-    return [{"use_distributed_optimizer": v} for v in values]
+    types = [{"cp_comm_type": t} for t in getattr(space, "cp_comm_types", ())] if cp > 1 else []
+    return [{"use_distributed_optimizer": v, **t} for v in values for t in (types or [{}])]
 
 
 def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
