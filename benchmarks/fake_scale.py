@@ -13,9 +13,9 @@ not to the byte, a peak more than 1% away; a peak's parts are reported, not coun
     llama3_8b   world 64: Megatron TP4·PP2·DP8 (SP, distributed optimizer), DeepSpeed ZeRO-3 DP64,
                 torchtitan FSDP8·TP8 (SP)
     llama3_70b  world 1,024: Megatron TP8·PP8·DP16, DeepSpeed ZeRO-3 DP1024, torchtitan FSDP128·TP8
-    16k         world 16,384: Megatron Llama-3-405B TP8·PP16·DP128 (SP, 126 layers as 7 + 14 x 8 + 7, 16
-                micro-batches), DeepSpeed ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: PP is
-                refused on the fake world)
+    16k         world 16,384: Megatron Llama-3-405B TP8·PP16·DP128 interleaved (SP, vp 2, the embedding and
+                the loss counted as layers: 126 + 2 over 32 virtual stages, 16 micro-batches), DeepSpeed
+                ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: PP is refused on the fake world)
 
 `--ranks default` materialises the ledger's choice (rank 0 and each stage's most-loaded rank);
 `--ranks 0` one rank per job, for a quick figure.
@@ -47,9 +47,12 @@ LAYOUTS = {
         "titan": ["framework=titan", "layout.tp=8", "layout.dp=128", "layout.sequence_parallel=true"],
     },
     "16k": {
-        "megatron": ["framework=megatron", "layout.tp=8", "layout.pp=16", "layout.dp=128", "layout.sequence_parallel=true",
-                     "layout.global_batch_size=2048", "framework.decoder_first_pipeline_num_layers=7",
-                     "framework.decoder_last_pipeline_num_layers=7"],
+        # interleaved as Meta's run: 2 virtual stages a rank, the embedding and the loss counted as layers
+        # (126 + 2 = 32 virtual stages of 4)
+        "megatron": ["framework=megatron", "layout.tp=8", "layout.pp=16", "layout.vp=2", "layout.dp=128",
+                     "layout.sequence_parallel=true", "layout.global_batch_size=2048",
+                     "framework.account_for_embedding_in_pipeline_split=true",
+                     "framework.account_for_loss_in_pipeline_split=true"],
         "deepspeed": ["framework=deepspeed", "framework.zero_stage=3", "layout.dp=16384"],
     },
 }
