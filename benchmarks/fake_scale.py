@@ -15,7 +15,7 @@ not to the byte, a peak more than 1% away; a peak's parts are reported, not coun
     llama3_70b  world 1,024: Megatron TP8·PP8·DP16, DeepSpeed ZeRO-3 DP1024, torchtitan FSDP128·TP8
     16k         world 16,384: Megatron Llama-3-405B TP8·PP16·DP128 interleaved (SP, vp 2, the embedding and
                 the loss counted as layers: 126 + 2 over 32 virtual stages, 16 micro-batches), DeepSpeed
-                ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: PP is refused on the fake world)
+                ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: its ledger models PP over FSDP only)
 
 `--ranks default` materialises the ledger's choice (rank 0 and each stage's most-loaded rank);
 `--ranks 0` one rank per job, for a quick figure.

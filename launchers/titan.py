@@ -342,9 +342,13 @@ def run_rank(cfg, lay, session) -> dict:
         # the fake world first: Trainer.init_distributed (distributed/utils.py init_distributed) skips
         # its own init_process_group when one exists
         fake.init_process_group()
-        titan_cpu.install_fake()  # the model's storages become FakeTensors (trainer.py to_empty)
+        # the model's storages become FakeTensors (trainer.py to_empty); with PP the stage boundary's
+        # activation, [micro-batch, seq, hidden] in the compute dtype, for the metadata exchange
+        act = ((lay.micro_batch_size, cfg.model.seq_len, cfg.model.hidden), titan_cpu.compute_dtype(cfg)) \
+            if lay.pp > 1 else None
+        titan_cpu.install_fake(act)
         # data-dependent reads of them answered at titan_cpu.FAKE_SCALAR_SITES
-        run_ctx.enter_context(fake.scalar_reads(titan_cpu.FAKE_SCALAR_SITES))
+        run_ctx.enter_context(fake.scalar_reads(titan_cpu.fake_scalar_sites(lay.pp)))
     with run_ctx:
         return _train(trainer_config=config, session=session, fake_world=fake_world,
                       fsdp_mem_tracker=cfg.probe.fsdp_mem_tracker)

@@ -304,6 +304,15 @@ FAKE_SCALAR_SITES: set[tuple[str, str]] = {
     # `torch.empty((), dtype=torch.int64).random_().item()` (the tokens' order only)
     ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__init__"),
 }
+# with PP besides: torch/distributed/pipelining/schedules.py _PipelineSchedule._warmup_p2p, the stages'
+# P2P vote `result.item() == 1` (STATIC inference mode: metadata inference skipped); answered 0, DYNAMIC,
+# as the CPU runs vote (their first step infers the metadata: ledger/faithful/titan/pp.py _pp_comm)
+FAKE_PP_SCALAR_SITES: set[tuple[str, str]] = {("torch.distributed.pipelining.schedules", "_PipelineSchedule._warmup_p2p")}
+
+
+def fake_scalar_sites(pp: int) -> set[tuple[str, str]]:
+    """The data-dependent reads a fake-world run of this pipeline degree answers."""
+    return FAKE_SCALAR_SITES | (FAKE_PP_SCALAR_SITES if pp > 1 else set())
 
 
 # -- trainer.py Trainer.__init__: `model.to_empty(device=init_device)` (and `m.to_empty` per PP
@@ -338,12 +347,68 @@ def fake_cpu_device(trainer) -> None:
     if trainer.device.type == "cpu" and trainer.device.index is not None:
         REACHED["fake_cpu_device"] += 1
         trainer.device = torch.device("cpu")
+    # the pipeline's stages took the trainer's device when built (pipelining/stage.py: their vote and
+    # metadata buffers are made on stage.device)
+    sched = getattr(trainer, "pp_schedule", None)
+    for stage in (getattr(sched, "_stages", None) or [getattr(sched, "_stage", None)]) if sched else []:
+        if stage is not None and stage.device.type == "cpu" and stage.device.index is not None:
+            REACHED["fake_cpu_device_pp_stage"] += 1
+            stage.device = torch.device("cpu")
 
 
-def install_fake() -> None:
+def compute_dtype(cfg):
+    """The dtype FSDP2 computes in: framework.mixed_precision_param (torchtitan's
+    parallelism.mixed_precision_param, bfloat16 by default)."""
+    return getattr(torch, cfg.framework.mixed_precision_param)
+
+
+def install_fake(pp_activation: tuple | None = None) -> None:
     """The shims a fake-world run (cluster=fake) needs besides the CPU ones; never on a real run.
-    Each counts in REACHED under a `fake_` key."""
+    Each counts in REACHED under a `fake_` key. pp_activation: (shape, dtype) of the tensor a pipeline
+    stage sends its neighbour, with PP."""
     _fake_to_empty()
+    if pp_activation is not None:
+        _fake_pp_recv_meta(*pp_activation)
+
+
+# -- pipelining/stage.py PipelineStage._recv_meta (step 0's metadata inference, DYNAMIC mode): a stage
+#    receives its neighbour's pickled _StageForwardMeta / _StageBackwardMeta through recv_object_list,
+#    whose buffer size is the received size tensor's value and whose object is unpickled from the received
+#    bytes: on the fake world the neighbour runs in another process or not at all, so neither has a value.
+#    What a real neighbour sends is known: the stage boundary's activation (forward) or its gradient
+#    (backward), each one tensor of pp_activation's shape and dtype (the ledger's
+#    ledger/faithful/titan/pp.py _pp_meta_bytes pickles the same objects). The shim issues the same two
+#    receives (the int64 size, then that many uint8 bytes) so the collectives are the run's, and returns
+#    the object.
+def _fake_pp_recv_meta(shape: tuple, dtype) -> None:
+    import io
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.pipelining import stage as pp_stage
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+
+    if getattr(pp_stage.PipelineStage._recv_meta, "_ledger_fake", False):
+        return
+
+    def recv_meta(self, src_stage: int):
+        REACHED["fake_pp_recv_meta"] += 1
+        if src_stage < self.stage_index:  # the previous stage's output, with its grad required
+            t = torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
+            obj = _StageForwardMeta(forward_metas=extract_tensor_metas((t,)))
+        else:  # the next stage's gradient of this stage's output
+            obj = _StageBackwardMeta(backward_metas=extract_tensor_metas((torch.empty(*shape, dtype=dtype,
+                                                                                      device="meta"),)))
+        f = io.BytesIO()
+        c10d._pickler(f).dump(obj)
+        peer = self._resolve_peer_global_rank(src_stage)
+        for buf in (torch.empty(1, dtype=torch.long, device=self.device),
+                    torch.empty(len(f.getvalue()), dtype=torch.uint8, device=self.device)):
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, self.group)]).pop().wait()
+        return obj
+
+    recv_meta._ledger_fake = True
+    pp_stage.PipelineStage._recv_meta = recv_meta
 
 
 def reached() -> dict[str, int]:

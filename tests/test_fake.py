@@ -96,11 +96,10 @@ def test_fake_cluster_rejections_name_the_field(overrides, needle):
     assert needle in str(e.value)
 
 
-def test_titan_pp_refused_on_the_fake_world():
-    """torchtitan's PP does not run on FakeTensors (tried: torch's pipelining schedules read values);
-    refused naming the field, before any rank starts. Megatron's PP and VP do run."""
-    with pytest.raises(ConfigError, match="layout.pp=2: torchtitan on cluster=fake runs without pipeline"):
-        check(_compose("cluster=fake", "framework=titan", "layout.pp=2", "layout.dp=4"))
+def test_pp_is_accepted_on_the_fake_world():
+    """torchtitan's PP runs on FakeTensors (its P2P vote and metadata exchange shimmed: titan_job_pp),
+    Megatron's PP and VP too."""
+    check(_compose("cluster=fake", "framework=titan", "layout.pp=2", "layout.dp=4", "layout.global_batch_size=8"))
     check(_compose("cluster=fake", "framework=megatron", "layout.pp=2", "layout.vp=2", "layout.dp=4"))
 
 
@@ -123,6 +122,9 @@ def test_fake_ranks_out_of_range_is_an_invalid_record(tmp_path):
 JOBS = {
     "titan": ("framework=titan", "layout.tp=2", "layout.dp=4", "layout.sequence_parallel=true",
               "model.vocab=1001", "cluster.fake_ranks=[1]"),
+    # PP over FSDP, 2 micro-batches: a rank of each stage
+    "titan_pp": ("framework=titan", "layout.pp=2", "layout.dp=4", "layout.global_batch_size=8",
+                 "cluster.fake_ranks=[0,4]"),
     "megatron": ("framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2", "layout.sequence_parallel=true",
                  "framework.overlap_grad_reduce=true", "layout.global_batch_size=4"),
     # ZeRO-1 and ZeRO-3 in one launch (a two-job sweep): their fake shims and read sites differ
@@ -146,6 +148,11 @@ def _fake_job(tmp_path_factory, name):
 @pytest.fixture(scope="module")
 def titan_job(tmp_path_factory):
     return _fake_job(tmp_path_factory, "titan")
+
+
+@pytest.fixture(scope="module")
+def titan_pp_job(tmp_path_factory):
+    return _fake_job(tmp_path_factory, "titan_pp")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +204,23 @@ def test_titan_fake_job(titan_job):
     for d in ranks.values():
         reached = {k for k in d["cpu_redirects"] if k.startswith("fake_")}
         assert reached == {"fake_to_empty", "fake_cpu_device"}
-    _declared_reads_reached(ranks, titan_cpu.FAKE_SCALAR_SITES)
+    _declared_reads_reached(ranks, titan_cpu.fake_scalar_sites(1))
+
+
+@pytest.mark.real
+def test_titan_pp_fake_job(titan_pp_job):
+    """PP2 over FSDP4 (1F1B, 2 micro-batches), a rank of each stage: every state and collective row exact,
+    step 0's P2P vote and metadata exchange included; the vote's read answered (DYNAMIC, as a CPU run
+    votes) and each stage's received metadata made by the counted shim, the same receives issued."""
+    from launchers import titan_cpu
+
+    rec, ranks = titan_pp_job
+    _reconciles(rec, [0, 4])
+    for d in ranks.values():
+        reached = {k for k in d["cpu_redirects"] if k.startswith("fake_")}
+        assert reached == {"fake_to_empty", "fake_cpu_device", "fake_cpu_device_pp_stage", "fake_pp_recv_meta"}
+    _declared_reads_reached(ranks, titan_cpu.fake_scalar_sites(2))
+    assert titan_cpu.fake_scalar_sites(2) > titan_cpu.fake_scalar_sites(1)
 
 
 @pytest.fixture(scope="module")
