@@ -1,7 +1,7 @@
 """cluster=fake at scale: wall time and peak RSS per materialised rank, and whether it reconciles.
 
     .venv/bin/python benchmarks/fake_scale.py [--shapes llama3_1b,llama3_8b,llama3_70b]
-        [--frameworks megatron,deepspeed,titan] [--seq 8192] [--ranks default|0,...] [--out DIR]
+        [--frameworks megatron,deepspeed,titan,titan-pp] [--seq 8192] [--ranks default|0,...] [--out DIR]
 
 One fake job per (shape, framework), each a `launch.py mode=run cluster=fake` run (W&B off), the
 ranks run one after another on this machine; per rank it prints the process's wall time and peak
@@ -12,7 +12,8 @@ not to the byte, a peak more than 1% away; a peak's parts are reported, not coun
     llama3_1b   the design article's three 8-GPU runs (sweeps/article.py)
     llama3_8b   world 64: Megatron TP4·PP2·DP8 (SP, distributed optimizer), DeepSpeed ZeRO-3 DP64,
                 torchtitan FSDP8·TP8 (SP)
-    llama3_70b  world 1,024: Megatron TP8·PP8·DP16, DeepSpeed ZeRO-3 DP1024, torchtitan FSDP128·TP8
+    llama3_70b  world 1,024: Megatron TP8·PP8·DP16, DeepSpeed ZeRO-3 DP1024, torchtitan FSDP128·TP8 and
+                (titan-pp) FSDP128·PP8
     16k         world 16,384: Megatron Llama-3-405B TP8·PP16·DP128 interleaved (SP, vp 2, the embedding and
                 the loss counted as layers: 126 + 2 over 32 virtual stages, 16 micro-batches), DeepSpeed
                 ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: its ledger models PP over FSDP only)
@@ -45,6 +46,8 @@ LAYOUTS = {
         "megatron": ["framework=megatron", "layout.tp=8", "layout.pp=8", "layout.dp=16", "layout.sequence_parallel=true"],
         "deepspeed": ["framework=deepspeed", "framework.zero_stage=3", "layout.dp=1024"],
         "titan": ["framework=titan", "layout.tp=8", "layout.dp=128", "layout.sequence_parallel=true"],
+        # torchtitan's PP (1F1B over FSDP): 8 stages, 8 micro-batches a step
+        "titan-pp": ["framework=titan", "layout.pp=8", "layout.dp=128", "layout.global_batch_size=1024"],
     },
     "16k": {
         # interleaved as Meta's run: 2 virtual stages a rank, the embedding and the loss counted as layers
@@ -98,7 +101,7 @@ def run_one(shape: str, fw: str, seq: int, ranks: str, out: str, timeout_s: int)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama3_1b,llama3_8b,llama3_70b")
-    ap.add_argument("--frameworks", default="megatron,deepspeed,titan")
+    ap.add_argument("--frameworks", default="megatron,deepspeed,titan,titan-pp")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--ranks", default="default", help="'default' (the ledger's choice) or a comma list")
     ap.add_argument("--timeout", type=int, default=3600, help="cluster.timeout_s of each job")
