@@ -1,5 +1,5 @@
 """DeepSpeed-Ulysses (DeepSpeed 0.19.8 sequence parallelism; layout.cp is its sequence_parallel_size) as
-train-ledger drives it (launchers/deepspeed.py _ulysses): the sequence groups of
+train-ledger drives it (launchers/deepspeed.py ulysses): the sequence groups of
 runtime/sequence_parallel/parallel_state_sp.py (cp consecutive ranks; the sequence-data-parallel group
 every rank), passed to deepspeed.initialize as its mpu, each layer's attention wrapped in
 deepspeed.sequence.layer.DistributedAttention, every rank a slice of s / cp tokens.
@@ -12,17 +12,17 @@ What it changes:
   labelled by its dims;
 - DistributedAttention per layer and micro-batch: forward an all_to_all_single of Q, K and V (sequence
   gathered, heads scattered: _SeqAllToAll, single_all_to_all) and of the output back, backward the
-  same four on the gradients: 8 calls, each of the local [b, s / cp, heads (kv_heads), head_dim] tensor
-  in the compute dtype;
+  same four on the gradients: 8 calls (12 with activation checkpointing: the recompute's forward), each
+  of the local [b, s / cp, heads (kv_heads), head_dim] tensor in the compute dtype;
 - the gradient reductions' dtype: engine.py sets communication_data_type (ZeRO's IPG buckets' dtype,
   ZeRO-3's reduction dtype) to seq_parallel_communication_data_type when sequence_parallel_size > 1
   (runtime/constants.py: fp32 by default; ZeRO-3's IPG bucket is kept in it, twice the bf16 one);
-  the ledger models fp32 and the compute dtype (check); ZeRO-1/2's allreduce_bucket all-reduces in fp32 whatever it is when
-  sequence_parallel_size > 1 (zero/stage_1_and_2.py: "if pg_correctness_test or
+  the ledger models fp32 and the compute dtype (check); ZeRO-1/2's allreduce_bucket all-reduces in
+  fp32 whatever it is when sequence_parallel_size > 1 (zero/stage_1_and_2.py: "if pg_correctness_test or
   self.sequence_parallel_size > 1: communication_data_type = torch.float32"), a cast copy of each
   bucket.
-Not modelled: the peak within a step (the attention runs on the whole sequence with heads / cp, beside
-the all-to-alls' buffers: no peak row), the uneven K/V head split, MoE.
+Not modelled: the peak within a step (no peak row: docs/ledger-deepspeed.md says what the flat layout's
+lacks, measured), the uneven K/V head split, MoE.
 """
 from __future__ import annotations
 
