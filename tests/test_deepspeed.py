@@ -436,6 +436,11 @@ def test_ulysses_refusals_name_the_rule():
         place(preset("tiny"), dataclasses.replace(_lay(1, gbs=1), cp=2), _fw(seq_parallel_communication_data_type="fp16"))
     with pytest.raises(ConfigError, match="tp=2 pp=1"):
         validate_layout(preset("tiny"), dataclasses.replace(_lay(1), tp=2), _fw())
+    # a value DeepSpeed does not know, refused by name whatever cp (before any rank starts)
+    from ledger.faithful.deepspeed.rules import validate_knobs
+
+    with pytest.raises(ConfigError, match=r"framework.seq_parallel_communication_data_type='int8' must be one of fp32"):
+        validate_knobs(_fw(seq_parallel_communication_data_type="int8"))
 
 
 def test_zero3_3n_versus_2n_prediction():

@@ -32,6 +32,9 @@ def validate_knobs(fw) -> None:
     if not isinstance(fw.get("activation_checkpointing", False), bool):
         raise ConfigError(f"framework.activation_checkpointing={fw.activation_checkpointing!r} must be true or false "
                           "(every decoder layer under deepspeed.checkpointing.checkpoint, or none)")
+    # DeepSpeed-Ulysses' reduction dtype (runtime/config.py get_communication_data_type's values), whatever cp
+    if "seq_parallel_communication_data_type" in fw:
+        one_of("framework", fw, "seq_parallel_communication_data_type", ("fp32", "bf16", "fp16"))
 
 
 def validate_layout(model, lay, fw_cfg) -> None:
@@ -42,12 +45,12 @@ def validate_layout(model, lay, fw_cfg) -> None:
                           "parallelism, with DeepSpeed-Ulysses as cp (tp and pp come from Megatron-DeepSpeed, "
                           "which it does not drive)")
     if lay.cp > 1:
-        ulysses_check(model, lay, fw_cfg)
+        ulysses_check(model, lay)
     if not (lay.dp_replicate == 1):
         raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
 
 
-def ulysses_check(model, lay, fw_cfg) -> None:
+def ulysses_check(model, lay) -> None:
     """DeepSpeed-Ulysses (layout.cp: sequence_parallel_size) as DeepSpeed runs it: every rank a slice of
     s / cp tokens (the launcher's); DistributedAttention's all-to-alls scatter the heads
     (sequence/layer.py _generate_layout_params: "Number of heads ... must be divisible by the sequence
@@ -62,8 +65,6 @@ def ulysses_check(model, lay, fw_cfg) -> None:
                               "not modelled)")
     if model.is_moe:
         raise ConfigError(f"deepspeed: cp={lay.cp} (Ulysses) with MoE is not modelled")
-    if fw_cfg is not None:
-        one_of("framework", fw_cfg, "seq_parallel_communication_data_type", ("fp32", "bf16", "fp16"))
 
 
 def recompute_knobs(mode: str) -> dict | None:
