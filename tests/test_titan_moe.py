@@ -124,9 +124,11 @@ def test_ep1_peaks_are_exact(sweep):
     df = sweep["table"]
     pk = df[(df.quantity == "peak_bytes") & ~df.job.isin(
         [records.job_name(r) for r in sweep["ok"] if r["config"]["layout"].get("ep", 1) > 1])]
-    steady = pk[pk.phase == "steady"]
+    steady, first = pk[pk.phase == "steady"], pk[pk.phase == "first"]
     assert len(steady) and (peak_gap(steady) == 0).all(), steady.to_string()
-    assert (pk.rel_err.abs() < 0.01).all(), pk.to_string()
+    # (a steady row is judged by its gap alone: a late free by gloo's worker thread can lift the
+    # measurement by its race_bytes, 1.8% once at s = 512)
+    assert len(first) and (first.rel_err.abs() < 0.01).all(), first.to_string()
 
 
 def _routed_rows(step, model) -> tuple[int | None, ...]:
