@@ -145,11 +145,11 @@ class DeepSpeedConfig(FrameworkConfig):
     # the plain Llama's decoder layers under deepspeed.checkpointing.checkpoint (its reentrant
     # CheckpointFunction), configured through the ds_config "activation_checkpointing" section
     activation_checkpointing: bool = False
-    # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
-    # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
     # DeepSpeed-Ulysses (layout.cp > 1): the dtype its gradient reductions run in (ds_config
     # seq_parallel_communication_data_type; DeepSpeed's default fp32, runtime/constants.py)
     seq_parallel_communication_data_type: str = "fp32"
+    # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
+    # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
     capacity_factor: float = 1.0
     min_capacity: int = 4
     drop_tokens: bool = True

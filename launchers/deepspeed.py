@@ -346,7 +346,7 @@ def _train(cfg, lay: Layout, session) -> dict:
     conf = ds_config(cfg, lay)
     shape = ModelShape.from_config(cfg.model)
     torch.manual_seed(cfg.train.seed)
-    mpu, sp_rank, sequence_parallel = ulysses(lay.cp, shape)
+    mpu, piece, sequence_parallel = ulysses(lay.cp, shape)
     ckpt = None
     if "activation_checkpointing" in conf:
         # as a DeepSpeed user does it (Megatron-DeepSpeed's pattern): configure from the ds_config,
@@ -375,7 +375,6 @@ def _train(cfg, lay: Layout, session) -> dict:
 
     # the DP rank: the global rank, or with Ulysses the sequence group's index (its ranks are consecutive)
     dp_rank, dp, sp = rank // lay.cp, lay.dp, lay.cp
-    piece = slice(sp_rank * shape.seq_len // sp, (sp_rank + 1) * shape.seq_len // sp)
     for step in range(cfg.train.steps):
         losses = []
         with session.step(step):
@@ -400,16 +399,16 @@ def ulysses(cp: int, shape) -> tuple:
     the sequence-data-parallel group all of them), passed to deepspeed.initialize as its mpu, and each
     layer's attention wrapped in deepspeed.sequence.layer.DistributedAttention (the all-to-alls that
     gather the sequence and scatter the heads, scatter_idx 2 / gather_idx 1 on (batch, seq, heads,
-    head_dim)). (mpu, this rank's index in its sequence group, Llama's sequence_parallel)."""
+    head_dim)). (mpu, this rank's slice of every sequence, Llama's sequence_parallel)."""
     if cp == 1:
-        return None, 0, None
+        return None, slice(0, shape.seq_len), None
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.sequence.layer import DistributedAttention
 
     mpu.initialize_sequence_parallel(cp)
-    sp_rank = mpu.get_sequence_parallel_rank()
+    first = mpu.get_sequence_parallel_rank() * (shape.seq_len // cp)
     attend = DistributedAttention(_local_attention_module(), mpu.get_sequence_parallel_group(), scatter_idx=2, gather_idx=1)
-    return mpu, sp_rank, (attend, sp_rank * (shape.seq_len // cp))
+    return mpu, slice(first, first + shape.seq_len // cp), (attend, first)
 
 
 def _local_attention_module():
@@ -530,7 +529,7 @@ if shape.num_experts:   # deepspeed.moe.layer.MoE around each MoE layer's expert
                                     k=shape.moe_router_topk, **moe), "aux_loss_coeff": coeff}
 # DeepSpeed-Ulysses: the sequence groups as deepspeed.initialize's mpu, DistributedAttention in every layer
 sp = conf.get("sequence_parallel_size", 1)
-mpu, sp_rank, seq_parallel = ulysses(sp, shape)
+mpu, piece, seq_parallel = ulysses(sp, shape)   # piece: this rank's slice of every sequence
 if conf["zero_optimization"]["stage"] == 3:
     with deepspeed.zero.Init(config_dict_or_path=conf, mpu=mpu):   # no dtype: the config decides
         model = Llama(shape, checkpoint=ckpt, sequence_parallel=seq_parallel)
@@ -541,7 +540,6 @@ if shape.num_experts:   # the experts in param groups of their own
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "parameters"})
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=conf, mpu=mpu)
-piece = slice(sp_rank * shape.seq_len // sp, (sp_rank + 1) * shape.seq_len // sp)   # this rank's slice
 for step in range(a.steps):
     for micro in range(engine.gradient_accumulation_steps()):
         x, y = batch(shape.vocab, shape.seq_len, engine.train_micro_batch_size_per_gpu(), 1234, step, micro,

@@ -350,8 +350,9 @@ def fake_cpu_device(trainer) -> None:
     # the pipeline's stages took the trainer's device when built (pipelining/stage.py: their vote and
     # metadata buffers are made on stage.device)
     sched = getattr(trainer, "pp_schedule", None)
-    for stage in (getattr(sched, "_stages", None) or [getattr(sched, "_stage", None)]) if sched else []:
-        if stage is not None and stage.device.type == "cpu" and stage.device.index is not None:
+    stages = (getattr(sched, "_stages", None) or [sched._stage]) if sched is not None else []
+    for stage in stages:
+        if stage.device.type == "cpu" and stage.device.index is not None:
             REACHED["fake_cpu_device_pp_stage"] += 1
             stage.device = torch.device("cpu")
 
@@ -376,34 +377,26 @@ def install_fake(pp_activation: tuple | None = None) -> None:
 #    whose buffer size is the received size tensor's value and whose object is unpickled from the received
 #    bytes: on the fake world the neighbour runs in another process or not at all, so neither has a value.
 #    What a real neighbour sends is known: the stage boundary's activation (forward) or its gradient
-#    (backward), each one tensor of pp_activation's shape and dtype (the ledger's
-#    ledger/faithful/titan/pp.py _pp_meta_bytes pickles the same objects). The shim issues the same two
-#    receives (the int64 size, then that many uint8 bytes) so the collectives are the run's, and returns
-#    the object.
+#    (backward), each one tensor of pp_activation's shape and dtype (ledger/faithful/titan/pp.py
+#    stage_metas, whose pickles the ledger counts). The shim issues the same two receives (the int64
+#    size, then that many uint8 bytes) so the collectives are the run's, and returns the object.
 def _fake_pp_recv_meta(shape: tuple, dtype) -> None:
-    import io
-
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
     from torch.distributed.pipelining import stage as pp_stage
-    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+
+    from ledger.faithful.titan.pp import pickled_bytes, stage_metas
 
     if getattr(pp_stage.PipelineStage._recv_meta, "_ledger_fake", False):
         return
+    fwd, bwd = stage_metas(shape, dtype)
 
     def recv_meta(self, src_stage: int):
         REACHED["fake_pp_recv_meta"] += 1
-        if src_stage < self.stage_index:  # the previous stage's output, with its grad required
-            t = torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
-            obj = _StageForwardMeta(forward_metas=extract_tensor_metas((t,)))
-        else:  # the next stage's gradient of this stage's output
-            obj = _StageBackwardMeta(backward_metas=extract_tensor_metas((torch.empty(*shape, dtype=dtype,
-                                                                                      device="meta"),)))
-        f = io.BytesIO()
-        c10d._pickler(f).dump(obj)
+        # the previous stage's output, or the next stage's gradient of this stage's output
+        obj = fwd if src_stage < self.stage_index else bwd
         peer = self._resolve_peer_global_rank(src_stage)
         for buf in (torch.empty(1, dtype=torch.long, device=self.device),
-                    torch.empty(len(f.getvalue()), dtype=torch.uint8, device=self.device)):
+                    torch.empty(pickled_bytes(obj), dtype=torch.uint8, device=self.device)):
             dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, self.group)]).pop().wait()
         return obj
 

@@ -30,7 +30,7 @@ from ledger.grid import DIMS, link_of, node_ranks
 from ledger.layout import ConfigError, Layout, validate
 from ledger.model import ModelShape, numel
 from ledger.parallel import predict
-from ledger.timing.collectives import network_lanes
+from ledger.timing.collectives import network_lanes, network_rate
 
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
@@ -320,7 +320,7 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
         compute_s = (FLOPs per step + recompute's, recompute_flops) / (gpus x peak_tflops x efficiency) x (1 + bubble)
         comm_s[d] = wire bytes of dim d x 8 / (nvlink_gbps if its groups are inside a node else
                     network_gbps x the NICs its groups drive, lanes[d], at most nvlink_gbps) x 1e-9
-                    (ledger/timing/collectives.py network_lanes, the step-time model's rule)
+                    (ledger/timing/collectives.py network_lanes and network_rate, the step-time model's rule)
         exposed   = TP, CP, PP and any other dim in full; the data-parallel dims (dp, dp_replicate,
                     cp-dp) beyond the compute time where the framework overlaps them (overlaps()),
                     in full where it does not
@@ -332,8 +332,8 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
     ov = overlaps(framework, fw)
     dp_s = other_s = 0.0
     for d, b in wire.items():
-        rate = hw.nvlink_gbps if links[d] == "intra" else min(hw.network_gbps * (lanes or {}).get(d, 1),
-                                                              max(hw.nvlink_gbps, hw.network_gbps))
+        rate = hw.nvlink_gbps if links[d] == "intra" else network_rate(hw.network_gbps, (lanes or {}).get(d, 1),
+                                                                       hw.nvlink_gbps)
         t = b * 8 / (rate * 1e9)
         if d in _DP_FAMILY:
             dp_s += t

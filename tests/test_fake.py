@@ -97,7 +97,7 @@ def test_fake_cluster_rejections_name_the_field(overrides, needle):
 
 
 def test_pp_is_accepted_on_the_fake_world():
-    """torchtitan's PP runs on FakeTensors (its P2P vote and metadata exchange shimmed: titan_job_pp),
+    """torchtitan's PP runs on FakeTensors (its P2P vote and metadata exchange shimmed: titan_pp_job),
     Megatron's PP and VP too."""
     check(_compose("cluster=fake", "framework=titan", "layout.pp=2", "layout.dp=4", "layout.global_batch_size=8"))
     check(_compose("cluster=fake", "framework=megatron", "layout.pp=2", "layout.vp=2", "layout.dp=4"))

@@ -29,9 +29,10 @@ def network_lanes(kind: str, ranks_on_node: int) -> int:
     """How many NICs of a node one group's collective drives across nodes, each GPU with its own NIC
     (the presets' DGX / HGX nodes). NCCL's rings and trees leave a node through a channel per NIC its
     ranks there are close to, so a group with g ranks on each node moves its ring traffic over g NICs at
-    once: nccl-tests' inter-node busbw is the node's NICs together, not one NIC (NVIDIA/nccl-tests
-    issue 119: 8 A100 and 4 HDR NICs a node, busbw 85-96 GB/s against "200G x 4 / 8" = 100 GB/s;
-    issue 290, NCCL's maintainer: "for NDR @ 400Gbps you should see 46-48GB/s per NIC"). Groups of the
+    once: nccl-tests' inter-node busbw is the node's NICs together, not one NIC (NVIDIA/nccl-tests'
+    thread "Evaluation of NCCL test result": 8 A100 and 4 HDR NICs a node, busbw 85-96 GB/s against
+    "200G x 4 / 8" = 100 GB/s; its thread "Single-node and multi-node performance of H100 nodes", NCCL's
+    maintainer: "for NDR @ 400Gbps you should see 46-48GB/s per NIC"). Groups of the
     same dim run their collectives at once on their own ranks' NICs, so the share never exceeds g. An
     all_to_all or a send / recv pair sends each rank's own bytes off the node through that rank's NIC:
     one lane."""
@@ -40,14 +41,19 @@ def network_lanes(kind: str, ranks_on_node: int) -> int:
     return max(1, ranks_on_node)
 
 
+def network_rate(per_nic: float, lanes: int, nvlink: float) -> float:
+    """A group's rate across nodes: one NIC's times the lanes it drives (network_lanes), never above
+    NVLink's (the ring's hops inside each node), in the unit the two are given in."""
+    return min(per_nic * lanes, max(nvlink, per_nic))
+
+
 def group_link(hw: Profile, lay, dim: str, kind: str) -> Link:
     """The link a collective over `dim` runs on: NVLink's inside a node; across nodes the network's
-    latency and its per-NIC busbw times network_lanes, never above NVLink's (the ring's hops inside
-    each node)."""
+    latency at network_rate."""
     if link_of(lay, dim, kind, hw.gpus_per_node) == "intra":
         return hw.intra
     lanes = network_lanes(kind, node_ranks(lay, dim, hw.gpus_per_node))
-    return Link(min(hw.inter.busbw_gbps * lanes, max(hw.intra.busbw_gbps, hw.inter.busbw_gbps)), hw.inter.latency_us)
+    return Link(network_rate(hw.inter.busbw_gbps, lanes, hw.intra.busbw_gbps), hw.inter.latency_us)
 
 
 def steps(kind: str, n: int, algorithm: str = "ring") -> int:

@@ -201,6 +201,3 @@ def to_dict(p: Profile) -> dict:
     d["attention_efficiency"] = {k: list(v) for k, v in p.attention_efficiency.items()}
     return d
 
-
-def link(p: Profile, link_class: str) -> Link:
-    return p.intra if link_class == "intra" else p.inter

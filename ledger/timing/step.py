@@ -161,17 +161,17 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                   for s in range(lay.pp)]
     # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks);
     # the CP ring beyond its stage's attention kernels where the policy hides it behind them
-    attn_layer = {k: ops.seconds([o for o in v + bwd_of[k] if o.kind == "attention"], hw) for k, v in fwd_of.items()}
-
-    def cp_hidden(stage: int, rows) -> float:
-        """The stage's CP ring seconds per step that its attention kernels hide."""
-        if not policy.cp_ring_behind_attention:
-            return 0.0
+    def cp_hidden(stage: int, rows, attn_layer: dict) -> float:
+        """The stage's CP ring seconds per step that its attention kernels (a layer's, by kind) hide."""
         ring = sum(t for c, t in rows if c.dim == "cp" and c.kind == "send_recv")
         attn = m * sum(n * attn_layer[k] for c in range(vp) for k, n in kinds[stage, c].items() if n)
         return min(ring, attn)
 
-    hidden_cp = [cp_hidden(s, rows) for s, rows in enumerate(stage_rows)]
+    if policy.cp_ring_behind_attention:
+        attn_layer = {k: ops.seconds([o for o in v + bwd_of[k] if o.kind == "attention"], hw) for k, v in fwd_of.items()}
+        hidden_cp = [cp_hidden(s, rows, attn_layer) for s, rows in enumerate(stage_rows)]
+    else:
+        hidden_cp = [0.0] * lay.pp
     per_mb_tp = [(sum(t for c, t in rows if c.dim not in DP_DIMS) - hidden_cp[s]) / m
                  for s, rows in enumerate(stage_rows)]
 

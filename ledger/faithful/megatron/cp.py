@@ -42,6 +42,7 @@ a2a groups of a2a+p2p are labelled "cp" like the whole group (a sub-group of it)
 from __future__ import annotations
 
 import dataclasses
+from math import prod
 
 from ledger.errors import ConfigError
 from ledger.model import ModelShape, model_dict
@@ -94,7 +95,7 @@ def check(model: ModelShape, lay, k, fw=None) -> None:
                           f"hierarchical_context_parallel_sizes=[a2a, p2p] with a2a x p2p = cp={lay.cp} (got {sizes}; "
                           "TE attn_forward_func_with_cp: 'CP implementation a2a+p2p requires cp_group = "
                           "[a2a_cp_group, p2p_cp_group]', parallel_state.py: prod(sizes) == context_parallel_size)")
-    if sizes is not None and len(sizes) and _prod(sizes) != lay.cp:
+    if sizes is not None and len(sizes) and prod(int(x) for x in sizes) != lay.cp:
         raise ConfigError(f"megatron: framework.hierarchical_context_parallel_sizes={list(sizes)} must multiply to "
                           f"cp={lay.cp} (parallel_state.py initialize_model_parallel: "
                           "np.prod(hierarchical_context_parallel_sizes) == context_parallel_size)")
@@ -107,12 +108,6 @@ def check(model: ModelShape, lay, k, fw=None) -> None:
                                   f"by the a2a size {split} (TE context_parallel.py: \"cp_comm_type='a2a' requires "
                                   "num_heads % cp_size == 0 for Q, K, V\")")
 
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 def flat(model: ModelShape, lay) -> tuple[ModelShape, object]:

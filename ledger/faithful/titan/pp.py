@@ -64,21 +64,34 @@ def _pp_meta_bytes(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=64)
 def _pp_meta_bytes_cached(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
-    import io
-
     import torch
-    from torch.distributed import distributed_c10d as c10d
+
+    fwd, bwd = stage_metas((mbs, seq, hidden), torch.bfloat16)
+    return pickled_bytes(fwd), pickled_bytes(bwd)
+
+
+def stage_metas(shape: tuple, dtype) -> tuple:
+    """The metadata a stage sends its neighbours in step 0 (pipelining/stage.py _send_meta):
+    _StageForwardMeta of its output (one tensor of `shape` and `dtype`, its grad required) to the next
+    stage, _StageBackwardMeta of its input's grad to the previous one."""
+    import torch
     from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
 
-    out = torch.empty(mbs, seq, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    grad = torch.empty(mbs, seq, hidden, dtype=torch.bfloat16, device="meta")
-    sizes = []
-    for obj in (_StageForwardMeta(forward_metas=extract_tensor_metas((out,))),
-                _StageBackwardMeta(backward_metas=extract_tensor_metas((grad,)))):
-        f = io.BytesIO()
-        c10d._pickler(f).dump(obj)
-        sizes.append(len(f.getvalue()))
-    return sizes[0], sizes[1]
+    out = torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
+    grad = torch.empty(*shape, dtype=dtype, device="meta")
+    return (_StageForwardMeta(forward_metas=extract_tensor_metas((out,))),
+            _StageBackwardMeta(backward_metas=extract_tensor_metas((grad,))))
+
+
+def pickled_bytes(obj) -> int:
+    """Bytes send_object_list sends of an object (distributed_c10d._object_to_tensor's pickle)."""
+    import io
+
+    from torch.distributed import distributed_c10d as c10d
+
+    f = io.BytesIO()
+    c10d._pickler(f).dump(obj)
+    return len(f.getvalue())
 
 
 @lru_cache(maxsize=256)
