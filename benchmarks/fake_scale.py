@@ -16,7 +16,9 @@ not to the byte, a peak more than 1% away; a peak's parts are reported, not coun
                 (titan-pp) FSDP128·PP8
     16k         world 16,384: Megatron Llama-3-405B TP8·PP16·DP128 interleaved (SP, vp 2, the embedding and
                 the loss counted as layers: 126 + 2 over 32 virtual stages, 16 micro-batches), DeepSpeed
-                ZeRO-3 of Llama-3-70B at DP 16,384 (torchtitan's TP8·PP16: its ledger models PP over FSDP only)
+                ZeRO-3 of Llama-3-70B at DP 16,384, torchtitan Llama-3-405B FSDP128·TP8·PP16 (SP, 1F1B, 16
+                micro-batches)
+    llama3_405b world 512: torchtitan FSDP8·TP8·PP8 (SP, 1F1B, 8 micro-batches), its own 405B layout
 
 `--ranks default` materialises the ledger's choice (rank 0 and each stage's most-loaded rank);
 `--ranks 0` one rank per job, for a quick figure.
@@ -57,10 +59,18 @@ LAYOUTS = {
                      "framework.account_for_embedding_in_pipeline_split=true",
                      "framework.account_for_loss_in_pipeline_split=true"],
         "deepspeed": ["framework=deepspeed", "framework.zero_stage=3", "layout.dp=16384"],
+        # torchtitan's 405B layout (FSDP·TP8·PP16, SP, 1F1B with 16 micro-batches a step)
+        "titan": ["framework=titan", "layout.tp=8", "layout.pp=16", "layout.dp=128", "layout.sequence_parallel=true",
+                  "layout.global_batch_size=2048"],
+    },
+    "llama3_405b": {
+        # torchtitan's own 405B config: FSDP8·TP8·PP8 with SP, 1F1B, 8 micro-batches a step
+        "titan": ["framework=titan", "layout.tp=8", "layout.pp=8", "layout.dp=8", "layout.sequence_parallel=true",
+                  "layout.global_batch_size=64"],
     },
 }
 # a shape that is not a model's name: each framework's model
-MODEL_OF = {"16k": {"megatron": "llama3_405b", "deepspeed": "llama3_70b"}}
+MODEL_OF = {"16k": {"megatron": "llama3_405b", "deepspeed": "llama3_70b", "titan": "llama3_405b"}}
 
 
 def run_one(shape: str, fw: str, seq: int, ranks: str, out: str, timeout_s: int) -> dict:

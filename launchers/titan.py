@@ -338,14 +338,14 @@ def run_rank(cfg, lay, session) -> dict:
     run_ctx = contextlib.ExitStack()
     if fake_world:
         from launchers import fake
+        from ledger.faithful.titan.pp import boundary
 
         # the fake world first: Trainer.init_distributed (distributed/utils.py init_distributed) skips
         # its own init_process_group when one exists
         fake.init_process_group()
         # the model's storages become FakeTensors (trainer.py to_empty); with PP the stage boundary's
-        # activation, [micro-batch, seq, hidden] in the compute dtype, for the metadata exchange
-        act = ((lay.micro_batch_size, cfg.model.seq_len, cfg.model.hidden), titan_cpu.compute_dtype(cfg)) \
-            if lay.pp > 1 else None
+        # activation (the rank's [micro-batch, S, hidden] slice) in the compute dtype, for the metadata exchange
+        act = (boundary(cfg.model, lay), titan_cpu.compute_dtype(cfg)) if lay.pp > 1 else None
         titan_cpu.install_fake(act)
         # data-dependent reads of them answered at titan_cpu.FAKE_SCALAR_SITES
         run_ctx.enter_context(fake.scalar_reads(titan_cpu.fake_scalar_sites(lay.pp)))
@@ -443,6 +443,7 @@ def _train(trainer_config, session, fake_world: bool, fsdp_mem_tracker: bool = F
     out = {"cpu_redirects": titan_cpu.reached()}
     if fake_world:
         from launchers import fake
+        from ledger.faithful.titan.pp import boundary
 
         out["fake_scalar_reads"] = fake.scalar_read_hits()
     return out

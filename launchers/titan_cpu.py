@@ -365,8 +365,8 @@ def compute_dtype(cfg):
 
 def install_fake(pp_activation: tuple | None = None) -> None:
     """The shims a fake-world run (cluster=fake) needs besides the CPU ones; never on a real run.
-    Each counts in REACHED under a `fake_` key. pp_activation: (shape, dtype) of the tensor a pipeline
-    stage sends its neighbour, with PP."""
+    Each counts in REACHED under a `fake_` key. pp_activation: (pp.Boundary, dtype) of the tensor a
+    pipeline stage sends its neighbour, with PP."""
     _fake_to_empty()
     if pp_activation is not None:
         _fake_pp_recv_meta(*pp_activation)
@@ -377,10 +377,10 @@ def install_fake(pp_activation: tuple | None = None) -> None:
 #    whose buffer size is the received size tensor's value and whose object is unpickled from the received
 #    bytes: on the fake world the neighbour runs in another process or not at all, so neither has a value.
 #    What a real neighbour sends is known: the stage boundary's activation (forward) or its gradient
-#    (backward), each one tensor of pp_activation's shape and dtype (ledger/faithful/titan/pp.py
+#    (backward), each one tensor of pp_activation's boundary and dtype (ledger/faithful/titan/pp.py
 #    stage_metas, whose pickles the ledger counts). The shim issues the same two receives (the int64
 #    size, then that many uint8 bytes) so the collectives are the run's, and returns the object.
-def _fake_pp_recv_meta(shape: tuple, dtype) -> None:
+def _fake_pp_recv_meta(b, dtype) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import stage as pp_stage
 
@@ -388,7 +388,7 @@ def _fake_pp_recv_meta(shape: tuple, dtype) -> None:
 
     if getattr(pp_stage.PipelineStage._recv_meta, "_ledger_fake", False):
         return
-    fwd, bwd = stage_metas(shape, dtype)
+    fwd, bwd = stage_metas(b, dtype)
 
     def recv_meta(self, src_stage: int):
         REACHED["fake_pp_recv_meta"] += 1

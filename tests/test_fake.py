@@ -122,9 +122,10 @@ def test_fake_ranks_out_of_range_is_an_invalid_record(tmp_path):
 JOBS = {
     "titan": ("framework=titan", "layout.tp=2", "layout.dp=4", "layout.sequence_parallel=true",
               "model.vocab=1001", "cluster.fake_ranks=[1]"),
-    # PP over FSDP, 2 micro-batches: a rank of each stage
-    "titan_pp": ("framework=titan", "layout.pp=2", "layout.dp=4", "layout.global_batch_size=8",
-                 "cluster.fake_ranks=[0,4]"),
+    # PP over FSDP x TP with SP (torchtitan's 3D layout, its default selective AC), 2 micro-batches: a rank
+    # of each stage
+    "titan_pp": ("framework=titan", "layout.pp=2", "layout.tp=2", "layout.dp=2", "layout.sequence_parallel=true",
+                 "layout.global_batch_size=4", "cluster.fake_ranks=[0,5]"),
     "megatron": ("framework=megatron", "layout.tp=2", "layout.pp=2", "layout.dp=2", "layout.sequence_parallel=true",
                  "framework.overlap_grad_reduce=true", "layout.global_batch_size=4"),
     # ZeRO-1 and ZeRO-3 in one launch (a two-job sweep): their fake shims and read sites differ
@@ -209,13 +210,14 @@ def test_titan_fake_job(titan_job):
 
 @pytest.mark.real
 def test_titan_pp_fake_job(titan_pp_job):
-    """PP2 over FSDP4 (1F1B, 2 micro-batches), a rank of each stage: every state and collective row exact,
-    step 0's P2P vote and metadata exchange included; the vote's read answered (DYNAMIC, as a CPU run
-    votes) and each stage's received metadata made by the counted shim, the same receives issued."""
+    """PP2 over FSDP2·TP2 with SP (1F1B, 2 micro-batches, selective AC), a rank of each stage: every state
+    and collective row exact, step 0's P2P vote and metadata exchange included (the stage boundary a
+    Shard(1) DTensor); the vote's read answered (DYNAMIC, as a CPU run votes) and each stage's received
+    metadata made by the counted shim, the same receives issued."""
     from launchers import titan_cpu
 
     rec, ranks = titan_pp_job
-    _reconciles(rec, [0, 4])
+    _reconciles(rec, [0, 5])
     for d in ranks.values():
         reached = {k for k in d["cpu_redirects"] if k.startswith("fake_")}
         assert reached == {"fake_to_empty", "fake_cpu_device", "fake_cpu_device_pp_stage", "fake_pp_recv_meta"}

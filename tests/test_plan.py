@@ -120,7 +120,9 @@ def test_sort_orders_the_fitting_rows(sort):
     plan = search(preset("tiny"), HW8, Space(8, (1, 2)), _bases("megatron", "titan"), sort=sort)
     fits = [r for r in plan.rows if r.fits]
     key = (lambda r: r.peak_bytes) if sort == "peak" else (lambda r: r.wire_total)
-    assert len(fits) > 3 and [key(r) for r in fits] == sorted(key(r) for r in fits)
+    # those judged on a predicted peak first, those that fit on their resident state only after
+    grouped = [(r.peak_includes == RESIDENT_ONLY, key(r)) for r in fits]
+    assert len(fits) > 3 and grouped == sorted(grouped)
 
 
 def test_enumerator_covers_the_space():
@@ -244,7 +246,8 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
         assert set(r["links"]) == set(r["wire_bytes"]) and set(r["links"].values()) <= {"intra", "inter"}
     fits = [r for r in rows if r["fits"]]
     assert all(r["peak_bytes"] <= 0.9 * 80e9 for r in fits)
-    assert [r["est_step_s"] for r in fits] == sorted(r["est_step_s"] for r in fits)
+    grouped = [(r["peak_includes"] == RESIDENT_ONLY, r["est_step_s"]) for r in fits]
+    assert grouped == sorted(grouped)
     assert any(n.startswith(f"peak = {PEAK_INCLUDES}") for n in p["notes"])
     assert (tmp_path / "job" / "plan.png").stat().st_size > 0 and (tmp_path / "job" / "plan.csv").exists()
     sweep = yaml.safe_load((tmp_path / "sweeps" / "llama3_70b_1024gpus_all.yaml").read_text())

@@ -133,7 +133,7 @@ def _pp_moments(m, lay, rank):
     st = L.place(m, lay, _fw(activation_checkpoint="none")).rank_state(rank)
     s, ds = st.stage, lay.dp_shard
     emb, block, head = [sum([prod(p.shape) for p in u]) for u in F.unit_params(m, 1)]
-    return st, PK.pp_moments(m, lay, PP.pp_stages(m.layers, lay.pp)[s], s, PP._stage_sharded(m, ds, lay.pp, s),
+    return st, PK.pp_moments(m, lay, PP.pp_stages(m.layers, lay.pp)[s], s, PP._stage_sharded(m, 1, ds, lay.pp, s),
                             st.params_bytes + st.optim_bytes + st.other_bytes, st.grads_bytes, emb, block, head)
 
 
@@ -157,7 +157,7 @@ def test_pp_moments_follow_pipelining():
             want = {f"micro-batch {lay.num_microbatches - 1}"} if last else {"micro-batch 0", "micro-batch 1"}
             assert blocks == want
             red = [x for x in ms if x.what.startswith("perform_reduce_grad: block")]
-            sh = PP._stage_sharded(m, ds, lay.pp, st.stage)
+            sh = PP._stage_sharded(m, 1, ds, lay.pp, st.stage)
             for a, b in zip(red, red[1:]):
                 assert a.bytes - b.bytes == block * 2 + block * 4 - sh.layer_full // ds * 4
             bwd = {x.what: x for x in ms if "backward at block" in x.what}

@@ -26,7 +26,7 @@ def lay(**kw):
     ("tiny", dict(pp=3, dp=1), "titan", "pp*vp=3*1 does not divide layers=4"),
     ("tiny", dict(dp=2, global_batch_size=3), "megatron", "global_batch_size=3"),
     ("tiny", dict(tp=2, dp=1), "deepspeed", "deepspeed: tp=2"),
-    ("tiny", dict(pp=2, dp=1, tp=2), "titan", "titan: pp=2 with tp=2"),
+    ("tiny", dict(pp=2, dp=1, tp=2, vp=2), "titan", "titan: vp=2: looped pipeline schedules"),
     ("tiny", dict(dp=4, dp_replicate=3), "titan", "dp_replicate=3 does not divide dp=4"),
     ("tiny", dict(ep=2, dp=1), "megatron", "ep=2"),
     ("tiny", dict(dp=1, sequence_parallel=True), "megatron", "sequence_parallel=true needs tp > 1"),

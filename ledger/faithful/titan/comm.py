@@ -107,13 +107,13 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
         acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L, "CP K/V all-gather")
         acc.add("cp", "reduce_scatter", kv, cp, "bf16", 2 * L, "CP K/V grads")
         # a checkpointed block's recompute gathers K and V again (not in SAC's save list)
-        acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L * _recomputed(fw, "all_gather"), "CP K/V all-gather, recompute")
+        acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L * recomputed(fw, "all_gather"), "CP K/V all-gather, recompute")
     if tp > 1:
         _tp_comm(acc, model, lay, fw, cpu_mesh)
     return acc.build()
 
 
-def _recomputed(fw, kind: str) -> bool:
+def recomputed(fw, kind: str) -> bool:
     """Whether a checkpointed block's recompute in its backward runs its forward collectives of this
     kind again (distributed/activation_checkpoint.py): full AC saves nothing inside the block, so
     every one; selective AC's save list has _c10d_functional.reduce_scatter_tensor (and all_to_all)
@@ -127,7 +127,7 @@ def _recomputed(fw, kind: str) -> bool:
 def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, cpu_mesh: bool = True) -> None:
     """TP collectives of models/common/decoder_sharding.py's plan (models/llama3/sharding.py) as
     DTensor runs it, with or without sequence parallelism (parallelism.enable_sequence_parallel), and
-    a checkpointed block's forward ones again in its recompute (_recomputed)."""
+    a checkpointed block's forward ones again in its recompute (recomputed)."""
     tp, L, h = lay.tp, model.layers, model.hidden
     T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens: CP splits the sequence
     act = T * h * BF16
@@ -148,11 +148,11 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, cpu_mesh: boo
         acc.add_several("tp", "reduce_scatter", "bf16", tp,
                    ((act, blocks, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
                     (act, blocks, "SP backward: Partial grads of the gathered inputs scattered"),
-                    (act, 2 * L * _recomputed(fw, "reduce_scatter"), "SP: rowwise outputs, recompute")))
+                    (act, 2 * L * recomputed(fw, "reduce_scatter"), "SP: rowwise outputs, recompute")))
         acc.add_several("tp", "all_gather", "bf16", tp,
                    ((act, blocks, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
                     (act, blocks, "SP backward: grads of the Partial -> Shard(1) outputs gathered"),
-                    (act, 2 * L * _recomputed(fw, "all_gather"), "SP: attention/ffn inputs, recompute")))
+                    (act, 2 * L * recomputed(fw, "all_gather"), "SP: attention/ffn inputs, recompute")))
     else:
         # forward: tok_embeddings (vocab-parallel, Partial -> Replicate) and rowwise wo, w2 outputs;
         # backward: ChunkedLossWrapper hands the hidden grad back Partial (loss.py
@@ -160,7 +160,7 @@ def _tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, cpu_mesh: boo
         # and is reduced once, at tok_embeddings' local_map output (Partial -> Replicate)
         acc.add_several("tp", "all_reduce", "bf16", tp, ((act, blocks, "embedding + rowwise outputs"),
                                                           (act, 1, "residual-stream grad at tok_embeddings"),
-                                                          (act, 2 * L * _recomputed(fw, "all_reduce"),
+                                                          (act, 2 * L * recomputed(fw, "all_reduce"),
                                                            "rowwise outputs, recompute")))
     # backward: every norm's weight grad is Partial on tp (with SP: a Replicate weight times a
     # Shard(1) input) and FSDP's post-backward (_fsdp_param.py _get_grad_inner_tensor) redistributes

@@ -178,6 +178,12 @@ def w2_grad_placements(model: ModelShape, T: int, tp: int, sp: bool = False) -> 
     return _mm_fast((g_row, h * T), ("S1", T * f), tp)[0], _mm_fast((g_row, T * h), ("S1", h * f), tp)[0]
 
 
+# the roles of layer_backward_moves' collectives: a weight grad's mm inputs, an input grad's mm inputs
+# and the redistributions of the grad that follow it, FSDP's post-backward move of a weight grad to
+# its param's placement (with PP once per step, on the accumulated fp32 grad: pp.py)
+WEIGHT, INPUT, PARAM = "weight", "input", "param"
+
+
 @lru_cache(maxsize=1024)
 def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False, cpu_mesh: bool = True
                         ) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], bool]:
@@ -186,35 +192,45 @@ def layer_backward_comm(model: ModelShape, T: int, tp: int, sp: bool = False, cp
     strategy was chosen by DTensor's cost model (else every mm took its inputs as they came).
     cpu_mesh: the TP mesh's device type is cpu (the target's rules: target.py), where a Shard -> Shard
     redistribution runs as an all-gather (_executed)."""
+    moves, undone, priced = layer_backward_moves(model, T, tp, sp, cpu_mesh)
+    return tuple((k, n) for k, n, _ in moves), undone, priced
+
+
+@lru_cache(maxsize=1024)
+def layer_backward_moves(model: ModelShape, T: int, tp: int, sp: bool = False, cpu_mesh: bool = True
+                         ) -> tuple[tuple[tuple[str, int, str], ...], tuple[str, ...], bool]:
+    """layer_backward_comm with each collective's role (WEIGHT, INPUT, PARAM): what a pipeline stage
+    runs per micro-batch (WEIGHT, INPUT), in its backward metadata inference (INPUT: autograd.grad of
+    the stage input alone) and once per step (PARAM)."""
     h, f = model.hidden, model.ffn_hidden
     q = model.heads * model.head_dim
-    out: list[tuple[str, int]] = []
+    out: list[tuple[str, int, str]] = []
     undone: list[str] = []
     priced = False
     g_row = "R" if sp else "P"  # the grad reaching a rowwise output (placements above _MM)
     for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h], x2d [T,k] S1, W [h,k] S1
         o, m, pr = _mm_fast((g_row, h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
-        out += m
+        out += [(kind, n, WEIGHT) for kind, n in m]
         priced |= pr
         if o == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
-            out.append(("reduce_scatter", h * k))
+            out.append(("reduce_scatter", h * k, PARAM))
         elif o not in ("S1", "R"):
             undone.append(f"{name} weight grad leaves mm as {o}")
         o, m, pr = _mm_fast((g_row, T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
-        out += m
+        out += [(kind, n, INPUT) for kind, n in m]
         priced |= pr
         if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
-            out.append(("reduce_scatter", T * k))
+            out.append(("reduce_scatter", T * k, INPUT))
         elif name == "w2" and o == "P":
             # SwiGLU's backward (silu(w1 x) * w3 x): each factor's grad is mul(grad, the other factor), a
             # Partial times a Shard(2): the propagator reduce-scatters the Partial grad to Shard(2) for
             # each of the two muls (aten.mul.Tensor P -> S(2)); measured: tp4 no SP, hidden 1024, ffn
             # 3584, T 1024 (tests/test_titan.py), two [T, ffn] reduce-scatters per layer
-            out += [("reduce_scatter", T * k)] * 2
+            out += [("reduce_scatter", T * k, INPUT)] * 2
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
     # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
     # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
     # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
-    return tuple((_executed(k, cpu_mesh), n) for k, n in out), tuple(undone), priced
+    return tuple((_executed(k, cpu_mesh), n, role) for k, n, role in out), tuple(undone), priced

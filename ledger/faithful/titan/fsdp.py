@@ -88,6 +88,12 @@ def rows_of(d0: int, ds: int, k: int) -> int:
     return max(0, min(d0 - k * c, c))
 
 
+def vocab_split_note(vocab: int, tp: int) -> str:
+    """The Placement's note where tp does not divide the vocab (each TP rank's rows: _shard_tp)."""
+    return (f"titan tp: vocab {vocab} split as torch.chunk over tp={tp} (DTensor Shard(0)): "
+            + ", ".join(str(rows_of(vocab, tp, t)) for t in range(tp)) + " rows")
+
+
 class Sharded(NamedTuple):
     """What the state and the FSDP collectives of one (model, tp, dp_shard) need, in elements."""
     n_params: int

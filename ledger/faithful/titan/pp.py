@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import prod
+from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.comm import mesh_labels
-from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params
-from ledger.faithful.titan.peak import notes as peak_notes
+from ledger.faithful.titan.comm import recomputed, mesh_labels
+from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
+from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params, vocab_split_note
+from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_peak import pp_peak
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.grid import Grid
@@ -53,34 +55,78 @@ def pp_stages(layers: int, pp: int, input_weight: int = 1, output_weight: int = 
     return tuple(out)
 
 
-def _pp_meta_bytes(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
+class Boundary(NamedTuple):
+    """The tensor a stage sends its neighbour per micro-batch (p2p_shape: the rank's [mbs, S, hidden]
+    bf16 slice of the residual stream) and, with TP, the DTensor it is a local shard of: its global
+    shape on the 1-D tp mesh and whether sequence parallelism shards it (Shard(1))."""
+    shape: tuple[int, int, int]
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def global_shape(self) -> tuple[int, int, int]:
+        mbs, S, h = self.shape
+        return mbs, S * (self.tp if self.sp else 1), h
+
+
+def boundary(model: ModelShape, lay: Layout) -> Boundary:
+    """The layout's Boundary (model: its seq_len and hidden are read, a ModelShape or the job's config)."""
+    return Boundary(p2p_shape(model, lay), lay.tp, bool(lay.sequence_parallel) and lay.tp > 1)
+
+
+def _pp_meta_bytes(b: Boundary) -> tuple[int, int]:
     """Bytes of the pickled metadata a stage sends in the first step (pipelining/stage.py
     _send_meta -> dist.send_object_list, pickled by distributed_c10d._object_to_tensor):
-    _StageForwardMeta of the stage output and _StageBackwardMeta of the input grad, both one
-    [mbs, seq, hidden] bf16 tensor. Pickled from torch's own classes (imported only here, on the
-    first read of a first-step list, cached)."""
-    return _pp_meta_bytes_cached(mbs, seq, hidden)
+    _StageForwardMeta of the stage output and _StageBackwardMeta of the input grad (stage_metas).
+    Pickled from torch's own classes (imported only here, on the first read of a first-step list,
+    cached)."""
+    return _pp_meta_bytes_cached(b)
 
 
 @lru_cache(maxsize=64)
-def _pp_meta_bytes_cached(mbs: int, seq: int, hidden: int) -> tuple[int, int]:
+def _pp_meta_bytes_cached(b: Boundary) -> tuple[int, int]:
     import torch
 
-    fwd, bwd = stage_metas((mbs, seq, hidden), torch.bfloat16)
+    fwd, bwd = stage_metas(b, torch.bfloat16)
     return pickled_bytes(fwd), pickled_bytes(bwd)
 
 
-def stage_metas(shape: tuple, dtype) -> tuple:
+def stage_metas(b: Boundary, dtype) -> tuple:
     """The metadata a stage sends its neighbours in step 0 (pipelining/stage.py _send_meta):
-    _StageForwardMeta of its output (one tensor of `shape` and `dtype`, its grad required) to the next
-    stage, _StageBackwardMeta of its input's grad to the previous one."""
+    _StageForwardMeta of its output (grad required) to the next stage, _StageBackwardMeta of its
+    input's grad to the previous one, each one tensor of the boundary's local shape and `dtype`. With TP
+    both are DTensors on the tp mesh (pipelining/_utils.py _DTensorMeta: local and global shape,
+    placements, the mesh's names and layout; tp is the innermost mesh dim, stride 1): the output
+    Replicate (the rowwise outputs' all-reduce) and its grad Partial (the residual grad stays Partial
+    down to tok_embeddings: dtensor.py), both Shard(1) with sequence parallelism."""
     import torch
-    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+    from torch.distributed.pipelining._utils import (_StageBackwardMeta, _StageForwardMeta, _DTensorMeta,
+                                                     extract_tensor_metas)
 
-    out = torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
-    grad = torch.empty(*shape, dtype=dtype, device="meta")
-    return (_StageForwardMeta(forward_metas=extract_tensor_metas((out,))),
-            _StageBackwardMeta(backward_metas=extract_tensor_metas((grad,))))
+    if b.tp == 1:
+        out = torch.empty(*b.shape, dtype=dtype, device="meta", requires_grad=True)
+        grad = torch.empty(*b.shape, dtype=dtype, device="meta")
+        return (_StageForwardMeta(forward_metas=extract_tensor_metas((out,))),
+                _StageBackwardMeta(backward_metas=extract_tensor_metas((grad,))))
+    from torch.distributed._mesh_layout import _MeshLayout
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    def meta(placement, requires_grad: bool):
+        return _DTensorMeta(shape=torch.Size(b.shape), stride=_contiguous(b.shape), dtype=dtype,
+                            requires_grad=requires_grad, global_shape=torch.Size(b.global_shape),
+                            global_stride=_contiguous(b.global_shape), placements=(placement,),
+                            mesh_dim_names=("tp",), mesh_layout=_MeshLayout.from_sizes_strides((b.tp,), (1,)))
+    fwd, bwd = (Shard(1), Shard(1)) if b.sp else (Replicate(), Partial())
+    return _StageForwardMeta(forward_metas=(meta(fwd, True),)), _StageBackwardMeta(backward_metas=(meta(bwd, False),))
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
 
 
 def pickled_bytes(obj) -> int:
@@ -112,52 +158,75 @@ def _stage_kinds(layers: int, pp: int) -> tuple[tuple[tuple[bool, int, bool], ..
 
 def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
     """states.place with pp > 1: each rank's state is its stage's modules' FSDP shards (_pp_parts), its
-    collectives its stage's (_pp_comm), its peak pp_peak's (rules: the target's, target.py; None: cpu-gloo)."""
-    if fw.reshard_after_forward == "always" or lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1 or lay.vp > 1:
-        raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B over FSDP (dp_shard) only, "
-                          "reshard_after_forward default/never (see ledger.layout.validate)")
+    collectives its stage's (_pp_comm), its peak pp_peak's (rules: the target's, target.py; None: cpu-gloo).
+    A vocab tp does not divide gives each TP rank its own rows of tok_embeddings and lm_head (states.py
+    _place_uneven_vocab): a placement per TP rank, each rank asking its own."""
+    if fw.reshard_after_forward == "always" or lay.vp > 1:
+        raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B, reshard_after_forward default/never "
+                          "(see ledger.layout.validate)")
+    if lay.tp == 1 or model.vocab % lay.tp == 0:
+        return _place_pp_tp_rank(model, lay, fw, rules, 0)
+    pls = [_place_pp_tp_rank(model, lay, fw, rules, t) for t in range(lay.tp)]
+    states = [p.rank_state for p in pls]
+    grid = lay.grid
+    pls[0].rank_state = lambda r: states[grid.coords(r)["tp"]](r)
+    pls[0].notes.append(vocab_split_note(model.vocab, lay.tp))
+    return pls[0]
+
+
+def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Placement:
+    """place_pp for the ranks of TP rank t."""
     grid: Grid = lay.grid
-    ds, P = lay.dp_shard, lay.pp
+    ds, P = lay.dp_shard * lay.cp, lay.pp  # FSDP shards over "fsdp" = dp_shard x cp (states.py)
     stages = pp_stages(model.layers, P)
     views = lay.num_microbatches >= 2
+    cpu_mesh = True if rules is None else rules.cpu_mesh
     memo: dict = {}
 
     def comm_of(s: int, first: bool):
         if (s, first) not in memo:
-            memo[s, first] = _pp_comm(model, lay, _stage_sharded(model, ds, P, s), stages[s], s, first, grid)
+            memo[s, first] = _pp_comm(model, lay, fw, _stage_sharded(model, lay.tp, ds, P, s, t), stages[s], s,
+                                      first, grid, cpu_mesh)
         return memo[s, first]
 
     def state(s: int, k: int) -> RankState:
-        st = build_state(_pp_parts(model, ds, P, s, k, views), lambda: comm_of(s, False), lambda: comm_of(s, True))
+        st = build_state(_pp_parts(model, lay.tp, ds, P, s, k, views, t), lambda: comm_of(s, False),
+                         lambda: comm_of(s, True))
         st.stage = s
         kept = st.params_bytes + st.optim_bytes + st.other_bytes
         grads = st.grads_bytes
 
         def peak():  # pp_peak.py
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, 1)]
-            return pp_peak(model, lay, stages[s], s, _stage_sharded(model, ds, P, s), kept, grads,
+            return pp_peak(model, lay, stages[s], s, _stage_sharded(model, 1, ds, P, s), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
 
-        st.peak = peak
+        # pp_peak derives the stage's moments over FSDP alone; with tp, cp or dp_replicate it is not modelled
+        st.peak = peak if lay.tp == lay.cp == lay.dp_replicate == 1 else None
         return st
 
-    pl = placement(model, lay, grid, lambda s: _stage_sharded(model, ds, P, s), _heaviest_stage(model, ds, P, views),
-                   state)
-    pl.notes.extend(peak_notes(lay, fw))
+    pl = placement(model, lay, grid, lambda s: _stage_sharded(model, lay.tp, ds, P, s, t),
+                   _heaviest_stage(model, lay.tp, ds, P, views, t), state)
+    if lay.tp == lay.cp == lay.dp_replicate == 1:
+        pl.notes.extend(peak_notes(lay, fw))
+    else:
+        pl.notes.append(f"titan PP with tp={lay.tp} cp={lay.cp} dp_replicate={lay.dp_replicate}: states and "
+                        "collectives predicted; the peak within a step is modelled over FSDP alone (no peak row)")
     return pl
 
 
-def _stage_sharded(model: ModelShape, ds: int, P: int, s: int) -> Sharded:
-    """Sharded of stage s's modules (sharded_part of its kind: cached, once per kind)."""
+def _stage_sharded(model: ModelShape, tp: int, ds: int, P: int, s: int, t: int = 0) -> Sharded:
+    """Sharded of stage s's modules on TP rank t (sharded_part of its kind: cached, once per kind)."""
     kinds, _, kind_of = _stage_kinds(model.layers, P)
-    return sharded_part(model, 1, ds, *kinds[kind_of[s]])
+    return sharded_part(model, tp, ds, *kinds[kind_of[s]], t)
 
 
-def _pp_parts(model: ModelShape, ds: int, P: int, s: int, k: int, views_norm_rs: bool) -> list[tuple[str, str, int]]:
-    """state_parts of stage s's shard rank k; views_norm_rs: num_microbatches >= 2."""
+def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views_norm_rs: bool, t: int = 0
+              ) -> list[tuple[str, str, int]]:
+    """state_parts of stage s's shard rank k on TP rank t; views_norm_rs: num_microbatches >= 2."""
     stage = pp_stages(model.layers, P)[s]
-    sh = _stage_sharded(model, ds, P, s)
+    sh = _stage_sharded(model, tp, ds, P, s, t)
     out = state_parts(model, sh, k, ds, layers=stage[2])
     if stage[3] and views_norm_rs:
         # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
@@ -171,21 +240,22 @@ def _pp_parts(model: ModelShape, ds: int, P: int, s: int, k: int, views_norm_rs:
 
 
 @lru_cache(maxsize=256)
-def _heaviest_stage(model: ModelShape, ds: int, P: int, views_norm_rs: bool) -> int:
+def _heaviest_stage(model: ModelShape, tp: int, ds: int, P: int, views_norm_rs: bool, t: int = 0) -> int:
     """The first stage of the most-loaded kind, summed from its shard rank 0's parts (max: the first
-    stage on ties). Cached: the layouts of one (dp_shard, pp) share it, whatever their micro-batches."""
-    load = {s: sum([b for _, _, b in _pp_parts(model, ds, P, s, 0, views_norm_rs)])
+    stage on ties). Cached: the layouts of one (tp, shard degree, pp) share it, whatever their micro-batches."""
+    load = {s: sum([b for _, _, b in _pp_parts(model, tp, ds, P, s, 0, views_norm_rs, t)])
             for s in _stage_kinds(model.layers, P)[1]}
     return max(load, key=load.get)
 
 
-def _pp_comm(model: ModelShape, lay: Layout, sh: Sharded, stage: tuple[bool, int, int, bool], s: int,
-             first: bool, grid: Grid | None = None) -> list[Comm]:
+def _pp_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool, int, int, bool], s: int,
+             first: bool, grid: Grid | None = None, cpu_mesh: bool = True) -> list[Comm]:
     """One optimizer step of pipeline stage s under 1F1B (torch pipelining/schedules.py
-    Schedule1F1B, stage.py), FSDP over dp_shard; first: step 0 (the schedule's one-time set-up)."""
+    Schedule1F1B, stage.py), FSDP over dp_shard x cp (HSDP's all-reduces over dp_replicate), TP and CP
+    per micro-batch (_pp_tp_comm, _pp_cp_comm); first: step 0 (the schedule's one-time set-up)."""
     has_emb, _, L, has_head = stage
-    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
-    fsdp = mesh_labels(grid or lay.grid)[0]
+    ds, P, n, rep = lay.dp_shard * lay.cp, lay.pp, lay.num_microbatches, lay.dp_replicate
+    fsdp, batch_dim, loss_dim = mesh_labels(grid or lay.grid)
     emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     acc = CommBuilder()
     # fsdp.py get_fsdp_reshard_after_forward_policy: with PP "default" (and "never") is False for
@@ -213,8 +283,9 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: Sharded, stage: tuple[bool, int
                      (head, n - 1, "lm_head + accumulated norm grad (later micro-batches, last chunk)"),
                      (sh.norm_full, 1, "norm grad (perform_reduce_grad)")]
     # P2P (stage.py get_fwd_send_ops / get_bwd_send_ops, dist.isend/irecv on the pp group): one
-    # activation forward and one grad backward per micro-batch, each a [mbs, seq, hidden] bf16 tensor
-    act = lay.micro_batch_size * model.seq_len * model.hidden * BF16
+    # activation forward and one grad backward per micro-batch, each the rank's [mbs, S, hidden] bf16
+    # slice of the residual stream (p2p_shape)
+    act = prod(p2p_shape(model, lay)) * BF16
     after, before = s < P - 1, s > 0  # a next stage, a previous one
     acc.add_p2p("pp", act, act, "bf16", "activation send / grad recv, per micro-batch", n * after)
     acc.add_p2p("pp", act, act, "bf16", "activation recv / grad send, per micro-batch", n * before)
@@ -224,7 +295,7 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: Sharded, stage: tuple[bool, int
         acc.add_p2p("pp", 4, 4, "int32", "P2P warm-up vote", after + before)
         # ... metadata inference: _StageForwardMeta sent forward, _StageBackwardMeta back
         # (send_object_list: an int64 size, then the pickle as uint8)
-        fwd, bwd = _pp_meta_bytes(lay.micro_batch_size, model.seq_len, model.hidden)
+        fwd, bwd = _pp_meta_bytes(boundary(model, lay))
         acc.add_p2p("pp", 8, 8, "int64", "metadata sizes", after + before)
         acc.add_p2p("pp", fwd, bwd, "uint8", "forward / backward metadata", after)
         acc.add_p2p("pp", bwd, fwd, "uint8", "forward / backward metadata", before)
@@ -238,12 +309,94 @@ def _pp_comm(model: ModelShape, lay: Layout, sh: Sharded, stage: tuple[bool, int
             scatters.append((sh.lm_full, 1, "metadata inference: ChunkedLossWrapper lm_head grad"))
     acc.add_several(fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers])
     acc.add_several(fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
-    # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp, then the
-    # total norm (** norm_type) all-reduced over pp
+    if rep > 1:  # HSDP: each reduced shard all-reduced over dp_replicate (_fsdp_collectives.py foreach_reduce)
+        acc.add_several("dp_replicate", "all_reduce", "fp32", rep,
+                        [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
+    if lay.tp > 1:
+        _pp_tp_comm(acc, model, lay, fw, sh, stage, first, cpu_mesh)
+    if lay.cp > 1:
+        _pp_cp_comm(acc, model, lay, fw, stage, first)
+    # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp (and tp,
+    # where DTensor shards them: comm.py), then the total norm (** norm_type) all-reduced over pp
     acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("tp", "all_reduce", sh.n_params * F32, lay.tp, "fp32", 1, "grad-norm (stacked per-param norms)")
     acc.add("pp", "all_reduce", F32, P, "fp32", 1, "grad-norm total over pp")
-    # trainer.py train_step: valid tokens on the batch mesh, loss sum / max and ntokens_seen on
-    # the loss mesh (both dp_shard here; pp is in neither)
-    acc.add(fsdp, "all_reduce", 8, ds, "int64", 2, "valid tokens, ntokens_seen")
-    acc.add(fsdp, "all_reduce", 4, ds, "fp32", 2, "loss sum, loss max")
+    # trainer.py train_step: valid tokens on the batch mesh (dp_replicate x dp_shard), loss sum / max
+    # and ntokens_seen on the loss mesh (batch x cp); pp is in neither (comm.py step_comm)
+    bsize = lay.dp_shard * rep
+    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
+    acc.add(loss_dim, "all_reduce", 8, bsize * lay.cp, "int64", 1, "ntokens_seen")
+    acc.add(loss_dim, "all_reduce", 4, bsize * lay.cp, "fp32", 2, "loss sum, loss max")
     return acc.build()
+
+
+def p2p_shape(model: ModelShape, lay: Layout) -> tuple[int, int, int]:
+    """The [mbs, S, hidden] tensor a stage sends its neighbour per micro-batch: the residual stream as
+    the rank holds it, S = seq / cp (CP shards the sequence) and / tp with sequence parallelism."""
+    S = model.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
+    return lay.micro_batch_size, S, model.hidden
+
+
+def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool, int, int, bool],
+                first: bool, cpu_mesh: bool) -> None:
+    """A stage's TP collectives (comm.py _tp_comm's, per micro-batch and for the stage's own modules),
+    with what PP's no-sync backward changes: FSDP's post-backward redistributions of the TP grads
+    (norm weights Partial -> Replicate, dtensor.py's PARAM moves) run once per step, in perform_reduce_grad,
+    on the fp32 accumulated grads (_fsdp_param.py keeps the unsharded grad in reduce_dtype under no-sync);
+    the last stage's [norm, lm_head] group also posts its backward at each later micro-batch's last loss
+    chunk (the accumulated norm grad: _pp_comm). Step 0's metadata inference runs the stage's forward
+    once more and, on the last stage, autograd.grad of the stage input (INPUT moves alone)."""
+    has_emb, _, L, has_head = stage
+    tp, n, h = lay.tp, lay.num_microbatches, model.hidden
+    T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens: CP splits the sequence
+    act = T * h * BF16
+    forwards = n + first  # the micro-batches' forwards, and step 0's metadata inference
+    inference_bwd = first and has_head  # autograd.grad of the last stage's input in step 0
+    # a checkpointed block recomputes its forward in every backward through it, the inference's too
+    recomputes = (n + inference_bwd) * (getattr(fw, "activation_checkpoint", "none") != "none")
+    if lay.sequence_parallel:
+        # SP (comm.py): forward Partial -> Shard(1) at the embedding and rowwise outputs (reduce-scatter),
+        # Shard(1) -> Replicate at the attention / ffn inputs and the root norm's output (all-gather);
+        # backward the reverse of each. Both backward kinds run on the input grad's path
+        rs_fwd, ag_fwd = 2 * L + has_emb, 2 * L + has_head
+        acc.add_several("tp", "reduce_scatter", "bf16", tp,
+                        ((act, forwards * rs_fwd, "SP: embedding + rowwise outputs Partial -> Shard(1)"),
+                         (act, (n + inference_bwd) * ag_fwd, "SP backward: Partial grads of the gathered inputs"),
+                         (act, recomputes * 2 * L * recomputed(fw, "reduce_scatter"), "SP: rowwise outputs, recompute")))
+        acc.add_several("tp", "all_gather", "bf16", tp,
+                        ((act, forwards * ag_fwd, "SP: attention/ffn inputs + root norm output Shard(1) -> Replicate"),
+                         (act, n * rs_fwd + inference_bwd * 2 * L, "SP backward: grads of the Partial -> Shard(1) outputs"),
+                         (act, recomputes * 2 * L * recomputed(fw, "all_gather"), "SP: attention/ffn inputs, recompute")))
+    else:
+        # the rowwise outputs' and the embedding's all-reduces; the residual grad stays Partial across
+        # the stages (each TP rank sends its partial sum on) down to tok_embeddings' output
+        acc.add_several("tp", "all_reduce", "bf16", tp,
+                        ((act, forwards * (2 * L + has_emb), "embedding + rowwise outputs"),
+                         (act, n * has_emb, "residual-stream grad at tok_embeddings"),
+                         (act, recomputes * 2 * L * recomputed(fw, "all_reduce"), "rowwise outputs, recompute")))
+    # norm weight grads, Partial on tp: FSDP's post-backward all-reduces each, in fp32 (above)
+    acc.add("tp", "all_reduce", h * F32, tp, "fp32", 2 * L, "norm weight grads (perform_reduce_grad)")
+    acc.add("tp", "all_reduce", h * F32, tp, "fp32", n * has_head, "final norm weight grad (last chunk / perform_reduce_grad)")
+    if has_head:  # components/loss.py loss-parallel cross-entropy: 3 all-reduces per chunk (comm.py)
+        acc.add("tp", "all_reduce", T // LOSS_CHUNKS * F32, tp, "fp32", 3 * LOSS_CHUNKS * forwards, "loss-parallel CE")
+    moves = layer_backward_moves(model, T, tp, bool(lay.sequence_parallel), cpu_mesh)[0]
+    for kind, full, role in moves:
+        if role == PARAM:
+            acc.add("tp", kind, full * F32, tp, "fp32", L, "DTensor weight grad to its param's placement (perform_reduce_grad)")
+        else:
+            acc.add("tp", kind, full * BF16, tp, "bf16", L * (n + (inference_bwd and role == INPUT)),
+                    "DTensor mm backward redistribution")
+
+
+def _pp_cp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, stage: tuple[bool, int, int, bool],
+                first: bool) -> None:
+    """A stage's CP K/V all-gathers (comm.py step_comm's) per micro-batch forward (and step 0's metadata
+    inference), their grads' reduce-scatters per backward (and the last stage's input-grad inference), a
+    checkpointed block's recompute gathering again."""
+    _, _, L, has_head = stage
+    n = lay.num_microbatches
+    kv = lay.micro_batch_size * model.seq_len * model.kv_heads // lay.tp * model.head_dim * BF16
+    acc.add("cp", "all_gather", kv, lay.cp, "bf16", 2 * L * (n + first), "CP K/V all-gather")
+    acc.add("cp", "reduce_scatter", kv, lay.cp, "bf16", 2 * L * (n + (first and has_head)), "CP K/V grads")
+    acc.add("cp", "all_gather", kv, lay.cp, "bf16", 2 * L * (n + (first and has_head)) * recomputed(fw, "all_gather"),
+            "CP K/V all-gather, recompute")

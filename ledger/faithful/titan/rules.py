@@ -65,16 +65,11 @@ def head_width_modelled(model) -> bool:
 
 def validate_layout(model, lay, fw_cfg) -> None:
     # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
-    # schedule 1F1B, one stage per rank, over FSDP (dp_shard) alone
+    # schedule 1F1B, one stage per rank (with tp, cp and dp_replicate: ledger/faithful/titan/pp.py)
     if not (lay.pp == 1 or lay.vp == 1):
         raise ConfigError(f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages "
                           "per rank) "
                           "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
-    if not (lay.pp == 1 or (lay.tp == 1 and lay.cp == 1 and lay.dp_replicate == 1)):
-        raise ConfigError(f"titan: pp={lay.pp} with tp={lay.tp} cp={lay.cp} "
-                          f"dp_replicate={lay.dp_replicate}: pipeline "
-                          "parallelism is modelled over FSDP (dp_shard) only; tp, cp and dp_replicate with "
-                          "pp are not modelled")
     # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
     # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
     if not (lay.cp == 1 or model.seq_len % (CP_BLOCK * lay.cp) == 0):

@@ -23,7 +23,7 @@ from operator import attrgetter
 from ledger.faithful.titan import peak as titan_peak
 from ledger.faithful.titan.comm import first_step, lm_head_regathers, mesh_labels, step_comm
 from ledger.faithful.titan.dtensor import layer_backward_comm, redistributes_in_block
-from ledger.faithful.titan.fsdp import rows_of, sharded, unit_params
+from ledger.faithful.titan.fsdp import sharded, unit_params, vocab_split_note
 from ledger.faithful.titan.pp import place_pp
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.faithful.titan.rules import CP_BLOCK
@@ -112,8 +112,7 @@ def _place_uneven_vocab(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int,
     pl = pls[0]
     states = [p.rank_state for p in pls]
     pl.rank_state = lambda r: states[grid.coords(r)["tp"]](r)
-    pl.notes.append(f"titan tp: vocab {model.vocab} split as torch.chunk over tp={lay.tp} (DTensor Shard(0)): "
-                    + ", ".join(str(rows_of(model.vocab, lay.tp, t)) for t in range(lay.tp)) + " rows")
+    pl.notes.append(vocab_split_note(model.vocab, lay.tp))
     return pl
 
 
