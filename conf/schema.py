@@ -176,6 +176,10 @@ class TitanConfig(FrameworkConfig):
     # the selective variant: 0.3.0 has the per-op policy only ("op"); the older every-n-layers
     # integer option (activation_checkpoint.selective_ac_option) is gone from SelectiveAC.Config
     selective_ac_option: str = "op"
+    # ParallelismConfig.pipeline_parallel_schedule (torch pipelining's names): 1F1B | GPipe (one stage a
+    # rank, layout.vp=1) | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble (layout.vp stages a rank) |
+    # ZBVZeroBubble | DualPipeV (two stages a rank in a V, layout.vp=2)
+    pipeline_parallel_schedule: str = "1F1B"
 
 
 @dataclass

@@ -15,6 +15,7 @@ import os
 import sys
 
 from ledger.errors import ConfigError
+from ledger.faithful.titan.schedules import SCHEDULES
 
 
 def load(path: str, function: str = "ledger_config"):
@@ -65,12 +66,23 @@ def overrides(cfg, world: int | None = None) -> tuple[list[str], list[str]]:
         raise _refuse("model.layers", f"{len(shapes)} different layer shapes: the ledger models identical layers")
     heads, kv_heads, head_dim, qk_norm, ffn, eps, theta = shapes.pop()
     p, t = cfg.parallelism, cfg.training
+    vp = 1
     if p.pipeline_parallel_degree > 1:
-        if p.pipeline_parallel_schedule != "1F1B":
+        if p.pipeline_parallel_schedule not in SCHEDULES:
             raise _refuse(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}",
-                          "the ledger models 1F1B (one stage per rank)")
-        if p.pipeline_parallel_layers_per_stage is not None or p.module_fqns_per_model_part is not None:
-            raise _refuse("parallelism.pipeline_parallel_layers_per_stage", "the even split is modelled")
+                          f"the ledger models {', '.join(SCHEDULES)}")
+        if p.module_fqns_per_model_part is not None:
+            raise _refuse("parallelism.module_fqns_per_model_part", "torchtitan's own split is modelled")
+        # pipeline_parallel.py _get_pipeline_metadata: ceil((layers + 2) / layers_per_stage) stages, else one a
+        # rank (single-stage schedules) or two (looped)
+        looped = SCHEDULES[p.pipeline_parallel_schedule].style != "single"
+        stages = -(-(len(mc.layers) + 2) // p.pipeline_parallel_layers_per_stage) \
+            if p.pipeline_parallel_layers_per_stage else p.pipeline_parallel_degree * (2 if looped else 1)
+        if stages % p.pipeline_parallel_degree:
+            raise _refuse("parallelism.pipeline_parallel_layers_per_stage",
+                          f"{stages} stages over pipeline_parallel_degree={p.pipeline_parallel_degree} (torchtitan "
+                          "refuses it too)")
+        vp = stages // p.pipeline_parallel_degree
     ac = type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else "None"
     ac_mode = {"SelectiveAC": "selective", "FullAC": "full", "NoneType": "none", "None": "none"}.get(
         ac.split(".")[0], None)
@@ -95,7 +107,8 @@ def overrides(cfg, world: int | None = None) -> tuple[list[str], list[str]]:
            "model.bias=false", f"model.rope_theta={float(theta)}", f"model.norm_eps={eps}",
            f"model.qk_layernorm={'true' if qk_norm else 'false'}",
            f"model.kv_channels={head_dim if head_dim and head_dim != mc.dim // heads else 0}",
-           f"layout.tp={p.tensor_parallel_degree}", f"layout.pp={pp}", f"layout.cp={p.context_parallel_degree}",
+           f"layout.tp={p.tensor_parallel_degree}", f"layout.pp={pp}", f"layout.vp={vp}",
+           f"layout.cp={p.context_parallel_degree}",
            f"layout.dp={dp}", f"layout.dp_replicate={p.data_parallel_replicate_degree}",
            f"layout.ep={p.expert_parallel_degree}",
            # parallelize.py applies SP with TP alone (enable_sequence_parallel defaults on)
@@ -105,6 +118,7 @@ def overrides(cfg, world: int | None = None) -> tuple[list[str], list[str]]:
            f"framework.spmd_backend={p.spmd_backend}", f"framework.dtype={t.dtype}",
            f"framework.mixed_precision_param={t.mixed_precision_param}",
            f"framework.mixed_precision_reduce={t.mixed_precision_reduce}",
-           f"framework.activation_checkpoint={ac_mode}", f"train.steps={t.steps}"]
+           f"framework.activation_checkpoint={ac_mode}", f"train.steps={t.steps}",
+           f"framework.pipeline_parallel_schedule={p.pipeline_parallel_schedule}"]
     ignored = ["optimizer", "lr_scheduler", "dataloader", "metrics", "debug", "hf_assets_path", "dump_folder"]
     return out, ignored

@@ -19,6 +19,7 @@ import textwrap
 
 from launchers import shell_comment, write_file, write_script
 from launchers.local import REPO
+from ledger.faithful.titan.schedules import layers_per_stage
 
 MODULE_NAME = "ledger_titan"
 CONFIG_FN = "ledger_config"
@@ -89,9 +90,15 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relat
     # trainer.py _validate_cuda_graphs refuses PP, and EP's token dispatcher (its CPU sync), with CUDA graphs
     pp_training = "\n                    disable_cuda_graphs=True,  # trainer.py: CUDA graphs do not support PP / EP" \
         if pp > 1 or ep > 1 else ""
+    # framework.pipeline_parallel_schedule; layout.vp stages a rank where torchtitan's default (one, or two
+    # for a looped schedule) is not it: pipeline_parallel_layers_per_stage (ledger/faithful/titan/schedules.py)
+    sched = getattr(fw, "pipeline_parallel_schedule", "1F1B")
+    lps = layers_per_stage(m.layers, pp, lay.vp) if pp > 1 and lay.vp not in (1, 2) else None
     pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
                    f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"
-                   "\n                    pipeline_parallel_schedule='1F1B',") if pp > 1 else ""
+                   f"\n                    pipeline_parallel_schedule={_py(str(sched))},"
+                   + (f"\n                    pipeline_parallel_layers_per_stage={int(lps)}," if lps else "")) \
+        if pp > 1 else ""
     # framework.activation_checkpoint -> Trainer.Config.activation_checkpoint (None | FullAC.Config() |
     # SelectiveAC.Config(): distributed/activation_checkpoint.py); torchtitan's own default is SelectiveAC
     ac = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[

@@ -156,6 +156,11 @@ TITAN_ROUND_TRIP = [
     ["layout.tp=2", "layout.dp=2", "framework.activation_checkpoint=full"],
     ["layout.tp=2", "layout.dp=2", "layout.sequence_parallel=false", "framework.activation_checkpoint=none"],
     ["layout.pp=2", "layout.dp=1", "layout.micro_batch_size=1", "layout.global_batch_size=4"],
+    # a looped schedule: vp 2 (torchtitan's default) and vp 3 (pipeline_parallel_layers_per_stage written)
+    ["layout.pp=2", "layout.vp=2", "layout.dp=1", "layout.global_batch_size=4",
+     "framework.pipeline_parallel_schedule=Interleaved1F1B"],
+    ["model.layers=10", "layout.pp=2", "layout.vp=3", "layout.dp=1", "layout.global_batch_size=4",
+     "framework.pipeline_parallel_schedule=LoopedBFS"],
     ["layout.cp=2", "layout.dp=2", "model.seq_len=256"],
     ["layout.dp=4", "layout.dp_replicate=2", "framework.reshard_after_forward=never"],
     ["model=llama3_8b", "layout.tp=8", "layout.dp=16", "model.seq_len=8192"],
@@ -174,7 +179,8 @@ def test_titan_config_modules_import_back_to_the_same_config(overrides, tmp_path
     def resolved(cfg):
         _, lay, _ = check(cfg)
         fw = {k: cfg.framework[k] for k in ("reshard_after_forward", "spmd_backend", "dtype", "mixed_precision_param",
-                                            "mixed_precision_reduce", "activation_checkpoint")}
+                                            "mixed_precision_reduce", "activation_checkpoint",
+                                            "pipeline_parallel_schedule")}
         return dataclasses.replace(ModelShape.from_config(cfg.model), name="-"), lay, fw
 
     cfg = compose_config("mode=dry", "framework=titan", "model=tiny", *overrides)

@@ -23,10 +23,10 @@ def lay(**kw):
     ("llama3_8b", dict(tp=3, dp=1), "megatron", "tp=3 does not divide num_heads=32"),
     # Megatron's own reason (transformer_block.py get_num_layers_to_build); an uneven split is a framework knob
     ("tiny", dict(pp=3, dp=1), "megatron", "num_layers=4 should be divisible by config.pipeline_model_parallel_size=3"),
-    ("tiny", dict(pp=3, dp=1), "titan", "pp*vp=3*1 does not divide layers=4"),
+    ("tiny", dict(pp=7, dp=1), "titan", "titan: pp=7: more stages than effective layers 6"),
     ("tiny", dict(dp=2, global_batch_size=3), "megatron", "global_batch_size=3"),
     ("tiny", dict(tp=2, dp=1), "deepspeed", "deepspeed: tp=2"),
-    ("tiny", dict(pp=2, dp=1, tp=2, vp=2), "titan", "titan: vp=2: looped pipeline schedules"),
+    ("tiny", dict(pp=2, dp=1, tp=2, vp=2), "titan", "titan: pp=2: framework.pipeline_parallel_schedule='1F1B'"),
     ("tiny", dict(dp=4, dp_replicate=3), "titan", "dp_replicate=3 does not divide dp=4"),
     ("tiny", dict(ep=2, dp=1), "megatron", "ep=2"),
     ("tiny", dict(dp=1, sequence_parallel=True), "megatron", "sequence_parallel=true needs tp > 1"),

@@ -14,7 +14,10 @@ LEDGER = register(FrameworkLedger(
     vocab_error=rules.vocab_error, other_head_width=rules.head_width_modelled,
     validate_experts=rules.validate_experts, fake_error=rules.fake_error, dispatch_error=rules.dispatch_error,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
-    overlaps=rules.overlaps, plan_hsdp=True,
+    overlaps=rules.overlaps, plan_hsdp=True, plan_splits=rules.plan_splits,
+    # pipeline_parallel.py splits layers + 2 (the embedding and the head counted) over the stages, even or
+    # not, with its own refusals (pp.pp_stages)
+    uneven_layers=True,
     # torchtitan 0.3.0 config/configs.py ParallelismConfig.enable_sequence_parallel: bool = True
     default_sequence_parallel=True,
     own_defaults=rules.OWN_DEFAULTS, peak_basis=target.peak_basis))

@@ -15,6 +15,7 @@ from functools import lru_cache
 from math import prod
 from typing import NamedTuple
 
+from ledger.checks import knob
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
@@ -22,6 +23,7 @@ from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params, vocab
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_peak import pp_peak
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
+from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -157,12 +159,13 @@ def _stage_kinds(layers: int, pp: int) -> tuple[tuple[tuple[bool, int, bool], ..
 
 
 def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
-    """states.place with pp > 1: each rank's state is its stage's modules' FSDP shards (_pp_parts), its
-    collectives its stage's (_pp_comm), its peak pp_peak's (rules: the target's, target.py; None: cpu-gloo).
-    A vocab tp does not divide gives each TP rank its own rows of tok_embeddings and lm_head (states.py
-    _place_uneven_vocab): a placement per TP rank, each rank asking its own."""
-    if fw.reshard_after_forward == "always" or lay.vp > 1:
-        raise ConfigError(f"titan: pp={lay.pp} is modelled with 1F1B, reshard_after_forward default/never "
+    """states.place with pp > 1: each rank's state is its stages' modules' FSDP shards (_pp_parts; the
+    schedule's stages a rank: schedules.local_stages), its collectives theirs (_pp_comm), its peak pp_peak's
+    (rules: the target's, target.py; None: cpu-gloo). A vocab tp does not divide gives each TP rank its own
+    rows of tok_embeddings and lm_head (states.py _place_uneven_vocab): a placement per TP rank, each rank
+    asking its own."""
+    if fw.reshard_after_forward == "always":
+        raise ConfigError(f"titan: pp={lay.pp} is modelled with reshard_after_forward default/never "
                           "(see ledger.layout.validate)")
     if lay.tp == 1 or model.vocab % lay.tp == 0:
         return _place_pp_tp_rank(model, lay, fw, rules, 0)
@@ -174,45 +177,67 @@ def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
     return pls[0]
 
 
+def schedule_of(fw) -> str:
+    """framework.pipeline_parallel_schedule (1F1B where a config has none)."""
+    return knob(fw, "pipeline_parallel_schedule") or "1F1B"
+
+
+class _Uneven(NamedTuple):
+    """The dim-0 lengths a rank's stages split unevenly over the shard group (placement's keys)."""
+    uneven: tuple
+
+
 def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Placement:
-    """place_pp for the ranks of TP rank t."""
+    """place_pp for the ranks of TP rank t. A PP rank r holds the stages local_stages(r) of S = pp * vp."""
     grid: Grid = lay.grid
-    ds, P = lay.dp_shard * lay.cp, lay.pp  # FSDP shards over "fsdp" = dp_shard x cp (states.py)
-    stages = pp_stages(model.layers, P)
-    views = lay.num_microbatches >= 2
+    ds, S = lay.dp_shard * lay.cp, lay.pp * lay.vp  # FSDP shards over "fsdp" = dp_shard x cp (states.py)
+    sched = schedule_of(fw)
+    stages = pp_stages(model.layers, S)
+    locals_of = [local_stages(r, lay.pp, lay.vp, sched) for r in range(lay.pp)]
+    # the norm's grad views a [norm, lm_head] reduce-scatter output where a loss follows a backward (_pp_parts)
+    views = losses_after_a_backward(sched, lay.pp, lay.vp, lay.num_microbatches) >= 1
     cpu_mesh = True if rules is None else rules.cpu_mesh
+    peak_modelled = sched == "1F1B" and lay.tp == lay.cp == lay.dp_replicate == 1
     memo: dict = {}
 
-    def comm_of(s: int, first: bool):
-        if (s, first) not in memo:
-            memo[s, first] = _pp_comm(model, lay, fw, _stage_sharded(model, lay.tp, ds, P, s, t), stages[s], s,
-                                      first, grid, cpu_mesh)
-        return memo[s, first]
+    def comm_of(r: int, first: bool):
+        if (r, first) not in memo:
+            memo[r, first] = _pp_comm(model, lay, fw, [(s, stages[s], _stage_sharded(model, lay.tp, ds, S, s, t))
+                                                        for s in locals_of[r]], first, grid, cpu_mesh)
+        return memo[r, first]
 
-    def state(s: int, k: int) -> RankState:
-        st = build_state(_pp_parts(model, lay.tp, ds, P, s, k, views, t), lambda: comm_of(s, False),
-                         lambda: comm_of(s, True))
-        st.stage = s
+    def state(r: int, k: int) -> RankState:
+        parts = [p for s in locals_of[r] for p in _pp_parts(model, lay.tp, ds, S, s, k, views, t)]
+        st = build_state(parts, lambda: comm_of(r, False), lambda: comm_of(r, True))
+        st.stage = r
         kept = st.params_bytes + st.optim_bytes + st.other_bytes
         grads = st.grads_bytes
 
         def peak():  # pp_peak.py
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, 1)]
-            return pp_peak(model, lay, stages[s], s, _stage_sharded(model, 1, ds, P, s), kept, grads,
+            return pp_peak(model, lay, stages[r], r, _stage_sharded(model, 1, ds, S, r), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
 
-        # pp_peak derives the stage's moments over FSDP alone; with tp, cp or dp_replicate it is not modelled
-        st.peak = peak if lay.tp == lay.cp == lay.dp_replicate == 1 else None
+        # pp_peak derives the moments of 1F1B's one stage a rank over FSDP alone; with tp, cp, dp_replicate or
+        # another schedule it is not modelled
+        st.peak = peak if peak_modelled else None
         return st
 
-    pl = placement(model, lay, grid, lambda s: _stage_sharded(model, lay.tp, ds, P, s, t),
-                   _heaviest_stage(model, lay.tp, ds, P, views, t), state)
-    if lay.tp == lay.cp == lay.dp_replicate == 1:
+    def uneven_of(r: int):
+        if lay.vp == 1:
+            return _stage_sharded(model, lay.tp, ds, S, r, t)
+        return _Uneven(tuple(sorted({u for s in locals_of[r] for u in _stage_sharded(model, lay.tp, ds, S, s, t).uneven})))
+
+    heaviest = _heaviest_stage(model, lay.tp, ds, S, views, t) if lay.vp == 1 else \
+        _heaviest_rank(model, lay.tp, ds, lay.pp, lay.vp, sched, views, t)
+    pl = placement(model, lay, grid, uneven_of, heaviest, state)
+    if peak_modelled:
         pl.notes.extend(peak_notes(lay, fw))
     else:
-        pl.notes.append(f"titan PP with tp={lay.tp} cp={lay.cp} dp_replicate={lay.dp_replicate}: states and "
-                        "collectives predicted; the peak within a step is modelled over FSDP alone (no peak row)")
+        pl.notes.append(f"titan PP ({sched}, {lay.vp} stage{'s' * (lay.vp > 1)} a rank) with tp={lay.tp} cp={lay.cp} "
+                        f"dp_replicate={lay.dp_replicate}: states and collectives predicted; the peak within a step "
+                        "is modelled for 1F1B over FSDP alone (no peak row)")
     return pl
 
 
@@ -224,7 +249,8 @@ def _stage_sharded(model: ModelShape, tp: int, ds: int, P: int, s: int, t: int =
 
 def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views_norm_rs: bool, t: int = 0
               ) -> list[tuple[str, str, int]]:
-    """state_parts of stage s's shard rank k on TP rank t; views_norm_rs: num_microbatches >= 2."""
+    """state_parts of stage s's shard rank k on TP rank t; views_norm_rs: a loss of the last stage follows one
+    of its backwards (schedules.losses_after_a_backward)."""
     stage = pp_stages(model.layers, P)[s]
     sh = _stage_sharded(model, tp, ds, P, s, t)
     out = state_parts(model, sh, k, ds, layers=stage[2])
@@ -233,10 +259,20 @@ def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views
         # step's first reduce-scatter of a param makes its .grad a view of that output
         # (_fsdp_collectives.py foreach_reduce, storage_offset into the flat output), later
         # ones accumulate. The norm's first is micro-batch 1's [norm, lm_head] reduce-scatter
-        # (_pp_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
+        # (_stage_comm), so its grad keeps that whole output alive: lm_head's padded shard twice
         out.append(("grads_bytes", "norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output",
                     sh.lm_full // ds * F32))
     return out
+
+
+@lru_cache(maxsize=256)
+def _heaviest_rank(model: ModelShape, tp: int, ds: int, pp: int, vp: int, sched: str, views_norm_rs: bool,
+                   t: int = 0) -> int:
+    """The first PP rank whose stages (local_stages) load its shard rank 0 the most."""
+    S = pp * vp
+    load = [sum([b for s in local_stages(r, pp, vp, sched) for _, _, b in _pp_parts(model, tp, ds, S, s, 0, views_norm_rs, t)])
+            for r in range(pp)]
+    return load.index(max(load))
 
 
 @lru_cache(maxsize=256)
@@ -248,16 +284,45 @@ def _heaviest_stage(model: ModelShape, tp: int, ds: int, P: int, views_norm_rs: 
     return max(load, key=load.get)
 
 
-def _pp_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool, int, int, bool], s: int,
+def _pp_comm(model: ModelShape, lay: Layout, fw, local: list[tuple[int, tuple[bool, int, int, bool], Sharded]],
              first: bool, grid: Grid | None = None, cpu_mesh: bool = True) -> list[Comm]:
-    """One optimizer step of pipeline stage s under 1F1B (torch pipelining/schedules.py
-    Schedule1F1B, stage.py), FSDP over dp_shard x cp (HSDP's all-reduces over dp_replicate), TP and CP
-    per micro-batch (_pp_tp_comm, _pp_cp_comm); first: step 0 (the schedule's one-time set-up)."""
-    has_emb, _, L, has_head = stage
-    ds, P, n, rep = lay.dp_shard * lay.cp, lay.pp, lay.num_microbatches, lay.dp_replicate
+    """One optimizer step of a PP rank holding the stages `local` ((index, pp_stages entry, Sharded) each):
+    each stage's own collectives (_stage_comm), then the step's grad-norm and loss all-reduces once over
+    them all (distributed/utils.py clip_grad_norm_ takes every model part's params; trainer.py train_step);
+    first: step 0 (the schedule's one-time set-up)."""
+    ds, P, rep = lay.dp_shard * lay.cp, lay.pp, lay.dp_replicate
     fsdp, batch_dim, loss_dim = mesh_labels(grid or lay.grid)
-    emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     acc = CommBuilder()
+    mine = {s for s, _, _ in local}
+    for s, stage, sh in local:
+        _stage_comm(acc, model, lay, fw, sh, stage, s, first, fsdp, cpu_mesh, mine)
+    n_params = sum([sh.n_params for _, _, sh in local])
+    # distributed/utils.py clip_grad_norm_: the rank's stacked per-param norms over fsdp (and tp, where
+    # DTensor shards them: comm.py), then the total norm (** norm_type) all-reduced over pp
+    acc.add(fsdp, "all_reduce", n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("tp", "all_reduce", n_params * F32, lay.tp, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("pp", "all_reduce", F32, P, "fp32", 1, "grad-norm total over pp")
+    # trainer.py train_step: valid tokens on the batch mesh (dp_replicate x dp_shard), loss sum / max
+    # and ntokens_seen on the loss mesh (batch x cp); pp is in neither (comm.py step_comm)
+    bsize = lay.dp_shard * rep
+    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
+    acc.add(loss_dim, "all_reduce", 8, bsize * lay.cp, "int64", 1, "ntokens_seen")
+    acc.add(loss_dim, "all_reduce", 4, bsize * lay.cp, "fp32", 2, "loss sum, loss max")
+    return acc.build()
+
+
+def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool, int, int, bool],
+                s: int, first: bool, fsdp: str, cpu_mesh: bool, mine: set[int]) -> None:
+    """Pipeline stage s's collectives in one step (torch pipelining/schedules.py, stage.py): FSDP over
+    dp_shard x cp (HSDP's all-reduces over dp_replicate), P2P with the neighbour stages another rank holds
+    (mine: this rank's stages; the runtime schedules pass an output to a stage on the same rank without
+    P2P), TP and CP per micro-batch (_pp_tp_comm, _pp_cp_comm). The same under every schedule the ledger
+    accepts: a runtime schedule's UNSHARD of a stage gathers each unit once per step as the single-stage
+    schedules' first forward does (schedules.MAX_ACTIVE_STAGES keeps a rank's stages unsharded), its
+    REDUCE_GRAD is perform_reduce_grad."""
+    has_emb, _, L, has_head = stage
+    ds, S, n, rep = lay.dp_shard * lay.cp, lay.pp * lay.vp, lay.num_microbatches, lay.dp_replicate
+    emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
     # fsdp.py get_fsdp_reshard_after_forward_policy: with PP "default" (and "never") is False for
     # tok_embeddings and the blocks; [norm, lm_head] gets reshard_after_forward == "always" = False.
     # stage.py backward_maybe_with_nosync sets reshard_after_backward(False) and
@@ -276,17 +341,19 @@ def _pp_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool,
         gathers += [(head, 1, "[norm, lm_head]: F0 norm forward"),
                     (head, n, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch"),
                     (head, n, "[norm, lm_head]: norm backward, per micro-batch")]
-        # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)):
-        # micro-batch 0 reduces lm_head's grad alone, later ones lm_head + the norm grad the previous
-        # backward accumulated; perform_reduce_grad reduces the last norm grad
-        scatters += [(sh.lm_full, 1, "lm_head grad (micro-batch 0, last chunk)"),
-                     (head, n - 1, "lm_head + accumulated norm grad (later micro-batches, last chunk)"),
+        # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)): a loss
+        # before any of the stage's backwards reduces lm_head's grad alone (1F1B: micro-batch 0's), a later
+        # one lm_head + the norm grad the backwards before it accumulated (schedules.losses_after_a_backward);
+        # perform_reduce_grad reduces the last norm grad
+        k = losses_after_a_backward(schedule_of(fw), lay.pp, lay.vp, n)
+        scatters += [(sh.lm_full, n - k, "lm_head grad (a loss before any backward, last chunk)"),
+                     (head, k, "lm_head + accumulated norm grad (a loss after a backward, last chunk)"),
                      (sh.norm_full, 1, "norm grad (perform_reduce_grad)")]
     # P2P (stage.py get_fwd_send_ops / get_bwd_send_ops, dist.isend/irecv on the pp group): one
     # activation forward and one grad backward per micro-batch, each the rank's [mbs, S, hidden] bf16
     # slice of the residual stream (p2p_shape)
     act = prod(p2p_shape(model, lay)) * BF16
-    after, before = s < P - 1, s > 0  # a next stage, a previous one
+    after, before = s < S - 1 and s + 1 not in mine, s > 0 and s - 1 not in mine  # a next / previous stage elsewhere
     acc.add_p2p("pp", act, act, "bf16", "activation send / grad recv, per micro-batch", n * after)
     acc.add_p2p("pp", act, act, "bf16", "activation recv / grad send, per micro-batch", n * before)
     if first:
@@ -316,18 +383,6 @@ def _pp_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool,
         _pp_tp_comm(acc, model, lay, fw, sh, stage, first, cpu_mesh)
     if lay.cp > 1:
         _pp_cp_comm(acc, model, lay, fw, stage, first)
-    # distributed/utils.py clip_grad_norm_: the stage's stacked per-param norms over fsdp (and tp,
-    # where DTensor shards them: comm.py), then the total norm (** norm_type) all-reduced over pp
-    acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
-    acc.add("tp", "all_reduce", sh.n_params * F32, lay.tp, "fp32", 1, "grad-norm (stacked per-param norms)")
-    acc.add("pp", "all_reduce", F32, P, "fp32", 1, "grad-norm total over pp")
-    # trainer.py train_step: valid tokens on the batch mesh (dp_replicate x dp_shard), loss sum / max
-    # and ntokens_seen on the loss mesh (batch x cp); pp is in neither (comm.py step_comm)
-    bsize = lay.dp_shard * rep
-    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
-    acc.add(loss_dim, "all_reduce", 8, bsize * lay.cp, "int64", 1, "ntokens_seen")
-    acc.add(loss_dim, "all_reduce", 4, bsize * lay.cp, "fp32", 2, "loss sum, loss max")
-    return acc.build()
 
 
 def p2p_shape(model: ModelShape, lay: Layout) -> tuple[int, int, int]:
@@ -351,7 +406,7 @@ def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
     T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens: CP splits the sequence
     act = T * h * BF16
     forwards = n + first  # the micro-batches' forwards, and step 0's metadata inference
-    inference_bwd = first and has_head  # autograd.grad of the last stage's input in step 0
+    inference_bwd = _infers_backward(stage, first)
     # a checkpointed block recomputes its forward in every backward through it, the inference's too
     recomputes = (n + inference_bwd) * (getattr(fw, "activation_checkpoint", "none") != "none")
     if lay.sequence_parallel:
@@ -376,7 +431,9 @@ def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
                          (act, recomputes * 2 * L * recomputed(fw, "all_reduce"), "rowwise outputs, recompute")))
     # norm weight grads, Partial on tp: FSDP's post-backward all-reduces each, in fp32 (above)
     acc.add("tp", "all_reduce", h * F32, tp, "fp32", 2 * L, "norm weight grads (perform_reduce_grad)")
-    acc.add("tp", "all_reduce", h * F32, tp, "fp32", n * has_head, "final norm weight grad (last chunk / perform_reduce_grad)")
+    k = losses_after_a_backward(schedule_of(fw), lay.pp, lay.vp, n) if has_head else 0
+    acc.add("tp", "all_reduce", h * F32, tp, "fp32", (k + 1) * has_head,
+            "final norm weight grad (last chunk / perform_reduce_grad)")
     if has_head:  # components/loss.py loss-parallel cross-entropy: 3 all-reduces per chunk (comm.py)
         acc.add("tp", "all_reduce", T // LOSS_CHUNKS * F32, tp, "fp32", 3 * LOSS_CHUNKS * forwards, "loss-parallel CE")
     moves = layer_backward_moves(model, T, tp, bool(lay.sequence_parallel), cpu_mesh)[0]
@@ -393,10 +450,17 @@ def _pp_cp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, stage: tup
     """A stage's CP K/V all-gathers (comm.py step_comm's) per micro-batch forward (and step 0's metadata
     inference), their grads' reduce-scatters per backward (and the last stage's input-grad inference), a
     checkpointed block's recompute gathering again."""
-    _, _, L, has_head = stage
-    n = lay.num_microbatches
+    L, n = stage[2], lay.num_microbatches
     kv = lay.micro_batch_size * model.seq_len * model.kv_heads // lay.tp * model.head_dim * BF16
+    backwards = n + _infers_backward(stage, first)
     acc.add("cp", "all_gather", kv, lay.cp, "bf16", 2 * L * (n + first), "CP K/V all-gather")
-    acc.add("cp", "reduce_scatter", kv, lay.cp, "bf16", 2 * L * (n + (first and has_head)), "CP K/V grads")
-    acc.add("cp", "all_gather", kv, lay.cp, "bf16", 2 * L * (n + (first and has_head)) * recomputed(fw, "all_gather"),
+    acc.add("cp", "reduce_scatter", kv, lay.cp, "bf16", 2 * L * backwards, "CP K/V grads")
+    acc.add("cp", "all_gather", kv, lay.cp, "bf16", 2 * L * backwards * recomputed(fw, "all_gather"),
             "CP K/V all-gather, recompute")
+
+
+def _infers_backward(stage: tuple[bool, int, int, bool], first: bool) -> bool:
+    """Whether the stage runs a backward in step 0's metadata inference (pipelining/stage.py
+    _backward_metadata_inference: autograd.grad of its inputs, the last stage's from its loss, the others'
+    from ones of their output's metadata); the first stage's input, token ids, has no grad."""
+    return first and not stage[0]

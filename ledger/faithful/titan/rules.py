@@ -3,7 +3,9 @@ the shared rules (ledger/layout.py), its MoE limits, and the planner's view of i
 checkpointing. ledger/faithful/titan/__init__.py registers them."""
 from __future__ import annotations
 
-from ledger.checks import one_of
+from ledger.checks import knob, one_of
+from ledger.faithful.titan.pp import pp_stages
+from ledger.faithful.titan.schedules import SCHEDULES, microbatch_error, stages_error, stages_split_error
 from ledger.layout import ConfigError
 
 # torch _context_parallel/_attention.py _create_cp_block_mask: FlexAttention's CP BlockMask is sharded in
@@ -27,6 +29,7 @@ def validate_knobs(fw) -> None:
         one_of("framework", fw, n, ("float32", "bfloat16"))
     one_of("framework", fw, "spmd_backend", ("partial_dtensor", "spmd_types"))
     one_of("framework", fw, "activation_checkpoint", ("none", "selective", "full"))
+    one_of("framework", fw, "pipeline_parallel_schedule", tuple(SCHEDULES))
     # torchtitan 0.3.0 SelectiveAC.Config has no selective_ac_option: the per-op policy is the only
     # selective variant (distributed/activation_checkpoint.py SelectiveAC._wrap_block)
     if str(fw.selective_ac_option) != "op":
@@ -64,12 +67,14 @@ def head_width_modelled(model) -> bool:
 
 
 def validate_layout(model, lay, fw_cfg) -> None:
-    # PP (distributed/pipeline_parallel.py pipeline_llm): the ledger models torchtitan's default
-    # schedule 1F1B, one stage per rank (with tp, cp and dp_replicate: ledger/faithful/titan/pp.py)
-    if not (lay.pp == 1 or lay.vp == 1):
-        raise ConfigError(f"titan: vp={lay.vp}: looped pipeline schedules (Interleaved1F1B, several stages "
-                          "per rank) "
-                          "are not modelled; the ledger models torchtitan's default 1F1B (vp=1)")
+    # PP (distributed/pipeline_parallel.py pipeline_llm): framework.pipeline_parallel_schedule's stages a
+    # rank (schedules.py: one, layout.vp looped, two in a V), with tp, cp and dp_replicate (pp.py)
+    sched = knob(fw_cfg, "pipeline_parallel_schedule") or "1F1B"
+    if lay.pp > 1 and sched in SCHEDULES:  # (validate_knobs names an unknown one)
+        why = stages_error(sched, lay.pp, lay.vp) or stages_split_error(model.layers, lay.pp, lay.vp, sched)
+        if why:
+            raise ConfigError(f"titan: pp={lay.pp}: {why}")
+        pp_stages(model.layers, lay.pp * lay.vp)  # torchtitan's own refusals of the split
     # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
     # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
     if not (lay.cp == 1 or model.seq_len % (CP_BLOCK * lay.cp) == 0):
@@ -83,12 +88,12 @@ def validate_layout(model, lay, fw_cfg) -> None:
         raise ConfigError(f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
                           "micro-batches; "
                           "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
-    # torch pipelining/schedules.py Schedule1F1B.__init__: ValueError unless n_microbatches >= stages
-    if not (lay.pp == 1 or lay.num_microbatches >= lay.pp):
+    # torch pipelining/schedules.py: each schedule's __init__ refuses some micro-batch counts
+    why = microbatch_error(sched, lay.num_microbatches, lay.pp, lay.vp) if lay.pp > 1 and sched in SCHEDULES else None
+    if why:
         raise ConfigError(f"titan: pp={lay.pp}: global_batch_size={lay.global_batch_size} gives "
-                          f"{lay.num_microbatches} "
-                          f"pipeline micro-batches per rank; 1F1B needs at least pp={lay.pp} (global >= "
-                          "micro_batch_size*dp*pp)")
+                          f"{lay.num_microbatches} pipeline micro-batches per rank (global / (micro_batch_size*dp)); "
+                          f"{why}")
     if fw_cfg is not None:
         if not (fw_cfg.reshard_after_forward in ("default", "always", "never")):
             raise ConfigError(f"framework.reshard_after_forward={fw_cfg.reshard_after_forward!r} must be "
@@ -138,3 +143,11 @@ def validate_experts(model, lay) -> None:
     if not (lay.dp_shard % lay.ep == 0):
         no(f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (torchtitan's EP borrows the FSDP ranks: "
            "efsdp = dp_shard / ep)")
+
+
+def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
+    """The schedule the planner gives a pipeline: torchtitan's default 1F1B with one stage a rank,
+    Interleaved1F1B (torch's looped 1F1B) with vp stages."""
+    if pp == 1:
+        return [{}]
+    return [{"pipeline_parallel_schedule": "1F1B" if vp == 1 else "Interleaved1F1B"}]

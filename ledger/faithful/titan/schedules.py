@@ -1,0 +1,134 @@
+"""torchtitan 0.3.0's pipeline schedules as it runs them (distributed/pipeline_parallel.py on torch 2.13
+torch/distributed/pipelining/schedules.py): which stages a PP rank holds, what each schedule refuses, and
+how torchtitan is told how many stages a rank holds. pp.py places the stages; rules.py refuses by these.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from ledger.units import ceil_div
+
+
+class Schedule(NamedTuple):
+    style: str  # "single": one stage a rank; "loop": stage r + i*pp; "v": stages r and 2*pp-1-r
+    # a _PipelineScheduleRuntime: FSDP's unshard / reshard are the schedule's own actions
+    # (_add_unshard_reshard), REDUCE_GRAD after a stage's last backward
+    runtime: bool
+
+
+# schedules.py get_schedule_class's concrete schedules
+SCHEDULES = {
+    "1F1B": Schedule("single", False), "GPipe": Schedule("single", False),
+    "Interleaved1F1B": Schedule("loop", True), "LoopedBFS": Schedule("loop", True),
+    "InterleavedZeroBubble": Schedule("loop", True),
+    "ZBVZeroBubble": Schedule("v", True), "DualPipeV": Schedule("v", True),
+}
+# schedules.py _add_unshard_reshard(max_active_stages=3): a runtime schedule keeps at most 3 of a rank's
+# stages unsharded, resharding one to prefetch another; with more stages a rank re-gathers mid-step
+MAX_ACTIVE_STAGES = 3
+
+
+def local_stages(pp_rank: int, pp: int, vp: int, name: str) -> tuple[int, ...]:
+    """pipeline_parallel.py _get_pp_rank_to_stage_indices_mapping: the stage indices a PP rank builds."""
+    if SCHEDULES[name].style == "v":
+        return pp_rank, 2 * pp - 1 - pp_rank
+    return tuple(pp_rank + i * pp for i in range(vp))
+
+
+# schedules the ledger does not model, and why (measured on the CPU, pp2 over dp_shard 2, 4 layers, vocab
+# 1030: under both zero-bubble schedules the last stage's final norm weight gets no gradient, so AdamW keeps
+# no state for it and no reduce-scatter carries it, where 1F1B's stage reduces it)
+NOT_MODELLED = {
+    "InterleavedZeroBubble": "its split backward (I, W) leaves the last stage's final norm weight without a gradient "
+                             "on the CPU runs (no AdamW state, no reduce-scatter of it); not modelled",
+    "ZBVZeroBubble": "its split backward (I, W) leaves the last stage's final norm weight without a gradient on the "
+                     "CPU runs (no AdamW state, no reduce-scatter of it); not modelled",
+    "DualPipeV": "its overlapped forward-backward actions are not modelled (no CPU run confirms them)",
+}
+
+
+def stages_error(name: str, pp: int, vp: int) -> str | None:
+    """What torchtitan (pipeline_parallel.py _get_pipeline_metadata) and torch's schedules refuse of vp
+    stages a rank, and what the ledger does not model."""
+    style = SCHEDULES[name].style
+    if name in NOT_MODELLED:
+        return f"framework.pipeline_parallel_schedule={name!r}: {NOT_MODELLED[name]}"
+    if style == "single" and vp != 1:
+        return (f"framework.pipeline_parallel_schedule={name!r} runs one stage a rank (torchtitan: \"Single stage "
+                f"schedule requires exactly 1 stage per rank\"); layout.vp={vp} needs a looped schedule "
+                "(Interleaved1F1B or LoopedBFS)")
+    if style != "single" and vp < 2:
+        return (f"framework.pipeline_parallel_schedule={name!r} runs several stages a rank (torchtitan: "
+                "\"Multi-stage schedule requires at least 2 stages per rank\"): set layout.vp >= 2")
+    if style == "v" and vp != 2:
+        return f"framework.pipeline_parallel_schedule={name!r} runs exactly 2 stages a rank (schedules.py), not layout.vp={vp}"
+    if vp > MAX_ACTIVE_STAGES:
+        return (f"layout.vp={vp}: torch's runtime schedules keep at most {MAX_ACTIVE_STAGES} stages a rank unsharded "
+                "(schedules.py _add_unshard_reshard max_active_stages) and re-gather the others mid-step; not "
+                "modelled")
+    return None
+
+
+def microbatch_error(name: str, n: int, pp: int, vp: int) -> str | None:
+    """The schedules' own refusals of n micro-batches (their __init__'s ValueErrors)."""
+    if name == "1F1B" and n < pp:
+        return f"1F1B needs at least pp={pp} micro-batches, not {n} (schedules.py Schedule1F1B)"
+    if name == "DualPipeV" and n < pp * vp:
+        return f"DualPipeV needs at least as many micro-batches as stages ({pp * vp}), not {n} (schedules.py)"
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n // pp)
+        if n % rounds:
+            return (f"{name} needs the micro-batches ({n}) to be a multiple of its rounds max(1, n // pp) = "
+                    f"{rounds} (schedules.py)")
+    return None
+
+
+def layers_per_stage(layers: int, pp: int, vp: int) -> int | None:
+    """The pipeline_parallel_layers_per_stage torchtitan needs to build pp * vp stages
+    (_get_pipeline_metadata: ceil((layers + 2) / layers_per_stage) stages, the embedding and the head counted
+    as a layer each); None where its default gives them (vp = 2 for a looped schedule, 1 otherwise) or no
+    integer does (stages_split_error says so)."""
+    eff = layers + 2
+    for lps in range(1, eff + 1):
+        if ceil_div(eff, lps) == pp * vp:
+            return lps
+    return None
+
+
+def stages_split_error(layers: int, pp: int, vp: int, name: str) -> str | None:
+    """Where no pipeline_parallel_layers_per_stage gives pp * vp stages beyond torchtitan's default."""
+    default_vp = 1 if SCHEDULES[name].style == "single" else 2
+    if vp == default_vp or layers_per_stage(layers, pp, vp) is not None:
+        return None
+    return (f"layout.vp={vp}: torchtitan builds ceil((layers + 2) / pipeline_parallel_layers_per_stage) stages and no "
+            f"integer gives pp*vp={pp * vp} of them at layers={layers}")
+
+
+@lru_cache(maxsize=1024)
+def losses_after_a_backward(name: str, pp: int, vp: int, n: int) -> int:
+    """How many of the last stage's n micro-batch losses run after one of its backwards: components/loss.py
+    ChunkedLossWrapper reduces [norm, lm_head] at each loss's last chunk, with the norm's grad the backwards
+    before it accumulated (pp.py). 1F1B runs F0 B0 F1 B1 ... (n - 1); GPipe and LoopedBFS run every forward
+    before any backward (0); Interleaved1F1B's order on the last rank is torch's own
+    (ScheduleInterleaved1F1B._calculate_single_rank_operations, a function of these four numbers)."""
+    if name == "1F1B":
+        return n - 1
+    if name in ("GPipe", "LoopedBFS"):
+        return 0
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, n // pp)
+    sched = SimpleNamespace(n_local_stages=vp, pp_group_size=pp, _n_microbatches=n, number_of_rounds=rounds,
+                            microbatches_per_round=n // rounds)
+    last, seen_backward, count = pp * vp - 1, False, 0
+    for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, pp - 1):
+        if a is None or a.stage_index != last:
+            continue
+        if a.computation_type == _ComputationType.FORWARD:
+            count += seen_backward
+        else:
+            seen_backward = True
+    return count
