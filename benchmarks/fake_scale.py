@@ -1,7 +1,7 @@
 """cluster=fake at scale: wall time and peak RSS per materialised rank, and whether it reconciles.
 
     .venv/bin/python benchmarks/fake_scale.py [--shapes llama3_1b,llama3_8b,llama3_70b]
-        [--frameworks megatron,deepspeed,titan,titan-pp] [--seq 8192] [--ranks default|0,...] [--out DIR]
+        [--frameworks megatron,deepspeed,titan,titan-pp,titan-interleaved] [--seq 8192] [--ranks default|0,...] [--out DIR]
 
 One fake job per (shape, framework), each a `launch.py mode=run cluster=fake` run (W&B off), the
 ranks run one after another on this machine; per rank it prints the process's wall time and peak
@@ -18,7 +18,8 @@ not to the byte, a peak more than 1% away; a peak's parts are reported, not coun
                 the loss counted as layers: 126 + 2 over 32 virtual stages, 16 micro-batches), DeepSpeed
                 ZeRO-3 of Llama-3-70B at DP 16,384, torchtitan Llama-3-405B FSDP128·TP8·PP16 (SP, 1F1B, 16
                 micro-batches)
-    llama3_405b world 512: torchtitan FSDP8·TP8·PP8 (SP, 1F1B, 8 micro-batches), its own 405B layout
+    llama3_405b world 512: torchtitan FSDP8·TP8·PP8 (SP, 8 micro-batches) under 1F1B and (titan-interleaved)
+                Interleaved1F1B with two stages a rank
 
 `--ranks default` materialises the ledger's choice (rank 0 and each stage's most-loaded rank);
 `--ranks 0` one rank per job, for a quick figure.
@@ -67,6 +68,10 @@ LAYOUTS = {
         # torchtitan's own 405B config: FSDP8·TP8·PP8 with SP, 1F1B, 8 micro-batches a step
         "titan": ["framework=titan", "layout.tp=8", "layout.pp=8", "layout.dp=8", "layout.sequence_parallel=true",
                   "layout.global_batch_size=64"],
+        # the same under Interleaved1F1B, two stages a rank (126 layers + 2 over 16 stages of 8)
+        "titan-interleaved": ["framework=titan", "layout.tp=8", "layout.pp=8", "layout.vp=2", "layout.dp=8",
+                              "layout.sequence_parallel=true", "layout.global_batch_size=64",
+                              "framework.pipeline_parallel_schedule=Interleaved1F1B"],
     },
 }
 # a shape that is not a model's name: each framework's model
@@ -111,7 +116,7 @@ def run_one(shape: str, fw: str, seq: int, ranks: str, out: str, timeout_s: int)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama3_1b,llama3_8b,llama3_70b")
-    ap.add_argument("--frameworks", default="megatron,deepspeed,titan,titan-pp")
+    ap.add_argument("--frameworks", default="megatron,deepspeed,titan,titan-pp,titan-interleaved")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--ranks", default="default", help="'default' (the ledger's choice) or a comma list")
     ap.add_argument("--timeout", type=int, default=3600, help="cluster.timeout_s of each job")

@@ -1,7 +1,7 @@
 """torchtitan 0.3.0 (torch 2.13 FSDP2), faithful: the dense model's checks and placement (states), its
 params and FSDP2 shards (fsdp), a step's FSDP / TP / CP collectives (comm), DTensor's mm strategies and
 their cost model (dtensor), a rank's resident state and the Placement over ranks (ranks), the pipeline
-(pp), the peak within a step (peak; with PP pp_peak), MoE (moe), how its step runs for the step-time
+(pp; its schedules: schedules), the peak within a step (peak; with PP pp_peak), MoE (moe), how its step runs for the step-time
 model (steptime), what its peak takes from the run it is for (target), what it accepts (rules), its textbook formulas (textbook). Registered once as the
 framework "titan"."""
 from ledger.faithful.titan import moe, rules, states, steptime, target, textbook

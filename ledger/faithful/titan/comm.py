@@ -86,18 +86,6 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
     if rep > 1:
         acc.add_several("dp_replicate", "all_reduce", "fp32", rep,
                    [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
-
-    # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
-    # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
-    acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
-    acc.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", 1, "grad-norm (stacked per-param norms)")
-    # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
-    # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
-    # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
-    bsize = lay.dp_shard * rep
-    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
-    acc.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", 1, "ntokens_seen")
-    acc.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", 2, "loss sum, loss max")
     if cp > 1:
         # distributed/context_parallel/api.py apply_cp_to_forward (FlexAttention): every inner
         # attention all-gathers its K and V over cp (torch _cp_custom_ops.py flex_cp_allgather:
@@ -110,7 +98,34 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
         acc.add("cp", "all_gather", kv, cp, "bf16", 2 * L * recomputed(fw, "all_gather"), "CP K/V all-gather, recompute")
     if tp > 1:
         _tp_comm(acc, model, lay, fw, cpu_mesh)
+    # trainer.py train_step: gradient accumulation runs forward_backward_step once per micro-batch with
+    # gradient sync on (FSDP2 reduce-scatters each backward and adds into the sharded grads): every
+    # collective above once per micro-batch, the step's own below once
+    acc = _times(acc, lay.num_microbatches)
+
+    # distributed/utils.py clip_grad_norm_: get_total_norm stacks the per-param _NormPartial norms;
+    # DTensor reduces the stacked vector once per mesh dim where the grads are sharded
+    acc.add(fsdp, "all_reduce", sh.n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
+    acc.add("tp", "all_reduce", sh.n_params * F32, tp, "fp32", 1, "grad-norm (stacked per-param norms)")
+    # trainer.py train_step: global_valid_tokens (int64) on the batch mesh (dp_replicate x
+    # dp_shard: cp ranks count the same unsharded labels), then the logged global avg loss (sum),
+    # max loss, ntokens_seen (int64) on the loss mesh (batch x cp)
+    bsize = lay.dp_shard * rep
+    acc.add(batch_dim, "all_reduce", 8, bsize, "int64", 1, "valid tokens")
+    acc.add(loss_dim, "all_reduce", 8, bsize * cp, "int64", 1, "ntokens_seen")
+    acc.add(loss_dim, "all_reduce", 4, bsize * cp, "fp32", 2, "loss sum, loss max")
     return acc.build()
+
+
+def _times(acc: CommBuilder, n: int) -> CommBuilder:
+    """acc's collectives n times over (a builder to add the step's own to)."""
+    if n == 1:
+        return acc
+    out = CommBuilder()
+    for c in acc.build():
+        out.add_sums((c.dim, c.kind, c.dtype), c.count * n, c.buffer_bytes * n, c.wire_bytes * n,
+                     c.what.split("; ") if c.what else [])
+    return out
 
 
 def recomputed(fw, kind: str) -> bool:

@@ -1,13 +1,16 @@
 """Pipeline parallelism in torchtitan 0.3.0 (distributed/pipeline_parallel.py pipeline_llm, torch 2.13
 torch/distributed/pipelining): its stages, their placement and their collectives.
 
-What the ledger models: torchtitan's default schedule 1F1B (one stage per rank, vp=1) over FSDP on
-dp_shard (layout.validate refuses tp, cp, dp_replicate and reshard_after_forward="always" with PP).
-The rank's local batch (global_batch_size / dp) is split into num_microbatches pipeline
-micro-batches of micro_batch_size (parallelism.pipeline_parallel_microbatch_size). Each stage holds the
-modules pipeline_parallel.py gives it (pp_stages); its collectives are the schedule's P2P per
-micro-batch, FSDP once per step (the last stage's [norm, lm_head] per micro-batch), the grad-norm over
-pp, and in step 0 the schedule's vote and metadata inference (_pp_comm). Its peak is pp_peak.py's.
+What the ledger models: framework.pipeline_parallel_schedule's stages a rank (schedules.py: 1F1B and GPipe
+one, Interleaved1F1B and LoopedBFS layout.vp of them) over FSDP on dp_shard x cp, with HSDP, TP (with and
+without SP) and CP; reshard_after_forward default / never. The rank's local batch (global_batch_size / dp)
+is split into num_microbatches pipeline micro-batches of micro_batch_size
+(parallelism.pipeline_parallel_microbatch_size). Each stage holds the modules pipeline_parallel.py gives
+it (pp_stages over pp * vp stages); a rank's state is its stages' (_pp_parts), its collectives each
+stage's (_stage_comm: P2P per micro-batch with the stages on other ranks, FSDP once per step and the last
+stage's [norm, lm_head] per micro-batch, TP and CP per micro-batch, step 0's vote and metadata inference)
+and the step's grad-norm and loss all-reduces once (_pp_comm). Its peak is pp_peak.py's, for 1F1B over
+FSDP alone.
 """
 from __future__ import annotations
 

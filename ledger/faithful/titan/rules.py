@@ -81,13 +81,9 @@ def validate_layout(model, lay, fw_cfg) -> None:
         raise ConfigError(f"titan: cp={lay.cp}: seq_len={model.seq_len} must be divisible by cp*128 "
                           "(FlexAttention's "
                           "CP BlockMask is sharded in whole 128-token blocks)")
-    # without PP one local batch per step (no gradient accumulation); with PP the local batch
-    # (global / dp) is split into num_microbatches pipeline micro-batches of micro_batch_size
-    # (parallelism.pipeline_parallel_microbatch_size; trainer.py num_pipeline_parallel_microbatches)
-    if not (lay.pp > 1 or lay.num_microbatches == 1):
-        raise ConfigError(f"titan: global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} "
-                          "micro-batches; "
-                          "torchtitan runs one local batch per step here (global = micro_batch_size*dp)")
+    # without PP the local batch (global / dp) runs as num_microbatches gradient-accumulation steps of
+    # micro_batch_size (trainer.py gradient_accumulation_steps, comm.step_comm); with PP it is split into
+    # num_microbatches pipeline micro-batches (parallelism.pipeline_parallel_microbatch_size)
     # torch pipelining/schedules.py: each schedule's __init__ refuses some micro-batch counts
     why = microbatch_error(sched, lay.num_microbatches, lay.pp, lay.vp) if lay.pp > 1 and sched in SCHEDULES else None
     if why:
@@ -139,6 +135,9 @@ def validate_experts(model, lay) -> None:
     if not (lay.tp == lay.pp == lay.cp == lay.dp_replicate == lay.vp == 1):
         no(f"tp={lay.tp} pp={lay.pp} cp={lay.cp} dp_replicate={lay.dp_replicate}: MoE is modelled over FSDP "
            "(dp_shard) with expert parallelism alone")
+    if lay.num_microbatches > 1:
+        no(f"global_batch_size={lay.global_batch_size} gives {lay.num_microbatches} gradient-accumulation "
+           "micro-batches: the MoE ledger models one local batch a step (global = micro_batch_size*dp)")
     # distributed/parallel_dims.py: EP borrows from dp_shard x cp x tp (efsdp = dp_shard / ep here)
     if not (lay.dp_shard % lay.ep == 0):
         no(f"ep={lay.ep} does not divide dp_shard={lay.dp_shard} (torchtitan's EP borrows the FSDP ranks: "

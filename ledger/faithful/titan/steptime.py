@@ -1,7 +1,9 @@
 """How a torchtitan 0.3.0 step runs, for the step-time model (ledger/timing/step.py).
 
-  schedule   no pipelining at pp = 1; with PP the schedule 1F1B (parallelisms/pipeline: the
-             pipelining schedules of torch.distributed.pipelining; the ledger's PP is 1F1B)
+  schedule   no pipelining at pp = 1; with PP framework.pipeline_parallel_schedule (torch.distributed.
+             pipelining's schedules): 1F1B, and Interleaved1F1B with vp stages a rank in the interleaved
+             order (ledger/timing/pipeline.py); GPipe and LoopedBFS run every forward before the
+             backwards: they are timed by those orders, their own not modelled (the sources say so)
   recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
@@ -27,6 +29,7 @@
 """
 from __future__ import annotations
 
+from ledger.checks import knob
 from ledger.timing.step import TimePolicy
 
 # SelectiveAC's recompute of a block (module docstring): every forward op but the kept mms (wq, wv, w1,
@@ -38,6 +41,7 @@ KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
 def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
+    sched = knob(fw, "pipeline_parallel_schedule") or "1F1B"
     cuda = device == "cuda"
     return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
@@ -49,4 +53,6 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                                f"activation_checkpoint={ac}"
                                + (" (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)" if ac == "selective" else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
-                               "and SwiGLU (ledger/faithful/titan/steptime.py)",))
+                               "and SwiGLU (ledger/faithful/titan/steptime.py)"
+                               + (f"; {sched} timed by 1F1B's order (its own not modelled)"
+                                  if lay.pp > 1 and sched in ("GPipe", "LoopedBFS") else ""),))
