@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (fourteen small multiruns, 30 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (25 small multiruns, 43 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -9,7 +9,9 @@ not divide it: DTensor's torch.chunk rows, 501 and 500 per TP rank); and context
 at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, both reshard
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
-1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); long sequences on
+1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
+uneven vocab, full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
+LoopedBFS; gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
@@ -85,12 +87,10 @@ SWEEPS = (
     ("w4pp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=8", "layout.pp=2,4", NO_AC)),
     # PP with TP (with and without SP), CP and HSDP: the stage's TP / CP collectives per micro-batch, the TP
     # grads' post-backward moves once per step in fp32 (pp._pp_tp_comm), the DTensor metadata of step 0;
-    # pp2·tp2 at vocab 1001 (uneven TP rows) with full AC and 3 micro-batches; pp2·tp2·dp2 at world 8. The
+    # pp2·tp2 at world 4 (vocab 1001: uneven TP rows) with full AC and 3 micro-batches; pp2·tp2·dp2 at world 8. The
     # schedules (framework.pipeline_parallel_schedule): Interleaved1F1B with tp2·SP (two stages a rank, each
     # middle stage's step-0 backward inference), GPipe with cp2 (every loss before any backward), LoopedBFS
     # over HSDP
-    ("w4pptp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.tp=2",
-                "layout.global_batch_size=2", NO_SP, NO_AC)),
     ("w4ppi1f1b", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
                    "layout.tp=2", "layout.sequence_parallel=true", "layout.global_batch_size=4",
                    "framework.pipeline_parallel_schedule=Interleaved1F1B", NO_AC)),
