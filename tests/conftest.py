@@ -34,7 +34,7 @@ def pytest_sessionfinish(session, exitstatus):
 # DeepSpeed matrix's compute on the other worker fills.
 LONGEST_FIRST = ("test_deepspeed.py", "test_slurm.py", "test_titan.py", "test_megatron.py", "test_megatron_moe.py", "test_deepspeed_moe.py",
                  "test_titan_moe.py",
-                 "test_forkserver.py", "test_timing.py",
+                 "test_forkserver.py",
                  "test_fake.py", "test_report.py", "test_wandb.py", "test_plan.py", "test_failures.py",
                  "test_campaign.py")
 
