@@ -19,7 +19,7 @@ import textwrap
 
 from launchers import shell_comment, write_file, write_script
 from launchers.local import REPO
-from ledger.faithful.titan.schedules import layers_per_stage
+from ledger.faithful.titan.schedules import layers_per_stage, schedule_of
 
 MODULE_NAME = "ledger_titan"
 CONFIG_FN = "ledger_config"
@@ -92,7 +92,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relat
         if pp > 1 or ep > 1 else ""
     # framework.pipeline_parallel_schedule; layout.vp stages a rank where torchtitan's default (one, or two
     # for a looped schedule) is not it: pipeline_parallel_layers_per_stage (ledger/faithful/titan/schedules.py)
-    sched = getattr(fw, "pipeline_parallel_schedule", "1F1B")
+    sched = schedule_of(fw)
     lps = layers_per_stage(m.layers, pp, lay.vp) if pp > 1 and lay.vp not in (1, 2) else None
     pp_parallel = (f"\n                    pipeline_parallel_degree={pp},"
                    f"\n                    pipeline_parallel_microbatch_size={lay.micro_batch_size},"

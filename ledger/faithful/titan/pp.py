@@ -18,7 +18,6 @@ from functools import lru_cache
 from math import prod
 from typing import NamedTuple
 
-from ledger.checks import knob
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
@@ -26,7 +25,7 @@ from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params, vocab
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_peak import pp_peak
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
-from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward
+from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward, schedule_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -178,11 +177,6 @@ def place_pp(model: ModelShape, lay: Layout, fw, rules=None) -> Placement:
     pls[0].rank_state = lambda r: states[grid.coords(r)["tp"]](r)
     pls[0].notes.append(vocab_split_note(model.vocab, lay.tp))
     return pls[0]
-
-
-def schedule_of(fw) -> str:
-    """framework.pipeline_parallel_schedule (1F1B where a config has none)."""
-    return knob(fw, "pipeline_parallel_schedule") or "1F1B"
 
 
 class _Uneven(NamedTuple):

@@ -3,9 +3,9 @@ the shared rules (ledger/layout.py), its MoE limits, and the planner's view of i
 checkpointing. ledger/faithful/titan/__init__.py registers them."""
 from __future__ import annotations
 
-from ledger.checks import knob, one_of
+from ledger.checks import one_of
 from ledger.faithful.titan.pp import pp_stages
-from ledger.faithful.titan.schedules import SCHEDULES, microbatch_error, stages_error, stages_split_error
+from ledger.faithful.titan.schedules import SCHEDULES, microbatch_error, schedule_of, stages_error, stages_split_error
 from ledger.layout import ConfigError
 
 # torch _context_parallel/_attention.py _create_cp_block_mask: FlexAttention's CP BlockMask is sharded in
@@ -69,7 +69,7 @@ def head_width_modelled(model) -> bool:
 def validate_layout(model, lay, fw_cfg) -> None:
     # PP (distributed/pipeline_parallel.py pipeline_llm): framework.pipeline_parallel_schedule's stages a
     # rank (schedules.py: one, layout.vp looped, two in a V), with tp, cp and dp_replicate (pp.py)
-    sched = knob(fw_cfg, "pipeline_parallel_schedule") or "1F1B"
+    sched = schedule_of(fw_cfg)
     if lay.pp > 1 and sched in SCHEDULES:  # (validate_knobs names an unknown one)
         why = stages_error(sched, lay.pp, lay.vp) or stages_split_error(model.layers, lay.pp, lay.vp, sched)
         if why:

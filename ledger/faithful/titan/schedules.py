@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from ledger.checks import knob
 from ledger.units import ceil_div
 
 
@@ -27,6 +28,11 @@ SCHEDULES = {
 # schedules.py _add_unshard_reshard(max_active_stages=3): a runtime schedule keeps at most 3 of a rank's
 # stages unsharded, resharding one to prefetch another; with more stages a rank re-gathers mid-step
 MAX_ACTIVE_STAGES = 3
+
+
+def schedule_of(fw) -> str:
+    """framework.pipeline_parallel_schedule (1F1B, torchtitan's default, where a config has none)."""
+    return knob(fw, "pipeline_parallel_schedule") or "1F1B"
 
 
 def local_stages(pp_rank: int, pp: int, vp: int, name: str) -> tuple[int, ...]:

@@ -29,7 +29,7 @@
 """
 from __future__ import annotations
 
-from ledger.checks import knob
+from ledger.faithful.titan.schedules import schedule_of
 from ledger.timing.step import TimePolicy
 
 # SelectiveAC's recompute of a block (module docstring): every forward op but the kept mms (wq, wv, w1,
@@ -41,7 +41,7 @@ KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
 def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
-    sched = knob(fw, "pipeline_parallel_schedule") or "1F1B"
+    sched = schedule_of(fw)
     cuda = device == "cuda"
     return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
