@@ -15,6 +15,7 @@ and backward k on chunk vp - 1 - (k // pp) % vp, micro-batch (k // (pp vp)) pp +
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,80 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -
     return max(free)
 
 
+@lru_cache(maxsize=256)
+def _flat_orders(pp: int, vp: int, m: int) -> tuple[tuple[tuple[bool, int, int], ...], ...]:
+    """Each stage's _order as (is backward, slot, virtual stage) with slot = v m + micro-batch: an index
+    into _run_fast's end-time arrays (a planner meets the same pp, vp, m in many layouts)."""
+    return tuple(tuple((bwd, (c * pp + s) * m + mb, c * pp + s) for bwd, mb, c in _order(pp, vp, s, m))
+                 for s in range(pp))
+
+
+def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float) -> float:
+    """_run's step end (the readable reference, which simulate() keeps) over flat arrays: a task's end
+    time in fwd_end / bwd_end[slot] (-1.0 until it ran), the hops per virtual stage worked out once,
+    the stages' orders cached (_flat_orders). The same loop and the same float operations in the same
+    order, so the same result to the bit (tests/test_timing.py)."""
+    nv = pp * vp
+    f_dur = [0.0] * nv
+    b_dur = [0.0] * nv
+    for s in range(pp):
+        for c in range(vp):
+            f_dur[c * pp + s] = forward_s(s, c)
+            b_dur[c * pp + s] = backward_s(s, c)
+    # the hop into a virtual stage's forward (from v - 1) and into its backward (from v + 1): p2p where
+    # the neighbour sits on another stage
+    f_hop = [p2p_s if (v - 1) % pp != v % pp else 0.0 for v in range(nv)]
+    b_hop = [p2p_s if (v + 1) % pp != v % pp else 0.0 for v in range(nv)]
+    orders = _flat_orders(pp, vp, m)
+    fwd_end = [-1.0] * (nv * m)
+    bwd_end = [-1.0] * (nv * m)
+    free = [0.0] * pp
+    pos = [0] * pp
+    remaining = sum(len(o) for o in orders)
+    last_v = nv - 1
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            o = orders[s]
+            n = len(o)
+            i = start_i = pos[s]
+            t = free[s]
+            while i < n:
+                bwd, slot, v = o[i]
+                if not bwd:
+                    if v == 0:
+                        ready = 0.0
+                    else:
+                        ready = fwd_end[slot - m]
+                        if ready < 0.0:
+                            break
+                        ready += f_hop[v]
+                    t = (t if t > ready else ready) + f_dur[v]
+                    fwd_end[slot] = t
+                else:
+                    ready = fwd_end[slot]
+                    if ready < 0.0:
+                        break
+                    if v != last_v:
+                        nxt = bwd_end[slot + m]
+                        if nxt < 0.0:
+                            break
+                        nxt += b_hop[v]
+                        if nxt > ready:
+                            ready = nxt
+                    t = (t if t > ready else ready) + b_dur[v]
+                    bwd_end[slot] = t
+                i += 1
+            if i != start_i:
+                remaining -= i - start_i
+                pos[s] = i
+                free[s] = t
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked (an order whose inputs never arrive)")
+    return max(free)
+
+
 def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> float:
     """simulate(...).step_s (the readable reference, kept beside it) without simulating every
     micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
@@ -151,9 +226,9 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
         return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if m <= base + (PROBE + 1) * pp:
-        return _run(pp, vp, m, forward_s, backward_s, p2p_s, None)
+        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)
     r = (m - base) % pp
-    ts = [_run(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s, None) for k in range(PROBE + 1)]
+    ts = [_run_fast(pp, vp, base + r + k * pp, forward_s, backward_s, p2p_s) for k in range(PROBE + 1)]
     d = [ts[k + 1] - ts[k] for k in range(PROBE)]
     groups = (m - base - r) // pp
     for c in range(1, 4):
@@ -163,7 +238,7 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
             left = groups - PROBE
             cycle = d[-c:]
             return ts[-1] + (left // c) * sum(cycle) + sum(cycle[:left % c])
-    return _run(pp, vp, m, forward_s, backward_s, p2p_s, None)
+    return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)
 
 
 PROBE = 6  # pipelines of base + r + k pp micro-batches simulated to find the cycle

@@ -155,9 +155,17 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     kinds = {(st, c): chunk_kinds(st, c) for st in range(lay.pp) for c in range(vp)}
     f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
 
-    # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside
-    stage_rows = [[(c, collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(hw, lay, c.dim, c.kind)))
-                   for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
+    # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside; a
+    # group's size and link worked out once per (dim, kind), which the stages' rows repeat
+    groups: dict = {}
+
+    def timed(c) -> float:
+        g = groups.get((c.dim, c.kind))
+        if g is None:
+            g = groups[c.dim, c.kind] = (group_size(lay, c.dim), collectives.group_link(hw, lay, c.dim, c.kind))
+        return collectives.comm_seconds(c, *g)
+
+    stage_rows = [[(c, timed(c)) for c in placement.rank_state(_stage_of_rank(lay, s)).comm if c.dim != "pp"]
                   for s in range(lay.pp)]
     # TP / CP / EP: per micro-batch, exposed inside the stage's forwards and backwards (over its chunks);
     # the CP ring beyond its stage's attention kernels where the policy hides it behind them

@@ -224,8 +224,8 @@ def layer_backward_moves(model: ModelShape, T: int, tp: int, sp: bool = False, c
         elif name == "w2" and o == "P":
             # SwiGLU's backward (silu(w1 x) * w3 x): each factor's grad is mul(grad, the other factor), a
             # Partial times a Shard(2): the propagator reduce-scatters the Partial grad to Shard(2) for
-            # each of the two muls (aten.mul.Tensor P -> S(2)); measured: tp4 no SP, hidden 1024, ffn
-            # 3584, T 1024 (tests/test_titan.py), two [T, ffn] reduce-scatters per layer
+            # each of the two muls (aten.mul.Tensor P -> S(2)); measured: tp4 no SP, hidden 640, ffn
+            # 1792, T 640 (tests/test_titan.py), two [T, ffn] reduce-scatters per layer
             out += [("reduce_scatter", T * k, INPUT)] * 2
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "

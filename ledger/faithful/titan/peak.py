@@ -513,7 +513,7 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
     input and its output; w2's saved input freed by its mm backward; the block's unsharded parameters, the
     residual stream's (Partial) grad, the reduce-scatter input of the unit after held (FSDP: until the next
     post-backward). None where the input grad is not Partial. Measured on the CPU (tp4, GQA 16 / 4
-    heads, hidden 1024, ffn 3584, T 1024: tests/test_titan.py w4tp4gqa): the steady peak on every rank."""
+    heads, hidden 640, ffn 1792, T 640: tests/test_titan.py w4tp4gqa): the steady peak on every rank."""
     B, S, L, h, tp = lay.micro_batch_size, model.seq_len, model.layers, model.hidden, lay.tp
     T, f = B * S, model.ffn_hidden
     o_w, o_x = w2_grad_placements(model, T, tp)
