@@ -37,6 +37,7 @@ def _measured(rank: dict):
 def test_forked_ranks_measure_what_spawned_ranks_measure(tmp_path):
     p = launch("-m", "framework=megatron,deepspeed,titan", "cluster.fork_ranks=false,true", "layout.tp=1",
                "train.steps=2",  # the first step and a steady one
+               "model.seq_len=32",  # what is compared is the ranks' start, not the step's compute
                f"hydra.sweep.dir={tmp_path}", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = records.load(str(tmp_path))

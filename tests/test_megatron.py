@@ -43,6 +43,9 @@ from tests.conftest import (AttrDict, assert_every_row_reconciles, assert_megatr
 # the distributed optimizer unless a sweep says (w2ddp: plain DDP, Megatron-LM's default)
 COMMON = ("framework=megatron", "model.hidden=208", "model.seq_len=32", "train.steps=2", "framework.bucket_size=100000",
           "framework.use_distributed_optimizer=true")
+# the long-sequence jobs' narrow Llama (COMMON's hidden 208 overridden): at s=512 its moments are those of
+# hidden 208, at a fraction of the bf16 FLOPs
+LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192")
 # four multiruns; each sweeps layout dicts (merged into the layout node), so the 10 jobs cover the
 # matrix without its full cartesian product
 SWEEPS = (
@@ -90,11 +93,11 @@ SWEEPS = (
     # s=512: the s^2 attention tensors outweigh the backward's moments, so both stages peak in a forward,
     # at the last layer's softmax cast (megatron_peak.softmax_forward): stage 0 with one micro-batch in
     # flight and the previous iteration's p2p locals, the last stage with its own only
-    ("w2fwd", ("cluster.ranks=2", "model.seq_len=512", "layout={pp:2,global_batch_size:4}")),
+    ("w2fwd", ("cluster.ranks=2", *LONG, "layout={pp:2,global_batch_size:4}")),
     # the same with full recompute of one layer: uniform (both layers of a stage checkpointed) peaks at
     # the last layer's softmax cast in its recompute in backward; block (layer 0 checkpointed, layer 1
     # not) at that recompute on stage 0 and at layer 1's forward cast on the last stage
-    ("w2fwdrc", ("cluster.ranks=2", "model.seq_len=512", "framework.recompute_granularity=full",
+    ("w2fwdrc", ("cluster.ranks=2", *LONG, "framework.recompute_granularity=full",
                  "framework.recompute_method=uniform,block", "framework.recompute_num_layers=1",
                  "layout={pp:2,global_batch_size:4}")),
     # full recompute with TP: a recomputed layer's forward TP collectives run again in its backward

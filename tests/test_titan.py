@@ -51,7 +51,7 @@ NO_SP = "layout.sequence_parallel=false"
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
 LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.heads=4", "model.kv_heads=2")
-# with PP the same moments at seq 1024, hidden 128 (vocab 512 / 16384): the PP peak leaves out the step's
+# with PP the same moments at seq 1024, hidden 128 (vocab 512 / 4096): the PP peak leaves out the step's
 # setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
 # 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
 LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
@@ -109,7 +109,7 @@ SWEEPS = (
     # or a loss chunk's cross-entropy backward (a large vocab) outweighs the reduce-scatters; with PP a
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
     ("w2long", ("cluster.ranks=2", *LONG, "model.vocab=320,8192", NO_AC)),
-    ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,16384", "layout.pp=2", "layout.global_batch_size=2", NO_AC)),
+    ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,4096", "layout.pp=2", "layout.global_batch_size=2", NO_AC)),
     # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
     # (the SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",
