@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3: real runs on local gloo ranks reconciled to the byte, the model/ledger name
 agreement, the faithful ledger's rules, and the dry artifacts checked by DeepSpeed's own parser.
 
-The real matrix (one fixture, eight Hydra multiruns, 25 jobs):
+The real matrix (one fixture of 43 jobs; among its sweeps):
 
     # bf16, reduce_bucket_size below the embedding: extra-large parameters reduced on their own
     python launch.py -m framework=deepspeed framework.zero_stage=1,2,3 cluster.ranks=2,4 \\
@@ -38,7 +38,9 @@ The real matrix (one fixture, eight Hydra multiruns, 25 jobs):
         framework.activation_checkpointing=false,true framework.reduce_bucket_size=65536 \
         layout.micro_batch_size=4 layout.global_batch_size=8 train.steps=3
 
-Every job also reconciles its per-rank peak within a step (ledger/faithful/deepspeed/peak.py):
+(The commands as a user would type them; the fixture runs the ZeRO-1/2 jobs of each at two steps, the
+first and a steady one, and ZeRO-3's at three: by_steps.) Every job also reconciles its per-rank peak
+within a step (ledger/faithful/deepspeed/peak.py):
 peak_bytes and its parts; and the most live activations against the last step's timeline.
 
 The tiny model's embedding and output have 262,144 elements, w1/w2/w3 196,608, wq/wo 65,536.
@@ -71,28 +73,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BUCKET = 500_000
 BELOW_EMBEDDING = 65_536
 FP32_BUCKET = 100_000
-# ZeRO-3 completes its trace in the second step (its prediction's one warm-up step), so the third is
-# steady for every stage; the steady checks read it
+# ZeRO-3 completes its trace in the second step (its prediction's one warm-up step), so its third is the
+# first steady one; ZeRO-1/2's second is. The steady checks read each job's last step. A sweep over stages
+# runs as two multiruns (by_steps), ZeRO-1/2 at two steps and ZeRO-3 at three
 STEPS = 3
-LAST = STEPS - 1
+STEPS_OF = {1: 2, 2: 2, 3: STEPS}
+
+
+def by_steps(sweep: list[str]) -> list[list[str]]:
+    """A sweep's arguments as one multirun per step count (STEPS_OF) of its zero stages, each with its
+    train.steps."""
+    stage_arg = next(a for a in sweep if a.startswith("framework.zero_stage="))
+    stages = [int(x) for x in stage_arg.split("=", 1)[1].split(",")]
+    rest = [a for a in sweep if a != stage_arg and not a.startswith("train.steps=")]
+    out = []
+    for n in sorted({STEPS_OF[z] for z in stages}):
+        picked = ",".join(str(z) for z in stages if STEPS_OF[z] == n)
+        out.append([*rest, f"framework.zero_stage={picked}", f"train.steps={n}"])
+    return out
 MATRIX = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=2,4",
-          f"framework.reduce_bucket_size={BELOW_EMBEDDING}", f"train.steps={STEPS}"]
+          f"framework.reduce_bucket_size={BELOW_EMBEDDING}"]
 GAS2 = ["framework=deepspeed", "framework.zero_stage=2,3", "cluster.ranks=2", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
-        "layout.global_batch_size=4", "model.tied_embeddings=false,true", f"train.steps={STEPS}"]
+        "layout.global_batch_size=4", "model.tied_embeddings=false,true"]
 KNOBS0 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2,4",
           f"framework.reduce_bucket_size={SMALL_BUCKET}", "framework.stage3_prefetch_bucket_size=0",
-          "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true",
-          f"train.steps={STEPS}"]
+          "framework.stage3_max_reuse_distance=0", "layout.global_batch_size=4", "model.tied_embeddings=false,true"]
 _Z3 = ["framework=deepspeed", "framework.zero_stage=3", f"framework.reduce_bucket_size={SMALL_BUCKET}",
-       "layout.global_batch_size=4", f"train.steps={STEPS}"]
+       "layout.global_batch_size=4"]
 BUDGETS = _Z3 + ["cluster.ranks=2,4", "framework.stage3_prefetch_bucket_size=300000",
                  "framework.stage3_max_live_parameters=600000", "framework.stage3_max_reuse_distance=400000"]
 BUDGETS_SMALL = _Z3 + ["cluster.ranks=2", "framework.stage3_prefetch_bucket_size=100000",
                        "framework.stage3_max_live_parameters=250000", "framework.stage3_max_reuse_distance=150000",
                        "model.tied_embeddings=false,true"]
 AC = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "framework.activation_checkpointing=false,true",
-      f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=4", "layout.global_batch_size=8",
-      f"train.steps={STEPS}"]
+      f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=4", "layout.global_batch_size=8"]
 # the long-sequence jobs' narrow Llama: at s = 512 hidden 128 (vocab 320) peaks at the same backward moments as
 # the tiny model's hidden 256, at a fraction of the bf16 FLOPs
 NARROW = ["model.seq_len=512", "model.hidden=128", "model.ffn_hidden=384", "model.vocab=320"]
@@ -100,7 +114,7 @@ NARROW = ["model.seq_len=512", "model.hidden=128", "model.ffn_hidden=384", "mode
 # blocks below holding their inputs, the recomputed block its output
 AC_LONG = ["framework=deepspeed", "framework.zero_stage=2", "cluster.ranks=2", "framework.activation_checkpointing=true",
            *NARROW, f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=2",
-           "layout.global_batch_size=4", f"train.steps={STEPS}"]
+           "layout.global_batch_size=4"]
 # ZeRO-3 with checkpointing: the recompute fetches each block's modules again inside the backward (the trace
 # and the replay with its budgets: every all-gather and the trace checks' broadcasts); at s = 512 the peak is in
 # block 3's SwiGLU backward after its recompute, with the coordinator's gathered params there
@@ -108,39 +122,39 @@ Z3_AC = _Z3 + ["cluster.ranks=2", "framework.activation_checkpointing=true", "fr
                "framework.stage3_max_live_parameters=600000", "framework.stage3_max_reuse_distance=400000"]
 Z3_AC_LONG = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=2", "framework.activation_checkpointing=true",
               *NARROW, f"framework.reduce_bucket_size={BELOW_EMBEDDING}", "layout.micro_batch_size=2",
-              "layout.global_batch_size=4", f"train.steps={STEPS}"]
+              "layout.global_batch_size=4"]
 FP32 = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.precision=fp32",
-        f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8", f"train.steps={STEPS}"]
+        f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=8"]
 # one micro-batch, fp32, 4 ranks: ZeRO-1 peaks in reduce_gradients at the boundary (its first copy into
 # grads_in_partition, every gradient still live), ZeRO-2 deep in backward (deepspeed_backward)
 FP32_ONE = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=4", "framework.precision=fp32",
-            f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=4", f"train.steps={STEPS}"]
+            f"framework.reduce_bucket_size={FP32_BUCKET}", "layout.global_batch_size=4"]
 # DeepSpeed's default bucket (1 GB of bf16): ZeRO-2 peaks at the IPG buffer's allocation at the backward's
 # first hook, ZeRO-1 (its hooks keep every gradient) in block 3's ffn_norm backward
-DEFAULT_BUCKET = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2", f"train.steps={STEPS}"]
+DEFAULT_BUCKET = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2"]
 # ZeRO-3 at 3 ranks: dp divides no norm weight, so every persistent param's storage is its padded all-gather
 # buffer, and a bucket of one wq + one norm fills by ds_numel (27 reduce-scatters; padded sizes: 35)
 ODD_BUCKET = 65_536 + 256
 ODD = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=3", f"framework.reduce_bucket_size={ODD_BUCKET}",
-       "layout.global_batch_size=3", f"train.steps={STEPS}"]
+       "layout.global_batch_size=3"]
 # ZeRO-3 with DeepSpeed's default bucket (every gradient in one) and short sequences: the peak is the
 # backward epilogue's reduce-scatter (the whole model's padded gradients cat'ed and gloo's copy of them);
 # with a bucket of every gradient but the embedding's, the reduce-scatter at the embedding's hook (untied,
 # and tied in EMB_TIED: there both uses' gradients are one)
 EPILOGUE = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
-            "framework.reduce_bucket_size=500000000,3279104", f"train.steps={STEPS}"]
+            "framework.reduce_bucket_size=500000000,3279104"]
 EMB_TIED = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
-            "model.tied_embeddings=true", "framework.reduce_bucket_size=3016960", f"train.steps={STEPS}"]
+            "model.tied_embeddings=true", "framework.reduce_bucket_size=3016960"]
 # DeepSpeed-Ulysses (layout.cp): ZeRO over the sequence-data-parallel group, DistributedAttention's
 # all-to-alls over each sequence group; ZeRO-3 at cp2 dp2 with DeepSpeed's default fp32 reductions (its
 # IPG bucket in fp32), ZeRO-1 / ZeRO-2 at cp2 with bf16 ones (their bucket all-reduces in fp32 anyway) and
 # activation checkpointing (the recompute's all-to-alls)
 ULYSSES_Z3 = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "layout.cp=2",
-              f"framework.reduce_bucket_size={SMALL_BUCKET}", "layout.global_batch_size=4", f"train.steps={STEPS}"]
+              f"framework.reduce_bucket_size={SMALL_BUCKET}", "layout.global_batch_size=4"]
 ULYSSES_Z12 = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2", "layout.cp=2",
                "framework.seq_parallel_communication_data_type=bf16", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
                "framework.activation_checkpointing=true",
-               "layout.global_batch_size=2", f"train.steps={STEPS}"]
+               "layout.global_batch_size=2"]
 ULYSSES = ("ulysses_z3", "ulysses_z12")  # no peak row: the ledger predicts none (ulysses.py)
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
 # that hook peaks (nothing prefetched or kept, so no forward moment above it)
@@ -148,7 +162,7 @@ HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3
                 "attention_norm": 3_278_848}
 HOOKS = ["framework=deepspeed", "framework.zero_stage=3", "cluster.ranks=4", "model.seq_len=32",
          "framework.stage3_prefetch_bucket_size=0", "framework.stage3_max_reuse_distance=0",
-         "framework.reduce_bucket_size=" + ",".join(map(str, HOOK_BUCKETS.values())), f"train.steps={STEPS}"]
+         "framework.reduce_bucket_size=" + ",".join(map(str, HOOK_BUCKETS.values()))]
 
 
 def _fw(**kw):
@@ -889,8 +903,10 @@ def runs(tmp_path_factory):
               "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET,
               "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12}
-    # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's)
-    launch_many([["-m", *args, "wandb.mode=disabled", f"hydra.sweep.dir={root / name}"] for name, args in sweeps.items()],
+    # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's); a sweep's multiruns each into a
+    # folder of its own under the sweep's, which records.load reads together
+    launch_many([["-m", *part, "wandb.mode=disabled", f"hydra.sweep.dir={root / name / str(i)}"]
+                 for name, args in sweeps.items() for i, part in enumerate(by_steps(args))],
                 timeout=900 * len(sweeps))
     recs = {name: R.load(str(root / name)) for name in sweeps}
     return recs, {k: table(v) for k, v in recs.items()}
@@ -913,9 +929,11 @@ def _job(recs, stage, ranks, tied=False):
     return next(r for r in recs if _key(r) == (stage, ranks) and _tied(r) == tied)
 
 
-def _steady_comm(rank_rec, step):
+def _steady_comm(rank_rec, step=None):
+    """The rank's collectives in `step` (its last by default), (kind, dtype) -> (count, buffer bytes)."""
     out = {}
-    for c in next(s for s in rank_rec["steps"] if s["step"] == step)["comm"]:
+    st = rank_rec["steps"][-1] if step is None else next(s for s in rank_rec["steps"] if s["step"] == step)
+    for c in st["comm"]:
         out[(c["kind"], c["dtype"])] = (c["count"], c["buffer_bytes"])
     return out
 
@@ -950,7 +968,7 @@ def test_matrix_ran_every_rank(runs):
         assert [r["rank"] for r in ranks] == list(range(_key(rec)[1]))
         for r in ranks:
             assert r["status"] == "ok" and r["errors"] == [], r.get("errors")
-            assert [s["step"] for s in r["steps"]] == list(range(STEPS))
+            assert [s["step"] for s in r["steps"]] == list(range(STEPS_OF[_key(rec)[0]]))
             assert all(math.isfinite(s["loss"]) for s in r["steps"])
 
 
@@ -987,7 +1005,7 @@ def test_zero12_all_reduce_buckets_no_reduce_scatter(runs):
         if stage == 3:
             continue
         for r in rec["measurement"]["ranks"]:
-            c = _steady_comm(r, LAST)
+            c = _steady_comm(r)
             assert not any(k == "reduce_scatter" for k, _ in c)
             count, nbytes = c[("all_reduce", "bf16")]
             assert count > 1 and nbytes == 2 * n  # several buckets covering every gradient once
@@ -1004,7 +1022,7 @@ def test_zero3_2n_default_and_3n_with_knobs_zero(runs):
     default = _job(recs["matrix"], 3, 4)
     knobs = _job(recs["knobs0"], 3, 4)
     for r_d, r_k in zip(default["measurement"]["ranks"], knobs["measurement"]["ranks"]):
-        d, k = _steady_comm(r_d, LAST), _steady_comm(r_k, LAST)
+        d, k = _steady_comm(r_d), _steady_comm(r_k)
         # 2N: one coalesced gather of all non-persistent params + the persistent ones after step
         assert d[("all_gather", "bf16")] == (1 + len(persist), 2 * n)
         # 3N: per-module gathers in forward and again in backward
@@ -1021,7 +1039,7 @@ def test_zero2_reduces_every_micro_batch(runs):
     two = _job(recs["gas2"], 2, 2)
     assert two["prediction"]["layout"]["num_microbatches"] == 2
     for r1, r2 in zip(one["measurement"]["ranks"], two["measurement"]["ranks"]):
-        c1, c2 = _steady_comm(r1, LAST), _steady_comm(r2, LAST)
+        c1, c2 = _steady_comm(r1), _steady_comm(r2)
         assert c2[("all_reduce", "bf16")] == tuple(2 * x for x in c1[("all_reduce", "bf16")])
         assert c2[("all_gather", "bf16")] == c1[("all_gather", "bf16")]
 
@@ -1039,7 +1057,7 @@ def test_zero3_accumulation(runs):
     big_modules = {name.rsplit(".", 1)[0] for name, s in shape.params() if numel(s) > 100_000}
     one, two, knobs = _job(recs["matrix"], 3, 2), _job(recs["gas2"], 3, 2), _job(recs["knobs0"], 3, 2)
     for r1, r2, rk in zip(*(j["measurement"]["ranks"] for j in (one, two, knobs))):
-        c1, c2, ck = _steady_comm(r1, LAST), _steady_comm(r2, LAST), _steady_comm(rk, LAST)
+        c1, c2, ck = _steady_comm(r1), _steady_comm(r2), _steady_comm(rk)
         rs = ("reduce_scatter", "bf16")
         assert c2[rs] == (2 * c1[rs][0], 2 * c1[rs][1])  # matrix and gas2: the same bucket size
         assert ck[rs][1] == c2[rs][1]  # knobs0 buckets differently (500000), the same bytes
@@ -1071,13 +1089,13 @@ def test_zero3_tied_embeddings(runs):
         u, t = _job(recs["knobs0"], 3, ranks), _job(recs["knobs0"], 3, ranks, tied=True)
         assert u["prediction"]["per_gpu"]["params_bytes"] - t["prediction"]["per_gpu"]["params_bytes"] == 2 * e // ranks
         for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
-            cu, ct = _steady_comm(ru, LAST), _steady_comm(rt, LAST)
+            cu, ct = _steady_comm(ru), _steady_comm(rt)
             m = 4 // ranks
             assert ct[("all_gather", "bf16")] == cu[("all_gather", "bf16")]
             assert ct[("reduce_scatter", "bf16")][1] == cu[("reduce_scatter", "bf16")][1] - m * 2 * e
     u, t = _job(recs["gas2"], 3, 2), _job(recs["gas2"], 3, 2, tied=True)
     for ru, rt in zip(u["measurement"]["ranks"], t["measurement"]["ranks"]):
-        cu, ct = _steady_comm(ru, LAST), _steady_comm(rt, LAST)
+        cu, ct = _steady_comm(ru), _steady_comm(rt)
         # 2N: the coalesced gather holds the embedding once, each micro-batch
         assert ct[("all_gather", "bf16")] == (cu[("all_gather", "bf16")][0], cu[("all_gather", "bf16")][1] - 2 * 2 * e)
 
@@ -1100,7 +1118,7 @@ def test_extra_large_params_reduced_on_their_own(runs):
             stage, dp = _key(rec)
             m = rec["prediction"]["layout"]["num_microbatches"]
             for r in rec["measurement"]["ranks"]:
-                c = _steady_comm(r, LAST)
+                c = _steady_comm(r)
                 if stage == 3:
                     pad = [-(-k // dp) * dp for k in _grad_sizes(shape)]
                     assert c[("reduce_scatter", dtype)][0] == m * len(ipg_buckets(pad, bucket))
@@ -1127,8 +1145,8 @@ def test_fp32_runs(runs):
     for rec in recs["fp32"]:
         stage, dp = _key(rec)
         for r in rec["measurement"]["ranks"]:
-            st = next(s for s in r["steps"] if s["step"] == LAST)
-            kinds = set(_steady_comm(r, LAST))
+            st = r["steps"][-1]
+            kinds = set(_steady_comm(r))
             part = -(-n // (2 * dp)) * 2 if stage < 3 else None
             if stage < 3:
                 assert kinds == {("all_gather", "fp32"), ("all_reduce", "fp32")}
@@ -1154,7 +1172,7 @@ def test_zero3_intermediate_budgets(runs):
     for rec in recs["budgets"] + recs["budgets_small"]:
         m = rec["prediction"]["layout"]["num_microbatches"]
         for r in rec["measurement"]["ranks"]:
-            count, nbytes = _steady_comm(r, LAST)[("all_gather", "bf16")]
+            count, nbytes = _steady_comm(r)[("all_gather", "bf16")]
             per_micro = nbytes - 2 * sum(persist)
             assert m * 2 * np_ < per_micro < m * 2 * 2 * np_, (rec["job"], per_micro)
             assert count > m + len(persist)
@@ -1301,7 +1319,7 @@ def test_ulysses_sends_each_layer_s_eight_all_to_alls_and_reduces_over_dp_x_cp(r
             assert any(ulysses.NOTE == n for n in rec["prediction"]["notes"])
     z3 = recs["ulysses_z3"][0]
     assert any(c["dtype"] == "fp32" and c["kind"] == "reduce_scatter"
-               for c in z3["measurement"]["ranks"][0]["steps"][LAST]["comm"])
+               for c in z3["measurement"]["ranks"][0]["steps"][-1]["comm"])
 
 
 @pytest.mark.real

@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8 with DeepSpeed-MoE: the faithful ledger (ledger/faithful/deepspeed/moe.py)
 against real CPU/gloo runs of the tiny MoE Llama, deepspeed.moe.layer.MoE in every MoE layer.
 
-One shared sweep (15 jobs, s=128 but the large vocabulary's at 32, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
+One shared sweep (15 jobs, s=128 but the large vocabulary's at 64 and 32, two steps): ep2 at world 2 (the EP group is the DP ranks, edp 1: no
 expert reduction on the wire) and at world 4 (edp 2: the expert partitions over it), ep4, ZeRO-1 and
 ZeRO-2; small IPG buckets (200,000 elements: buckets mixing dense and expert gradients, the output
 weight an extra-large parameter) with and without overlap_comm at two micro-batches; top-1 routing
@@ -38,10 +38,13 @@ SWEEPS = (
     ("w2top1", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=2", "model.moe_router_topk=1",
                 "framework.capacity_factor=1.25")),
     ("w2freq", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=2", "model.moe_layer_freq=2")),
-    # (s = 32: the output layer at this vocabulary is the matrix's costliest matmul on a slow bf16 path; both
-    # ZeRO-1 and ZeRO-2 peak in the dense group's AdamW update, the larger group's, stepped first)
-    ("w4vocab", ("cluster.ranks=4", "layout={ep:2,global_batch_size:8}", "framework.zero_stage=1,2",
-                 "model.vocab=32768", "model.seq_len=32", "framework.reduce_bucket_size=200000")),
+    # (short sequences: the output layer at this vocabulary is the matrix's costliest matmul on a slow bf16
+    # path; ZeRO-1 at s = 64 peaks in the last micro-batch's log-softmax backward, in its first step in the dense
+    # group's AdamW update, the larger group's, stepped first; ZeRO-2 at s = 32 there in both)
+    ("w4vocab", ("cluster.ranks=4", "layout={ep:2,global_batch_size:8}", "framework.zero_stage=1",
+                 "model.vocab=32768", "model.seq_len=64", "framework.reduce_bucket_size=200000")),
+    ("w4vocab2", ("cluster.ranks=4", "layout={ep:2,global_batch_size:8}", "framework.zero_stage=2",
+                  "model.vocab=32768", "model.seq_len=32", "framework.reduce_bucket_size=200000")),
     ("w2ac", ("cluster.ranks=2", "layout={ep:2}", "framework.zero_stage=1,2", "framework.activation_checkpointing=true")),
 )
 
