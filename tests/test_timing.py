@@ -287,7 +287,10 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
         assert set(ph) == {"time/forward_s", "time/backward_s", "time/optimizer_s"}
         assert all(v > 0 for v in ph.values()) and sum(ph.values()) <= st["measured"]
     # each dimension's collectives timed (probes/comm_time.py): Megatron's TP all-reduces, synchronous,
-    # every one timed, most of their time waited for, beside the prediction's comm_s / exposed_s
+    # every one timed and waited for, beside the prediction's comm_s / exposed_s. How much of a few-us gloo
+    # all-reduce the wait covers depends on the machine's load (a rank descheduled between the issue and
+    # its wait, or the collective done before the wait starts): 49% of the issue-to-completion time on a
+    # loaded 2-core run, most of it on an idle one, so only the bounds are held
     d2 = tmp_path / "tp"
     p = launch("framework=megatron", "model=tiny", "model.seq_len=32", "train.steps=2", "cluster.ranks=2", "layout.tp=2",
                "probe.peak=false", f"hardware.file={prof}", f"hydra.run.dir={d2}", timeout=600)
@@ -298,7 +301,7 @@ def test_calibrate_then_a_cpu_run_has_time_rows(tmp_path):
     total, exposed = comm["time/comm/tp_s"], comm["time/exposed/tp_s"]
     n = sum(c["count"] for c in tp["measurement"]["ranks"][0]["steps"][1]["comm"] if c["dim"] == "tp")
     assert total["timed"] == exposed["timed"] == f"{n}/{n}" and n > 0
-    assert 0 < 0.5 * total["measured"] < exposed["measured"] <= 1.05 * total["measured"] and total["predicted"] > 0
+    assert 0 < exposed["measured"] <= 1.05 * total["measured"] and total["predicted"] > 0
     assert all(not r["errors"] for r in tp["measurement"]["ranks"])
     # the benchmark's summary (benchmarks/time_cpu.py): the comm probe's steps left out of the step, the
     # collectives' time per dimension the median over the steps that timed them
