@@ -135,7 +135,8 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relat
 
 
         def ledger_model_spec() -> ModelSpec:
-            """model_registry()-style spec for the ledger's shape LEDGER_JOB["model"] (untied, separate wq/wk/wv)."""
+            """model_registry()-style spec for the ledger's shape LEDGER_JOB["model"] (untied; wq/wk/wv fused as
+            framework.fuse_qkv says)."""
             dim, vocab = {m.hidden}, {m.vocab}
             config = Llama3Model.Config(
                 dim=dim,
@@ -144,7 +145,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relat
                 norm=RMSNorm.Config(normalized_shape=dim, eps={m.norm_eps}, param_init=_NORM_INIT),
                 lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
                 layers=_build_llama3_layers(
-                    fuse_qkv=False,
+                    fuse_qkv={bool(cfg.framework.fuse_qkv)!r},
                     n_layers={m.layers},
                     dim=dim,
                     n_heads={m.heads},

@@ -39,6 +39,11 @@ class ModelShape:
     qk_layernorm: bool = False
     # biases on the q, k and v projections alone (Qwen2 / 2.5's Qwen2Attention; Megatron --add-qkv-bias)
     qkv_bias: bool = False
+    # the q, k and v projections held as one [(heads + 2 kv_heads) head_dim, hidden] parameter, as a
+    # framework builds them (torchtitan's fuse_qkv: models/common/attention.py FusedQKVLinear's wqkv):
+    # the same elements, one tensor instead of three (what FSDP2 shards, pads and counts). Set by the
+    # ledger of a framework that builds them so (ledger/faithful/titan/states.py), not by a model config
+    fused_qkv: bool = False
 
     def __hash__(self) -> int:
         # computed once per object: a layout search hashes the shape in every cache lookup. Kept out
@@ -97,9 +102,12 @@ class ModelShape:
         p, h, hd = f"layers.{i}", self.hidden, self.head_dim
         out = self.norm_params(f"{p}.attention_norm")
         qkv_bias = self.bias or self.qkv_bias
-        out += self.linear(f"{p}.attention.wq", self.heads * hd, h, qkv_bias)
-        out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h, qkv_bias)
-        out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h, qkv_bias)
+        if self.fused_qkv:
+            out += self.linear(f"{p}.attention.wqkv", (self.heads + 2 * self.kv_heads) * hd, h, qkv_bias)
+        else:
+            out += self.linear(f"{p}.attention.wq", self.heads * hd, h, qkv_bias)
+            out += self.linear(f"{p}.attention.wk", self.kv_heads * hd, h, qkv_bias)
+            out += self.linear(f"{p}.attention.wv", self.kv_heads * hd, h, qkv_bias)
         out += self.linear(f"{p}.attention.wo", h, self.heads * hd)
         if self.qk_layernorm:  # torchtitan qwen3 Attention: q_norm / k_norm over head_dim
             out += [(f"{p}.attention.q_norm.weight", (hd,)), (f"{p}.attention.k_norm.weight", (hd,))]
@@ -215,11 +223,14 @@ def preset(name: str, **overrides) -> ModelShape:
     return ModelShape(name=name, **{k: v for k, v in {**PRESETS[name], **overrides}.items() if k in fields_})
 
 
+_SET_ONLY = ("qkv_bias", "fused_qkv")
+
+
 @lru_cache(maxsize=64)
 def _model_dict(model: ModelShape) -> tuple:
     # the fields (all scalars: asdict()'s deep copy is not needed) and the parameter count
-    # (qkv_bias only where set: the records of the models without it stay as they were)
-    return tuple((f, getattr(model, f)) for f in _SHAPE_FIELDS if f != "qkv_bias" or model.qkv_bias) \
+    # (qkv_bias and fused_qkv only where set: the records of the models without them stay as they were)
+    return tuple((f, getattr(model, f)) for f in _SHAPE_FIELDS if f not in _SET_ONLY or getattr(model, f)) \
         + (("num_params", model.num_params()),)
 
 

@@ -387,6 +387,30 @@ def test_selective_ac_recomputes_the_ops_the_titan_time_policy_names():
     assert recomputed["sdpa"] == 1  # this CPU run: the math kernel is not in the save list
 
 
+def test_fused_qkv_is_one_gemm_and_the_split_s_copies():
+    """torchtitan's fuse_qkv (models/common/attention.py FusedQKVLinear): q, k and v are one GEMM of their
+    FLOPs together, then its output is copied into contiguous q, k, v (a read and a write of each element,
+    the grads' cat in backward); SelectiveAC's mm count then runs wqkv 1, wo 2, w1 3, w3 4, w2 5, so its
+    backward re-runs wo's and w3's GEMMs and the split's copies, not a k GEMM."""
+    import dataclasses
+
+    from ledger.faithful.titan.steptime import time_policy
+    from ledger.timing import ops
+
+    sh = ops.Shard(hidden=256, ffn=768, heads=8, kv_heads=2, head_dim=32, vocab=1024, seq=128, micro_batch=2,
+                   tp=1, sp=False, causal_kernel=True, split_projections=True)
+    sep, fus = ops.layer_forward(sh), ops.layer_forward(dataclasses.replace(sh, fused_qkv=True))
+    by = {o.name: o for o in fus}
+    assert by["qkv"].flops == sum(o.flops for o in sep if o.name in ("q", "k", "v")) and "k" not in by
+    T, qkv = 2 * 128, (8 + 2 * 2) * 32
+    assert by["qkv_split"].kind == "memory" and by["qkv_split"].bytes == by["qkv_split"].bwd_bytes == 2 * 2 * T * qkv
+    names = [o.name for o in fus]
+    assert names.index("qkv") < names.index("qkv_split") < names.index("rope")
+    pol = time_policy(SimpleNamespace(activation_checkpoint="selective", fuse_qkv=True), SimpleNamespace(pp=1), "cuda")
+    assert pol.fused_qkv and {o.name for o in fus if o.kind == "gemm" and o.name in pol.recompute_ops} == {"proj", "w3"}
+    assert "qkv_split" in pol.recompute_ops
+
+
 def test_attention_runs_at_its_kernel_s_efficiency():
     """An attention op's time on a preset: its FLOPs at the profile's fraction for the kernel that runs
     (FlexAttention 0.90 / 0.85 of FlashAttention-2's 35% on Hopper; TE's fused attention FlashAttention-3's),

@@ -125,6 +125,9 @@ class Shard:
     cp: int = 1  # context parallel: the rank's queries (seq) attend to the whole sequence (seq x cp keys)
     attention_kernel: str = "flash2"  # which kernel runs attention (hardware.ATTENTION_KERNELS)
     split_projections: bool = False  # wq wk wv and w1 w3 separate linears (each its own GEMM)
+    # of split projections, q k v fused into one wqkv GEMM whose output is split into contiguous q, k, v
+    # (torchtitan's fuse_qkv: models/common/attention.py FusedQKVLinear; w1 w3 stay separate)
+    fused_qkv: bool = False
     repeat_kv: bool = False  # GQA's K and V repeated to the query heads before attention (a copy)
     # memory-bound op -> (forward, backward) bytes per element, where the framework's kernels move more
     # than one fused kernel (fused_bytes); its TimePolicy's, each entry citing the code it counts
@@ -162,7 +165,11 @@ def layer_forward(s: Shard) -> list[Op]:
     # whole sequence's attention
     attn_flops = 4.0 * s.micro_batch * s.seq * (s.seq * s.cp) * (s.heads * d // tp) * (0.5 if s.causal_kernel else 1.0)
     if s.split_projections:
-        qkv = [gemm("q", T, q, h, w), gemm("k", T, kv, h, w), gemm("v", T, kv, h, w)]
+        # fused: one GEMM, then FusedQKVLinear._split's reshape(...).contiguous() copies q, k and v out of its
+        # strided output (a read and a write of each element; backward: the grads' cat, the same again)
+        qkv = ([gemm("qkv", T, q + 2 * kv, h, w),
+                Op("qkv_split", "memory", bytes=float(2 * w * T * (q + 2 * kv)), bwd_bytes=float(2 * w * T * (q + 2 * kv)))]
+               if s.fused_qkv else [gemm("q", T, q, h, w), gemm("k", T, kv, h, w), gemm("v", T, kv, h, w)])
         fc1 = [gemm("w1", T, f, h, w), gemm("w3", T, f, h, w)] if s.swiglu else [gemm("w1", T, f, h, w)]
     else:
         qkv, fc1 = [gemm("qkv", T, q + 2 * kv, h, w)], [gemm("fc1", T, (2 if s.swiglu else 1) * f, h, w)]

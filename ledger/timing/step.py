@@ -54,6 +54,7 @@ class TimePolicy:
     # what selective recompute re-runs in backward: the names of a layer's forward ops (ops.layer_forward)
     recompute_ops: tuple = ("attention",)
     split_projections: bool = False  # wq wk wv, w1 w3 as separate linears (ops.Shard)
+    fused_qkv: bool = False  # of those, q k v as one wqkv linear split into copies (ops.Shard)
     repeat_kv: bool = False  # the model repeats GQA's K / V to the query heads (ops.Shard)
     kernel_bytes: tuple = ()  # memory-bound op -> (forward, backward) bytes per element (ops.Shard)
     expert_capacity_factor: float = 1.0  # a capacity-padded MoE dispatch (ops.Shard); 1: balanced, drop-less
@@ -105,6 +106,7 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
                      micro_batch=lay.micro_batch_size, tp=lay.tp, sp=bool(lay.sequence_parallel) and lay.tp > 1,
                      causal_kernel=policy.causal_kernel, w=w, swiglu=model.swiglu, cp=lay.cp,
                      attention_kernel=policy.attention_kernel, split_projections=policy.split_projections,
+                     fused_qkv=policy.fused_qkv,
                      repeat_kv=policy.repeat_kv, kernel_bytes=policy.kernel_bytes,
                      num_experts=model.num_experts, topk=model.moe_router_topk if model.is_moe else 0,
                      expert_ffn=model.expert_ffn, shared_ffn=model.moe_shared_expert_hidden, ep=lay.ep, etp=lay.etp,

@@ -75,7 +75,8 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
     ac="selective" (distributed/activation_checkpoint.py SelectiveAC: checkpoint_wrapper with a
     per-op policy): the block's input (T*h*2, saved by the checkpoint outside it), and inside it
     the outputs of the save ops; aten.mm is one but every second mm is recomputed, so of wq wk wv
-    wo w1 w3 w2 (their call order) wq, wv, w1, w2 are kept (T*q*2, T*kv*2, T*ffn*2, T*h*2), and with
+    wo w1 w3 w2 (their call order) wq, wv, w1, w2 are kept (T*q*2, T*kv*2, T*ffn*2, T*h*2) - of the
+    fused wqkv wo w1 w3 w2 (framework.fuse_qkv) wqkv, w1, w2 (T*(q+2kv)*2 for the first) -, and with
     sequence parallelism the reduce-scatter outputs of wo and w2 (T/tp*h*2 each: the save list's comm
     ops). CPU SDPA (_scaled_dot_product_flash_attention_for_cpu) is not in the save list: recomputed.
     ac="full" (FullAC: checkpoint_wrapper of the whole block): the block's input only.
@@ -103,7 +104,12 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
         parts = moe_activations.block_saves(model, B, Sl, rules)
         return sum(parts.values()), 0, parts
     if ac == "selective":
-        kept = {"wq out": T * q * BF16, "wv out": T * kv * BF16, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
+        # the block's mms in call order; the policy's count restarts per block and recomputes the even ones:
+        # wq wk wv wo w1 w3 w2 keep wq, wv, w1, w2; fused (ModelShape.fused_qkv) wqkv wo w1 w3 w2 keep wqkv
+        # (q, k and v in one output), w1, w2
+        qkv_kept = ({"wqkv out": T * (q + 2 * kv) * BF16} if model.fused_qkv
+                    else {"wq out": T * q * BF16, "wv out": T * kv * BF16})
+        kept = {**qkv_kept, "w1 out": T * f * BF16, "w2 out": T * h * BF16}
         if rules.sac_keeps_attention:
             kept["flex_attention out, logsumexp, max_scores"] = T * q * BF16 + rules.attention_stats * B * heads * Sl * F32
         if sp:

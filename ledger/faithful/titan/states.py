@@ -16,6 +16,7 @@ parallelism (pp.py), the peak within a step (peak.py, pp_peak.py), MoE (moe.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from math import prod
 from operator import attrgetter
@@ -69,6 +70,14 @@ def _check_model(model: ModelShape) -> None:
         raise ConfigError("titan: tied_embeddings=true is not modelled (separate FSDP grouping)")
 
 
+def as_built(model: ModelShape, fw) -> ModelShape:
+    """The model as launchers/titan.py builds it: its q / k / v projections one wqkv parameter where
+    framework.fuse_qkv is set (models/common/config_utils.py make_gqa_config: FusedQKVLinear), three
+    otherwise (ModelShape.fused_qkv: what FSDP2 shards and pads, the optimizer's per-param state)."""
+    fused = bool(getattr(fw, "fuse_qkv", False))
+    return model if model.fused_qkv == fused else dataclasses.replace(model, fused_qkv=fused)
+
+
 # the framework settings the faithful ledger models (the field, its one modelled value): read in
 # place() as one tuple
 _MODELLED = ("dtype", "mixed_precision_param", "mixed_precision_reduce", "spmd_backend")
@@ -79,6 +88,7 @@ _modelled_of = attrgetter(*_MODELLED)
 def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: cpu-gloo)."""
     check(model, lay)
+    model = as_built(model, fw)
     target = target or CPU_GLOO
     rules = rules_of(target)
     if _modelled_of(fw) != _MODELLED_VALUES:

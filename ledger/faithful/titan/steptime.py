@@ -10,11 +10,14 @@
              reduce-scatters, but its policy recomputes every second mm of a block's forward (the mm
              count restarts per block: wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7), so wk, wo and w3 run
              again, with the norms, RoPE, SwiGLU's silu and product and the residual adds; on the CPU
-             the harness's math attention is not saved either (SELECTIVE_RECOMPUTE)
+             the harness's math attention is not saved either (SELECTIVE_RECOMPUTE); with fuse_qkv the
+             count runs wqkv 1, wo 2, w1 3, w3 4, w2 5: wo and w3 run again, and the split's copies
+             (SELECTIVE_RECOMPUTE_FUSED)
   attention  models/llama3 model_registry: attn_backend "flex", FlexAttention's compiled kernel on
              CUDA (the causal block mask skips the masked blocks); on the CPU the math kernel computes
              the whole [s, s] scores
-  kernels    the model's own eager ops (models/common/): wq wk wv and w1 w3 separate linears; GQA by
+  kernels    the model's own eager ops (models/common/): wq wk wv (or, with framework.fuse_qkv, one wqkv
+             whose output FusedQKVLinear splits into contiguous q, k, v copies) and w1 w3 separate linears; GQA by
              enable_gqa (no K / V copy); RoPE in complex fp32 (rope.py apply_rotary_emb: query.float(),
              view_as_complex, the product with the cache, view_as_real, type_as: a bf16 read and fp32
              write, an fp32 read and write, an fp32 read and bf16 write, 20 bytes an element each way);
@@ -35,6 +38,9 @@ from ledger.timing.step import TimePolicy
 # SelectiveAC's recompute of a block (module docstring): every forward op but the kept mms (wq, wv, w1,
 # w2: ops.layer_forward's q, v, w1, fc2) and the attention
 SELECTIVE_RECOMPUTE = ("attention_norm", "k", "rope", "proj", "residual_add", "ffn_norm", "w3", "swiglu")
+# the same with fuse_qkv: the kept mms are wqkv, w1 and w2 (ops.layer_forward's qkv, w1, fc2)
+SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "residual_add", "ffn_norm", "w3",
+                             "swiglu")
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -43,15 +49,19 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
     sched = schedule_of(fw)
     cuda = device == "cuda"
+    fused = bool(getattr(fw, "fuse_qkv", False))
     return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
-                      recompute_ops=SELECTIVE_RECOMPUTE + (() if cuda else ("attention",)),
-                      split_projections=True, kernel_bytes=KERNEL_BYTES,
+                      recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
+                      + (() if cuda else ("attention",)),
+                      split_projections=True, fused_qkv=fused, kernel_bytes=KERNEL_BYTES,
                       dp_grad="every_pass", dp_param="every_pass", optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
                                f"activation_checkpoint={ac}"
-                               + (" (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)" if ac == "selective" else "")
+                               + ((" (SelectiveAC re-runs wo, w3 and the memory-bound ops)" if fused else
+                                   " (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)") if ac == "selective" else "")
+                               + (", q / k / v fused (one wqkv GEMM, its output split into copies)" if fused else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
                                + (f"; {sched} timed by 1F1B's order (its own not modelled)"
