@@ -53,7 +53,9 @@ def framework_of(name: str, r: dict):
     rc = r["recompute"] or "none"
     if name == "titan":
         ac = {"none": "none", "full": "full"}.get(rc, "selective")
-        return OmegaConf.structured(TitanConfig(activation_checkpoint=ac,
+        # the torchtitan of these runs (Apr and Dec 2024: models/llama/model.py Attention) built wq / wk / wv as
+        # three linears; 0.3.0's flavors fuse them (framework.fuse_qkv, its default)
+        return OmegaConf.structured(TitanConfig(activation_checkpoint=ac, fuse_qkv=False,
                                                 selective_ac_option="op" if rc != "selective-layer" else "2"))
     # NeMo 24.07 (N1): TransformerEngine, the distributed optimizer and both overlaps; Megatron-LM of
     # 2021 (MA): no TransformerEngine (its attention computes the whole s x s scores: the local spec's),

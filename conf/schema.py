@@ -180,12 +180,11 @@ class TitanConfig(FrameworkConfig):
     # rank, layout.vp=1) | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble (layout.vp stages a rank) |
     # ZBVZeroBubble | DualPipeV (two stages a rank in a V, layout.vp=2)
     pipeline_parallel_schedule: str = "1F1B"
-    # models/llama3 _build_llama3_layers(fuse_qkv=...): the attention's q / k / v projections as one
-    # wqkv linear (models/common/attention.py FusedQKVLinear: one mm, its output split into contiguous
-    # q, k, v) or three (QKVLinear: wq, wk, wv). torchtitan 0.3.0's llama3 flavors fuse them
-    # (model_registry: fuse_qkv=True); train-ledger's jobs keep the three unless this is set (the
-    # table lists it as a knob away from torchtitan's default). The dense Llama only
-    fuse_qkv: bool = False
+    # models/llama3 _build_llama3_layers(fuse_qkv=...) and models/qwen3's: the attention's q / k / v
+    # projections as one wqkv linear (models/common/attention.py FusedQKVLinear: one mm, its output split
+    # into contiguous q, k, v) or three (QKVLinear: wq, wk, wv). torchtitan 0.3.0's llama3 and qwen3
+    # flavors fuse them (model_registry: fuse_qkv=True), so the default here is true
+    fuse_qkv: bool = True
 
 
 @dataclass

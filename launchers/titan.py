@@ -30,7 +30,7 @@ def _py(v) -> str:
     return repr(v)
 
 
-def _moe_spec(m) -> str:
+def _moe_spec(m, fuse_qkv: bool) -> str:
     """An MoE shape's spec: torchtitan's qwen3 MoE (models/qwen3: GQA, its q/k norms as the shape's
     qk_layernorm (models/common/attention.py qk_norm None: none), every layer MoE,
     models/common/moe.py GroupedExperts w1/w2/w3 [E, F, D] / [E, D, F], the router's gate [E, D],
@@ -48,7 +48,7 @@ def _moe_spec(m) -> str:
 
             dim, vocab = {m.hidden}, {m.vocab}
             layers = _build_qwen3_moe_layers(
-                fuse_qkv=False, n_layers={m.layers}, dim=dim, n_heads={m.heads}, n_kv_heads={m.kv_heads},
+                fuse_qkv={bool(fuse_qkv)!r}, n_layers={m.layers}, dim=dim, n_heads={m.heads}, n_kv_heads={m.kv_heads},
                 head_dim={hd}, moe_hidden_dim={m.moe_ffn_hidden or m.ffn_hidden}, num_experts={m.num_experts},
                 top_k={m.moe_router_topk}, attn_backend="flex",
                 rope=CosSinRoPE.Config(dim={hd}, max_seq_len={m.seq_len}, theta={m.rope_theta}),
@@ -161,7 +161,7 @@ def render_module(cfg, lay, tok_dir: str, data_dir: str, dump_folder: str, relat
                              state_dict_adapter=Llama3StateDictAdapter)
 
 
-        {_moe_spec(m) if m.num_experts else ""}
+        {_moe_spec(m, fw.fuse_qkv) if m.num_experts else ""}
         def {CONFIG_FN}() -> Trainer.Config:
             model_spec = ledger_model_spec()
             return Trainer.Config(

@@ -13,9 +13,9 @@ parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2
 uneven vocab, full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
 LoopedBFS; gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
-pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there; q / k / v
-fused into one wqkv as torchtitan's llama3 flavors build them (framework.fuse_qkv) on the gradient-accumulation
-job and the long checkpointed ones without PP. Every row on
+pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
+build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
+gradient-accumulation job and the long checkpointed ones without PP run wq / wk / wv separate. Every row on
 every rank must reconcile with abs_err 0, and every CPU redirect must have been reached on every
 rank (the CP ones on the CP jobs, the PP one on the PP jobs).
 """
@@ -49,8 +49,9 @@ COMMON = ("framework=titan", "train.steps=2")
 NO_AC = "framework.activation_checkpoint=none"
 # sequence parallelism is torchtitan's default with TP; the TP jobs that test TP's all-reduces run without
 NO_SP = "layout.sequence_parallel=false"
-# torchtitan's own llama3 flavors fuse wq / wk / wv into one wqkv (framework.fuse_qkv); the jobs that test it
-FUSED = "framework.fuse_qkv=true"
+# torchtitan's own llama3 flavors fuse wq / wk / wv into one wqkv (framework.fuse_qkv, its default and the jobs');
+# the jobs that run the three separate projections
+SEPARATE = "framework.fuse_qkv=false"
 # the long-sequence peak moments without PP on a narrow Llama: activations of 512 tokens outweigh its
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
@@ -121,10 +122,10 @@ SWEEPS = (
     # a checkpointed block's recompute runs its forward collectives again (comm.recomputed): TP's
     # two rowwise all-reduces a block (full AC), CP's K/V all-gathers (selective AC: not in its save list)
     # without PP at a long sequence a checkpointed block's recompute is the peak (titan_peak._at_recompute);
-    # with q / k / v fused as torchtitan's flavors build them (framework.fuse_qkv: one wqkv parameter, the
-    # SAC policy's kept mms wqkv, w1, w2)
+    # with wq / wk / wv separate (framework.fuse_qkv=false: three params, the SAC policy's kept mms wq, wv,
+    # w1, w2)
     ("w2longac", ("cluster.ranks=2", *LONG, "model.vocab=320", "framework.activation_checkpoint=full,selective",
-                  FUSED)),
+                  SEPARATE)),
     ("w2tpac", ("cluster.ranks=2", "model.seq_len=32", "layout.tp=2", "framework.activation_checkpoint=full", NO_SP)),
     # with TP and SP under full or selective AC the recompute forward's last collective is the peak: w2's reduce-scatter,
     # the block's output grad already all-gathered (titan_peak._at_recompute_rs)
@@ -133,9 +134,9 @@ SWEEPS = (
     ("w2cpac", ("cluster.ranks=2", "model.seq_len=256", "layout.cp=2", "framework.activation_checkpoint=selective")),
     # gradient accumulation without PP (trainer.py gradient_accumulation_steps): 3 micro-batches a step, each
     # one's collectives with gradient sync on, the step's grad-norm and loss all-reduces once
-    # (q / k / v fused: wqkv's TP shards and SAC's kept wqkv output)
+    # (wq / wk / wv separate: their TP shards and SAC's kept wq and wv outputs)
     ("w4ga", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.tp=2", "layout.sequence_parallel=true",
-              "layout.global_batch_size=6", "framework.activation_checkpoint=selective", FUSED)),
+              "layout.global_batch_size=6", "framework.activation_checkpoint=selective", SEPARATE)),
 )
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
@@ -612,7 +613,8 @@ def test_fused_qkv_is_one_parameter_and_selective_ac_keeps_its_whole_output():
     two params fewer a block (AdamW's step tensors, the grad norm's stacked per-param norms) and the same
     shards where dp divides the rows; SelectiveAC's every-second-mm count keeps wqkv's whole output where
     the three projections keep wq's and wv's (k's is recomputed): T x 2 kv x head_dim bf16 more a block.
-    The matrix's fused jobs (w4ga, w2longac) reconcile these on real runs; the MoE model refuses it."""
+    The matrix's jobs reconcile these on real runs (fused, torchtitan's default; w4ga and w2longac with
+    the three projections)."""
     import dataclasses
 
     from ledger.faithful.titan import peak as PK
@@ -634,10 +636,14 @@ def test_fused_qkv_is_one_parameter_and_selective_ac_keeps_its_whole_output():
     kept = [PK.saved_per_layer(x, 1, T, "selective")[2] for x in (m, fused)]
     assert kept[1]["wqkv out"] - kept[0]["wq out"] - kept[0]["wv out"] == T * m.kv_heads * hd * 2
     assert PK.saved_per_layer(m, 1, T, "none") == PK.saved_per_layer(fused, 1, T, "none")
-    with pytest.raises(ConfigError, match="fuse_qkv=true with model.num_experts"):
-        moe = preset("tiny_moe")
-        from ledger.faithful.titan import moe as TM
-        TM.place(moe, _lay(world=2, ep=2), _fw(fuse_qkv=True, activation_checkpoint="none"))
+    # the MoE (qwen3) block the same way: its SAC keeps wqkv's whole output
+    from ledger.faithful.titan import moe_activations as MA
+    from ledger.faithful.titan.target import RULES
+    from ledger.target import CPU_GLOO
+
+    moe = dataclasses.replace(preset("tiny_moe"), fused_qkv=True)
+    kept = MA.sac_kept(moe, 1, T, RULES[CPU_GLOO])
+    assert kept["temporary/SelectiveAC: wqkv's output"] == T * (moe.heads + 2 * moe.kv_heads) * moe.head_dim * 2
 
 
 def test_uneven_vocab_is_sharded_as_torch_chunk_and_an_empty_shard_refused():

@@ -230,7 +230,7 @@ def layer_backward_moves(model: ModelShape, T: int, tp: int, sp: bool = False, c
         elif o not in ("S1", "R"):
             undone.append(f"{name} input grad leaves mm as {o} (the {'SwiGLU' if name == 'w2' else 'attention'} "
                           "backward that follows is not derived)")
-    # colwise wq wk wv w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
+    # colwise wq wk wv (or wqkv) w1 w3 (g [T,k] Shard(1)): grad W = mm(g.t(), x2d) meets (S0, R) and grad x2d =
     # mm(g, W) meets (S1, S0), each a strategy's own inputs (_MM_AS_IS; test), so every shape takes them
     # as they come: W's Shard(0) grad and the Partial residual grad, no collective, nothing priced
     return tuple((_executed(k, cpu_mesh), n, role) for k, n, role in out), tuple(undone), priced

@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's parameters as FSDP2 shards them (torch 2.13 _fully_shard), per TP rank.
 
-The params are the ModelShape's as launchers/titan.py builds them (llama3 layers, untied lm_head, separate
-wq/wk/wv); their TP-local shapes follow models/common/decoder_sharding.py's plan as DTensor splits it
+The params are the ModelShape's as launchers/titan.py builds them (as_built: llama3 or qwen3 layers, untied
+lm_head, wq/wk/wv or one wqkv as framework.fuse_qkv says); their TP-local shapes follow models/common/decoder_sharding.py's plan as DTensor splits it
 (torch.chunk rows, placement_types.py Shard._split_tensor); FSDP2 shards each on dim 0, padded to
 ceil(d0/ds) rows per rank (_fsdp_param.py _init_sharded_param), in the units of distributed/fsdp.py
 apply_fsdp_to_decoder. Sharded is what a model part's state and FSDP collectives need, summed per unit
@@ -9,12 +9,21 @@ group (_groups) and cached per (model, tp, shard degree).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from math import prod
 from typing import NamedTuple
 
 from ledger.model import ModelShape
 from ledger.units import ceil_div
+
+
+def as_built(model: ModelShape, fw) -> ModelShape:
+    """The model as launchers/titan.py builds it: its q / k / v projections one wqkv parameter where
+    framework.fuse_qkv is set (models/common/config_utils.py make_gqa_config: FusedQKVLinear), three
+    otherwise (ModelShape.fused_qkv: what FSDP2 shards and pads, the optimizer's per-param state)."""
+    fused = bool(getattr(fw, "fuse_qkv", False))
+    return model if model.fused_qkv == fused else dataclasses.replace(model, fused_qkv=fused)
 
 
 class Param(NamedTuple):

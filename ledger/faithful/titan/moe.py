@@ -9,7 +9,7 @@ Meshes (distributed/parallel_dims.py build_mesh): the dense fsdp mesh is dp_shar
 ("pp", "dp_replicate", "efsdp", "ep") puts ep innermost (EP groups of ep consecutive ranks) and efsdp =
 dp_shard / ep (the ranks holding the same experts).
 
-Parameters per block: attention (wq wk wv wo), q_norm / k_norm [head_dim], attention_norm, ffn_norm,
+Parameters per block: attention (wq wk wv, or one wqkv with framework.fuse_qkv, and wo), q_norm / k_norm [head_dim], attention_norm, ffn_norm,
 the router's gate [E, D] (dense: FSDP over fsdp, Shard(0) rows padded as torch.chunk), and
 GroupedExperts w1 / w3 [E, F, D], w2 [E, D, F]: Shard(0) over ep (E / ep local experts: Module.parallelize),
 then FSDP over efsdp with Shard(0) (distributed/fsdp.py apply_fsdp_to_decoder's shard_placement_fn:
@@ -40,7 +40,7 @@ from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import REGATHER, lm_head_regathers
 from ledger.faithful.titan import moe_peak
 from ledger.faithful.titan import peak as titan_peak
-from ledger.faithful.titan.fsdp import block_params, chunk_rows, rows_of, sharded, unit_params
+from ledger.faithful.titan.fsdp import as_built, block_params, chunk_rows, rows_of, sharded, unit_params
 from ledger.faithful.titan.target import rules_of
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
@@ -177,11 +177,7 @@ def _dense_peak(model: ModelShape, lay: Layout, fw, st: RankState, rules):
 
 def place(model: ModelShape, lay: Layout, fw, target: str | None = None) -> Placement:
     check(model, lay, fw)
-    if getattr(fw, "fuse_qkv", False):
-        # models/qwen3 builds its MoE layers with fuse_qkv as its flavors pass it; the harness's qwen3 keeps
-        # wq / wk / wv (launchers/titan.py _moe_spec) and no run has confirmed the fused ones under EP
-        raise ConfigError("titan: framework.fuse_qkv=true with model.num_experts > 0: the MoE (qwen3) model is "
-                          "modelled with separate wq / wk / wv projections (framework.fuse_qkv=false)")
+    model = as_built(model, fw)
     ds, ep = lay.dp_shard, lay.ep
     memo: dict[bool, list] = {}
 

@@ -91,14 +91,18 @@ def moe_saves(model, T: int, ep: int, rows: int, rules: Rules) -> dict[str, int]
 def sac_kept(model, B: int, S: int, rules: Rules, ep: int = 1, rows: int | None = None) -> dict[str, int]:
     """What torchtitan's SelectiveAC keeps of one checkpointed qwen3 MoE block until its backward
     (distributed/activation_checkpoint.py: the outputs of its save ops, in the checkpoint's cache), named
-    by the probe's category: every second mm of the block (wq's and wv's; measured: the router's gate mm
-    is not kept), topk's values and indices (the router), and with EP every all_to_all_single's output
+    by the probe's category: every second mm of the block (wq's and wv's, or fused wqkv's; measured: the
+    router's gate mm is not kept), topk's values and indices (the router), and with EP every all_to_all_single's output
     (the token counts' int64 [E], the dispatch's [R, hidden] and the combine's [T*k, hidden], bf16: a
     collective's output, `gathered`). Measured (s = 512; ep2 at world 4: block 0's, with block 1 in its
     recompute)."""
     T, h, hd, k, E = B * S, model.hidden, model.head_dim, model.moe_router_topk, model.num_experts
     rows = T * k if rows is None else rows
-    kept = {"temporary/SelectiveAC: wq's and wv's outputs": T * (model.heads + model.kv_heads) * hd * BF16,
+    # fused (ModelShape.fused_qkv), the count's first mm is wqkv: its whole output is kept
+    qkv = ({"temporary/SelectiveAC: wqkv's output": T * (model.heads + 2 * model.kv_heads) * hd * BF16}
+           if model.fused_qkv else
+           {"temporary/SelectiveAC: wq's and wv's outputs": T * (model.heads + model.kv_heads) * hd * BF16})
+    kept = {**qkv,
             # topk runs on the scores plus the fp32 expert_bias_E (moe.py: load balancing): fp32 values
             "temporary/SelectiveAC: the router's topk values (fp32) and indices": T * k * F32 + T * k * I64}
     if ep > 1:

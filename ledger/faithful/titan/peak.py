@@ -664,8 +664,15 @@ def _at_recompute_rs(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     # the output grad all-gathered (rs_in's size), gloo's copy of the reduce-scatter's input, its output
     # and ffn_norm's output (the sequence shard each)
     sp_buffers = rs_in + (rs_in if rules.rs_input_copy else 0) + Ts * h * BF16 + Ts * h * BF16
-    unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered + sp_buffers, st.small
     detail["gathered/the output grad all-gathered, w2's reduce-scatter copy and output, ffn_norm's output"] = sp_buffers
+    if model.fused_qkv and getattr(fw, "activation_checkpoint", "none") == "selective":
+        # with wqkv (FusedQKVLinear, a local_map over the SP all-gather of its input) under SelectiveAC the
+        # recompute's attention_norm output shard is still live here, where wq / wk / wv's is freed and full
+        # AC's too: measured at tp2 SP, seq 512, hidden 64 (the probe's census: a bf16 [T/tp, h] from
+        # attention_norm's _to_copy, touched by the all-gather; full AC: not live), the mechanism not traced
+        detail["gathered/attention_norm's output shard (fused wqkv's input, measured)"] = Ts * h * BF16
+        sp_buffers += Ts * h * BF16
+    unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered + sp_buffers, st.small
     work = full1 + Ts * h * BF16 + rs_in + Ts * h * BF16
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves, the residual sum h, w2's output, the incoming residual grad"] = work

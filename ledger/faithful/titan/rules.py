@@ -14,9 +14,8 @@ CP_BLOCK = 128
 
 
 # torchtitan 0.3.0's own defaults where train-ledger's differ: ParallelismConfig.spmd_backend is
-# "spmd_types" (config/configs.py), which fails inside torch 2.13's FSDP2, so jobs use "partial_dtensor";
-# its llama3 flavors fuse the q / k / v projections (models/llama3/__init__.py model_registry: fuse_qkv=True)
-OWN_DEFAULTS = {"spmd_backend": "spmd_types", "fuse_qkv": True}
+# "spmd_types" (config/configs.py), which fails inside torch 2.13's FSDP2, so jobs use "partial_dtensor"
+OWN_DEFAULTS = {"spmd_backend": "spmd_types"}
 
 
 def grad_dtype(fw) -> str:

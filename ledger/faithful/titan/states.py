@@ -3,7 +3,7 @@ it checks of a dense model and layout (check) and its placement (place; with pip
 pp.py's place_pp).
 
 Every rule names the source it follows. Shapes are the ModelShape's, built as launchers/titan.py
-builds them (llama3 layers, untied lm_head, separate wq/wk/wv, rope cache sized to seq_len).
+builds them (llama3 layers, untied lm_head, wq/wk/wv or one wqkv (fsdp.as_built), rope cache sized to seq_len).
 
 Meshes (distributed/parallel_dims.py build_mesh, legacy spmd backend): FSDP shards over "fsdp" =
 dp_shard x cp; the batch mesh is dp_replicate x dp_shard, the loss mesh batch x cp. The grid
@@ -16,7 +16,6 @@ parallelism (pp.py), the peak within a step (peak.py, pp_peak.py), MoE (moe.py).
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 from math import prod
 from operator import attrgetter
@@ -24,7 +23,7 @@ from operator import attrgetter
 from ledger.faithful.titan import peak as titan_peak
 from ledger.faithful.titan.comm import first_step, lm_head_regathers, mesh_labels, step_comm
 from ledger.faithful.titan.dtensor import layer_backward_comm, redistributes_in_block
-from ledger.faithful.titan.fsdp import sharded, unit_params, vocab_split_note
+from ledger.faithful.titan.fsdp import as_built, sharded, unit_params, vocab_split_note
 from ledger.faithful.titan.pp import place_pp
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.faithful.titan.rules import CP_BLOCK
@@ -68,14 +67,6 @@ def _check_model(model: ModelShape) -> None:
                           "biases (Qwen2's); Megatron (--add-qkv-bias) and DeepSpeed's Llama model them")
     if model.tied_embeddings:
         raise ConfigError("titan: tied_embeddings=true is not modelled (separate FSDP grouping)")
-
-
-def as_built(model: ModelShape, fw) -> ModelShape:
-    """The model as launchers/titan.py builds it: its q / k / v projections one wqkv parameter where
-    framework.fuse_qkv is set (models/common/config_utils.py make_gqa_config: FusedQKVLinear), three
-    otherwise (ModelShape.fused_qkv: what FSDP2 shards and pads, the optimizer's per-param state)."""
-    fused = bool(getattr(fw, "fuse_qkv", False))
-    return model if model.fused_qkv == fused else dataclasses.replace(model, fused_qkv=fused)
 
 
 # the framework settings the faithful ledger models (the field, its one modelled value): read in
