@@ -85,8 +85,9 @@ def titan_fw(**kw):
     """A torchtitan framework config with its schema's defaults, for predict-only checks."""
     import types
 
+    # fuse_qkv=False: the unit tests' hand counts are of wq / wk / wv (the matrices run torchtitan's fused default)
     d = dict(name="titan", reshard_after_forward="default", dtype="float32", mixed_precision_param="bfloat16",
-             mixed_precision_reduce="float32", spmd_backend="partial_dtensor", precision="bf16")
+             mixed_precision_reduce="float32", spmd_backend="partial_dtensor", precision="bf16", fuse_qkv=False)
     d.update(kw)
     return types.SimpleNamespace(**d)
 

@@ -379,7 +379,8 @@ def test_selective_ac_recomputes_the_ops_the_titan_time_policy_names():
     recomputed = Counter(c for c in bwd.calls if c == "sdpa" or c in forward_sig.values())
 
     for device, attention_again in (("cuda", 0), ("cpu", 1)):
-        names = time_policy(SimpleNamespace(activation_checkpoint="selective"), SimpleNamespace(pp=1), device).recompute_ops
+        names = time_policy(SimpleNamespace(activation_checkpoint="selective", fuse_qkv=False), SimpleNamespace(pp=1),
+                            device).recompute_ops
         predicted = Counter(sig for name, sig in forward_sig.items() if name in names)
         assert {n for n in forward_sig if n in names} == {"k", "proj", "w3"}
         assert recomputed - Counter({"sdpa": 1}) == predicted

@@ -22,7 +22,7 @@ def as_built(model: ModelShape, fw) -> ModelShape:
     """The model as launchers/titan.py builds it: its q / k / v projections one wqkv parameter where
     framework.fuse_qkv is set (models/common/config_utils.py make_gqa_config: FusedQKVLinear), three
     otherwise (ModelShape.fused_qkv: what FSDP2 shards and pads, the optimizer's per-param state)."""
-    fused = bool(getattr(fw, "fuse_qkv", False))
+    fused = bool(getattr(fw, "fuse_qkv", True))  # unset: torchtitan's default (conf/schema.py TitanConfig)
     return model if model.fused_qkv == fused else dataclasses.replace(model, fused_qkv=fused)
 
 
