@@ -18,11 +18,16 @@ from ledger.model import ModelShape
 from ledger.units import ceil_div
 
 
+def fuses_qkv(fw) -> bool:
+    """framework.fuse_qkv; unset, torchtitan's default (conf/schema.py TitanConfig: fused)."""
+    return bool(getattr(fw, "fuse_qkv", True))
+
+
 def as_built(model: ModelShape, fw) -> ModelShape:
     """The model as launchers/titan.py builds it: its q / k / v projections one wqkv parameter where
     framework.fuse_qkv is set (models/common/config_utils.py make_gqa_config: FusedQKVLinear), three
     otherwise (ModelShape.fused_qkv: what FSDP2 shards and pads, the optimizer's per-param state)."""
-    fused = bool(getattr(fw, "fuse_qkv", True))  # unset: torchtitan's default (conf/schema.py TitanConfig)
+    fused = fuses_qkv(fw)
     return model if model.fused_qkv == fused else dataclasses.replace(model, fused_qkv=fused)
 
 

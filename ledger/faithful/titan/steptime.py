@@ -32,6 +32,7 @@
 """
 from __future__ import annotations
 
+from ledger.faithful.titan.fsdp import fuses_qkv
 from ledger.faithful.titan.schedules import schedule_of
 from ledger.timing.step import TimePolicy
 
@@ -49,7 +50,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
     sched = schedule_of(fw)
     cuda = device == "cuda"
-    fused = bool(getattr(fw, "fuse_qkv", True))  # unset: torchtitan's default (conf/schema.py TitanConfig)
+    fused = fuses_qkv(fw)
     return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
                       recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
