@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,17 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 @contextlib.contextmanager
+def signals_held(*signums: int):
+    """Block the signals for the body (pthread_sigmask); one that arrives meanwhile is delivered, and its
+    Python handler run, when the body ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def local_store(timeout_s: int):
     """The job's rendezvous store, hosted by the launcher for its ranks as torchrun's agent hosts
     one, listening on 127.0.0.1 alone (rank 0's own TCPStore would listen on every interface of the
@@ -70,14 +82,18 @@ def local_store(timeout_s: int):
 
     sock = bound_socket()
     port = sock.getsockname()[1]
-    try:
-        sock.listen()
-        store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's server owns the listening fd now and closes it when it goes
+    # SIGTERM / SIGINT held while the fd changes hands: a handler raising (launchers.job.Interrupted) between
+    # the store's construction and the detach would close the fd twice (the store's server and sock.close:
+    # "OSError: [Errno 9] Bad file descriptor" in place of the interruption); held, it is raised right after
+    with signals_held(signal.SIGTERM, signal.SIGINT):
+        try:
+            sock.listen()
+            store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the listening fd now and closes it when it goes
     try:
         yield port
     finally:
