@@ -155,14 +155,18 @@ def _unsharded(u: EPUnits, j: int, reshard: bool, this_block: bool) -> int:
     return ((block if this_block else 0) + (0 if reshard else j * block + u.emb_numel)) * BF16
 
 
-def _moment(c: _Common, grads: int, unsharded: int, below: int, lines: dict[str, int], what: str) -> Peak:
-    """A moment in block `below`'s backward (or, past it, block below - 1's post-backward): what the blocks
-    under it keep, the named lines."""
+def _moment(c: _Common, grads: int, unsharded: int, below: int, lines: dict[str, int], what: str,
+            phase: str = "backward") -> Peak:
+    """A moment in block `below`'s backward (or, past it, block below - 1's post-backward; phase
+    "forward": in its forward): what the blocks under it keep, the named lines."""
+    # (the batch's small tensors counted for the backward include the loss's two fp32 scalars its backward
+    # makes: not there yet in the forward)
+    small = c.small - (2 * F32 if phase == "forward" else 0)
     detail = {"resident/state less its grads": c.base, "resident/the grads reduced so far": grads,
               "resident/unsharded params (bf16)": unsharded,
               f"activations/{below} blocks below (saved, or their inputs where checkpointed)": sum(c.kept[:below]),
               "activations/the batch on the device, the valid-token count": c.batch,
-              "temporary/batch, document mask, scalars": c.small,
+              f"temporary/batch, document mask, scalars{' (before the loss)' if phase == 'forward' else ''}": small,
               "unnamed/scalars live from the previous step": titan_peak.UNNAMED}
     for part in ("temporary", "gathered"):
         detail[f"{part}/{below} blocks below: SelectiveAC's kept outputs"] = sum(x.get(part, 0) for x in c.cached[:below])
@@ -170,7 +174,7 @@ def _moment(c: _Common, grads: int, unsharded: int, below: int, lines: dict[str,
     parts = {p: 0 for p in ("resident", "activations", "gathered", "temporary", "unnamed")}
     for k, v in detail.items():
         parts[k.split("/", 1)[0]] += v
-    return Peak.of(parts, phase="backward", what=what, detail={k: v for k, v in detail.items() if v})
+    return Peak.of(parts, phase=phase, what=what, detail={k: v for k, v in detail.items() if v})
 
 
 def _at_combine(model, lay, fw, u: EPUnits, c: _Common, j: int) -> Peak:
@@ -216,6 +220,56 @@ def _at_recompute_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: 
              "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16}
     return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j, lines,
                    f"layers.{j}: its recompute's combine (token_dispatcher.py), the cast back to bf16")
+
+
+def _forward_all_gathers(u: EPUnits, j: int, layers: int) -> dict[str, int]:
+    """bf16 all-gather outputs live in block j's forward after its pre-forward. With EP torchtitan sets
+    explicit forward prefetch (distributed/fsdp.py: each block set_modules_to_forward_prefetch([the next
+    block]), the last [norm, lm_head]): the next block's two groups (the experts' an all-gather only over
+    efsdp > 1), or the [norm, lm_head] unit's. And FSDP2's deferred free (_fsdp_param_group.py
+    wait_for_unshard: a synchronous forward copy-out over more than one rank keeps its all-gather result in
+    comm_ctx.all_gather_state until the next forward copy-out): block j's experts' (efsdp > 1: its last
+    group copied out)."""
+    if j == layers - 1:
+        out = {"gathered/the [norm, lm_head] all-gather (forward prefetch)": (u.norm_full + u.lm_full) * BF16}
+    else:
+        out = {"gathered/the next block's dense all-gather (forward prefetch)": u.dense_full * BF16,
+               "gathered/the next block's experts' all-gather (forward prefetch)":
+                   u.expert_full * BF16 if u.efsdp > 1 else 0}
+    out["gathered/its experts' all-gather result, its free deferred to the next copy-out"] = \
+        u.expert_full * BF16 if u.efsdp > 1 else 0
+    return out
+
+
+def _at_forward_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: int, rules: Rules) -> Peak:
+    """No activation checkpointing: block j's forward at its combine's cast back to bf16
+    (token_dispatcher.py combine: `(routed_output_RD.to(float32) * scores).to(routed_output_RD.dtype)`),
+    block j's saves complete (the fp32 copy its mul saves among them) beside the blocks' below. Live
+    besides: the combine all-to-all's output [N, hidden] bf16 and the product by the scores (fp32), the
+    cast, out_TD's zeros, w2's grouped_mm output [R, hidden] (the unpermute's source) and the attention's
+    residual sum h and the block's input, MoE.forward's locals (the routing map bool [T, E], the token
+    counts int64 [E] the counts' all-to-all sent, the routed scores [T, k] in the router's dtype),
+    RoutedExperts.forward's local expert counts (int64 [E/ep]), the all-gathers of
+    _forward_all_gathers. Grads are None (set to
+    None every step: the module docstring), the loss's backward scalars not made yet. Measured (ep2 at
+    world 4, s = 512, q / k norms: the last block's, the step's forward maximum on every rank, at the
+    rows each block routed)."""
+    L, h, E = model.layers, model.hidden, model.num_experts
+    T = lay.micro_batch_size * model.seq_len
+    N = T * model.moe_router_topk
+    reshard = fw.reshard_after_forward in ("default", "always")
+    lines = {f"activations/layers.{j}'s saves": c.saves[j],
+             **_forward_all_gathers(u, j, L),
+             "gathered/the combine all-to-all's output (bf16 [N, hidden]), the token counts sent (int64 [E])":
+                 N * h * BF16 + E * I64,
+             "temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
+                 N * h * F32 + N * h * BF16 + T * h * BF16,
+             "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16,
+             "temporary/the block's input (the decoder's loop holds it)": T * h * BF16,
+             "temporary/the routing map (bool [T, E]), the routed scores, the local expert counts":
+                 T * E + N * moe_activations.router_bytes(rules) + E // lay.ep * I64}
+    return _moment(c, 0, _unsharded(u, j, reshard, True), j, lines,
+                   f"layers.{j}: its forward's combine (token_dispatcher.py), the cast back to bf16", phase="forward")
 
 
 def _rs_buffers(full: int, n: int, rules: Rules, name: str) -> dict[str, int]:
@@ -318,6 +372,8 @@ def ep_peak(model, lay, fw, st, rules: Rules, rows: tuple[int | None, ...] | Non
             if None not in c.kept[:j] and c.saves[j] is not None:
                 if checkpointed:
                     seen.append(_at_recompute_combine(model, lay, fw, u, c, j, rows[j]))
+                else:
+                    seen.append(_at_forward_combine(model, lay, fw, u, c, j, rows[j], rules))
                 seen.append(_at_combine(model, lay, fw, u, c, j))
             if None not in c.kept[:j]:
                 seen += [_at_experts_rs(model, lay, fw, u, c, j, rules), _at_dense_rs(model, lay, fw, u, c, j, rules)]
