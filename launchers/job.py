@@ -21,6 +21,7 @@ from importlib import metadata
 from omegaconf import OmegaConf
 
 import records
+from launchers import signals
 from conf import hf
 from conf.validate import validate_config
 from ledger import frameworks, target as targets
@@ -44,24 +45,8 @@ def versions() -> dict:
 write_json = records.write_json
 
 
-class Interrupted(SystemExit):
-    """SIGTERM / SIGINT while a job runs: its record says so, its ranks are stopped, the process
-    exits 128 + signal (a resubmitted campaign runs the job again)."""
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-def _interrupt(signum, frame):
-    raise Interrupted(signum)
-
-
-def exit_on_signals() -> None:
-    """Turn SIGTERM (scancel, kill, a CI timeout) and SIGINT (Ctrl-C) into Interrupted in the main
-    thread, so that run_job records the job and run_local stops its ranks."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+# SIGTERM / SIGINT as the job's interruption (launchers/signals.py); here for launch.py and run_job
+Interrupted, exit_on_signals = signals.Interrupted, signals.exit_on_signals
 
 
 def world_of(cfg) -> int:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
-from launchers import open_new
+from launchers import open_new, signals
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,17 +59,6 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 @contextlib.contextmanager
-def signals_held(*signums: int):
-    """Block the signals for the body (pthread_sigmask); one that arrives meanwhile is delivered, and its
-    Python handler run, when the body ends."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-@contextlib.contextmanager
 def local_store(timeout_s: int):
     """The job's rendezvous store, hosted by the launcher for its ranks as torchrun's agent hosts
     one, listening on 127.0.0.1 alone (rank 0's own TCPStore would listen on every interface of the
@@ -82,10 +70,10 @@ def local_store(timeout_s: int):
 
     sock = bound_socket()
     port = sock.getsockname()[1]
-    # SIGTERM / SIGINT held while the fd changes hands: a handler raising (launchers.job.Interrupted) between
-    # the store's construction and the detach would close the fd twice (the store's server and sock.close:
-    # "OSError: [Errno 9] Bad file descriptor" in place of the interruption); held, it is raised right after
-    with signals_held(signal.SIGTERM, signal.SIGINT):
+    # an interruption deferred while the fd changes hands: raised between the store's construction and the
+    # detach it would close the fd twice (the store's server and sock.close: "OSError: [Errno 9] Bad file
+    # descriptor" recorded in place of the interruption); deferred, it is raised right after
+    with signals.deferred():
         try:
             sock.listen()
             store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
