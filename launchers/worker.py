@@ -40,8 +40,14 @@ def run(job_dir: str) -> int:
                            steps=cfg.train.steps, timeline_step=cfg.probe.timeline_step,
                            fake_world=cfg.cluster.device == "fake")
     try:
+        if cfg.cluster.device == "cpu":
+            from ledger.timing import cpu_gemm
+
+            cpu_gemm.install()  # where this CPU has no bf16 GEMM path (ledger/timing/cpu_gemm.py says why)
         mod = importlib.import_module(frameworks.get(cfg.framework.name).launcher)
         extra = mod.run_rank(cfg, lay, session) or {}
+        if cfg.cluster.device == "cpu" and cpu_gemm.hits():
+            extra["cpu_gemm_hits"] = cpu_gemm.hits()
         session.dump({"status": "ok", **extra})
         return 0
     except BaseException as e:  # the record must say why, whatever happened

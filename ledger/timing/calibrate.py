@@ -37,6 +37,11 @@ def _timed(fn, min_s: float = 0.05, max_reps: int = 200) -> float:
 def gemm_table(device: str, dtypes=("bf16", "fp32"), sizes=SIZES, sync=lambda: None) -> list:
     import torch
 
+    if device == "cpu":
+        from ledger.timing import cpu_gemm
+
+        cpu_gemm.install()  # as a CPU rank does (launchers.worker): the GEMMs the ranks run
+
     tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}
     out = []
     for dt in dtypes:
