@@ -146,43 +146,50 @@ def _routed_rows(step, model) -> tuple[int | None, ...]:
     return tuple(rows)
 
 
-@pytest.mark.real
-def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
-    """EP's steady peak re-predicted at each block's routed rows (moe_peak.ep_peak rows=) equals the
-    measured one on every rank: the moments' buffers, grads and saves are exact, the bound covers routing.
-    The rows of blocks whose saves the peak no longer holds are unknown: the moments holding them are left
-    out (the run's peak is above them)."""
+def _ep_ranks_without_checkpointing(sweep):
+    """Each rank of the EP jobs without activation checkpointing, its last step and the rows each block
+    routed there: (record, config, model, layout, placement, rank's measurement, step, rows). (The
+    checkpointed jobs' recompute moments are judged with the rest inside their bound: at the rows they
+    routed 2,080 B to 4,096 B of the recompute's small routing tensors are not named.)"""
     from conf.schema import load
     from launchers.job import check
-    from ledger.faithful.titan import moe_peak
-    from ledger.faithful.titan.target import rules_of
 
-    checked, exact = set(), 0
     for rec in sweep["ok"]:
-        # (the checkpointed jobs: the recompute's moments, judged with the rest inside their bound; at the
-        # rows they routed 2,080 B to 4,096 B of the recompute's small routing tensors are not named)
         if rec["config"]["layout"].get("ep", 1) == 1 or rec["config"]["framework"]["activation_checkpoint"] != "none":
             continue
         cfg = load(rec["config"])
         model, lay, pl = check(cfg)
         for m in rec["measurement"]["ranks"]:
             step = m["steps"][-1]
-            rows = _routed_rows(step, model)
-            pk = moe_peak.ep_peak(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules_of(None), rows)
-            # the peak in the framework's own order (gloo's worker thread frees the all-to-alls' buffers when
-            # it gets to it: the probe's prompt replay puts each free right after the last use), and the
-            # probe's "unnamed" (storages live from the previous step no launcher names: 12 B at world 2,
-            # 20 B at world 4, as in the dense matrix) aside: every part to the byte
-            prompt = step["peak"].get("prompt_at_peak") or step["peak"]["at_peak"]
-            got, want = pk.bytes - pk.parts["unnamed"], step["peak"]["prompt_peak_bytes"] - prompt.get("unnamed", 0)
-            if got != want and None in rows:
-                # the census is of the measured peak, which a late free by gloo's worker thread can move to a
-                # moment lower in the model than the prompt one, whose blocks' rows it then lacks: never above
-                assert got < want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
-                continue
-            assert got == want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
-            checked.add(pk.what.split(" ", 1)[1].lstrip(": "))
-            exact += 1
+            yield rec, cfg, model, lay, pl, m, step, _routed_rows(step, model)
+
+
+@pytest.mark.real
+def test_ep_peaks_are_exact_at_the_rows_the_run_routed(sweep):
+    """EP's steady peak re-predicted at each block's routed rows (moe_peak.ep_peak rows=) equals the
+    measured one on every rank: the moments' buffers, grads and saves are exact, the bound covers routing.
+    The rows of blocks whose saves the peak no longer holds are unknown: the moments holding them are left
+    out (the run's peak is above them)."""
+    from ledger.faithful.titan import moe_peak
+    from ledger.faithful.titan.target import rules_of
+
+    checked, exact = set(), 0
+    for rec, cfg, model, lay, pl, m, step, rows in _ep_ranks_without_checkpointing(sweep):
+        pk = moe_peak.ep_peak(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules_of(None), rows)
+        # the peak in the framework's own order (gloo's worker thread frees the all-to-alls' buffers when
+        # it gets to it: the probe's prompt replay puts each free right after the last use), and the
+        # probe's "unnamed" (storages live from the previous step no launcher names: 12 B at world 2,
+        # 20 B at world 4, as in the dense matrix) aside: every part to the byte
+        prompt = step["peak"].get("prompt_at_peak") or step["peak"]["at_peak"]
+        got, want = pk.bytes - pk.parts["unnamed"], step["peak"]["prompt_peak_bytes"] - prompt.get("unnamed", 0)
+        if got != want and None in rows:
+            # the census is of the measured peak, which a late free by gloo's worker thread can move to a
+            # moment lower in the model than the prompt one, whose blocks' rows it then lacks: never above
+            assert got < want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
+            continue
+        assert got == want, (records.job_name(rec), m["rank"], pk.what, pk.parts, prompt)
+        checked.add(pk.what.split(" ", 1)[1].lstrip(": "))
+        exact += 1
     # the moments the matrix reaches: the experts' reduce-scatter (s = 128) and the combine (s = 512), and most
     # ranks checked exactly
     assert {"experts' post-backward reduce-scatter (gloo)", "the MoE combine's backward (token_dispatcher.py)"} \
@@ -198,34 +205,25 @@ def test_ep_forward_combine_is_the_forward_maximum_at_the_rows_the_run_routed(sw
     no more than what gloo's worker thread freed late (the all-to-all's input, when the thread frees it
     after the main thread went on). Where a run's peak is elsewhere this moment is the runner-up routing
     decides: at ep2 world 4, s = 512, within 30 KB of the combine backward."""
-    from conf.schema import load
-    from launchers.job import check
     from ledger.faithful.titan import moe_peak
     from ledger.faithful.titan.target import rules_of
 
     judged, exact = 0, 0
-    for rec in sweep["ok"]:
-        if rec["config"]["layout"].get("ep", 1) == 1 or rec["config"]["framework"]["activation_checkpoint"] != "none":
+    for rec, cfg, model, lay, pl, m, step, rows in _ep_ranks_without_checkpointing(sweep):
+        if None in rows:  # the peak's census lacks a block's rows: not judged here
             continue
-        cfg = load(rec["config"])
-        model, lay, pl = check(cfg)
-        for m in rec["measurement"]["ranks"]:
-            step = m["steps"][-1]
-            rows = _routed_rows(step, model)
-            if None in rows:  # the peak's census lacks a block's rows: not judged here
-                continue
-            rules = rules_of(None)
-            c = moe_peak._common(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules, rows)
-            L = model.layers
-            pk = moe_peak._at_forward_combine(model, lay, cfg.framework, moe_peak.ep_units(model, lay), c, L - 1,
-                                              rows[L - 1], rules)
-            live = [sum(v for k, v in p.items() if k not in ("event", "phase", "unnamed"))
-                    for p in step["timeline"] if p["phase"] == "forward"]
-            got, most = pk.bytes - pk.parts["unnamed"], max(live)
-            late = step["peak"]["worker_freed_bytes"]
-            assert got <= most <= got + late, (records.job_name(rec), m["rank"], rows, got, most, late, pk.detail)
-            judged += 1
-            exact += got == most
+        rules = rules_of(None)
+        c = moe_peak._common(model, lay, cfg.framework, pl.rank_state(m["rank"]), rules, rows)
+        L = model.layers
+        pk = moe_peak._at_forward_combine(model, lay, cfg.framework, moe_peak.ep_units(model, lay), c, L - 1,
+                                          rows[L - 1], rules)
+        live = [sum(v for k, v in p.items() if k not in ("event", "phase", "unnamed"))
+                for p in step["timeline"] if p["phase"] == "forward"]
+        got, most = pk.bytes - pk.parts["unnamed"], max(live)
+        late = step["peak"]["worker_freed_bytes"]
+        assert got <= most <= got + late, (records.job_name(rec), m["rank"], rows, got, most, late, pk.detail)
+        judged += 1
+        exact += got == most
     assert judged >= 2 and exact >= 1, (judged, exact)
 
 

@@ -25,7 +25,9 @@ chunk's backward and the final norm's (peak.py's, with the grads reduced so far 
 groups): the combine backward (_at_combine), the experts' reduce-scatter (_at_experts_rs), the dense
 group's (_at_dense_rs); with activation checkpointing a block keeps its input (SelectiveAC also its
 policy's kept outputs, moe_activations.sac_kept), and its recompute's combine forward
-(_at_recompute_combine) is a moment too. Routed rows follow the router: the peak is predicted at balanced routing (every
+(_at_recompute_combine) is a moment too; without checkpointing the block's own forward combine
+(_at_forward_combine), the runner-up to its combine backward that routing can put on top. Routed rows
+follow the router: the peak is predicted at balanced routing (every
 block's experts compute T*k rows) and bounded from the fewest to the most rows (Peak.bound).
 """
 from __future__ import annotations
@@ -249,11 +251,10 @@ def _at_forward_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: in
     cast, out_TD's zeros, w2's grouped_mm output [R, hidden] (the unpermute's source) and the attention's
     residual sum h and the block's input, MoE.forward's locals (the routing map bool [T, E], the token
     counts int64 [E] the counts' all-to-all sent, the routed scores [T, k] in the router's dtype),
-    RoutedExperts.forward's local expert counts (int64 [E/ep]), the all-gathers of
-    _forward_all_gathers. Grads are None (set to
-    None every step: the module docstring), the loss's backward scalars not made yet. Measured (ep2 at
-    world 4, s = 512, q / k norms: the last block's, the step's forward maximum on every rank, at the
-    rows each block routed)."""
+    RoutedExperts.forward's local expert counts (int64 [E/ep]), the all-gathers of _forward_all_gathers.
+    Grads are None (set to None every step: the module docstring), the loss's backward scalars not made
+    yet. Measured: the last block's is the step's forward maximum at the rows each block routed (ep2 at
+    world 4 and 2, s = 512; ep2 at world 4, micro-batch 2, reshard_after_forward never)."""
     L, h, E = model.layers, model.hidden, model.num_experts
     T = lay.micro_batch_size * model.seq_len
     N = T * model.moe_router_topk
