@@ -34,7 +34,8 @@ def pytest_sessionfinish(session, exitstatus):
 # DeepSpeed matrix's compute on the other worker fills.
 LONGEST_FIRST = ("test_deepspeed.py", "test_slurm.py", "test_titan.py", "test_megatron.py", "test_megatron_moe.py", "test_deepspeed_moe.py",
                  "test_titan_moe.py",
-                 "test_forkserver.py",
+                 # (the article's question is one process of pure-Python planning, ~90 s: begun last it is the tail)
+                 "test_timing.py", "test_forkserver.py", "test_golden.py",
                  "test_fake.py", "test_report.py", "test_wandb.py", "test_plan.py", "test_failures.py",
                  "test_campaign.py")
 
