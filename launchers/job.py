@@ -21,9 +21,9 @@ from importlib import metadata
 from omegaconf import OmegaConf
 
 import records
-from launchers import signals
 from conf import hf
 from conf.validate import validate_config
+from launchers import signals
 from ledger import frameworks, target as targets
 from ledger.layout import ConfigError, resolve, validate
 from ledger.model import ModelShape
