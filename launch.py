@@ -19,7 +19,8 @@ register()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> dict:
-    from launchers.job import exit_on_signals, run_job
+    from launchers.job import run_job
+    from launchers.signals import exit_on_signals
     from launchers.slurm import slurm_ranks_runner, task_env
 
     exit_on_signals()  # SIGTERM records the running job as interrupted and stops its ranks

@@ -45,10 +45,6 @@ def versions() -> dict:
 write_json = records.write_json
 
 
-# SIGTERM / SIGINT as the job's interruption (launchers/signals.py); here for launch.py and run_job
-Interrupted, exit_on_signals = signals.Interrupted, signals.exit_on_signals
-
-
 def world_of(cfg) -> int:
     """The job's world size: the cluster's processes; on cluster=fake the layout's own world (every
     rank exists in the fake process group), the cluster's `ranks` only filling layout.dp=-1."""
@@ -272,7 +268,7 @@ def run_job(cfg, job_dir: str, ranks_runner=None, writes_record: bool = True, ex
                 record["status"] = "failed"
                 record["error"] = "; ".join(f"rank {r['rank']}: {r.get('error')}" for r in bad)[:4000]
         record["status"] = record["status"] or "ok"
-    except Interrupted as e:
+    except signals.Interrupted as e:
         record.update(status="failed", error=f"interrupted by {signal.Signals(e.signum).name} while running")
         record["timings"]["total_s"] = time.time() - t0
         if writes_record:

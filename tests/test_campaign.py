@@ -159,7 +159,6 @@ def test_a_sigterm_while_the_store_takes_its_socket_is_raised_after_the_handover
     import torch.distributed as td
 
     from launchers import local, signals
-    from launchers.job import Interrupted
 
     real, seen = td.TCPStore, {}
 
@@ -175,7 +174,7 @@ def test_a_sigterm_while_the_store_takes_its_socket_is_raised_after_the_handover
     monkeypatch.setattr(td, "TCPStore", store_then_sigterm)
     before = signal.signal(signal.SIGTERM, signals.interrupt)
     try:
-        with pytest.raises(Interrupted):
+        with pytest.raises(signals.Interrupted):
             with local.local_store(30):
                 pytest.fail("the body ran: the signal was lost")
     finally:
