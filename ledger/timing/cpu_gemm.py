@@ -59,57 +59,25 @@ def needed() -> bool:
     return _rate_ratio() > SLOWER
 
 
-def _empty(shape, like):
+def _product(name: str):
+    """The CPU kernel of aten `name` (mm, addmm, bmm, baddbmm: tensors positional, beta / alpha keywords,
+    the product's [.., M, N] from its last two tensors): with every tensor bf16, the op's out= kernel over
+    fp32 copies, rounded to bf16 once; otherwise the op's out= kernel on the tensors as they are."""
     import torch
 
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    out_kernel = getattr(torch.ops.aten, name).out
 
+    def kernel(*tensors, **scalars):
+        a, b = tensors[-2], tensors[-1]
+        shape = (*a.shape[:-1], b.shape[-1])
+        if all(t.dtype == torch.bfloat16 for t in tensors):
+            HITS[name] += 1
+            up = [t.float() for t in tensors]
+            return out_kernel(*up, **scalars, out=torch.empty(shape, dtype=torch.float32, device=a.device)
+                              ).to(torch.bfloat16)
+        return out_kernel(*tensors, **scalars, out=torch.empty(shape, dtype=a.dtype, device=a.device))
 
-def _mm(a, b):
-    import torch
-
-    mm = torch.ops.aten.mm.out
-    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
-        HITS["mm"] += 1
-        a32, b32 = a.float(), b.float()
-        return mm(a32, b32, out=_empty((a.shape[0], b.shape[1]), a32)).to(torch.bfloat16)
-    return mm(a, b, out=_empty((a.shape[0], b.shape[1]), a))
-
-
-def _addmm(bias, a, b, *, beta=1, alpha=1):
-    import torch
-
-    addmm = torch.ops.aten.addmm.out
-    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and bias.dtype == torch.bfloat16:
-        HITS["addmm"] += 1
-        a32 = a.float()
-        return addmm(bias.float(), a32, b.float(), beta=beta, alpha=alpha,
-                     out=_empty((a.shape[0], b.shape[1]), a32)).to(torch.bfloat16)
-    return addmm(bias, a, b, beta=beta, alpha=alpha, out=_empty((a.shape[0], b.shape[1]), a))
-
-
-def _bmm(a, b):
-    import torch
-
-    bmm = torch.ops.aten.bmm.out
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
-        HITS["bmm"] += 1
-        a32 = a.float()
-        return bmm(a32, b.float(), out=_empty(shape, a32)).to(torch.bfloat16)
-    return bmm(a, b, out=_empty(shape, a))
-
-
-def _baddbmm(bias, a, b, *, beta=1, alpha=1):
-    import torch
-
-    baddbmm = torch.ops.aten.baddbmm.out
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and bias.dtype == torch.bfloat16:
-        HITS["baddbmm"] += 1
-        a32 = a.float()
-        return baddbmm(bias.float(), a32, b.float(), beta=beta, alpha=alpha, out=_empty(shape, a32)).to(torch.bfloat16)
-    return baddbmm(bias, a, b, beta=beta, alpha=alpha, out=_empty(shape, a))
+    return kernel
 
 
 def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
@@ -119,6 +87,8 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     3D x 3D (no offs: a batched product). Rows or columns past the last offset are zeros."""
     import torch
 
+    if bias is not None:
+        raise NotImplementedError("cpu_gemm: torch._grouped_mm with a bias (no caller here passes one)")
     HITS["grouped_mm"] += 1
     up = a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
     work = torch.float32 if up else a.dtype
@@ -148,8 +118,6 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
                 out[:, lo:hi] = mm(a_[g], b_[:, lo:hi])
     else:
         out = torch.stack([mm(a_[g], b_[g]) for g in range(a.shape[0])])
-    if bias is not None:
-        raise NotImplementedError("cpu_gemm: torch._grouped_mm with a bias (no caller here passes one)")
     return out.to(out_dtype or a.dtype)
 
 
@@ -167,9 +135,9 @@ def install(force: bool = False) -> bool:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the point
-        for name, fn in (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm), ("baddbmm", _baddbmm),
-                         ("_grouped_mm", _grouped_mm)):
-            lib.impl(name, fn, "CPU")
+        for name in ("mm", "addmm", "bmm", "baddbmm"):
+            lib.impl(name, _product(name), "CPU")
+        lib.impl("_grouped_mm", _grouped_mm, "CPU")
     _LIB = lib
     return True
 
