@@ -197,12 +197,22 @@ def _at_combine(model, lay, fw, u: EPUnits, c: _Common, j: int) -> Peak:
                    f"layers.{j}: the MoE combine's backward{' in its recompute' if c.ctx else ''} (token_dispatcher.py)")
 
 
+def _combine_cast(model, lay, rows: int) -> dict[str, int]:
+    """What a block's combine holds at its cast back to bf16, forward or recompute (token_dispatcher.py
+    combine: `(routed_output_RD.to(float32) * scores).to(routed_output_RD.dtype)` into out_TD's zeros):
+    the product by the scores (fp32 [N, hidden]), the cast (bf16), out_TD, w2's grouped_mm output
+    [R, hidden] (the unpermute's source) and the attention's residual sum h (live until the block's last
+    add)."""
+    h, T = model.hidden, lay.micro_batch_size * model.seq_len
+    N = T * model.moe_router_topk
+    return {"temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
+                N * h * F32 + N * h * BF16 + T * h * BF16,
+            "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16}
+
+
 def _at_recompute_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: int) -> Peak:
     """Full activation checkpointing: block j's recompute forward at its combine's cast back to bf16
-    (token_dispatcher.py combine: the all-to-all's output [N, hidden] still held, its fp32 copy and the
-    product by the scores, the cast, out_TD's zeros), w2's grouped_mm output [R, hidden] (the unpermute's
-    source) and the attention's residual sum h (live until the block's last add) beside the recompute's
-    saves so far (all but the scatter's: they are in its checkpoint frame), the routing map and the token
+    (_combine_cast, the all-to-all's output [N, hidden] still held) beside the recompute's saves so far (all but the scatter's: they are in its checkpoint frame), the routing map and the token
     counts' all-to-all output, and what every moment of block j's backward holds. Measured (ep2 at world 2,
     s = 512): the step's peak, at block 0's, 2,080 B of the recompute's small tensors not named."""
     L, h = model.layers, model.hidden
@@ -217,9 +227,7 @@ def _at_recompute_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: 
              "gathered/the combine all-to-all's output (bf16 [N, hidden]), the token counts' (int64 [E])":
                  N * h * BF16 + (model.num_experts * I64 if fw.activation_checkpoint == "full" else 0),
              "temporary/the routing map (bool [T, E])": T * model.num_experts,
-             "temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
-                 N * h * F32 + N * h * BF16 + T * h * BF16,
-             "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16}
+             **_combine_cast(model, lay, rows)}
     return _moment(c, u.grad_shards(_block_grads(u, j, L)), _unsharded(u, j, reshard, True), j, lines,
                    f"layers.{j}: its recompute's combine (token_dispatcher.py), the cast back to bf16")
 
@@ -247,9 +255,8 @@ def _at_forward_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: in
     """No activation checkpointing: block j's forward at its combine's cast back to bf16
     (token_dispatcher.py combine: `(routed_output_RD.to(float32) * scores).to(routed_output_RD.dtype)`),
     block j's saves complete (the fp32 copy its mul saves among them) beside the blocks' below. Live
-    besides: the combine all-to-all's output [N, hidden] bf16 and the product by the scores (fp32), the
-    cast, out_TD's zeros, w2's grouped_mm output [R, hidden] (the unpermute's source) and the attention's
-    residual sum h and the block's input, MoE.forward's locals (the routing map bool [T, E], the token
+    besides: _combine_cast's buffers, the combine all-to-all's output [N, hidden] bf16, the block's
+    input, MoE.forward's locals (the routing map bool [T, E], the token
     counts int64 [E] the counts' all-to-all sent, the routed scores [T, k] in the router's dtype),
     RoutedExperts.forward's local expert counts (int64 [E/ep]), the all-gathers of _forward_all_gathers.
     Grads are None (set to None every step: the module docstring), the loss's backward scalars not made
@@ -263,9 +270,7 @@ def _at_forward_combine(model, lay, fw, u: EPUnits, c: _Common, j: int, rows: in
              **_forward_all_gathers(u, j, L),
              "gathered/the combine all-to-all's output (bf16 [N, hidden]), the token counts sent (int64 [E])":
                  N * h * BF16 + E * I64,
-             "temporary/its product by the scores (fp32), the cast back (bf16), out_TD's zeros":
-                 N * h * F32 + N * h * BF16 + T * h * BF16,
-             "temporary/w2's grouped_mm output (bf16 [R, hidden]), the residual sum h": rows * h * BF16 + T * h * BF16,
+             **_combine_cast(model, lay, rows),
              "temporary/the block's input (the decoder's loop holds it)": T * h * BF16,
              "temporary/the routing map (bool [T, E]), the routed scores, the local expert counts":
                  T * E + N * moe_activations.router_bytes(rules) + E // lay.ep * I64}
