@@ -45,9 +45,14 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda it: rank.get(os.path.basename(str(it.path)), len(rank)))  # stable: in-file order kept
 
 
-def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0,
+           wandb: bool = False) -> subprocess.CompletedProcess:
     """Run launch.py as a user would; returns the completed process (stdout+stderr captured). nice: the
-    process's nice value (what it runs, and on the local Slurm what it submits, inherit it)."""
+    process's nice value (what it runs, and on the local Slurm what it submits, inherit it). W&B's
+    offline logging (the default, ~1.2 s of a job's CPU here) is off unless `wandb` or the args set
+    wandb.mode: logging and reading it back are test_wandb's, test_report's and the campaign's tests'."""
+    if not wandb and not any(a.startswith("wandb.mode=") for a in args):
+        args = (*args, "wandb.mode=disabled")
     env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
     p = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=timeout, preexec_fn=(lambda: os.nice(nice)) if nice else None)

@@ -111,7 +111,7 @@ def test_sigterm_mid_sweep_then_resume(tmp_path):
     mtime0, runs0 = os.path.getmtime(j0 / "record.json"), _offline_runs(j0)
     assert len(runs0) == 1
 
-    p = launch(*args, timeout=600)
+    p = launch(*args, timeout=600, wandb=True)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "#0 skipped: its record is ok for the same config" in p.stdout
     assert "#1 runs again (was failed; campaign.rerun=failed)" in p.stdout

@@ -288,7 +288,7 @@ def test_invalid_job_is_logged_and_read_back(tmp_path):
     from analysis.wandb_io import read_records
     from tests.conftest import launch
 
-    p = launch("-m", "framework=deepspeed", "layout.tp=3", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    p = launch("-m", "framework=deepspeed", "layout.tp=3", f"hydra.sweep.dir={tmp_path}", timeout=300, wandb=True)
     assert p.returncode == 0, p.stderr[-3000:]
     (rec,) = records.load(str(tmp_path))
     assert rec["status"] == "invalid" and "tp*pp*cp=3" in rec["error"]

@@ -15,6 +15,6 @@ _cache: dict = {}
 def real_sweep(tmp_path_factory) -> str:
     if "dir" not in _cache:
         d = str(tmp_path_factory.mktemp("wandb_sweep"))
-        _cache["proc"] = launch(*ARGS, f"hydra.sweep.dir={d}", timeout=900, check=True)
+        _cache["proc"] = launch(*ARGS, f"hydra.sweep.dir={d}", timeout=900, check=True, wandb=True)
         _cache["dir"] = d
     return _cache["dir"]

@@ -35,6 +35,34 @@ def _composed(launcher, job_overrides, initial_job_idx):
     return out
 
 
+class _ComposedOnce:
+    """A launcher whose config loader hands each job's composition from Hydra's validation to
+    _composed. Hydra's sweeper composes every job of a batch to validate it (plugins/sweeper.py
+    validate_batch_is_legal: load_sweep_config, whose result it drops) and then hands the batch to the
+    launcher, whose _composed makes the same call again: ~0.6 s of Hydra and OmegaConf a job, twice
+    (a profile of a six-job sweep). The loader keeps each composition until the next call for the same
+    master config and overrides takes it, so each job is composed once; a call nothing made before
+    composes as always."""
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        loader = hydra_context.config_loader
+        if getattr(loader, "_train_ledger_kept", None) is not None:
+            return
+        compose = loader.load_sweep_config
+        kept: dict = {}
+
+        def load_sweep_config(master_config, sweep_overrides):
+            key = (id(master_config), tuple(sweep_overrides))
+            if key in kept:
+                return kept.pop(key)
+            cfg = kept[key] = compose(master_config, list(sweep_overrides))
+            return cfg
+
+        loader._train_ledger_kept = kept
+        loader.load_sweep_config = load_sweep_config
+
+
 def _plan(launcher, jobs):
     """The campaign's decisions, or SystemExit(2) naming the jobs of another config (nothing ran)."""
     from launchers.campaign import CampaignError, plan
@@ -72,7 +100,7 @@ def _skipped(decision, overrides):
     return _done(overrides, {"status": decision.prior_status, "job_dir": decision.job_dir, "skipped": True})
 
 
-class CampaignBasicLauncher(BasicLauncher):
+class CampaignBasicLauncher(_ComposedOnce, BasicLauncher):
     """Hydra's basic launcher (jobs one after another in this process), skipping the jobs a campaign
     has already finished."""
 
@@ -99,7 +127,7 @@ class CampaignBasicLauncher(BasicLauncher):
         return runs
 
 
-class ValidatingSlurmLauncher(SlurmLauncher):
+class ValidatingSlurmLauncher(_ComposedOnce, SlurmLauncher):
     def launch(self, job_overrides, initial_job_idx):
         with _holding(self):
             return self._launch(job_overrides, initial_job_idx)
