@@ -151,3 +151,28 @@ def test_every_shipped_cluster_validates():
     for f in sorted(os.listdir(f"{REPO}/conf/cluster")):
         if f.endswith(".yaml") and f != "cluster_schema.yaml":
             validate_config(_compose(f"cluster={f[:-5]}", "mode=predict"))
+
+
+def test_a_sweep_composes_each_job_once(tmp_path):
+    """Hydra's sweeper composes every job to validate the batch, then the launcher composes it for the run
+    (hydra_plugins/train_ledger/launcher.py _ComposedOnce hands the first over): a three-job sweep composes its
+    own config twice (Hydra's get_mode, then its multirun) and each job once, and each job's record holds its
+    own overrides."""
+    import subprocess
+    import sys
+
+    import records
+
+    code = ("import sys, tests.run_many as R\n"
+            "from hydra._internal.config_loader_impl import ConfigLoaderImpl as C\n"
+            "n = [0]\ncompose = C.load_configuration\n"
+            "def counted(self, *a, **k):\n    n[0] += 1\n    return compose(self, *a, **k)\n"
+            "C.load_configuration = counted\n"
+            f"rc = R.main([['-m', 'mode=predict', 'model.layers=2,3,4', 'wandb.mode=disabled', "
+            f"'hydra.sweep.dir={tmp_path}']])\n"
+            "print('compositions', n[0])\nsys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "compositions 5", p.stdout[-2000:]
+    layers = sorted(r["config"]["model"]["layers"] for r in records.load(str(tmp_path)))
+    assert layers == [2, 3, 4]
