@@ -217,6 +217,40 @@ def test_overlap_and_recompute_move_the_step_the_way_the_framework_does():
     assert rc.step_s > plain.step_s and dict(rc.waterfall)["recompute"] > 0 == dict(plain.waterfall)["recompute"]
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_per_layer_selective_checkpointing_recomputes_every_nth_block(pp):
+    """torchtitan's per-layer selective option of 2024 (selective_ac_option N, the published runs'): every
+    N-th block counted from 1 recomputes its whole forward, the others nothing. At N = 2 over 32 layers:
+    half of full checkpointing's recompute (pp = 1) or, with two stages of 16, half on each: the backward
+    lies halfway between no checkpointing's and full's."""
+    from omegaconf import OmegaConf
+
+    from ledger import frameworks
+    from ledger.layout import resolve
+    from ledger.model import ModelShape
+    from ledger.parallel import predict
+    from ledger.timing.step import step_time
+    from tests.conftest import compose_config
+
+    cfg = compose_config("framework=titan", "model=llama3_8b", "framework.activation_checkpoint=none")
+    m = ModelShape.from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    lay = resolve({**OmegaConf.to_container(cfg.layout), "dp": 8, "pp": pp, "global_batch_size": 32}, framework="titan")
+    pl = predict(m, lay, cfg.framework)
+
+    def timed(ac, option="op"):
+        fw = OmegaConf.merge(cfg.framework, {"activation_checkpoint": ac, "selective_ac_option": option})
+        policy = frameworks.get("titan").time_policy(fw, lay, "cuda")
+        return policy, step_time(m, lay, pl, policy, hardware.profile("h100"))
+
+    policy, layer = timed("selective", "2")
+    assert (policy.recompute, policy.recompute_every) == ("full", 2)
+    _, full = timed("full")
+    _, none = timed("none")
+    assert dict(layer.waterfall)["recompute"] == pytest.approx(dict(full.waterfall)["recompute"] / 2, rel=1e-12)
+    assert layer.backward_s - none.backward_s == pytest.approx((full.backward_s - none.backward_s) / 2, rel=1e-12)
+    assert timed("selective")[0].recompute_every == 1  # the per-op policy recomputes in every block
+
+
 def test_the_chrome_trace_has_one_track_per_lane(tmp_path):
     from ledger.timing import trace
 

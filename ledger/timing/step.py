@@ -53,6 +53,9 @@ class TimePolicy:
     attention_kernel: str = "flash2"  # the kernel that runs attention (hardware.ATTENTION_KERNELS)
     # what selective recompute re-runs in backward: the names of a layer's forward ops (ops.layer_forward)
     recompute_ops: tuple = ("attention",)
+    # the layers that recompute: every one (1), or every N-th of the model's layers counted from 1 (layer
+    # index i + 1 divisible by N: torchtitan's per-layer selective checkpointing, its steptime.py)
+    recompute_every: int = 1
     split_projections: bool = False  # wq wk wv, w1 w3 as separate linears (ops.Shard)
     fused_qkv: bool = False  # of those, q k v as one wqkv linear split into copies (ops.Shard)
     repeat_kv: bool = False  # the model repeats GQA's K / V to the query heads (ops.Shard)
@@ -152,9 +155,20 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     def has_head(stage, chunk):
         return (stage, chunk) == (lay.pp - 1, vp - 1)
 
+    def chunk_recomputed(stage: int, chunk: int) -> dict:
+        """The chunk's layers by kind that recompute in their backward (TimePolicy.recompute_every)."""
+        first = (chunk * lay.pp + stage) * per_chunk
+        layers = [i for i in range(first, first + chunk_layers(stage, chunk))
+                  if (i + 1) % policy.recompute_every == 0]
+        moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
+        return {"dense": len(layers) - moe, "moe": moe}
+
     f_layer = {k: ops.seconds(v, hw) for k, v in fwd_of.items()}
-    b_layer = {k: ops.seconds(bwd_of[k], hw) + ops.seconds(rc_of[k], hw) for k in fwd_of}
+    b_layer = {k: ops.seconds(bwd_of[k], hw) for k in fwd_of}
+    r_layer = {k: ops.seconds(rc_of[k], hw) for k in fwd_of}
     kinds = {(st, c): chunk_kinds(st, c) for st in range(lay.pp) for c in range(vp)}
+    recomputed = kinds if policy.recompute_every == 1 else \
+        {(st, c): chunk_recomputed(st, c) for st in range(lay.pp) for c in range(vp)}
     f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
 
     # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside; a
@@ -190,8 +204,9 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                 + per_mb_tp[stage] / 3 / vp)
 
     def bwd_s(stage, chunk):
-        return (sum(n * b_layer[k] for k, n in kinds[stage, chunk].items() if n) + (b_head if has_head(stage, chunk) else 0.0)
-                + 2 * per_mb_tp[stage] / 3 / vp)
+        return (sum(n * b_layer[k] for k, n in kinds[stage, chunk].items() if n)
+                + sum(n * r_layer[k] for k, n in recomputed[stage, chunk].items() if n)
+                + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp)
 
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
@@ -239,6 +254,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
     # layers), the recompute's
     n_kind = {k: sum(kinds[crit, c][k] for c in range(vp)) for k in fwd_of}
+    n_recomputed = {k: sum(recomputed[crit, c][k] for c in range(vp)) for k in fwd_of}
     head = any(has_head(crit, c) for c in range(vp))
     head_split = ops.split(head_f + head_b, hw)
     split = {k: v if head else 0.0 for k, v in head_split.items()}
@@ -247,7 +263,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         for k, v in ops.split(fwd_of[kind] + bwd_of[kind], hw).items():
             split[k] += n * v
         for k, v in ops.split(rc_of[kind], hw).items():
-            rc[k] += n * v
+            rc[k] += n_recomputed[kind] * v
     ideal = split["ideal"] * m
     tp_exposed = per_mb_tp[crit] * m
     # every TP / CP / EP call is exposed (per_mb_tp is their sum), the CP ring beyond its attention where

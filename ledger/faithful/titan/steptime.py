@@ -12,7 +12,11 @@
              again, with the norms, RoPE, SwiGLU's silu and product and the residual adds; on the CPU
              the harness's math attention is not saved either (SELECTIVE_RECOMPUTE); with fuse_qkv the
              count runs wqkv 1, wo 2, w1 3, w3 4, w2 5: wo and w3 run again, and the split's copies
-             (SELECTIVE_RECOMPUTE_FUSED)
+             (SELECTIVE_RECOMPUTE_FUSED). The torchtitan of 2024 (the published runs') also had a per-layer
+             selective option, selective_ac_option N: every N-th block fully checkpointed, the others
+             not (parallelisms/parallelize_llama.py _apply_ac_to_transformer_block: a counter over the
+             blocks from 1, `_count % ac_freq == 0`): timed as full recompute of those blocks
+             (TimePolicy.recompute_every); 0.3.0 has no such option and its ledger refuses it (rules.py)
   attention  models/llama3 model_registry: attn_backend "flex", FlexAttention's compiled kernel on
              CUDA (the causal block mask skips the masked blocks); on the CPU the math kernel computes
              the whole [s, s] scores
@@ -51,7 +55,16 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     sched = schedule_of(fw)
     cuda = device == "cuda"
     fused = fuses_qkv(fw)
-    return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=ac, causal_kernel=cuda,
+    option = str(getattr(fw, "selective_ac_option", "op"))
+    every = int(option) if ac == "selective" and option.isdigit() else 1  # the per-layer option (docstring)
+    if every > 1:
+        recompute, what = "full", f" (every {every}th block fully checkpointed: the per-layer option)"
+    else:
+        recompute = ac
+        what = ((" (SelectiveAC re-runs wo, w3 and the memory-bound ops)" if fused else
+                 " (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)") if ac == "selective" else "")
+    return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=recompute, recompute_every=every,
+                      causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
                       recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
                       + (() if cuda else ("attention",)),
@@ -59,9 +72,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       dp_grad="every_pass", dp_param="every_pass", optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
-                               f"activation_checkpoint={ac}"
-                               + ((" (SelectiveAC re-runs wo, w3 and the memory-bound ops)" if fused else
-                                   " (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)") if ac == "selective" else "")
+                               f"activation_checkpoint={ac}" + what
                                + (", q / k / v fused (one wqkv GEMM, its output split into copies)" if fused else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
