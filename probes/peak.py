@@ -266,6 +266,10 @@ class PeakTracker:
         # number counted over all steps)]
         self._live: dict[int, list] = {}
         self._main = threading.main_thread().ident
+        # c10d worker threads free storages (weakref callbacks, _freed) while the main thread counts: the
+        # live set, the running bytes and the step's start change under this lock (re-entrant: a free can
+        # run on the main thread inside a count, through the cyclic collector)
+        self._lock = threading.RLock()
         self._base = 0  # events of the steps before this one
         self.worker_frees: dict[int, tuple[int, int]] = {}  # serial -> (the main thread's last use, bytes)
         # the CUDA allocator's view: CUDA storages counted in 512-byte blocks (CPU ones as they are)
@@ -342,18 +346,23 @@ class PeakTracker:
         e[4] = self._base + len(self.events)
 
     def _freed(self, k: int, s: int) -> None:
-        e = self._live.get(k)
-        if e is None or e[2] != s:
-            return
-        del self._live[k]
-        self._change(s, -e[0], -_blocks(e[0]) if e[3] else -e[0])
-        if self.active and e[0] and threading.get_ident() != self._main:
-            # a c10d worker thread dropped the last reference (module docstring: thread timing)
-            self.worker_frees[s] = (max(0, e[4] - self._base), e[0])
+        with self._lock:
+            e = self._live.get(k)
+            if e is None or e[2] != s:
+                return
+            del self._live[k]
+            self._change(s, -e[0], -_blocks(e[0]) if e[3] else -e[0])
+            if self.active and e[0] and threading.get_ident() != self._main:
+                # a c10d worker thread dropped the last reference (module docstring: thread timing)
+                self.worker_frees[s] = (max(0, e[4] - self._base), e[0])
 
     def _change(self, serial: int, delta: int, blocks: int) -> None:
         if delta == 0:
             return
+        with self._lock:
+            self._count(serial, delta, blocks)
+
+    def _count(self, serial: int, delta: int, blocks: int) -> None:
         self.cur += delta
         self.cur_blocks += blocks
         if self.active and self.cur_blocks > self.peak_blocks:
@@ -448,16 +457,26 @@ class PeakTracker:
         self._root = None
         if scan:
             self.scan()
-        self.start_bytes = self.cur
-        self.peak_blocks = self.cur_blocks
-        # list(): one C call, so a worker thread's free cannot change the dict while it is read
-        self.start_serials = {e[2]: e[0] for e in list(self._live.values())}
-        self.peak, self.peak_index = self.start_bytes, -1
-        self.active = True
+        # the start's bytes, its storages and the step's first event agree: a worker thread's free waits
+        # for the lock until the step has begun (then it is the step's event), and none runs on this
+        # thread meanwhile (no cyclic collection; nothing here drops a tensor)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with self._lock:
+                self.start_bytes = self.cur
+                self.peak_blocks = self.cur_blocks
+                self.start_serials = {e[2]: e[0] for e in list(self._live.values())}
+                self.peak, self.peak_index = self.start_bytes, -1
+                self.active = True
+        finally:
+            if collecting:
+                gc.enable()
 
     def end(self) -> None:
-        self.active = False
-        self.end_bytes = self.cur
+        with self._lock:
+            self.active = False
+            self.end_bytes = self.cur
 
     def recording(self, on_collective=None, reference: bool = False):
         """The step's context: dispatch mode, saved-tensor hook, module hooks. on_collective(func, args,

@@ -508,3 +508,42 @@ def test_a_frozen_servers_tensors_are_still_scanned():
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["frozen"] and not got["listed"] and got["kept"] >= 2
     assert got["scanned"] == 4000 + 24 + 40, got  # both frozen ones and the later tensor, each once
+
+
+def test_a_step_that_begins_while_another_thread_frees_counts_each_storage_once():
+    """A c10d worker thread may drop a storage's last reference while a step begins (probes/peak.py module
+    docstring: thread timing): the step's starting bytes, its starting storages by category and the
+    peak's parts then agree whatever the interleaving (a free between begin()'s snapshots once left 512 B
+    counted at the start and never freed)."""
+    import sys
+    import threading
+
+    from probes.peak_analysis import result
+
+    tr = PeakTracker()
+    keep = [torch.empty(128) for _ in range(20_000)]  # 512 B each
+    for t in keep:
+        tr.see(t)
+    stop = threading.Event()
+
+    def drop():
+        while keep and not stop.is_set():
+            keep.pop()  # the last reference: the storage dies on this thread
+
+    bad = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    th = threading.Thread(target=drop)
+    th.start()
+    try:
+        while keep and len(bad) < 3:
+            tr.begin(scan=False)
+            tr.end()
+            r = result(tr, None, False)
+            if sum(tr.start_serials.values()) != tr.start_bytes or sum(r["at_peak"].values()) != r["peak_bytes"]:
+                bad.append((sum(tr.start_serials.values()), tr.start_bytes, r["at_peak"], r["peak_bytes"]))
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(old)
+    assert not bad, bad
