@@ -121,6 +121,8 @@ def titan_cases():
     yield "titan/tiny/pp-tp", ["model=tiny", *_fw("titan"), *_lay(2, 2, 2, global_batch_size=8)]
     yield "titan/tiny/pp-cp-hsdp", ["model=tiny", "model.seq_len=256", *_fw("titan", activation_checkpoint="full"),
                                     *_lay(1, 2, 4, cp=2, dp_replicate=2, global_batch_size=8)]
+    yield "titan/llama3_8b/pp-hsdp", ["model=llama3_8b", *_fw("titan", activation_checkpoint="selective"),
+                                      *_lay(1, 4, 4, dp_replicate=2, global_batch_size=16)]
     yield "titan/llama3_70b/pp-tp-sp", ["model=llama3_70b", *_fw("titan", activation_checkpoint="selective"),
                                         *_lay(8, 4, 4, sequence_parallel=True, global_batch_size=16)]
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (25 small multiruns, 43 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (26 small multiruns, 44 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -11,7 +11,7 @@ settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (wor
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
 uneven vocab, full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
-LoopedBFS; gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
+LoopedBFS; pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
 build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
@@ -110,6 +110,9 @@ SWEEPS = (
                   NO_AC)),
     ("w8pptp", ("cluster.ranks=8", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.tp=2",
                 "layout.global_batch_size=4", NO_SP, NO_AC)),
+    # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
+    ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
+                 NO_AC)),
     # long sequences (the peak's other moments): the final norm's backward (a small vocab)
     # or a loss chunk's cross-entropy backward (a large vocab) outweighs the reduce-scatters; with PP a
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
@@ -141,7 +144,7 @@ SWEEPS = (
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
 EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp", "pp2", "pp2·dp2",
-                 "pp4", "tp2·pp2", "tp2·pp2·vp2·sp", "pp2·cp2", "pp2·vp2·dp2·rep2", "tp2·pp2·dp2"}
+                 "pp4", "tp2·pp2", "tp2·pp2·vp2·sp", "pp2·cp2", "pp2·vp2·dp2·rep2", "tp2·pp2·dp2", "pp2·dp2·rep2"}
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 CP_REDIRECTS = {"eager_cp_block_mask", "visible_cp_allgather"}  # reached where cp > 1
@@ -181,12 +184,12 @@ def test_peak_within_one_percent(sweep):
     """Every peak_bytes row within 1% (ledger/faithful/titan/peak.py), steady steps and the first
     (peak.FirstStep: no AdamW state and no sharded grad before their first making), on every rank
     of every job (FSDP2 / HSDP, TP with and without SP, CP with and without SP, reshard always /
-    never, AC none / selective / full, PP 1F1B): each has its rows."""
+    never, AC none / selective / full, PP 1F1B over FSDP and HSDP): each has its rows."""
     df = sweep["table"]
     pk = df[df.quantity == "peak_bytes"]
     for rec in sweep["ok"]:
         if not any(c.get("peak") for c in records.rank_classes(rec["prediction"])):
-            # PP with tp, cp, dp_replicate or a schedule other than 1F1B: no peak modelled, and the note says so
+            # PP with tp, cp or a schedule other than 1F1B: no peak modelled, and the note says so
             assert any("no peak row" in n for n in rec["prediction"]["notes"]), records.job_name(rec)
             continue
         for phase in ("first", "steady"):

@@ -10,7 +10,7 @@ it (pp_stages over pp * vp stages); a rank's state is its stages' (_pp_parts), i
 stage's (_stage_comm: P2P per micro-batch with the stages on other ranks, FSDP once per step and the last
 stage's [norm, lm_head] per micro-batch, TP and CP per micro-batch, step 0's vote and metadata inference)
 and the step's grad-norm and loss all-reduces once (_pp_comm). Its peak is pp_peak.py's, for 1F1B over
-FSDP alone.
+FSDP or HSDP (no tp, no cp).
 """
 from __future__ import annotations
 
@@ -194,7 +194,10 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     # the norm's grad views a [norm, lm_head] reduce-scatter output where a loss follows a backward (_pp_parts)
     views = losses_after_a_backward(sched, lay.pp, lay.vp, lay.num_microbatches) >= 1
     cpu_mesh = True if rules is None else rules.cpu_mesh
-    peak_modelled = sched == "1F1B" and lay.tp == lay.cp == lay.dp_replicate == 1
+    # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
+    # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
+    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md)
+    peak_modelled = sched == "1F1B" and lay.tp == lay.cp == 1
     memo: dict = {}
 
     def comm_of(r: int, first: bool):
@@ -216,8 +219,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
 
-        # pp_peak derives the moments of 1F1B's one stage a rank over FSDP alone; with tp, cp, dp_replicate or
-        # another schedule it is not modelled
+        # with tp, cp or another schedule than 1F1B it is not modelled
         st.peak = peak if peak_modelled else None
         return st
 
@@ -234,7 +236,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     else:
         pl.notes.append(f"titan PP ({sched}, {lay.vp} stage{'s' * (lay.vp > 1)} a rank) with tp={lay.tp} cp={lay.cp} "
                         f"dp_replicate={lay.dp_replicate}: states and collectives predicted; the peak within a step "
-                        "is modelled for 1F1B over FSDP alone (no peak row)")
+                        "is modelled for 1F1B over FSDP / HSDP alone (no peak row)")
     return pl
 
 

@@ -1,6 +1,8 @@
 """Peak live bytes of a torchtitan 0.3.0 pipeline stage's rank within a steady training step, CPU/gloo:
 torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
-Schedule1F1B, stage.py) over FSDP2 on dp_shard (pp.py's placement). pp_peak is the most of pp_moments,
+Schedule1F1B, stage.py) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
+set to None each step, so the replicas' all-reduce runs in place on the reduce-scatter output that becomes
+the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it). pp_peak is the most of pp_moments,
 each moment its own function below over the values they share (_Stage; the last micro-batch's on the
 last stage, _LastMicrobatch). peak.py has the peak without PP, whose moments these echo.
 
