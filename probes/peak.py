@@ -360,20 +360,17 @@ class PeakTracker:
         if delta == 0:
             return
         with self._lock:
-            self._count(serial, delta, blocks)
-
-    def _count(self, serial: int, delta: int, blocks: int) -> None:
-        self.cur += delta
-        self.cur_blocks += blocks
-        if self.active and self.cur_blocks > self.peak_blocks:
-            self.peak_blocks = self.cur_blocks
-        if self.active:
-            if self._in_gc and delta < 0:
-                self.gc_freed -= delta
-            self.events.append((serial, delta, self._phase(), self._micro_batch(), self._module(), self.op))
-            if self.cur > self.peak:
-                self.peak = self.cur
-                self.peak_index = len(self.events) - 1
+            self.cur += delta
+            self.cur_blocks += blocks
+            if self.active and self.cur_blocks > self.peak_blocks:
+                self.peak_blocks = self.cur_blocks
+            if self.active:
+                if self._in_gc and delta < 0:
+                    self.gc_freed -= delta
+                self.events.append((serial, delta, self._phase(), self._micro_batch(), self._module(), self.op))
+                if self.cur > self.peak:
+                    self.peak = self.cur
+                    self.peak_index = len(self.events) - 1
 
     def mark(self, t, into: set) -> None:
         st = _storage(t)

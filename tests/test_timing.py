@@ -225,30 +225,23 @@ def test_per_layer_selective_checkpointing_recomputes_every_nth_block(pp):
     lies halfway between no checkpointing's and full's."""
     from omegaconf import OmegaConf
 
+    from conf.schema import TitanConfig
     from ledger import frameworks
-    from ledger.layout import resolve
-    from ledger.model import ModelShape
-    from ledger.parallel import predict
-    from ledger.timing.step import step_time
-    from tests.conftest import compose_config
 
-    cfg = compose_config("framework=titan", "model=llama3_8b", "framework.activation_checkpoint=none")
-    m = ModelShape.from_config(OmegaConf.to_container(cfg.model, resolve=True))
-    lay = resolve({**OmegaConf.to_container(cfg.layout), "dp": 8, "pp": pp, "global_batch_size": 32}, framework="titan")
-    pl = predict(m, lay, cfg.framework)
-
-    def timed(ac, option="op"):
-        fw = OmegaConf.merge(cfg.framework, {"activation_checkpoint": ac, "selective_ac_option": option})
-        policy = frameworks.get("titan").time_policy(fw, lay, "cuda")
-        return policy, step_time(m, lay, pl, policy, hardware.profile("h100"))
-
-    policy, layer = timed("selective", "2")
-    assert (policy.recompute, policy.recompute_every) == ("full", 2)
-    _, full = timed("full")
-    _, none = timed("none")
+    layout = dict(dp=8, pp=pp, global_batch_size=32)
+    _, lay, layer = _predict("titan", layout, "framework.activation_checkpoint=selective",
+                             "framework.selective_ac_option=2")
+    _, _, full = _predict("titan", layout, "framework.activation_checkpoint=full")
+    _, _, none = _predict("titan", layout, "framework.activation_checkpoint=none")
     assert dict(layer.waterfall)["recompute"] == pytest.approx(dict(full.waterfall)["recompute"] / 2, rel=1e-12)
     assert layer.backward_s - none.backward_s == pytest.approx((full.backward_s - none.backward_s) / 2, rel=1e-12)
-    assert timed("selective")[0].recompute_every == 1  # the per-op policy recomputes in every block
+
+    def policy(option):
+        fw = OmegaConf.structured(TitanConfig(activation_checkpoint="selective", selective_ac_option=option))
+        return frameworks.get("titan").time_policy(fw, lay, "cuda")
+
+    assert (policy("2").recompute, policy("2").recompute_every) == ("full", 2)
+    assert policy("op").recompute_every == 1  # the per-op policy recomputes in every block
 
 
 def test_the_chrome_trace_has_one_track_per_lane(tmp_path):

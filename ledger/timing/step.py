@@ -144,31 +144,23 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     def chunk_layers(stage: int, chunk: int) -> int:
         return per_chunk + (extra if (stage, chunk) == (lay.pp - 1, vp - 1) else 0)
 
-    def chunk_kinds(stage: int, chunk: int) -> dict:
+    def chunk_kinds(stage: int, chunk: int, every: int = 1) -> dict:
         """The chunk's layers by kind: virtual stage chunk x pp + stage holds the per_chunk layers from
-        its index on (the last one the remainder too)."""
+        its index on (the last one the remainder too). every: of them only those whose index + 1 it
+        divides (the layers that recompute, TimePolicy.recompute_every)."""
         first = (chunk * lay.pp + stage) * per_chunk
-        n = chunk_layers(stage, chunk)
-        moe = sum(model.is_moe_layer(i) for i in range(first, first + n)) if model.is_moe else 0
-        return {"dense": n - moe, "moe": moe}
+        layers = [i for i in range(first, first + chunk_layers(stage, chunk)) if (i + 1) % every == 0]
+        moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
+        return {"dense": len(layers) - moe, "moe": moe}
 
     def has_head(stage, chunk):
         return (stage, chunk) == (lay.pp - 1, vp - 1)
-
-    def chunk_recomputed(stage: int, chunk: int) -> dict:
-        """The chunk's layers by kind that recompute in their backward (TimePolicy.recompute_every)."""
-        first = (chunk * lay.pp + stage) * per_chunk
-        layers = [i for i in range(first, first + chunk_layers(stage, chunk))
-                  if (i + 1) % policy.recompute_every == 0]
-        moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
-        return {"dense": len(layers) - moe, "moe": moe}
 
     f_layer = {k: ops.seconds(v, hw) for k, v in fwd_of.items()}
     b_layer = {k: ops.seconds(bwd_of[k], hw) for k in fwd_of}
     r_layer = {k: ops.seconds(rc_of[k], hw) for k in fwd_of}
     kinds = {(st, c): chunk_kinds(st, c) for st in range(lay.pp) for c in range(vp)}
-    recomputed = kinds if policy.recompute_every == 1 else \
-        {(st, c): chunk_recomputed(st, c) for st in range(lay.pp) for c in range(vp)}
+    recomputed = {(st, c): chunk_kinds(st, c, policy.recompute_every) for st in range(lay.pp) for c in range(vp)}
     f_head, b_head = ops.seconds(head_f, hw), ops.seconds(head_b, hw)
 
     # each stage's collectives (a rank of it), timed: (comm, seconds) rows, the pipeline's p2p aside; a

@@ -58,7 +58,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     option = str(getattr(fw, "selective_ac_option", "op"))
     every = int(option) if ac == "selective" and option.isdigit() else 1  # the per-layer option (docstring)
     if every > 1:
-        recompute, what = "full", f" (every {every}th block fully checkpointed: the per-layer option)"
+        recompute, what = "full", f" (one block in {every} fully checkpointed: the per-layer option)"
     else:
         recompute = ac
         what = ((" (SelectiveAC re-runs wo, w3 and the memory-bound ops)" if fused else
