@@ -70,6 +70,24 @@ def framework_of(name: str, r: dict):
     return OmegaConf.structured(MegatronConfig(**kn))
 
 
+# the torchtitan of 2024 that groups TA (April, 157a12c56) and TC (December, 9dec370) ran: its model's
+# kernels (ledger/faithful/titan/steptime.py time_policy_2024) and its train configs' norm_type
+# (train_configs/*.toml at those commits: April's llama3_8b and llama2_13b "fused_rmsnorm", its 70B
+# configs and December's llama3_8b "rmsnorm")
+TITAN_2024_GROUPS = ("TA", "TC")
+TITAN_2024_FUSED_NORM = {("TA", "Llama-3-8B"), ("TA", "Llama-2-13B")}
+
+
+def time_policy_of(fw_name: str, fw, lay, r: dict):
+    from ledger import frameworks
+    from ledger.faithful.titan.steptime import time_policy_2024
+
+    if fw_name == "titan" and r["group"] in TITAN_2024_GROUPS:
+        norm = "fused_rmsnorm" if (r["group"], r["model"]) in TITAN_2024_FUSED_NORM else "rmsnorm"
+        return time_policy_2024(fw, lay, "cuda", norm)
+    return frameworks.get(fw_name).time_policy(fw, lay, "cuda")
+
+
 def layout_cfg(r: dict) -> dict:
     """The row's layout as layout.* fields (SP wherever TP: every published TP run uses it; vp only under
     an interleaved schedule)."""
@@ -81,7 +99,6 @@ def layout_cfg(r: dict) -> dict:
 
 
 def predict_row(r: dict) -> dict:
-    from ledger import frameworks
     from ledger.errors import ConfigError
     from ledger.layout import resolve, validate
     from ledger.parallel import predict
@@ -110,7 +127,7 @@ def predict_row(r: dict) -> dict:
         validate(model, lay, fw_name, fw)
         pl = predict(model, lay, fw)
         hw = hardware.profile(GPU[r["gpu"]], **hw_over)
-        st = step_time(model, lay, pl, frameworks.get(fw_name).time_policy(fw, lay, "cuda"), hw)
+        st = step_time(model, lay, pl, time_policy_of(fw_name, fw, lay, r), hw)
     except (ConfigError, ValueError, KeyError) as e:
         return {**out, "status": "refused", "why": str(e)[:160]}
     if r["metric"] == "tokens_per_s_per_gpu":

@@ -205,6 +205,61 @@ def test_the_waterfall_adds_up_to_the_step_and_mfu_follows(framework, layout, ov
     assert 0 < st.mfu < 0.75  # below the kernels' own efficiency
 
 
+def test_fsdp2_copies_around_its_collectives_by_hand():
+    """torchtitan's FSDP2 copies out every all-gather (split_with_sizes_copy: the gathered buffer read and
+    each parameter written, 2 bytes per byte) and copies in every reduce-scatter (chunk_cat: the bf16
+    grads read, the fp32 buffer written: 1.5 bytes per byte) on the compute stream: a waterfall term of their
+    bytes at the memory's bandwidth, by hand from the comm ledger's rows; Megatron's and DeepSpeed's
+    collectives run on their own buffers (no term)."""
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS
+
+    from tests.conftest import compose_config
+
+    over = ("framework.activation_checkpoint=none",)
+    m, lay, st = _predict("titan", dict(dp=16, global_batch_size=32), *over)
+    cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+    rows = [c for c in predict(m, lay, cfg.framework).rank_state(0).comm if c.dim in DP_DIMS]
+    gathered = sum(c.buffer_bytes for c in rows if c.kind == "all_gather")
+    reduced = sum(c.buffer_bytes for c in rows if c.kind == "reduce_scatter")
+    calls = sum(c.count for c in rows if c.kind in ("all_gather", "reduce_scatter"))
+    assert gathered > 0 and reduced > 0
+    hw = hardware.profile("h100")
+    by_hand = ((2 * gathered + 1.5 * reduced) / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
+               + calls * hw.kernel_overhead_s)
+    assert dict(st.waterfall)["DP collectives' copies"] == pytest.approx(by_hand, rel=1e-12)
+    for framework, over in (("megatron", ("framework.use_distributed_optimizer=true",)),
+                            ("deepspeed", ("framework.zero_stage=3",))):
+        assert dict(_predict(framework, dict(dp=16, global_batch_size=32), *over)[2].waterfall)["DP collectives' copies"] == 0
+
+
+def test_a_hidden_collective_holds_the_sms_nccl_runs_it_on():
+    """NCCL runs a collective on the fewest SMs that reach its link's busbw (a DGX A100's 8 NICs: 16 SMs,
+    its maintainer's figure), at most 32 channels, none on a CPU; while FSDP's collectives hide behind the
+    compute, the compute loses those SMs' share: a waterfall term of each hidden collective's seconds x
+    its SMs / the device's, by hand for a layout whose collectives are all hidden."""
+    from ledger.grid import group_size
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS
+    from tests.conftest import compose_config, layout_of
+
+    a100 = hardware.profile("a100")
+    assert collectives.sms_taken(collectives.group_link(a100, layout_of(64), "dp", "all_gather"), a100) == 16
+    assert collectives.sms_taken(a100.intra, a100) == math.ceil(a100.intra.busbw_gbps / (190 / 16))
+    assert collectives.sms_taken(Link(busbw_gbps=2000.0, latency_us=1.0), a100) == 32
+    import dataclasses
+    assert collectives.sms_taken(a100.intra, dataclasses.replace(a100, sms=0)) == 0  # a CPU profile's
+    over = ("framework.activation_checkpoint=none",)
+    m, lay, st = _predict("titan", dict(dp=16, global_batch_size=32), *over)
+    assert not any(d in DP_DIMS for d in st.exposed_s)  # every FSDP collective hidden
+    cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+    h100 = hardware.profile("h100")
+    by_hand = sum(collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(h100, lay, c.dim, c.kind))
+                  * collectives.sms_taken(collectives.group_link(h100, lay, c.dim, c.kind), h100) / h100.sms
+                  for c in predict(m, lay, cfg.framework).rank_state(0).comm if c.dim in DP_DIMS)
+    assert by_hand > 0 and dict(st.waterfall)["SMs held by hidden collectives"] == pytest.approx(by_hand, rel=1e-12)
+
+
 def test_overlap_and_recompute_move_the_step_the_way_the_framework_does():
     """Megatron: overlap_grad_reduce hides grad reductions behind the last backward (never slower);
     full recompute adds the layers' forward again (slower, its own waterfall term)."""

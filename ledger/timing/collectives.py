@@ -56,6 +56,23 @@ def group_link(hw: Profile, lay, dim: str, kind: str) -> Link:
     return Link(network_rate(hw.inter.busbw_gbps, lanes, hw.intra.busbw_gbps), hw.inter.latency_us)
 
 
+# NCCL runs a collective on the fewest channels that reach its link's bandwidth, each channel one CTA
+# on an SM of its own that no compute kernel shares while it runs (NVIDIA/nccl issue "Does NCCL
+# Allreduce kernels slowdown the computation kernels of GPU?", NCCL's maintainer: "If you are on DGX
+# with 8 NICs and a top speed of 190 GB/s, then it would use 16 SMs", "NCCL CTAs won't share an SM
+# with compute kernels", "We're limited by the bandwidth one SM can achieve"): an SM's share of that
+# figure, and at most MAXCHANNELS channels (src/include/device.h)
+SM_BUSBW_GBPS = 190.0 / 16
+MAX_CHANNELS = 32
+
+
+def sms_taken(link: Link, hw: Profile) -> int:
+    """The SMs a collective on `link` holds while it runs (SM_BUSBW_GBPS); 0 on a device without SMs."""
+    if not hw.sms:
+        return 0
+    return min(MAX_CHANNELS, hw.sms, math.ceil(link.busbw_gbps / SM_BUSBW_GBPS))
+
+
 def steps(kind: str, n: int, algorithm: str = "ring") -> int:
     """Latency steps of one call on n ranks."""
     if n <= 1:

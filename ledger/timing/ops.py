@@ -58,6 +58,12 @@ def fused_bytes(w: int) -> dict:
             "residual_add": (3 * w, 6 * w), "cross_entropy": (w + 12, 2 * (w + 12))}
 
 
+# an RMSNorm run as eager fp32 ops (HF's LlamaRMSNorm, the DeepSpeed Llama's, the torchtitan of 2024's
+# "rmsnorm"): x.float() reads 2 and writes 4 bytes, pow 4 and 4, mean reads 4, the product with rsqrt 4
+# and 4, type_as 4 and 2, the weight's product 2 and 2: 36 bytes an element forward; backward twice that
+EAGER_FP32_RMSNORM_BYTES = (36, 72)
+
+
 def gemm(name: str, m: int, n: int, k: int, w: int, dtype: str = "bf16") -> Op:
     return Op(name, "gemm", 2.0 * m * n * k, float(w * (m * k + k * n + m * n)), (m, n, k), dtype)
 

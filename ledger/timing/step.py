@@ -14,14 +14,19 @@ step:
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
               behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
-              ZeRO-3 prefetch)
+              ZeRO-3 prefetch); while hidden, each holds the SMs NCCL runs it on (collectives.sms_taken)
+              and the compute beside it runs on the rest: its seconds x those SMs' share of the device; the copies it runs around them on the compute stream (FSDP2's copy-in /
+              copy-out, TimePolicy.dp_copy_bytes) are memory-bound work in the passes: an all-gather's
+              half in the forward, half in the backward (a layer's gathers before its forward and, resharded,
+              again before its backward), a reduce-scatter's in the backward
   optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
               param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
               an element (the policy's bytes: torchtitan's torch AdamW keeps no master copy)
 
 The waterfall splits the step of the critical stage (the stage with the most work) into: the model
 FLOPs of its ops at the peak, the GEMM / attention kernels' efficiency below it, the memory-bound ops,
-the recompute, each dim's exposed collectives, the pipeline bubble and the optimizer step; the terms
+the recompute, the copies around the DP collectives, each dim's exposed collectives, the SMs the
+hidden ones hold, the pipeline bubble and the optimizer step; the terms
 add up to the step. MFU counts the model FLOPs as Megatron and torchtitan report them (6 per weight per
 token through the matmuls + 12 layers seq hidden per token for attention, no causal saving; recompute
 not counted) over world x peak x step."""
@@ -69,6 +74,11 @@ class TimePolicy:
     # the CP ring's K/V exchanges (cp send_recv) run behind the attention kernels (TE's p2p: each
     # step's next exchange is issued before its attention runs): exposed only where longer
     cp_ring_behind_attention: bool = False
+    # the copies the framework runs on the compute stream around its data-parallel collectives:
+    # (kind, bytes moved per byte of the collective's buffer, Comm.buffer_bytes), each at the memory's
+    # bandwidth (FSDP2's copy-out after every all-gather, copy-in before every reduce-scatter: its
+    # steptime.py); empty where the collectives run on the parameters' and gradients' own buffers
+    dp_copy_bytes: tuple = ()
     sources: tuple = ()
 
 
@@ -114,6 +124,22 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
                      num_experts=model.num_experts, topk=model.moe_router_topk if model.is_moe else 0,
                      expert_ffn=model.expert_ffn, shared_ffn=model.moe_shared_expert_hidden, ep=lay.ep, etp=lay.etp,
                      capacity_factor=policy.expert_capacity_factor, min_capacity=policy.expert_min_capacity)
+
+
+def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float]:
+    """(forward, backward) seconds per step of the copies around a rank's data-parallel collectives
+    (rows: its (Comm, seconds)), at the memory's bandwidth, a kernel's fixed cost per call (module
+    docstring: an all-gather's copies half in each pass, the rest in the backward)."""
+    per_byte = dict(policy.dp_copy_bytes)
+    fwd = bwd = 0.0
+    for c, _sec in rows:
+        if c.dim in DP_DIMS and c.kind in per_byte:
+            t = per_byte[c.kind] * c.buffer_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + c.count * hw.kernel_overhead_s
+            if c.kind == "all_gather":
+                fwd, bwd = fwd + t / 2, bwd + t / 2
+            else:
+                bwd += t
+    return fwd, bwd
 
 
 def _stage_of_rank(lay: Layout, stage: int) -> int:
@@ -190,15 +216,16 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         hidden_cp = [0.0] * lay.pp
     per_mb_tp = [(sum(t for c, t in rows if c.dim not in DP_DIMS) - hidden_cp[s]) / m
                  for s, rows in enumerate(stage_rows)]
+    copies = [dp_copy_seconds(rows, policy, hw) for rows in stage_rows]  # (forward, backward) per step
 
     def fwd_s(stage, chunk):
         return (sum(n * f_layer[k] for k, n in kinds[stage, chunk].items() if n) + (f_head if has_head(stage, chunk) else 0.0)
-                + per_mb_tp[stage] / 3 / vp)
+                + per_mb_tp[stage] / 3 / vp + copies[stage][0] / m / vp)
 
     def bwd_s(stage, chunk):
         return (sum(n * b_layer[k] for k, n in kinds[stage, chunk].items() if n)
                 + sum(n * r_layer[k] for k, n in recomputed[stage, chunk].items() if n)
-                + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp)
+                + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp + copies[stage][1] / m / vp)
 
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
@@ -237,11 +264,18 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     for part, total, exp in ((grad_t, g_all, g_exp), (param_t, p_all, p_exp)):  # each dim its share
         for d, t in part.items():
             dp_exposed[d] = dp_exposed.get(d, 0.0) + (exp * t / total if total else 0.0)
+    # the compute a hidden collective slows: its SMs are NCCL's while it runs (collectives.sms_taken), so
+    # the kernels beside it run on the others' share
+    hidden_share = {part: (1.0 - exp / total if total else 0.0)
+                    for part, total, exp in (("grad", g_all, g_exp), ("param", p_all, p_exp))}
+    sm_s = sum(sec * hidden_share["grad" if c.kind in GRAD_KINDS else "param"]
+               * collectives.sms_taken(groups[c.dim, c.kind][1], hw) / hw.sms
+               for c, sec in stage_rows[crit] if c.dim in DP_DIMS and sec > 0) if hw.sms else 0.0
 
     st = placement.rank_state(_stage_of_rank(lay, crit))
     elements = st.optim_bytes / policy.optimizer_state_bytes
     opt_s = elements * policy.optimizer_traffic_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
-    step = pipe_s + g_exp + p_exp + opt_s
+    step = pipe_s + g_exp + p_exp + opt_s + sm_s
 
     # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
     # layers), the recompute's
@@ -269,9 +303,10 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     waterfall = [("model FLOPs at peak", ideal),
                  ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
                  ("memory-bound ops", split["memory"] * m),
-                 ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m)]
+                 ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m),
+                 ("DP collectives' copies", sum(copies[crit]))]
     waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]
-    waterfall += [("pipeline bubble", bubble), ("optimizer step", opt_s)]
+    waterfall += [("SMs held by hidden collectives", sm_s), ("pipeline bubble", bubble), ("optimizer step", opt_s)]
     total = sum(t for _, t in waterfall)
     if abs(total - step) > 1e-9 * step:  # the terms are the step's parts by construction
         raise AssertionError(f"step time's waterfall sums to {total}, not its step {step}")

@@ -22,10 +22,11 @@ deepspeed/runtime/.
 from __future__ import annotations
 
 from ledger.faithful.deepspeed.rules import overlap_comm
+from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
 # the Llama's eager kernels' bytes per element (forward, backward), module docstring
-KERNEL_BYTES = (("norm", (36, 72)), ("rope", (44, 88)), ("swiglu", (10, 16)))
+KERNEL_BYTES = (("norm", EAGER_FP32_RMSNORM_BYTES), ("rope", (44, 88)), ("swiglu", (10, 16)))
 
 
 def time_policy(fw, lay, device: str) -> TimePolicy:

@@ -30,14 +30,24 @@
              and writes 2); the norms nn.RMSNorm, one fused kernel on CUDA (target.py fused_rms_norm)
   DP         FSDP2 (_fsdp_param_group.py): each unit's all-gather is prefetched under the previous
              unit's compute, each unit's reduce-scatter runs behind the next unit's backward: both
-             hidden by the passes' compute as far as it lasts
+             hidden by the passes' compute as far as it lasts. Around them, on the compute stream
+             (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): every all-gather's copy-out
+             (foreach_all_gather_copy_out: split_with_sizes_copy reads the gathered buffer and writes
+             each parameter's unsharded tensor, 2 bytes moved per byte of the buffer) and every
+             reduce-scatter's copy-in (foreach_reduce_scatter_copy_in: chunk_cat reads the unsharded
+             grads in the param dtype and writes the buffer in the reduce dtype: 1 + 2 / 4 bytes per
+             byte of an fp32 buffer from bf16 grads); HSDP's all-reduce runs in place on the output
   optimizer  torch AdamW over the fp32 shards (exp_avg and exp_avg_sq: 8 bytes of state an element;
              foreach on CUDA): reads param, grad, exp_avg, exp_avg_sq and writes three, 28 bytes
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
 from ledger.faithful.titan.schedules import schedule_of
+from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
 # SelectiveAC's recompute of a block (module docstring): every forward op but the kept mms (wq, wv, w1,
@@ -63,13 +73,18 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
         recompute = ac
         what = ((" (SelectiveAC re-runs wo, w3 and the memory-bound ops)" if fused else
                  " (SelectiveAC re-runs wk, wo, w3 and the memory-bound ops)") if ac == "selective" else "")
+    # FSDP2's copy-out and copy-in per byte of the gathered / reduce-scattered buffer (module docstring)
+    grad_per_reduce = (nbytes(getattr(fw, "mixed_precision_param", "bfloat16"))
+                       / nbytes(getattr(fw, "mixed_precision_reduce", "float32")))
     return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=recompute, recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
                       recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
                       + (() if cuda else ("attention",)),
                       split_projections=True, fused_qkv=fused, kernel_bytes=KERNEL_BYTES,
-                      dp_grad="every_pass", dp_param="every_pass", optimizer_state_bytes=8,
+                      dp_grad="every_pass", dp_param="every_pass",
+                      dp_copy_bytes=(("all_gather", 2.0), ("reduce_scatter", 1.0 + grad_per_reduce)),
+                      optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
                                f"activation_checkpoint={ac}" + what
@@ -78,3 +93,25 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
                                + (f"; {sched} timed by 1F1B's order (its own not modelled)"
                                   if lay.pp > 1 and sched in ("GPipe", "LoopedBFS") else ""),))
+
+
+def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
+    """The step of the torchtitan of 2024 that the published runs ran (commits 157a12c56 of April and
+    9dec370 of December 2024: torchtitan/models/llama/model.py, torchtitan/models/norms.py), where its
+    model differs from 0.3.0's: Attention.forward repeats GQA's K and V to the query heads (repeat_kv: a
+    copy) and calls F.scaled_dot_product_attention(is_causal=True), whose flash kernel is
+    FlashAttention-2's on CUDA; build_norm(norm_type) runs "rmsnorm" as the eager fp32 chain (its RMSNorm:
+    x.float(), x * rsqrt(pow(2).mean + eps), type_as, the weight) and "fused_rmsnorm" as one Triton
+    kernel. Its wq / wk / wv are three linears (framework.fuse_qkv=false); its per-layer option is
+    selective_ac_option N; its per-op policy's save list kept the mms and SDPA's flash attention, so the
+    repeat's copies are recomputed with the other memory-bound ops."""
+    if norm_type not in ("rmsnorm", "fused_rmsnorm"):
+        raise ValueError(f"norm_type {norm_type!r}: the published runs' torchtitan ran rmsnorm or fused_rmsnorm")
+    base = time_policy(fw, lay, device)
+    cuda = device == "cuda"
+    norm = (("norm", EAGER_FP32_RMSNORM_BYTES),) if norm_type == "rmsnorm" else ()
+    return replace(base, attention_kernel="flash2" if cuda else base.attention_kernel, repeat_kv=True,
+                   recompute_ops=base.recompute_ops + ("kv_repeat",),
+                   kernel_bytes=base.kernel_bytes + norm,
+                   sources=(base.sources[0].replace("attention FlexAttention (CUDA)", "attention SDPA's flash kernel (CUDA)")
+                            + f"; the torchtitan of 2024: repeat_kv, norm_type {norm_type}",))
