@@ -7,7 +7,9 @@ and how many rows lie within 25%.
     .venv/bin/python benchmarks/published_runs.py [RUNS.csv] [--json OUT]
 
 Nothing here is fitted to these numbers: the profiles are the datasheets' with the assumed
-efficiencies of ledger/timing/hardware.py, the same for every row. Rows in fp8 or with torch.compile
+efficiencies of ledger/timing/hardware.py, the same for every row. Each row is timed with the framework
+code it ran where that differs from our pins (time_policy_of: the torchtitan of 2024's model, the
+Megatron-LM of 2021's grad accumulation, each read in the sources at the row's commit). Rows in fp8 or with torch.compile
 are predicted as bf16 eager and marked "not modelled" (kept out of the median); rows whose framework
 no ledger models (Meta's in-house 4D stack, Megatron-DeepSpeed) or whose layout a ledger refuses are
 listed with the reason. Goal: median |error| <= 10% and every covered row within 25%; a row outside is
@@ -70,6 +72,7 @@ def framework_of(name: str, r: dict):
     return OmegaConf.structured(MegatronConfig(**kn))
 
 
+# the Megatron-LM of April 2021 that group MA ran (ledger/faithful/megatron/steptime.py time_policy_2021);
 # the torchtitan of 2024 that groups TA (April, 157a12c56) and TC (December, 9dec370) ran: its model's
 # kernels (ledger/faithful/titan/steptime.py time_policy_2024) and its train configs' norm_type
 # (train_configs/*.toml at those commits: April's llama3_8b and llama2_13b "fused_rmsnorm", its 70B
@@ -79,9 +82,13 @@ TITAN_2024_FUSED_NORM = {("TA", "Llama-3-8B"), ("TA", "Llama-2-13B")}
 
 
 def time_policy_of(fw_name: str, fw, lay, r: dict):
+    """The row's framework's time policy on CUDA, for the version the row ran (the comment above)."""
     from ledger import frameworks
+    from ledger.faithful.megatron.steptime import time_policy_2021
     from ledger.faithful.titan.steptime import time_policy_2024
 
+    if fw_name == "megatron" and r["group"] == "MA":
+        return time_policy_2021(fw, lay, "cuda")
     if fw_name == "titan" and r["group"] in TITAN_2024_GROUPS:
         norm = "fused_rmsnorm" if (r["group"], r["model"]) in TITAN_2024_FUSED_NORM else "rmsnorm"
         return time_policy_2024(fw, lay, "cuda", norm)

@@ -260,6 +260,42 @@ def test_a_hidden_collective_holds_the_sms_nccl_runs_it_on():
     assert by_hand > 0 and dict(st.waterfall)["SMs held by hidden collectives"] == pytest.approx(by_hand, rel=1e-12)
 
 
+def test_megatron_s_grad_accumulation_adds_by_hand():
+    """Without gradient-accumulation fusion (the CPU harness) Megatron's DDP hook adds every micro-batch's
+    bf16 grads into the fp32 main_grad (10 bytes an element: 5 per byte of the bf16 params); on CUDA the
+    weight-grad GEMM accumulates in place (no term); the Megatron-LM of 2021's fp16 autograd accumulation
+    (3 per byte) skips the first micro-batch, which assigns."""
+    from omegaconf import OmegaConf
+
+    from ledger import frameworks
+    from ledger.faithful.megatron.steptime import time_policy_2021
+    from ledger.layout import resolve
+    from ledger.model import ModelShape
+    from ledger.parallel import predict
+    from ledger.timing.step import step_time
+    from tests.conftest import compose_config
+
+    cfg = compose_config("framework=megatron", "model=llama3_8b")
+    model = ModelShape.from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    lay = resolve({**OmegaConf.to_container(cfg.layout), **dict(tp=2, pp=2, dp=2, sequence_parallel=True,
+                                                                  global_batch_size=16)}, framework="megatron")
+    pl, hw, m = predict(model, lay, cfg.framework), hardware.profile("h100"), lay.num_microbatches
+    bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+    policy = frameworks.get("megatron").time_policy
+
+    def term(p):
+        st = step_time(model, lay, pl, p, hw)
+        assert sum(t for _, t in st.waterfall) == pytest.approx(st.step_s, rel=1e-9)
+        return dict(st.waterfall)["grad accumulation"]
+
+    stage_params = [pl.rank_state(s * lay.world // lay.pp).params_bytes for s in range(lay.pp)]
+    cpu, cuda, old = (term(policy(cfg.framework, lay, "cpu")), term(policy(cfg.framework, lay, "cuda")),
+                      term(time_policy_2021(cfg.framework, lay, "cuda")))
+    assert m == 8 and cuda == 0
+    assert cpu in [pytest.approx(m * 5 * b / bw, rel=1e-12) for b in stage_params]  # the critical stage's
+    assert old == pytest.approx(cpu * (m - 1) / m * 3 / 5, rel=1e-12)
+
+
 def test_overlap_and_recompute_move_the_step_the_way_the_framework_does():
     """Megatron: overlap_grad_reduce hides grad reductions behind the last backward (never slower);
     full recompute adds the layers' forward again (slower, its own waterfall term)."""

@@ -18,14 +18,16 @@ step:
               and the compute beside it runs on the rest: its seconds x those SMs' share of the device; the copies it runs around them on the compute stream (FSDP2's copy-in /
               copy-out, TimePolicy.dp_copy_bytes) are memory-bound work in the passes: an all-gather's
               half in the forward, half in the backward (a layer's gathers before its forward and, resharded,
-              again before its backward), a reduce-scatter's in the backward
+              again before its backward), a reduce-scatter's in the backward; where the weight-grad GEMMs
+              do not accumulate in place, each micro-batch's backward adds its grads into the accumulated
+              ones (TimePolicy.grad_accumulate_bytes), memory-bound
   optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
               param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
               an element (the policy's bytes: torchtitan's torch AdamW keeps no master copy)
 
 The waterfall splits the step of the critical stage (the stage with the most work) into: the model
 FLOPs of its ops at the peak, the GEMM / attention kernels' efficiency below it, the memory-bound ops,
-the recompute, the copies around the DP collectives, each dim's exposed collectives, the SMs the
+the recompute, the copies around the DP collectives, the grads' accumulation, each dim's exposed collectives, the SMs the
 hidden ones hold, the pipeline bubble and the optimizer step; the terms
 add up to the step. MFU counts the model FLOPs as Megatron and torchtitan report them (6 per weight per
 token through the matmuls + 12 layers seq hidden per token for attention, no causal saving; recompute
@@ -79,6 +81,12 @@ class TimePolicy:
     # bandwidth (FSDP2's copy-out after every all-gather, copy-in before every reduce-scatter: its
     # steptime.py); empty where the collectives run on the parameters' and gradients' own buffers
     dp_copy_bytes: tuple = ()
+    # each micro-batch's backward adds its weight grads into the accumulated ones where the weight-grad
+    # GEMM does not accumulate in place: bytes moved per byte of the rank's parameters (RankState.
+    # params_bytes), at the memory's bandwidth; grad_accumulate_first: the first micro-batch adds too
+    # (into a zeroed buffer) rather than assigning
+    grad_accumulate_bytes: float = 0.0
+    grad_accumulate_first: bool = True
     sources: tuple = ()
 
 
@@ -217,6 +225,11 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     per_mb_tp = [(sum(t for c, t in rows if c.dim not in DP_DIMS) - hidden_cp[s]) / m
                  for s, rows in enumerate(stage_rows)]
     copies = [dp_copy_seconds(rows, policy, hw) for rows in stage_rows]  # (forward, backward) per step
+    # the weight grads' accumulation per micro-batch on each stage (TimePolicy.grad_accumulate_bytes), per
+    # step: the stage's rank's params, m additions (m - 1 where the first assigns)
+    adds = (m if policy.grad_accumulate_first else m - 1) if policy.grad_accumulate_bytes else 0
+    accumulate = [adds * policy.grad_accumulate_bytes * placement.rank_state(_stage_of_rank(lay, s)).params_bytes
+                  / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) for s in range(lay.pp)]
 
     def fwd_s(stage, chunk):
         return (sum(n * f_layer[k] for k, n in kinds[stage, chunk].items() if n) + (f_head if has_head(stage, chunk) else 0.0)
@@ -225,7 +238,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     def bwd_s(stage, chunk):
         return (sum(n * b_layer[k] for k, n in kinds[stage, chunk].items() if n)
                 + sum(n * r_layer[k] for k, n in recomputed[stage, chunk].items() if n)
-                + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp + copies[stage][1] / m / vp)
+                + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp
+                + (copies[stage][1] + accumulate[stage]) / m / vp)
 
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
@@ -304,7 +318,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                  ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
                  ("memory-bound ops", split["memory"] * m),
                  ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m),
-                 ("DP collectives' copies", sum(copies[crit]))]
+                 ("DP collectives' copies", sum(copies[crit])),
+                 ("grad accumulation", accumulate[crit])]
     waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]
     waterfall += [("SMs held by hidden collectives", sm_s), ("pipeline bubble", bubble), ("optimizer step", opt_s)]
     total = sum(t for _, t in waterfall)
