@@ -87,6 +87,72 @@ def test_interleaving_divides_the_bubble_by_vp():
         assert sim.bubble_s(s) / sim.busy_s(s) == pytest.approx((pp - 1) / (vp * m))
 
 
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 4), (4, 1, 8), (4, 2, 8), (4, 3, 4), (8, 2, 16)])
+def test_gpipe_and_looped_bfs_bubbles_are_the_textbook(pp, vp, m):
+    """torch's GPipe (every forward, then every backward) and LoopedBFS (stage by stage, breadth first),
+    equal chunks, no p2p: GPipe idles (p - 1) / (m + p - 1) of the step, as 1F1B (GPipe's paper);
+    LoopedBFS's fill and drain are one chunk a stage, (p - 1) / (v m + p - 1) with m >= p, as the
+    interleaved schedule's."""
+    f, b = (lambda s, c: 1.0 / vp), (lambda s, c: 2.0 / vp)
+    if vp == 1:
+        sim = pipeline.simulate(pp, 1, m, f, b, 0.0, "gpipe")
+        assert sim.step_s == pytest.approx((m + pp - 1) * 3.0)
+        assert all(sim.bubble_fraction(s) == pytest.approx((pp - 1) / (m + pp - 1)) for s in range(pp))
+        # every forward of a stage before its first backward
+        kinds = [t.kind for t, _, _ in sim.lanes[0]]
+        assert kinds == ["F"] * m + ["B"] * m
+    bfs = pipeline.simulate(pp, vp, m, f, b, 0.0, "looped_bfs")
+    assert all(bfs.bubble_fraction(s) == pytest.approx((pp - 1) / (vp * m + pp - 1)) for s in range(pp))
+    assert [t.chunk for t, _, _ in bfs.lanes[0]][:m * vp] == [c for c in range(vp) for _ in range(m)]
+
+
+@pytest.mark.parametrize("pp,vp", [(2, 2), (3, 2), (4, 3), (8, 2)])
+def test_torch_s_looped_orders_are_the_simulated_ones(pp, vp):
+    """torch's own ScheduleInterleaved1F1B and ScheduleLoopedBFS orders (_calculate_single_rank_operations,
+    read through the torchtitan ledger's schedules.interleaved_order) against the simulation's named
+    orders: Interleaved1F1B is Megatron's interleaved order where the micro-batches are a multiple of pp,
+    its flexible rounds otherwise (which the titan time policy then simulates as torch's own)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _ComputationType
+
+    from ledger.faithful.titan.schedules import interleaved_order, microbatch_error
+
+    for n in range(pp, 4 * pp + 1):
+        for r in range(pp):
+            bfs = [(a.computation_type != _ComputationType.FORWARD, a.microbatch_index, a.stage_index // pp)
+                   for a in ScheduleLoopedBFS._calculate_single_rank_operations(
+                       SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), r) if a is not None]
+            assert bfs == pipeline._order(pp, vp, r, n, "looped_bfs")
+            if n % pp == 0:
+                assert list(interleaved_order(pp, vp, r, n)) == pipeline._order(pp, vp, r, n, "interleaved")
+        if n % pp and microbatch_error("Interleaved1F1B", n, pp, vp) is None:
+            # torch's own order (n a multiple of its rounds) runs to its end: each micro-batch once a chunk
+            sim = pipeline.simulate(pp, vp, n, lambda s, c: 1.0, lambda s, c: 2.0, 0.0, interleaved_order)
+            assert sorted(t.micro_batch for t, _, _ in sim.lanes[0] if t.kind == "B") == sorted(list(range(n)) * vp)
+
+
+def test_titan_s_interleaved_schedule_is_timed_by_its_order():
+    """torchtitan's Interleaved1F1B at vp = 2 leaves a smaller bubble than 1F1B on the same layout, LoopedBFS
+    the same as Interleaved1F1B's where stages are equal and GPipe 1F1B's; with micro-batches no multiple
+    of pp torch's own order runs (no deadlock), the planner's path equal to the full simulation."""
+    layout = dict(dp=4, pp=4, global_batch_size=32)
+    runs = {}
+    for sched, vp in (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2)):
+        _, lay, st = _predict("titan", {**layout, "vp": vp}, f"framework.pipeline_parallel_schedule={sched}",
+                              "framework.activation_checkpoint=none", "model.layers=30")
+        runs[sched] = st
+    assert runs["Interleaved1F1B"].bubble_s < runs["1F1B"].bubble_s
+    assert runs["GPipe"].step_s == pytest.approx(runs["1F1B"].step_s, rel=1e-3)
+    _, lay, flat = _predict("titan", {**layout, "vp": 2, "global_batch_size": 24},
+                            "framework.pipeline_parallel_schedule=Interleaved1F1B", "framework.activation_checkpoint=none",
+                            "model.layers=30")
+    _, _, traced = _predict("titan", {**layout, "vp": 2, "global_batch_size": 24},
+                            "framework.pipeline_parallel_schedule=Interleaved1F1B", "framework.activation_checkpoint=none",
+                            "model.layers=30", trace=True)
+    assert lay.num_microbatches % lay.pp and flat.step_s == pytest.approx(traced.step_s, rel=1e-12)
+
+
 def test_uneven_stages_leave_the_others_idle():
     """A last stage twice as slow (the head): the step follows it, and the other stages idle more than
     the textbook's bubble."""

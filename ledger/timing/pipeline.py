@@ -10,7 +10,12 @@ Interleaved1F1B follow too): no pipelining runs F, B per micro-batch; 1F1B runs 
 forwards, then one forward and one backward each, then the cool-down backwards; the interleaved
 schedule runs (pp - stage - 1) * 2 + (vp - 1) * pp warm-up forwards, forward k on chunk (k // pp) % vp
 and backward k on chunk vp - 1 - (k // pp) % vp, micro-batch (k // (pp vp)) pp + k % pp
-(get_microbatch_id_in_model_chunk).
+(get_microbatch_id_in_model_chunk); torch's ScheduleInterleaved1F1B runs the same order where m is a
+multiple of pp. torch's other schedules (torch/distributed/pipelining/schedules.py): GPipe runs every
+forward, then every backward, both in micro-batch order (ScheduleGPipe._step_microbatches); LoopedBFS
+runs its stages' forwards stage by stage, every micro-batch of one before the next, then their
+backwards from the last stage back, micro-batches in reverse (ScheduleLoopedBFS.
+_calculate_single_rank_operations).
 """
 from __future__ import annotations
 
@@ -49,14 +54,27 @@ class Simulation:
         return self.bubble_s(stage) / self.step_s
 
 
-def order(pp: int, vp: int, stage: int, m: int) -> list[Task]:
+# the orders simulated: 1f1b and interleaved (Megatron's, torch's 1F1B and Interleaved1F1B), gpipe,
+# looped_bfs (module docstring)
+ORDERS = ("1f1b", "interleaved", "gpipe", "looped_bfs")
+
+
+def order(pp: int, vp: int, stage: int, m: int, schedule: str = "1f1b") -> list[Task]:
     """The stage's tasks in the order its schedule runs them (module docstring)."""
-    return [Task(stage, "B" if bwd else "F", mb, c) for bwd, mb, c in _order(pp, vp, stage, m)]
+    return [Task(stage, "B" if bwd else "F", mb, c) for bwd, mb, c in _order(pp, vp, stage, m, schedule)]
 
 
-def _order(pp: int, vp: int, stage: int, m: int) -> list[tuple]:
-    """order() as (is backward, micro-batch, chunk) tuples."""
+def _order(pp: int, vp: int, stage: int, m: int, schedule="1f1b") -> list[tuple]:
+    """order() as (is backward, micro-batch, chunk) tuples. schedule: a name of ORDERS, or a framework's
+    own order function (pp, vp, stage, m) -> those tuples (TimePolicy.pipeline_order)."""
+    if callable(schedule):
+        return list(schedule(pp, vp, stage, m))
     total = m * vp
+    if schedule == "gpipe" and pp > 1:
+        return [(False, mb, c) for mb in range(m) for c in range(vp)] + [(True, mb, c) for mb in range(m) for c in range(vp)]
+    if schedule == "looped_bfs" and pp > 1:
+        return ([(False, mb, c) for c in range(vp) for mb in range(m)]
+                + [(True, mb, c) for c in reversed(range(vp)) for mb in reversed(range(m))])
     if pp == 1:
         out = []
         for mb in range(m):
@@ -74,21 +92,21 @@ def _order(pp: int, vp: int, stage: int, m: int) -> list[tuple]:
     return out + bwd[total - w:]
 
 
-def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> Simulation:
+def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b") -> Simulation:
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
     stage c pp + s) plus the hop, a backward its own forward and the next virtual stage's input grad
-    plus the hop."""
+    plus the hop. schedule: one of ORDERS."""
     sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
-    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes)
+    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule)
     return sim
 
 
-def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -> float:
+def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, schedule: str = "1f1b") -> float:
     """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
     where lanes is given. Tasks are keyed by (is backward, micro-batch, virtual stage)."""
-    orders = [[(bwd, mb, c * pp + s, c) for bwd, mb, c in _order(pp, vp, s, m)] for s in range(pp)]
+    orders = [[(bwd, mb, c * pp + s, c) for bwd, mb, c in _order(pp, vp, s, m, schedule)] for s in range(pp)]
     dur = {}
     for s in range(pp):
         for c in range(vp):
@@ -142,14 +160,14 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes) -
 
 
 @lru_cache(maxsize=256)
-def _flat_orders(pp: int, vp: int, m: int) -> tuple[tuple[tuple[bool, int, int], ...], ...]:
+def _flat_orders(pp: int, vp: int, m: int, schedule: str = "1f1b") -> tuple[tuple[tuple[bool, int, int], ...], ...]:
     """Each stage's _order as (is backward, slot, virtual stage) with slot = v m + micro-batch: an index
     into _run_fast's end-time arrays (a planner meets the same pp, vp, m in many layouts)."""
-    return tuple(tuple((bwd, (c * pp + s) * m + mb, c * pp + s) for bwd, mb, c in _order(pp, vp, s, m))
+    return tuple(tuple((bwd, (c * pp + s) * m + mb, c * pp + s) for bwd, mb, c in _order(pp, vp, s, m, schedule))
                  for s in range(pp))
 
 
-def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float) -> float:
+def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, schedule: str = "1f1b") -> float:
     """_run's step end (the readable reference, which simulate() keeps) over flat arrays: a task's end
     time in fwd_end / bwd_end[slot] (-1.0 until it ran), the hops per virtual stage worked out once,
     the stages' orders cached (_flat_orders). The same loop and the same float operations in the same
@@ -165,7 +183,7 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float) -> 
     # the neighbour sits on another stage
     f_hop = [p2p_s if (v - 1) % pp != v % pp else 0.0 for v in range(nv)]
     b_hop = [p2p_s if (v + 1) % pp != v % pp else 0.0 for v in range(nv)]
-    orders = _flat_orders(pp, vp, m)
+    orders = _flat_orders(pp, vp, m, schedule)
     fwd_end = [-1.0] * (nv * m)
     bwd_end = [-1.0] * (nv * m)
     free = [0.0] * pp
@@ -215,15 +233,19 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float) -> 
     return max(free)
 
 
-def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0) -> float:
+def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b") -> float:
     """simulate(...).step_s (the readable reference, kept beside it) without simulating every
     micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
     system): adding pp micro-batches adds the same time, or a cycle of c such increments (c = 2 or 3
     where stages differ and p2p is slow). So the steps of the pipeline at base + r + k pp micro-batches
     (r = (m - base) mod pp, k = 0..PROBE) show the cycle, and the rest is extrapolated; without a
-    cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree."""
+    cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree. GPipe's and
+    LoopedBFS's orders (all forwards before the backwards) have no such steady state, and a framework's
+    own order function is not known to have one: simulated whole."""
     if pp == 1:  # no pipelining: every micro-batch's forward and backward back to back
         return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
+    if schedule in ("gpipe", "looped_bfs") or callable(schedule):
+        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule)
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if m <= base + (PROBE + 1) * pp:
         return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)

@@ -54,7 +54,10 @@ GRAD_KINDS = ("reduce_scatter", "all_reduce")
 class TimePolicy:
     """How a framework runs a step, as its time module reads it from its knobs (each field's source
     is in that module)."""
-    schedule: str = "1f1b"  # none | 1f1b | interleaved (the pipeline's order; pipeline.order)
+    schedule: str = "1f1b"  # none | pipeline.ORDERS (the pipeline's order; pipeline.order)
+    # the framework's own order where it differs from the named one's: (pp, vp, stage, m) -> [(is backward,
+    # micro-batch, chunk)] (torch's Interleaved1F1B where the micro-batches are no multiple of pp)
+    pipeline_order: object = None
     recompute: str = "none"  # none | selective | full
     causal_kernel: bool = True  # attention skips the masked blocks (flash / cuDNN / TE fused)
     attention_kernel: str = "flash2"  # the kernel that runs attention (hardware.ATTENTION_KERNELS)
@@ -161,7 +164,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     rows and states). trace: keep the simulated schedule's tasks (StepTime.simulation, the Chrome
     trace's lanes); without it the pipeline's step comes from pipeline.step_seconds (the planner's)."""
     m = lay.num_microbatches
-    vp = lay.vp if policy.schedule == "interleaved" else 1
+    vp = lay.vp if policy.schedule in ("interleaved", "looped_bfs") else 1  # the orders of several chunks a stage
     sh = shard_of(model, lay, policy)
     head_f = ops.head_forward(sh)
     head_b = ops.backward_of(head_f)
@@ -246,8 +249,9 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     if lay.pp > 1:
         lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p) if trace else None
-    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p)
+    order = policy.pipeline_order or policy.schedule
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order)
 
     def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
         return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))

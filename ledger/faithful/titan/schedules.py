@@ -111,6 +111,27 @@ def stages_split_error(layers: int, pp: int, vp: int, name: str) -> str | None:
             f"integer gives pp*vp={pp * vp} of them at layers={layers}")
 
 
+def _interleaved(pp: int, vp: int, n: int):
+    """What ScheduleInterleaved1F1B._calculate_single_rank_operations reads of its schedule object."""
+    from types import SimpleNamespace
+
+    rounds = max(1, n // pp)
+    return SimpleNamespace(n_local_stages=vp, pp_group_size=pp, _n_microbatches=n, number_of_rounds=rounds,
+                           microbatches_per_round=n // rounds)
+
+
+@lru_cache(maxsize=1024)
+def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
+    """The (is backward, micro-batch, local chunk) a PP rank runs under Interleaved1F1B, in torch's own
+    order (ScheduleInterleaved1F1B._calculate_single_rank_operations; its flexible rounds where n is no
+    multiple of pp): the step-time model's pipeline order (steptime.py)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    return tuple((a.computation_type != _ComputationType.FORWARD, a.microbatch_index, a.stage_index // pp)
+                 for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
+                 if a is not None)
+
+
 @lru_cache(maxsize=1024)
 def losses_after_a_backward(name: str, pp: int, vp: int, n: int) -> int:
     """How many of the last stage's n micro-batch losses run after one of its backwards: components/loss.py
@@ -122,15 +143,10 @@ def losses_after_a_backward(name: str, pp: int, vp: int, n: int) -> int:
         return n - 1
     if name in ("GPipe", "LoopedBFS"):
         return 0
-    from types import SimpleNamespace
-
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
-    rounds = max(1, n // pp)
-    sched = SimpleNamespace(n_local_stages=vp, pp_group_size=pp, _n_microbatches=n, number_of_rounds=rounds,
-                            microbatches_per_round=n // rounds)
     last, seen_backward, count = pp * vp - 1, False, 0
-    for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, pp - 1):
+    for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), pp - 1):
         if a is None or a.stage_index != last:
             continue
         if a.computation_type == _ComputationType.FORWARD:

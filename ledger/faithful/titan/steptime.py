@@ -1,9 +1,10 @@
 """How a torchtitan 0.3.0 step runs, for the step-time model (ledger/timing/step.py).
 
   schedule   no pipelining at pp = 1; with PP framework.pipeline_parallel_schedule (torch.distributed.
-             pipelining's schedules): 1F1B, and Interleaved1F1B with vp stages a rank in the interleaved
-             order (ledger/timing/pipeline.py); GPipe and LoopedBFS run every forward before the
-             backwards: they are timed by those orders, their own not modelled (the sources say so)
+             pipelining's schedules, ledger/timing/pipeline.py simulates each order): 1F1B, GPipe (every
+             forward, then every backward), Interleaved1F1B with vp stages a rank (Megatron's interleaved
+             order where the micro-batches are a multiple of pp, else torch's own), LoopedBFS with vp stages a rank
+             (stage by stage, breadth first); the zero-bubble schedules are refused (schedules.py)
   recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
@@ -46,7 +47,7 @@ from dataclasses import replace
 
 from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
-from ledger.faithful.titan.schedules import schedule_of
+from ledger.faithful.titan.schedules import interleaved_order, schedule_of
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -56,6 +57,8 @@ SELECTIVE_RECOMPUTE = ("attention_norm", "k", "rope", "proj", "residual_add", "f
 # the same with fuse_qkv: the kept mms are wqkv, w1 and w2 (ops.layer_forward's qkv, w1, fc2)
 SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "residual_add", "ffn_norm", "w3",
                              "swiglu")
+# the pipeline order each schedule the ledger models runs (module docstring; ledger/timing/pipeline.py)
+PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs"}
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -76,7 +79,11 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     # FSDP2's copy-out and copy-in per byte of the gathered / reduce-scattered buffer (module docstring)
     grad_per_reduce = (nbytes(getattr(fw, "mixed_precision_param", "bfloat16"))
                        / nbytes(getattr(fw, "mixed_precision_reduce", "float32")))
-    return TimePolicy(schedule="none" if lay.pp == 1 else "1f1b", recompute=recompute, recompute_every=every,
+    schedule = "none" if lay.pp == 1 else PIPELINE_ORDER[sched]
+    # torch's Interleaved1F1B is Megatron's interleaved order where the micro-batches are a multiple of pp
+    # (tests/test_timing.py compares them); otherwise its own flexible rounds
+    own = interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None
+    return TimePolicy(schedule=schedule, pipeline_order=own, recompute=recompute, recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
                       recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
@@ -91,8 +98,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                                + (", q / k / v fused (one wqkv GEMM, its output split into copies)" if fused else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
-                               + (f"; {sched} timed by 1F1B's order (its own not modelled)"
-                                  if lay.pp > 1 and sched in ("GPipe", "LoopedBFS") else ""),))
+                               + (f"; {sched}'s order simulated" if lay.pp > 1 else ""),))
 
 
 def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
