@@ -299,6 +299,29 @@ def test_fsdp2_copies_around_its_collectives_by_hand():
         assert dict(_predict(framework, dict(dp=16, global_batch_size=32), *over)[2].waterfall)["DP collectives' copies"] == 0
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_s_bucket_copies_and_accumulation_by_hand(zero):
+    """DeepSpeed ZeRO-1/2 copies the grads into its IPG bucket on the compute stream before each grad
+    all-reduce (2 bytes per byte of the bf16 bucket: the comm ledger's rows, stage 2 every micro-batch),
+    and under ZeRO-1 autograd adds each micro-batch's bf16 grads into param.grad after the first (3 bytes
+    per byte of the params); ZeRO-2 removes the grads each micro-batch (no accumulation term)."""
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS
+    from tests.conftest import compose_config
+
+    over = (f"framework.zero_stage={zero}",)
+    m, lay, st = _predict("deepspeed", dict(dp=16, global_batch_size=64), *over)
+    cfg = compose_config("framework=deepspeed", "model=llama3_8b", *over)
+    rank = predict(m, lay, cfg.framework).rank_state(0)
+    reduces = [c for c in rank.comm if c.dim in DP_DIMS and c.kind == "all_reduce"]
+    hw = hardware.profile("h100")
+    bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+    copies = 2 * sum(c.buffer_bytes for c in reduces) / bw + sum(c.count for c in reduces) * hw.kernel_overhead_s
+    assert lay.num_microbatches == 4 and dict(st.waterfall)["DP collectives' copies"] == pytest.approx(copies, rel=1e-12)
+    accumulate = (lay.num_microbatches - 1) * 3 * rank.params_bytes / bw if zero == 1 else 0.0
+    assert dict(st.waterfall)["grad accumulation"] == pytest.approx(accumulate, rel=1e-12)
+
+
 def test_a_hidden_collective_holds_the_sms_nccl_runs_it_on():
     """NCCL runs a collective on the fewest SMs that reach its link's busbw (a DGX A100's 8 NICs: 16 SMs,
     its maintainer's figure), at most 32 channels, none on a CPU; while FSDP's collectives hide behind the

@@ -17,6 +17,15 @@ deepspeed/runtime/.
              last backward), else after it; the updated partitions are all-gathered after the step
              (all_gather_dp_groups), exposed. zero/stage3.py: the coordinator prefetches parameters
              under the compute and overlap_comm reduces behind it: both hidden by the passes' compute
+  grads      zero/stage_1_and_2.py with contiguous_gradients (its default): each grad reduction first
+             copies the grads into the IPG bucket on the compute stream
+             (reduce_independent_p_g_buckets_and_remove_grads: bucket.buffer narrow().copy_(grad), 2
+             bytes moved per byte of the bf16 bucket: the all_reduce rows' buffers; stage 2 every
+             micro-batch, stage 1 at the boundary); stage 1 leaves the micro-batches before the boundary
+             to autograd, which adds each one's bf16 grads into param.grad after the first (3 bytes per
+             byte of the params); stage 2's reduced partitions added per micro-batch (a 1 / dp share) are
+             not counted. zero/stage3.py copies into its bucket on reduce_and_partition_stream, beside
+             the compute (not counted)
   optimizer  FusedAdam over the fp32 partition (12 bytes of state an element), 30 bytes of traffic
 """
 from __future__ import annotations
@@ -41,5 +50,8 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       expert_capacity_factor=getattr(fw, "capacity_factor", 1.0) or 1.0,
                       expert_min_capacity=getattr(fw, "min_capacity", 0) or 0,
                       dp_grad=grad, dp_param=param,
+                      # the IPG bucket's copy-in and stage 1's autograd accumulation (module docstring)
+                      dp_copy_bytes=(("all_reduce", 2.0),) if z < 3 and getattr(fw, "contiguous_gradients", True) else (),
+                      grad_accumulate_bytes=3.0 if z == 1 else 0.0, grad_accumulate_first=False,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
                                f"param gathers {param.replace('_', ' ')} (ledger/faithful/deepspeed/steptime.py)",))
