@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import statistics
@@ -137,6 +138,12 @@ def predict_row(r: dict) -> dict:
         st = step_time(model, lay, pl, time_policy_of(fw_name, fw, lay, r), hw)
     except (ConfigError, ValueError, KeyError) as e:
         return {**out, "status": "refused", "why": str(e)[:160]}
+    # the Grand Teton H100's peak lies between the SXM5's (the profile's) and the NVL's (its source: the
+    # preset's comment): the row's prediction at the lower end too, printed beside
+    low = None
+    if hw.name == "h100-96gb" and r["metric"] == "tokens_per_s_per_gpu":
+        nvl = dataclasses.replace(hw, peak_tflops={**hw.peak_tflops, "bf16": hardware.H100_NVL_BF16_TFLOPS})
+        low = step_time(model, lay, pl, time_policy_of(fw_name, fw, lay, r), nvl).tokens_per_s_per_gpu
     if r["metric"] == "tokens_per_s_per_gpu":
         pred = st.tokens_per_s_per_gpu
     elif r["metric"] == "tflops_per_gpu":
@@ -149,10 +156,14 @@ def predict_row(r: dict) -> dict:
     err = (pred - out["published"]) / out["published"]
     return {**out, "status": "not modelled: " + "+".join(marks) if marks else "covered", "predicted": pred,
             "error": err, "mfu": st.mfu, "layout": f"tp{tp} pp{pp} vp{vp} cp{cp} dp{lay.dp} mb{lay.micro_batch_size}",
-            "waterfall": {k: v / st.step_s for k, v in st.waterfall}}
+            "waterfall": {k: v / st.step_s for k, v in st.waterfall},
+            **({"predicted_at_nvl_peak": low, "error_at_nvl_peak": (low - out["published"]) / out["published"]}
+               if low is not None else {})}
 
 
 def main(argv=None) -> int:
+    from ledger.timing import hardware
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", nargs="?", default=DEFAULT)
     ap.add_argument("--json", help="write one object per row here")
@@ -169,6 +180,12 @@ def main(argv=None) -> int:
             print(f"{r['row']:>4} {r['framework']:<18} {r['model']:<16} {r['gpus']:>6} {'':<28} {r['metric']:<21} "
                   f"{'' if r['published'] is None else format(r['published'], '.4g'):>10} {'':>10} {'':>7}  "
                   f"{r['status']}: {r.get('why', '')}")
+    nvl = [r for r in rows if "predicted_at_nvl_peak" in r and r["status"] == "covered"]
+    if nvl:
+        print("\nthe H100 96 GB 500 W part's peak lies between the SXM5's 989 TFLOP/s (the profile's, above) and the "
+              f"NVL's {hardware.H100_NVL_BF16_TFLOPS:g} (its source); at the NVL's: "
+              + ", ".join(f"row {r['row']} {r['predicted_at_nvl_peak']:.4g} ({100 * r['error_at_nvl_peak']:+.1f}%)"
+                          for r in nvl))
     covered = [abs(r["error"]) for r in rows if r.get("status") == "covered"]
     if covered:
         print(f"\ncovered rows: {len(covered)}; median |error| {100 * statistics.median(covered):.1f}% (goal <= 10%); "

@@ -124,6 +124,10 @@ def _preset(name: str, peaks: dict, hbm_gbps: float, memory_gb: float, nvlink_ea
                    sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED, "attention": _ATTENTION_SOURCES})
 
 
+# NVIDIA H100 NVL datasheet: 1,671 TFLOPS bf16 with sparsity, 835 dense: the lower end of the Grand Teton
+# H100's tensor-core peak (the h100-96gb preset's comment)
+H100_NVL_BF16_TFLOPS = 835.0
+
 _HOPPER_ATTENTION = _attention((0.35, 0.35), hopper_native=(0.75, 0.35 * 1.6))
 PRESETS: dict[str, Profile] = {
     "a100": _preset("a100", {"bf16": 312.0, "fp32": 19.5, "tf32": 156.0}, 2039.0, 80.0, 300.0, 200.0, 0.85, 108,
@@ -131,8 +135,9 @@ PRESETS: dict[str, Profile] = {
     "h100": _preset("h100", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 3350.0, 80.0, 450.0, 400.0, 0.75, 132,
                     _HOPPER_ATTENTION),
     # the torchtitan benchmarks' Grand Teton H100 (docs/performance.md): HBM2e at 2.4 TB/s, 96 GB, the
-    # default 500 W power limit; the tensor cores' peak is the datasheet's (what the power limit takes
-    # from the clocks under load is not modelled: no source gives it)
+    # default 500 W power limit; the tensor cores' peak is the SXM5 datasheet's, the upper end of what its
+    # source allows (benchmarks/llama3_h100_202412_torchtitan.md: "the actual peak TFLOPs number is
+    # between SXM and NVL, and we don't know its exact value"; H100_NVL_BF16_TFLOPS the lower end)
     "h100-96gb": _preset("h100-96gb", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 2400.0, 96.0, 450.0, 400.0,
                          0.75, 132, _HOPPER_ATTENTION),
     "h200": _preset("h200", {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0}, 4800.0, 141.0, 450.0, 400.0, 0.75, 132,
