@@ -155,7 +155,11 @@ ULYSSES_Z12 = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks
                "framework.seq_parallel_communication_data_type=bf16", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
                "framework.activation_checkpointing=true",
                "layout.global_batch_size=2"]
-ULYSSES = ("ulysses_z3", "ulysses_z12")  # no peak row: the ledger predicts none (ulysses.py)
+# ZeRO-1 / ZeRO-2 at cp2 with one bucket for every gradient (reduce_bucket_size above the 3.5M of them):
+# their one reduction's fp32 cast (allreduce_bucket) is the step's peak (peak.py cast_copies)
+ULYSSES_CAST = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2", "layout.cp=2",
+                "framework.reduce_bucket_size=4000000", "layout.global_batch_size=2"]
+ULYSSES = ("ulysses_z3", "ulysses_z12", "ulysses_cast")
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
 # that hook peaks (nothing prefetched or kept, so no forward moment above it)
 HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3_196_928, "wq": 3_213_312,
@@ -393,9 +397,10 @@ def test_ulysses_is_the_flat_layout_plus_the_all_to_alls(stage):
     """DeepSpeed-Ulysses at cp 2 x dp 2 (ulysses.py): the states of ZeRO at dp 4 on s / 2 tokens but ZeRO-3's IPG
     bucket in DeepSpeed's default fp32 reductions; the flat layout's collectives over the cp-dp group, ZeRO-1/2's
     bucket all-reduces in fp32 (twice the bf16 bytes), ZeRO-3's reduce-scatters in the comm dtype; per layer and
-    micro-batch 8 all-to-alls over cp; no peak."""
+    micro-batch 8 all-to-alls over cp; the flat layout's peak with Ulysses' saves."""
     import dataclasses
 
+    from ledger.faithful.deepspeed.activations import batch_bytes, layer_activations
     from ledger.faithful.deepspeed.zero import place
 
     shape = preset("tiny")
@@ -406,7 +411,13 @@ def test_ulysses_is_the_flat_layout_plus_the_all_to_alls(stage):
         u, f = place(shape, lay, fw).rank_state(0), place(flat_shape, _lay(4, gbs=8), fw).rank_state(0)
         extra = 2 * SMALL_BUCKET if stage == 3 and comm_dtype == "fp32" else 0
         assert (u.params_bytes, u.grads_bytes, u.optim_bytes) == (f.params_bytes, f.grads_bytes + extra, f.optim_bytes)
-        assert u.peak is None
+        # the peak: the flat layout's with Ulysses' own saves (a layer's wo input, an all-to-all output of its
+        # own; the whole sequence's batch); the matrix's Ulysses jobs measure it (test_peak_rows)
+        b, s, hd = 1, flat_shape.seq_len, flat_shape.heads * flat_shape.head_dim
+        assert (layer_activations(flat_shape, b, 2, sp=2)["attention"] - layer_activations(flat_shape, b, 2)["attention"]
+                == 2 * b * s * hd)
+        assert batch_bytes(flat_shape, b, 2) == 8 * (shape.seq_len + 1) and batch_bytes(flat_shape, 2, 2) == 16 * 2 * (s + 2 * s)
+        assert u.peak is not None and u.peak.bytes > f.peak.bytes
         rows = {(c.dim, c.kind, c.dtype): c for c in u.comm}
         flat_rows = {(c.dim, c.kind, c.dtype): c for c in f.comm}
         local = shape.seq_len // 2 * shape.head_dim * 2
@@ -902,7 +913,7 @@ def runs(tmp_path_factory):
               "fp32_one": FP32_ONE, "odd": ODD,
               "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET,
-              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12}
+              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12, "ulysses_cast": ULYSSES_CAST}
     # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's); a sweep's multiruns each into a
     # folder of its own under the sweep's, which records.load reads together
     launch_many([["-m", *part, "wandb.mode=disabled", f"hydra.sweep.dir={root / name / str(i)}"]
@@ -1259,9 +1270,6 @@ def test_peak_rows(runs):
     exact = 0
     for name, df in tables.items():
         pk = df[df.quantity.str.startswith("peak")]
-        if name in ULYSSES:  # measured, not predicted: no row (test_ulysses)
-            assert pk.empty, name
-            continue
         steps = sum(len(r["steps"]) for rec in recs[name] for r in rec["measurement"]["ranks"])
         assert (pk.quantity == "peak_bytes").sum() == steps, name
         assert set(pk.quantity) == {"peak_bytes", *(f"peak/{p}_bytes" for p in
@@ -1283,7 +1291,7 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 40, exact
+    assert exact == 45, exact
 
 
 @pytest.mark.real
@@ -1293,11 +1301,17 @@ def test_ulysses_sends_each_layer_s_eight_all_to_alls_and_reduces_over_dp_x_cp(r
     recompute's forward again); ZeRO over every rank (cp
     x dp), its states those of the flat layout at dp x cp on s / cp tokens; ZeRO-1/2's bucket
     all-reduces in fp32 (bf16 comm dtype set), ZeRO-3's reduce-scatters in DeepSpeed's default fp32;
-    each rank's measured peak recorded, none predicted."""
+    each rank's peak where ulysses.py puts it: ZeRO-3's forward at the final norm (wo's input an
+    all-to-all output of its own per layer, the whole sequence's batch), ZeRO-1/2's fp32 cast of their one
+    bucket (test_peak_rows judges the bytes)."""
     from ledger.faithful.deepspeed import ulysses
 
     recs, tables = runs
     assert sorted(_key(r) for r in recs["ulysses_z3"] + recs["ulysses_z12"]) == [(1, 2), (2, 2), (3, 4)]
+    wheres = {(name, _key(rec)[0]): records.predicted_ranks(rec["prediction"])(0)["peak"]["what"]
+              for name in ULYSSES for rec in recs[name]}
+    assert "forward at the final norm" in wheres["ulysses_z3", 3]
+    assert "the all-reduce of dp slices" in wheres["ulysses_cast", 1] and "epilogue" in wheres["ulysses_cast", 2]
     for name in ULYSSES:
         df = tables[name]
         for rec in recs[name]:
@@ -1309,7 +1323,7 @@ def test_ulysses_sends_each_layer_s_eight_all_to_alls_and_reduces_over_dp_x_cp(r
             a2a = job[job.quantity == "comm/cp/all_to_all/buffer_bytes"]
             assert len(a2a) == rec["measurement"]["world"] * job.step.nunique() > 0
             passes = 3 if _ckpt(rec) else 2
-            assert _ckpt(rec) == (name == "ulysses_z12")
+            assert _ckpt(rec) == (name == "ulysses_z12")  # (ulysses_cast: fp32 reductions, no checkpointing)
             assert (a2a.measured == n * passes * 2 * local * (m.heads + m.kv_heads)).all()
             assert (job[job.quantity == "comm/cp/all_to_all/count"].measured == 4 * passes * n).all()
             reduce = "all_reduce/buffer" if _key(rec)[0] < 3 else "reduce_scatter/buffer"

@@ -38,19 +38,26 @@ def modelled(model: ModelShape) -> str | None:
     return None
 
 
-def batch_bytes(model: ModelShape, mbs: int) -> int:
+def batch_bytes(model: ModelShape, mbs: int, sp: int = 1) -> int:
     """launchers/data.py batch: a randint of (mbs, seq + 1) int64, tokens = t[:, :-1].contiguous() and
     labels = t[:, 1:].contiguous(): views of it at one sample (already contiguous), two copies of
-    (mbs, seq) and the randint freed above (the embedding saves the tokens, nll_loss the labels)."""
+    (mbs, seq) and the randint freed above (the embedding saves the tokens, nll_loss the labels).
+    DeepSpeed-Ulysses (sp > 1, model.seq_len the rank's slice): the batch is the whole sequence's, each
+    rank's slice tokens[:, piece].contiguous() (launchers/deepspeed.py): a view at one sample, else
+    two more copies of (mbs, seq) beside the whole ones the loop holds."""
+    whole = model.seq_len * sp
     if mbs == 1:
-        return INT64 * (model.seq_len + 1)
-    return 2 * INT64 * mbs * model.seq_len
+        return INT64 * (whole + 1)
+    return 2 * INT64 * mbs * whole + (2 * INT64 * mbs * model.seq_len if sp > 1 else 0)
 
 
 def layer_activations(model: ModelShape, mbs: int, w: int, layer: int | None = None,
-                      dispatch: Dispatch | None = None) -> dict[str, int]:
+                      dispatch: Dispatch | None = None, sp: int = 1) -> dict[str, int]:
     """Bytes one Block's forward saves for backward (launchers/llama.py Block), w: model dtype bytes;
-    an MoE layer (`layer` one of model.is_moe_layer's) its DeepSpeed-MoE layer's (moe_saves)."""
+    an MoE layer (`layer` one of model.is_moe_layer's) its DeepSpeed-MoE layer's (moe_saves).
+    DeepSpeed-Ulysses (sp > 1, model.seq_len the rank's slice): DistributedAttention's output
+    all-to-all makes wo's input, a tensor of its own (single_all_to_all's empty_like) beside the one
+    SDPA saves: one more [b, s, heads, d] (measured: the probe's census)."""
     if layer is not None and model.is_moe_layer(layer):
         if dispatch is None:
             raise ValueError(f"layer {layer} is an MoE layer: its saves need the dispatch (ep, capacity)")
@@ -74,7 +81,8 @@ def layer_activations(model: ModelShape, mbs: int, w: int, layer: int | None = N
         # repeat_interleave copies (b, s, heads, d) saved by SDPA; SDPA (CPU flash kernel,
         # _scaled_dot_product_flash_attention_for_cpu) saves its output (also wo's input) and the
         # logsumexp (b, heads, s) fp32
-        "attention": 4 * FP32 * s * (d // 2) + 4 * w * b * s * H * d + FP32 * b * H * s,
+        "attention": 4 * FP32 * s * (d // 2) + 4 * w * b * s * H * d + FP32 * b * H * s
+        + (w * b * s * H * d if sp > 1 else 0),
         "ffn_norm": norm,
         # FeedForward: w1(x) saved by silu, silu's output and w3(x) by the mul, the product by w2
         "feed_forward": 4 * w * b * s * f,
@@ -129,7 +137,7 @@ def ffn_saves(per: dict[str, int]) -> int:
     return per.get("feed_forward", 0) + sum(v for k, v in per.items() if k.startswith("moe "))
 
 
-def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
+def head_activations(model: ModelShape, mbs: int, w: int, sp: int = 1) -> dict[str, int]:
     """The final norm, the output Linear's input, the cross-entropy in fp32 and the batch."""
     b, s = mbs, model.seq_len
     bsh = b * s * model.hidden
@@ -139,12 +147,12 @@ def head_activations(model: ModelShape, mbs: int, w: int) -> dict[str, int]:
         # labels and total_weight (an fp32 scalar)
         "log_softmax (fp32)": FP32 * b * s * model.vocab,
         "nll_loss total_weight": FP32,
-        "batch (tokens, labels)": batch_bytes(model, mbs),
+        "batch (tokens, labels)": batch_bytes(model, mbs, sp),
     }
 
 
 def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
-                      dispatch: Dispatch | None = None) -> tuple[dict[str, int], dict[str, int]]:
+                      dispatch: Dispatch | None = None, sp: int = 1) -> tuple[dict[str, int], dict[str, int]]:
     """(activations, temporaries held for backward) at the end of one micro-batch's forward, named.
     ZeRO-3's gathered weights that mm saves are not among them: mm saves the Parameter itself (a
     leaf), so the saved tensor holds the gathered storage only while the coordinator has not released
@@ -161,24 +169,24 @@ def saved_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
             held[f"layer {i} rng states"] = 2 * CPU_RNG_STATE
     else:
         for i in range(model.layers):
-            for k, v in layer_activations(model, mbs, w, i, dispatch).items():
+            for k, v in layer_activations(model, mbs, w, i, dispatch, sp).items():
                 acts[f"layer {i} {k}"] = v
-    acts.update(head_activations(model, mbs, w))
+    acts.update(head_activations(model, mbs, w, sp))
     return acts, held
 
 
 def most_live_activations(model: ModelShape, mbs: int, w: int, checkpointing: bool,
-                          dispatch: Dispatch | None = None) -> int:
+                          dispatch: Dispatch | None = None, sp: int = 1) -> int:
     """The most activation bytes (autograd-saved tensors, as the probe names them) live at once in a
     micro-batch: without checkpointing, everything the forward saved, at its end; with it, the larger
     of the forward's end (the head's saves only: the checkpointed layers save nothing) and the
     recompute of one layer in backward (CheckpointFunction.backward reruns the layer with grad: its
     saves, the batch; the head's saves were freed by its backward before)."""
-    acts, _ = saved_activations(model, mbs, w, checkpointing, dispatch)
+    acts, _ = saved_activations(model, mbs, w, checkpointing, dispatch, sp)
     if not checkpointing:
         return sum(acts.values())
-    layer = max(sum(layer_activations(model, mbs, w, i, dispatch).values()) for i in range(model.layers))
-    return max(sum(acts.values()), layer + batch_bytes(model, mbs))
+    layer = max(sum(layer_activations(model, mbs, w, i, dispatch, sp).values()) for i in range(model.layers))
+    return max(sum(acts.values()), layer + batch_bytes(model, mbs, sp))
 
 
 def per_kind(acts: dict[str, int]) -> dict[str, int]:

@@ -337,6 +337,18 @@ def epilogue_copies(pieces: tuple[Piece, ...], parts: tuple[int, ...], pgs: tupl
 
 
 @lru_cache(maxsize=64)
+def dense_last_reduction(model: ModelShape, dp: int, bucket: int,
+                         order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[int, tuple[tuple[str, int, int], ...]]:
+    """The one flat group's gradients in `order` reduced through the IPG buffer: (how many reductions,
+    each all-reduce of the last one as (what, elements, slices): a call of several slices reduces a
+    flattened copy, one of one slice a view of the buffer)."""
+    part, at = _flat(model, dp)
+    fl = flushes(tuple(Piece(0, *at[name]) for name, _ in order), bucket)
+    _at, content = fl[-1]
+    return len(fl), tuple((f"dp slice{'s' * (k > 1)}", n, k) for _pg, n, k in reduction_calls(content, (part,), (0,), bucket))
+
+
+@lru_cache(maxsize=64)
 def dense_epilogue(model: ModelShape, dp: int, bucket: int,
                    order: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[str, int], ...]:
     """epilogue_copies of the one flat group (_flat) over dp, its gradients in `order`."""

@@ -138,6 +138,13 @@ class PeakInputs:
     other_extra: int = 0
     samplers: int = 0
     epilogue: tuple[tuple[str, int], ...] = ()
+    sp: int = 1  # DeepSpeed-Ulysses' degree (ulysses.py): model is then the rank's slice of the sequence
+    # the gradient reductions' dtype bytes where not the model's (DeepSpeed-Ulysses: ZeRO-3's reduce-scatters
+    # in the engine's communication_data_type, fp32 by default; ZeRO-1/2's allreduce_bucket in fp32); 0: w
+    reduce_w: int = 0
+    # ZeRO-1/2 with reduce_w: (the reductions of a step's last backward or boundary, each all-reduce of the
+    # last one as (what, elements, slices)): backward.dense_last_reduction
+    last_reduction: tuple = ()
 
 
 class _Step:
@@ -147,9 +154,9 @@ class _Step:
     def __init__(self, i: PeakInputs):
         model, mbs, w, zero, m = i.model, i.mbs, i.w, i.zero, i.m
         self.i = i
-        self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing, i.dispatch)
+        self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing, i.dispatch, i.sp)
         self.act = sum(self.acts.values())
-        self.batch = batch_bytes(model, mbs)
+        self.batch = batch_bytes(model, mbs, i.sp)
         self.norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
         b, s, V = mbs, model.seq_len, model.vocab
         self.b, self.s, self.V, self.h = b, s, V, model.hidden
@@ -173,26 +180,29 @@ class _Step:
         # release of the logits' gradient: in deep_in_backward (ZeRO-2) and reduce_gradients_at_boundary
         # (ZeRO-1), not in backward_start
         self.act_named = per_kind(self.acts)
-        most = most_live_activations(model, mbs, w, i.checkpointing, i.dispatch)
+        most = most_live_activations(model, mbs, w, i.checkpointing, i.dispatch, i.sp)
         if zero == 3 and i.checkpointing:
             # the forward's end (the head's saves, the weights its mm saved) or a block's recompute end
             # (its saves, the batch, every weight its mm saved and the coordinator still holds)
-            layer = max(sum(layer_activations(model, mbs, w, j, i.dispatch).values()) for j in range(model.layers))
-            head = sum(saved_activations(model, mbs, w, True, i.dispatch)[0].values())
+            layer = max(sum(layer_activations(model, mbs, w, j, i.dispatch, i.sp).values()) for j in range(model.layers))
+            head = sum(saved_activations(model, mbs, w, True, i.dispatch, i.sp)[0].values())
             most = max(head + max(z[1].saved for z in i.z3_moments),
-                       layer + batch_bytes(model, mbs) + max(r.saved for mb in i.z3_swiglu[0] for r, _ in mb))
+                       layer + self.batch + max(r.saved for mb in i.z3_swiglu[0] for r, _ in mb))
         elif zero == 3:
             # the forward's end: every save, and the mm-saved weights the coordinator still holds (the
             # backward's start adds only storages gathered for the backward, which no op saves)
             most += max(z[1].saved for z in i.z3_moments)
         self.most = most
-        self.base_temp = sum(self.held.values()) + _loss_scalars() + held_grads - held_touched
+        # the loss scalars in a backward: DeepSpeed-Ulysses' launcher passes loss / sp (each slice's loss
+        # counts 1 / sp: launchers/deepspeed.py), one more scalar engine.backward's caller holds
+        self.loss_scalars = _loss_scalars() + (FP32 if i.sp > 1 else 0)
+        self.base_temp = sum(self.held.values()) + self.loss_scalars + held_grads - held_touched
         # past the loss's backward: nll_loss's total_weight and log_softmax's output released
         self.past_head = self.act - FP32 - FP32 * b * s * V
-        self.per = layer_activations(model, mbs, w)  # a dense block's
+        self.per = layer_activations(model, mbs, w, sp=i.sp)  # a dense block's
         self.per_layer = sum(self.per.values())
         # each block's saves (an MoE layer's differ), and the saves of the blocks after block j
-        self.layer_per = tuple(layer_activations(model, mbs, w, j, i.dispatch) for j in range(model.layers))
+        self.layer_per = tuple(layer_activations(model, mbs, w, j, i.dispatch, i.sp) for j in range(model.layers))
         after, acc = [0] * model.layers, 0
         for j in reversed(range(model.layers)):
             after[j] = acc
@@ -220,7 +230,7 @@ class _Step:
         i = self.i
         if i.checkpointing:
             return self.batch + sum(self.layer_per[j].values())
-        return self.past_head - head_activations(i.model, i.mbs, i.w)["norm"] - self.saves_after[j]
+        return self.past_head - head_activations(i.model, i.mbs, i.w, i.sp)["norm"] - self.saves_after[j]
 
     def ac(self, j: int | None) -> tuple[dict[str, int], int]:
         """Activation checkpointing (deepspeed.checkpointing.checkpoint): (temporaries, activations) it
@@ -343,7 +353,7 @@ def backward_start(st: _Step, first: bool) -> Peak:
         if z.temporary:
             detail["temporary/gathered params' torch.cat copies (ZeRO-3)"] = z.temporary
     detail["temporary/cross-entropy and output gradients at " + at] = grads_now
-    detail["temporary/loss scalars"] = _loss_scalars()
+    detail["temporary/loss scalars"] = st.loss_scalars
     detail.update({f"temporary/{k}": v for k, v in aux.items()})
     if held:
         detail["temporary/checkpointed layer inputs and rng states (ctx)"] = sum(held.values())
@@ -367,9 +377,9 @@ def forward_at_final_norm(st: _Step, mb: int, z, first: bool = False) -> Peak:
     res = st.resident_in_step(first)  # step 0: the pass gathers the persistent params (z)
     # checkpointed: the blocks saved nothing (no grad inside CheckpointFunction.forward), their ctx holds
     # each block's input and RNG states
-    layers = 0 if i.checkpointing else model.layers * sum(layer_activations(model, mbs, w).values())
+    layers = 0 if i.checkpointing else model.layers * sum(layer_activations(model, mbs, w, sp=i.sp).values())
     acts = {f"layers x{model.layers} saved": layers,
-            "norm": head_activations(model, mbs, w)["norm"], "batch (tokens, labels)": batch,
+            "norm": head_activations(model, mbs, w, i.sp)["norm"], "batch (tokens, labels)": batch,
             "gathered Linear weights saved by mm (ZeRO-3)": z.saved}
     bsh = mbs * model.seq_len * model.hidden
     # RMSNorm in bf16: xf * rsqrt (fp32, saved by no op: .type_as copies it) and the last block's
@@ -438,7 +448,7 @@ def _deep_moment(st: _Step, res: int, fired: int, acts_now: int, temp: dict[str,
         made, made_touched = (i.grads_hooked[0][fired], i.grads_hooked[1][fired]) if fired >= 0 else (0, 0)
         temp = {**temp, "gradients made (param.grad)": w * (made - made_touched)}
         gathered["extra-large gradients made (reduced in place at the boundary)"] = w * made_touched
-    temp["loss scalars"] = _loss_scalars()
+    temp["loss scalars"] = st.loss_scalars
     temp["the tied weight's output gradient (AccumulateGrad's input)"] = tied_grad
     (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = ipg
     return _named_moment(res, ("saved (what backward has not released)", acts_now), temp, gathered,
@@ -539,7 +549,7 @@ def epilogue(st: _Step, first: bool) -> list[Peak]:
     # then copy_grads_in_partition allocates grads_in_partition on its first copy
     res = st.resident_in_step(first)
     made = i.flush.first_hook < i.hooks.count
-    base = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32,
+    base = {"loss scalars (the loss, its scaled copy and product)": st.loss_scalars - FP32,
             "grads_in_partition (micro-batch 0's)": w * i.flush.overlap if i.m > 1 else 0,
             "grads_in_partition (this backward's)": w * i.flush.overlap if made else 0}
     ipg = {"IPG buffer (reduce_bucket_size elements)": w * i.bucket}
@@ -549,8 +559,12 @@ def epilogue(st: _Step, first: bool) -> list[Peak]:
         return _past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
                                             f"the last micro-batch's backward epilogue: {what}"), st)
 
-    out = [at(dict(base), {f"the all-reduce's flattened copy ({what})": w * n}, f"the IPG all-reduce of {what}")
-           for what, n in i.epilogue]
+    if i.reduce_w and i.reduce_w != w:
+        out = [at({**base, **cast_copies(st, n, k)[0]}, cast_copies(st, n, k)[1], f"the IPG all-reduce of {what}")
+               for what, n, k in i.last_reduction[1]]
+    else:
+        out = [at(dict(base), {f"the all-reduce's flattened copy ({what})": w * n}, f"the IPG all-reduce of {what}")
+               for what, n in i.epilogue]
     if not made:
         out.append(at({**base, "grads_in_partition (this backward's)": w * i.flush.overlap}, {},
                       "grads_in_partition's allocation"))
@@ -571,12 +585,41 @@ def reduce_gradients_at_boundary(st: _Step, first: bool) -> Peak:
     temp = {"gradients not yet copied into the IPG buffer": w * (i.n - i.flush.copied - touched),
             "grads_in_partition (copy_grads_in_partition)": w * i.flush.overlap,
             # the loss, its scaled copy and product: backward has released the gradient seed
-            "loss scalars": _loss_scalars() - FP32}
+            "loss scalars": st.loss_scalars - FP32}
     gathered = {"extra-large gradients a collective reduces in place": w * touched}
     (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * i.bucket
     return _past_backward(_named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch), temp,
                                         gathered, "optimizer",
                                         "reduce_gradients at the boundary: the first copy into grads_in_partition"), st)
+
+
+def cast_copies(st: _Step, n: int, k: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(temporary, gathered) of one all-reduce of ZeRO-1/2's allreduce_bucket in a dtype not the model's
+    (stage_1_and_2.py: the slices flattened, a torch.cat of several, then tensor.to(communication_data_type),
+    the copy reduced in place and copied back): the flattened copy where several slices, and the cast."""
+    i = st.i
+    return ({"the all-reduce's flattened copy (model dtype)": i.w * n} if k > 1 else {},
+            {"the all-reduce's cast to the reduce dtype (allreduce_bucket)": i.reduce_w * n})
+
+
+def boundary_reduction_casts(st: _Step, first: bool) -> list[Peak]:
+    """ZeRO-1 (no overlap_comm) reducing in a dtype not the model's: reduce_gradients at the boundary, at each
+    all-reduce of its last reduction (before copy_grads_in_partition, which the first reduction allocates:
+    with one reduction not yet there): the IPG buffer, the cast copies (cast_copies), every gradient copied
+    into the buffer."""
+    i, w = st.i, st.i.w
+    count, calls = i.last_reduction
+    touched = i.grads_hooked[1][-1]
+    out = []
+    for what, n, k in calls:
+        temp = {"grads_in_partition (copy_grads_in_partition)": w * i.flush.overlap if count > 1 else 0,
+                "loss scalars": st.loss_scalars - FP32, **cast_copies(st, n, k)[0]}
+        gathered = {"extra-large gradients a collective reduces in place": w * touched, **cast_copies(st, n, k)[1]}
+        (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * i.bucket
+        out.append(_past_backward(_named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch),
+                                                temp, gathered, "optimizer",
+                                                f"reduce_gradients at the boundary: the all-reduce of {what}"), st))
+    return out
 
 
 def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
@@ -594,6 +637,10 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
     # module's pre-backward fetch (gathered.z3_backward_moments)
     flushes, steady_z, first_z = i.z3_flushes
     res = st.resident_in_step(first)
+    # the reduce-scatter's dtype (__avg_scatter_grads: every gradient .to(communication_data_type) where it
+    # is not the model's: the IPG bucket is kept in it already, an extra-large gradient's own storage is
+    # copied), its flat input and gloo's copy of it in that dtype
+    wr = i.reduce_w or w
     out = []
     for k, per in enumerate(first_z if first else steady_z):
         for f, z in zip(flushes, per):
@@ -601,7 +648,7 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
             if f.name:
                 acts_now, temp, at = z3_hook_moment(st, f.name)
                 temp.update(_z3_checkpointed(st, f.name))
-                temp["loss scalars"] = _loss_scalars()
+                temp["loss scalars"] = st.loss_scalars
                 # the tied weight's output gradient waits in the embedding's AccumulateGrad input
                 temp["the tied weight's output gradient (AccumulateGrad's input)"] = \
                     w * V * h if model.tied_embeddings and f.name != "tok_embeddings.weight" else 0
@@ -612,13 +659,16 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
                 # freed; the coordinator as after the embedding's fetch (its post-backward never
                 # fires: release_backward_leftovers runs after the epilogue)
                 acts_now = batch
-                temp = {"loss scalars (the loss, its scaled copy and product)": _loss_scalars() - FP32}
+                temp = {"loss scalars (the loss, its scaled copy and product)": st.loss_scalars - FP32}
                 phase, what = "optimizer", f"micro-batch {mb}'s backward epilogue: the last IPG reduce-scatter"
-            temp.update({"gloo's copy of the reduce-scatter input": w * f.flat if i.rules.rs_input_copy else 0,
+            temp.update({"gloo's copy of the reduce-scatter input": wr * f.flat if i.rules.rs_input_copy else 0,
                          "an extra-large gradient in the bucket (its own storage)": w * f.own if f.cat else 0,
+                         "an extra-large gradient's copy in the reduce dtype": wr * f.own if wr != w else 0,
                          "gathered params' torch.cat copies (ZeRO-3)": z.temporary})
             flat_input = "(torch.cat)" if f.cat else "(an extra-large gradient)"
-            gathered = {f"reduce_scatter_coalesced's input {flat_input}": w * (f.flat if f.cat else f.own),
+            if not f.cat and wr != w:  # the gradient reduced is its copy; its own storage still live
+                temp["an extra-large gradient (its own storage)"] = w * f.own
+            gathered = {f"reduce_scatter_coalesced's input {flat_input}": wr * f.flat if f.cat else wr * f.own,
                         "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
             p = _named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
                               phase, what)
@@ -659,7 +709,7 @@ def z3_swiglu_backward(st: _Step, first: bool) -> list[Peak]:
         for j, (_, z) in enumerate(per_block):
             ac_temp, ac_acts = st.ac(j)
             temp = {"residual stream gradient": w * bsh, "w2 input gradient and the mul's two": 3 * w * bsf,
-                    **ac_temp, "loss scalars": _loss_scalars(),
+                    **ac_temp, "loss scalars": st.loss_scalars,
                     "the tied weight's output gradient (AccumulateGrad's input)": w * V * h if model.tied_embeddings
                     else 0, "gathered params' torch.cat copies (ZeRO-3)": z.temporary,
                     "w2's weight gradient (extra-large: its own storage)": large.get("temporary", 0)}
@@ -752,6 +802,9 @@ def _pick(st: _Step, first: bool) -> Peak:
         cands.append(deep_in_backward(st, first))
     if zero == 1 and flush is not None:
         cands.append(reduce_gradients_at_boundary(st, first))
+    casts = i.reduce_w and i.reduce_w != i.w and zero in (1, 2) and flush is not None
+    if casts and zero == 1:
+        cands += boundary_reduction_casts(st, first)
     names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})
     names.update({id(c): "reduce_gradients" for c in cands[2:] if c.phase == "optimizer"})
     if zero == 2:
@@ -781,6 +834,9 @@ def _pick(st: _Step, first: bool) -> Peak:
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
                      "candidate)"
+    if casts and (i.last_reduction[0] > 1 if zero == 1 else flush.first_hook < i.hooks.count):
+        best.what += ("; an estimate (reducing in another dtype: the casts of the reductions before the last are "
+                      "not candidates)")
     for c in cands:
         if c is not best:
             best.detail[f"candidate/{c.phase} ({names.get(id(c), 'final norm, coordinator replay')})"] = c.bytes

@@ -21,8 +21,15 @@ What it changes:
   fp32 whatever it is when sequence_parallel_size > 1 (zero/stage_1_and_2.py: "if pg_correctness_test or
   self.sequence_parallel_size > 1: communication_data_type = torch.float32"), a cast copy of each
   bucket.
-Not modelled: the peak within a step (no peak row: docs/ledger-deepspeed.md says what the flat layout's
-lacks, measured), the uneven K/V head split, MoE.
+- the peak within a step: the flat layout's, with what Ulysses adds at its moments (measured, the
+  probe's census): DistributedAttention's output all-to-all makes wo's input, a [b, s / cp, heads, d]
+  of its own beside SDPA's saved output, per layer (activations.layer_activations); the batch is the
+  whole sequence's, each rank's slice a view of it (activations.batch_bytes); the backward's caller
+  holds loss / cp, one more scalar (peak._Step.loss_scalars); the reductions in their dtype (peak.py:
+  ZeRO-3's reduce-scatter input and gloo's copy of it in fp32, ZeRO-1/2's allreduce_bucket casts:
+  cast_copies; those of the reductions before a backward's or boundary's last are not candidates,
+  which the peak's `what` says).
+Not modelled: the uneven K/V head split, MoE.
 """
 from __future__ import annotations
 
@@ -33,9 +40,9 @@ from ledger.errors import ConfigError
 from ledger.model import ModelShape, model_dict
 from ledger.placement import Comm, CommBuilder, Placement, RankState, wire_bytes
 
-NOTE = ("DeepSpeed-Ulysses (layout.cp = sequence_parallel_size): states and grad collectives of ZeRO over dp x cp "
-        "on s / cp tokens, DistributedAttention's all-to-alls added; the peak within a step is not modelled "
-        "(no peak row)")
+NOTE = ("DeepSpeed-Ulysses (layout.cp = sequence_parallel_size): states, grad collectives and peak of ZeRO over "
+        "dp x cp on s / cp tokens, DistributedAttention's all-to-alls and its saves added, the reductions in their "
+        "dtype")
 
 
 def check(lay, fw) -> None:
@@ -74,14 +81,14 @@ def all_to_alls(model: ModelShape, lay, fw) -> Comm:
 def place(model: ModelShape, lay, fw, target, place_flat) -> Placement:
     """The Placement of an Ulysses layout: place_flat(model, layout, fw, target) of the flat layout
     (its dp collectives over the sequence-data-parallel group, labelled by the grid), the all-to-alls
-    added, no peak."""
+    added, its peak with Ulysses' terms (the module docstring)."""
     check(lay, fw)
     m_flat, lay_flat = flat(model, lay)
     if fw.zero_stage in (1, 2):
-        pl = place_flat(m_flat, lay_flat, fw, target, ipg_reduce_dtype="fp32")
+        pl = place_flat(m_flat, lay_flat, fw, target, ipg_reduce_dtype="fp32", sp=lay.cp)
     else:
         pl = place_flat(m_flat, lay_flat, fw, target,
-                        reduce_precision=getattr(fw, "seq_parallel_communication_data_type", "fp32"))
+                        reduce_precision=getattr(fw, "seq_parallel_communication_data_type", "fp32"), sp=lay.cp)
     seq_dp = lay.grid.label_of(("cp", "dp"))
     a2a = all_to_alls(model, lay, fw)
     cache: dict[int, RankState] = {}
@@ -101,10 +108,10 @@ def place(model: ModelShape, lay, fw, target, place_flat) -> Placement:
                 s.stage, s.params_bytes, s.grads_bytes, s.optim_bytes, s.other_bytes,
                 comm_fn=lambda s=s: relabel(s.comm) + [a2a],
                 comm_first=lambda s=s: None if s.comm_first is None else relabel(s.comm_first) + [a2a],
-                detail=s.detail, peak=None)
+                detail=s.detail, peak=s.peak)
         return out
 
     notes = [n.replace(f"pure DP over {lay_flat.dp} ranks", f"DP over {lay.dp} x Ulysses cp {lay.cp} ranks")
-             for n in pl.notes if "peak" not in n.lower()]
+             for n in pl.notes]
     return dataclasses.replace(pl, model=lambda: model_dict(model), layout=lay.to_dict, rank_state=state,
                                notes=[*notes, NOTE], _per_gpu=None)

@@ -56,10 +56,11 @@ from ledger.faithful.deepspeed.target import rules_of
 
 
 def place(model: ModelShape, lay: Layout, fw, target: str | None = None, ipg_reduce_dtype: str | None = None,
-          reduce_precision: str | None = None) -> Placement:
+          reduce_precision: str | None = None, sp: int = 1) -> Placement:
     """The Placement of a dense model; target: the run its peak is for (ledger/target.py; None: cpu-gloo);
     where not the model's: ZeRO-1/2's IPG all-reduce dtype (ipg_reduce_dtype), ZeRO-3's IPG bucket and
-    reduce-scatter dtype (reduce_precision) (ulysses.py)."""
+    reduce-scatter dtype (reduce_precision); sp: DeepSpeed-Ulysses' degree, model the rank's slice of the
+    sequence (ulysses.py)."""
     if lay.cp > 1:  # DeepSpeed-Ulysses: the flat layout's ZeRO at dp x cp on s / cp tokens (ulysses.py)
         from ledger.faithful.deepspeed import ulysses
 
@@ -72,10 +73,10 @@ def place(model: ModelShape, lay: Layout, fw, target: str | None = None, ipg_red
                           "buffered_reduce_fallback (stage 1/2) and keeps no IPG buffer (stage 3), not modelled")
     z = fw.zero_stage
     if z == 3:
-        s = zero3.rank_state(model, lay, fw, rules, reduce_precision)
+        s = zero3.rank_state(model, lay, fw, rules, reduce_precision, sp)
         state = lambda r: s  # noqa: E731 (every rank's the same)
     elif z in (1, 2):
-        state = zero12.rank_states(model, lay, fw, rules, ipg_reduce_dtype)
+        state = zero12.rank_states(model, lay, fw, rules, ipg_reduce_dtype, sp)
     else:
         raise ConfigError(f"framework.zero_stage={z}: the faithful DeepSpeed ledger models stages 1, 2 and 3 "
                           "(stage 0, DeepSpeed as plain data parallelism, only with ledger.mode=textbook)")

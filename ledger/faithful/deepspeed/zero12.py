@@ -31,10 +31,11 @@ from ledger.optim import add_adamw
 
 
 def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO],
-                ipg_reduce_dtype: str | None = None) -> Callable[[int], RankState]:
+                ipg_reduce_dtype: str | None = None, sp: int = 1) -> Callable[[int], RankState]:
     """rank -> its state: the states and collectives are every rank's, ZeRO-2's peak its partition's;
     target_rules: the peak's target (target.py); ipg_reduce_dtype: the dtype the IPG buckets are
-    all-reduced in (None: the model's; DeepSpeed-Ulysses: fp32, ulysses.py)."""
+    all-reduced in (None: the model's; DeepSpeed-Ulysses: fp32, ulysses.py); sp: Ulysses' degree (the peak's
+    activations: peak.PeakInputs.sp)."""
     s = _zero12_memory(model, lay.dp, fw.zero_stage, fw.precision).state()
     # stage 1 without overlap_comm: reduce_gradients() once, at the accumulation boundary; stage 1 with
     # overlap_comm: the hooks, also only at the boundary; stage 2 reduces every micro-batch
@@ -45,6 +46,8 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     s.comm_fn = lambda: fresh(_zero12_comm(*key))
     w, part = DTYPES[fw.precision], round_up(model.num_params(), 2 * lay.dp) // lay.dp
     bucket = int(fw.reduce_bucket_size)
+    # the IPG all-reduces' dtype where not the model's (the peak's cast copies: peak.cast_copies)
+    reduce_w = DTYPES[ipg_reduce_dtype] if ipg_reduce_dtype not in (None, fw.precision) else 0
 
     def peak(flush=None, hooks=None, order=None):
         return deepspeed_peak.peak(PeakInputs(
@@ -56,7 +59,9 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
             grads_hooked=deepspeed_backward.hooked(model, lay.dp, bucket, backward_order(model)),
             rules=target_rules,
             epilogue=deepspeed_backward.dense_epilogue(model, lay.dp, bucket, order) if order and fw.zero_stage == 2
-            else ()))
+            else (), sp=sp, reduce_w=reduce_w,
+            last_reduction=deepspeed_backward.dense_last_reduction(model, lay.dp, bucket, order)
+            if order and reduce_w else ()))
 
     # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
     # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no

@@ -67,11 +67,12 @@ def _z3_shape(model: ModelShape, dp: int, threshold: int, bucket: int, w: int, w
 
 
 def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[CPU_GLOO],
-               reduce_precision: str | None = None) -> RankState:
+               reduce_precision: str | None = None, sp: int = 1) -> RankState:
     """Every rank's state (the same on each): the states, the collectives on first read, the peak
     (target_rules: its target's, target.py). reduce_precision: the dtype of the IPG bucket and its
     reduce-scatters where not the model's (the engine's communication_data_type: DeepSpeed-Ulysses'
-    seq_parallel_communication_data_type, ulysses.py; the peak is then not asked for)."""
+    seq_parallel_communication_data_type, ulysses.py: the peak's reduce-scatters in it); sp: Ulysses' degree
+    (the peak's activations: peak.PeakInputs.sp)."""
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
     red = reduce_precision if reduce_precision not in (None, prec) else None
     ac = bool(fw.get("activation_checkpointing", False))  # the checkpoint's recompute fetches again (trace.py)
@@ -93,7 +94,8 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
         z3_moments=z3_moments(*budgets, ac=ac), z3_first=z3_first_moments(*budgets, ac=ac),
         z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size), ac),
-        z3_swiglu=_z3_swiglu_moments(model, budgets) if ac else ((), ()), dp=dp, rules=target_rules))
+        z3_swiglu=_z3_swiglu_moments(model, budgets) if ac else ((), ()), dp=dp, rules=target_rules, sp=sp,
+        reduce_w=DTYPES[red] if red else 0))
     return s
 
 
