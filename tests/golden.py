@@ -99,6 +99,12 @@ def deepspeed_cases():
     yield "deepspeed/refused/tp", ["model=tiny", *_fw("deepspeed"), *_lay(2, 1, 2)]
     yield "deepspeed/tiny/z3-ac", ["model=tiny", *_fw("deepspeed", zero_stage=3, activation_checkpointing=True),
                                    *_lay(1, 1, 2)]
+    # DeepSpeed-Ulysses (layout.cp): its states, all-to-alls and peak (fp32 reductions by default)
+    for z in (1, 2, 3):
+        yield f"deepspeed/tiny/ulysses-z{z}", ["model=tiny", *_fw("deepspeed", zero_stage=z), *_lay(1, 1, 2, cp=2)]
+    yield "deepspeed/llama3_8b/ulysses-z3-ac", ["model=llama3_8b", *_fw("deepspeed", zero_stage=3,
+                                                                       activation_checkpointing=True),
+                                                *_lay(1, 1, 4, cp=4)]
 
 
 def titan_cases():

@@ -672,6 +672,8 @@ def ipg_reduce_scatter(st: _Step, first: bool) -> list[Peak]:
                         "flat buffers and single-param buffers (ZeRO-3)": z.gathered}
             p = _named_moment(res, ("saved (what backward has not released)", acts_now + z.saved), temp, gathered,
                               phase, what)
+            # the detail's lines apart: what backward holds, and the gathered weights mm saved
+            p.detail["activations/saved (what backward has not released)"] = acts_now
             p.detail["activations/gathered Linear weights saved by mm (ZeRO-3)"] = z.saved
             out.append(p)
     return out
