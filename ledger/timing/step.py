@@ -14,21 +14,23 @@ step:
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
               behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
-              ZeRO-3 prefetch); while hidden, each holds the SMs NCCL runs it on (collectives.sms_taken)
-              and the compute beside it runs on the rest: its seconds x those SMs' share of the device; the copies it runs around them on the compute stream (FSDP2's copy-in /
-              copy-out, TimePolicy.dp_copy_bytes) are memory-bound work in the passes: an all-gather's
-              half in the forward, half in the backward (a layer's gathers before its forward and, resharded,
-              again before its backward), a reduce-scatter's in the backward; where the weight-grad GEMMs
-              do not accumulate in place, each micro-batch's backward adds its grads into the accumulated
-              ones (TimePolicy.grad_accumulate_bytes), memory-bound
+              ZeRO-3 prefetch); while hidden, each holds the SMs NCCL runs it on
+              (collectives.sms_taken) and the compute beside it runs on the rest: its seconds x those
+              SMs' share of the device
+  copies      what the framework runs on the compute stream around those collectives
+              (TimePolicy.dp_copy_bytes: FSDP2's copy-in / copy-out, ZeRO's IPG bucket), memory-bound
+              work in the passes: an all-gather's half in the forward, half in the backward (a layer
+              gathers before its forward and, resharded, again before its backward), the rest in the
+              backward; and where the weight-grad GEMMs do not accumulate in place, each micro-batch's
+              backward adding its grads into the accumulated ones (TimePolicy.grad_accumulate_bytes)
   optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
               param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
               an element (the policy's bytes: torchtitan's torch AdamW keeps no master copy)
 
 The waterfall splits the step of the critical stage (the stage with the most work) into: the model
 FLOPs of its ops at the peak, the GEMM / attention kernels' efficiency below it, the memory-bound ops,
-the recompute, the copies around the DP collectives, the grads' accumulation, each dim's exposed collectives, the SMs the
-hidden ones hold, the pipeline bubble and the optimizer step; the terms
+the recompute, the copies around the DP collectives, the grads' accumulation, each dim's exposed
+collectives, the SMs the hidden ones hold, the pipeline bubble and the optimizer step; the terms
 add up to the step. MFU counts the model FLOPs as Megatron and torchtitan report them (6 per weight per
 token through the matmuls + 12 layers seq hidden per token for attention, no causal saving; recompute
 not counted) over world x peak x step."""
@@ -145,7 +147,8 @@ def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float
     fwd = bwd = 0.0
     for c, _sec in rows:
         if c.dim in DP_DIMS and c.kind in per_byte:
-            t = per_byte[c.kind] * c.buffer_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + c.count * hw.kernel_overhead_s
+            t = (per_byte[c.kind] * c.buffer_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
+                 + c.count * hw.kernel_overhead_s)
             if c.kind == "all_gather":
                 fwd, bwd = fwd + t / 2, bwd + t / 2
             else:

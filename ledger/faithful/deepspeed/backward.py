@@ -345,7 +345,8 @@ def dense_last_reduction(model: ModelShape, dp: int, bucket: int,
     part, at = _flat(model, dp)
     fl = flushes(tuple(Piece(0, *at[name]) for name, _ in order), bucket)
     _at, content = fl[-1]
-    return len(fl), tuple((f"dp slice{'s' * (k > 1)}", n, k) for _pg, n, k in reduction_calls(content, (part,), (0,), bucket))
+    calls = reduction_calls(content, (part,), (0,), bucket)
+    return len(fl), tuple((f"dp slice{'s' * (k > 1)}", n, k) for _pg, n, k in calls)
 
 
 @lru_cache(maxsize=64)
