@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (26 small multiruns, 44 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (27 small multiruns, 46 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -110,6 +110,11 @@ SWEEPS = (
                   NO_AC)),
     ("w8pptp", ("cluster.ranks=8", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.tp=2",
                 "layout.global_batch_size=4", NO_SP, NO_AC)),
+    # four stages a rank (6 layers + 2 over 8 stages), Interleaved1F1B and LoopedBFS: torch's runtime keeps
+    # three unsharded and gathers the others again mid-step (schedules.unshards)
+    ("w4ppvp4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=6", "layout.pp=2",
+                 "layout.vp=4", "layout.global_batch_size=8",
+                 "framework.pipeline_parallel_schedule=Interleaved1F1B,LoopedBFS", NO_AC)),
     # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
     ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
                  NO_AC)),
@@ -1055,7 +1060,8 @@ def test_pp_runs_tp_grad_moves_once_per_step_in_fp32():
 def test_schedules_place_stages_as_torchtitan():
     """schedules.local_stages is torchtitan's own mapping (pipeline_parallel.py
     _get_pp_rank_to_stage_indices_mapping), loop and V; stages_error refuses what the ledger does not model
-    (more than MAX_ACTIVE_STAGES stages a rank, the zero-bubble schedules) and what torchtitan refuses."""
+    (the zero-bubble schedules) and what torchtitan refuses; unshards counts a stage's UNSHARDs in torch's
+    own lowering (_add_unshard_reshard): one each up to MAX_ACTIVE_STAGES stages a rank, more beyond."""
     from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping as ref
 
     from ledger.faithful.titan import schedules as SC
@@ -1066,8 +1072,11 @@ def test_schedules_place_stages_as_torchtitan():
             for r in range(pp):
                 assert SC.local_stages(r, pp, vp, name) == ref(r, pp, name, pp * vp)
     assert SC.local_stages(1, 4, 3, "Interleaved1F1B") == ref(1, 4, "Interleaved1F1B", 12)
-    assert "max_active_stages" in SC.stages_error("Interleaved1F1B", 2, 4)
+    assert SC.stages_error("Interleaved1F1B", 2, 4) is None
     assert SC.stages_error("Interleaved1F1B", 2, 3) is None and SC.stages_error("1F1B", 4, 1) is None
+    assert [SC.unshards("Interleaved1F1B", 2, 3, 4, s) for s in range(6)] == [1] * 6
+    assert [SC.unshards("Interleaved1F1B", 2, 4, 4, s) for s in range(8)] == [4, 3, 3, 3, 3, 1, 1, 2]
+    assert SC.unshards("1F1B", 4, 1, 8, 2) == 1
     assert "without a gradient" in SC.stages_error("ZBVZeroBubble", 2, 2)
     # pipeline_parallel_layers_per_stage gives pp * vp stages where an integer does
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None

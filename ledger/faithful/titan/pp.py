@@ -25,7 +25,7 @@ from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params, vocab
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_peak import pp_peak
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
-from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward, schedule_of
+from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward, schedule_of, unshards
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -316,8 +316,9 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
     dp_shard x cp (HSDP's all-reduces over dp_replicate), P2P with the neighbour stages another rank holds
     (mine: this rank's stages; the runtime schedules pass an output to a stage on the same rank without
     P2P), TP and CP per micro-batch (_pp_tp_comm, _pp_cp_comm). The same under every schedule the ledger
-    accepts: a runtime schedule's UNSHARD of a stage gathers each unit once per step as the single-stage
-    schedules' first forward does (schedules.MAX_ACTIVE_STAGES keeps a rank's stages unsharded), its
+    accepts: a runtime schedule's UNSHARD of a stage gathers each unit as the single-stage schedules' first
+    forward does, once per step up to schedules.MAX_ACTIVE_STAGES stages a rank and as often as torch's
+    lowering unshards the stage beyond (schedules.unshards, measured at pp2 with four stages a rank), its
     REDUCE_GRAD is perform_reduce_grad."""
     has_emb, _, L, has_head = stage
     ds, S, n, rep = lay.dp_shard * lay.cp, lay.pp * lay.vp, lay.num_microbatches, lay.dp_replicate
@@ -328,7 +329,11 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
     # requires_gradient_sync(False) on every micro-batch's backward; perform_reduce_grad (after the
     # last one) runs post_backward on every group: one reduce-scatter per unit, reshard. So each
     # unit gathers once per step, in its first forward. (full numel, calls, what)
-    gathers = [(emb, has_emb, "forward unshard (once per step)"), (layer, L, "forward unshard (once per step)")]
+    # a runtime schedule with more than MAX_ACTIVE_STAGES stages a rank reshards some mid-step and gathers them
+    # again (schedules.unshards)
+    u = unshards(schedule_of(fw), lay.pp, lay.vp, n, s)
+    gathers = [(emb, has_emb * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)"),
+               (layer, L * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)")]
     scatters = [(layer, L, "layer grads (perform_reduce_grad)"),
                 (emb, has_emb, "tok_embeddings grad (perform_reduce_grad)")]
     if has_head:
@@ -337,7 +342,7 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
         # its chunks: F0's norm gathers it; every micro-batch's loss unshards it again (wrapper)
         # and its backward through the norm gathers it once more (left unsharded for the next
         # forward by reshard_after_backward(False))
-        gathers += [(head, 1, "[norm, lm_head]: F0 norm forward"),
+        gathers += [(head, u, "[norm, lm_head]: F0 norm forward" if u == 1 else f"[norm, lm_head]: UNSHARD ({u} per step)"),
                     (head, n, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch"),
                     (head, n, "[norm, lm_head]: norm backward, per micro-batch")]
         # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)): a loss

@@ -69,10 +69,6 @@ def stages_error(name: str, pp: int, vp: int) -> str | None:
                 "\"Multi-stage schedule requires at least 2 stages per rank\"): set layout.vp >= 2")
     if style == "v" and vp != 2:
         return f"framework.pipeline_parallel_schedule={name!r} runs exactly 2 stages a rank (schedules.py), not layout.vp={vp}"
-    if vp > MAX_ACTIVE_STAGES:
-        return (f"layout.vp={vp}: torch's runtime schedules keep at most {MAX_ACTIVE_STAGES} stages a rank unsharded "
-                "(schedules.py _add_unshard_reshard max_active_stages) and re-gather the others mid-step; not "
-                "modelled")
     return None
 
 
@@ -130,6 +126,31 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
     return tuple((a.computation_type != _ComputationType.FORWARD, a.microbatch_index, a.stage_index // pp)
                  for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
                  if a is not None)
+
+
+@lru_cache(maxsize=1024)
+def unshards(name: str, pp: int, vp: int, n: int, stage: int) -> int:
+    """How many times a runtime schedule unshards stage `stage` in a step (torch's _add_unshard_reshard over
+    the rank's compute actions: at most MAX_ACTIVE_STAGES of its stages unsharded at once, the others
+    resharded and gathered again when next used; each UNSHARD gathers every FSDP module of the stage,
+    _PipelineScheduleRuntime._perform_action); 1 for the single-stage schedules (their first forward)."""
+    if SCHEDULES[name].style == "single":
+        return 1
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleLoopedBFS, _add_unshard_reshard,
+                                                        _ComputationType)
+
+    rank = stage % pp
+    if name == "Interleaved1F1B":
+        ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
+    elif name == "LoopedBFS":
+        from types import SimpleNamespace
+
+        ops = ScheduleLoopedBFS._calculate_single_rank_operations(
+            SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), rank)
+    else:
+        raise ValueError(f"{name}: its unshards are not modelled")
+    return sum(a.stage_index == stage and a.computation_type == _ComputationType.UNSHARD
+               for a in _add_unshard_reshard(ops))
 
 
 @lru_cache(maxsize=1024)
