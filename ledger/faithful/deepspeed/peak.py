@@ -140,7 +140,8 @@ class PeakInputs:
     epilogue: tuple[tuple[str, int], ...] = ()
     sp: int = 1  # DeepSpeed-Ulysses' degree (ulysses.py): model is then the rank's slice of the sequence
     # the gradient reductions' dtype bytes where not the model's (DeepSpeed-Ulysses: ZeRO-3's reduce-scatters
-    # in the engine's communication_data_type, fp32 by default; ZeRO-1/2's allreduce_bucket in fp32); 0: w
+    # in the engine's communication_data_type, fp32 by default; ZeRO-1/2's allreduce_bucket in fp32); 0: the
+    # model's (zero12.py and zero3.py set it only where the dtypes differ)
     reduce_w: int = 0
     # ZeRO-1/2 with reduce_w: (the reductions of a step's last backward or boundary, each all-reduce of the
     # last one as (what, elements, slices)): backward.dense_last_reduction
@@ -559,9 +560,9 @@ def epilogue(st: _Step, first: bool) -> list[Peak]:
         return _past_backward(_named_moment(res, ("batch (tokens, labels)", st.batch), temp, gathered, "optimizer",
                                             f"the last micro-batch's backward epilogue: {what}"), st)
 
-    if i.reduce_w and i.reduce_w != w:
-        out = [at({**base, **cast_copies(st, n, k)[0]}, cast_copies(st, n, k)[1], f"the IPG all-reduce of {what}")
-               for what, n, k in i.last_reduction[1]]
+    if i.reduce_w:
+        out = [at({**base, **temp}, gathered, f"the IPG all-reduce of {what}")
+               for what, n, k in i.last_reduction[1] for temp, gathered in (cast_copies(st, n, k),)]
     else:
         out = [at(dict(base), {f"the all-reduce's flattened copy ({what})": w * n}, f"the IPG all-reduce of {what}")
                for what, n in i.epilogue]
@@ -612,9 +613,10 @@ def boundary_reduction_casts(st: _Step, first: bool) -> list[Peak]:
     touched = i.grads_hooked[1][-1]
     out = []
     for what, n, k in calls:
+        copies, cast = cast_copies(st, n, k)
         temp = {"grads_in_partition (copy_grads_in_partition)": w * i.flush.overlap if count > 1 else 0,
-                "loss scalars": st.loss_scalars - FP32, **cast_copies(st, n, k)[0]}
-        gathered = {"extra-large gradients a collective reduces in place": w * touched, **cast_copies(st, n, k)[1]}
+                "loss scalars": st.loss_scalars - FP32, **copies}
+        gathered = {"extra-large gradients a collective reduces in place": w * touched, **cast}
         (gathered if i.ipg_touched else temp)["IPG buffer (reduce_bucket_size elements)"] = w * i.bucket
         out.append(_past_backward(_named_moment(st.resident_in_step(first), ("batch (tokens, labels)", st.batch),
                                                 temp, gathered, "optimizer",
@@ -804,7 +806,7 @@ def _pick(st: _Step, first: bool) -> Peak:
         cands.append(deep_in_backward(st, first))
     if zero == 1 and flush is not None:
         cands.append(reduce_gradients_at_boundary(st, first))
-    casts = i.reduce_w and i.reduce_w != i.w and zero in (1, 2) and flush is not None
+    casts = bool(i.reduce_w) and zero in (1, 2) and flush is not None
     if casts and zero == 1:
         cands += boundary_reduction_casts(st, first)
     names.update({id(c): "deeper in backward" for c in cands[2:] if c.phase == "backward"})

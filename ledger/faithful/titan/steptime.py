@@ -119,5 +119,6 @@ def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
     return replace(base, attention_kernel="flash2" if cuda else base.attention_kernel, repeat_kv=True,
                    recompute_ops=base.recompute_ops + ("kv_repeat",),
                    kernel_bytes=base.kernel_bytes + norm,
-                   sources=(base.sources[0].replace("attention FlexAttention (CUDA)", "attention SDPA's flash kernel (CUDA)")
-                            + f"; the torchtitan of 2024: repeat_kv, norm_type {norm_type}",))
+                   sources=(base.sources[0] + "; the torchtitan of 2024: "
+                            + ("SDPA's flash kernel in FlexAttention's place, " if cuda else "")
+                            + f"repeat_kv, norm_type {norm_type}",))
