@@ -151,6 +151,9 @@ def rows(rec: dict) -> list[dict]:
             if "state" in st:
                 for q in STATE_Q:
                     out.append({**r0, "quantity": q, "predicted": p[q], "measured": st["state"][q]})
+                if p.get("host_bytes"):  # ZeRO-Offload: the part DeepSpeed places on the host
+                    out.append({**r0, "quantity": "host_bytes", "predicted": p["host_bytes"],
+                                "measured": st["state"].get("host_bytes", 0)})
             for r in _peak_rows(p, st):
                 out.append({**r0, **r})
             if "comm" in st:

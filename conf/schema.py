@@ -148,6 +148,11 @@ class DeepSpeedConfig(FrameworkConfig):
     # DeepSpeed-Ulysses (layout.cp > 1): the dtype its gradient reductions run in (ds_config
     # seq_parallel_communication_data_type; DeepSpeed's default fp32, runtime/constants.py)
     seq_parallel_communication_data_type: str = "fp32"
+    # ZeRO-Offload (ds_config zero_optimization.offload_optimizer): "none" | "cpu", the fp32 master
+    # partition, its gradient and AdamW's moments on the host, the optimizer step run there; pin_memory:
+    # those host buffers page-locked (DeepSpeed's default false)
+    offload_optimizer: str = "none"
+    offload_optimizer_pin_memory: bool = False
     # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
     # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
     capacity_factor: float = 1.0
@@ -303,6 +308,11 @@ class PlanConfig:
     # hierarchical sizes: set framework.cp_comm_type for it); [] = framework.cp_comm_type as configured
     cp_comm_types: list[str] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
+    # DeepSpeed's ZeRO-Offload tried (framework.offload_optimizer values; cpu where the ledger models it: ZeRO-1/2
+    # of a dense model without Ulysses), and the host memory per GPU its host buffers must fit in: a DGX H100's
+    # 2 TB over its 8 GPUs (NVIDIA DGX H100 datasheet: system memory 2 TB)
+    offload_optimizer: list[str] = field(default_factory=lambda: ["none", "cpu"])
+    host_memory_gb: float = 256.0
     # Megatron: use_distributed_optimizer tried (Megatron-LM's default is off; most large runs turn it on)
     distributed_optimizer: list[bool] = field(default_factory=lambda: [False, True])
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])  # tried where tp > 1

@@ -194,7 +194,7 @@ def validate_plan(p, model, layout=None) -> None:
                               "needs framework.hierarchical_context_parallel_sizes: set framework.cp_comm_type)")
     for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
                        ("sequence_parallel", (False, True)), ("distributed_optimizer", (False, True)),
-                       ("recompute", ("none", "selective", "full"))):
+                       ("recompute", ("none", "selective", "full")), ("offload_optimizer", ("none", "cpu"))):
         vals = list(p[n])
         if not vals:
             raise ConfigError(f"plan.{n}=[] must list at least one value")
@@ -203,6 +203,8 @@ def validate_plan(p, model, layout=None) -> None:
                 raise ConfigError(f"plan.{n} has {v!r}: each must be an integer >= 1")
             if allowed is not None and v not in allowed:
                 raise ConfigError(f"plan.{n} has {v!r}: each must be one of {', '.join(map(str, allowed))}")
+    if not p.host_memory_gb > 0:
+        raise ConfigError(f"plan.host_memory_gb={p.host_memory_gb} must be > 0 (host memory per GPU, decimal GB)")
     from ledger.plan import SORTS, WATCH_KEYS
 
     _one_of("plan", p, "sort", SORTS)

@@ -17,7 +17,7 @@ import shlex
 import sys
 
 from launchers import shell_comment, write_file, write_script
-from ledger.faithful.deepspeed.rules import overlap_comm
+from ledger.faithful.deepspeed.rules import offloads, overlap_comm
 from ledger.layout import Layout
 
 
@@ -50,6 +50,13 @@ def ds_config(cfg, lay: Layout) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if offloads(fw):
+        # ZeRO-Offload (runtime/zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig). On a GPU the
+        # optimizer is DeepSpeed's default under offload, DeepSpeedCPUAdam (built on first use); the CPU
+        # harness keeps torch's AdamW (torch_adam: engine.py takes it under offload too)
+        zero["offload_optimizer"] = {"device": fw.offload_optimizer, "pin_memory": bool(fw.offload_optimizer_pin_memory)}
+        if cfg.cluster.device == "cuda":
+            del out["optimizer"]["params"]["torch_adam"]
     if lay.cp > 1:
         # DeepSpeed-Ulysses (layout.cp: the sequence parallel degree): the engine reads the size from the mpu
         # (runtime/sequence_parallel/parallel_state_sp.py); its gradient reductions run in
@@ -96,6 +103,11 @@ FAKE_SCALAR_SITES: set[tuple[str, str]] = {
     # runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.has_overflow: `overflow_gpu[0].item()`
     # after the overflow all-reduce (ZeRO-1/2 with gradient clipping): 0, no overflow, the step runs
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow"),
+    # ZeRO-Offload: update_offload_overflow_tracker's `self._has_inf_or_nan(grad.data)` on each reduced gradient
+    # (False: no overflow) and complete_grad_norm_calculation_for_cpu_offload's `param_norm.item()` and
+    # `total_dev_norm[0].item()` (0: a finite norm, the step runs)
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_offload_overflow_tracker"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload"),
 }
 
 
@@ -482,12 +494,25 @@ def state_groups(engine) -> dict:
     grads += [p.grad for p in mparams if p.grad is not None]
     optim += optimizer_tensors(opt.optimizer)
     other = _tensors(getattr(opt, "_global_grad_norm", None)) + _tensors(getattr(opt, "inf_or_nan_tracker", None))
+    host = []
+    if getattr(opt, "cpu_offload", False):
+        # ZeRO-Offload (stage_1_and_2.py): what DeepSpeed places on self.device, 'cpu' under offload (on the CPU
+        # accelerator host and device are one memory, so the placement is read from the containers): the fp32
+        # partition and its gradient, the optimizer state, the staging buffers; temp_grad_buffer_for_gpu_offload
+        # is the device's
+        off_grads = [g.grad for g in opt.single_partition_of_fp32_groups if g.grad is not None]
+        off_grads += _tensors(getattr(opt, "accumulated_grads_in_cpu", None))
+        off_other = _tensors(opt.param_buffer_of_bit16_for_cpu_offload_groups)
+        off_other += _tensors(getattr(opt, "temp_grad_buffer_for_cpu_offload", None))
+        grads += off_grads
+        other += off_other + _tensors(getattr(opt, "temp_grad_buffer_for_gpu_offload", None))
+        host = optim + off_grads + off_other
     # DeepSpeed-MoE: each MOELayer keeps its last forward's l_aux and exp_counts (moe/sharded_moe.py
     # MOELayer.forward: self.l_aux, self.exp_counts) until the next
     for mod in engine.module.modules():
         if type(mod).__name__ == "MOELayer":
             other += _tensors(getattr(mod, "l_aux", None)) + _tensors(getattr(mod, "exp_counts", None))
-    return {"params": params, "grads": grads, "optim": optim, "other": other}
+    return {"params": params, "grads": grads, "optim": optim, "other": other, **({"host": host} if host else {})}
 
 
 # DeepSpeed's own launcher (deepspeed/launcher/runner.py): one node runs it; with a hostfile it

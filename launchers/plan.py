@@ -47,7 +47,8 @@ def hardware(p, hw_cfg, target: str = "") -> Hardware:
     prof = profiles.with_overrides(profile_of(hw_cfg), gpus_per_node=min(p.gpus_per_node, p.gpus))
     return Hardware(p.gpus, min(p.gpus_per_node, p.gpus), int(p.gpu_memory_gb * 1e9), p.memory_fraction,
                     prof.peak("bf16") / 1e12, prof.gemm_efficiency, 8 * prof.intra.busbw_gbps,
-                    8 * prof.inter.busbw_gbps, p.tp_across_nodes, prof, target)
+                    8 * prof.inter.busbw_gbps, p.tp_across_nodes, prof, target,
+                    int(p.get("host_memory_gb", 0) * 1e9))
 
 
 def space(cfg) -> Space:
@@ -58,7 +59,8 @@ def space(cfg) -> Space:
         gbs = cfg.layout.global_batch_size
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
                  tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute),
-                 tuple(bool(x) for x in p.distributed_optimizer), tuple(p.get("cp_comm_types") or ()))
+                 tuple(bool(x) for x in p.distributed_optimizer), tuple(p.get("cp_comm_types") or ()),
+                 tuple(p.get("offload_optimizer") or ("none",)))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -148,7 +150,7 @@ CSV_LAYOUT = ("tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "etp", "micro_
 def write_csv(path: str, rows: list[dict]) -> None:
     dims = sorted({d for r in rows for d in r["wire_bytes"]})
     cols = ["rank", "framework", *CSV_LAYOUT, "knobs", "status", "fits", "peak_bytes", "peak_includes",
-            "resident_bytes", "stage", *(f"wire_{d}" for d in dims), *(f"link_{d}" for d in dims), "bubble",
+            "resident_bytes", "host_bytes", "stage", *(f"wire_{d}" for d in dims), *(f"link_{d}" for d in dims), "bubble",
             "est_step_s", "reason"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -157,7 +159,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
             lay = r["layout"]
             w.writerow([r["rank"], r["framework"], *(lay[k] for k in CSV_LAYOUT),
                         " ".join(f"{k}={v}" for k, v in r["knobs"].items()), r["status"], r["fits"], r["peak_bytes"],
-                        r["peak_includes"], r["resident_bytes"], r["stage"],
+                        r["peak_includes"], r["resident_bytes"], r.get("host_bytes", 0), r["stage"],
                         *(r["wire_bytes"].get(d, "") for d in dims), *(r["links"].get(d, "") for d in dims),
                         r["bubble"], r["est_step_s"], r["reason"]])
 
@@ -256,6 +258,8 @@ def _lay(r: Row) -> str:
     kn = r.knobs
     if "zero_stage" in kn:
         s += f" z{kn['zero_stage']}"
+    if kn.get("offload_optimizer", "none") != "none":
+        s += f" off:{kn['offload_optimizer']}"
     if kn.get("use_distributed_optimizer"):
         s += " dopt"
     if "cp_comm_type" in kn:

@@ -143,6 +143,8 @@ class RankState:
     grads_bytes: int = 0
     optim_bytes: int = 0
     other_bytes: int = 0
+    # the part of the four states kept in host memory (DeepSpeed's ZeRO-Offload); the rest is the device's
+    host_bytes: int = 0
     _comm: Optional[list[Comm]] = field(default=None, repr=False)
     # computes `comm` on first use: finding the most-loaded rank of a big layout needs memory only
     comm_fn: Optional[Callable[[], list[Comm]]] = field(default=None, repr=False, compare=False)
@@ -438,6 +440,8 @@ def _class_dict(runs: list[list[int]], s: RankState) -> dict:
     d = {"ranks": runs, "stage": s.stage}
     for k in (*STATES, "resident_bytes"):
         d[k] = getattr(s, k)
+    if s.host_bytes:
+        d["host_bytes"] = s.host_bytes
     d["detail"] = dict(s.detail)
     d["comm"] = [c.to_dict() for c in s.comm]
     if s.comm_first is not None:

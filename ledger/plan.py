@@ -61,7 +61,7 @@ def recompute_knobs(framework: str, mode: str) -> dict | None:
 FRAMEWORK_NAMES = frameworks.names()  # the registered ledgers, in their tables' order
 # what a plan.watch entry may name: the framework, a layout field or a knob a row sets
 WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
-              "global_batch_size", "zero_stage", "decoder_first_pipeline_num_layers",
+              "global_batch_size", "zero_stage", "offload_optimizer", "decoder_first_pipeline_num_layers",
               "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
               "account_for_loss_in_pipeline_split")
 SORTS = ("time", "peak", "wire")
@@ -96,6 +96,8 @@ class Hardware:
     # harness's rules; Megatron's spec's). A cuda-nccl row's fit adds what a rank holds beside its
     # tensors (ledger/cuda.py)
     target: str = ""
+    # host memory per GPU a row's host_bytes (ZeRO-Offload) must fit in (plan.host_memory_gb); 0: not checked
+    host_memory_bytes: int = 0
 
     @property
     def budget_bytes(self) -> float:
@@ -115,6 +117,7 @@ class Space:
     recompute: tuple[str, ...] = ("none",)  # RECOMPUTE settings tried (recompute_knobs)
     distributed_optimizer: tuple[bool, ...] = (False, True)  # Megatron's use_distributed_optimizer tried
     cp_comm_types: tuple[str, ...] = ()  # Megatron's cp_comm_type tried where cp > 1; () = as configured
+    offload_optimizer: tuple[str, ...] = ("none",)  # DeepSpeed's ZeRO-Offload tried (where it models it)
 
 
 @dataclass(slots=True)
@@ -141,6 +144,7 @@ class Row:
     target: str = ""  # the run the row is predicted for (ledger/target.py)
     basis: str = ""  # "from sources: ..." where no run here can confirm the row's prediction (Placement.basis)
     resident_bytes: Optional[int] = None
+    host_bytes: int = 0  # of resident_bytes, what the framework keeps in host memory (ZeRO-Offload)
     state_bytes: dict = field(default_factory=dict)  # params / grads / optim / other of the most-loaded rank
     stage: Optional[int] = None  # pipeline stage of the most-loaded rank
     wire_bytes: dict = field(default_factory=dict)  # dim -> bytes one rank sends per optimizer step
@@ -172,7 +176,8 @@ class Row:
                 "status": self.status, "peak_bytes": self.peak_bytes, "peak_includes": self.peak_includes,
                 "outside_allocator_bytes": self.outside_allocator_bytes, "target": self.target,
                 **({"basis": self.basis} if self.basis else {}),
-                "resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes, "stage": self.stage,
+                "resident_bytes": self.resident_bytes, **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
+                "state_bytes": self.state_bytes, "stage": self.stage,
                 "wire_bytes": self.wire_bytes, "links": self.links, "bubble": self.bubble,
                 "est_step_s": self.est_step_s, "est": self.est, "reason": self.reason,
                 "per_stage": self.per_stage}
@@ -208,7 +213,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
         for cp in divisors(N):
             if cp > space.max_cp:
                 break
-            for kn0 in spec.plan_knob_sets(space, model, N // cp):
+            for kn0 in spec.plan_knob_sets(space, model, N // cp, cp):
                 for rc in rcs:
                     kn = {**kn0, **rc}
                     fw = FrameworkView(base, **kn)
@@ -373,8 +378,8 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
             kinds.setdefault(x.dim, x.kind)
     links = {d: link_of(lay, d, kinds[d], hw.gpus_per_node) for d in wire}
     lanes = {d: network_lanes(kinds[d], node_ranks(lay, d, hw.gpus_per_node)) for d in wire}
-    res = g.resident_bytes
-    row.resident_bytes = res
+    row.resident_bytes, row.host_bytes = g.resident_bytes, g.host_bytes
+    res = g.resident_bytes - g.host_bytes  # the device's (ZeRO-Offload keeps host_bytes beside it)
     row.placement = pl
     row.target, row.basis = pl.target, pl.basis
     row.outside_allocator_bytes = sum(pl.outside_allocator.values())  # (cuda-nccl: ledger.parallel.predict)
@@ -391,7 +396,11 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
     _state_and_estimate(row, g, wire, links, lanes, lay, hw, model, c)
-    if row.peak_bytes + row.outside_allocator_bytes <= hw.budget_bytes:
+    if hw.host_memory_bytes and row.host_bytes > hw.host_memory_bytes:
+        row.status = "too_big"
+        row.reason = (f"host memory {row.host_bytes / 1e9:.2f} GB (ZeRO-Offload) > plan.host_memory_gb = "
+                      f"{hw.host_memory_bytes / 1e9:.2f} GB")
+    elif row.peak_bytes + row.outside_allocator_bytes <= hw.budget_bytes:
         row.status = "fits"
         if hw.profile is not None and mode == "faithful":
             _step_time(model, lay, c, hw, row)

@@ -75,6 +75,9 @@ def render(pl: "Placement", max_rows: int = 16, away_from_defaults: list[str] | 
     rank = next(r for r in range(pl.world) if pl.rank_state(r) is g)
     con.print(f"most-loaded: rank {rank} (stage {g.stage}): resident {g.resident_bytes:,} B = "
               + " + ".join(f"{k.replace('_bytes', '')} {getattr(g, k):,}" for k in STATES), markup=False)
+    if g.host_bytes:
+        con.print(f"  of which on the host (ZeRO-Offload) {g.host_bytes:,} B, on the device "
+                  f"{g.resident_bytes - g.host_bytes:,} B", markup=False)
     split = expert_split(g)
     if split:
         con.print("  of which dense / routed experts: " + ", ".join(

@@ -34,4 +34,4 @@ def peak_or_resident(s) -> int:
     """A rank's (RankState's) predicted peak within a step; its resident state where its ledger predicts
     none (the planner's and the fit verdict's measure of a rank)."""
     pk = s.peak
-    return s.resident_bytes if pk is None else pk.bytes
+    return s.resident_bytes - s.host_bytes if pk is None else pk.bytes

@@ -59,6 +59,11 @@ def account(groups: dict[str, Iterable[torch.Tensor]]) -> dict:
             storages.append({"group": g, "bytes": kb[1], "dtype": str(local(t).dtype).replace("torch.", ""),
                              "shape": list(local(t).shape)})
     out["resident_bytes"] = sum(out[f"{g}_bytes"] for g in GROUPS)
+    if "host" in groups:
+        # the part of them a framework placed in host memory (a launcher names it: DeepSpeed's ZeRO-Offload)
+        host = {kb[0]: kb[1] for t in groups["host"] if isinstance(t, torch.Tensor)
+                for kb in (storage_key_bytes(t),) if kb is not None and kb[0] in seen}
+        out["host_bytes"] = sum(host.values())
     out["storages"] = storages
     return out
 

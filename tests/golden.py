@@ -105,6 +105,15 @@ def deepspeed_cases():
     yield "deepspeed/llama3_8b/ulysses-z3-ac", ["model=llama3_8b", *_fw("deepspeed", zero_stage=3,
                                                                        activation_checkpointing=True),
                                                 *_lay(1, 1, 4, cp=4)]
+    # ZeRO-Offload: its host buffers, host_bytes, the peak bounded by the reductions' copies, its refusals
+    for z in (1, 2):
+        yield f"deepspeed/tiny/offload-z{z}", ["model=tiny", *_fw("deepspeed", zero_stage=z, offload_optimizer="cpu",
+                                                                   reduce_bucket_size=200000),
+                                              *_lay(1, 1, 4, global_batch_size=8)]
+    yield "deepspeed/llama3_8b/offload-z2", ["model=llama3_8b", *_fw("deepspeed", zero_stage=2, offload_optimizer="cpu"),
+                                             *_lay(1, 1, 8)]
+    yield "deepspeed/refused/offload-z3", ["model=tiny", *_fw("deepspeed", zero_stage=3, offload_optimizer="cpu"),
+                                           *_lay(1, 1, 2)]
 
 
 def titan_cases():
@@ -183,6 +192,8 @@ def gpu_target_cases():
     for z in (1, 2, 3):
         yield f"cuda/deepspeed/llama3_1b/z{z}", ["model=llama3_1b", "framework=deepspeed", f"framework.zero_stage={z}",
                                                  *gpu, *_lay(1, 1, 8)]
+    yield "cuda/deepspeed/llama3_1b/offload-z2", ["model=llama3_1b", "framework=deepspeed", "framework.zero_stage=2",
+                                                  "framework.offload_optimizer=cpu", *gpu, *_lay(1, 1, 8)]
     yield "cuda/megatron/llama3_1b/local", ["model=llama3_1b", "framework=megatron", "framework.transformer_impl=local",
                                             "framework.use_distributed_optimizer=true", *gpu, *_lay(2, 2, 2, global_batch_size=16)]
     yield "cpu/megatron/llama3_1b/local-target", ["model=llama3_1b", "framework=megatron", "cluster=local_cpu",

@@ -160,6 +160,13 @@ ULYSSES_Z12 = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks
 ULYSSES_CAST = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=2", "layout.cp=2",
                 "framework.reduce_bucket_size=4000000", "layout.global_batch_size=2"]
 ULYSSES = ("ulysses_z3", "ulysses_z12", "ulysses_cast")
+# ZeRO-Offload (offload_optimizer.device=cpu, pinned) at 4 ranks, 2 micro-batches, extra-large output and
+# embedding gradients: the host buffers (ZeRO-2's accumulated_grads_in_cpu among them), host_bytes; ZeRO-1's
+# peak at the backward's start, ZeRO-2's last rank's at its first reduction's copy into the host partition
+# (inside the peak's bound: the fp64 norm of the output weight and its clone)
+OFFLOAD = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=4", "framework.offload_optimizer=cpu",
+           "framework.offload_optimizer_pin_memory=true", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
+           "layout.global_batch_size=8"]
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
 # that hook peaks (nothing prefetched or kept, so no forward moment above it)
 HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3_196_928, "wq": 3_213_312,
@@ -913,7 +920,7 @@ def runs(tmp_path_factory):
               "fp32_one": FP32_ONE, "odd": ODD,
               "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET,
-              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12, "ulysses_cast": ULYSSES_CAST}
+              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12, "ulysses_cast": ULYSSES_CAST, "offload": OFFLOAD}
     # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's); a sweep's multiruns each into a
     # folder of its own under the sweep's, which records.load reads together
     launch_many([["-m", *part, "wandb.mode=disabled", f"hydra.sweep.dir={root / name / str(i)}"]
@@ -1262,7 +1269,7 @@ def test_peak_rows(runs):
     torch AdamW's update, at the start of backward (4 samples a micro-batch without checkpointing), or
     deeper in ZeRO-2's backward (fp32, 4 ranks, 2 micro-batches), at ZeRO-3's IPG reduce-scatter in
     backward (4 ranks, a partial reuse distance or tied), but for the named findings."""
-    from analysis.compare import peak_gap
+    from analysis.compare import off, peak_gap
 
     recs, tables = runs
     jobs = {(name, R_name(rec)): rec for name in recs for rec in recs[name]}
@@ -1277,6 +1284,12 @@ def test_peak_rows(runs):
         for job, g in pk.groupby("job"):
             found = _peak_finding(jobs[(name, job)])
             steady = g[(g.phase == "steady") & (g.quantity == "peak_bytes")]
+            bounded = steady.bound_low.notna() if "bound_low" in steady else steady.step < 0
+            # a bounded peak (ZeRO-Offload: the reductions' copies into the host partition not placed) is
+            # judged inside its bound (compare.off); a rank whose peak is a placed moment stays exact
+            assert not off(steady[bounded]).any(), f"{name}/{job}:\n{steady[bounded].to_string()}"
+            if bounded.any() and (peak_gap(steady[bounded]) != 0).any():
+                continue
             for k, _ in found:
                 seen[k] += 1
             # off by more than the probe's thread-timing range (compare.peak_gap: 0 inside it)
@@ -1291,7 +1304,44 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 45, exact
+    assert exact == 46, exact
+
+
+@pytest.mark.real
+def test_offload_keeps_the_optimizer_on_the_host(runs):
+    """ZeRO-Offload (zero12.py offload_buffers): DeepSpeed builds the fp32 partition, its gradient, the optimizer
+    state and two staging buffers on the host, one gradient buffer on the device and, at ZeRO-2 with several
+    micro-batches, a host copy of each gradient of the partition (accumulated_grads_in_cpu); host_bytes (read from
+    where DeepSpeed places each container: on the CPU accelerator host and device are one memory) reconciles to
+    the byte on every rank (test_every_row_reconciles_to_the_byte); the collectives are ZeRO-1/2's own. The
+    peaks: ZeRO-1's exact, ZeRO-2's inside their bound, its last rank's above the placed moments (the output
+    weight's fp64 norm and clone at its reduction)."""
+    from ledger.faithful.deepspeed.zero12 import _zero12_memory
+
+    recs, tables = runs
+    assert sorted(_key(r) for r in recs["offload"]) == [(1, 4), (2, 4)]
+    df = tables["offload"]
+    for rec in recs["offload"]:
+        m = ModelShape.from_config(rec["config"]["model"])
+        job = df[(df.job == R_name(rec)) & (df.phase == "steady")]
+        host = job[job.quantity == "host_bytes"]
+        assert len(host) == 4 * job.step.nunique() and (host.abs_err == 0).all()
+        optim = job[job.quantity == "optim_bytes"].set_index("rank").measured
+        grads = job[job.quantity == "grads_bytes"].set_index("rank").measured
+        assert (host.set_index("rank").measured > optim).all()
+        part = -(-m.num_params() // 8) * 8 // 4
+        # the fp32 gradient partition stays on the host; ZeRO-2 also keeps a model-dtype copy of each gradient of
+        # the partition, whole (a straddling one in both ranks)
+        assert ((grads > 4 * part) if _key(rec)[0] == 2 else (grads == 4 * part)).all(), grads
+        # the same collectives as without offload (the comm ledger's rows: none of offload's own)
+        plain = _zero12_memory(m, 4, _key(rec)[0], "bf16")
+        assert (optim == plain.optim_bytes).all()
+        for r in rec["measurement"]["ranks"]:
+            assert r["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    peaks = df[(df.phase == "steady") & (df.quantity == "peak_bytes")]
+    z1, z2 = (peaks[peaks.framework == f"deepspeed-z{z}"] for z in (1, 2))
+    assert (z1.abs_err == 0).all() and z1.bound_low.notna().all()
+    assert (z2.measured > z2.predicted).any() and (z2.measured <= z2.bound_high).all()
 
 
 @pytest.mark.real
@@ -1633,3 +1683,69 @@ def test_reduction_calls_merge_slices_as_average_tensor_does():
     assert reduction_calls((Piece(0, 0, 30), Piece(0, 30, 20)), parts, pgs, 1000) == [(0, 50, 1)]
     # a bucket limit of 60 cuts the dense slices into calls once their sum passes it
     assert reduction_calls(content, parts, pgs, 60) == [(0, 100, 2), (0, 30, 1), (1, 40, 1)]
+
+
+def test_offload_by_hand():
+    """ZeRO-Offload at 2 ranks of the tiny model with DeepSpeed's default bucket (one micro-batch): the state of
+    the plain layout plus the host fp32 gradient partition (4p), the model-dtype staging partition (2p) and two
+    gradient buffers of the largest param (2 x 2 x 262,144: one the host's, one the device's), the first three
+    and the optimizer state on the host; the peak where the plain layout's is (the IPG buffer's allocation at
+    the first hook, before any copy to the host) by those buffers more: measured 1,047,233,312 B on both ranks
+    (`python launch.py framework=deepspeed framework.zero_stage=2 cluster.ranks=2
+    framework.offload_optimizer=cpu`, step 1); for a GPU run (cuda-nccl) the device's part only."""
+    from ledger.faithful.deepspeed.zero import place
+    from ledger.target import CUDA_NCCL
+
+    n, p, big = 3_541_248, 1_770_624, 262_144
+    plain = place(preset("tiny"), _lay(2), _fw(zero_stage=2)).rank_state(0)
+    off = place(preset("tiny"), _lay(2), _fw(zero_stage=2, offload_optimizer="cpu")).rank_state(0)
+    assert off.grads_bytes == 4 * p and off.other_bytes == plain.other_bytes + 2 * p + 2 * 2 * big
+    assert off.host_bytes == plain.optim_bytes + 4 * p + 2 * p + 2 * big
+    assert off.resident_bytes - off.host_bytes == 2 * n + 4 + 2 * big
+    assert off.peak.bytes == plain.peak.bytes + 11_672_320 == 1_047_233_312 and "the first hook" in off.peak.what
+    assert off.peak.bound[1] > off.peak.bytes
+    gpu = place(preset("tiny"), _lay(2), _fw(zero_stage=2, offload_optimizer="cpu"), CUDA_NCCL).rank_state(0).peak
+    assert gpu.parts["resident"] == 2 * n + 2 * big + 4  # the params, the device's buffer, the grad norm
+
+
+def test_offload_refusals_name_the_field():
+    """What the ledger does not model of ZeRO-Offload is refused naming framework.offload_optimizer and why; the
+    planner tries offload only where it is modelled."""
+    from ledger.faithful.deepspeed import rules
+    from ledger.plan import Space
+
+    tiny, moe = preset("tiny"), preset("tiny_moe")
+    for model, lay, fw, why in ((tiny, _lay(2), _fw(zero_stage=3, offload_optimizer="cpu"), "zero_stage=3"),
+                                (tiny, _lay(2), _fw(zero_stage=2, offload_optimizer="nvme"), "NVMe"),
+                                (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", precision="fp32"), "fp32"),
+                                (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", overlap_comm=True),
+                                 "overlap_comm"),
+                                (moe, _lay(2), _fw(zero_stage=2, offload_optimizer="cpu"), "MoE")):
+        with pytest.raises(ConfigError, match="offload_optimizer") as e:
+            rules.validate_layout(model, lay, fw)
+        assert why in str(e.value)
+    with pytest.raises(ConfigError, match="framework.offload_optimizer='gpu' must be one of none, cpu, nvme"):
+        rules.validate_knobs(_fw(offload_optimizer="gpu"))
+    sets = rules.plan_knob_sets(Space(8, offload_optimizer=("none", "cpu")), tiny, 8)
+    assert {(k["zero_stage"], k["offload_optimizer"]) for k in sets} == {(1, "none"), (2, "none"), (3, "none"),
+                                                                          (1, "cpu"), (2, "cpu")}
+    assert all(k["offload_optimizer"] == "none" for k in rules.plan_knob_sets(Space(8, offload_optimizer=("none", "cpu")),
+                                                                                tiny, 4, cp=2))
+
+
+def test_offload_copies_and_link_bytes():
+    """The per-rank transient of a reduction's copy into the host partition (backward.offload_copies): the
+    largest slice's fp64 norm, plus its whole gradient's clone where extra-large; the host link's bytes per
+    partition element (steptime.offload_link_bytes): the fp32 gradients out and the params back, and ZeRO-2's
+    accumulation through the host every micro-batch."""
+    from ledger.faithful.deepspeed import backward
+    from ledger.faithful.deepspeed.steptime import offload_link_bytes
+
+    m = preset("tiny")
+    big = m.vocab * m.hidden
+    # 4 ranks: the output weight (the last param, whole in rank 3's partition) extra-large under 65,536
+    assert backward.offload_copies(m, 4, 65_536, 2)[3] == 8 * big + 2 * big
+    assert backward.offload_copies(m, 4, 10**9, 2)[3] == 8 * big
+    counts = backward.partition_params(m, 4)
+    assert sum(e for _, e in counts) >= m.num_params() and all(c > 0 for c, _ in counts)
+    assert offload_link_bytes(1, 4) == offload_link_bytes(2, 1) == 6 and offload_link_bytes(2, 2) == 4 + 4 + 2 + 2

@@ -197,6 +197,8 @@ def test_estimate_is_the_documented_roofline():
     ("plan.vps=[]", "plan.vps=[] must list at least one value"),
     ("plan.name=a/b", "plan.name='a/b' must match"),
     ("plan.watch=[{tpp:8}]", "plan.watch[0] has tpp: its keys must be among"),
+    ("plan.offload_optimizer=[nvme]", "plan.offload_optimizer has 'nvme': each must be one of none, cpu"),
+    ("plan.host_memory_gb=0", "plan.host_memory_gb=0.0 must be > 0"),
 ])
 def test_bad_plan_input_names_the_field(override, message):
     cfg = _compose("mode=plan", "plan.gpus=16", "plan.global_batch_tokens=1024", override)
@@ -519,3 +521,27 @@ def test_megatron_cp_layouts_are_tried_with_each_listed_attention(tmp_path, caps
                          "plan.global_batch_tokens=262144", "framework=megatron", "plan.max_cp=4", "plan.recompute=[none]")
     assert len(plain) < len(rows) and all("cp_comm_type" not in r["knobs"] for r in plain)
     assert {r["basis"] for r in plain if r["layout"]["cp"] > 1 and r["status"] != "refused"} == {basis("p2p")}
+
+
+def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path):
+    """DeepSpeed's ZeRO-Offload rows (plan.offload_optimizer): judged on the device's peak (the resident state
+    less host_bytes), their host_bytes against plan.host_memory_gb (a row over it is too big, the reason says
+    so), timed with the optimizer step on the host and the host link's transfers."""
+    rec, plan = _plan_job(tmp_path, "model=llama3_8b", "framework=deepspeed", "plan.gpus=8",
+                          "plan.global_batch_tokens=262144", "plan.recompute=[full]", "plan.host_memory_gb=20")
+    off = [r for r in plan if r["knobs"]["offload_optimizer"] == "cpu"]
+    assert off and {r["knobs"]["zero_stage"] for r in off} == {1, 2}
+    for r in off:
+        assert r["host_bytes"] > r["state_bytes"]["optim"]
+        if r["host_bytes"] > 20e9:
+            assert r["status"] == "too_big" and "host memory" in r["reason"], r
+        elif r["fits"]:
+            assert dict(r["est"]["waterfall"])["host link transfers (offload)"] > 0
+    plain = {(r["layout"]["micro_batch_size"], r["knobs"]["zero_stage"]): r for r in plan
+             if r["knobs"]["offload_optimizer"] == "none" and r["knobs"]["zero_stage"] < 3 and r["layout"]["cp"] == 1}
+    for r in off:  # the device holds less than without offload, the optimizer step takes longer
+        p = plain[r["layout"]["micro_batch_size"], r["knobs"]["zero_stage"]]
+        assert r["peak_bytes"] < p["peak_bytes"]
+        if r["fits"] and p["fits"]:
+            assert r["est_step_s"] > p["est_step_s"]
+    assert any(r["status"] == "too_big" and "host memory" in r["reason"] for r in off)

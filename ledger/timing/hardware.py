@@ -55,6 +55,12 @@ class Profile:
     # attention kernel (ATTENTION_KERNELS) -> (forward, backward) fraction of the bf16 peak it reaches;
     # a kernel not named runs at gemm_efficiency (batched matmuls)
     attention_efficiency: dict = field(default_factory=dict)
+    # the host beside each GPU (DeepSpeed's ZeRO-Offload: its optimizer step on the host, the gradients and
+    # params over the host link): GB/s each way of one GPU's PCIe link, and the host DRAM's GB/s per GPU
+    # (the node's CPU sockets' memory channels over its GPUs); 0: not given (a CPU profile: the host is
+    # the device)
+    host_link_gbps: float = 0.0
+    host_memory_gbps: float = 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for dtype (bf16 and fp16 share the tensor cores' rate)."""
@@ -114,6 +120,20 @@ _ASSUMED = ("gemm_efficiency: cuBLAS on large bf16 GEMMs reaches 70-80% of the d
             "~80% of the NVLink rate inside a node and ~90% of the NIC rate across nodes, ring-step latency "
             "~5 us (NVLink) / ~10 us (network): assumptions, not measurements")
 
+# the host beside each GPU (ZeRO-Offload's time): (PCIe GB/s each way, host DRAM GB/s per GPU), from the
+# datasheets: A100 SXM4 "PCIe Gen4: 64 GB/s" (32 each way), DGX A100's 2 x AMD EPYC 7742 with 8 channels of
+# DDR4-3200 each (2 x 204.8 GB/s over 8 GPUs); H100 / H200 SXM "PCIe Gen5: 128 GB/s" (64 each way), DGX H100's
+# 2 x Xeon Platinum 8480C with 8 channels of DDR5-4800 each (2 x 307.2 GB/s over 8 GPUs; HGX H200 and the
+# Grand Teton H100 taken as the same host); DGX B200's PCIe Gen5 and 2 x Xeon Platinum 8570 with 8 channels of
+# DDR5-5600 each (2 x 358.4 GB/s over 8 GPUs)
+_HOSTS = {"a100": (32.0, 2 * 204.8 / 8), "h100": (64.0, 2 * 307.2 / 8), "h100-96gb": (64.0, 2 * 307.2 / 8),
+          "h200": (64.0, 2 * 307.2 / 8), "b200": (64.0, 2 * 358.4 / 8)}
+_HOST_SOURCES = ("host: the GPU datasheets' PCIe rates (A100 Gen4 32 GB/s each way; H100, H200, B200 Gen5 64) and "
+                 "the DGX systems' CPUs' memory channels over 8 GPUs (DGX A100 2 x EPYC 7742 DDR4-3200: 51.2 GB/s a "
+                 "GPU; DGX H100 2 x Xeon 8480C DDR5-4800: 76.8; DGX B200 2 x Xeon 8570 DDR5-5600: 89.6); the "
+                 "link taken at its full rate and the host's memory at memory_efficiency: assumptions")
+
+
 def _preset(name: str, peaks: dict, hbm_gbps: float, memory_gb: float, nvlink_each_way_gbps: float,
             nic_gbit: float, gemm_efficiency: float, sms: int, attention: dict) -> Profile:
     """A datasheet preset (_DATASHEET[name]) with the assumed fractions (_ASSUMED): NVLink busbw 80% of
@@ -121,7 +141,9 @@ def _preset(name: str, peaks: dict, hbm_gbps: float, memory_gb: float, nvlink_ea
     kernels' fractions (_ATTENTION_SOURCES)."""
     return Profile(name, peaks, hbm_gbps, memory_gb, 8, Link(0.8 * nvlink_each_way_gbps, 5.0),
                    Link(0.9 * nic_gbit / 8, 10.0), gemm_efficiency, 0.8, sms=sms, attention_efficiency=attention,
-                   sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED, "attention": _ATTENTION_SOURCES})
+                   host_link_gbps=_HOSTS[name][0], host_memory_gbps=_HOSTS[name][1],
+                   sources={"datasheet": _DATASHEET[name], "assumed": _ASSUMED, "attention": _ATTENTION_SOURCES,
+                            "host": _HOST_SOURCES})
 
 
 # NVIDIA H100 NVL datasheet: 1,671 TFLOPS bf16 with sparsity, 835 dense: the lower end of the Grand Teton

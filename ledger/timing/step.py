@@ -92,7 +92,24 @@ class TimePolicy:
     # (into a zeroed buffer) rather than assigning
     grad_accumulate_bytes: float = 0.0
     grad_accumulate_first: bool = True
+    # the optimizer step runs on the host (DeepSpeed's ZeRO-Offload), at its memory's rate
+    # (Profile.host_memory_gbps), and the step moves offload_link_bytes per element it updates over the host
+    # link (Profile.host_link_gbps) on the compute stream, exposed
+    host_optimizer: bool = False
+    offload_link_bytes: float = 0.0
     sources: tuple = ()
+
+
+def host_rates(hw: Profile) -> tuple[float, float]:
+    """(host memory GB/s, host link GB/s each way) a rank's offloaded optimizer runs at: the profile's; on a CPU
+    profile the host is the device (its memory; a copy "over the link" reads and writes it: half its rate)."""
+    if hw.device == "cpu":
+        return hw.hbm_gbps, hw.hbm_gbps * hw.memory_efficiency / 2
+    if not (hw.host_link_gbps > 0 and hw.host_memory_gbps > 0):
+        from ledger.layout import ConfigError
+        raise ConfigError(f"hardware={hw.name}: an offloaded optimizer's time needs the host's rates "
+                          "(hardware.host_link_gbps, hardware.host_memory_gbps)")
+    return hw.host_memory_gbps, hw.host_link_gbps
 
 
 @dataclass
@@ -295,8 +312,10 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
 
     st = placement.rank_state(_stage_of_rank(lay, crit))
     elements = st.optim_bytes / policy.optimizer_state_bytes
-    opt_s = elements * policy.optimizer_traffic_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
-    step = pipe_s + g_exp + p_exp + opt_s + sm_s
+    memory_gbps, link_gbps = host_rates(hw) if policy.host_optimizer else (hw.hbm_gbps, 0.0)
+    opt_s = elements * policy.optimizer_traffic_bytes / (memory_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
+    host_s = elements * policy.offload_link_bytes / (link_gbps * 1e9) if policy.host_optimizer else 0.0
+    step = pipe_s + g_exp + p_exp + opt_s + sm_s + host_s
 
     # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
     # layers), the recompute's
@@ -329,6 +348,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                  ("grad accumulation", accumulate[crit])]
     waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]
     waterfall += [("SMs held by hidden collectives", sm_s), ("pipeline bubble", bubble), ("optimizer step", opt_s)]
+    if policy.host_optimizer:
+        waterfall.append(("host link transfers (offload)", host_s))
     total = sum(t for _, t in waterfall)
     if abs(total - step) > 1e-9 * step:  # the terms are the step's parts by construction
         raise AssertionError(f"step time's waterfall sums to {total}, not its step {step}")

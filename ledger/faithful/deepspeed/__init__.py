@@ -14,5 +14,5 @@ LEDGER = register(FrameworkLedger(
     grad_dtype=rules.grad_dtype, validate_knobs=rules.validate_knobs, validate_layout=rules.validate_layout,
     textbook=textbook, recompute_knobs=rules.recompute_knobs, recompute_mode=rules.recompute_mode,
     overlaps=rules.overlaps, plan_data_parallel_only=True, plan_knob_sets=rules.plan_knob_sets,
-    plan_chooses={"zero_stage": None},  # (every row sets its stage: plan_knob_sets)
+    plan_chooses={"zero_stage": None},  # (every row sets its stage and offload: plan_knob_sets)
     own_defaults=rules.OWN_DEFAULTS, peak_basis=target.peak_basis))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from ledger.dtypes import FP64
 from ledger.model import ModelShape, numel
 from ledger.units import round_up
 
@@ -41,6 +42,36 @@ def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
         at[name] = (off, numel(sh))
         off += numel(sh)
     return part, at
+
+
+@lru_cache(maxsize=64)
+def partition_params(model: ModelShape, dp: int) -> tuple[tuple[int, int], ...]:
+    """Per rank of a dp group: (the parameters overlapping its partition, their elements, each whole), as
+    stage_1_and_2.py's is_param_in_current_partition marks them (a straddling parameter in both ranks')."""
+    part, at = _flat(model, dp)
+    count, elems = [0] * dp, [0] * dp
+    for off, k in at.values():
+        for r in range(off // part, (off + k - 1) // part + 1):
+            count[r] += 1
+            elems[r] += k
+    return tuple(zip(count, elems))
+
+
+@lru_cache(maxsize=64)
+def offload_copies(model: ModelShape, dp: int, bucket: int, w: int) -> tuple[int, ...]:
+    """Per rank of a dp group under ZeRO-Offload: the most bytes one reduced gradient's copy into the host
+    partition holds at once (stage_1_and_2.py copy_grads_in_partition at the boundary): its slice's fp64
+    norm (set_norm_for_param_grad_in_gpu: `.to(get_norm_dtype())`, freed before the fp32 copy of
+    async_inplace_copy_grad_to_fp32_buffer_from_gpu, half its size), beside an extra-large gradient's clone
+    (reduce_independent_p_g_buckets_and_remove_grads under _offload_gradient_safety_enabled: the clone replaces
+    its grad, reduced in place, so the whole gradient is counted once more)."""
+    part, at = _flat(model, dp)
+    out = [0] * dp
+    for off, k in at.values():
+        for r in range(off // part, (off + k - 1) // part + 1):
+            mine = min(off + k, (r + 1) * part) - max(off, r * part)
+            out[r] = max(out[r], FP64 * mine + (w * k if k > bucket else 0))
+    return tuple(out)
 
 
 def _reduced_in_place(k: int, off: int, part: int, bucket: int) -> bool:

@@ -138,7 +138,8 @@ class Memory(RankState):
 
     def state(self) -> RankState:
         return RankState(stage=self.stage, params_bytes=self.params_bytes, grads_bytes=self.grads_bytes,
-                         optim_bytes=self.optim_bytes, other_bytes=self.other_bytes, detail=dict(self.detail))
+                         optim_bytes=self.optim_bytes, other_bytes=self.other_bytes, host_bytes=self.host_bytes,
+                         detail=dict(self.detail))
 
 
 def fresh(comms) -> list[Comm]:

@@ -59,6 +59,7 @@ activations they count are activations.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ledger.dtypes import FP32, FP64
 from ledger.faithful.deepspeed.activations import (Dispatch, batch_bytes, ffn_saves, head_activations,
@@ -76,6 +77,19 @@ def _loss_scalars() -> int:
     # the loss (nll_loss's fp32 scalar), engine.backward's scaled copy and its product
     # (_scale_loss_by_gas, the loss scaler's mul) and the gradient seed (ones_like): four scalars
     return 4 * FP32
+
+
+class Offload(NamedTuple):
+    """ZeRO-Offload's buffers (zero12.offload_buffers), resident from the engine's construction (the
+    accumulated gradients from micro-batch 0's backward): bytes on the host by state, bytes on the device,
+    and the params of the rank's partition (each leaves one fp64 norm until step() ends)."""
+    host_grads: int
+    host_other: int
+    device_other: int
+    params_in_partition: int
+    # the most one reduction's copy into the host partition holds at once (backward.offload_copies): the
+    # moments of those copies are not placed, the peak is bounded by it (Peak.bound)
+    copies: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,9 @@ class PeakInputs:
     # ZeRO-1/2 with reduce_w: (the reductions of a step's last backward or boundary, each all-reduce of the
     # last one as (what, elements, slices)): backward.dense_last_reduction
     last_reduction: tuple = ()
+    # ZeRO-1/2 with offload_optimizer (zero12.py): its buffers; the optimizer state and step on the host,
+    # grads_in_partition never made (flush.overlap 0)
+    offload: Offload | None = None
 
 
 class _Step:
@@ -169,7 +186,10 @@ class _Step:
             # collective reduces in place (the extra-large gradients, the IPG buffer where touched) are
             # `gathered` for the probe, whose categories hold for the whole step
             held_grads = w * i.n + w * i.bucket
-            held_touched = w * i.grads_hooked[1][-1] + (w * i.bucket if i.ipg_touched else 0)
+            # (ZeRO-Offload: an extra-large gradient is cloned at its hook before it is reduced,
+            # reduce_independent_p_g_buckets_and_remove_grads under _offload_gradient_safety_enabled: the
+            # storage held here is never a collective's)
+            held_touched = (w * i.grads_hooked[1][-1] if not i.offload else 0) + (w * i.bucket if i.ipg_touched else 0)
         elif m > 1 and zero == 2:
             # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
             # all_grad_tensors; sized as the whole params overlapping the partition
@@ -269,11 +289,22 @@ class _Step:
     def resident_lines(self, first: bool) -> dict[str, int]:
         """resident_in_step by state, as a peak's detail names them."""
         i = self.i
+        optim = i.optim - (sum(2 * FP32 * p + FP32 for p in i.group_parts or (i.part,)) if first else 0)
+        grads, other = host_lines(i)
         return {"resident/params": i.params_resident - (i.persist if first else 0),
-                "resident/grads": i.grads_resident,
-                "resident/optim": i.optim - (sum(2 * FP32 * p + FP32 for p in i.group_parts or (i.part,)) if first
-                                             else 0),
-                "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0) + i.other_extra}
+                "resident/grads": i.grads_resident + grads,
+                "resident/optim": optim if not i.offload or i.rules.host_is_device else 0,
+                "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0) + i.other_extra
+                + other}
+
+
+def host_lines(i: PeakInputs) -> tuple[int, int]:
+    """ZeRO-Offload's buffers in the peak's memory (grads, other): the host's only where the target's host is
+    its device (the CPU harness: one memory)."""
+    if not i.offload:
+        return 0, 0
+    o, host = i.offload, i.rules.host_is_device
+    return (o.host_grads if host else 0), o.device_other + (o.host_other if host else 0)
 
 
 def optimizer_step(st: _Step, first: bool) -> Peak:
@@ -291,11 +322,23 @@ def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
     # step 0: a later group's exp_avg, exp_avg_sq and step are made at its own update (_init_group)
     later = sum(2 * FP32 * p + FP32 for p in parts[g + 1:]) if first else 0
     optim = i.optim - later
-    resident = params + i.grads_resident + optim + other
+    off_grads, off_other = host_lines(i)
+    on_host = bool(i.offload) and not i.rules.host_is_device  # the update runs in another memory
+    optim, other = (0 if on_host else optim), other + off_other
+    resident = params + i.grads_resident + off_grads + optim + other
     part = parts[g]
-    temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * part,
-            f"AdamW {i.rules.adam_temporaries}": i.rules.adam_partition_temporaries * FP32 * part,
-            "loss (last micro-batch)": FP32}
+    if i.offload:
+        # stage_1_and_2.py step() under cpu_offload: the fp32 gradient partition is the host buffer the
+        # reductions copied into (resident); each param of the partition left its fp64 norm
+        # (set_norm_for_param_grad_in_gpu, norm_for_param_grads: cleared by reset_cpu_buffers after the step)
+        temp = {"norm_for_param_grads (an fp64 norm per param of the partition)": FP64 * i.offload.params_in_partition}
+        if not on_host:
+            temp[f"AdamW {i.rules.adam_temporaries}"] = i.rules.adam_partition_temporaries * FP32 * part
+        temp["loss (last micro-batch)"] = FP32
+    else:
+        temp = {"fp32 gradient partition (step(): .to(fp32))": FP32 * part,
+                f"AdamW {i.rules.adam_temporaries}": i.rules.adam_partition_temporaries * FP32 * part,
+                "loss (last micro-batch)": FP32}
     if g < len(parts) - 1 and i.flush is not None:
         # stage_1_and_2.py step(): a group's averaged_gradients are views of the one
         # grads_in_partition buffer, released group by group: alive until the last group's step
@@ -308,7 +351,7 @@ def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
         temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
     moment = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),
               "unnamed": 0}
-    detail = {"resident/params": params, "resident/grads": i.grads_resident, "resident/optim": optim,
+    detail = {"resident/params": params, "resident/grads": i.grads_resident + off_grads, "resident/optim": optim,
               "resident/other": other, "activations/batch (tokens, labels)": batch}
     detail.update({f"temporary/{k}": v for k, v in temp.items()})
     what = "" if len(parts) == 1 else f" of param group {g}"
@@ -838,6 +881,13 @@ def _pick(st: _Step, first: bool) -> Peak:
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
                      "candidate)"
+    if i.offload:
+        # ZeRO-Offload: each reduced gradient of the partition is copied into the host partition through its
+        # fp64 norm and an fp32 copy (an extra-large one cloned first); those moments are not placed in the
+        # backward: the peak lies between the placed moments' and theirs plus the largest copy
+        best.bound = (best.bytes, best.bytes + i.offload.copies)
+        best.what += (f"; up to {best.bytes + i.offload.copies:,} B with the reductions' copies into the host "
+                      "partition (not placed: bounded)")
     if casts and (i.last_reduction[0] > 1 if zero == 1 else flush.first_hook < i.hooks.count):
         best.what += ("; an estimate (reducing in another dtype: the casts of the reductions before the last are "
                       "not candidates)")

@@ -35,6 +35,47 @@ def validate_knobs(fw) -> None:
     # DeepSpeed-Ulysses' reduction dtype (runtime/config.py get_communication_data_type's values), whatever cp
     if "seq_parallel_communication_data_type" in fw:
         one_of("framework", fw, "seq_parallel_communication_data_type", ("fp32", "bf16", "fp16"))
+    # ZeRO-Offload's devices (runtime/zero/offload_config.py OffloadDeviceEnum: none, cpu, nvme)
+    if "offload_optimizer" in fw:
+        one_of("framework", fw, "offload_optimizer", ("none", "cpu", "nvme"))
+    if not isinstance(fw.get("offload_optimizer_pin_memory", False), bool):
+        raise ConfigError(f"framework.offload_optimizer_pin_memory={fw.offload_optimizer_pin_memory!r} must be true "
+                          "or false")
+
+
+def offloads(fw) -> bool:
+    """ZeRO-Offload of the optimizer (zero_optimization.offload_optimizer.device=cpu)."""
+    return fw.get("offload_optimizer", "none") != "none"
+
+
+def offload_check(model, lay, fw) -> None:
+    """What ZeRO-Offload the ledger models: ZeRO-1/2 offloading to the host (stage_1_and_2.py cpu_offload),
+    as the CPU runs confirm it. DeepSpeed itself offloads only under ZeRO (stage 0 has no partitioned
+    optimizer to move)."""
+    off = fw.get("offload_optimizer", "none")
+    if off == "none":
+        return
+    if off == "nvme":
+        raise ConfigError("framework.offload_optimizer='nvme': ZeRO-Infinity's NVMe swapper (its aio buffers and "
+                          "swap files) is not modelled; use cpu")
+    if fw.zero_stage == 0:
+        raise ConfigError("framework.offload_optimizer='cpu' needs ZeRO (zero_stage 1, 2 or 3): stage 0 keeps no "
+                          "partitioned optimizer to offload")
+    reasons = []
+    if fw.zero_stage == 3:
+        reasons.append("zero_stage=3 (stage3.py's offload of its fp32 partitions and sub-groups)")
+    if fw.precision != "bf16":
+        reasons.append(f"precision={fw.precision} (measured in bf16 only)")
+    if lay.cp > 1:
+        reasons.append(f"layout.cp={lay.cp} (DeepSpeed-Ulysses' fp32 reductions into the host partition)")
+    if model.is_moe:
+        reasons.append("MoE (the expert groups' partitions)")
+    if fw.zero_stage == 1 and overlap_comm(fw):
+        reasons.append("zero_stage=1 with overlap_comm (the hooks' reductions at the boundary keep micro-step "
+                       "bookkeeping of their own)")
+    if reasons:
+        raise ConfigError("framework.offload_optimizer='cpu' is modelled for ZeRO-1/2 in bf16 without overlap_comm "
+                          "at stage 1; not with " + "; ".join(reasons))
 
 
 def validate_layout(model, lay, fw_cfg) -> None:
@@ -48,6 +89,8 @@ def validate_layout(model, lay, fw_cfg) -> None:
         ulysses_check(model, lay)
     if not (lay.dp_replicate == 1):
         raise ConfigError("deepspeed: dp_replicate (HSDP) is a torchtitan layout; use zero_stage instead")
+    if fw_cfg is not None:
+        offload_check(model, lay, fw_cfg)
 
 
 def ulysses_check(model, lay) -> None:
@@ -97,5 +140,14 @@ def overlap_comm(fw) -> bool:
 
 
 def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> list[dict]:
-    """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank)."""
-    return [{"zero_stage": z} for z in space.zero_stages]
+    """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank), with each
+    offload_optimizer of plan.offload_optimizer where the ledger models it (offload_check: ZeRO-1/2 of a dense
+    model without Ulysses)."""
+    out = []
+    for z in space.zero_stages:
+        for off in space.offload_optimizer:
+            if off == "none":
+                out.append({"zero_stage": z, "offload_optimizer": "none"})
+            elif off == "cpu" and z in (1, 2) and cp == 1 and not (model is not None and model.is_moe):
+                out.append({"zero_stage": z, "offload_optimizer": off})
+    return out

@@ -27,15 +27,30 @@ deepspeed/runtime/.
              not counted. zero/stage3.py copies into its bucket on reduce_and_partition_stream, beside
              the compute (not counted)
   optimizer  FusedAdam over the fp32 partition (12 bytes of state an element), 30 bytes of traffic
+  offload    zero/stage_1_and_2.py under offload_optimizer.device=cpu: the step on the host (DeepSpeedCPUAdam:
+             fp32 param, grad, exp_avg, exp_avg_sq read, three written, 28 bytes, then the partition copied
+             into its model-dtype staging buffer, 6: 34 bytes an element at the host's memory rate); over
+             the host link, on the compute stream (copy_grad_stream is disabled there), per element of the
+             partition: each gradient's fp32 copy into the host partition at the boundary (4 bytes,
+             async_inplace_copy_grad_to_fp32_buffer_from_gpu) and the updated params back (2); ZeRO-2 with
+             several micro-batches also moves each gradient out and back through accumulated_grads_in_cpu
+             (async_accumulate_grad_in_cpu_via_gpu: 2 bytes out every micro-batch, 2 back from the second)
 """
 from __future__ import annotations
 
-from ledger.faithful.deepspeed.rules import overlap_comm
+from ledger.faithful.deepspeed.rules import offloads, overlap_comm
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
 # the Llama's eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("norm", EAGER_FP32_RMSNORM_BYTES), ("rope", (44, 88)), ("swiglu", (10, 16)))
+
+
+def offload_link_bytes(zero: int, m: int) -> float:
+    """Bytes over the host link per partition element per step under ZeRO-Offload (module docstring)."""
+    if zero == 2 and m > 1:
+        return 4 + 2 * m + 2 * (m - 1) + 2  # fp32 grads out, each micro-batch's out and back, the params back
+    return 4 + 2
 
 
 def time_policy(fw, lay, device: str) -> TimePolicy:
@@ -53,5 +68,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       # the IPG bucket's copy-in and stage 1's autograd accumulation (module docstring)
                       dp_copy_bytes=(("all_reduce", 2.0),) if z < 3 and getattr(fw, "contiguous_gradients", True) else (),
                       grad_accumulate_bytes=3.0 if z == 1 else 0.0, grad_accumulate_first=False,
+                      host_optimizer=offloads(fw), optimizer_traffic_bytes=34 if offloads(fw) else 30,
+                      offload_link_bytes=offload_link_bytes(z, lay.num_microbatches) if offloads(fw) else 0.0,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
                                f"param gathers {param.replace('_', ' ')} (ledger/faithful/deepspeed/steptime.py)",))

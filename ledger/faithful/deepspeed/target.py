@@ -35,12 +35,15 @@ class Rules(NamedTuple):
     adam_partition_temporaries: int  # fp32 temporaries of the partition's size in AdamW's update
     adam_temporaries: str  # what they are (the peak's detail line)
     adam_update: str  # the update that makes them (the moment's name)
+    # the host is the device's memory (the CPU harness): ZeRO-Offload's host buffers and its optimizer step
+    # count in the peak; on a GPU they are the host's (zero12.py host_bytes), not the device's
+    host_is_device: bool
 
 
 RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, 2, "exp_avg_sq.sqrt() and its / bias_correction2_sqrt",
-                         "exp_avg_sq.sqrt() / bias_correction2_sqrt"),
+                         "exp_avg_sq.sqrt() / bias_correction2_sqrt", True),
          CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, 1, "_foreach_sqrt(exp_avg_sq)",
-                          "_foreach_sqrt(exp_avg_sq), divided in place")}
+                          "_foreach_sqrt(exp_avg_sq), divided in place", False)}
 
 
 def rules_of(target: str | None) -> Rules:

@@ -19,7 +19,8 @@ from ledger.faithful.deepspeed import peak as deepspeed_peak
 from ledger.faithful.deepspeed import rules
 from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_order, block_perm, buffer_calls,
                                               counted_calls, fresh, grad_sizes, registration_sizes, size_parts)
-from ledger.faithful.deepspeed.peak import PeakInputs
+from ledger.faithful.deepspeed.backward import PartitionFlush
+from ledger.faithful.deepspeed.peak import Offload, PeakInputs
 from ledger.faithful.deepspeed.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.faithful.deepspeed.trace import block_params
@@ -49,7 +50,7 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     # the IPG all-reduces' dtype where not the model's (the peak's cast copies: peak.cast_copies)
     reduce_w = DTYPES[ipg_reduce_dtype] if ipg_reduce_dtype not in (None, fw.precision) else 0
 
-    def peak(flush=None, hooks=None, order=None):
+    def peak(flush=None, hooks=None, order=None, offload=None):
         return deepspeed_peak.peak(PeakInputs(
             model, lay.micro_batch_size, lay.num_microbatches, fw.zero_stage, w,
             bool(fw.get("activation_checkpointing", False)), part=part, params_resident=s.params_bytes,
@@ -61,7 +62,7 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
             epilogue=deepspeed_backward.dense_epilogue(model, lay.dp, bucket, order) if order and fw.zero_stage == 2
             else (), sp=sp, reduce_w=reduce_w,
             last_reduction=deepspeed_backward.dense_last_reduction(model, lay.dp, bucket, order)
-            if order and reduce_w else ()))
+            if order and reduce_w else (), offload=offload))
 
     # a rank's peak depends on its partition (where its grads_in_partition is made, its size): one
     # state per distinct flush, sharing the rest. ZeRO-2 reduces in the hooks' order, ZeRO-1 (no
@@ -73,12 +74,62 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     order = backward_order(model) if fw.zero_stage == 2 else tuple(model.params())
     hk = deepspeed_backward.hooks(backward_order(model), model.layers)
     flushes = deepspeed_backward.partition_flushes(model, lay.dp, bucket, order)
+    if rules.offloads(fw):
+        return _offloaded(s, model, lay, w, fw.zero_stage, bucket, flushes, lambda f, o: peak(f, hk, order, o))
     by_flush: dict = {}
     for f in flushes:
         if f not in by_flush:
             st = by_flush[f] = copy.copy(s) if by_flush else s
             st.peak = (lambda f=f: peak(f, hk, order))
     return lambda r: by_flush[flushes[r % lay.dp]]
+
+
+def _offloaded(s: RankState, model: ModelShape, lay: Layout, w: int, zero: int, bucket: int, flushes,
+               peak) -> Callable[[int], RankState]:
+    """ZeRO-1/2 under offload_optimizer.device=cpu (stage_1_and_2.py cpu_offload): each rank's state with
+    ZeRO-Offload's buffers (offload_buffers), host_bytes its part on the host; its peak with no
+    grads_in_partition (copy_grads_in_partition copies each reduced gradient of the partition into the host
+    fp32 gradient instead)."""
+    in_part = deepspeed_backward.partition_params(model, lay.dp)
+    copies = deepspeed_backward.offload_copies(model, lay.dp, bucket, w)
+    keys = [(flushes[r], in_part[r], copies[r]) for r in range(lay.dp)]
+    by_key: dict = {}
+    for r, key in enumerate(keys):
+        if key not in by_key:
+            st = copy.copy(s)
+            st.detail = dict(s.detail)
+            off = offload_buffers(st, model, lay, w, zero, in_part[r], copies[r])
+            f = flushes[r]
+            st.peak = (lambda f=f, off=off: peak(PartitionFlush(0, f.first_hook, f.copied), off))
+            by_key[key] = st
+    return lambda r: by_key[keys[r % lay.dp]]
+
+
+def offload_buffers(s: RankState, model: ModelShape, lay: Layout, w: int, zero: int,
+                    in_part: tuple[int, int], copies: int) -> Offload:
+    """ZeRO-Offload's buffers added to a rank's state (stage_1_and_2.py __init__ and
+    initialize_optimizer_states under cpu_offload, each on self.device = 'cpu' unless named the device's),
+    s.host_bytes set; returns them as the peak reads them. The optimizer state (the fp32 partition, AdamW's
+    moments) is the host's too: DeepSpeed builds the partition on self.device."""
+    part = round_up(model.num_params(), 2 * lay.dp) // lay.dp
+    largest = max(numel(sh) for _, sh in model.params())
+    grads = {"fp32 gradient partition on the host (single_partition_of_fp32_groups.grad)": FP32 * part}
+    if zero == 2 and lay.num_microbatches > 1:
+        # copy_grads_in_partition -> async_accumulate_grad_in_cpu_via_gpu wherever micro_step_id > 0 or not the
+        # boundary: ZeRO-2 from micro-batch 0's backward (setup_buckets counts every backward there), one buffer
+        # per param of the partition, its whole numel in the model dtype (buffer_to_accumulate_to_in_cpu), kept
+        # in accumulated_grads_in_cpu for the run. ZeRO-1 reduces only at the boundary, where micro_step_id is
+        # still 0 (its ready_for_gradients is reset by the boundary's epilogue alone): none
+        grads["gradients accumulated on the host (accumulated_grads_in_cpu)"] = w * in_part[1]
+    host_other = {"model-dtype partition staging buffer (param_buffer_of_bit16_for_cpu_offload_groups)": w * part,
+                  "temp_grad_buffer_for_cpu_offload (largest param)": w * largest}
+    device_other = {"temp_grad_buffer_for_gpu_offload (largest param, on the device)": w * largest}
+    for name, v in grads.items():
+        s.add("grads_bytes", name, v)
+    for name, v in {**host_other, **device_other}.items():
+        s.add("other_bytes", name, v)
+    s.host_bytes = s.optim_bytes + sum(grads.values()) + sum(host_other.values())
+    return Offload(sum(grads.values()), sum(host_other.values()), sum(device_other.values()), in_part[0], copies)
 
 
 @lru_cache(maxsize=256)
