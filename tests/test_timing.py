@@ -304,7 +304,8 @@ def test_zero_s_bucket_copies_and_accumulation_by_hand(zero):
     """DeepSpeed ZeRO-1/2 copies the grads into its IPG bucket on the compute stream before each grad
     all-reduce (2 bytes per byte of the bf16 bucket: the comm ledger's rows, stage 2 every micro-batch),
     and under ZeRO-1 autograd adds each micro-batch's bf16 grads into param.grad after the first (3 bytes
-    per byte of the params); ZeRO-2 removes the grads each micro-batch (no accumulation term)."""
+    per byte of the params); ZeRO-2's epilogue adds each later micro-batch's reduced partition into the first's
+    (3 bytes per byte of a 1 / dp share of the params)."""
     from ledger.parallel import predict
     from ledger.timing.step import DP_DIMS
     from tests.conftest import compose_config
@@ -318,7 +319,7 @@ def test_zero_s_bucket_copies_and_accumulation_by_hand(zero):
     bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
     copies = 2 * sum(c.buffer_bytes for c in reduces) / bw + sum(c.count for c in reduces) * hw.kernel_overhead_s
     assert lay.num_microbatches == 4 and dict(st.waterfall)["DP collectives' copies"] == pytest.approx(copies, rel=1e-12)
-    accumulate = (lay.num_microbatches - 1) * 3 * rank.params_bytes / bw if zero == 1 else 0.0
+    accumulate = (lay.num_microbatches - 1) * 3 * rank.params_bytes / (1 if zero == 1 else lay.dp) / bw
     assert dict(st.waterfall)["grad accumulation"] == pytest.approx(accumulate, rel=1e-12)
 
 

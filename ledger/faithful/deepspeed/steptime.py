@@ -23,8 +23,10 @@ deepspeed/runtime/.
              bytes moved per byte of the bf16 bucket: the all_reduce rows' buffers; stage 2 every
              micro-batch, stage 1 at the boundary); stage 1 leaves the micro-batches before the boundary
              to autograd, which adds each one's bf16 grads into param.grad after the first (3 bytes per
-             byte of the params); stage 2's reduced partitions added per micro-batch (a 1 / dp share) are
-             not counted. zero/stage3.py copies into its bucket on reduce_and_partition_stream, beside
+             byte of the params); stage 2's backward epilogue adds each later micro-batch's reduced
+             partition into micro-batch 0's (independent_gradient_partition_epilogue:
+             accumulated_grad.add_(new_avg_grad), 3 bytes per byte of the params overlapping the partition:
+             a 1 / dp share of the params, the straddling params' rest not counted). zero/stage3.py copies into its bucket on reduce_and_partition_stream, beside
              the compute (not counted)
   optimizer  FusedAdam over the fp32 partition (12 bytes of state an element), 30 bytes of traffic
   offload    zero/stage_1_and_2.py under offload_optimizer.device=cpu: the step on the host (DeepSpeedCPUAdam:
@@ -67,7 +69,8 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       dp_grad=grad, dp_param=param,
                       # the IPG bucket's copy-in and stage 1's autograd accumulation (module docstring)
                       dp_copy_bytes=(("all_reduce", 2.0),) if z < 3 and getattr(fw, "contiguous_gradients", True) else (),
-                      grad_accumulate_bytes=3.0 if z == 1 else 0.0, grad_accumulate_first=False,
+                      grad_accumulate_bytes=3.0 if z == 1 else 3.0 / lay.dp if z == 2 else 0.0,
+                      grad_accumulate_first=False,
                       host_optimizer=offloads(fw), optimizer_traffic_bytes=34 if offloads(fw) else 30,
                       offload_link_bytes=offload_link_bytes(z, lay.num_microbatches) if offloads(fw) else 0.0,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
