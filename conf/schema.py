@@ -308,8 +308,8 @@ class PlanConfig:
     # hierarchical sizes: set framework.cp_comm_type for it); [] = framework.cp_comm_type as configured
     cp_comm_types: list[str] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])  # DeepSpeed
-    # DeepSpeed's ZeRO-Offload tried (framework.offload_optimizer values; cpu where the ledger models it: ZeRO-1/2
-    # of a dense model without Ulysses), and the host memory per GPU its host buffers must fit in: a DGX H100's
+    # DeepSpeed's ZeRO-Offload tried (framework.offload_optimizer values; cpu where the ledger models it: a dense
+    # model without Ulysses), and the host memory per GPU its host buffers must fit in: a DGX H100's
     # 2 TB over its 8 GPUs (NVIDIA DGX H100 datasheet: system memory 2 TB)
     offload_optimizer: list[str] = field(default_factory=lambda: ["none", "cpu"])
     host_memory_gb: float = 256.0

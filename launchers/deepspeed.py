@@ -108,6 +108,8 @@ FAKE_SCALAR_SITES: set[tuple[str, str]] = {
     # `total_dev_norm[0].item()` (0: a finite norm, the step runs)
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_offload_overflow_tracker"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload"),
+    # ZeRO-3's (stage3.py): `float(total_norm)` of the per-param norms summed
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.complete_grad_norm_calculation_for_cpu_offload"),
 }
 
 
@@ -495,6 +497,10 @@ def state_groups(engine) -> dict:
     optim += optimizer_tensors(opt.optimizer)
     other = _tensors(getattr(opt, "_global_grad_norm", None)) + _tensors(getattr(opt, "inf_or_nan_tracker", None))
     host = []
+    if getattr(opt, "offload_optimizer", False) is True:  # ZeRO-3 (stage3.py): every sub-group on the host
+        off_grads = [g.grad for g in opt.fp32_partitioned_groups_flat if g.grad is not None]
+        grads += off_grads
+        host = optim + off_grads
     if getattr(opt, "cpu_offload", False):
         # ZeRO-Offload (stage_1_and_2.py): what DeepSpeed places on self.device, 'cpu' under offload (on the CPU
         # accelerator host and device are one memory, so the placement is read from the containers): the fp32

@@ -112,8 +112,10 @@ def deepspeed_cases():
                                               *_lay(1, 1, 4, global_batch_size=8)]
     yield "deepspeed/llama3_8b/offload-z2", ["model=llama3_8b", *_fw("deepspeed", zero_stage=2, offload_optimizer="cpu"),
                                              *_lay(1, 1, 8)]
-    yield "deepspeed/refused/offload-z3", ["model=tiny", *_fw("deepspeed", zero_stage=3, offload_optimizer="cpu"),
-                                           *_lay(1, 1, 2)]
+    yield "deepspeed/tiny/offload-z3", ["model=tiny", *_fw("deepspeed", zero_stage=3, offload_optimizer="cpu"),
+                                        *_lay(1, 1, 4, global_batch_size=8)]
+    yield "deepspeed/refused/offload-fp32", ["model=tiny", *_fw("deepspeed", zero_stage=2, offload_optimizer="cpu",
+                                                                precision="fp32"), *_lay(1, 1, 2)]
 
 
 def titan_cases():

@@ -163,8 +163,8 @@ ULYSSES = ("ulysses_z3", "ulysses_z12", "ulysses_cast")
 # ZeRO-Offload (offload_optimizer.device=cpu, pinned) at 4 ranks, 2 micro-batches, extra-large output and
 # embedding gradients: the host buffers (ZeRO-2's accumulated_grads_in_cpu among them), host_bytes; ZeRO-1's
 # peak at the backward's start, ZeRO-2's last rank's at its first reduction's copy into the host partition
-# (inside the peak's bound: the fp64 norm of the output weight and its clone)
-OFFLOAD = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=4", "framework.offload_optimizer=cpu",
+# (inside the peak's bound: the fp64 norm of the output weight and its clone), ZeRO-3's at the final norm's forward
+OFFLOAD = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.offload_optimizer=cpu",
            "framework.offload_optimizer_pin_memory=true", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
            "layout.global_batch_size=8"]
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
@@ -1304,22 +1304,24 @@ def test_peak_rows(runs):
             assert _exact(g), f"{name}/{job}:\n{g[g.abs_err != 0].to_string()}"
             exact += 1
     assert all(seen.values()), seen
-    assert exact == 46, exact
+    assert exact == 47, exact
 
 
 @pytest.mark.real
 def test_offload_keeps_the_optimizer_on_the_host(runs):
-    """ZeRO-Offload (zero12.py offload_buffers): DeepSpeed builds the fp32 partition, its gradient, the optimizer
-    state and two staging buffers on the host, one gradient buffer on the device and, at ZeRO-2 with several
-    micro-batches, a host copy of each gradient of the partition (accumulated_grads_in_cpu); host_bytes (read from
-    where DeepSpeed places each container: on the CPU accelerator host and device are one memory) reconciles to
-    the byte on every rank (test_every_row_reconciles_to_the_byte); the collectives are ZeRO-1/2's own. The
-    peaks: ZeRO-1's exact, ZeRO-2's inside their bound, its last rank's above the placed moments (the output
-    weight's fp64 norm and clone at its reduction)."""
+    """ZeRO-Offload (zero12.py offload_buffers, zero3.py): DeepSpeed builds the fp32 partition, its gradient and the
+    optimizer state on the host; at ZeRO-1/2 two staging buffers on the host, one gradient buffer on the device
+    and, at ZeRO-2 with several micro-batches, a host copy of each gradient of the partition
+    (accumulated_grads_in_cpu); ZeRO-3 computes its grad norm in fp32 (its all-reduce 4 bytes). host_bytes (read
+    from where DeepSpeed places each container: on the CPU accelerator host and device are one memory) reconciles
+    to the byte on every rank (test_every_row_reconciles_to_the_byte). The peaks: ZeRO-1's and ZeRO-3's exact,
+    ZeRO-2's inside their bound, its last rank's above the placed moments (the output weight's fp64 norm and
+    clone at its reduction)."""
+    from ledger.faithful.deepspeed.zero3 import _zero3_memory
     from ledger.faithful.deepspeed.zero12 import _zero12_memory
 
     recs, tables = runs
-    assert sorted(_key(r) for r in recs["offload"]) == [(1, 4), (2, 4)]
+    assert sorted(_key(r) for r in recs["offload"]) == [(1, 4), (2, 4), (3, 4)]
     df = tables["offload"]
     for rec in recs["offload"]:
         m = ModelShape.from_config(rec["config"]["model"])
@@ -1329,18 +1331,24 @@ def test_offload_keeps_the_optimizer_on_the_host(runs):
         optim = job[job.quantity == "optim_bytes"].set_index("rank").measured
         grads = job[job.quantity == "grads_bytes"].set_index("rank").measured
         assert (host.set_index("rank").measured > optim).all()
-        part = -(-m.num_params() // 8) * 8 // 4
-        # the fp32 gradient partition stays on the host; ZeRO-2 also keeps a model-dtype copy of each gradient of
-        # the partition, whole (a straddling one in both ranks)
-        assert ((grads > 4 * part) if _key(rec)[0] == 2 else (grads == 4 * part)).all(), grads
-        # the same collectives as without offload (the comm ledger's rows: none of offload's own)
-        plain = _zero12_memory(m, 4, _key(rec)[0], "bf16")
+        z = _key(rec)[0]
+        fw = rec["config"]["framework"]
+        plain = (_zero3_memory(m, 4, fw["stage3_param_persistence_threshold"], fw["reduce_bucket_size"], "bf16") if z == 3
+                 else _zero12_memory(m, 4, z, "bf16"))
         assert (optim == plain.optim_bytes).all()
+        part = plain.optim_bytes // 12  # the fp32 partition's elements (12 bytes of state each, AdamW's step aside)
+        # the fp32 gradient partition stays on the host; ZeRO-2 also keeps a model-dtype copy of each gradient of
+        # the partition, whole (a straddling one in both ranks); ZeRO-3 beside its device partitions and IPG bucket
+        want = {1: grads == 4 * part, 2: grads > 4 * part, 3: grads == plain.grads_bytes + 4 * part}[z]
+        assert want.all(), grads
+        comm = _steady_comm(rec["measurement"]["ranks"][0])
+        if z == 3:  # complete_grad_norm_calculation_for_cpu_offload: the norm all-reduced in fp32
+            assert comm[("all_reduce", "fp32")] == (1, 4) and ("all_reduce", "fp64") not in comm
         for r in rec["measurement"]["ranks"]:
             assert r["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     peaks = df[(df.phase == "steady") & (df.quantity == "peak_bytes")]
-    z1, z2 = (peaks[peaks.framework == f"deepspeed-z{z}"] for z in (1, 2))
-    assert (z1.abs_err == 0).all() and z1.bound_low.notna().all()
+    z1, z2, z3 = (peaks[peaks.framework == f"deepspeed-z{z}"] for z in (1, 2, 3))
+    assert (z1.abs_err == 0).all() and (z3.abs_err == 0).all() and z1.bound_low.notna().all()
     assert (z2.measured > z2.predicted).any() and (z2.measured <= z2.bound_high).all()
 
 
@@ -1706,6 +1714,13 @@ def test_offload_by_hand():
     assert off.peak.bound[1] > off.peak.bytes
     gpu = place(preset("tiny"), _lay(2), _fw(zero_stage=2, offload_optimizer="cpu"), CUDA_NCCL).rank_state(0).peak
     assert gpu.parts["resident"] == 2 * n + 2 * big + 4  # the params, the device's buffer, the grad norm
+    # ZeRO-3: the host fp32 gradient partition beside the device's partitions, the grad norm in fp32
+    plain = place(preset("tiny"), _lay(2), _fw(zero_stage=3)).rank_state(0)
+    off = place(preset("tiny"), _lay(2), _fw(zero_stage=3, offload_optimizer="cpu")).rank_state(0)
+    part = plain.optim_bytes // 12
+    assert off.grads_bytes == plain.grads_bytes + 4 * part and off.other_bytes == plain.other_bytes - 4
+    assert off.host_bytes == plain.optim_bytes + 4 * part
+    assert [(c.kind, c.dtype, c.buffer_bytes) for c in off.comm if c.what == "grad norm"] == [("all_reduce", "fp32", 4)]
 
 
 def test_offload_refusals_name_the_field():
@@ -1715,8 +1730,7 @@ def test_offload_refusals_name_the_field():
     from ledger.plan import Space
 
     tiny, moe = preset("tiny"), preset("tiny_moe")
-    for model, lay, fw, why in ((tiny, _lay(2), _fw(zero_stage=3, offload_optimizer="cpu"), "zero_stage=3"),
-                                (tiny, _lay(2), _fw(zero_stage=2, offload_optimizer="nvme"), "NVMe"),
+    for model, lay, fw, why in ((tiny, _lay(2), _fw(zero_stage=2, offload_optimizer="nvme"), "NVMe"),
                                 (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", precision="fp32"), "fp32"),
                                 (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", overlap_comm=True),
                                  "overlap_comm"),
@@ -1727,8 +1741,7 @@ def test_offload_refusals_name_the_field():
     with pytest.raises(ConfigError, match="framework.offload_optimizer='gpu' must be one of none, cpu, nvme"):
         rules.validate_knobs(_fw(offload_optimizer="gpu"))
     sets = rules.plan_knob_sets(Space(8, offload_optimizer=("none", "cpu")), tiny, 8)
-    assert {(k["zero_stage"], k["offload_optimizer"]) for k in sets} == {(1, "none"), (2, "none"), (3, "none"),
-                                                                          (1, "cpu"), (2, "cpu")}
+    assert {(k["zero_stage"], k["offload_optimizer"]) for k in sets} == {(z, o) for z in (1, 2, 3) for o in ("none", "cpu")}
     assert all(k["offload_optimizer"] == "none" for k in rules.plan_knob_sets(Space(8, offload_optimizer=("none", "cpu")),
                                                                                 tiny, 4, cp=2))
 

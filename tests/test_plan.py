@@ -530,7 +530,7 @@ def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path):
     rec, plan = _plan_job(tmp_path, "model=llama3_8b", "framework=deepspeed", "plan.gpus=8",
                           "plan.global_batch_tokens=262144", "plan.recompute=[full]", "plan.host_memory_gb=20")
     off = [r for r in plan if r["knobs"]["offload_optimizer"] == "cpu"]
-    assert off and {r["knobs"]["zero_stage"] for r in off} == {1, 2}
+    assert off and {r["knobs"]["zero_stage"] for r in off} == {1, 2, 3}
     for r in off:
         assert r["host_bytes"] > r["state_bytes"]["optim"]
         if r["host_bytes"] > 20e9:
@@ -538,7 +538,7 @@ def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path):
         elif r["fits"]:
             assert dict(r["est"]["waterfall"])["host link transfers (offload)"] > 0
     plain = {(r["layout"]["micro_batch_size"], r["knobs"]["zero_stage"]): r for r in plan
-             if r["knobs"]["offload_optimizer"] == "none" and r["knobs"]["zero_stage"] < 3 and r["layout"]["cp"] == 1}
+             if r["knobs"]["offload_optimizer"] == "none" and r["layout"]["cp"] == 1}
     for r in off:  # the device holds less than without offload, the optimizer step takes longer
         p = plain[r["layout"]["micro_batch_size"], r["knobs"]["zero_stage"]]
         assert r["peak_bytes"] < p["peak_bytes"]

@@ -175,7 +175,9 @@ class _Step:
         self.acts, self.held = saved_activations(model, mbs, w, i.checkpointing, i.dispatch, i.sp)
         self.act = sum(self.acts.values())
         self.batch = batch_bytes(model, mbs, i.sp)
-        self.norm_dtype = FP64 if zero == 3 else FP32  # stage3.py get_grad_norm_direct works in fp64
+        # stage3.py get_grad_norm_direct works in fp64; under offload its complete_grad_norm_calculation_for_cpu_offload
+        # in fp32, as ZeRO-1/2's do
+        self.norm_dtype = FP64 if zero == 3 and not i.offload else FP32
         b, s, V = mbs, model.seq_len, model.vocab
         self.b, self.s, self.V, self.h = b, s, V, model.hidden
         held_grads = held_touched = 0
@@ -346,7 +348,7 @@ def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
     if zero == 3:
         # stage3.py get_grad_norm_direct's torch.where result (norm_groups) and
         # utils.combine_grad_norm_groups' where result (scaled_global_grad_norm), fp64
-        temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * FP64
+        temp["grad norms (norm_groups, scaled_global_grad_norm)"] = 2 * st.norm_dtype
     else:
         temp["scaled_global_grad_norm (combine_grad_norm_groups)"] = FP32
     moment = {"resident": resident, "activations": batch, "gathered": 0, "temporary": sum(temp.values()),

@@ -49,8 +49,9 @@ def offloads(fw) -> bool:
 
 
 def offload_check(model, lay, fw) -> None:
-    """What ZeRO-Offload the ledger models: ZeRO-1/2 offloading to the host (stage_1_and_2.py cpu_offload),
-    as the CPU runs confirm it. DeepSpeed itself offloads only under ZeRO (stage 0 has no partitioned
+    """What ZeRO-Offload the ledger models: the optimizer offloaded to the host at ZeRO-1/2 (stage_1_and_2.py
+    cpu_offload) and ZeRO-3 (stage3.py offload_optimizer, every sub-group on the host), as the CPU runs confirm
+    it. DeepSpeed itself offloads only under ZeRO (stage 0 has no partitioned
     optimizer to move)."""
     off = fw.get("offload_optimizer", "none")
     if off == "none":
@@ -62,8 +63,6 @@ def offload_check(model, lay, fw) -> None:
         raise ConfigError("framework.offload_optimizer='cpu' needs ZeRO (zero_stage 1, 2 or 3): stage 0 keeps no "
                           "partitioned optimizer to offload")
     reasons = []
-    if fw.zero_stage == 3:
-        reasons.append("zero_stage=3 (stage3.py's offload of its fp32 partitions and sub-groups)")
     if fw.precision != "bf16":
         reasons.append(f"precision={fw.precision} (measured in bf16 only)")
     if lay.cp > 1:
@@ -74,8 +73,8 @@ def offload_check(model, lay, fw) -> None:
         reasons.append("zero_stage=1 with overlap_comm (the hooks' reductions at the boundary keep micro-step "
                        "bookkeeping of their own)")
     if reasons:
-        raise ConfigError("framework.offload_optimizer='cpu' is modelled for ZeRO-1/2 in bf16 without overlap_comm "
-                          "at stage 1; not with " + "; ".join(reasons))
+        raise ConfigError("framework.offload_optimizer='cpu' is modelled in bf16, without Ulysses or MoE, and at stage 1 "
+                          "without overlap_comm; not with " + "; ".join(reasons))
 
 
 def validate_layout(model, lay, fw_cfg) -> None:
@@ -141,13 +140,13 @@ def overlap_comm(fw) -> bool:
 
 def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> list[dict]:
     """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank), with each
-    offload_optimizer of plan.offload_optimizer where the ledger models it (offload_check: ZeRO-1/2 of a dense
-    model without Ulysses)."""
+    offload_optimizer of plan.offload_optimizer where the ledger models it (offload_check: a dense model
+    without Ulysses)."""
     out = []
     for z in space.zero_stages:
         for off in space.offload_optimizer:
             if off == "none":
                 out.append({"zero_stage": z, "offload_optimizer": "none"})
-            elif off == "cpu" and z in (1, 2) and cp == 1 and not (model is not None and model.is_moe):
+            elif off == "cpu" and cp == 1 and not (model is not None and model.is_moe):
                 out.append({"zero_stage": z, "offload_optimizer": off})
     return out

@@ -18,12 +18,13 @@ from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_or
                                               fresh, size_parts)
 from ledger.faithful.deepspeed.coordinator import z3_fetches, z3_steady
 from ledger.faithful.deepspeed.gathered import z3_backward_moments, z3_first_moments, z3_moments, z3_recompute_moments
-from ledger.faithful.deepspeed.peak import PeakInputs
+from ledger.faithful.deepspeed.peak import Offload, PeakInputs
+from ledger.faithful.deepspeed.rules import offloads
 from ledger.faithful.deepspeed.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.faithful.deepspeed.trace import backward_module, z3_trace
 from ledger.layout import Layout
-from ledger.model import ModelShape
+from ledger.model import ModelShape, numel
 from ledger.placement import Comm, CommBuilder, RankState
 from ledger.units import round_up
 from ledger.optim import add_adamw
@@ -76,10 +77,11 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
     dp, m, prec = lay.dp, lay.num_microbatches, fw.precision
     red = reduce_precision if reduce_precision not in (None, prec) else None
     ac = bool(fw.get("activation_checkpointing", False))  # the checkpoint's recompute fetches again (trace.py)
-    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec, red).state()
+    off = offloads(fw)
+    s = _zero3_memory(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, prec, red, off).state()
     key = (model, dp, m, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size,
            int(fw.stage3_prefetch_bucket_size), int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance),
-           prec, ac, red)
+           prec, ac, red, off)
     # steady and first-step collectives on first read; a warm-up step (step 1) only with one micro-batch
     s.comm_fn = lambda: fresh(_zero3_steady(*key))
     s.comm_first = lambda: fresh(_zero3_comm(*key)[1])
@@ -88,9 +90,17 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
     z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, w)
     budgets = (model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
                int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w)
+    offload = None
+    if off:
+        # the host fp32 gradient partition is the peak's offload line (grads_resident the device's);
+        # norm_for_param_grads: one fp64 norm per param with real data in this rank's partition
+        real = sum(1 for _, sh in model.params() if numel(sh) > 0)
+        offload = Offload(FP32 * z.part, 0, 0, real, FP64 * max(round_up(numel(sh), dp) // dp for _, sh in model.params()))
+        s.host_bytes = s.optim_bytes + FP32 * z.part
     s.peak = lambda: deepspeed_peak.peak(PeakInputs(
         model, lay.micro_batch_size, m, 3, w, ac, part=z.part, params_resident=s.params_bytes,
-        optim=s.optim_bytes, grads_resident=s.grads_bytes, persist=w * z.persist_gathered,
+        optim=s.optim_bytes, grads_resident=s.grads_bytes - (FP32 * z.part if off else 0),
+        persist=w * z.persist_gathered, offload=offload,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
         z3_moments=z3_moments(*budgets, ac=ac), z3_first=z3_first_moments(*budgets, ac=ac),
         z3_flushes=_z3_flush_moments(model, budgets, int(fw.reduce_bucket_size), ac),
@@ -120,7 +130,7 @@ def _z3_flush_moments(model: ModelShape, budgets: tuple, bucket: int, ac: bool =
 
 @lru_cache(maxsize=256)
 def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, precision: str,
-                  reduce: str | None = None) -> "Memory":
+                  reduce: str | None = None, offload: bool = False) -> "Memory":
     w = DTYPES[precision]
     z = _z3_shape(model, dp, threshold, bucket, w)
     s = Memory()  # pipeline stage 0
@@ -142,7 +152,15 @@ def _zero3_memory(model: ModelShape, dp: int, threshold: int, bucket: int, preci
     # against the accelerator's device name (a str: 'cpu', 'cuda:0'), which is never equal
     s.add("optim_bytes", "fp32 partition (fp32_partitioned_groups_flat)", FP32 * z.part)
     add_adamw(s, z.part, 1)  # one flat fp32 partition: one `step`
-    s.add("other_bytes", "_global_grad_norm (fp64 scalar)", FP64)
+    if offload:
+        # ZeRO-Offload (offload_optimizer.device=cpu): the fp32 partition and AdamW's state on the host
+        # (self.device), and the partition's fp32 gradient, made once in _create_fp32_partitions
+        # (subgroup_gradient_buffer, kept for the run: _release_sub_group keeps it); the grad norm
+        # complete_grad_norm_calculation_for_cpu_offload's fp32 tensor
+        s.add("grads_bytes", "fp32 gradient partition on the host (fp32_partitioned_groups_flat.grad)", FP32 * z.part)
+        s.add("other_bytes", "_global_grad_norm (fp32 scalar: the offload path's norm)", FP32)
+    else:
+        s.add("other_bytes", "_global_grad_norm (fp64 scalar)", FP64)
     s.add("other_bytes", "inf_or_nan_tracker (bool)", 1)
     return s
 
@@ -165,41 +183,43 @@ def _steady_fetches(model: ModelShape, dp: int, m: int, threshold: int, prefetch
 
 
 def _zero3_common(out: CommBuilder, model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
-                  precision: str, reduce: str | None = None) -> CommBuilder:
-    """What every optimizer step adds besides the parameter fetches (reduce: rank_state's)."""
-    ipg, norm, persist = _zero3_fixed(model, dp, threshold, bucket, precision, reduce)
+                  precision: str, reduce: str | None = None, offload: bool = False) -> CommBuilder:
+    """What every optimizer step adds besides the parameter fetches (reduce, offload: rank_state's)."""
+    ipg, norm, persist = _zero3_fixed(model, dp, threshold, bucket, precision, reduce, offload)
     # stage3.py reduce_partition_and_remove_grads -> __reduce_and_partition_ipg_grads in every
     # backward's hooks, the rest flushed by independent_gradient_partition_epilogue: every
     # micro-batch reduce-scatters all gradients (__avg_scatter_grads), partitions accumulate
     out.add_calls("dp", "reduce_scatter", reduce or precision, *ipg.times(m), "IPG bucket (__avg_scatter_grads)")
-    out.add_calls("dp", "all_reduce", "fp64", *norm, "grad norm")
+    out.add_calls("dp", "all_reduce", "fp32" if offload else "fp64", *norm, "grad norm")
     out.add_calls("dp", "all_gather", precision, *persist, "persistent params (_post_step)")
     return out
 
 
 @lru_cache(maxsize=256)
 def _zero3_fixed(model: ModelShape, dp: int, threshold: int, bucket: int,
-                 precision: str, reduce: str | None = None) -> tuple[Calls, Calls, Calls]:
+                 precision: str, reduce: str | None = None, offload: bool = False) -> tuple[Calls, Calls, Calls]:
     """_zero3_common's calls whatever the micro-batches: one backward's IPG reduce-scatters; at the
-    boundary get_grad_norm_direct's fp64 norm all-reduce (only fp16 has an overflow all-reduce at stage
-    3) and _post_step's persistent_parameters[0].all_gather(persistent_parameters)."""
+    boundary get_grad_norm_direct's fp64 norm all-reduce (offload: complete_grad_norm_calculation_for_cpu_offload's
+    fp32 one; only fp16 has an overflow all-reduce at stage 3) and _post_step's
+    persistent_parameters[0].all_gather(persistent_parameters)."""
     z = _z3_shape(model, dp, threshold, bucket, DTYPES[precision], DTYPES[reduce] if reduce else None)
-    return z.ipg, buffer_calls("all_reduce", [FP64], dp), z.persist
+    return z.ipg, buffer_calls("all_reduce", [FP32 if offload else FP64], dp), z.persist
 
 
 @lru_cache(maxsize=1024)
 def _zero3_steady(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None,
+                  offload: bool = False) -> tuple[Comm, ...]:
     """_zero3_comm's steady step alone (a search reads no other)."""
     if dp == 1:
         return ()
     out = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
-    return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision, reduce).build())
+    return tuple(_zero3_common(out, model, dp, m, threshold, bucket, precision, reduce, offload).build())
 
 
 @lru_cache(maxsize=1024)
 def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                reuse: int, precision: str, ac: bool = False, reduce: str | None = None):
+                reuse: int, precision: str, ac: bool = False, reduce: str | None = None, offload: bool = False):
     """(steady, step 0, step 1 or None) collectives of one rank.
 
     The coordinator's trace (partitioned_param_coordinator.py): reset_step runs at the start of every
@@ -219,16 +239,16 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
     record, rest0, _ = z3_fetches(model, m, threshold, prefetch, max_live, reuse, ac=ac)
 
     def common(out: CommBuilder) -> CommBuilder:
-        return _zero3_common(out, model, dp, m, threshold, bucket, precision, reduce)
+        return _zero3_common(out, model, dp, m, threshold, bucket, precision, reduce, offload)
 
-    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision, ac, reduce)
+    steady = _zero3_steady(model, dp, m, threshold, bucket, prefetch, max_live, reuse, precision, ac, reduce, offload)
 
     # step 0, micro-batch 0: the empty-trace check, then the recording pass (forward + backward)
     first = CommBuilder().add_calls("dp", "all_gather", t, *_gathers(record, dp, w), "untraced per-module fetch, forward + backward")
     first.add_calls("dp", "broadcast", "int64", *buffer_calls("broadcast", [INT64, 0], dp), "trace checks (empty trace, INVALID -> RECORD)")
     if m == 1:
         return steady, tuple(common(first).build()), _zero3_warmup(model, dp, m, threshold, bucket, prefetch, max_live,
-                                                                   reuse, precision, ac, reduce)
+                                                                   reuse, precision, ac, reduce, offload)
     # micro-batch 1 completes the trace and starts with nothing gathered; later ones follow on
     first.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
     first.add_calls("dp", "all_gather", t, *_gathers(rest0, dp, w), "coordinator fetch + prefetch, first complete passes")
@@ -237,14 +257,15 @@ def _zero3_comm(model: ModelShape, dp: int, m: int, threshold: int, bucket: int,
 
 @lru_cache(maxsize=1024)
 def _zero3_warmup(model: ModelShape, dp: int, m: int, threshold: int, bucket: int, prefetch: int, max_live: int,
-                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None) -> tuple[Comm, ...]:
+                  reuse: int, precision: str, ac: bool = False, reduce: str | None = None,
+                  offload: bool = False) -> tuple[Comm, ...]:
     """_zero3_comm's step 1 (one micro-batch; built apart: a RankState holds it from the start): it
     starts with the trace completion, then runs as steady state."""
     if dp == 1:
         return ()
     warmup = _steady_fetches(model, dp, m, threshold, prefetch, max_live, reuse, precision, ac)
     warmup.add_calls("dp", "broadcast", "int64", *_trace_checks(model, threshold, dp, ac), _COMPLETING_WHAT)
-    return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision, reduce).build())
+    return tuple(_zero3_common(warmup, model, dp, m, threshold, bucket, precision, reduce, offload).build())
 
 
 def _trace_checks(model: ModelShape, threshold: int, dp: int, ac: bool = False) -> Calls:
