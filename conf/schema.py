@@ -153,6 +153,10 @@ class DeepSpeedConfig(FrameworkConfig):
     # those host buffers page-locked (DeepSpeed's default false)
     offload_optimizer: str = "none"
     offload_optimizer_pin_memory: bool = False
+    # ZeRO-3's parameter offload (zero_optimization.offload_param): "none" | "cpu", the model-dtype partitions on
+    # the host, copied to the device for each gather
+    offload_param: str = "none"
+    offload_param_pin_memory: bool = False
     # DeepSpeed-MoE (model.num_experts > 0): deepspeed.moe.layer.MoE's arguments by its names, and the
     # load-balancing loss's weight in the loss (Megatron-DeepSpeed --moe-loss-coeff)
     capacity_factor: float = 1.0
@@ -312,6 +316,7 @@ class PlanConfig:
     # model without Ulysses), and the host memory per GPU its host buffers must fit in: a DGX H100's
     # 2 TB over its 8 GPUs (NVIDIA DGX H100 datasheet: system memory 2 TB)
     offload_optimizer: list[str] = field(default_factory=lambda: ["none", "cpu"])
+    offload_param: list[str] = field(default_factory=lambda: ["none", "cpu"])  # ZeRO-3's, tried at stage 3
     host_memory_gb: float = 256.0
     # Megatron: use_distributed_optimizer tried (Megatron-LM's default is off; most large runs turn it on)
     distributed_optimizer: list[bool] = field(default_factory=lambda: [False, True])

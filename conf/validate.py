@@ -194,7 +194,8 @@ def validate_plan(p, model, layout=None) -> None:
                               "needs framework.hierarchical_context_parallel_sizes: set framework.cp_comm_type)")
     for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
                        ("sequence_parallel", (False, True)), ("distributed_optimizer", (False, True)),
-                       ("recompute", ("none", "selective", "full")), ("offload_optimizer", ("none", "cpu"))):
+                       ("recompute", ("none", "selective", "full")), ("offload_optimizer", ("none", "cpu")),
+                       ("offload_param", ("none", "cpu"))):
         vals = list(p[n])
         if not vals:
             raise ConfigError(f"plan.{n}=[] must list at least one value")

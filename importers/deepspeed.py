@@ -5,8 +5,8 @@ as runtime/config.py reads them. The model is not in a ds_config: the caller nam
 model.hf_config=...).
 
 Each setting is mapped (ZERO, the batch, bf16, gradient_clipping, activation_checkpointing), ignored
-(IGNORED: logging, schedulers, the optimizer's hyper-parameters; offload_optimizer's device and pin_memory
-as framework.offload_optimizer) or refused naming it: parameter offload, fp16,
+(IGNORED: logging, schedulers, the optimizer's hyper-parameters; offload_optimizer's and offload_param's device
+and pin_memory as framework.offload_optimizer / offload_param) or refused naming it: fp16,
 another optimizer, a ZeRO setting away from its default the ledger does not model, a section it does
 not know.
 """
@@ -59,27 +59,28 @@ def _zero(section: dict) -> dict:
     for key, v in got.items():
         if key in ZERO or key in ZERO_IGNORED or v == default.get(key):
             continue
-        if key == "offload_optimizer":
-            out.update(_offload_optimizer(v))
+        if key in ("offload_optimizer", "offload_param"):
+            out.update(_offload(key, v))
             continue
         raise ConfigError(f"deepspeed import: zero_optimization.{key}={v!r} is not modelled by the ledger "
-                          "(parameter offload, quantized or hierarchical partitions, ...)")
+                          "(quantized or hierarchical partitions, ...)")
     return out
 
 
-def _offload_optimizer(v: dict) -> dict:
-    """zero_optimization.offload_optimizer (DeepSpeedZeroOffloadOptimizerConfig) as framework.offload_optimizer and
-    its pin_memory; a setting of it away from DeepSpeed's default refused naming it (the ledger's own refusals,
-    e.g. ZeRO-3, follow when the job is validated)."""
-    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+def _offload(section: str, v: dict) -> dict:
+    """zero_optimization.offload_optimizer / offload_param (offload_config.py) as framework.<section> and its
+    pin_memory; a setting of it away from DeepSpeed's default refused naming it (the ledger's own refusals follow
+    when the job is validated)."""
+    from deepspeed.runtime.zero import offload_config
 
-    default = DeepSpeedZeroOffloadOptimizerConfig().model_dump()
+    cls = (offload_config.DeepSpeedZeroOffloadOptimizerConfig if section == "offload_optimizer"
+           else offload_config.DeepSpeedZeroOffloadParamConfig)
+    default = cls().model_dump()
     for key, x in v.items():
         if key not in ("device", "pin_memory") and x != default.get(key):
-            raise ConfigError(f"deepspeed import: zero_optimization.offload_optimizer.{key}={x!r} is not modelled by "
-                              "the ledger")
+            raise ConfigError(f"deepspeed import: zero_optimization.{section}.{key}={x!r} is not modelled by the ledger")
     device = getattr(v["device"], "value", v["device"])
-    return {"offload_optimizer": str(device), "offload_optimizer_pin_memory": bool(v["pin_memory"])}
+    return {section: str(device), f"{section}_pin_memory": bool(v["pin_memory"])}
 
 
 def overrides(ds: dict, world: int) -> tuple[list[str], list[str]]:

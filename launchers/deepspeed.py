@@ -17,7 +17,7 @@ import shlex
 import sys
 
 from launchers import shell_comment, write_file, write_script
-from ledger.faithful.deepspeed.rules import offloads, overlap_comm
+from ledger.faithful.deepspeed.rules import offloads, offloads_params, overlap_comm
 from ledger.layout import Layout
 
 
@@ -57,6 +57,8 @@ def ds_config(cfg, lay: Layout) -> dict:
         zero["offload_optimizer"] = {"device": fw.offload_optimizer, "pin_memory": bool(fw.offload_optimizer_pin_memory)}
         if cfg.cluster.device == "cuda":
             del out["optimizer"]["params"]["torch_adam"]
+    if offloads_params(fw):  # ZeRO-3's (offload_config.py DeepSpeedZeroOffloadParamConfig)
+        zero["offload_param"] = {"device": fw.offload_param, "pin_memory": bool(fw.offload_param_pin_memory)}
     if lay.cp > 1:
         # DeepSpeed-Ulysses (layout.cp: the sequence parallel degree): the engine reads the size from the mpu
         # (runtime/sequence_parallel/parallel_state_sp.py); its gradient reductions run in
@@ -501,6 +503,8 @@ def state_groups(engine) -> dict:
         off_grads = [g.grad for g in opt.fp32_partitioned_groups_flat if g.grad is not None]
         grads += off_grads
         host = optim + off_grads
+    if getattr(opt, "offload_param", False) is True:  # ZeRO-3's partitions in host memory (the ds_tensors views)
+        host += _tensors(opt.fp16_partitioned_groups_flat)
     if getattr(opt, "cpu_offload", False):
         # ZeRO-Offload (stage_1_and_2.py): what DeepSpeed places on self.device, 'cpu' under offload (on the CPU
         # accelerator host and device are one memory, so the placement is read from the containers): the fp32

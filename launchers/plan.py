@@ -60,7 +60,7 @@ def space(cfg) -> Space:
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
                  tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute),
                  tuple(bool(x) for x in p.distributed_optimizer), tuple(p.get("cp_comm_types") or ()),
-                 tuple(p.get("offload_optimizer") or ("none",)))
+                 tuple(p.get("offload_optimizer") or ("none",)), tuple(p.get("offload_param") or ("none",)))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -260,6 +260,8 @@ def _lay(r: Row) -> str:
         s += f" z{kn['zero_stage']}"
     if kn.get("offload_optimizer", "none") != "none":
         s += f" off:{kn['offload_optimizer']}"
+    if kn.get("offload_param", "none") != "none":
+        s += f" offp:{kn['offload_param']}"
     if kn.get("use_distributed_optimizer"):
         s += " dopt"
     if "cp_comm_type" in kn:

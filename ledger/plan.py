@@ -61,7 +61,7 @@ def recompute_knobs(framework: str, mode: str) -> dict | None:
 FRAMEWORK_NAMES = frameworks.names()  # the registered ledgers, in their tables' order
 # what a plan.watch entry may name: the framework, a layout field or a knob a row sets
 WATCH_KEYS = ("framework", "tp", "pp", "vp", "cp", "dp", "dp_replicate", "ep", "micro_batch_size", "sequence_parallel",
-              "global_batch_size", "zero_stage", "offload_optimizer", "decoder_first_pipeline_num_layers",
+              "global_batch_size", "zero_stage", "offload_optimizer", "offload_param", "decoder_first_pipeline_num_layers",
               "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
               "account_for_loss_in_pipeline_split")
 SORTS = ("time", "peak", "wire")
@@ -118,6 +118,7 @@ class Space:
     distributed_optimizer: tuple[bool, ...] = (False, True)  # Megatron's use_distributed_optimizer tried
     cp_comm_types: tuple[str, ...] = ()  # Megatron's cp_comm_type tried where cp > 1; () = as configured
     offload_optimizer: tuple[str, ...] = ("none",)  # DeepSpeed's ZeRO-Offload tried (where it models it)
+    offload_param: tuple[str, ...] = ("none",)  # and ZeRO-3's parameter offload
 
 
 @dataclass(slots=True)

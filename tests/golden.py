@@ -114,6 +114,8 @@ def deepspeed_cases():
                                              *_lay(1, 1, 8)]
     yield "deepspeed/tiny/offload-z3", ["model=tiny", *_fw("deepspeed", zero_stage=3, offload_optimizer="cpu"),
                                         *_lay(1, 1, 4, global_batch_size=8)]
+    yield "deepspeed/llama3_8b/offload-param-z3", ["model=llama3_8b", *_fw("deepspeed", zero_stage=3, offload_optimizer="cpu",
+                                                                          offload_param="cpu"), *_lay(1, 1, 8)]
     yield "deepspeed/refused/offload-fp32", ["model=tiny", *_fw("deepspeed", zero_stage=2, offload_optimizer="cpu",
                                                                 precision="fp32"), *_lay(1, 1, 2)]
 
@@ -196,6 +198,8 @@ def gpu_target_cases():
                                                  *gpu, *_lay(1, 1, 8)]
     yield "cuda/deepspeed/llama3_1b/offload-z2", ["model=llama3_1b", "framework=deepspeed", "framework.zero_stage=2",
                                                   "framework.offload_optimizer=cpu", *gpu, *_lay(1, 1, 8)]
+    yield "cuda/deepspeed/llama3_1b/offload-param-z3", ["model=llama3_1b", "framework=deepspeed", "framework.zero_stage=3",
+                                                        "framework.offload_param=cpu", *gpu, *_lay(1, 1, 8)]
     yield "cuda/megatron/llama3_1b/local", ["model=llama3_1b", "framework=megatron", "framework.transformer_impl=local",
                                             "framework.use_distributed_optimizer=true", *gpu, *_lay(2, 2, 2, global_batch_size=16)]
     yield "cpu/megatron/llama3_1b/local-target", ["model=llama3_1b", "framework=megatron", "cluster=local_cpu",

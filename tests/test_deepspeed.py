@@ -163,10 +163,13 @@ ULYSSES = ("ulysses_z3", "ulysses_z12", "ulysses_cast")
 # ZeRO-Offload (offload_optimizer.device=cpu, pinned) at 4 ranks, 2 micro-batches, extra-large output and
 # embedding gradients: the host buffers (ZeRO-2's accumulated_grads_in_cpu among them), host_bytes; ZeRO-1's
 # peak at the backward's start, ZeRO-2's last rank's at its first reduction's copy into the host partition
-# (inside the peak's bound: the fp64 norm of the output weight and its clone), ZeRO-3's at the final norm's forward
-OFFLOAD = ["framework=deepspeed", "framework.zero_stage=1,2,3", "cluster.ranks=4", "framework.offload_optimizer=cpu",
+# (inside the peak's bound: the fp64 norm of the output weight and its clone); ZeRO-3 with its parameters
+# offloaded too, its peak at the final norm's forward
+OFFLOAD = ["framework=deepspeed", "framework.zero_stage=1,2", "cluster.ranks=4", "framework.offload_optimizer=cpu",
            "framework.offload_optimizer_pin_memory=true", f"framework.reduce_bucket_size={BELOW_EMBEDDING}",
            "layout.global_batch_size=8"]
+OFFLOAD_Z3 = [*OFFLOAD[:1], "framework.zero_stage=3", *OFFLOAD[2:], "framework.offload_param=cpu",
+              "framework.offload_param_pin_memory=true"]
 # buckets of every gradient up to block 0's ffn_norm, wo, wv, wk, wq, attention_norm: the reduce-scatter at
 # that hook peaks (nothing prefetched or kept, so no forward moment above it)
 HOOK_BUCKETS = {"ffn_norm": 3_114_752, "wo": 3_115_008, "wv": 3_180_544, "wk": 3_196_928, "wq": 3_213_312,
@@ -920,7 +923,8 @@ def runs(tmp_path_factory):
               "fp32_one": FP32_ONE, "odd": ODD,
               "epilogue": EPILOGUE,
               "emb_tied": EMB_TIED, "hooks": HOOKS, "default_bucket": DEFAULT_BUCKET,
-              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12, "ulysses_cast": ULYSSES_CAST, "offload": OFFLOAD}
+              "ulysses_z3": ULYSSES_Z3, "ulysses_z12": ULYSSES_Z12, "ulysses_cast": ULYSSES_CAST, "offload": OFFLOAD,
+              "offload_z3": OFFLOAD_Z3}
     # wandb.mode=disabled: as conftest.run_sweeps (W&B is test_wandb's); a sweep's multiruns each into a
     # folder of its own under the sweep's, which records.load reads together
     launch_many([["-m", *part, "wandb.mode=disabled", f"hydra.sweep.dir={root / name / str(i)}"]
@@ -1320,18 +1324,21 @@ def test_offload_keeps_the_optimizer_on_the_host(runs):
     from ledger.faithful.deepspeed.zero3 import _zero3_memory
     from ledger.faithful.deepspeed.zero12 import _zero12_memory
 
+    import pandas as pd
+
     recs, tables = runs
-    assert sorted(_key(r) for r in recs["offload"]) == [(1, 4), (2, 4), (3, 4)]
-    df = tables["offload"]
-    for rec in recs["offload"]:
-        m = ModelShape.from_config(rec["config"]["model"])
-        job = df[(df.job == R_name(rec)) & (df.phase == "steady")]
+    offload = recs["offload"] + recs["offload_z3"]
+    assert sorted(_key(r) for r in offload) == [(1, 4), (2, 4), (3, 4)]
+    df = pd.concat([tables["offload"], tables["offload_z3"]])
+    for rec in offload:
+        m, z = ModelShape.from_config(rec["config"]["model"]), _key(rec)[0]
+        # (the two sweeps' jobs share their names: told apart by the stage)
+        job = df[(df.job == R_name(rec)) & (df.framework == f"deepspeed-z{z}") & (df.phase == "steady")]
         host = job[job.quantity == "host_bytes"]
         assert len(host) == 4 * job.step.nunique() and (host.abs_err == 0).all()
         optim = job[job.quantity == "optim_bytes"].set_index("rank").measured
         grads = job[job.quantity == "grads_bytes"].set_index("rank").measured
         assert (host.set_index("rank").measured > optim).all()
-        z = _key(rec)[0]
         fw = rec["config"]["framework"]
         plain = (_zero3_memory(m, 4, fw["stage3_param_persistence_threshold"], fw["reduce_bucket_size"], "bf16") if z == 3
                  else _zero12_memory(m, 4, z, "bf16"))
@@ -1344,8 +1351,14 @@ def test_offload_keeps_the_optimizer_on_the_host(runs):
         comm = _steady_comm(rec["measurement"]["ranks"][0])
         if z == 3:  # complete_grad_norm_calculation_for_cpu_offload: the norm all-reduced in fp32
             assert comm[("all_reduce", "fp32")] == (1, 4) and ("all_reduce", "fp64") not in comm
+            # offload_param: the model-dtype partitions are the host's too
+            params = job[job.quantity == "params_bytes"].set_index("rank").measured
+            host_want = optim + 4 * part + 2 * part
+            assert (host.set_index("rank").measured == host_want).all() and (params > 2 * part).all()
         for r in rec["measurement"]["ranks"]:
-            assert r["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+            zc = r["ds_config"]["zero_optimization"]
+            assert zc["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+            assert zc.get("offload_param") == ({"device": "cpu", "pin_memory": True} if z == 3 else None)
     peaks = df[(df.phase == "steady") & (df.quantity == "peak_bytes")]
     z1, z2, z3 = (peaks[peaks.framework == f"deepspeed-z{z}"] for z in (1, 2, 3))
     assert (z1.abs_err == 0).all() and (z3.abs_err == 0).all() and z1.bound_low.notna().all()
@@ -1721,6 +1734,15 @@ def test_offload_by_hand():
     assert off.grads_bytes == plain.grads_bytes + 4 * part and off.other_bytes == plain.other_bytes - 4
     assert off.host_bytes == plain.optim_bytes + 4 * part
     assert [(c.kind, c.dtype, c.buffer_bytes) for c in off.comm if c.what == "grad norm"] == [("all_reduce", "fp32", 4)]
+    # ZeRO-3's offload_param alone: the model-dtype partitions on the host, the rest as without offload; on a GPU
+    # the device's peak holds the params less those partitions, bounded by a gather's copy of them to the device
+    par = place(preset("tiny"), _lay(2), _fw(zero_stage=3, offload_param="cpu")).rank_state(0)
+    assert (par.resident_bytes, par.comm) == (plain.resident_bytes, plain.comm) and par.host_bytes == 2 * part
+    assert par.peak.bytes == plain.peak.bytes and par.peak.bound is None
+    gpu_par = place(preset("tiny"), _lay(2), _fw(zero_stage=3, offload_param="cpu"), CUDA_NCCL).rank_state(0).peak
+    gpu_plain = place(preset("tiny"), _lay(2), _fw(zero_stage=3), CUDA_NCCL).rank_state(0).peak
+    assert gpu_par.detail["resident/params"] == gpu_plain.detail["resident/params"] - 2 * part
+    assert gpu_par.bound[1] > gpu_par.bytes
 
 
 def test_offload_refusals_name_the_field():
@@ -1734,8 +1756,9 @@ def test_offload_refusals_name_the_field():
                                 (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", precision="fp32"), "fp32"),
                                 (tiny, _lay(2), _fw(zero_stage=1, offload_optimizer="cpu", overlap_comm=True),
                                  "overlap_comm"),
-                                (moe, _lay(2), _fw(zero_stage=2, offload_optimizer="cpu"), "MoE")):
-        with pytest.raises(ConfigError, match="offload_optimizer") as e:
+                                (moe, _lay(2), _fw(zero_stage=2, offload_optimizer="cpu"), "MoE"),
+                                (tiny, _lay(2), _fw(zero_stage=2, offload_param="cpu"), "zero_stage=3")):
+        with pytest.raises(ConfigError, match="offload_optimizer|offload_param") as e:
             rules.validate_layout(model, lay, fw)
         assert why in str(e.value)
     with pytest.raises(ConfigError, match="framework.offload_optimizer='gpu' must be one of none, cpu, nvme"):

@@ -110,6 +110,7 @@ DS_ROUND_TRIP = [
      "framework.gradient_clipping=0.5"],
     ["framework.zero_stage=2", "layout.dp=2", "framework.activation_checkpointing=true", "framework.allgather_bucket_size=300000"],
     ["framework.zero_stage=2", "layout.dp=2", "framework.offload_optimizer=cpu", "framework.offload_optimizer_pin_memory=true"],
+    ["framework.zero_stage=3", "layout.dp=2", "framework.offload_optimizer=cpu", "framework.offload_param=cpu"],
 ]
 
 
@@ -128,7 +129,7 @@ def test_ds_configs_import_back_to_the_same_config(overrides):
         _, lay, _ = check(cfg)
         fw = cfg.framework
         keys = [*ZERO.values(), "precision", "gradient_clipping", "activation_checkpointing", "offload_optimizer",
-                "offload_optimizer_pin_memory"]
+                "offload_optimizer_pin_memory", "offload_param", "offload_param_pin_memory"]
         return lay, {k: overlap_comm(fw) if k == "overlap_comm" else fw[k] for k in keys}
 
     cfg = compose_config("mode=dry", "framework=deepspeed", "model=tiny", *overrides)
@@ -140,7 +141,8 @@ def test_ds_configs_import_back_to_the_same_config(overrides):
 @pytest.mark.parametrize("change,name", [
     ({"fp16": {"enabled": True}}, "fp16.enabled"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 8}}},
+     "zero_optimization.offload_param.buffer_count=8"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8}}},
      "zero_optimization.offload_optimizer.buffer_count=8"),
     ({"pipeline": {"stages": 2}}, "'pipeline'"),

@@ -97,6 +97,9 @@ class TimePolicy:
     # link (Profile.host_link_gbps) on the compute stream, exposed
     host_optimizer: bool = False
     offload_link_bytes: float = 0.0
+    # parameters offloaded to the host (ZeRO-3's offload_param): bytes over the host link per byte of the
+    # data-parallel all-gathers' buffers (each gather copies its partitions to the device first), exposed
+    param_gather_host_bytes: float = 0.0
     sources: tuple = ()
 
 
@@ -312,9 +315,14 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
 
     st = placement.rank_state(_stage_of_rank(lay, crit))
     elements = st.optim_bytes / policy.optimizer_state_bytes
-    memory_gbps, link_gbps = host_rates(hw) if policy.host_optimizer else (hw.hbm_gbps, 0.0)
+    offloaded = policy.host_optimizer or policy.param_gather_host_bytes > 0
+    memory_gbps, link_gbps = host_rates(hw) if offloaded else (hw.hbm_gbps, 0.0)
+    if not policy.host_optimizer:
+        memory_gbps = hw.hbm_gbps
     opt_s = elements * policy.optimizer_traffic_bytes / (memory_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
-    host_s = elements * policy.offload_link_bytes / (link_gbps * 1e9) if policy.host_optimizer else 0.0
+    link_bytes = elements * policy.offload_link_bytes + policy.param_gather_host_bytes * sum(
+        c.buffer_bytes for c, _ in stage_rows[crit] if c.dim in DP_DIMS and c.kind == "all_gather")
+    host_s = link_bytes / (link_gbps * 1e9) if offloaded else 0.0
     step = pipe_s + g_exp + p_exp + opt_s + sm_s + host_s
 
     # the waterfall of the critical stage: its layers' and head's ops by kind (one layer's, times its
@@ -348,7 +356,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                  ("grad accumulation", accumulate[crit])]
     waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]
     waterfall += [("SMs held by hidden collectives", sm_s), ("pipeline bubble", bubble), ("optimizer step", opt_s)]
-    if policy.host_optimizer:
+    if offloaded:
         waterfall.append(("host link transfers (offload)", host_s))
     total = sum(t for _, t in waterfall)
     if abs(total - step) > 1e-9 * step:  # the terms are the step's parts by construction

@@ -87,9 +87,16 @@ class Offload(NamedTuple):
     host_other: int
     device_other: int
     params_in_partition: int
-    # the most one reduction's copy into the host partition holds at once (backward.offload_copies): the
-    # moments of those copies are not placed, the peak is bounded by it (Peak.bound)
+    # the most one reduction's copy into the host partition holds at once (backward.offload_copies), and on a
+    # GPU ZeRO-3's offloaded partitions copied to the device for a gather: the moments of those copies are not
+    # placed, the peak is bounded by them (Peak.bound)
     copies: int = 0
+    host_params: int = 0  # ZeRO-3's offload_param: its model-dtype partitions on the host
+    optimizer: bool = True  # the optimizer offloaded (offload_optimizer); False: ZeRO-3's parameters alone
+
+
+def optimizer_offloaded(i: "PeakInputs") -> bool:
+    return i.offload is not None and i.offload.optimizer
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ class _Step:
         self.batch = batch_bytes(model, mbs, i.sp)
         # stage3.py get_grad_norm_direct works in fp64; under offload its complete_grad_norm_calculation_for_cpu_offload
         # in fp32, as ZeRO-1/2's do
-        self.norm_dtype = FP64 if zero == 3 and not i.offload else FP32
+        self.norm_dtype = FP64 if zero == 3 and not optimizer_offloaded(i) else FP32
         b, s, V = mbs, model.seq_len, model.vocab
         self.b, self.s, self.V, self.h = b, s, V, model.hidden
         held_grads = held_touched = 0
@@ -191,7 +198,8 @@ class _Step:
             # (ZeRO-Offload: an extra-large gradient is cloned at its hook before it is reduced,
             # reduce_independent_p_g_buckets_and_remove_grads under _offload_gradient_safety_enabled: the
             # storage held here is never a collective's)
-            held_touched = (w * i.grads_hooked[1][-1] if not i.offload else 0) + (w * i.bucket if i.ipg_touched else 0)
+            held_touched = ((w * i.grads_hooked[1][-1] if not optimizer_offloaded(i) else 0)
+                            + (w * i.bucket if i.ipg_touched else 0))
         elif m > 1 and zero == 2:
             # micro-batch 0's grads_in_partition (contiguous_gradients), kept to the boundary by
             # all_grad_tensors; sized as the whole params overlapping the partition
@@ -293,11 +301,16 @@ class _Step:
         i = self.i
         optim = i.optim - (sum(2 * FP32 * p + FP32 for p in i.group_parts or (i.part,)) if first else 0)
         grads, other = host_lines(i)
-        return {"resident/params": i.params_resident - (i.persist if first else 0),
+        return {"resident/params": i.params_resident - (i.persist if first else 0) - host_params(i),
                 "resident/grads": i.grads_resident + grads,
-                "resident/optim": optim if not i.offload or i.rules.host_is_device else 0,
+                "resident/optim": optim if not optimizer_offloaded(i) or i.rules.host_is_device else 0,
                 "resident/other": (0 if first else self.norm_dtype) + (1 if i.zero == 3 else 0) + i.other_extra
                 + other}
+
+
+def host_params(i: PeakInputs) -> int:
+    """ZeRO-3's offloaded parameter partitions where the target's host is not its device (else 0)."""
+    return i.offload.host_params if i.offload and not i.rules.host_is_device else 0
 
 
 def host_lines(i: PeakInputs) -> tuple[int, int]:
@@ -320,16 +333,16 @@ def _group_step(st: _Step, first: bool, g: int, parts: tuple[int, ...]) -> Peak:
     i, zero, batch = st.i, st.i.zero, st.batch
     # the previous step's _global_grad_norm is replaced only after the new one is computed
     other = st.norm_dtype * (1 if first else 2) + (1 if zero == 3 else 0) + i.other_extra  # + inf_or_nan_tracker
-    params = i.params_resident - (i.persist if zero == 3 else 0)  # _partition_all_parameters
+    params = i.params_resident - (i.persist if zero == 3 else 0) - host_params(i)  # _partition_all_parameters
     # step 0: a later group's exp_avg, exp_avg_sq and step are made at its own update (_init_group)
     later = sum(2 * FP32 * p + FP32 for p in parts[g + 1:]) if first else 0
     optim = i.optim - later
     off_grads, off_other = host_lines(i)
-    on_host = bool(i.offload) and not i.rules.host_is_device  # the update runs in another memory
+    on_host = optimizer_offloaded(i) and not i.rules.host_is_device  # the update runs in another memory
     optim, other = (0 if on_host else optim), other + off_other
     resident = params + i.grads_resident + off_grads + optim + other
     part = parts[g]
-    if i.offload:
+    if optimizer_offloaded(i):
         # stage_1_and_2.py step() under cpu_offload: the fp32 gradient partition is the host buffer the
         # reductions copied into (resident); each param of the partition left its fp64 norm
         # (set_norm_for_param_grad_in_gpu, norm_for_param_grads: cleared by reset_cpu_buffers after the step)
@@ -883,13 +896,14 @@ def _pick(st: _Step, first: bool) -> Peak:
     if zero == 1 and flush is None:
         best.what += "; an estimate (overlap_comm: stage 1's reductions in the hooks at the boundary are not a " \
                      "candidate)"
-    if i.offload:
+    if i.offload and i.offload.copies:
         # ZeRO-Offload: each reduced gradient of the partition is copied into the host partition through its
         # fp64 norm and an fp32 copy (an extra-large one cloned first); those moments are not placed in the
-        # backward: the peak lies between the placed moments' and theirs plus the largest copy
+        # backward (and, on a GPU, ZeRO-3's offloaded partitions copied to the device for a gather): the peak lies
+        # between the placed moments' and theirs plus the largest copy
         best.bound = (best.bytes, best.bytes + i.offload.copies)
-        best.what += (f"; up to {best.bytes + i.offload.copies:,} B with the reductions' copies into the host "
-                      "partition (not placed: bounded)")
+        best.what += (f"; up to {best.bytes + i.offload.copies:,} B with ZeRO-Offload's copies between host and "
+                      "device (not placed: bounded)")
     if casts and (i.last_reduction[0] > 1 if zero == 1 else flush.first_hook < i.hooks.count):
         best.what += ("; an estimate (reducing in another dtype: the casts of the reductions before the last are "
                       "not candidates)")

@@ -36,11 +36,11 @@ def validate_knobs(fw) -> None:
     if "seq_parallel_communication_data_type" in fw:
         one_of("framework", fw, "seq_parallel_communication_data_type", ("fp32", "bf16", "fp16"))
     # ZeRO-Offload's devices (runtime/zero/offload_config.py OffloadDeviceEnum: none, cpu, nvme)
-    if "offload_optimizer" in fw:
-        one_of("framework", fw, "offload_optimizer", ("none", "cpu", "nvme"))
-    if not isinstance(fw.get("offload_optimizer_pin_memory", False), bool):
-        raise ConfigError(f"framework.offload_optimizer_pin_memory={fw.offload_optimizer_pin_memory!r} must be true "
-                          "or false")
+    for what in ("offload_optimizer", "offload_param"):
+        if what in fw:
+            one_of("framework", fw, what, ("none", "cpu", "nvme"))
+        if not isinstance(fw.get(f"{what}_pin_memory", False), bool):
+            raise ConfigError(f"framework.{what}_pin_memory={fw[what + '_pin_memory']!r} must be true or false")
 
 
 def offloads(fw) -> bool:
@@ -48,20 +48,30 @@ def offloads(fw) -> bool:
     return fw.get("offload_optimizer", "none") != "none"
 
 
+def offloads_params(fw) -> bool:
+    """ZeRO-3's parameter offload (zero_optimization.offload_param.device=cpu)."""
+    return fw.get("offload_param", "none") != "none"
+
+
 def offload_check(model, lay, fw) -> None:
     """What ZeRO-Offload the ledger models: the optimizer offloaded to the host at ZeRO-1/2 (stage_1_and_2.py
-    cpu_offload) and ZeRO-3 (stage3.py offload_optimizer, every sub-group on the host), as the CPU runs confirm
-    it. DeepSpeed itself offloads only under ZeRO (stage 0 has no partitioned
-    optimizer to move)."""
-    off = fw.get("offload_optimizer", "none")
-    if off == "none":
+    cpu_offload) and ZeRO-3 (stage3.py offload_optimizer, every sub-group on the host), ZeRO-3's parameter
+    partitions (offload_param), as the CPU runs confirm them. DeepSpeed itself offloads only under ZeRO (stage 0
+    has no partitioned optimizer to move, and only ZeRO-3 partitions the parameters)."""
+    off, par = fw.get("offload_optimizer", "none"), fw.get("offload_param", "none")
+    if off == "none" and par == "none":
         return
-    if off == "nvme":
-        raise ConfigError("framework.offload_optimizer='nvme': ZeRO-Infinity's NVMe swapper (its aio buffers and "
-                          "swap files) is not modelled; use cpu")
+    for what, v in (("offload_optimizer", off), ("offload_param", par)):
+        if v == "nvme":
+            raise ConfigError(f"framework.{what}='nvme': ZeRO-Infinity's NVMe swapper (its aio buffers and swap files) "
+                              "is not modelled; use cpu")
+    if par != "none" and fw.zero_stage != 3:
+        raise ConfigError(f"framework.offload_param='cpu' needs zero_stage=3, not {fw.zero_stage} (DeepSpeed partitions "
+                          "parameters, and so offloads them, at ZeRO-3 only)")
     if fw.zero_stage == 0:
         raise ConfigError("framework.offload_optimizer='cpu' needs ZeRO (zero_stage 1, 2 or 3): stage 0 keeps no "
                           "partitioned optimizer to offload")
+    off = "offload_optimizer" if off != "none" else "offload_param"
     reasons = []
     if fw.precision != "bf16":
         reasons.append(f"precision={fw.precision} (measured in bf16 only)")
@@ -73,7 +83,7 @@ def offload_check(model, lay, fw) -> None:
         reasons.append("zero_stage=1 with overlap_comm (the hooks' reductions at the boundary keep micro-step "
                        "bookkeeping of their own)")
     if reasons:
-        raise ConfigError("framework.offload_optimizer='cpu' is modelled in bf16, without Ulysses or MoE, and at stage 1 "
+        raise ConfigError(f"framework.{off}='cpu' is modelled in bf16, without Ulysses or MoE, and at stage 1 "
                           "without overlap_comm; not with " + "; ".join(reasons))
 
 
@@ -140,13 +150,13 @@ def overlap_comm(fw) -> bool:
 
 def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> list[dict]:
     """The planner tries each ZeRO stage of plan.zero_stages (every GPU a data-parallel rank), with each
-    offload_optimizer of plan.offload_optimizer where the ledger models it (offload_check: a dense model
-    without Ulysses)."""
+    offload_optimizer of plan.offload_optimizer and, at stage 3, offload_param of plan.offload_param, where the
+    ledger models them (offload_check: a dense model without Ulysses)."""
+    modelled = cp == 1 and not (model is not None and model.is_moe)
     out = []
     for z in space.zero_stages:
         for off in space.offload_optimizer:
-            if off == "none":
-                out.append({"zero_stage": z, "offload_optimizer": "none"})
-            elif off == "cpu" and cp == 1 and not (model is not None and model.is_moe):
-                out.append({"zero_stage": z, "offload_optimizer": off})
+            for par in (space.offload_param if z == 3 else ("none",)):
+                if (off, par) == ("none", "none") or modelled:
+                    out.append({"zero_stage": z, "offload_optimizer": off, "offload_param": par})
     return out

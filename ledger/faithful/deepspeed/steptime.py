@@ -36,11 +36,14 @@ deepspeed/runtime/.
              partition: each gradient's fp32 copy into the host partition at the boundary (4 bytes,
              async_inplace_copy_grad_to_fp32_buffer_from_gpu) and the updated params back (2); ZeRO-2 with
              several micro-batches also moves each gradient out and back through accumulated_grads_in_cpu
-             (async_accumulate_grad_in_cpu_via_gpu: 2 bytes out every micro-batch, 2 back from the second)
+             (async_accumulate_grad_in_cpu_via_gpu: 2 bytes out every micro-batch, 2 back from the second);
+             ZeRO-3's offload_param: each gather copies the partitions it gathers to the device first
+             (partition_parameters.py all_gather_coalesced: `p.ds_tensor.to(device)`): 1 / dp of every
+             all-gather's buffer over the host link, on the fetch's path, counted exposed
 """
 from __future__ import annotations
 
-from ledger.faithful.deepspeed.rules import offloads, overlap_comm
+from ledger.faithful.deepspeed.rules import offloads, offloads_params, overlap_comm
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -73,5 +76,6 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       grad_accumulate_first=False,
                       host_optimizer=offloads(fw), optimizer_traffic_bytes=34 if offloads(fw) else 30,
                       offload_link_bytes=offload_link_bytes(z, lay.num_microbatches) if offloads(fw) else 0.0,
+                      param_gather_host_bytes=1.0 / lay.dp if offloads_params(fw) else 0.0,
                       sources=(f"deepspeed time policy: ZeRO-{z}, grad reduction {grad.replace('_', ' ')}, "
                                f"param gathers {param.replace('_', ' ')} (ledger/faithful/deepspeed/steptime.py)",))

@@ -19,7 +19,7 @@ from ledger.faithful.deepspeed.common import (DTYPES, Calls, Memory, backward_or
 from ledger.faithful.deepspeed.coordinator import z3_fetches, z3_steady
 from ledger.faithful.deepspeed.gathered import z3_backward_moments, z3_first_moments, z3_moments, z3_recompute_moments
 from ledger.faithful.deepspeed.peak import Offload, PeakInputs
-from ledger.faithful.deepspeed.rules import offloads
+from ledger.faithful.deepspeed.rules import offloads, offloads_params
 from ledger.faithful.deepspeed.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.faithful.deepspeed.trace import backward_module, z3_trace
@@ -90,13 +90,23 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
     z = _z3_shape(model, dp, fw.stage3_param_persistence_threshold, fw.reduce_bucket_size, w)
     budgets = (model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
                int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), dp, w)
-    offload = None
-    if off:
+    offload, par = None, offloads_params(fw)
+    if off or par:
         # the host fp32 gradient partition is the peak's offload line (grads_resident the device's);
-        # norm_for_param_grads: one fp64 norm per param with real data in this rank's partition
+        # norm_for_param_grads: one fp64 norm per param with real data in this rank's partition (rank 0's: every
+        # param). offload_param (stage3.py _create_param_groups_fp16_flat_cpu_memory): the model-dtype partitions
+        # in host memory, each gather copying the partitions it gathers to the device first
+        # (partition_parameters.py all_gather_coalesced: `p.ds_tensor.to(device)`; on the CPU harness the same
+        # memory, no copy): bounded by the largest fetch's
         real = sum(1 for _, sh in model.params() if numel(sh) > 0)
-        offload = Offload(FP32 * z.part, 0, 0, real, FP64 * max(round_up(numel(sh), dp) // dp for _, sh in model.params()))
-        s.host_bytes = s.optim_bytes + FP32 * z.part
+        copies = FP64 * max(round_up(numel(sh), dp) // dp for _, sh in model.params()) if off else 0
+        if par and not target_rules.host_is_device:
+            calls = z3_steady(model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
+                              int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), ac=ac)
+            copies += w * max((sum(round_up(n, dp) for n in key) // dp for key in calls), default=0)
+        offload = Offload(FP32 * z.part if off else 0, 0, 0, real if off else 0, copies, w * z.part if par else 0,
+                          optimizer=off)
+        s.host_bytes = (s.optim_bytes + FP32 * z.part if off else 0) + (w * z.part if par else 0)
     s.peak = lambda: deepspeed_peak.peak(PeakInputs(
         model, lay.micro_batch_size, m, 3, w, ac, part=z.part, params_resident=s.params_bytes,
         optim=s.optim_bytes, grads_resident=s.grads_bytes - (FP32 * z.part if off else 0),
