@@ -104,13 +104,14 @@ class TimePolicy:
 
 
 def host_rates(hw: Profile) -> tuple[float, float]:
-    """(host memory GB/s, host link GB/s each way) a rank's offloaded optimizer runs at: the profile's; on a CPU
-    profile the host is the device (its memory; a copy "over the link" reads and writes it: half its rate)."""
+    """(host memory GB/s, host link GB/s each way) an offloading rank's optimizer and copies run at: the profile's;
+    on a CPU profile the host is the device (its memory; a copy "over the link" reads and writes it: half its
+    rate)."""
     if hw.device == "cpu":
         return hw.hbm_gbps, hw.hbm_gbps * hw.memory_efficiency / 2
     if not (hw.host_link_gbps > 0 and hw.host_memory_gbps > 0):
         from ledger.layout import ConfigError
-        raise ConfigError(f"hardware={hw.name}: an offloaded optimizer's time needs the host's rates "
+        raise ConfigError(f"hardware={hw.name}: ZeRO-Offload's time needs the host's rates "
                           "(hardware.host_link_gbps, hardware.host_memory_gbps)")
     return hw.host_memory_gbps, hw.host_link_gbps
 
@@ -316,9 +317,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     st = placement.rank_state(_stage_of_rank(lay, crit))
     elements = st.optim_bytes / policy.optimizer_state_bytes
     offloaded = policy.host_optimizer or policy.param_gather_host_bytes > 0
-    memory_gbps, link_gbps = host_rates(hw) if offloaded else (hw.hbm_gbps, 0.0)
-    if not policy.host_optimizer:
-        memory_gbps = hw.hbm_gbps
+    host_gbps, link_gbps = host_rates(hw) if offloaded else (0.0, 0.0)
+    memory_gbps = host_gbps if policy.host_optimizer else hw.hbm_gbps
     opt_s = elements * policy.optimizer_traffic_bytes / (memory_gbps * 1e9 * hw.memory_efficiency) + hw.kernel_overhead_s
     link_bytes = elements * policy.offload_link_bytes + policy.param_gather_host_bytes * sum(
         c.buffer_bytes for c, _ in stage_rows[crit] if c.dim in DP_DIMS and c.kind == "all_gather")

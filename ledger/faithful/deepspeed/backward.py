@@ -44,6 +44,12 @@ def _flat(model: ModelShape, dp: int) -> tuple[int, dict[str, tuple[int, int]]]:
     return part, at
 
 
+def _ranks_holding(off: int, k: int, part: int) -> range:
+    """The ranks whose partitions (part elements each) hold some of a parameter's k elements at flat offset off
+    (is_param_in_current_partition)."""
+    return range(off // part, (off + k - 1) // part + 1)
+
+
 @lru_cache(maxsize=64)
 def partition_params(model: ModelShape, dp: int) -> tuple[tuple[int, int], ...]:
     """Per rank of a dp group: (the parameters overlapping its partition, their elements, each whole), as
@@ -51,7 +57,7 @@ def partition_params(model: ModelShape, dp: int) -> tuple[tuple[int, int], ...]:
     part, at = _flat(model, dp)
     count, elems = [0] * dp, [0] * dp
     for off, k in at.values():
-        for r in range(off // part, (off + k - 1) // part + 1):
+        for r in _ranks_holding(off, k, part):
             count[r] += 1
             elems[r] += k
     return tuple(zip(count, elems))
@@ -68,7 +74,7 @@ def offload_copies(model: ModelShape, dp: int, bucket: int, w: int) -> tuple[int
     part, at = _flat(model, dp)
     out = [0] * dp
     for off, k in at.values():
-        for r in range(off // part, (off + k - 1) // part + 1):
+        for r in _ranks_holding(off, k, part):
             mine = min(off + k, (r + 1) * part) - max(off, r * part)
             out[r] = max(out[r], FP64 * mine + (w * k if k > bucket else 0))
     return tuple(out)
@@ -96,9 +102,9 @@ def partition_flushes(model: ModelShape, dp: int, bucket: int,
     span: dict[str, tuple[int, int]] = {}  # name -> (first rank, last rank) its elements lie in
     overlap = [0] * dp
     for name, (off, k) in at.items():
-        lo, hi = off // part, (off + k - 1) // part
-        span[name] = (lo, hi)
-        for r in range(lo, hi + 1):
+        ranks = _ranks_holding(off, k, part)
+        span[name] = (ranks[0], ranks[-1])
+        for r in ranks:
             overlap[r] += k
     first = [len(order)] * dp
     copied_at = [0] * dp

@@ -75,7 +75,7 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     hk = deepspeed_backward.hooks(backward_order(model), model.layers)
     flushes = deepspeed_backward.partition_flushes(model, lay.dp, bucket, order)
     if rules.offloads(fw):
-        return _offloaded(s, model, lay, w, fw.zero_stage, bucket, flushes, lambda f, o: peak(f, hk, order, o))
+        return _offloaded(s, model, lay, w, part, fw.zero_stage, bucket, flushes, lambda f, o: peak(f, hk, order, o))
     by_flush: dict = {}
     for f in flushes:
         if f not in by_flush:
@@ -84,7 +84,7 @@ def rank_states(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[
     return lambda r: by_flush[flushes[r % lay.dp]]
 
 
-def _offloaded(s: RankState, model: ModelShape, lay: Layout, w: int, zero: int, bucket: int, flushes,
+def _offloaded(s: RankState, model: ModelShape, lay: Layout, w: int, part: int, zero: int, bucket: int, flushes,
                peak) -> Callable[[int], RankState]:
     """ZeRO-1/2 under offload_optimizer.device=cpu (stage_1_and_2.py cpu_offload): each rank's state with
     ZeRO-Offload's buffers (offload_buffers), host_bytes its part on the host; its peak with no
@@ -98,20 +98,20 @@ def _offloaded(s: RankState, model: ModelShape, lay: Layout, w: int, zero: int, 
         if key not in by_key:
             st = copy.copy(s)
             st.detail = dict(s.detail)
-            off = offload_buffers(st, model, lay, w, zero, in_part[r], copies[r])
+            off = offload_buffers(st, model, lay, w, part, zero, in_part[r], copies[r])
             f = flushes[r]
             st.peak = (lambda f=f, off=off: peak(PartitionFlush(0, f.first_hook, f.copied), off))
             by_key[key] = st
     return lambda r: by_key[keys[r % lay.dp]]
 
 
-def offload_buffers(s: RankState, model: ModelShape, lay: Layout, w: int, zero: int,
+def offload_buffers(s: RankState, model: ModelShape, lay: Layout, w: int, part: int, zero: int,
                     in_part: tuple[int, int], copies: int) -> Offload:
     """ZeRO-Offload's buffers added to a rank's state (stage_1_and_2.py __init__ and
     initialize_optimizer_states under cpu_offload, each on self.device = 'cpu' unless named the device's),
     s.host_bytes set; returns them as the peak reads them. The optimizer state (the fp32 partition, AdamW's
-    moments) is the host's too: DeepSpeed builds the partition on self.device."""
-    part = round_up(model.num_params(), 2 * lay.dp) // lay.dp
+    moments) is the host's too: DeepSpeed builds the partition on self.device. part: the fp32 partition's
+    elements (rank_states')."""
     largest = max(numel(sh) for _, sh in model.params())
     grads = {"fp32 gradient partition on the host (single_partition_of_fp32_groups.grad)": FP32 * part}
     if zero == 2 and lay.num_microbatches > 1:

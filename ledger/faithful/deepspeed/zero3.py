@@ -98,18 +98,17 @@ def rank_state(model: ModelShape, lay: Layout, fw, target_rules: Rules = RULES[C
         # in host memory, each gather copying the partitions it gathers to the device first
         # (partition_parameters.py all_gather_coalesced: `p.ds_tensor.to(device)`; on the CPU harness the same
         # memory, no copy): bounded by the largest fetch's
-        real = sum(1 for _, sh in model.params() if numel(sh) > 0)
+        host_grads, host_params = FP32 * z.part if off else 0, w * z.part if par else 0
         copies = FP64 * max(round_up(numel(sh), dp) // dp for _, sh in model.params()) if off else 0
         if par and not target_rules.host_is_device:
             calls = z3_steady(model, m, fw.stage3_param_persistence_threshold, int(fw.stage3_prefetch_bucket_size),
                               int(fw.stage3_max_live_parameters), int(fw.stage3_max_reuse_distance), ac=ac)
             copies += w * max((sum(round_up(n, dp) for n in key) // dp for key in calls), default=0)
-        offload = Offload(FP32 * z.part if off else 0, 0, 0, real if off else 0, copies, w * z.part if par else 0,
-                          optimizer=off)
-        s.host_bytes = (s.optim_bytes + FP32 * z.part if off else 0) + (w * z.part if par else 0)
+        offload = Offload(host_grads, 0, 0, len(model.params()) if off else 0, copies, host_params, optimizer=off)
+        s.host_bytes = (s.optim_bytes if off else 0) + host_grads + host_params
     s.peak = lambda: deepspeed_peak.peak(PeakInputs(
         model, lay.micro_batch_size, m, 3, w, ac, part=z.part, params_resident=s.params_bytes,
-        optim=s.optim_bytes, grads_resident=s.grads_bytes - (FP32 * z.part if off else 0),
+        optim=s.optim_bytes, grads_resident=s.grads_bytes - (offload.host_grads if offload else 0),
         persist=w * z.persist_gathered, offload=offload,
         n=model.num_params(), bucket=int(fw.reduce_bucket_size),
         z3_moments=z3_moments(*budgets, ac=ac), z3_first=z3_first_moments(*budgets, ac=ac),
