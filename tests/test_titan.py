@@ -1077,6 +1077,28 @@ def test_schedules_place_stages_as_torchtitan():
     assert [SC.unshards("Interleaved1F1B", 2, 3, 4, s) for s in range(6)] == [1] * 6
     assert [SC.unshards("Interleaved1F1B", 2, 4, 4, s) for s in range(8)] == [4, 3, 3, 3, 3, 1, 1, 2]
     assert SC.unshards("1F1B", 4, 1, 8, 2) == 1
+
+
+def test_unshard_counts_are_torchs_lowering():
+    """schedules.unshard_counts (one pass each way) against torch's own _add_unshard_reshard (a rescan of the
+    rest of the schedule at every action), every rank of the looped schedules at a few stages a rank and
+    micro-batch counts; and unshards' shortcut (one each up to MAX_ACTIVE_STAGES stages a rank) is torch's too."""
+    from collections import Counter
+
+    from torch.distributed.pipelining.schedules import _add_unshard_reshard, _ComputationType
+
+    from ledger.faithful.titan import schedules as SC
+
+    for name in ("Interleaved1F1B", "LoopedBFS"):
+        for pp, vp, n in ((2, 2, 4), (2, 3, 6), (2, 4, 4), (4, 5, 8), (4, 6, 12), (3, 4, 7)):
+            for rank in range(pp):
+                ops = SC.rank_compute_order(name, pp, vp, n, rank)
+                torch_counts = Counter(a.stage_index for a in _add_unshard_reshard(ops)
+                                       if a.computation_type == _ComputationType.UNSHARD)
+                assert SC.unshard_counts([a.stage_index for a in ops if a is not None]) == dict(torch_counts), \
+                    (name, pp, vp, n, rank)
+                assert [SC.unshards(name, pp, vp, n, s) for s in SC.local_stages(rank, pp, vp, name)] == \
+                    [torch_counts[s] for s in SC.local_stages(rank, pp, vp, name)]
     assert "without a gradient" in SC.stages_error("ZBVZeroBubble", 2, 2)
     # pipeline_parallel_layers_per_stage gives pp * vp stages where an integer does
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None

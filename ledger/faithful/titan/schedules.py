@@ -121,36 +121,62 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
     """The (is backward, micro-batch, local chunk) a PP rank runs under Interleaved1F1B, in torch's own
     order (ScheduleInterleaved1F1B._calculate_single_rank_operations; its flexible rounds where n is no
     multiple of pp): the step-time model's pipeline order (steptime.py)."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    from torch.distributed.pipelining.schedules import _ComputationType
 
     return tuple((a.computation_type != _ComputationType.FORWARD, a.microbatch_index, a.stage_index // pp)
-                 for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
-                 if a is not None)
+                 for a in rank_compute_order("Interleaved1F1B", pp, vp, n, rank) if a is not None)
 
 
-@lru_cache(maxsize=1024)
+def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
+    """The compute actions a PP rank runs under a looped runtime schedule, in torch's own order
+    (_calculate_single_rank_operations; None where the rank idles)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+    if name == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
+    if name == "LoopedBFS":
+        from types import SimpleNamespace
+
+        return ScheduleLoopedBFS._calculate_single_rank_operations(
+            SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), rank)
+    raise ValueError(f"{name}: its unshards are not modelled")
+
+
+def unshard_counts(stage_order, max_active: int = MAX_ACTIVE_STAGES) -> dict[int, int]:
+    """How many UNSHARDs torch's _add_unshard_reshard gives each stage of this order of compute actions
+    (their stage indices), counted in one pass each way. Before each action torch holds unsharded exactly
+    the next `max_active` distinct stages the rank computes from there (it reshards the others and unshards
+    those missing), so a stage is unsharded each time it enters that window. torch rescans the rest of the
+    schedule at every action, quadratic in the micro-batches (seconds a rank at hundreds of them, where the
+    planner asks for thousands of layouts); test_titan's reference test counts torch's own output against this."""
+    windows, window = [], ()
+    for stage in reversed(stage_order):
+        window = (stage, *[s for s in window if s != stage][:max_active - 1])
+        windows.append(window)
+    counts: dict[int, int] = {}
+    held: tuple = ()
+    for window in reversed(windows):
+        for stage in window:
+            if stage not in held:
+                counts[stage] = counts.get(stage, 0) + 1
+        held = window
+    return counts
+
+
+@lru_cache(maxsize=256)
+def _rank_unshards(name: str, pp: int, vp: int, n: int, rank: int) -> dict[int, int]:
+    return unshard_counts([a.stage_index for a in rank_compute_order(name, pp, vp, n, rank) if a is not None])
+
+
 def unshards(name: str, pp: int, vp: int, n: int, stage: int) -> int:
     """How many times a runtime schedule unshards stage `stage` in a step (torch's _add_unshard_reshard over
     the rank's compute actions: at most MAX_ACTIVE_STAGES of its stages unsharded at once, the others
     resharded and gathered again when next used; each UNSHARD gathers every FSDP module of the stage,
-    _PipelineScheduleRuntime._perform_action); 1 for the single-stage schedules (their first forward)."""
-    if SCHEDULES[name].style == "single":
+    _PipelineScheduleRuntime._perform_action); 1 for the single-stage schedules (their first forward) and
+    wherever a rank holds no more stages than fit unsharded at once (none is ever resharded before its last use)."""
+    if SCHEDULES[name].style == "single" or vp <= MAX_ACTIVE_STAGES:
         return 1
-    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleLoopedBFS, _add_unshard_reshard,
-                                                        _ComputationType)
-
-    rank = stage % pp
-    if name == "Interleaved1F1B":
-        ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
-    elif name == "LoopedBFS":
-        from types import SimpleNamespace
-
-        ops = ScheduleLoopedBFS._calculate_single_rank_operations(
-            SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), rank)
-    else:
-        raise ValueError(f"{name}: its unshards are not modelled")
-    return sum(a.stage_index == stage and a.computation_type == _ComputationType.UNSHARD
-               for a in _add_unshard_reshard(ops))
+    return _rank_unshards(name, pp, vp, n, stage % pp).get(stage, 0)
 
 
 @lru_cache(maxsize=1024)
@@ -164,10 +190,10 @@ def losses_after_a_backward(name: str, pp: int, vp: int, n: int) -> int:
         return n - 1
     if name in ("GPipe", "LoopedBFS"):
         return 0
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    from torch.distributed.pipelining.schedules import _ComputationType
 
     last, seen_backward, count = pp * vp - 1, False, 0
-    for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), pp - 1):
+    for a in rank_compute_order("Interleaved1F1B", pp, vp, n, pp - 1):
         if a is None or a.stage_index != last:
             continue
         if a.computation_type == _ComputationType.FORWARD:
