@@ -42,14 +42,22 @@ def local_stages(pp_rank: int, pp: int, vp: int, name: str) -> tuple[int, ...]:
     return tuple(pp_rank + i * pp for i in range(vp))
 
 
-# schedules the ledger does not model, and why (measured on the CPU, pp2 over dp_shard 2, 4 layers, vocab
-# 1030: under both zero-bubble schedules the last stage's final norm weight gets no gradient, so AdamW keeps
-# no state for it and no reduce-scatter carries it, where 1F1B's stage reduces it)
+# schedules the ledger does not model, and why. Under both zero-bubble schedules the last stage's final norm
+# weight gets no gradient (measured on the CPU, pp2 over dp_shard 2, 4 layers, vocab 1030: AdamW keeps no state
+# for it and no reduce-scatter carries it, where 1F1B's stage reduces it). The cause, read in the sources and
+# on no device of its own: ChunkedLossWrapper (components/loss.py __call__) ends each loss by resharding lm_head's
+# FSDP group, which torchtitan's fsdp.py builds as [norm, lm_head]; to_sharded (_fsdp_param.py) sets the sharded
+# DTensor back on the module, so when the schedule's I action runs right after (the last stage runs F, I, F, I,
+# ...), stage.py hands stage_backward_input (pipelining/_backward.py) self.submod.parameters() with norm.weight
+# the sharded DTensor, whose AccumulateGrad node is not in the loss's graph: get_param_groups puts it in no
+# group, so the W action computes no gradient for it (lm_head's comes from the loss chunks' own backward; the
+# blocks stay unsharded under PP). 1F1B's full backward accumulates into the graph's own leaf.
+_ZB_NORM = ("its split backward (I, W) leaves the last stage's final norm weight without a gradient, on any device "
+            "(torchtitan's chunked loss reshards [norm, lm_head] before the I action collects the stage's "
+            "parameters: ledger/faithful/titan/schedules.py); not modelled")
 NOT_MODELLED = {
-    "InterleavedZeroBubble": "its split backward (I, W) leaves the last stage's final norm weight without a gradient "
-                             "on the CPU runs (no AdamW state, no reduce-scatter of it); not modelled",
-    "ZBVZeroBubble": "its split backward (I, W) leaves the last stage's final norm weight without a gradient on the "
-                     "CPU runs (no AdamW state, no reduce-scatter of it); not modelled",
+    "InterleavedZeroBubble": _ZB_NORM,
+    "ZBVZeroBubble": _ZB_NORM,
     "DualPipeV": "its overlapped forward-backward actions are not modelled (no CPU run confirms them)",
 }
 
