@@ -147,6 +147,9 @@ def titan_cases():
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/refused/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
                                 *_lay(1, 2, 1, vp=2, global_batch_size=4)]
+    yield "titan/llama3_8b/zero-bubble", ["model=llama3_8b",
+                                          *_fw("titan", pipeline_parallel_schedule="InterleavedZeroBubble"),
+                                          *_lay(1, 4, 2, vp=2, global_batch_size=16)]
     yield "titan/llama3_70b/interleaved", ["model=llama3_70b", *_fw("titan", pipeline_parallel_schedule="Interleaved1F1B"),
                                            *_lay(8, 4, 2, vp=2, sequence_parallel=True, global_batch_size=16)]
     yield "titan/tiny/gpipe", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="GPipe", activation_checkpoint="none"),

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (27 small multiruns, 46 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (28 small multiruns, 47 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -11,7 +11,7 @@ settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (wor
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
 uneven vocab, full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
-LoopedBFS; pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
+LoopedBFS; InterleavedZeroBubble over FSDP (the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
 build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
@@ -115,6 +115,11 @@ SWEEPS = (
     ("w4ppvp4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=6", "layout.pp=2",
                  "layout.vp=4", "layout.global_batch_size=8",
                  "framework.pipeline_parallel_schedule=Interleaved1F1B,LoopedBFS", NO_AC)),
+    # InterleavedZeroBubble (two stages a rank over FSDP): its split backward leaves the last stage's final norm
+    # weight without a gradient (schedules.final_norm_gets_grad): no grad shard, no AdamW state, no reduce-scatter
+    # of it, one fewer per-param norm in the grad norm
+    ("w4ppzb", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
+                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble", NO_AC)),
     # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
     ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
                  NO_AC)),
@@ -149,7 +154,8 @@ SWEEPS = (
 EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is the total DP degree)
 # the extra TP and CP jobs, one reshard setting each
 EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp", "pp2", "pp2·dp2",
-                 "pp4", "tp2·pp2", "tp2·pp2·vp2·sp", "pp2·cp2", "pp2·vp2·dp2·rep2", "tp2·pp2·dp2", "pp2·dp2·rep2"}
+                 "pp4", "tp2·pp2", "tp2·pp2·vp2·sp", "pp2·cp2", "pp2·vp2·dp2·rep2", "tp2·pp2·dp2", "pp2·dp2·rep2",
+                 "pp2·vp2·dp2"}
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 CP_REDIRECTS = {"eager_cp_block_mask", "visible_cp_allgather"}  # reached where cp > 1
@@ -781,10 +787,37 @@ def test_pipeline_parallel_ledger():
     assert sum(pl.rank_state(r).optim_bytes for r in range(0, 8, 2)) == whole.rank_state(0).optim_bytes
 
 
+def test_zero_bubble_last_stage_keeps_no_final_norm_state():
+    """InterleavedZeroBubble against Interleaved1F1B on the same layout (schedules.final_norm_gets_grad): the
+    ranks holding the last stage keep no grad shard and no AdamW state for the final norm weight (its padded
+    and its own rows of [hidden] over dp_shard 2), their grad-norm all-reduce stacks one per-param norm
+    fewer, no reduce-scatter carries the norm; the other stages' ranks are the same under both."""
+    from ledger.faithful.titan.fsdp import chunk_rows
+
+    m = ModelShape(layers=4, hidden=66, ffn_hidden=128, heads=2, kv_heads=2, vocab=1030, seq_len=32)
+    lay = _lay(world=4, pp=2, vp=2, global_batch_size=4)
+    base, zb = (L.place(m, lay, _fw(pipeline_parallel_schedule=name)) for name in ("Interleaved1F1B", "InterleavedZeroBubble"))
+    first, last = lay.grid.rank({"dp": 0, "cp": 0, "pp": 0}), lay.grid.rank({"dp": 1, "cp": 0, "pp": 1})
+    assert base.rank_state(first).detail == zb.rank_state(first).detail
+    b, z = base.rank_state(last), zb.rank_state(last)
+    assert b.params_bytes == z.params_bytes
+    assert b.optim_bytes - z.optim_bytes == 2 * 4 * (66 - chunk_rows(66, 2)) + 4  # shard rank 1's 33 rows, one step
+    views = b.detail["grads/norm grad views micro-batch 1's [norm, lm_head] reduce-scatter output"]
+    assert views and b.grads_bytes - views - z.grads_bytes == chunk_rows(66, 2) * 4
+    def dp(st, kind, what):
+        return sum(getattr(c, what) for c in st.comm if (c.dim, c.kind) == ("dp", kind))
+
+    assert dp(b, "all_reduce", "buffer_bytes") - dp(z, "all_reduce", "buffer_bytes") == 4
+    assert dp(b, "reduce_scatter", "count") - dp(z, "reduce_scatter", "count") == 1  # no norm's own
+
+
 @pytest.mark.parametrize("world,kw,fw,needle", [
     (8, dict(pp=2, vp=2), {}, "pipeline_parallel_schedule='1F1B' runs one stage a rank"),
     (8, dict(pp=2), dict(pipeline_parallel_schedule="Interleaved1F1B"), "at least 2 stages per rank"),
-    (8, dict(pp=2, vp=2), dict(pipeline_parallel_schedule="ZBVZeroBubble"), "final norm weight without a gradient"),
+    (8, dict(pp=2, vp=2), dict(pipeline_parallel_schedule="ZBVZeroBubble"), "its V order"),
+    (8, dict(pp=2, vp=4, global_batch_size=8), dict(pipeline_parallel_schedule="InterleavedZeroBubble"),
+     "beyond 3 stages a rank"),
+    (8, dict(pp=2, vp=2, tp=2), dict(pipeline_parallel_schedule="InterleavedZeroBubble"), "FSDP / HSDP alone"),
     (8, dict(pp=2, vp=2, global_batch_size=20), dict(pipeline_parallel_schedule="Interleaved1F1B"),
      "multiple of its rounds"),
     (2, dict(pp=2, global_batch_size=1), {}, "1F1B needs at least pp=2"),
@@ -1099,7 +1132,7 @@ def test_unshard_counts_are_torchs_lowering():
                     (name, pp, vp, n, rank)
                 assert [SC.unshards(name, pp, vp, n, s) for s in SC.local_stages(rank, pp, vp, name)] == \
                     [torch_counts[s] for s in SC.local_stages(rank, pp, vp, name)]
-    assert "without a gradient" in SC.stages_error("ZBVZeroBubble", 2, 2)
+    assert "V order" in SC.stages_error("ZBVZeroBubble", 2, 2) and SC.stages_error("InterleavedZeroBubble", 2, 2) is None
     # pipeline_parallel_layers_per_stage gives pp * vp stages where an integer does
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None
     assert SC.losses_after_a_backward("Interleaved1F1B", 4, 2, 8) == 7 == SC.losses_after_a_backward("1F1B", 4, 1, 8)

@@ -21,11 +21,12 @@ from typing import NamedTuple
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
-from ledger.faithful.titan.fsdp import Sharded, sharded_part, unit_params, vocab_split_note
+from ledger.faithful.titan.fsdp import Sharded, chunk_rows, rows_of, sharded_part, unit_params, vocab_split_note
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_peak import pp_peak
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
-from ledger.faithful.titan.schedules import local_stages, losses_after_a_backward, schedule_of, unshards
+from ledger.faithful.titan.schedules import (final_norm_gets_grad, local_stages, losses_after_a_backward, schedule_of,
+                                             unshards)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -191,8 +192,10 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     sched = schedule_of(fw)
     stages = pp_stages(model.layers, S)
     locals_of = [local_stages(r, lay.pp, lay.vp, sched) for r in range(lay.pp)]
-    # the norm's grad views a [norm, lm_head] reduce-scatter output where a loss follows a backward (_pp_parts)
-    views = losses_after_a_backward(sched, lay.pp, lay.vp, lay.num_microbatches) >= 1
+    # the norm's grad: none under the zero-bubble schedules (schedules.final_norm_gets_grad); else it views a
+    # [norm, lm_head] reduce-scatter output where a loss follows a backward (_pp_parts)
+    norm_grad = final_norm_gets_grad(sched)
+    views = norm_grad and losses_after_a_backward(sched, lay.pp, lay.vp, lay.num_microbatches) >= 1
     cpu_mesh = True if rules is None else rules.cpu_mesh
     # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
     # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
@@ -207,7 +210,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
         return memo[r, first]
 
     def state(r: int, k: int) -> RankState:
-        parts = [p for s in locals_of[r] for p in _pp_parts(model, lay.tp, ds, S, s, k, views, t)]
+        parts = [p for s in locals_of[r] for p in _pp_parts(model, lay.tp, ds, S, s, k, views, t, norm_grad)]
         st = build_state(parts, lambda: comm_of(r, False), lambda: comm_of(r, True))
         st.stage = r
         kept = st.params_bytes + st.optim_bytes + st.other_bytes
@@ -228,8 +231,8 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
             return _stage_sharded(model, lay.tp, ds, S, r, t)
         return _Uneven(tuple(sorted({u for s in locals_of[r] for u in _stage_sharded(model, lay.tp, ds, S, s, t).uneven})))
 
-    heaviest = _heaviest_stage(model, lay.tp, ds, S, views, t) if lay.vp == 1 else \
-        _heaviest_rank(model, lay.tp, ds, lay.pp, lay.vp, sched, views, t)
+    heaviest = _heaviest_stage(model, lay.tp, ds, S, views, t, norm_grad) if lay.vp == 1 else \
+        _heaviest_rank(model, lay.tp, ds, lay.pp, lay.vp, sched, views, t, norm_grad)
     pl = placement(model, lay, grid, uneven_of, heaviest, state)
     if peak_modelled:
         pl.notes.extend(peak_notes(lay, fw))
@@ -246,13 +249,16 @@ def _stage_sharded(model: ModelShape, tp: int, ds: int, P: int, s: int, t: int =
     return sharded_part(model, tp, ds, *kinds[kind_of[s]], t)
 
 
-def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views_norm_rs: bool, t: int = 0
-              ) -> list[tuple[str, str, int]]:
+def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views_norm_rs: bool, t: int = 0,
+              norm_grad: bool = True) -> list[tuple[str, str, int]]:
     """state_parts of stage s's shard rank k on TP rank t; views_norm_rs: a loss of the last stage follows one
-    of its backwards (schedules.losses_after_a_backward)."""
+    of its backwards (schedules.losses_after_a_backward); norm_grad: the final norm weight gets a gradient
+    (schedules.final_norm_gets_grad; without one it has no grad shard and no AdamW state)."""
     stage = pp_stages(model.layers, P)[s]
     sh = _stage_sharded(model, tp, ds, P, s, t)
-    out = state_parts(model, sh, k, ds, layers=stage[2])
+    h = model.hidden
+    gradless = (chunk_rows(h, ds), rows_of(h, ds, k), 1) if stage[3] and not norm_grad else None
+    out = state_parts(model, sh, k, ds, layers=stage[2], gradless=gradless)
     if stage[3] and views_norm_rs:
         # trainer.py zero_grad(set_to_none=True) (disable_cuda_graphs, which PP needs): the
         # step's first reduce-scatter of a param makes its .grad a view of that output
@@ -266,19 +272,21 @@ def _pp_parts(model: ModelShape, tp: int, ds: int, P: int, s: int, k: int, views
 
 @lru_cache(maxsize=256)
 def _heaviest_rank(model: ModelShape, tp: int, ds: int, pp: int, vp: int, sched: str, views_norm_rs: bool,
-                   t: int = 0) -> int:
+                   t: int = 0, norm_grad: bool = True) -> int:
     """The first PP rank whose stages (local_stages) load its shard rank 0 the most."""
     S = pp * vp
-    load = [sum([b for s in local_stages(r, pp, vp, sched) for _, _, b in _pp_parts(model, tp, ds, S, s, 0, views_norm_rs, t)])
+    load = [sum([b for s in local_stages(r, pp, vp, sched)
+                 for _, _, b in _pp_parts(model, tp, ds, S, s, 0, views_norm_rs, t, norm_grad)])
             for r in range(pp)]
     return load.index(max(load))
 
 
 @lru_cache(maxsize=256)
-def _heaviest_stage(model: ModelShape, tp: int, ds: int, P: int, views_norm_rs: bool, t: int = 0) -> int:
+def _heaviest_stage(model: ModelShape, tp: int, ds: int, P: int, views_norm_rs: bool, t: int = 0,
+                    norm_grad: bool = True) -> int:
     """The first stage of the most-loaded kind, summed from its shard rank 0's parts (max: the first
     stage on ties). Cached: the layouts of one (tp, shard degree, pp) share it, whatever their micro-batches."""
-    load = {s: sum([b for _, _, b in _pp_parts(model, tp, ds, P, s, 0, views_norm_rs, t)])
+    load = {s: sum([b for _, _, b in _pp_parts(model, tp, ds, P, s, 0, views_norm_rs, t, norm_grad)])
             for s in _stage_kinds(model.layers, P)[1]}
     return max(load, key=load.get)
 
@@ -295,7 +303,9 @@ def _pp_comm(model: ModelShape, lay: Layout, fw, local: list[tuple[int, tuple[bo
     mine = {s for s, _, _ in local}
     for s, stage, sh in local:
         _stage_comm(acc, model, lay, fw, sh, stage, s, first, fsdp, cpu_mesh, mine)
-    n_params = sum([sh.n_params for _, _, sh in local])
+    # the params with a gradient (the zero-bubble schedules' last stage: not the final norm weight,
+    # schedules.final_norm_gets_grad)
+    n_params = sum([sh.n_params - (stage[3] and not final_norm_gets_grad(schedule_of(fw))) for _, stage, sh in local])
     # distributed/utils.py clip_grad_norm_: the rank's stacked per-param norms over fsdp (and tp, where
     # DTensor shards them: comm.py), then the total norm (** norm_type) all-reduced over pp
     acc.add(fsdp, "all_reduce", n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")
@@ -349,10 +359,14 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
         # before any of the stage's backwards reduces lm_head's grad alone (1F1B: micro-batch 0's), a later
         # one lm_head + the norm grad the backwards before it accumulated (schedules.losses_after_a_backward);
         # perform_reduce_grad reduces the last norm grad
-        k = losses_after_a_backward(schedule_of(fw), lay.pp, lay.vp, n)
-        scatters += [(sh.lm_full, n - k, "lm_head grad (a loss before any backward, last chunk)"),
-                     (head, k, "lm_head + accumulated norm grad (a loss after a backward, last chunk)"),
-                     (sh.norm_full, 1, "norm grad (perform_reduce_grad)")]
+        # (the zero-bubble schedules: the norm never has a gradient, schedules.final_norm_gets_grad)
+        if final_norm_gets_grad(schedule_of(fw)):
+            k = losses_after_a_backward(schedule_of(fw), lay.pp, lay.vp, n)
+            scatters += [(sh.lm_full, n - k, "lm_head grad (a loss before any backward, last chunk)"),
+                         (head, k, "lm_head + accumulated norm grad (a loss after a backward, last chunk)"),
+                         (sh.norm_full, 1, "norm grad (perform_reduce_grad)")]
+        else:
+            scatters.append((sh.lm_full, n, "lm_head grad (last chunk; no norm grad under a zero-bubble schedule)"))
     # P2P (stage.py get_fwd_send_ops / get_bwd_send_ops, dist.isend/irecv on the pp group): one
     # activation forward and one grad backward per micro-batch, each the rank's [mbs, S, hidden] bf16
     # slice of the residual stream (p2p_shape)

@@ -51,18 +51,20 @@ def placement(model: ModelShape, lay: Layout, grid: Grid, sh_of: Callable[[int],
                      stage_representatives=lambda s: [grid.rank({"dp": 0, "cp": 0, "pp": s})])
 
 
-def state_parts(model: ModelShape, sh: Sharded, k: int, ds: int, layers: int | None = None
-                ) -> list[tuple[str, str, int]]:
+def state_parts(model: ModelShape, sh: Sharded, k: int, ds: int, layers: int | None = None,
+                gradless: tuple[int, int, int] | None = None) -> list[tuple[str, str, int]]:
     """(state, name, bytes) of shard rank k's resident state, in build_state's order: a stage's load is
-    their sum, without a RankState."""
+    their sum, without a RankState. gradless: (padded, held elements, params) of params that never get a
+    gradient (no grad shard; AdamW makes no state for a param whose grad is None)."""
+    no_padded, no_held, no_params = gradless or (0, 0, 0)
     # torch.optim.AdamW: exp_avg / exp_avg_sq like the unpadded local shard, 4-byte fp32 step
     held = sh.even + sum([rows_of(d0, ds, k) * rest for d0, rest in sh.uneven])
     # _fsdp_param.py: the sharded param is a view of a padded (ceil(d0/ds) rows) fp32 storage;
     # _fsdp_collectives.py foreach_reduce: .grad views the padded reduce-scatter output, trainer
     # zero_grad(set_to_none=False) keeps those step-0 buffers and accumulates into them
     return [("params_bytes", "fp32 shards (dim-0 padded)", sh.padded * F32),
-            ("grads_bytes", "fp32 grad shards (dim-0 padded)", sh.padded * F32),
-            *adamw_parts(held, sh.n_params),
+            ("grads_bytes", "fp32 grad shards (dim-0 padded)", (sh.padded - no_padded) * F32),
+            *adamw_parts(held - no_held, sh.n_params - no_params),
             # models/common/rope.py: every attention keeps a complex64 rope cache (seq_len x
             # head_dim/2); CP shards the positions that index it (prepare_context_parallel_input),
             # not the cache

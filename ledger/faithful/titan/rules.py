@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ledger.checks import one_of
 from ledger.faithful.titan.pp import pp_stages
-from ledger.faithful.titan.schedules import SCHEDULES, microbatch_error, schedule_of, stages_error, stages_split_error
+from ledger.faithful.titan.schedules import (SCHEDULES, ZERO_BUBBLE, microbatch_error, schedule_of, stages_error,
+                                             stages_split_error)
 from ledger.layout import ConfigError
 
 # torch _context_parallel/_attention.py _create_cp_block_mask: FlexAttention's CP BlockMask is sharded in
@@ -74,6 +75,10 @@ def validate_layout(model, lay, fw_cfg) -> None:
         why = stages_error(sched, lay.pp, lay.vp) or stages_split_error(model.layers, lay.pp, lay.vp, sched)
         if why:
             raise ConfigError(f"titan: pp={lay.pp}: {why}")
+        if sched in ZERO_BUBBLE and (lay.tp > 1 or lay.cp > 1):
+            # its split backward's TP / CP moves under the W action: no CPU run has confirmed them
+            raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} is modelled over "
+                              f"FSDP / HSDP alone, not with tp={lay.tp} cp={lay.cp}")
         pp_stages(model.layers, lay.pp * lay.vp)  # torchtitan's own refusals of the split
     # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
     # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)

@@ -42,22 +42,28 @@ def local_stages(pp_rank: int, pp: int, vp: int, name: str) -> tuple[int, ...]:
     return tuple(pp_rank + i * pp for i in range(vp))
 
 
-# schedules the ledger does not model, and why. Under both zero-bubble schedules the last stage's final norm
-# weight gets no gradient (measured on the CPU, pp2 over dp_shard 2, 4 layers, vocab 1030: AdamW keeps no state
-# for it and no reduce-scatter carries it, where 1F1B's stage reduces it). The cause, read in the sources and
-# on no device of its own: ChunkedLossWrapper (components/loss.py __call__) ends each loss by resharding lm_head's
-# FSDP group, which torchtitan's fsdp.py builds as [norm, lm_head]; to_sharded (_fsdp_param.py) sets the sharded
-# DTensor back on the module, so when the schedule's I action runs right after (the last stage runs F, I, F, I,
-# ...), stage.py hands stage_backward_input (pipelining/_backward.py) self.submod.parameters() with norm.weight
-# the sharded DTensor, whose AccumulateGrad node is not in the loss's graph: get_param_groups puts it in no
-# group, so the W action computes no gradient for it (lm_head's comes from the loss chunks' own backward; the
-# blocks stay unsharded under PP). 1F1B's full backward accumulates into the graph's own leaf.
-_ZB_NORM = ("its split backward (I, W) leaves the last stage's final norm weight without a gradient, on any device "
-            "(torchtitan's chunked loss reshards [norm, lm_head] before the I action collects the stage's "
-            "parameters: ledger/faithful/titan/schedules.py); not modelled")
+# The zero-bubble schedules leave the last stage's final norm weight without a gradient (measured on the CPU,
+# pp2 over dp_shard 2, 4 layers, vocab 1030: AdamW keeps no state for it and no reduce-scatter carries it, where
+# 1F1B's stage reduces it). The cause, read in the sources and on no device of its own: ChunkedLossWrapper
+# (components/loss.py __call__) ends each loss by resharding lm_head's FSDP group, which torchtitan's fsdp.py
+# builds as [norm, lm_head]; to_sharded (_fsdp_param.py) sets the sharded DTensor back on the module, so when
+# the schedule's I action runs right after (the last stage runs F, I, F, I, ...), stage.py hands
+# stage_backward_input (pipelining/_backward.py) self.submod.parameters() with norm.weight the sharded DTensor,
+# whose AccumulateGrad node is not in the loss's graph: get_param_groups puts it in no group, so the W action
+# computes no gradient for it (lm_head's comes from the loss chunks' own backward; the blocks stay unsharded
+# under PP). 1F1B's full backward accumulates into the graph's own leaf.
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def final_norm_gets_grad(name: str) -> bool:
+    """Whether the last stage's final norm weight gets a gradient under schedule `name` (ZERO_BUBBLE's comment)."""
+    return name not in ZERO_BUBBLE
+
+
+# schedules the ledger does not model, and why
 NOT_MODELLED = {
-    "InterleavedZeroBubble": _ZB_NORM,
-    "ZBVZeroBubble": _ZB_NORM,
+    "ZBVZeroBubble": "its V order (the actions of max(2 * pp - 1, n) micro-batches, schedules.py "
+                     "ScheduleZBVZeroBubble) is not modelled",
     "DualPipeV": "its overlapped forward-backward actions are not modelled (no CPU run confirms them)",
 }
 
@@ -75,6 +81,9 @@ def stages_error(name: str, pp: int, vp: int) -> str | None:
     if style != "single" and vp < 2:
         return (f"framework.pipeline_parallel_schedule={name!r} runs several stages a rank (torchtitan: "
                 "\"Multi-stage schedule requires at least 2 stages per rank\"): set layout.vp >= 2")
+    if name == "InterleavedZeroBubble" and vp > MAX_ACTIVE_STAGES:
+        return (f"framework.pipeline_parallel_schedule={name!r}: its unshards beyond {MAX_ACTIVE_STAGES} stages a rank "
+                f"(its I / W order) are not modelled; layout.vp <= {MAX_ACTIVE_STAGES}")
     if style == "v" and vp != 2:
         return f"framework.pipeline_parallel_schedule={name!r} runs exactly 2 stages a rank (schedules.py), not layout.vp={vp}"
     return None

@@ -4,7 +4,9 @@
              pipelining's schedules, ledger/timing/pipeline.py simulates each order): 1F1B, GPipe (every
              forward, then every backward), Interleaved1F1B with vp stages a rank (Megatron's interleaved
              order where the micro-batches are a multiple of pp, else torch's own), LoopedBFS with vp stages a rank
-             (stage by stage, breadth first); the zero-bubble schedules are refused (schedules.py)
+             (stage by stage, breadth first); InterleavedZeroBubble timed as Interleaved1F1B's order, its
+             backward whole (the split into I and W, which fills the bubble, is not simulated: an upper
+             bound, said in the sources line); ZBVZeroBubble and DualPipeV are refused (schedules.py)
   recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
@@ -58,7 +60,8 @@ SELECTIVE_RECOMPUTE = ("attention_norm", "k", "rope", "proj", "residual_add", "f
 SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "residual_add", "ffn_norm", "w3",
                              "swiglu")
 # the pipeline order each schedule the ledger models runs (module docstring; ledger/timing/pipeline.py)
-PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs"}
+PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs",
+                  "InterleavedZeroBubble": "interleaved"}  # (module docstring: its I / W split not simulated)
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -98,7 +101,9 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                                + (", q / k / v fused (one wqkv GEMM, its output split into copies)" if fused else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
-                               + (f"; {sched}'s order simulated" if lay.pp > 1 else ""),))
+                               + (f"; {sched}'s order simulated" if lay.pp > 1 and sched != "InterleavedZeroBubble"
+                                  else "; InterleavedZeroBubble timed as Interleaved1F1B's order with whole backwards "
+                                       "(its I / W split not simulated: an upper bound)" if lay.pp > 1 else ""),))
 
 
 def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
