@@ -76,9 +76,14 @@ def validate_layout(model, lay, fw_cfg) -> None:
         if why:
             raise ConfigError(f"titan: pp={lay.pp}: {why}")
         if sched in ZERO_BUBBLE and (lay.tp > 1 or lay.cp > 1):
-            # its split backward's TP / CP moves under the W action: no CPU run has confirmed them
+            # measured on the CPU (pp2 vp2 at world 4): tp2 without SP or checkpointing reconciles as Interleaved1F1B's
+            # with the final norm's TP all-reduce gone; tp2 with SP under full AC runs 2-3 times the TP all-gathers and
+            # reduce-scatters Interleaved1F1B's does (the checkpointed blocks' recompute, its count not derived); cp2
+            # fails inside torchtitan on the last stage (IndexError)
             raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} is modelled over "
-                              f"FSDP / HSDP alone, not with tp={lay.tp} cp={lay.cp}")
+                              f"FSDP / HSDP alone, not with tp={lay.tp} cp={lay.cp} (its split backward re-runs a "
+                              "checkpointed block's TP collectives more often than derived; with cp torchtitan fails on "
+                              "the last stage)")
         pp_stages(model.layers, lay.pp * lay.vp)  # torchtitan's own refusals of the split
     # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
     # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
