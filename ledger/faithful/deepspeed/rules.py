@@ -58,9 +58,9 @@ def offload_check(model, lay, fw) -> None:
     cpu_offload) and ZeRO-3 (stage3.py offload_optimizer, every sub-group on the host), ZeRO-3's parameter
     partitions (offload_param), as the CPU runs confirm them. DeepSpeed itself offloads only under ZeRO (stage 0
     has no partitioned optimizer to move, and only ZeRO-3 partitions the parameters)."""
-    off, par = fw.get("offload_optimizer", "none"), fw.get("offload_param", "none")
-    if off == "none" and par == "none":
+    if not (offloads(fw) or offloads_params(fw)):
         return
+    off, par = fw.get("offload_optimizer", "none"), fw.get("offload_param", "none")
     for what, v in (("offload_optimizer", off), ("offload_param", par)):
         if v == "nvme":
             raise ConfigError(f"framework.{what}='nvme': ZeRO-Infinity's NVMe swapper (its aio buffers and swap files) "

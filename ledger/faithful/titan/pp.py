@@ -305,7 +305,8 @@ def _pp_comm(model: ModelShape, lay: Layout, fw, local: list[tuple[int, tuple[bo
         _stage_comm(acc, model, lay, fw, sh, stage, s, first, fsdp, cpu_mesh, mine)
     # the params with a gradient (the zero-bubble schedules' last stage: not the final norm weight,
     # schedules.final_norm_gets_grad)
-    n_params = sum([sh.n_params - (stage[3] and not final_norm_gets_grad(schedule_of(fw))) for _, stage, sh in local])
+    gradless_norm = not final_norm_gets_grad(schedule_of(fw))
+    n_params = sum([sh.n_params - (stage[3] and gradless_norm) for _, stage, sh in local])
     # distributed/utils.py clip_grad_norm_: the rank's stacked per-param norms over fsdp (and tp, where
     # DTensor shards them: comm.py), then the total norm (** norm_type) all-reduced over pp
     acc.add(fsdp, "all_reduce", n_params * F32, ds, "fp32", 1, "grad-norm (stacked per-param norms)")

@@ -101,9 +101,17 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                                + (", q / k / v fused (one wqkv GEMM, its output split into copies)" if fused else "")
                                + f", attention {'FlexAttention (CUDA)' if cuda else 'math (CPU)'}, eager complex RoPE "
                                "and SwiGLU (ledger/faithful/titan/steptime.py)"
-                               + (f"; {sched}'s order simulated" if lay.pp > 1 and sched != "InterleavedZeroBubble"
-                                  else "; InterleavedZeroBubble timed as Interleaved1F1B's order with whole backwards "
-                                       "(its I / W split not simulated: an upper bound)" if lay.pp > 1 else ""),))
+                               + _pipeline_note(sched, lay.pp),))
+
+
+def _pipeline_note(sched: str, pp: int) -> str:
+    """The sources line's word on the pipeline order the step was simulated in (module docstring)."""
+    if pp == 1:
+        return ""
+    if sched == "InterleavedZeroBubble":
+        return ("; InterleavedZeroBubble timed as Interleaved1F1B's order with whole backwards (its I / W split not "
+                "simulated: an upper bound)")
+    return f"; {sched}'s order simulated"
 
 
 def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
