@@ -31,7 +31,9 @@ write_conf() {
     [ -c "$DIR/dev/gpu$i" ] || mknod "$DIR/dev/gpu$i" c 1 3
   done
   local cpus mem
-  cpus=$(nproc)
+  # twice the cores: the tests run a job that only waits for its time limit (at nice 19) beside the
+  # jobs that work; config_overrides keeps slurmd from draining a node that reports fewer
+  cpus=$(( $(nproc) * 2 ))
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 ))
   cat > "$CONF" <<CONF
 ClusterName=trainledger
@@ -71,6 +73,7 @@ PropagatePrioProcess=1
 InactiveLimit=0
 MinJobAge=600
 SchedulerParameters=defer
+SlurmdParameters=config_overrides
 NodeName=$HOST CPUs=$cpus RealMemory=$mem Gres=gpu:$NGPU State=UNKNOWN
 PartitionName=gpu Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF

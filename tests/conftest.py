@@ -51,14 +51,28 @@ def launch(*args: str, timeout: int = 1800, check: bool = False, nice: int = 0,
     process's nice value (what it runs, and on the local Slurm what it submits, inherit it). W&B's
     offline logging (the default, ~1.2 s of a job's CPU here) is off unless `wandb` or the args set
     wandb.mode: logging and reading it back are test_wandb's, test_report's and the campaign's tests'."""
-    if not wandb and not any(a.startswith("wandb.mode=") for a in args):
-        args = (*args, "wandb.mode=disabled")
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
-    p = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=timeout, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    cmd, kw = _launch_command(args, nice, wandb)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"launch.py {' '.join(args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def launch_in_background(*args: str, log: str, nice: int = 0, wandb: bool = False) -> subprocess.Popen:
+    """launch() started and not waited for, its stdout and stderr into the file `log` (a pipe nobody reads
+    while the test does other work could fill and stall it)."""
+    cmd, kw = _launch_command(args, nice, wandb)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kw)
+
+
+def _launch_command(args: tuple, nice: int, wandb: bool) -> tuple[list, dict]:
+    """launch()'s command line and its Popen keywords (cwd, env, nice)."""
+    if not wandb and not any(a.startswith("wandb.mode=") for a in args):
+        args = (*args, "wandb.mode=disabled")
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=REPO_PATH)
+    return [sys.executable, "launch.py", *args], dict(cwd=REPO, env=env,
+                                                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def megatron_fw(**kw):

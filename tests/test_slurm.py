@@ -12,7 +12,7 @@ import pytest
 
 import records
 from analysis import reconcile
-from tests.conftest import REPO, REPO_PATH, launch
+from tests.conftest import REPO, REPO_PATH, launch, launch_in_background
 
 pytestmark = [pytest.mark.slurm, pytest.mark.real]
 
@@ -33,7 +33,23 @@ def slurm():
 
 
 @pytest.fixture(scope="module")
-def sweep(slurm, tmp_path_factory):
+def timed_out(slurm, tmp_path_factory):
+    """A DeepSpeed job with far too short a time limit, started before the sweep and left running beside it: it
+    only has to outlive its limit, which Slurm rounds up to a minute (the `0:10` asked for becomes 00:01:00) and
+    enforces within the 30 s slurmctld checks limits at, so it ends 60-90 s later. Submitted at nice 19
+    (PropagatePrioProcess, scripts/slurm.sh), on the node's second pair of CPUs: its spinning ranks take what
+    the sweep's jobs and the other tests leave. Yields (its sweep dir, the launch.py process; its output in slurm_timeout.log beside the dir)."""
+    d = tmp_path_factory.mktemp("slurm_timeout")
+    proc = launch_in_background("-m", "framework=deepspeed", "train.steps=5000", "hydra/launcher=submitit_slurm",
+                                "cluster=local_slurm", "+cluster.additional_parameters.time=0:10",
+                                f"hydra.sweep.dir={d}", log=str(d.parent / "slurm_timeout.log"), nice=19)
+    yield d, proc
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def sweep(slurm, timed_out, tmp_path_factory):
     d = tmp_path_factory.mktemp("slurm_sweep")
     p = launch("-m", "framework=megatron,deepspeed,titan", "hydra/launcher=submitit_slurm", "cluster=local_slurm",
                f"hydra.sweep.dir={d}", timeout=1800)
@@ -80,19 +96,6 @@ def test_world_mismatch_rejected_before_sbatch(slurm, tmp_path):
     assert not (tmp_path / ".submitit").exists() or not any((tmp_path / ".submitit").iterdir())
 
 
-def test_too_short_time_limit_is_recorded_with_slurms_state(slurm, tmp_path):
-    # Slurm's --time accepts minutes:seconds; 0:10 is far less than the job needs. Submitted at nice 19
-    # (PropagatePrioProcess, scripts/slurm.sh): its ranks would spin until Slurm kills them (10-45 s
-    # after the start: slurmctld checks limits every 30 s), taking CPU the other tests need
-    p = launch("-m", "framework=deepspeed", "train.steps=5000", "hydra/launcher=submitit_slurm", "cluster=local_slurm",
-               "+cluster.additional_parameters.time=0:10", f"hydra.sweep.dir={tmp_path}", timeout=600, nice=19)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rec = json.load(open(tmp_path / "0_deepspeed" / "record.json"))
-    assert rec["slurm"]["JobState"] == "TIMEOUT"
-    assert rec["status"] == "timeout"
-    assert "TIMEOUT" in rec["error"]
-
-
 def test_scancel_one_job_then_resume(slurm, tmp_path):
     """scancel of job #0 while it runs: it is recorded with Slurm's state, the sweep goes on; the
     resubmitted sweep runs #0 again and skips #1 (its record untouched)."""
@@ -134,3 +137,13 @@ def test_scancel_one_job_then_resume(slurm, tmp_path):
     assert os.path.getmtime(tmp_path / "1_deepspeed" / "record.json") == mtime1
     st = status.table(str(tmp_path))
     assert list(st.status) == ["ok", "ok"] and st.slurm_job_id[0] != job_id
+
+
+def test_too_short_time_limit_is_recorded_with_slurms_state(timed_out):
+    # last in the module: its job has waited for its limit beside every test above
+    d, proc = timed_out
+    assert proc.wait(timeout=600) == 0, open(d.parent / "slurm_timeout.log").read()[-3000:]
+    rec = json.load(open(d / "0_deepspeed" / "record.json"))
+    assert rec["slurm"]["JobState"] == "TIMEOUT"
+    assert rec["status"] == "timeout"
+    assert "TIMEOUT" in rec["error"]
