@@ -144,6 +144,12 @@ def titan_cases():
                                       *_lay(1, 4, 4, dp_replicate=2, global_batch_size=16)]
     yield "titan/llama3_70b/pp-tp-sp", ["model=llama3_70b", *_fw("titan", activation_checkpoint="selective"),
                                         *_lay(8, 4, 4, sequence_parallel=True, global_batch_size=16)]
+    # PP with TP without sequence parallelism: its peak (pp_peak: the rowwise weights' TP-full grads, wo's gathered
+    # weight in a block's backward)
+    yield "titan/tiny/pp-tp-nosp", ["model=tiny", *_fw("titan", activation_checkpoint="full"),
+                                    *_lay(2, 2, 1, sequence_parallel=False, global_batch_size=3)]
+    yield "titan/llama3_70b/pp-tp", ["model=llama3_70b", "model.seq_len=8192", *_fw("titan", activation_checkpoint="full"),
+                                     *_lay(8, 4, 4, sequence_parallel=False, global_batch_size=16)]
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/refused/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
                                 *_lay(1, 2, 1, vp=2, global_batch_size=4)]

@@ -200,7 +200,7 @@ def test_peak_within_one_percent(sweep):
     pk = df[df.quantity == "peak_bytes"]
     for rec in sweep["ok"]:
         if not any(c.get("peak") for c in records.rank_classes(rec["prediction"])):
-            # PP with tp, cp or a schedule other than 1F1B: no peak modelled, and the note says so
+            # PP with SP, cp or a schedule other than 1F1B: no peak modelled, and the note says so
             assert any("no peak row" in n for n in rec["prediction"]["notes"]), records.job_name(rec)
             continue
         for phase in ("first", "steady"):
@@ -249,7 +249,8 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     stage's lm_head reduce-scatter in the loss's backward), and the matrix reaches all three kinds. No
     graph outlives its step: stage 0 runs pipelining's forward metadata inference with no backward,
     whose saved tensors the peak probe once kept alive (572,172 B `unnamed` at pp2 stage 0's every
-    peak; probes/peak.py's pack hook)."""
+    peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
+    wo's weight for its input grad, at the gather's dim-1 cat."""
     kinds = set()
     for rec in sweep["ok"]:
         if rec["prediction"]["layout"]["pp"] == 1:
@@ -257,7 +258,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
         pred_of = records.predicted_ranks(rec["prediction"])
         pred = {r["rank"]: pred_of(r["rank"]).get("peak") for r in rec["measurement"]["ranks"]}
         for r in rec["measurement"]["ranks"]:
-            if pred[r["rank"]] is None:  # PP with tp, cp or dp_replicate: no peak modelled (pp.py)
+            if pred[r["rank"]] is None:  # PP with SP, cp or another schedule: no peak modelled (pp_peak_unmodelled)
                 continue
             pk = r["steps"][-1]["peak"]
             where, want = measured_peak_where(pk), pred[r["rank"]]
@@ -267,9 +268,13 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
             if where["phase"] == "optimizer":
                 assert where["op"] in ("aten.div.Tensor", "aten.split.Tensor"), (name, where)
             what = want["what"]
+            if "weight all-gathered" in what:  # TP: wo's weight gathered for its input grad, then cat'ed on dim 1
+                assert where["op"] == "aten.cat.default", (name, where)
+                kinds.add("wo gather")
+                continue
             kinds.add("reduce" if what.startswith("perform_reduce_grad") else
                       "loss" if what.startswith("lm_head reduce-scatter") else "backward")
-    assert kinds == {"reduce", "loss", "backward"}, kinds
+    assert kinds == {"reduce", "loss", "backward", "wo gather"}, kinds
 
 
 @pytest.mark.real
@@ -1137,6 +1142,20 @@ def test_unshard_counts_are_torchs_lowering():
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None
     assert SC.losses_after_a_backward("Interleaved1F1B", 4, 2, 8) == 7 == SC.losses_after_a_backward("1F1B", 4, 1, 8)
     assert SC.losses_after_a_backward("GPipe", 4, 1, 8) == 0
+
+
+@pytest.mark.parametrize("T,tp,sp", [(32, 2, False), (32, 2, True), (640, 4, False), (8192, 8, False), (2048, 2, False),
+                                     (4096, 8, True)])
+def test_pp_peak_tp_shortcuts_are_the_backward_moves(T, tp, sp):
+    """dtensor.partial_weight_grads and wo_input_grad_gathers_weight, which pp_peak reads, say what
+    layer_backward_moves lists: a PARAM reduce-scatter of [hidden, k] for each rowwise weight whose grad leaves
+    Partial (wo: k = q, w2: k = ffn), and an INPUT all-gather of wo's [hidden, q] weight."""
+    for m in (preset("llama3_8b"), preset("tiny", heads=8, kv_heads=2)):
+        h, q, f = m.hidden, m.heads * m.head_dim, m.ffn_hidden
+        moves = D.layer_backward_moves(m, T, tp, sp, cpu_mesh=False)[0]
+        params = sorted(n for kind, n, role in moves if role == D.PARAM)
+        assert sorted(h * {"wo": q, "w2": f}[w] for w in D.partial_weight_grads(m, T, tp, sp)) == params, (m.name, T, tp)
+        assert D.wo_input_grad_gathers_weight(m, T, tp, sp) == (("all_gather", h * q, D.INPUT) in moves), (m.name, T, tp)
 
 
 def test_stage_kinds_group_pp_stages():

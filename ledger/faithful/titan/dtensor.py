@@ -170,6 +170,27 @@ def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool
 
 
 @lru_cache(maxsize=1024)
+def partial_weight_grads(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[str, ...]:
+    """The rowwise weights (of wo, w2) whose weight grad leaves its mm Partial (layer_backward_moves' PARAM
+    moves): a TP-full [hidden, k] tensor on every TP rank until FSDP's post-backward redistributes it to its
+    Shard(1) placement."""
+    h, q = model.hidden, model.heads * model.head_dim
+    g_row = "R" if sp else "P"
+    return tuple(name for name, k in (("wo", q), ("w2", model.ffn_hidden))
+                 if _mm_fast((g_row, h * T), ("S1", T * k), tp)[0] == "P")
+
+
+@lru_cache(maxsize=1024)
+def wo_input_grad_gathers_weight(model: ModelShape, T: int, tp: int, sp: bool = False) -> bool:
+    """Whether DTensor's strategy for wo's input grad (mm(grad, W), W [hidden, q] Shard(1)) all-gathers W
+    (layer_backward_moves' INPUT all-gather of hidden x q): Shard(1) -> Replicate, which gathers on dim 0 and
+    cats the chunks along dim 1 (placement_types.py _to_replicate_tensor), two [hidden, q] buffers."""
+    h, q = model.hidden, model.heads * model.head_dim
+    _, moves, _ = _mm_fast(("R" if sp else "P", T * h), ("S1", h * q), tp)
+    return ("all_gather", h * q) in moves
+
+
+@lru_cache(maxsize=1024)
 def w2_grad_placements(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[str, str]:
     """The placements w2's weight grad and input grad leave their mms with (layer_backward_comm's choice):
     "P" is a full-size Partial tensor on every TP rank, [hidden, ffn] and [T, ffn]."""

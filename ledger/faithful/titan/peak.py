@@ -695,7 +695,9 @@ def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
         return ["titan peak (PP): predicted for CPU/gloo as pp_peak derives it: torch pipelining keeps every unit "
                 "unsharded (bf16) with fp32 accumulated grads through the step and reduces each unit after the last "
                 "backward (perform_reduce_grad); the peak is there, in a micro-batch's backward with 1F1B's "
-                "micro-batches in flight (a checkpointed block recomputed first), or at the last stage's loss. Not "
+                "micro-batches in flight (a checkpointed block recomputed first; with TP, where DTensor gathers wo's "
+                "weight for its input grad, that moment), or at the last stage's loss; with TP the rowwise weights "
+                "whose grads leave their mm Partial hold them TP-full until perform_reduce_grad. Not "
                 "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
     out = ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
     return out

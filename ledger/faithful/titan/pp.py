@@ -23,7 +23,7 @@ from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
 from ledger.faithful.titan.fsdp import Sharded, chunk_rows, rows_of, sharded_part, unit_params, vocab_split_note
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
-from ledger.faithful.titan.pp_peak import pp_peak
+from ledger.faithful.titan.pp_peak import pp_peak, pp_peak_unmodelled
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.faithful.titan.schedules import (final_norm_gets_grad, local_stages, losses_after_a_backward, schedule_of,
                                              unshards)
@@ -199,8 +199,9 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     cpu_mesh = True if rules is None else rules.cpu_mesh
     # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
     # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
-    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md)
-    peak_modelled = sched == "1F1B" and lay.tp == lay.cp == 1
+    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with TP without SP
+    unmodelled = pp_peak_unmodelled(model, lay, sched)
+    peak_modelled = unmodelled is None
     memo: dict = {}
 
     def comm_of(r: int, first: bool):
@@ -217,8 +218,8 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
         grads = st.grads_bytes
 
         def peak():  # pp_peak.py
-            emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, 1)]
-            return pp_peak(model, lay, stages[r], r, _stage_sharded(model, 1, ds, S, r), kept, grads,
+            emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, lay.tp, t)]
+            return pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
 
@@ -239,7 +240,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     else:
         pl.notes.append(f"titan PP ({sched}, {lay.vp} stage{'s' * (lay.vp > 1)} a rank) with tp={lay.tp} cp={lay.cp} "
                         f"dp_replicate={lay.dp_replicate}: states and collectives predicted; the peak within a step "
-                        "is modelled for 1F1B over FSDP / HSDP alone (no peak row)")
+                        f"is not modelled ({unmodelled}): no peak row")
     return pl
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
+from ledger.faithful.titan.dtensor import partial_weight_grads, redistributes_in_block, wo_input_grad_gathers_weight
 from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
@@ -40,6 +41,25 @@ from ledger.placement import Peak
 
 # the moments' detail line of the rank's params, optimizer state and other state
 _STATE = "resident/state (params, optim, other)"
+
+
+def pp_peak_unmodelled(model, lay, sched: str) -> str | None:
+    """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B, one stage a rank, over
+    FSDP / HSDP, with TP without sequence parallelism where a block's backward moves no activation-sized
+    tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
+    Shard -> Shard move)."""
+    if sched != "1F1B":
+        return "pp_peak derives 1F1B only"
+    if lay.cp > 1:
+        return "pp_peak derives no CP"
+    if lay.tp > 1:
+        if lay.sequence_parallel:
+            return "pp_peak derives TP without sequence parallelism only"
+        T = lay.micro_batch_size * model.seq_len
+        if redistributes_in_block(model, T, lay.tp, False):
+            return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
+                    "grads or a Shard -> Shard move), which pp_peak does not derive")
+    return None
 
 
 def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
@@ -91,14 +111,18 @@ class _Stage:
     sh: object
     s: int
     kept: int
-    block_numel: int
+    block_grad_numel: int  # a block's unsharded grads' numel, bf16 in its backward and fp32 accumulated (_block_grad_numel)
     head_numel: int
     has_emb: bool
     Ls: int  # the stage's blocks
     has_head: bool
     T: int  # the micro-batch's tokens
     h: int
-    ffn: int
+    ffn: int  # the TP-local ffn columns
+    w2_grad_numel: int  # w2's weight grad out of its mm (TP-full where it leaves Partial: _block_grad_numel)
+    attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
+    attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
+    wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
     ds: int
     P: int
     n: int  # micro-batches
@@ -145,10 +169,18 @@ class _Stage:
         (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
         of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
         T, h, ffn = self.T, self.h, self.ffn
-        return (("attention_norm", self.before(k) + self.own(k) + self.norm_saved(),
-                 self.block_numel * BF16 + self.act + 5 * T * h * F32),
-                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
-                 ffn * h * BF16 + 3 * T * ffn * BF16 + incoming))
+        out = (("attention_norm", self.before(k) + self.own(k) + self.norm_saved(),
+                self.block_grad_numel * BF16 + self.act + 5 * T * h * F32),
+               ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
+                self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
+        if self.wo_gather:
+            # TP without SP, where DTensor's strategy for wo's input grad (mm(grad, W), W Shard(1)) gathers W
+            # (dtensor.wo_input_grad_gathers_weight): the gathered [h, q] and its dim-1 cat beside the
+            # grads the FFN half and wo made, the attention half's saves still held (measured: pp2·tp2, on
+            # the first stage without checkpointing and the last under full AC: the peak)
+            out += (("wo input grad, its weight all-gathered", self.before(k) + self.own(k) + self.attn_saves,
+                     self.attn_grads_numel * BF16 + self.act + self.wo_gather),)
+        return out
 
     def held(self, last_numel: int) -> int:
         """_fsdp_collectives.py foreach_reduce: with a shard group of more than one, the loop over
@@ -184,25 +216,41 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     # and what it holds between its forward and its backward under the configured checkpointing
     # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
     # checkpointed block is backpropagated its checkpoint still holds the block's input
-    act1 = saved_per_layer(model, B, S, "none", rules=rules)[0]
-    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, rules=rules)
+    tp, sp = lay.tp, bool(lay.sequence_parallel)
+    act1 = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)[0]
+    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, tp, sp, rules=rules)
     ck_in = ac_saved if ac != "none" else 0
     first, last = s == 0, s == P - 1
+    # TP: a rowwise weight whose grad leaves its mm Partial (dtensor.partial_weight_grads: wo and w2 without SP
+    # at most shapes) holds it TP-full, in bf16 from the mm, then as FSDP's fp32 accumulator, until
+    # perform_reduce_grad redistributes it to its Shard(1) placement (a reduce-scatter over tp) before the
+    # unit's chunk_cat (measured: pp2·tp2, the probe's census at perform_reduce_grad)
+    f, q = model.ffn_hidden, model.heads * model.head_dim
+    full = partial_weight_grads(model, T, tp, sp) if tp > 1 else ()
+    grad_numel = block_numel + sum([h * k - h * k // tp for name, k in (("wo", q), ("w2", f)) if name in full])
+    hd = model.head_dim
+    qkv_local = (model.heads // tp + 2 * (model.kv_heads // tp)) * hd
+    saves = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)[2]
+    gathers = tp > 1 and wo_input_grad_gathers_weight(model, T, tp, sp)
     # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
     # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
     # attention_norm, ffn_norm, so a block's is ffn_norm's)
     order = ([("tok_embeddings", sh.emb_full, emb_numel, emb_numel)] if has_emb else []) + \
-        [(f"block {j}", sh.layer_full, block_numel, h) for j in range(Ls)]
+        [(f"block {j}", sh.layer_full, grad_numel, h) for j in range(Ls)]
     head_full = sh.norm_full + sh.lm_full
     shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
     act = T * h * BF16
     return _Stage(
-        lay=lay, sh=sh, s=s, kept=kept, block_numel=block_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
-        has_head=has_head, T=T, h=h, ffn=model.ffn_hidden, ds=ds, P=P, n=n, first=first, last=last, act=act,
+        lay=lay, sh=sh, s=s, kept=kept, block_grad_numel=grad_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
+        has_head=has_head, T=T, h=h, ffn=model.ffn_hidden // tp,
+        w2_grad_numel=h * f if "w2" in full else h * f // tp,
+        attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
+        attn_grads_numel=grad_numel - qkv_local * h - h,
+        wo_gather=2 * h * model.heads * hd * BF16 if gathers else 0, ds=ds, P=P, n=n, first=first, last=last, act=act,
         act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
-        acc_all=(emb_numel * has_emb + Ls * block_numel) * F32, recv=n * ((not first) + (not last)) * act,
+        acc_all=(emb_numel * has_emb + Ls * grad_numel) * F32, recv=n * ((not first) + (not last)) * act,
         rules=rules)
 
 
@@ -259,7 +307,7 @@ def _at_microbatch_backward(c: _Stage) -> list[Peak]:
         flight = min(warm, n - i)
         p2p = c.recv + flight * act + (act if i >= 1 and not c.first else 0)
         for k in range(Ls - 1, -1, -1):
-            acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_numel * F32
+            acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
             for name, saved, work in c.block_moments(k, act if k < Ls - 1 else 0):
                 cands.append(c.in_block(f"micro-batch {i} backward at block {k}'s {name}", 0, acc, p2p,
@@ -274,7 +322,8 @@ class _LastMicrobatch(NamedTuple):
     m: int
     Vh: int  # lm_head's numel
     rs: int  # the padded full numel lm_head's reduce-scatter at the last chunk reduces
-    g: int  # [norm, lm_head]'s synced grads after it
+    g: int  # [norm, lm_head]'s synced grads at its reduce-scatter (its output among them)
+    g_after: int  # those grads once the reduce-scatter's copy-out is done (_last_microbatch)
     acc_blocks: int  # the blocks' fp32 accumulators
     copies: tuple[int, int]  # chunk_copies
     saved: int  # the blocks', the final norm's and the chunk copies' saved tensors
@@ -286,13 +335,20 @@ def _last_microbatch(c: _Stage) -> _LastMicrobatch:
     T, h, ds, sh = c.T, c.h, c.ds, c.sh
     m = c.n - 1
     rs = c.head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
+    g = sh.lm_full // ds * F32 + (c.head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32
     copies = chunk_copies(c.lay, T, h)
     # the final norm's saved tensors (the composite's x and x * rsqrt in fp32 and rsqrt, or the fused
     # kernel's input and rstd) and its output
     root = (T * h * BF16 if c.rules.fused_rms_norm else T * h * F32 * 2) + T * F32 + T * h * BF16
     return _LastMicrobatch(
         m=m, Vh=c.head_numel - h, rs=rs,
-        g=sh.lm_full // ds * F32 + (c.head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32,
+        g=g,
+        # the copy-out (_fsdp_collectives.py foreach_reduce_scatter_copy_out): a param whose sharded grad
+        # exists adds the output into it, one without one takes a view of it. From micro-batch 2 on both
+        # norm and lm_head have one, so the last output is freed once added (measured: pp2·tp2, three
+        # micro-batches, the last stage's blocks after its final norm); micro-batch 1's stays, the norm's
+        # grad viewing it
+        g_after=g - (rs // ds * F32 if m >= 2 else 0),
         acc_blocks=c.acc_all if m >= 1 else 0, copies=copies, saved=c.chunk_saves() + root + copies[0],
         chunk=T // LOSS_CHUNKS, p2p=c.recv + (c.act if m >= 1 and not c.first else 0))
 
@@ -356,7 +412,7 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     reduce-scatter input held, the blocks' saved tensors, the norm's fp32 input and backward
     temporaries; every unit already unsharded (no prefetch). The norm's bf16 output, freed here
     without PP, is the stage's output, which pipelining keeps."""
-    T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g, x.rs
+    T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g_after, x.rs
     work = 5 * T * h * F32 + h * BF16
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
@@ -378,7 +434,7 @@ def _at_blocks_after_final_norm(c: _Stage, x: _LastMicrobatch) -> list[Peak]:
     into each block (bf16, its own tensor). With checkpointing the block is recomputed first: there it
     outweighs the loss moments."""
     act = c.act
-    return [c.in_block(f"micro-batch {x.m} backward at block {k}'s {name}", x.g, x.acc_blocks + c.h * F32,
+    return [c.in_block(f"micro-batch {x.m} backward at block {k}'s {name}", x.g_after, x.acc_blocks + c.h * F32,
                        x.rs * F32 + x.p2p, f"blocks 0..{k}, the stage's output", saved_k + act,
                        f"block {k}'s backward at its {name}", work_k)
             for k in range(c.Ls - 1, -1, -1) for name, saved_k, work_k in c.block_moments(k, act)]
