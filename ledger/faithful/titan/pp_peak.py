@@ -54,6 +54,9 @@ def pp_peak_unmodelled(model, lay, sched: str) -> str | None:
         return "pp_peak derives no CP"
     if lay.tp > 1:
         if lay.sequence_parallel:
+            # measured: pp2·tp2·SP at seq 32 within 6 KB (perform_reduce_grad), at seq 1024 0.8-3.9% above the
+            # moments derived: stage 0 peaks in 1F1B's second forward at w2's SP reduce-scatter, and a
+            # checkpointed block's recompute adds its own; neither is derived
             return "pp_peak derives TP without sequence parallelism only"
         T = lay.micro_batch_size * model.seq_len
         if redistributes_in_block(model, T, lay.tp, False):
@@ -117,6 +120,7 @@ class _Stage:
     Ls: int  # the stage's blocks
     has_head: bool
     T: int  # the micro-batch's tokens
+    Tn: int  # those a norm sees and the residual stream holds (T / tp with SP)
     h: int
     ffn: int  # the TP-local ffn columns
     w2_grad_numel: int  # w2's weight grad out of its mm (TP-full where it leaves Partial: _block_grad_numel)
@@ -144,7 +148,7 @@ class _Stage:
     def norm_saved(self) -> int:
         """What an RMSNorm saves of its input: the composite's fp32 upcast, or the fused kernel's bf16
         input and fp32 rstd (target.py)."""
-        T, h = self.T, self.h
+        T, h = self.Tn, self.h
         return T * h * BF16 + T * F32 if self.rules.fused_rms_norm else T * h * F32
 
     def chunk_saves(self) -> int:
@@ -170,7 +174,7 @@ class _Stage:
         of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
         T, h, ffn = self.T, self.h, self.ffn
         out = (("attention_norm", self.before(k) + self.own(k) + self.norm_saved(),
-                self.block_grad_numel * BF16 + self.act + 5 * T * h * F32),
+                self.block_grad_numel * BF16 + self.act + 5 * self.Tn * h * F32),
                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
                 self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
         if self.wo_gather:
@@ -239,10 +243,11 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         [(f"block {j}", sh.layer_full, grad_numel, h) for j in range(Ls)]
     head_full = sh.norm_full + sh.lm_full
     shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
-    act = T * h * BF16
+    Tn = T // tp if sp else T  # the tokens a norm sees and the residual stream holds (SP: Shard(1))
+    act = Tn * h * BF16
     return _Stage(
         lay=lay, sh=sh, s=s, kept=kept, block_grad_numel=grad_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
-        has_head=has_head, T=T, h=h, ffn=model.ffn_hidden // tp,
+        has_head=has_head, T=T, Tn=Tn, h=h, ffn=model.ffn_hidden // tp,
         w2_grad_numel=h * f if "w2" in full else h * f // tp,
         attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
         attn_grads_numel=grad_numel - qkv_local * h - h,
@@ -270,7 +275,8 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
         acc += c.held(last_numel)
         g = c.head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
         p2p = c.recv + ((not c.last) + (not c.first)) * act
-        last_out = act if c.last else 0  # the last micro-batch's final-norm output (the stage's output)
+        # the last micro-batch's final-norm output (the stage's output; with SP all-gathered for lm_head)
+        last_out = c.T * h * BF16 if c.last else 0
         copy = rs_temporary(c.rules, c.ds, full * F32)
         d = {_STATE: kept, "resident/grads (units reduced, lm_head synced)": g,
              "resident/unsharded params (units after)": unsharded_after,
@@ -339,7 +345,8 @@ def _last_microbatch(c: _Stage) -> _LastMicrobatch:
     copies = chunk_copies(c.lay, T, h)
     # the final norm's saved tensors (the composite's x and x * rsqrt in fp32 and rsqrt, or the fused
     # kernel's input and rstd) and its output
-    root = (T * h * BF16 if c.rules.fused_rms_norm else T * h * F32 * 2) + T * F32 + T * h * BF16
+    Tn = c.Tn
+    root = (Tn * h * BF16 if c.rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
     return _LastMicrobatch(
         m=m, Vh=c.head_numel - h, rs=rs,
         g=g,
@@ -413,7 +420,7 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     temporaries; every unit already unsharded (no prefetch). The norm's bf16 output, freed here
     without PP, is the stage's output, which pipelining keeps."""
     T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g_after, x.rs
-    work = 5 * T * h * F32 + h * BF16
+    work = 5 * c.Tn * h * F32 + h * BF16
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
@@ -433,8 +440,8 @@ def _at_blocks_after_final_norm(c: _Stage, x: _LastMicrobatch) -> list[Peak]:
     accumulator, the stage's output (the final norm's, which pipelining keeps) and the grad flowing
     into each block (bf16, its own tensor). With checkpointing the block is recomputed first: there it
     outweighs the loss moments."""
-    act = c.act
+    act, out = c.act, c.T * c.h * BF16  # the stage's output: with SP the final norm's all-gathered
     return [c.in_block(f"micro-batch {x.m} backward at block {k}'s {name}", x.g_after, x.acc_blocks + c.h * F32,
-                       x.rs * F32 + x.p2p, f"blocks 0..{k}, the stage's output", saved_k + act,
+                       x.rs * F32 + x.p2p, f"blocks 0..{k}, the stage's output", saved_k + out,
                        f"block {k}'s backward at its {name}", work_k)
             for k in range(c.Ls - 1, -1, -1) for name, saved_k, work_k in c.block_moments(k, act)]
