@@ -55,8 +55,10 @@ def pp_peak_unmodelled(model, lay, sched: str) -> str | None:
     if lay.tp > 1:
         if lay.sequence_parallel:
             # measured: pp2·tp2·SP at seq 32 within 6 KB (perform_reduce_grad), at seq 1024 0.8-3.9% above the
-            # moments derived: stage 0 peaks in 1F1B's second forward at w2's SP reduce-scatter, and a
-            # checkpointed block's recompute adds its own; neither is derived
+            # moments derived: stage 0 peaks in 1F1B's last warm-up forward at w2's SP reduce-scatter (all its
+            # micro-batches' saves, w2's TP-full output, the reduce-scatter's cat and output: within the setup
+            # tensors once added), the last stage in a loss chunk under loss parallelism, and a checkpointed
+            # block's recompute adds its own; the last two are not derived
             return "pp_peak derives TP without sequence parallelism only"
         T = lay.micro_batch_size * model.seq_len
         if redistributes_in_block(model, T, lay.tp, False):
