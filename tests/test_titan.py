@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (28 small multiruns, 47 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (29 small multiruns, 48 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -10,7 +10,7 @@ at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, bo
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
-uneven vocab, full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
+uneven vocab, full AC; with SP at seq 1024), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
 LoopedBFS; InterleavedZeroBubble over FSDP (the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
@@ -120,6 +120,10 @@ SWEEPS = (
     # of it, one fewer per-param norm in the grad norm
     ("w4ppzb", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
                 "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble", NO_AC)),
+    # PP with TP and SP under 1F1B at a long sequence, its peak modelled (pp_peak): stage 0 in its last warm-up
+    # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
+    ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
+                "layout.sequence_parallel=true", "layout.global_batch_size=2", NO_AC)),
     # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
     ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
                  NO_AC)),
@@ -155,7 +159,7 @@ EXPECTED = {"dp2", "dp4", "dp4·rep2", "tp2·dp2", "cp2"}  # layout names (dp is
 # the extra TP and CP jobs, one reshard setting each
 EXPECTED_ONCE = {"tp2", "tp4", "tp2·dp2·sp", "cp2·dp2", "cp2·dp2·rep2", "tp2·cp2", "tp2·cp2·sp", "pp2", "pp2·dp2",
                  "pp4", "tp2·pp2", "tp2·pp2·vp2·sp", "pp2·cp2", "pp2·vp2·dp2·rep2", "tp2·pp2·dp2", "pp2·dp2·rep2",
-                 "pp2·vp2·dp2"}
+                 "pp2·vp2·dp2", "tp2·pp2·sp"}
 REDIRECTS = {"device_type", "memory_monitor", "flex_attention", "force_sum_reduction", "barrier_device_ids",
              "set_timeout"}
 CP_REDIRECTS = {"eager_cp_block_mask", "visible_cp_allgather"}  # reached where cp > 1
@@ -250,7 +254,8 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     graph outlives its step: stage 0 runs pipelining's forward metadata inference with no backward,
     whose saved tensors the peak probe once kept alive (572,172 B `unnamed` at pp2 stage 0's every
     peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
-    wo's weight for its input grad, at the gather's dim-1 cat."""
+    wo's weight for its input grad, at the gather's dim-1 cat; with SP at seq 1024 stage 0 in its last warm-up
+    forward at w2's reduce-scatter."""
     kinds = set()
     for rec in sweep["ok"]:
         if rec["prediction"]["layout"]["pp"] == 1:
@@ -272,9 +277,13 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 assert where["op"] == "aten.cat.default", (name, where)
                 kinds.add("wo gather")
                 continue
+            if "reduce-scatter (SP)" in what:  # SP: the last warm-up forward's w2 reduce-scatter (or gloo's cat)
+                assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
+                kinds.add("sp forward")
+                continue
             kinds.add("reduce" if what.startswith("perform_reduce_grad") else
                       "loss" if what.startswith("lm_head reduce-scatter") else "backward")
-    assert kinds == {"reduce", "loss", "backward", "wo gather"}, kinds
+    assert kinds == {"reduce", "loss", "backward", "wo gather", "sp forward"}, kinds
 
 
 @pytest.mark.real

@@ -200,7 +200,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
     # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
     # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with TP without SP
-    unmodelled = pp_peak_unmodelled(model, lay, sched)
+    unmodelled = pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
     peak_modelled = unmodelled is None
     memo: dict = {}
 

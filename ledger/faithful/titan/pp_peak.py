@@ -43,7 +43,7 @@ from ledger.placement import Peak
 _STATE = "resident/state (params, optim, other)"
 
 
-def pp_peak_unmodelled(model, lay, sched: str) -> str | None:
+def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B, one stage a rank, over
     FSDP / HSDP, with TP without sequence parallelism where a block's backward moves no activation-sized
     tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
@@ -53,15 +53,13 @@ def pp_peak_unmodelled(model, lay, sched: str) -> str | None:
     if lay.cp > 1:
         return "pp_peak derives no CP"
     if lay.tp > 1:
-        if lay.sequence_parallel:
+        if lay.sequence_parallel and ac != "none":
             # measured: pp2·tp2·SP at seq 32 within 6 KB (perform_reduce_grad), at seq 1024 0.8-3.9% above the
-            # moments derived: stage 0 peaks in 1F1B's last warm-up forward at w2's SP reduce-scatter (all its
-            # micro-batches' saves, w2's TP-full output, the reduce-scatter's cat and output: within the setup
-            # tensors once added), the last stage in a loss chunk under loss parallelism, and a checkpointed
-            # block's recompute adds its own; the last two are not derived
-            return "pp_peak derives TP without sequence parallelism only"
+            # moments derived: the last stage in a loss chunk under loss parallelism, and a checkpointed
+            # block's recompute adds its own; neither is derived
+            return "with sequence parallelism pp_peak derives activation_checkpoint=none only"
         T = lay.micro_batch_size * model.seq_len
-        if redistributes_in_block(model, T, lay.tp, False):
+        if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
             return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
                     "grads or a Shard -> Shard move), which pp_peak does not derive")
     return None
@@ -100,7 +98,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
     rules: the target's (target.py)."""
     c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules)
-    cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c)
+    cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c) + _at_last_warmup_forward(c)
     if c.has_head:
         x = _last_microbatch(c)
         cands += [_at_lm_head_reduce_scatter(c, x), _at_loss_chunk_backward(c, x), _at_final_norm_backward(c, x),
@@ -296,6 +294,29 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
     return cands
 
 
+def _at_last_warmup_forward(c: _Stage) -> list[Peak]:
+    """With SP, on a stage before the last: the last warm-up forward of 1F1B (min(n, P - s) micro-batches in
+    flight, every one's saves complete) at its last block's w2 reduce-scatter (Partial [T, h] -> Shard(1)):
+    w2's TP-full bf16 output and the reduce-scatter's input cat and output beside the block's input, its
+    attention residual and its ffn_norm's bf16 output (the tensors the block's forward still references),
+    the receive buffers and the earlier micro-batches' sends held (measured: pp2·tp2·SP at seq 1024, stage
+    0's peak). Without SP w2's output is all-reduced instead: not derived, never the peak measured."""
+    if not c.lay.sequence_parallel or c.lay.tp == 1 or c.last or not c.Ls:
+        return []
+    flight = min(c.n, c.P - c.s)
+    act, full = c.act, c.T * c.h * BF16
+    p2p = c.recv + (flight - 1) * c.act
+    work = 4 * act + 2 * full
+    d = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
+         f"activations/{flight} micro-batches x {c.Ls} blocks": flight * c.chunk_saves(),
+         "temporary/block input, attention residual, ffn_norm output, w2's output and its reduce-scatter's input "
+         "and output": work, "gathered/p2p buffers and held sends": p2p}
+    parts = {"resident": c.kept + c.unsharded, "activations": flight * c.chunk_saves(), "gathered": p2p,
+             "temporary": work}
+    return [Peak.of(parts, phase="forward", what=f"micro-batch {flight - 1}'s forward at block {c.Ls - 1}'s w2 "
+                    "reduce-scatter (SP)", detail=d)]
+
+
 def _at_microbatch_backward(c: _Stage) -> list[Peak]:
     """The backward of a micro-batch i (0, and 1 where there are more) at block k, on stages before the
     last: at block k's attention_norm backward every unit's accumulator (i >= 1; the blocks after k at
@@ -401,7 +422,8 @@ def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     m, Vh, chunk = x.m, x.Vh, x.chunk
     prev_rs = ((sh.lm_full if m == 1 else c.head_full) * F32) if m >= 1 else 0
     g_before = x.g - x.rs // c.ds * F32
-    ce = 3 * chunk * (Vh // h) * F32
+    # plain cross-entropy's three fp32 [chunk, V] buffers, loss parallel's four with TP (peak.at_loss_chunk)
+    ce = (3 if c.lay.tp == 1 else 4) * chunk * (Vh // h) * F32
     wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + x.copies[1]
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
          "resident/unsharded params (every unit)": unsharded,
