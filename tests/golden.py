@@ -150,6 +150,8 @@ def titan_cases():
                                     *_lay(2, 2, 1, sequence_parallel=False, global_batch_size=3)]
     yield "titan/tiny/pp-tp-sp", ["model=tiny", "model.seq_len=1024", *_fw("titan", activation_checkpoint="none"),
                                   *_lay(2, 2, 1, sequence_parallel=True, global_batch_size=2)]
+    yield "titan/llama3_8b/pp-tp-sp-ac", ["model=llama3_8b", *_fw("titan", activation_checkpoint="full"),
+                                          *_lay(8, 4, 2, sequence_parallel=True, global_batch_size=16)]
     yield "titan/llama3_70b/pp-tp", ["model=llama3_70b", "model.seq_len=8192", *_fw("titan", activation_checkpoint="full"),
                                      *_lay(8, 4, 4, sequence_parallel=False, global_batch_size=16)]
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (29 small multiruns, 48 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (30 small multiruns, 49 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -10,7 +10,7 @@ at seq 256 (torch shards the CP BlockMask in 128-token blocks): cp2 (world 2, bo
 settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (world 4); pipeline
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
-uneven vocab, full AC; with SP at seq 1024), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
+uneven vocab, full AC; with SP at seq 1024, without and with full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
 LoopedBFS; InterleavedZeroBubble over FSDP (the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
@@ -124,6 +124,11 @@ SWEEPS = (
     # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
     ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.global_batch_size=2", NO_AC)),
+    # and under full AC (hidden 256: the step's setup tensors, not modelled, stay well under 1%): both stages at
+    # w2's reduce-scatter in a block's recompute
+    ("w4ppspac", ("cluster.ranks=4", "model.seq_len=1024", "model.hidden=256", "model.ffn_hidden=768", "model.heads=4",
+                  "model.kv_heads=2", "model.vocab=512", "layout.pp=2", "layout.tp=2", "layout.sequence_parallel=true",
+                  "layout.global_batch_size=2", "framework.activation_checkpoint=full")),
     # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
     ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
                  NO_AC)),
@@ -255,7 +260,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     whose saved tensors the peak probe once kept alive (572,172 B `unnamed` at pp2 stage 0's every
     peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
     wo's weight for its input grad, at the gather's dim-1 cat; with SP at seq 1024 stage 0 in its last warm-up
-    forward at w2's reduce-scatter."""
+    forward at w2's reduce-scatter, and under full AC both stages at w2's reduce-scatter in a block's recompute."""
     kinds = set()
     for rec in sweep["ok"]:
         if rec["prediction"]["layout"]["pp"] == 1:
@@ -277,13 +282,17 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 assert where["op"] == "aten.cat.default", (name, where)
                 kinds.add("wo gather")
                 continue
+            if "reduce-scatter in its recompute" in what:  # SP under full AC: the recompute's w2 reduce-scatter
+                assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
+                kinds.add("sp recompute")
+                continue
             if "reduce-scatter (SP)" in what:  # SP: the last warm-up forward's w2 reduce-scatter (or gloo's cat)
                 assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
                 kinds.add("sp forward")
                 continue
             kinds.add("reduce" if what.startswith("perform_reduce_grad") else
                       "loss" if what.startswith("lm_head reduce-scatter") else "backward")
-    assert kinds == {"reduce", "loss", "backward", "wo gather", "sp forward"}, kinds
+    assert kinds == {"reduce", "loss", "backward", "wo gather", "sp forward", "sp recompute"}, kinds
 
 
 @pytest.mark.real

@@ -53,11 +53,9 @@ def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     if lay.cp > 1:
         return "pp_peak derives no CP"
     if lay.tp > 1:
-        if lay.sequence_parallel and ac != "none":
-            # measured: pp2·tp2·SP at seq 32 within 6 KB (perform_reduce_grad), at seq 1024 0.8-3.9% above the
-            # moments derived: the last stage in a loss chunk under loss parallelism, and a checkpointed
-            # block's recompute adds its own; neither is derived
-            return "with sequence parallelism pp_peak derives activation_checkpoint=none only"
+        if lay.sequence_parallel and ac not in ("none", "full"):
+            # (SelectiveAC's recompute with SP keeps more than full AC's without PP: peak._at_recompute_rs)
+            return "with sequence parallelism pp_peak derives activation_checkpoint none and full only"
         T = lay.micro_batch_size * model.seq_len
         if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
             return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
@@ -127,6 +125,7 @@ class _Stage:
     attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
     attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
     wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
+    recompute_rs: int  # SP under full AC: what a block's recompute holds at w2's reduce-scatter (0 otherwise)
     ds: int
     P: int
     n: int  # micro-batches
@@ -177,6 +176,12 @@ class _Stage:
                 self.block_grad_numel * BF16 + self.act + 5 * self.Tn * h * F32),
                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
                 self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
+        if self.recompute_rs:
+            # SP under full AC (peak._at_recompute_rs without PP): the block's output grad all-gathered for w2's
+            # backward, then its recompute forward to w2's reduce-scatter: every save of the block, the
+            # attention's residual sum, ffn_norm's output, w2's TP-full output, the reduce-scatter's copy of its
+            # input on gloo and its output (measured: pp2·tp2·SP at seq 1024, both stages' peak)
+            out += (("w2's reduce-scatter in its recompute", self.before(k) + self.own(k), self.recompute_rs + incoming),)
         if self.wo_gather:
             # TP without SP, where DTensor's strategy for wo's input grad (mm(grad, W), W Shard(1)) gathers W
             # (dtensor.wo_input_grad_gathers_weight): the gathered [h, q] and its dim-1 cat beside the
@@ -251,7 +256,9 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         w2_grad_numel=h * f if "w2" in full else h * f // tp,
         attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
         attn_grads_numel=grad_numel - qkv_local * h - h,
-        wo_gather=2 * h * model.heads * hd * BF16 if gathers else 0, ds=ds, P=P, n=n, first=first, last=last, act=act,
+        wo_gather=2 * h * model.heads * hd * BF16 if gathers else 0,
+        recompute_rs=(act1 + 3 * act + 2 * T * h * BF16 + (T * h * BF16 if rules.rs_input_copy else 0)
+                      if sp and ac == "full" else 0), ds=ds, P=P, n=n, first=first, last=last, act=act,
         act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
@@ -297,7 +304,7 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
 def _at_last_warmup_forward(c: _Stage) -> list[Peak]:
     """With SP, on a stage before the last: the last warm-up forward of 1F1B (min(n, P - s) micro-batches in
     flight, every one's saves complete) at its last block's w2 reduce-scatter (Partial [T, h] -> Shard(1)):
-    w2's TP-full bf16 output and the reduce-scatter's input cat and output beside the block's input, its
+    w2's TP-full bf16 output, the reduce-scatter's output and on gloo its copy of the input beside the block's input, its
     attention residual and its ffn_norm's bf16 output (the tensors the block's forward still references),
     the receive buffers and the earlier micro-batches' sends held (measured: pp2·tp2·SP at seq 1024, stage
     0's peak). Without SP w2's output is all-reduced instead: not derived, never the peak measured."""
@@ -306,7 +313,7 @@ def _at_last_warmup_forward(c: _Stage) -> list[Peak]:
     flight = min(c.n, c.P - c.s)
     act, full = c.act, c.T * c.h * BF16
     p2p = c.recv + (flight - 1) * c.act
-    work = 4 * act + 2 * full
+    work = 4 * act + full + (full if c.rules.rs_input_copy else 0)  # gloo's copy of the input: target.py
     d = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
          f"activations/{flight} micro-batches x {c.Ls} blocks": flight * c.chunk_saves(),
          "temporary/block input, attention residual, ffn_norm output, w2's output and its reduce-scatter's input "
