@@ -2,7 +2,9 @@
 torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
 Schedule1F1B, stage.py) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
 set to None each step, so the replicas' all-reduce runs in place on the reduce-scatter output that becomes
-the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it). pp_peak is the most of pp_moments,
+the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with TP (DTensor's
+placements: dtensor.py) and SP without or under full activation checkpointing (pp_peak_unmodelled names the
+rest). pp_peak is the most of pp_moments,
 each moment its own function below over the values they share (_Stage; the last micro-batch's on the
 last stage, _LastMicrobatch). peak.py has the peak without PP, whose moments these echo.
 
@@ -90,7 +92,9 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
 
     The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census), in this
     order: perform_reduce_grad at each unit (_at_perform_reduce_grad); on stages before the last, a
-    micro-batch's backward at each block (_at_microbatch_backward); on the last stage, its last
+    micro-batch's backward at each block (_at_microbatch_backward: _Stage.block_moments, with TP wo's gathered
+    weight, with SP under full AC the recompute's w2 reduce-scatter) and with SP the last warm-up forward
+    (_at_last_warmup_forward); on the last stage, its last
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
     (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
