@@ -199,7 +199,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     cpu_mesh = True if rules is None else rules.cpu_mesh
     # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
     # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
-    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with TP without SP
+    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with TP (pp_peak_unmodelled names what it does not derive)
     unmodelled = pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
     peak_modelled = unmodelled is None
     memo: dict = {}

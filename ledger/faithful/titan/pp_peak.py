@@ -47,7 +47,7 @@ _STATE = "resident/state (params, optim, other)"
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B, one stage a rank, over
-    FSDP / HSDP, with TP without sequence parallelism where a block's backward moves no activation-sized
+    FSDP / HSDP, without CP, with TP (with SP: activation checkpointing none or full) where a block's backward moves no activation-sized
     tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
     Shard -> Shard move)."""
     if sched != "1F1B":
@@ -116,7 +116,7 @@ class _Stage:
     sh: object
     s: int
     kept: int
-    block_grad_numel: int  # a block's unsharded grads' numel, bf16 in its backward and fp32 accumulated (_block_grad_numel)
+    block_grad_numel: int  # a block's unsharded grads' numel, bf16 in its backward and fp32 accumulated (_stage: TP-full where partial_weight_grads)
     head_numel: int
     has_emb: bool
     Ls: int  # the stage's blocks
@@ -125,7 +125,7 @@ class _Stage:
     Tn: int  # those a norm sees and the residual stream holds (T / tp with SP)
     h: int
     ffn: int  # the TP-local ffn columns
-    w2_grad_numel: int  # w2's weight grad out of its mm (TP-full where it leaves Partial: _block_grad_numel)
+    w2_grad_numel: int  # w2's weight grad out of its mm (TP-full where it leaves Partial: partial_weight_grads)
     attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
     attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
     wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
@@ -230,7 +230,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
     # checkpointed block is backpropagated its checkpoint still holds the block's input
     tp, sp = lay.tp, bool(lay.sequence_parallel)
-    act1 = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)[0]
+    act1, _, saves = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)
     ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, tp, sp, rules=rules)
     ck_in = ac_saved if ac != "none" else 0
     first, last = s == 0, s == P - 1
@@ -241,9 +241,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     f, q = model.ffn_hidden, model.heads * model.head_dim
     full = partial_weight_grads(model, T, tp, sp) if tp > 1 else ()
     grad_numel = block_numel + sum([h * k - h * k // tp for name, k in (("wo", q), ("w2", f)) if name in full])
-    hd = model.head_dim
-    qkv_local = (model.heads // tp + 2 * (model.kv_heads // tp)) * hd
-    saves = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)[2]
+    qkv_local = (model.heads // tp + 2 * (model.kv_heads // tp)) * model.head_dim
     gathers = tp > 1 and wo_input_grad_gathers_weight(model, T, tp, sp)
     # units in reduce order (FSDP state order): (name, padded full, unpadded numel, the numel of its
     # last param in FSDP's order: models/llama3/model.py registers attention, feed_forward,
@@ -260,7 +258,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         w2_grad_numel=h * f if "w2" in full else h * f // tp,
         attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
         attn_grads_numel=grad_numel - qkv_local * h - h,
-        wo_gather=2 * h * model.heads * hd * BF16 if gathers else 0,
+        wo_gather=2 * h * q * BF16 if gathers else 0,
         recompute_rs=(act1 + 3 * act + 2 * T * h * BF16 + (T * h * BF16 if rules.rs_input_copy else 0)
                       if sp and ac == "full" else 0), ds=ds, P=P, n=n, first=first, last=last, act=act,
         act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
