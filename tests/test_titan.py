@@ -1165,8 +1165,8 @@ def test_unshard_counts_are_torchs_lowering():
 @pytest.mark.parametrize("T,tp,sp", [(32, 2, False), (32, 2, True), (640, 4, False), (8192, 8, False), (2048, 2, False),
                                      (4096, 8, True)])
 def test_pp_peak_tp_shortcuts_are_the_backward_moves(T, tp, sp):
-    """dtensor.partial_weight_grads and wo_input_grad_gathers_weight, which pp_peak reads, say what
-    layer_backward_moves lists: a PARAM reduce-scatter of [hidden, k] for each rowwise weight whose grad leaves
+    """dtensor.partial_weight_grads and wo_input_grad_gathers_weight, which pp_peak reads (views of
+    rowwise_backward, as layer_backward_moves is), say what layer_backward_moves lists: a PARAM reduce-scatter of [hidden, k] for each rowwise weight whose grad leaves
     Partial (wo: k = q, w2: k = ffn), and an INPUT all-gather of wo's [hidden, q] weight."""
     for m in (preset("llama3_8b"), preset("tiny", heads=8, kv_heads=2)):
         h, q, f = m.hidden, m.heads * m.head_dim, m.ffn_hidden

@@ -6,6 +6,7 @@ Placement's notes). The derivation of the placements entering the backward is be
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ledger.dtypes import BF16
@@ -169,34 +170,56 @@ def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool
     return any(k == "all_to_all" for k, _ in out) or sum(1 for k, n in out if k == "reduce_scatter" and n == T * f) > 1
 
 
+@dataclass(frozen=True)
+class RowwiseBackward:
+    """One rowwise linear's (wo's or w2's) two backward mms as DTensor runs them: the placement each grad
+    leaves its mm with ("P": a TP-full Partial tensor on every TP rank) and the redistributions of the mm's
+    inputs that its strategy asks for, (kind, full numel)."""
+    name: str  # "wo" | "w2"
+    k: int  # the input's width: q (heads x head_dim) or ffn_hidden
+    weight_grad: str  # grad W = mm(g.t(), x2d), [hidden, k]
+    weight_moves: tuple
+    input_grad: str  # grad x2d = mm(g, W), [T, k]
+    input_moves: tuple
+    priced: bool  # either mm's strategy was chosen by DTensor's cost model
+
+
 @lru_cache(maxsize=1024)
+def rowwise_backward(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[RowwiseBackward, ...]:
+    """The rowwise linears' backward mms (wo, then w2): the one home of DTensor's per-weight choice, which
+    layer_backward_moves (the collectives), partial_weight_grads, wo_input_grad_gathers_weight and
+    w2_grad_placements (the peaks' buffers) read. Rowwise: g [T, h], x2d [T, k] Shard(1), W [h, k] Shard(1);
+    the grad reaching a rowwise output is Partial without SP, Replicate with it (the derivation above)."""
+    h = model.hidden
+    g_row = "R" if sp else "P"
+    out = []
+    for name, k in (("wo", model.heads * model.head_dim), ("w2", model.ffn_hidden)):
+        o_w, m_w, pr_w = _mm_fast((g_row, h * T), ("S1", T * k), tp)
+        o_x, m_x, pr_x = _mm_fast((g_row, T * h), ("S1", h * k), tp)
+        out.append(RowwiseBackward(name, k, o_w, tuple(m_w), o_x, tuple(m_x), pr_w or pr_x))
+    return tuple(out)
+
+
 def partial_weight_grads(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[str, ...]:
     """The rowwise weights (of wo, w2) whose weight grad leaves its mm Partial (layer_backward_moves' PARAM
     moves): a TP-full [hidden, k] tensor on every TP rank until FSDP's post-backward redistributes it to its
     Shard(1) placement."""
-    h, q = model.hidden, model.heads * model.head_dim
-    g_row = "R" if sp else "P"
-    return tuple(name for name, k in (("wo", q), ("w2", model.ffn_hidden))
-                 if _mm_fast((g_row, h * T), ("S1", T * k), tp)[0] == "P")
+    return tuple(r.name for r in rowwise_backward(model, T, tp, sp) if r.weight_grad == "P")
 
 
-@lru_cache(maxsize=1024)
 def wo_input_grad_gathers_weight(model: ModelShape, T: int, tp: int, sp: bool = False) -> bool:
     """Whether DTensor's strategy for wo's input grad (mm(grad, W), W [hidden, q] Shard(1)) all-gathers W
     (layer_backward_moves' INPUT all-gather of hidden x q): Shard(1) -> Replicate, which gathers on dim 0 and
     cats the chunks along dim 1 (placement_types.py _to_replicate_tensor), two [hidden, q] buffers."""
-    h, q = model.hidden, model.heads * model.head_dim
-    _, moves, _ = _mm_fast(("R" if sp else "P", T * h), ("S1", h * q), tp)
-    return ("all_gather", h * q) in moves
+    wo = rowwise_backward(model, T, tp, sp)[0]
+    return ("all_gather", model.hidden * wo.k) in wo.input_moves
 
 
-@lru_cache(maxsize=1024)
 def w2_grad_placements(model: ModelShape, T: int, tp: int, sp: bool = False) -> tuple[str, str]:
     """The placements w2's weight grad and input grad leave their mms with (layer_backward_comm's choice):
     "P" is a full-size Partial tensor on every TP rank, [hidden, ffn] and [T, ffn]."""
-    h, f = model.hidden, model.ffn_hidden
-    g_row = "R" if sp else "P"
-    return _mm_fast((g_row, h * T), ("S1", T * f), tp)[0], _mm_fast((g_row, T * h), ("S1", h * f), tp)[0]
+    w2 = rowwise_backward(model, T, tp, sp)[1]
+    return w2.weight_grad, w2.input_grad
 
 
 # the roles of layer_backward_moves' collectives: a weight grad's mm inputs, an input grad's mm inputs
@@ -223,23 +246,20 @@ def layer_backward_moves(model: ModelShape, T: int, tp: int, sp: bool = False, c
     """layer_backward_comm with each collective's role (WEIGHT, INPUT, PARAM): what a pipeline stage
     runs per micro-batch (WEIGHT, INPUT), in its backward metadata inference (INPUT: autograd.grad of
     the stage input alone) and once per step (PARAM)."""
-    h, f = model.hidden, model.ffn_hidden
-    q = model.heads * model.head_dim
+    h = model.hidden
     out: list[tuple[str, int, str]] = []
     undone: list[str] = []
     priced = False
-    g_row = "R" if sp else "P"  # the grad reaching a rowwise output (placements above _MM)
-    for name, k in (("wo", q), ("w2", f)):  # rowwise: g [T,h], x2d [T,k] S1, W [h,k] S1
-        o, m, pr = _mm_fast((g_row, h * T), ("S1", T * k), tp)  # grad W: mm(g.t(), x2d), [h,k]
-        out += [(kind, n, WEIGHT) for kind, n in m]
-        priced |= pr
-        if o == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
+    for r in rowwise_backward(model, T, tp, sp):
+        name, k = r.name, r.k
+        out += [(kind, n, WEIGHT) for kind, n in r.weight_moves]
+        priced |= r.priced
+        if r.weight_grad == "P":  # FSDP _get_grad_inner_tensor: Partial -> Shard(1)
             out.append(("reduce_scatter", h * k, PARAM))
-        elif o not in ("S1", "R"):
-            undone.append(f"{name} weight grad leaves mm as {o}")
-        o, m, pr = _mm_fast((g_row, T * h), ("S1", h * k), tp)  # grad x2d: mm(g, W), [T,k]
-        out += [(kind, n, INPUT) for kind, n in m]
-        priced |= pr
+        elif r.weight_grad not in ("S1", "R"):
+            undone.append(f"{name} weight grad leaves mm as {r.weight_grad}")
+        out += [(kind, n, INPUT) for kind, n in r.input_moves]
+        o = r.input_grad
         if name == "wo" and o == "P":  # -> inner attention's local_map in_grad Shard(2) (heads)
             out.append(("reduce_scatter", T * k, INPUT))
         elif name == "w2" and o == "P":
