@@ -10,7 +10,7 @@ it (pp_stages over pp * vp stages); a rank's state is its stages' (_pp_parts), i
 stage's (_stage_comm: P2P per micro-batch with the stages on other ranks, FSDP once per step and the last
 stage's [norm, lm_head] per micro-batch, TP and CP per micro-batch, step 0's vote and metadata inference)
 and the step's grad-norm and loss all-reduces once (_pp_comm). Its peak is pp_peak.py's, for 1F1B over
-FSDP or HSDP (no tp, no cp).
+FSDP or HSDP, with CP and TP (pp_peak_unmodelled names what it does not derive).
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
 Schedule1F1B, stage.py) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
 set to None each step, so the replicas' all-reduce runs in place on the reduce-scatter output that becomes
-the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with TP (DTensor's
-placements: dtensor.py) and SP without or under full activation checkpointing (pp_peak_unmodelled names the
-rest). pp_peak is the most of pp_moments,
+the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with CP (the rank's
+S / cp positions of each sequence, FSDP over dp_shard x cp, SDPA's saves of K and V all-gathered over cp:
+peak.saved_per_layer), with TP (DTensor's placements: dtensor.py) and SP without or under full activation
+checkpointing (pp_peak_unmodelled names the rest). pp_peak is the most of pp_moments,
 each moment its own function below over the values they share (_Stage; the last micro-batch's on the
 last stage, _LastMicrobatch). peak.py has the peak without PP, whose moments these echo.
 
@@ -47,18 +48,16 @@ _STATE = "resident/state (params, optim, other)"
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B, one stage a rank, over
-    FSDP / HSDP, without CP, with TP (with SP: activation checkpointing none or full) where a block's backward moves no activation-sized
+    FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's backward moves no activation-sized
     tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
     Shard -> Shard move)."""
     if sched != "1F1B":
         return "pp_peak derives 1F1B only"
-    if lay.cp > 1:
-        return "pp_peak derives no CP"
     if lay.tp > 1:
         if lay.sequence_parallel and ac not in ("none", "full"):
             # (SelectiveAC's recompute with SP keeps more than full AC's without PP: peak._at_recompute_rs)
             return "with sequence parallelism pp_peak derives activation_checkpoint none and full only"
-        T = lay.micro_batch_size * model.seq_len
+        T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens
         if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
             return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
                     "grads or a Shard -> Shard move), which pp_peak does not derive")
@@ -92,8 +91,8 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
 
     The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census), in this
     order: perform_reduce_grad at each unit (_at_perform_reduce_grad); on stages before the last, a
-    micro-batch's backward at each block (_at_microbatch_backward: _Stage.block_moments, with TP wo's gathered
-    weight, with SP under full AC the recompute's w2 reduce-scatter) and with SP the last warm-up forward
+    micro-batch's backward at each block (_at_microbatch_backward: _Stage.block_moments: its attention_norm,
+    ffn_norm and SwiGLU backward, with TP wo's gathered weight, with SP under full AC the recompute's w2 reduce-scatter) and with SP the last warm-up forward
     (_at_last_warmup_forward); on the last stage, its last
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
@@ -167,17 +166,25 @@ class _Stage:
         return self.ck_in if (k or self.s == 0) else 0
 
     def block_moments(self, k: int, incoming: int) -> tuple:
-        """Block k's two moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
+        """Block k's moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
         input then, its backward's working set). At its attention_norm: its seven linears' and two
         norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
         temporaries (aten rms_norm decomposed: mul, sum, pow, mul, div), of its own saves only that
         norm's fp32 input. At its SwiGLU backward's second mul: w2's bf16 weight grad, the grads of
         silu's and w3's outputs and their product (bf16 [T, ffn] each), its saves but w2's input
         (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
-        of its own (not the P2P receive buffer). At long sequences the SwiGLU moment is the larger."""
+        of its own (not the P2P receive buffer). At its ffn_norm, between them: the feed-forward's three
+        weight grads, the norm's temporaries and fp32 input, the attention half's saves. At long sequences
+        the SwiGLU moment is the larger; where the tokens are few for the weights (CP) the ffn_norm's."""
         T, h, ffn = self.T, self.h, self.ffn
         out = (("attention_norm", self.before(k) + self.own(k) + self.norm_saved(),
                 self.block_grad_numel * BF16 + self.act + 5 * self.Tn * h * F32),
+               # between them, the ffn_norm's backward: the feed-forward's three bf16 weight grads, the norm
+               # composite's five fp32 [T, h] temporaries, the attention half's saves and the norm's fp32
+               # input; the feed-forward's own saves freed (measured: pp2·cp2, where CP halves the tokens but
+               # not the weight grads: stage 0's peak)
+               ("ffn_norm", self.before(k) + self.own(k) + self.attn_saves + self.norm_saved(),
+                (2 * ffn * h + self.w2_grad_numel) * BF16 + 5 * self.Tn * h * F32 + incoming),
                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
                 self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
         if self.recompute_rs:
@@ -223,15 +230,16 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     """pp_moments' _Stage."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
-    ds, P, n = lay.dp_shard, lay.pp, lay.num_microbatches
-    T = B * S
+    # FSDP shards over dp_shard x cp (states.py); CP gives the rank S / cp of each sequence's positions
+    ds, P, n = lay.dp_shard * lay.cp, lay.pp, lay.num_microbatches
+    T = B * S // lay.cp
     # a block's saves without checkpointing (what its backward, after a checkpoint's recompute, holds),
     # and what it holds between its forward and its backward under the configured checkpointing
     # (saved_per_layer: outside the checkpoint, and a selective checkpoint's kept outputs); while a
     # checkpointed block is backpropagated its checkpoint still holds the block's input
     tp, sp = lay.tp, bool(lay.sequence_parallel)
-    act1, _, saves = saved_per_layer(model, B, S, "none", tp, sp, rules=rules)
-    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, tp, sp, rules=rules)
+    act1, _, saves = saved_per_layer(model, B, S, "none", tp, sp, lay.cp, rules)
+    ac_saved, ac_kept, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp, rules)
     ck_in = ac_saved if ac != "none" else 0
     first, last = s == 0, s == P - 1
     # TP: a rowwise weight whose grad leaves its mm Partial (dtensor.partial_weight_grads: wo and w2 without SP
