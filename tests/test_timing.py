@@ -203,6 +203,54 @@ def test_the_flat_pipeline_run_is_the_reference_run(pp, vp):
             assert pipeline._run_fast(*args) == pipeline._run(*args, None), (m, p2p)
 
 
+@pytest.mark.parametrize("pp,vp,n", [(2, 2, 4), (4, 2, 8), (4, 3, 12), (2, 3, 6)])
+def test_zero_bubble_order_splits_every_backward_and_fills_the_bubble(pp, vp, n):
+    """torch's InterleavedZeroBubble order (schedules.zero_bubble_order, its _calculate_single_rank_operations):
+    every micro-batch runs a forward, an input-grad half I and a weight-grad half W on each of a rank's
+    chunks, W after its I. Simulated with W the weight-grad part of each backward, the busy time is
+    Interleaved1F1B's with whole backwards and the step is shorter: the Ws fill the bubble. _run_fast (the
+    planner's) equals _run (the reference) to the bit, with and without p2p, on uneven chunks."""
+    import random
+    from collections import Counter
+
+    from ledger.faithful.titan.schedules import interleaved_order, zero_bubble_order
+
+    for r in range(pp):
+        order = zero_bubble_order(pp, vp, r, n)
+        assert Counter(order) == Counter((k, mb, c) for k in (pipeline.F, pipeline.I, pipeline.W)
+                                         for mb in range(n) for c in range(vp))
+        assert all(order.index((pipeline.I, mb, c)) < order.index((pipeline.W, mb, c))
+                   for mb in range(n) for c in range(vp))
+    f, b, w = (lambda s, c: 1.0), (lambda s, c: 2.0), (lambda s, c: 1.0)
+    zb = pipeline.simulate(pp, vp, n, f, b, 0.0, zero_bubble_order, w)
+    il = pipeline.simulate(pp, vp, n, f, b, 0.0, interleaved_order)
+    assert all(zb.busy_s(s) == pytest.approx(il.busy_s(s)) for s in range(pp))
+    assert zb.step_s < il.step_s
+    rnd = random.Random(pp * 10 + vp)
+    fs = [[rnd.uniform(0.5, 2.0) for _ in range(vp)] for _ in range(pp)]
+    bs = [[rnd.uniform(1.0, 4.0) for _ in range(vp)] for _ in range(pp)]
+    ws = [[rnd.uniform(0.2, 0.8) * bs[s][c] for c in range(vp)] for s in range(pp)]
+    for p2p in (0.0, 0.25):
+        args = (pp, vp, n, lambda s, c: fs[s][c], lambda s, c: bs[s][c], p2p)
+        assert pipeline._run_fast(*args, zero_bubble_order, lambda s, c: ws[s][c]) == \
+            pipeline._run(*args, None, zero_bubble_order, lambda s, c: ws[s][c]), p2p
+
+
+def test_titan_s_zero_bubble_schedule_is_timed_with_split_backwards():
+    """torchtitan's InterleavedZeroBubble on the same layout as Interleaved1F1B (pp4, vp2): the same forward
+    and backward time (but the copies of the final norm's grad, which its split backward leaves without one:
+    schedules.final_norm_gets_grad), a smaller bubble (its Ws fill it), so a shorter step; the sources line
+    says so."""
+    layout = dict(dp=4, pp=4, vp=2, global_batch_size=32)
+    runs = {sched: _predict("titan", layout, f"framework.pipeline_parallel_schedule={sched}",
+                            "framework.activation_checkpoint=none", "model.layers=32")[2]
+            for sched in ("Interleaved1F1B", "InterleavedZeroBubble")}
+    il, zb = runs["Interleaved1F1B"], runs["InterleavedZeroBubble"]
+    assert zb.forward_s == pytest.approx(il.forward_s) and zb.backward_s == pytest.approx(il.backward_s, rel=1e-4)
+    assert 0 < zb.bubble_s < il.bubble_s and zb.step_s < il.step_s
+    assert any("InterleavedZeroBubble's order simulated" in n for n in zb.notes)
+
+
 def test_a_gemm_s_time_by_hand():
     """8192^3 bf16 on the H100 preset: 32 x 32 tiles of 128 x 256 over 132 SMs in 8 waves."""
     p = hardware.profile("h100")

@@ -15,7 +15,11 @@ multiple of pp. torch's other schedules (torch/distributed/pipelining/schedules.
 forward, then every backward, both in micro-batch order (ScheduleGPipe._step_microbatches); LoopedBFS
 runs its stages' forwards stage by stage, every micro-batch of one before the next, then their
 backwards from the last stage back, micro-batches in reverse (ScheduleLoopedBFS.
-_calculate_single_rank_operations).
+_calculate_single_rank_operations). A zero-bubble order (torch's ScheduleInterleavedZeroBubble, a
+framework's own order function) splits a backward into its input-grad half I, which the previous virtual
+stage waits for, and its weight-grad half W, which waits for its own I only and fills the bubble: given a
+weight_s, an order's tasks may be I and W where others are whole backwards B. On the first virtual stage
+torch's I computes nothing (no input needs a grad: stage.py backward_one_chunk) and its W the whole backward.
 """
 from __future__ import annotations
 
@@ -23,10 +27,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 
+# a task's kind in an order: a forward, a whole backward, a backward's input-grad and weight-grad halves
+# (False and True: the orders without a split are (is backward, micro-batch, chunk))
+F, B, I, W = False, True, 2, 3
+KIND_NAMES = {F: "F", B: "B", I: "I", W: "W"}
+
+
 @dataclass(frozen=True)
 class Task:
     stage: int
-    kind: str  # F | B
+    kind: str  # F | B | I | W
     micro_batch: int
     chunk: int
 
@@ -61,12 +71,13 @@ ORDERS = ("1f1b", "interleaved", "gpipe", "looped_bfs")
 
 def order(pp: int, vp: int, stage: int, m: int, schedule: str = "1f1b") -> list[Task]:
     """The stage's tasks in the order its schedule runs them (module docstring)."""
-    return [Task(stage, "B" if bwd else "F", mb, c) for bwd, mb, c in _order(pp, vp, stage, m, schedule)]
+    return [Task(stage, KIND_NAMES[kind], mb, c) for kind, mb, c in _order(pp, vp, stage, m, schedule)]
 
 
 def _order(pp: int, vp: int, stage: int, m: int, schedule="1f1b") -> list[tuple]:
-    """order() as (is backward, micro-batch, chunk) tuples. schedule: a name of ORDERS, or a framework's
-    own order function (pp, vp, stage, m) -> those tuples (TimePolicy.pipeline_order)."""
+    """order() as (kind, micro-batch, chunk) tuples, kind F / B (is backward) or, in a zero-bubble order,
+    I / W. schedule: a name of ORDERS, or a framework's own order function (pp, vp, stage, m) -> those
+    tuples (TimePolicy.pipeline_order)."""
     if callable(schedule):
         return list(schedule(pp, vp, stage, m))
     total = m * vp
@@ -92,26 +103,41 @@ def _order(pp: int, vp: int, stage: int, m: int, schedule="1f1b") -> list[tuple]
     return out + bwd[total - w:]
 
 
-def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b") -> Simulation:
+def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
+             weight_s=None) -> Simulation:
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
-    stage c pp + s) plus the hop, a backward its own forward and the next virtual stage's input grad
-    plus the hop. schedule: one of ORDERS."""
+    stage c pp + s) plus the hop, a backward (or its input-grad half I) its own forward and the next
+    virtual stage's input grad plus the hop, a weight-grad half W its own I. schedule: one of ORDERS or
+    an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them."""
     sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
-    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule)
+    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule, weight_s)
     return sim
 
 
-def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, schedule: str = "1f1b") -> float:
-    """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
-    where lanes is given. Tasks are keyed by (is backward, micro-batch, virtual stage)."""
-    orders = [[(bwd, mb, c * pp + s, c) for bwd, mb, c in _order(pp, vp, s, m, schedule)] for s in range(pp)]
+def _durations(pp: int, vp: int, forward_s, backward_s, weight_s) -> dict:
+    """Each task kind's time on each virtual stage, (kind, v) -> seconds: I and W split a backward where
+    weight_s is given (module docstring: on virtual stage 0 I is nothing and W the whole backward)."""
     dur = {}
     for s in range(pp):
         for c in range(vp):
-            dur[(False, c * pp + s)] = forward_s(s, c)
-            dur[(True, c * pp + s)] = backward_s(s, c)
+            v = c * pp + s
+            dur[(F, v)] = forward_s(s, c)
+            dur[(B, v)] = b = backward_s(s, c)
+            if weight_s is not None:
+                w = weight_s(s, c) if v else b
+                dur[(I, v)], dur[(W, v)] = b - w, w
+    return dur
+
+
+def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, schedule: str = "1f1b",
+         weight_s=None) -> float:
+    """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
+    where lanes is given. A task's end is keyed by (kind, micro-batch, virtual stage), an I's as a B's
+    (the input grad the previous virtual stage waits for)."""
+    orders = [[(kind, mb, c * pp + s, c) for kind, mb, c in _order(pp, vp, s, m, schedule)] for s in range(pp)]
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s)
     done: dict[tuple, float] = {}
     free = [0.0] * pp
     pos = [0] * pp
@@ -124,33 +150,37 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, s
             o = orders[s]
             n = len(o)
             while pos[s] < n:
-                bwd, mb, v, chunk = o[pos[s]]
-                if not bwd:
+                kind, mb, v, chunk = o[pos[s]]
+                if not kind:
                     if v == 0:
                         ready = 0.0
                     else:
-                        ready = done.get((False, mb, v - 1))
+                        ready = done.get((F, mb, v - 1))
                         if ready is None:
                             break
                         if (v - 1) % pp != s:
                             ready += p2p_s
+                elif kind == W:
+                    ready = done.get((B, mb, v))  # its own I
+                    if ready is None:
+                        break
                 else:
-                    ready = done.get((False, mb, v))
+                    ready = done.get((F, mb, v))
                     if ready is None:
                         break
                     if v != last_v:
-                        nxt = done.get((True, mb, v + 1))
+                        nxt = done.get((B, mb, v + 1))
                         if nxt is None:
                             break
                         nxt += p2p_s if (v + 1) % pp != s else 0.0
                         if nxt > ready:
                             ready = nxt
                 start = free[s] if free[s] > ready else ready
-                end = start + dur[(bwd, v)]
-                done[(bwd, mb, v)] = end
+                end = start + dur[(kind, v)]
+                done[(B if kind == I else kind, mb, v)] = end
                 free[s] = end
                 if lanes is not None:
-                    lanes[s].append((Task(s, "B" if bwd else "F", mb, chunk), start, end))
+                    lanes[s].append((Task(s, KIND_NAMES[kind], mb, chunk), start, end))
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
@@ -161,24 +191,25 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, s
 
 @lru_cache(maxsize=256)
 def _flat_orders(pp: int, vp: int, m: int, schedule: str = "1f1b") -> tuple[tuple[tuple[bool, int, int], ...], ...]:
-    """Each stage's _order as (is backward, slot, virtual stage) with slot = v m + micro-batch: an index
+    """Each stage's _order as (kind, slot, virtual stage) with slot = v m + micro-batch: an index
     into _run_fast's end-time arrays (a planner meets the same pp, vp, m in many layouts)."""
-    return tuple(tuple((bwd, (c * pp + s) * m + mb, c * pp + s) for bwd, mb, c in _order(pp, vp, s, m, schedule))
+    return tuple(tuple((kind, (c * pp + s) * m + mb, c * pp + s) for kind, mb, c in _order(pp, vp, s, m, schedule))
                  for s in range(pp))
 
 
-def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, schedule: str = "1f1b") -> float:
+def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, schedule: str = "1f1b",
+              weight_s=None) -> float:
     """_run's step end (the readable reference, which simulate() keeps) over flat arrays: a task's end
-    time in fwd_end / bwd_end[slot] (-1.0 until it ran), the hops per virtual stage worked out once,
-    the stages' orders cached (_flat_orders). The same loop and the same float operations in the same
-    order, so the same result to the bit (tests/test_timing.py)."""
+    time in fwd_end / bwd_end[slot] (-1.0 until it ran; an I's in bwd_end, a W's nowhere: nothing waits
+    for it), the hops per virtual stage worked out once, the stages' orders cached (_flat_orders). The
+    same loop and the same float operations in the same order, so the same result to the bit
+    (tests/test_timing.py)."""
     nv = pp * vp
-    f_dur = [0.0] * nv
-    b_dur = [0.0] * nv
-    for s in range(pp):
-        for c in range(vp):
-            f_dur[c * pp + s] = forward_s(s, c)
-            b_dur[c * pp + s] = backward_s(s, c)
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s)
+    f_dur = [dur[(F, v)] for v in range(nv)]
+    b_dur = [dur[(B, v)] for v in range(nv)]
+    i_dur = [dur[(I, v)] for v in range(nv)] if weight_s is not None else b_dur
+    w_dur = [dur[(W, v)] for v in range(nv)] if weight_s is not None else b_dur
     # the hop into a virtual stage's forward (from v - 1) and into its backward (from v + 1): p2p where
     # the neighbour sits on another stage
     f_hop = [p2p_s if (v - 1) % pp != v % pp else 0.0 for v in range(nv)]
@@ -198,8 +229,8 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
             i = start_i = pos[s]
             t = free[s]
             while i < n:
-                bwd, slot, v = o[i]
-                if not bwd:
+                kind, slot, v = o[i]
+                if not kind:
                     if v == 0:
                         ready = 0.0
                     else:
@@ -209,6 +240,11 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
                         ready += f_hop[v]
                     t = (t if t > ready else ready) + f_dur[v]
                     fwd_end[slot] = t
+                elif kind == W:
+                    ready = bwd_end[slot]  # its own I
+                    if ready < 0.0:
+                        break
+                    t = (t if t > ready else ready) + w_dur[v]
                 else:
                     ready = fwd_end[slot]
                     if ready < 0.0:
@@ -220,7 +256,7 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
                         nxt += b_hop[v]
                         if nxt > ready:
                             ready = nxt
-                    t = (t if t > ready else ready) + b_dur[v]
+                    t = (t if t > ready else ready) + (i_dur[v] if kind == I else b_dur[v])
                     bwd_end[slot] = t
                 i += 1
             if i != start_i:
@@ -233,7 +269,8 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
     return max(free)
 
 
-def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b") -> float:
+def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
+                 weight_s=None) -> float:
     """simulate(...).step_s (the readable reference, kept beside it) without simulating every
     micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
     system): adding pp micro-batches adds the same time, or a cycle of c such increments (c = 2 or 3
@@ -241,11 +278,11 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
     (r = (m - base) mod pp, k = 0..PROBE) show the cycle, and the rest is extrapolated; without a
     cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree. GPipe's and
     LoopedBFS's orders (all forwards before the backwards) have no such steady state, and a framework's
-    own order function is not known to have one: simulated whole."""
+    own order function is not known to have one: simulated whole (weight_s: its split backwards')."""
     if pp == 1:  # no pipelining: every micro-batch's forward and backward back to back
         return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
     if schedule in ("gpipe", "looped_bfs") or callable(schedule):
-        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule)
+        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule, weight_s)
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if m <= base + (PROBE + 1) * pp:
         return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)

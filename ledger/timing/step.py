@@ -10,7 +10,8 @@ step:
               thirds in backward, as the calls split
   pipeline    the stages' forwards and backwards simulated in the framework's schedule
               (ledger/timing/pipeline.py) with one p2p transfer [s/tp if SP, b, h] per hop: the bubble
-              comes out of the simulation
+              comes out of the simulation; a zero-bubble order runs each backward as its input-grad
+              half and its weight-grad GEMMs apart (TimePolicy.split_backward)
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
               behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
@@ -57,9 +58,13 @@ class TimePolicy:
     """How a framework runs a step, as its time module reads it from its knobs (each field's source
     is in that module)."""
     schedule: str = "1f1b"  # none | pipeline.ORDERS (the pipeline's order; pipeline.order)
-    # the framework's own order where it differs from the named one's: (pp, vp, stage, m) -> [(is backward,
-    # micro-batch, chunk)] (torch's Interleaved1F1B where the micro-batches are no multiple of pp)
+    # the framework's own order where it differs from the named one's: (pp, vp, stage, m) -> [(kind,
+    # micro-batch, chunk)] (torch's Interleaved1F1B where the micro-batches are no multiple of pp; a
+    # zero-bubble order's I and W halves: pipeline.py)
     pipeline_order: object = None
+    # the order splits each backward into its input-grad half and its weight-grad half (pipeline.py's I and W):
+    # W the backward's weight-grad GEMMs (ops.backward_of's .wgrad), I the rest
+    split_backward: bool = False
     recompute: str = "none"  # none | selective | full
     causal_kernel: bool = True  # attention skips the masked blocks (flash / cuDNN / TE fused)
     attention_kernel: str = "flash2"  # the kernel that runs attention (hardware.ATTENTION_KERNELS)
@@ -268,14 +273,23 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                 + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp
                 + (copies[stage][1] + accumulate[stage]) / m / vp)
 
+    wgt_s = None
+    if policy.split_backward:  # a zero-bubble order's W: the chunk's weight-grad GEMMs (TimePolicy.split_backward)
+        w_layer = {k: ops.seconds([o for o in v if o.name.endswith(".wgrad")], hw) for k, v in bwd_of.items()}
+        w_head = ops.seconds([o for o in head_b if o.name.endswith(".wgrad")], hw)
+
+        def wgt_s(stage, chunk):
+            return (sum(n * w_layer[k] for k, n in kinds[stage, chunk].items() if n)
+                    + (w_head if has_head(stage, chunk) else 0.0))
+
     e_p = sh.w * sh.micro_batch * sh.seq * model.hidden // (lay.tp if sh.sp else 1)
     p2p = 0.0
     if lay.pp > 1:
         lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
     order = policy.pipeline_order or policy.schedule
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order) if trace else None
-    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order)
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s)
 
     def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
         return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))

@@ -8,6 +8,10 @@ import json
 from ledger.timing.step import DP_DIMS, StepTime
 
 
+# a simulated task's kind (pipeline.Task) as the trace names it: a zero-bubble order's backward halves apart
+_TASK_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
+
+
 def events(st: StepTime) -> list[dict]:
     sim = st.simulation
     if sim is None:
@@ -16,7 +20,7 @@ def events(st: StepTime) -> list[dict]:
     for s, lane in enumerate(sim.lanes):
         out.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": f"stage {s} compute"}})
         for task, start, end in lane:
-            name = f"{'forward' if task.kind == 'F' else 'backward'} mb{task.micro_batch}" + (
+            name = f"{_TASK_NAMES[task.kind]} mb{task.micro_batch}" + (
                 f" chunk{task.chunk}" if sim.vp > 1 else "")
             out.append({"ph": "X", "name": name, "pid": 0, "tid": s, "ts": start * 1e6, "dur": (end - start) * 1e6,
                         "cat": "compute"})

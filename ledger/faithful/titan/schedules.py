@@ -144,13 +144,31 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
                  for a in rank_compute_order("Interleaved1F1B", pp, vp, n, rank) if a is not None)
 
 
+@lru_cache(maxsize=1024)
+def zero_bubble_order(pp: int, vp: int, rank: int, n: int) -> tuple:
+    """The (kind, micro-batch, local chunk) a PP rank runs under InterleavedZeroBubble, kind F, I or W
+    (ledger/timing/pipeline.py's), in torch's own order (ScheduleInterleavedZeroBubble.
+    _calculate_single_rank_operations: _get_1f1b_rank_ops with enable_zero_bubble, each backward split
+    into its input-grad half and a weight-grad half that fills the bubble): the step-time model's order."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from ledger.timing.pipeline import F, I, W
+
+    kind = {C.FORWARD: F, C.BACKWARD_INPUT: I, C.BACKWARD_WEIGHT: W}
+    return tuple((kind[a.computation_type], a.microbatch_index, a.stage_index // pp)
+                 for a in rank_compute_order("InterleavedZeroBubble", pp, vp, n, rank) if a is not None)
+
+
 def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
     """The compute actions a PP rank runs under a looped runtime schedule, in torch's own order
     (_calculate_single_rank_operations; None where the rank idles)."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        ScheduleLoopedBFS)
 
     if name == "Interleaved1F1B":
         return ScheduleInterleaved1F1B._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
+    if name == "InterleavedZeroBubble":  # (its runtime's bubbles, _add_bubbles_to_actions, are the simulation's waits)
+        return ScheduleInterleavedZeroBubble._calculate_single_rank_operations(_interleaved(pp, vp, n), rank)
     if name == "LoopedBFS":
         from types import SimpleNamespace
 

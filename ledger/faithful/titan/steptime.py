@@ -4,9 +4,11 @@
              pipelining's schedules, ledger/timing/pipeline.py simulates each order): 1F1B, GPipe (every
              forward, then every backward), Interleaved1F1B with vp stages a rank (Megatron's interleaved
              order where the micro-batches are a multiple of pp, else torch's own), LoopedBFS with vp stages a rank
-             (stage by stage, breadth first); InterleavedZeroBubble timed as Interleaved1F1B's order, its
-             backward whole (the split into I and W, which fills the bubble, is not simulated: an upper
-             bound, said in the sources line); ZBVZeroBubble and DualPipeV are refused (schedules.py)
+             (stage by stage, breadth first); InterleavedZeroBubble in torch's own order
+             (ScheduleInterleavedZeroBubble: schedules.zero_bubble_order), each backward split into its
+             input-grad half I and its weight-grad half W (stage.py backward_one_chunk full_backward=False,
+             backward_weight_one_chunk), W filling the bubble; ZBVZeroBubble and DualPipeV are refused
+             (schedules.py)
   recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
@@ -49,7 +51,7 @@ from dataclasses import replace
 
 from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
-from ledger.faithful.titan.schedules import interleaved_order, schedule_of
+from ledger.faithful.titan.schedules import interleaved_order, schedule_of, zero_bubble_order
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -61,7 +63,7 @@ SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "res
                              "swiglu")
 # the pipeline order each schedule the ledger models runs (module docstring; ledger/timing/pipeline.py)
 PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs",
-                  "InterleavedZeroBubble": "interleaved"}  # (module docstring: its I / W split not simulated)
+                  "InterleavedZeroBubble": "interleaved"}  # (its own order, split backwards: time_policy)
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -86,7 +88,11 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     # torch's Interleaved1F1B is Megatron's interleaved order where the micro-batches are a multiple of pp
     # (tests/test_timing.py compares them); otherwise its own flexible rounds
     own = interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None
-    return TimePolicy(schedule=schedule, pipeline_order=own, recompute=recompute, recompute_every=every,
+    zero_bubble = sched == "InterleavedZeroBubble" and lay.pp > 1
+    if zero_bubble:
+        own = zero_bubble_order
+    return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=zero_bubble, recompute=recompute,
+                      recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
                       recompute_ops=(SELECTIVE_RECOMPUTE_FUSED if fused else SELECTIVE_RECOMPUTE)
@@ -109,8 +115,8 @@ def _pipeline_note(sched: str, pp: int) -> str:
     if pp == 1:
         return ""
     if sched == "InterleavedZeroBubble":
-        return ("; InterleavedZeroBubble timed as Interleaved1F1B's order with whole backwards (its I / W split not "
-                "simulated: an upper bound)")
+        return ("; InterleavedZeroBubble's order simulated, each backward as its input-grad half and its weight-grad "
+                "GEMMs apart")
     return f"; {sched}'s order simulated"
 
 
