@@ -60,7 +60,7 @@ LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.h
 # setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
 # 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
 LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
-LONG_JOBS = ("w2long", "w2pplong", "w2ppac", "w2longac", "w2tpspac")
+LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppac", "w2longac", "w2tpspac")
 SWEEPS = (
     # activation checkpointing (the peak's recompute moments): none, SelectiveAC, FullAC, each with both reshard settings
     ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never",
@@ -97,7 +97,7 @@ SWEEPS = (
     # pp2·tp2 at world 4 (vocab 1001: uneven TP rows) with full AC and 3 micro-batches; pp2·tp2·dp2 at world 8. The
     # schedules (framework.pipeline_parallel_schedule): Interleaved1F1B with tp2·SP (two stages a rank, each
     # middle stage's step-0 backward inference), GPipe with cp2 (every loss before any backward), LoopedBFS
-    # over HSDP; pp2·cp2 under 1F1B too (its peak modelled: stage 0 at a block's ffn_norm backward, where CP halves
+    # over HSDP; pp2·cp2 under 1F1B too (its peak, as GPipe's, at a block's ffn_norm backward, where CP halves
     # the tokens but not the feed-forward's weight grads)
     ("w4ppi1f1b", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
                    "layout.tp=2", "layout.sequence_parallel=true", "layout.global_batch_size=4",
@@ -138,6 +138,10 @@ SWEEPS = (
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
     ("w2long", ("cluster.ranks=2", *LONG, "model.vocab=320,8192", NO_AC)),
     ("w2pplong", ("cluster.ranks=2", *LONG_PP, "model.vocab=512,4096", "layout.pp=2", "layout.global_batch_size=2", NO_AC)),
+    # GPipe at vocab 4096: every loss in the forward loop, the last stage at the last loss's cross-entropy backward with
+    # both micro-batches' saves held (pp_peak._gpipe_last_stage)
+    ("w2ppgpipe", ("cluster.ranks=2", *LONG_PP, "model.vocab=4096", "layout.pp=2", "layout.global_batch_size=2",
+                   "framework.pipeline_parallel_schedule=GPipe", NO_AC)),
     # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
     # (the SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",
@@ -262,7 +266,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
     wo's weight for its input grad, at the gather's dim-1 cat; with SP at seq 1024 stage 0 in its last warm-up
     forward at w2's reduce-scatter, and under full AC both stages at w2's reduce-scatter in a block's recompute;
-    with CP (pp2·cp2 under 1F1B) stage 0 at a block's ffn_norm backward."""
+    with CP (pp2·cp2 under 1F1B and GPipe) both stages at a block's ffn_norm backward."""
     kinds = set()
     for rec in sweep["ok"]:
         if rec["prediction"]["layout"]["pp"] == 1:
@@ -292,7 +296,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
                 kinds.add("sp forward")
                 continue
-            if what.endswith("ffn_norm"):  # a block's ffn_norm backward (pp2·cp2): the RMSNorm composite's muls
+            if "ffn_norm" in what:  # a block's ffn_norm backward (pp2·cp2): the RMSNorm composite's muls
                 assert where["op"] == "aten.mul.Tensor", (name, where)
                 kinds.add("ffn_norm")
                 continue

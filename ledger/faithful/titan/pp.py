@@ -197,9 +197,10 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     norm_grad = final_norm_gets_grad(sched)
     views = norm_grad and losses_after_a_backward(sched, lay.pp, lay.vp, lay.num_microbatches) >= 1
     cpu_mesh = True if rules is None else rules.cpu_mesh
-    # pp_peak derives 1F1B's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in place on
-    # the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
-    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with TP (pp_peak_unmodelled names what it does not derive)
+    # pp_peak derives 1F1B's and GPipe's one stage a rank over FSDP2 (HSDP too: its replicas' all-reduce runs in
+    # place on the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
+    # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with CP and TP
+    # (pp_peak_unmodelled names what it does not derive)
     unmodelled = pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
     peak_modelled = unmodelled is None
     memo: dict = {}
@@ -221,7 +222,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, lay.tp, t)]
             return pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
-                           **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes)
+                           **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes, sched=sched)
 
         # with tp, cp or another schedule than 1F1B it is not modelled
         st.peak = peak if peak_modelled else None

@@ -1,6 +1,6 @@
 """Peak live bytes of a torchtitan 0.3.0 pipeline stage's rank within a steady training step, CPU/gloo:
 torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
-Schedule1F1B, stage.py) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
+Schedule1F1B, stage.py) and GPipe (ScheduleGPipe: _Stage.gpipe, _gpipe_last_stage) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
 set to None each step, so the replicas' all-reduce runs in place on the reduce-scatter output that becomes
 the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with CP (the rank's
 S / cp positions of each sequence, FSDP over dp_shard x cp, SDPA's saves of K and V all-gathered over cp:
@@ -47,12 +47,12 @@ _STATE = "resident/state (params, optim, other)"
 
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
-    """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B, one stage a rank, over
+    """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a rank, over
     FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's backward moves no activation-sized
     tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
     Shard -> Shard move)."""
-    if sched != "1F1B":
-        return "pp_peak derives 1F1B only"
+    if sched not in ("1F1B", "GPipe"):
+        return "pp_peak derives 1F1B and GPipe only"
     if lay.tp > 1:
         if lay.sequence_parallel and ac not in ("none", "full"):
             # (SelectiveAC's recompute with SP keeps more than full AC's without PP: peak._at_recompute_rs)
@@ -66,12 +66,12 @@ def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
 
 def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
             emb_numel: int, block_numel: int, head_numel: int, ac: str = "none", rules: Rules = RULES[CPU_GLOO],
-            optim: int | None = None) -> Peak:
+            optim: int | None = None, sched: str = "1F1B") -> Peak:
     """The steady-step peak of pipeline stage s's rank: the most of pp_moments (the first on ties).
     optim: the rank's optimizer-state bytes, for the first step's peak (`first`): its moments hold no
     AdamW state before the first optimizer step (peak.FirstStep), and their grads as in any step
     (zero_grad(set_to_none=True) with PP: none but the units already reduced)."""
-    cands = pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules)
+    cands = pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules, sched)
     best = max(cands, key=lambda p: p.bytes)
     if optim is not None:
         first = first_step_peak([(c, optim) for c in cands], kept + grads, _STATE)
@@ -82,7 +82,7 @@ def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: in
 
 def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
                emb_numel: int, block_numel: int, head_numel: int, ac: str = "none",
-               rules: Rules = RULES[CPU_GLOO]) -> list[Peak]:
+               rules: Rules = RULES[CPU_GLOO], sched: str = "1F1B") -> list[Peak]:
     """The live bytes at each candidate moment of a steady step of pipeline stage s's rank under
     torchtitan's 1F1B over FSDP2 (dp_shard), activation checkpointing `ac`. stage: pp.pp_stages'
     (has tok_embeddings, first layer, layers, has [norm, lm_head]); sh: the stage's fsdp.Sharded (padded
@@ -97,10 +97,13 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
     (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
-    rules: the target's (target.py)."""
-    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules)
+    rules: the target's (target.py). Under GPipe (sched) every forward runs before any backward
+    (_at_microbatch_backward's micro-batches in flight; the last stage's moments: _gpipe_last_stage)."""
+    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules, sched == "GPipe")
     cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c) + _at_last_warmup_forward(c)
-    if c.has_head:
+    if c.has_head and c.gpipe:
+        cands += _gpipe_last_stage(c)
+    elif c.has_head:
         x = _last_microbatch(c)
         cands += [_at_lm_head_reduce_scatter(c, x), _at_loss_chunk_backward(c, x), _at_final_norm_backward(c, x),
                   *_at_blocks_after_final_norm(c, x)]
@@ -146,6 +149,10 @@ class _Stage:
     acc_all: int  # every unit's fp32 accumulator (no head)
     recv: int  # the P2P receive buffers
     rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
+    # GPipe (torch's ScheduleGPipe._step_microbatches): every forward, then every backward; the forward sends'
+    # works (fwd_sends_to_wait) and the backward sends' (bwd_sends_to_wait) are kept in lists until the step's
+    # end, so every activation sent on and every input grad sent back stays referenced
+    gpipe: bool = False
 
     def norm_saved(self) -> int:
         """What an RMSNorm saves of its input: the composite's fp32 upcast, or the fused kernel's bf16
@@ -226,7 +233,8 @@ class _Stage:
 
 
 def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
-           emb_numel: int, block_numel: int, head_numel: int, ac: str, rules: Rules = RULES[CPU_GLOO]) -> _Stage:
+           emb_numel: int, block_numel: int, head_numel: int, ac: str, rules: Rules = RULES[CPU_GLOO],
+           gpipe: bool = False) -> _Stage:
     """pp_moments' _Stage."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
@@ -273,7 +281,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
         acc_all=(emb_numel * has_emb + Ls * grad_numel) * F32, recv=n * ((not first) + (not last)) * act,
-        rules=rules)
+        rules=rules, gpipe=gpipe)
 
 
 def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
@@ -291,7 +299,9 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
         acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if c.has_head else 0)  # the norm's own
         acc += c.held(last_numel)
         g = c.head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
-        p2p = c.recv + ((not c.last) + (not c.first)) * act
+        # the last activation sent on and input grad sent back; GPipe's every one (_Stage.gpipe: its send lists
+        # live until _step_microbatches returns, after perform_reduce_grad)
+        p2p = c.recv + ((not c.last) + (not c.first)) * act * (c.n if c.gpipe else 1)
         # the last micro-batch's final-norm output (the stage's output; with SP all-gathered for lm_head)
         last_out = c.T * h * BF16 if c.last else 0
         copy = rs_temporary(c.rules, c.ds, full * F32)
@@ -348,10 +358,13 @@ def _at_microbatch_backward(c: _Stage) -> list[Peak]:
     cands: list[Peak] = []
     if c.last or not Ls:
         return cands
-    warm = min(n, c.P - c.s)
+    warm = n if c.gpipe else min(n, c.P - c.s)  # GPipe: every forward before the first backward
     for i in sorted({0, min(1, n - 1)}):
         flight = min(warm, n - i)
-        p2p = c.recv + flight * act + (act if i >= 1 and not c.first else 0)
+        # the sends held: 1F1B's in-flight outputs and the input grad last sent back; GPipe's every output and
+        # every input grad sent so far (_Stage.gpipe)
+        p2p = c.recv + (n * act + i * act * (not c.first) if c.gpipe else
+                        flight * act + (act if i >= 1 and not c.first else 0))
         for k in range(Ls - 1, -1, -1):
             acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
@@ -486,3 +499,76 @@ def _at_blocks_after_final_norm(c: _Stage, x: _LastMicrobatch) -> list[Peak]:
                        x.rs * F32 + x.p2p, f"blocks 0..{k}, the stage's output", saved_k + out,
                        f"block {k}'s backward at its {name}", work_k)
             for k in range(c.Ls - 1, -1, -1) for name, saved_k, work_k in c.block_moments(k, act)]
+
+
+def _gpipe_last_stage(c: _Stage) -> list[Peak]:
+    """The last stage's moments under GPipe (_Stage.gpipe), where every micro-batch's loss runs in the forward
+    loop, before any backward: ChunkedLossWrapper (components/loss.py) runs lm_head and its backward chunk by
+    chunk inside the loss and reduce-scatters lm_head's grad at each loss's last chunk, with no norm grad yet
+    (lm_head alone: the first output becomes its sharded grad, each later one is added into it and freed), and
+    its _DecoderOutputGradientBackProp keeps each micro-batch's accumulated [B, S, h] bf16 grad until that
+    micro-batch's backward. The moments: the last loss's lm_head reduce-scatter and a chunk's cross-entropy
+    backward in it (every micro-batch's saves held, no block accumulator yet), then the first and the last
+    micro-batch's backward at the final norm and at each block (the later micro-batches' saves and accumulated
+    grads held; the last loss's reduce-scatter input held until perform_reduce_grad)."""
+    T, h, ds, sh, n, act = c.T, c.h, c.ds, c.sh, c.n, c.act
+    Vh = c.head_numel - h
+    g_lm = sh.lm_full // ds * F32  # lm_head's sharded grad once a loss has reduced it
+    copies = chunk_copies(c.lay, T, h)
+    Tn = c.Tn
+    root = (Tn * h * BF16 if c.rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
+    done_mb = c.chunk_saves() + root + T * h * BF16  # a micro-batch whose loss ran: its saves, its grad held
+    chunk = T // LOSS_CHUNKS
+    kept, unsharded = c.kept, c.unsharded
+    rs_in = sh.lm_full * F32
+    out: list[Peak] = []
+    # the last micro-batch's loss: every other one done, its own saves and chunk copies
+    saved = (n - 1) * done_mb + c.chunk_saves() + root + copies[0]
+    g = g_lm * (2 if n >= 2 else 1)  # the reduce-scatter's output beside lm_head's grad, not yet added
+    wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + copies[1]
+    copy = rs_temporary(c.rules, ds, rs_in)
+    d = {_STATE: kept, "resident/grads (lm_head's and the reduce-scatter's output)": g,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/lm_head's fp32 grad held": c.held(Vh),
+         f"activations/{n} micro-batches' saves, the earlier ones' accumulated grads": saved,
+         "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
+         "gathered/reduce-scatter input (fp32)": rs_in, "temporary/gloo copy or divided input (fp32)": copy,
+         "gathered/p2p buffers": c.recv}
+    out.append(Peak.of({"resident": kept + g + unsharded, "activations": saved, "gathered": rs_in + c.recv,
+                        "temporary": c.held(Vh) + wrapper + copy}, phase="backward",
+                       what=f"lm_head reduce-scatter at micro-batch {n - 1}'s last loss chunk (GPipe)", detail=d))
+    # a chunk's cross-entropy backward in the last loss, the loss before's reduce-scatter input still held
+    prev_rs = rs_in if n >= 2 else 0
+    g_before = g_lm if n >= 2 else 0
+    ce = (3 if c.lay.tp == 1 else 4) * chunk * (Vh // h) * F32  # as _at_loss_chunk_backward
+    wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
+    d = {_STATE: kept, "resident/grads (lm_head's)": g_before, "resident/unsharded params (every unit)": unsharded,
+         f"activations/{n} micro-batches' saves, the earlier ones' accumulated grads": saved,
+         "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
+         "gathered/the loss before's reduce-scatter input (held)": prev_rs, "gathered/p2p buffers": c.recv}
+    out.append(Peak.of({"resident": kept + g_before + unsharded, "activations": saved, "gathered": prev_rs + c.recv,
+                        "temporary": wrap}, phase="backward",
+                       what=f"micro-batch {n - 1}'s loss chunk cross-entropy backward (GPipe)", detail=d))
+    # the backwards: micro-batch i with the later ones' saves and accumulated grads held, the input grads sent
+    # back so far held (_Stage.gpipe), the last loss's reduce-scatter input held
+    for i in sorted({0, n - 1}):
+        others = (n - 1 - i) * done_mb
+        p2p = c.recv + i * act * (not c.first)
+        acc_all = c.acc_all if i >= 1 else 0
+        norm_saved = c.chunk_saves() + c.norm_saved() + T * h * BF16
+        work = 5 * Tn * h * F32 + h * BF16
+        d = {_STATE: kept, "resident/grads (lm_head's)": g_lm, "resident/unsharded params (every unit)": unsharded,
+             "temporary/fp32 accumulated grads (blocks)": acc_all,
+             f"activations/micro-batch {i}'s blocks, the final norm's input and output; the later ones'": norm_saved + others,
+             "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
+             "gathered/the last loss's reduce-scatter input held": rs_in, "gathered/p2p buffers and held sends": p2p}
+        out.append(Peak.of({"resident": kept + g_lm + unsharded, "activations": norm_saved + others,
+                            "gathered": rs_in + p2p, "temporary": acc_all + work}, phase="backward",
+                           what=f"micro-batch {i}'s final norm backward (GPipe)", detail=d))
+        for k in range(c.Ls - 1, -1, -1):
+            acc = (c.acc_all if i >= 1 else (c.Ls - 1 - k) * c.block_grad_numel * F32) + h * F32
+            for name, saved_k, work_k in c.block_moments(k, act):
+                out.append(c.in_block(f"micro-batch {i} backward at block {k}'s {name} (GPipe)", g_lm, acc, rs_in + p2p,
+                                      f"blocks 0..{k}, the stage's output; {n - 1 - i} later micro-batches",
+                                      saved_k + T * h * BF16 + others, f"block {k}'s backward at its {name}", work_k))
+    return out
