@@ -293,11 +293,12 @@ def test_megatron_moe_rows_are_judged_on_their_peak_and_carry_its_routed_bound(t
     balanced, each stage's range over the routing in plan.json (peak_bound), and the note says so."""
     from ledger.plan import BOUND_NOTE
 
-    rec, rows = _plan_job(tmp_path, "model=mixtral_8x7b", "plan.gpus=64", "plan.global_batch_tokens=1048576",
+    rec, rows = _plan_job(tmp_path, "model=mixtral_8x7b", "plan.gpus=32", "plan.global_batch_tokens=1048576",
                           "framework=megatron")
     out = capsys.readouterr().out
     judged = [r for r in rows if r["status"] in ("fits", "too_big") and r["peak_includes"] != OVER_BUDGET]
     assert judged and any(r["fits"] for r in judged)
+    assert any(r["layout"].get("ep", 1) > 1 for r in judged) and any(r["layout"].get("ep", 1) == 1 for r in judged)
     assert all(r["peak_includes"] == PEAK_INCLUDES for r in judged)
     for r in judged:
         for st in r["per_stage"]:
