@@ -1,8 +1,9 @@
 """Peak live bytes of a torchtitan 0.3.0 pipeline stage's rank within a steady training step, CPU/gloo:
 torchtitan's 1F1B (distributed/pipeline_parallel.py; torch 2.13 torch/distributed/pipelining schedules.py
-Schedule1F1B, stage.py) and GPipe (ScheduleGPipe: _Stage.gpipe, _gpipe_last_stage) over FSDP2 on dp_shard, HSDP's replicas too (pp.py's placement: with PP the grads are
-set to None each step, so the replicas' all-reduce runs in place on the reduce-scatter output that becomes
-the new sharded grad, _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with CP (the rank's
+Schedule1F1B, stage.py) and GPipe (ScheduleGPipe: _Stage.gpipe, _gpipe_last_stage) over FSDP2 on dp_shard,
+HSDP's replicas too (pp.py's placement: with PP the grads are set to None each step, so the replicas'
+all-reduce runs in place on the reduce-scatter output that becomes the new sharded grad,
+_fsdp_collectives.py foreach_reduce, and holds nothing beside it), with CP (the rank's
 S / cp positions of each sequence, FSDP over dp_shard x cp, SDPA's saves of K and V all-gathered over cp:
 peak.saved_per_layer), with TP (DTensor's placements: dtensor.py) and SP without or under full activation
 checkpointing (pp_peak_unmodelled names the rest). pp_peak is the most of pp_moments,
@@ -47,10 +48,10 @@ _STATE = "resident/state (params, optim, other)"
 
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
-    """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a rank, over
-    FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's backward moves no activation-sized
-    tensor beyond the rowwise input grads (dtensor.redistributes_in_block: SwiGLU's reduce-scattered grads, a
-    Shard -> Shard move)."""
+    """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a
+    rank, over FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's
+    backward moves no activation-sized tensor beyond the rowwise input grads (dtensor.redistributes_in_block:
+    SwiGLU's reduce-scattered grads, a Shard -> Shard move)."""
     if sched not in ("1F1B", "GPipe"):
         return "pp_peak derives 1F1B and GPipe only"
     if lay.tp > 1:
@@ -92,14 +93,15 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census), in this
     order: perform_reduce_grad at each unit (_at_perform_reduce_grad); on stages before the last, a
     micro-batch's backward at each block (_at_microbatch_backward: _Stage.block_moments: its attention_norm,
-    ffn_norm and SwiGLU backward, with TP wo's gathered weight, with SP under full AC the recompute's w2 reduce-scatter) and with SP the last warm-up forward
-    (_at_last_warmup_forward); on the last stage, its last
+    ffn_norm and SwiGLU backward, with TP wo's gathered weight, with SP under full AC the recompute's w2
+    reduce-scatter) and with SP the last warm-up forward (_at_last_warmup_forward); on the last stage, its last
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
     (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
     rules: the target's (target.py). Under GPipe (sched) every forward runs before any backward
     (_at_microbatch_backward's micro-batches in flight; the last stage's moments: _gpipe_last_stage)."""
-    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules, sched == "GPipe")
+    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules,
+               sched == "GPipe")
     cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c) + _at_last_warmup_forward(c)
     if c.has_head and c.gpipe:
         cands += _gpipe_last_stage(c)
