@@ -58,16 +58,16 @@ def test_titan_pipeline_moments_differ_by_their_rules():
     lay = titan_layout(world=4, pp=2, global_batch_size=8)
     cpu_pl, gpu_pl = (L.place(m, lay, titan_fw(activation_checkpoint="none"), t) for t in (CPU_GLOO, CUDA_NCCL))
     seen = []
-    real = PK.pp_moments
+    real = PK._moments
 
     def spy(*a, **kw):
         seen.append(real(*a, **kw))
         return seen[-1]
-    PK.pp_moments = spy
+    PK._moments = spy
     try:
         cpu_pl.rank_state(0).peak, gpu_pl.rank_state(0).peak  # noqa: B018
     finally:
-        PK.pp_moments = real
+        PK._moments = real
     cpu, gpu = seen
     copy = "temporary/gloo copy or divided input (fp32)"
     for a, b in zip(cpu, gpu):

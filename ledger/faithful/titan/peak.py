@@ -255,16 +255,20 @@ class FirstStep(NamedTuple):
                                resident, "resident/state")
 
 
-def first_step_peak(seen: list, state: int, state_key: str) -> Peak:
+def first_step_peak(seen: list, state: int, state_key: str, beside: tuple[str, int] | None = None) -> Peak:
     """Step 0's peak: each moment less what it holds in a steady step that step 0 has not made yet
     (seen: (moment, those bytes); FirstStep), or, where all of them are below it, the state the first
     optimizer step completes (its temporaries not modelled: a lower bound). state: the rank's state
-    bytes once that step is done; state_key: the moments' detail line the absent bytes come off."""
+    bytes once that step is done; state_key: the moments' detail line the absent bytes come off;
+    beside: (detail line, bytes) of buffers that outlive the step's passes beside that state (a pipeline
+    stage's P2P receive buffers: pp_peak)."""
     pk, absent = max(seen, key=lambda m: m[0].bytes - m[1])  # the first on ties
-    if pk.bytes - absent < state:
-        return Peak.of({"resident": state, "activations": 0, "gathered": 0, "temporary": 0, "unnamed": 0},
+    key, extra = beside or ("", 0)
+    if pk.bytes - absent < state + extra:
+        detail = {state_key: state, **({key: extra} if extra else {})}
+        return Peak.of({"resident": state, "activations": 0, "gathered": extra, "temporary": 0, "unnamed": 0},
                        "optimizer", "the state made by the first optimizer step (its temporaries not modelled)",
-                       detail={state_key: state})
+                       detail=detail)
     d = dict(pk.detail)
     d[state_key] -= absent
     return Peak.of({**pk.parts, "resident": pk.parts["resident"] - absent}, pk.phase, f"{pk.what}, first step",

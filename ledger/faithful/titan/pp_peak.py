@@ -72,10 +72,15 @@ def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: in
     optim: the rank's optimizer-state bytes, for the first step's peak (`first`): its moments hold no
     AdamW state before the first optimizer step (peak.FirstStep), and their grads as in any step
     (zero_grad(set_to_none=True) with PP: none but the units already reduced)."""
-    cands = pp_moments(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules, sched)
+    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules,
+               sched == "GPipe")
+    cands = _moments(c)
     best = max(cands, key=lambda p: p.bytes)
     if optim is not None:
-        first = first_step_peak([(c, optim) for c in cands], kept + grads, _STATE)
+        # the stage's P2P receive buffers (stage.py: made once, kept between steps) beside the state the first
+        # optimizer step makes (measured: pp2·tp2 and pp4 step 0, the probe's census at AdamW's zeros_like)
+        first = first_step_peak([(m, optim) for m in cands], kept + grads, _STATE,
+                                ("gathered/p2p receive buffers", c.recv))
         if first.bytes != best.bytes:
             best.first = first
     return best
@@ -100,8 +105,12 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     (_at_final_norm_backward) and its blocks' backward after it (_at_blocks_after_final_norm).
     rules: the target's (target.py). Under GPipe (sched) every forward runs before any backward
     (_at_microbatch_backward's micro-batches in flight; the last stage's moments: _gpipe_last_stage)."""
-    c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules,
-               sched == "GPipe")
+    return _moments(_stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules,
+                           sched == "GPipe"))
+
+
+def _moments(c: _Stage) -> list[Peak]:
+    """pp_moments over the stage's shared values."""
     cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c) + _at_last_warmup_forward(c)
     if c.has_head and c.gpipe:
         cands += _gpipe_last_stage(c)
