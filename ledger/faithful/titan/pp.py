@@ -224,7 +224,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes, sched=sched)
 
-        # with tp, cp or another schedule than 1F1B it is not modelled
+        # where pp_peak_unmodelled names a reason it is not modelled
         st.peak = peak if peak_modelled else None
         return st
 

@@ -171,6 +171,36 @@ class _Stage:
         T, h = self.Tn, self.h
         return T * h * BF16 + T * F32 if self.rules.fused_rms_norm else T * h * F32
 
+    def final_norm_saves(self) -> int:
+        """The last stage's final norm's saved tensors (the composite's x and x * rsqrt in fp32 and rsqrt, or
+        the fused kernel's input and rstd) and its bf16 output (with SP all-gathered for lm_head)."""
+        T, Tn, h = self.T, self.Tn, self.h
+        return (Tn * h * BF16 if self.rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
+
+    def lm_numel(self) -> int:
+        """lm_head's numel (the [norm, lm_head] unit's but the norm's)."""
+        return self.head_numel - self.h
+
+    def at_lm_head_rs_working(self, copies: tuple[int, int]) -> int:
+        """At a loss's lm_head reduce-scatter (the last chunk): ChunkedLossWrapper's fp32 [B, S, h]
+        GradAccumulator, the last chunk's bf16 logits and input grad, and the labels' chunk copies
+        (peak.chunk_copies)."""
+        T, h, chunk, V = self.T, self.h, self.T // LOSS_CHUNKS, self.lm_numel() // self.h
+        return T * h * F32 + chunk * V * BF16 + chunk * h * BF16 + copies[1]
+
+    def at_loss_chunk_working(self, copies: tuple[int, int]) -> int:
+        """At a loss chunk's cross-entropy backward (after the first chunk): the GradAccumulator,
+        lm_head's fp32 unsharded grad, the chunk's bf16 logits, plain cross-entropy's three fp32 [chunk, V]
+        buffers (loss parallel's four with TP: peak.at_loss_chunk) and the labels' chunk copies."""
+        T, h, chunk, Vh = self.T, self.h, self.T // LOSS_CHUNKS, self.lm_numel()
+        ce = (3 if self.lay.tp == 1 else 4) * chunk * (Vh // h) * F32
+        return T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
+
+    def at_final_norm_working(self) -> int:
+        """The final norm's backward: the RMSNorm composite's five fp32 [T, h] temporaries and the norm's
+        bf16 weight grad."""
+        return 5 * self.Tn * self.h * F32 + self.h * BF16
+
     def chunk_saves(self) -> int:
         """One micro-batch's saves on this stage between its forward and backward."""
         return self.Ls * self.blk - self.first_in
@@ -397,7 +427,6 @@ class _LastMicrobatch(NamedTuple):
     acc_blocks: int  # the blocks' fp32 accumulators
     copies: tuple[int, int]  # chunk_copies
     saved: int  # the blocks', the final norm's and the chunk copies' saved tensors
-    chunk: int  # a loss chunk's tokens
     p2p: int  # P2P buffers and held sends
 
 
@@ -407,12 +436,8 @@ def _last_microbatch(c: _Stage) -> _LastMicrobatch:
     rs = c.head_full if m >= 1 else sh.lm_full  # micro-batch 0 reduces lm_head alone
     g = sh.lm_full // ds * F32 + (c.head_full // ds * F32 if m >= 2 else 0) + rs // ds * F32
     copies = chunk_copies(c.lay, T, h)
-    # the final norm's saved tensors (the composite's x and x * rsqrt in fp32 and rsqrt, or the fused
-    # kernel's input and rstd) and its output
-    Tn = c.Tn
-    root = (Tn * h * BF16 if c.rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
     return _LastMicrobatch(
-        m=m, Vh=c.head_numel - h, rs=rs,
+        m=m, Vh=c.lm_numel(), rs=rs,
         g=g,
         # the copy-out (_fsdp_collectives.py foreach_reduce_scatter_copy_out): a param whose sharded grad
         # exists adds the output into it, one without one takes a view of it. From micro-batch 2 on both
@@ -420,8 +445,8 @@ def _last_microbatch(c: _Stage) -> _LastMicrobatch:
         # micro-batches, the last stage's blocks after its final norm); micro-batch 1's stays, the norm's
         # grad viewing it
         g_after=g - (rs // ds * F32 if m >= 2 else 0),
-        acc_blocks=c.acc_all if m >= 1 else 0, copies=copies, saved=c.chunk_saves() + root + copies[0],
-        chunk=T // LOSS_CHUNKS, p2p=c.recv + (c.act if m >= 1 and not c.first else 0))
+        acc_blocks=c.acc_all if m >= 1 else 0, copies=copies, saved=c.chunk_saves() + c.final_norm_saves() + copies[0],
+        p2p=c.recv + (c.act if m >= 1 and not c.first else 0))
 
 
 def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
@@ -431,12 +456,11 @@ def _at_lm_head_reduce_scatter(c: _Stage, x: _LastMicrobatch) -> Peak:
     the blocks, [norm, lm_head] unsharded, the wrapper's fp32 grad accumulator, the last chunk's logits
     and input grad, the reduce-scatter input, output and gloo copy (as peak.py's at_lm_head); with a
     shard group of more than one lm_head's unsharded fp32 grad too (_Stage.held)."""
-    T, h, kept, unsharded = c.T, c.h, c.kept, c.unsharded
-    Vh, rs, g, saved, chunk = x.Vh, x.rs, x.g, x.saved, x.chunk
-    # the wrapper's fp32 [B, S, h] GradAccumulator, the last chunk's bf16 logits and input grad
-    # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but
-    # where held() keeps it)
-    wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + x.copies[1]
+    kept, unsharded = c.kept, c.unsharded
+    Vh, rs, g, saved = x.Vh, x.rs, x.g, x.saved
+    # (lm_head's unsharded fp32 grad, chunk_cat's input, is freed before the reduce-scatter but where
+    # held() keeps it)
+    wrapper = c.at_lm_head_rs_working(x.copies)
     acc = x.acc_blocks + c.held(Vh)  # lm_head is [norm, lm_head]'s last param
     copy = rs_temporary(c.rules, c.ds, rs * F32)
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
@@ -459,13 +483,10 @@ def _at_loss_chunk_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     peak.py's at_loss_chunk: plain cross-entropy, three fp32 [chunk, V] buffers), before its
     reduce-scatter: the micro-batch before's reduce-scatter input still held (until this
     foreach_reduce), lm_head's fp32 unsharded grad accumulating."""
-    T, h, kept, unsharded, sh = c.T, c.h, c.kept, c.unsharded, c.sh
-    m, Vh, chunk = x.m, x.Vh, x.chunk
+    kept, unsharded, sh, m = c.kept, c.unsharded, c.sh, x.m
     prev_rs = ((sh.lm_full if m == 1 else c.head_full) * F32) if m >= 1 else 0
     g_before = x.g - x.rs // c.ds * F32
-    # plain cross-entropy's three fp32 [chunk, V] buffers, loss parallel's four with TP (peak.at_loss_chunk)
-    ce = (3 if c.lay.tp == 1 else 4) * chunk * (Vh // h) * F32
-    wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + x.copies[1]
+    wrap = c.at_loss_chunk_working(x.copies)
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g_before,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
@@ -485,7 +506,7 @@ def _at_final_norm_backward(c: _Stage, x: _LastMicrobatch) -> Peak:
     temporaries; every unit already unsharded (no prefetch). The norm's bf16 output, freed here
     without PP, is the stage's output, which pipelining keeps."""
     T, h, kept, unsharded, g, rs = c.T, c.h, c.kept, c.unsharded, x.g_after, x.rs
-    work = 5 * c.Tn * h * F32 + h * BF16
+    work = c.at_final_norm_working()
     d = {_STATE: kept, "resident/grads ([norm, lm_head]'s outputs)": g,
          "resident/unsharded params (every unit)": unsharded,
          "temporary/fp32 accumulated grads (blocks)": x.acc_blocks,
@@ -523,20 +544,18 @@ def _gpipe_last_stage(c: _Stage) -> list[Peak]:
     micro-batch's backward at the final norm and at each block (the later micro-batches' saves and accumulated
     grads held; the last loss's reduce-scatter input held until perform_reduce_grad)."""
     T, h, ds, sh, n, act = c.T, c.h, c.ds, c.sh, c.n, c.act
-    Vh = c.head_numel - h
+    Vh = c.lm_numel()
     g_lm = sh.lm_full // ds * F32  # lm_head's sharded grad once a loss has reduced it
     copies = chunk_copies(c.lay, T, h)
-    Tn = c.Tn
-    root = (Tn * h * BF16 if c.rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
+    root = c.final_norm_saves()
     done_mb = c.chunk_saves() + root + T * h * BF16  # a micro-batch whose loss ran: its saves, its grad held
-    chunk = T // LOSS_CHUNKS
     kept, unsharded = c.kept, c.unsharded
     rs_in = sh.lm_full * F32
     out: list[Peak] = []
     # the last micro-batch's loss: every other one done, its own saves and chunk copies
     saved = (n - 1) * done_mb + c.chunk_saves() + root + copies[0]
     g = g_lm * (2 if n >= 2 else 1)  # the reduce-scatter's output beside lm_head's grad, not yet added
-    wrapper = T * h * F32 + chunk * (Vh // h) * BF16 + chunk * h * BF16 + copies[1]
+    wrapper = c.at_lm_head_rs_working(copies)
     copy = rs_temporary(c.rules, ds, rs_in)
     d = {_STATE: kept, "resident/grads (lm_head's and the reduce-scatter's output)": g,
          "resident/unsharded params (every unit)": unsharded,
@@ -551,8 +570,7 @@ def _gpipe_last_stage(c: _Stage) -> list[Peak]:
     # a chunk's cross-entropy backward in the last loss, the loss before's reduce-scatter input still held
     prev_rs = rs_in if n >= 2 else 0
     g_before = g_lm if n >= 2 else 0
-    ce = (3 if c.lay.tp == 1 else 4) * chunk * (Vh // h) * F32  # as _at_loss_chunk_backward
-    wrap = T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
+    wrap = c.at_loss_chunk_working(copies)
     d = {_STATE: kept, "resident/grads (lm_head's)": g_before, "resident/unsharded params (every unit)": unsharded,
          f"activations/{n} micro-batches' saves, the earlier ones' accumulated grads": saved,
          "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
@@ -567,7 +585,7 @@ def _gpipe_last_stage(c: _Stage) -> list[Peak]:
         p2p = c.recv + i * act * (not c.first)
         acc_all = c.acc_all if i >= 1 else 0
         norm_saved = c.chunk_saves() + c.norm_saved() + T * h * BF16
-        work = 5 * Tn * h * F32 + h * BF16
+        work = c.at_final_norm_working()
         d = {_STATE: kept, "resident/grads (lm_head's)": g_lm, "resident/unsharded params (every unit)": unsharded,
              "temporary/fp32 accumulated grads (blocks)": acc_all,
              f"activations/micro-batch {i}'s blocks, the final norm's input and output; the later ones'": norm_saved + others,

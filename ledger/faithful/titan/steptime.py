@@ -87,10 +87,10 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     schedule = "none" if lay.pp == 1 else PIPELINE_ORDER[sched]
     # torch's Interleaved1F1B is Megatron's interleaved order where the micro-batches are a multiple of pp
     # (tests/test_timing.py compares them); otherwise its own flexible rounds
-    own = interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None
+    # InterleavedZeroBubble: torch's own order, its backwards split (module docstring)
     zero_bubble = sched == "InterleavedZeroBubble" and lay.pp > 1
-    if zero_bubble:
-        own = zero_bubble_order
+    own = (zero_bubble_order if zero_bubble else
+           interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None)
     return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=zero_bubble, recompute=recompute,
                       recompute_every=every,
                       causal_kernel=cuda,
