@@ -55,7 +55,8 @@ def test_search_is_the_ledger_per_layout():
     bytes and most-loaded stage, or the same ConfigError (the planner's one rule of its own, TP inside a
     node, aside); refusals are counted by that reason with its numbers replaced."""
     m = preset("tiny")
-    sp = Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True)
+    # (recompute none and selective: torchtitan's SP under selective AC with PP is a row on its resident state only)
+    sp = Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True, ("none", "selective"))
     plan = search(m, HW8, sp, _bases("megatron", "deepspeed", "titan"))
     assert sum(c["layouts"] for c in plan.counts.values()) == len(plan.rows)
     by_reason = {}
@@ -88,7 +89,7 @@ def test_search_is_the_ledger_per_layout():
     order = [r for r in plan.rows if r.status != "refused"]
     assert [r.fits for r in order] == sorted((r.fits for r in order), reverse=True)
     # the fitting rows judged on their peak first, then those that fit on their resident state only (no peak
-    # predicted: DeepSpeed-Ulysses'), each by step time
+    # predicted: torchtitan's SP under selective AC with PP, DeepSpeed-Ulysses'), each by step time
     judged = [r.peak_includes != RESIDENT_ONLY for r in order if r.fits]
     assert judged == sorted(judged, reverse=True) and any(judged) and not all(judged)
     for j in (True, False):

@@ -219,3 +219,61 @@ def test_first_step_peak_is_the_moment_without_what_step_0_has_not_made():
     # PP: the same moment less AdamW's state, or the state
     pp = L.place(preset("tiny", seq_len=1024), _lay(2, pp=2), _fw()).rank_state(0)
     assert pp.peak.first.bytes in (pp.peak.bytes - pp.optim_bytes, pp.resident_bytes)
+
+
+def _looped(m, lay, fw, rank):
+    """pp_looped's stages and actions of PP rank `rank` (its first shard rank), as pp.py builds them."""
+    from math import prod
+
+    from ledger.faithful.titan import pp_looped as LP
+    from ledger.faithful.titan.schedules import local_stages
+
+    S, ds = lay.pp * lay.vp, lay.dp_shard * lay.cp
+    st = L.place(m, lay, fw).rank_state(rank)
+    emb, block, head = [sum([prod(p.shape) for p in u]) for u in F.unit_params(m, lay.tp)]
+    kept = st.params_bytes + st.optim_bytes + st.other_bytes
+    cs = [PK._stage(m, lay, PP.pp_stages(m.layers, S)[s], s, PP._stage_sharded(m, lay.tp, ds, S, s), kept, 0, emb,
+                    block, head, fw.activation_checkpoint, stages=S)
+          for s in local_stages(st.stage, lay.pp, lay.vp, fw.pipeline_parallel_schedule)]
+    return st, cs, LP.rank_actions(fw.pipeline_parallel_schedule, lay.pp, lay.vp, lay.num_microbatches, st.stage)
+
+
+@pytest.mark.parametrize("sched", ["Interleaved1F1B", "LoopedBFS"])
+@pytest.mark.parametrize("kw,ac", [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, sequence_parallel=True), "full"),
+                                   (dict(cp=2), "none"), (dict(vp=3, global_batch_size=6), "full")])
+def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
+    """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
+    reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
+    (every stage reduce-scattered, the [norm, lm_head] outputs a grad views) are the state's grads (pp.py's
+    rule of the norm's view); each stage has its kinds of moment, on the last stage every loss's."""
+    from ledger.faithful.titan import pp_looped as LP
+
+    m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=256)
+    lay = _lay(world=8, pp=2, **{"vp": 2, "global_batch_size": 4, **kw})
+    fw = _fw(pipeline_parallel_schedule=sched, activation_checkpoint=ac)
+    for rank in range(lay.world):
+        st, cs, actions = _looped(m, lay, fw, rank)
+        ms = LP.looped_moments(cs, actions)
+        best = max(ms, key=lambda x: x.bytes)
+        assert (st.peak.bytes, st.peak.what, st.peak.detail) == (best.bytes, best.what, best.detail)
+        if st.peak.first:
+            assert st.peak.bytes - st.peak.first.bytes == st.optim_bytes
+        assert LP.looped_end_grads(cs, actions) == st.grads_bytes
+        stages = {c.s for c in cs if c.Ls}  # (a last stage of no blocks reduces its final norm alone)
+        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "perform_reduce_grad" in x.what} == stages
+        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "backward at block" in x.what} == stages
+        losses = {x.what for x in ms if x.what.startswith("lm_head reduce-scatter")}
+        assert len(losses) == (lay.num_microbatches if any(c.has_head for c in cs) else 0)
+
+
+def test_looped_schedules_refuse_what_the_walk_does_not_derive():
+    """looped_unmodelled: the zero-bubble schedules' split backward and more stages a rank than the runtime
+    keeps unsharded are refused, with the reason in the prediction's notes and no peak row."""
+    from ledger.faithful.titan import pp_looped as LP
+
+    assert "split backward" in LP.looped_unmodelled("InterleavedZeroBubble", 2)
+    assert "mid-step" in LP.looped_unmodelled("Interleaved1F1B", 4)
+    assert LP.looped_unmodelled("LoopedBFS", 3) is None
+    m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=32)
+    pl = L.place(m, _lay(world=4, pp=2, vp=4, global_batch_size=8), _fw(pipeline_parallel_schedule="Interleaved1F1B"))
+    assert pl.rank_state(0).peak is None and any("mid-step" in n and "no peak row" in n for n in pl.notes)

@@ -23,13 +23,16 @@ from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
 from ledger.faithful.titan.fsdp import Sharded, chunk_rows, rows_of, sharded_part, unit_params, vocab_split_note
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
+from ledger.faithful.titan.pp_looped import looped_peak, looped_unmodelled
 from ledger.faithful.titan.pp_peak import pp_peak, pp_peak_unmodelled
+from ledger.faithful.titan.target import RULES
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
 from ledger.faithful.titan.schedules import (final_norm_gets_grad, local_stages, losses_after_a_backward, schedule_of,
                                              unshards)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
+from ledger.target import CPU_GLOO
 from ledger.placement import Comm, CommBuilder, Placement, RankState
 
 
@@ -201,7 +204,9 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     # place on the reduce-scatter output, which with PP's set_to_none grads is the new grad itself; measured at
     # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with CP and TP
     # (pp_peak_unmodelled names what it does not derive)
-    unmodelled = pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
+    # (several stages a rank: the looped schedules' walk, pp_looped.py, over the same per-stage byte counts)
+    unmodelled = (looped_unmodelled(sched, lay.vp) if lay.vp > 1 else None) or \
+        pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
     peak_modelled = unmodelled is None
     memo: dict = {}
 
@@ -218,8 +223,13 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
         kept = st.params_bytes + st.optim_bytes + st.other_bytes
         grads = st.grads_bytes
 
-        def peak():  # pp_peak.py
+        def peak():  # pp_peak.py, pp_looped.py
             emb, block, head = [sum([prod(p.shape) for p in u]) for u in unit_params(model, lay.tp, t)]
+            ac = getattr(fw, "activation_checkpoint", "none")
+            if lay.vp > 1:
+                local = [(s, stages[s], _stage_sharded(model, lay.tp, ds, S, s, t)) for s in locals_of[r]]
+                return looped_peak(model, lay, r, local, kept, grads, emb, block, head, ac,
+                                   rules if rules is not None else RULES[CPU_GLOO], st.optim_bytes, sched)
             return pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
                            emb, block, head, getattr(fw, "activation_checkpoint", "none"),
                            **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes, sched=sched)

@@ -52,7 +52,7 @@ def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     rank, over FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's
     backward moves no activation-sized tensor beyond the rowwise input grads (dtensor.redistributes_in_block:
     SwiGLU's reduce-scattered grads, a Shard -> Shard move)."""
-    if sched not in ("1F1B", "GPipe"):
+    if lay.vp == 1 and sched not in ("1F1B", "GPipe"):
         return "pp_peak derives 1F1B and GPipe only"
     if lay.tp > 1:
         if lay.sequence_parallel and ac not in ("none", "full"):
@@ -275,12 +275,13 @@ class _Stage:
 
 def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int, grads: int,
            emb_numel: int, block_numel: int, head_numel: int, ac: str, rules: Rules = RULES[CPU_GLOO],
-           gpipe: bool = False) -> _Stage:
-    """pp_moments' _Stage."""
+           gpipe: bool = False, stages: int | None = None) -> _Stage:
+    """pp_moments' _Stage; stages: the pipeline's stages where a rank holds several (pp_looped.py), lay.pp
+    where it holds one."""
     has_emb, _, Ls, has_head = stage
     B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
     # FSDP shards over dp_shard x cp (states.py); CP gives the rank S / cp of each sequence's positions
-    ds, P, n = lay.dp_shard * lay.cp, lay.pp, lay.num_microbatches
+    ds, P, n = lay.dp_shard * lay.cp, stages or lay.pp, lay.num_microbatches
     T = B * S // lay.cp
     # a block's saves without checkpointing (what its backward, after a checkpoint's recompute, holds),
     # and what it holds between its forward and its backward under the configured checkpointing

@@ -1,0 +1,348 @@
+"""Peak live bytes of a torchtitan 0.3.0 PP rank that holds several stages, CPU/gloo: the looped runtime
+schedules Interleaved1F1B and LoopedBFS (torch 2.13 torch/distributed/pipelining/schedules.py
+_PipelineScheduleRuntime), over FSDP2 / HSDP, with CP and TP as pp_peak.py derives them for one stage a rank.
+
+Where pp_peak.py's moments follow from 1F1B's and GPipe's fixed shapes, these walk the rank's own action
+list as torch lowers it (rank_compute_order, then schedules.py _add_unshard_reshard and _add_reduce_grad)
+and, at each action, price the acting stage's moments (pp_peak.py's _Stage: the same byte counts) beside
+what every other stage of the rank holds at that point (_Held). What the runtime does differently
+(_PipelineScheduleRuntime._step_microbatches):
+- every SEND_F / SEND_B work is kept in `send_ops` until the step's end, so every activation sent on and
+  every input grad sent back stays referenced (as GPipe's lists: pp_peak._Stage.gpipe);
+- REDUCE_GRAD runs a stage's perform_reduce_grad right after its last backward, mid-step: that stage's
+  units are resharded and its grads reduce-scattered while the rank's other stages still compute;
+- UNSHARD: with no more stages a rank than MAX_ACTIVE_STAGES every stage is unsharded at the step's start
+  and stays so until its REDUCE_GRAD (more re-gather mid-step: not derived, looped_unmodelled);
+- the last stage's loss runs inside its forward (_maybe_compute_loss): ChunkedLossWrapper reduce-scatters
+  [norm, lm_head]'s grad at its last chunk (the norm's with it once a backward gave the norm one) and
+  reshards that group; _DecoderOutputGradientBackProp keeps the micro-batch's [B, S, h] grad until its
+  backward, whose final norm unshards the group again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ledger.dtypes import BF16, FP32 as F32
+from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
+from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage
+from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, ZERO_BUBBLE, rank_compute_order
+from ledger.placement import Peak
+
+LOOPED = ("Interleaved1F1B", "LoopedBFS")
+
+
+def looped_unmodelled(sched: str, vp: int) -> str | None:
+    """Why looped_peak does not derive a multi-stage schedule's peak, or None where it does."""
+    if sched in ZERO_BUBBLE:
+        return "the zero-bubble schedules' split backward (I / W) is not derived"
+    if sched not in LOOPED:
+        return f"{sched}'s peak is not derived"
+    if vp > MAX_ACTIVE_STAGES:
+        return (f"with more than {MAX_ACTIVE_STAGES} stages a rank the runtime reshards and gathers stages again "
+                "mid-step, which is not derived")
+    return None
+
+
+def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> list:
+    """The rank's compute actions with torch's UNSHARD / RESHARD and REDUCE_GRAD, as _PipelineScheduleRuntime
+    lowers a compute-only schedule (_prepare_schedule_with_comms; the sends and receives are not needed here:
+    a forward sends on, a backward sends back, wherever the neighbour stage is on another rank)."""
+    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
+
+    compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
+    return _add_reduce_grad(_add_unshard_reshard(compute), n)
+
+
+@dataclass
+class _Held:
+    """What one local stage holds between actions, as the walk moves through the rank's actions."""
+    c: _Stage
+    flight: list = field(default_factory=list)  # micro-batches forwarded, not yet backpropagated
+    backs: int = 0  # backwards done
+    reduced: bool = False  # its REDUCE_GRAD ran
+    fwd_sent: int = 0  # activations sent on (all kept in send_ops)
+    bwd_sent: int = 0  # input grads sent back
+    head_unsharded: bool = True  # [norm, lm_head] unsharded (the loss reshards it, the final norm's backward unshards)
+    norm_acc: bool = False  # the final norm's fp32 accumulated grad (a backward made it, the next loss reduces it)
+    head_grads: int = 0  # [norm, lm_head]'s reduce-scatter outputs alive (their grads' storages)
+    lm_has_grad: bool = False
+    norm_has_grad: bool = False
+    rs_held: int = 0  # the stage's last reduce-scatter input, held until its next one
+
+    def shard_grads(self) -> int:
+        """The units' sharded fp32 grads once reduce-scattered (REDUCE_GRAD)."""
+        return sum([f // self.c.ds * F32 for _, f, _, _ in self.c.order])
+
+    def unsharded(self) -> int:
+        c = self.c
+        if self.reduced:
+            return 0
+        return c.unsharded - (0 if self.head_unsharded or not c.has_head else c.head_full * BF16)
+
+    def saves(self) -> int:
+        """Its micro-batches in flight: each block's saves; on the last stage a micro-batch whose loss ran also
+        holds the final norm's saves and output and its accumulated output grad."""
+        c = self.c
+        per = c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0)
+        return len(self.flight) * per
+
+    def sends(self) -> int:
+        return (self.fwd_sent + self.bwd_sent) * self.c.act
+
+    def lines(self, j: int) -> dict[str, int]:
+        """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
+        c = self.c
+        acc = (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
+        return {f"resident/stage {j}: unsharded params": self.unsharded(),
+                f"resident/stage {j}: sharded grads": (self.shard_grads() if self.reduced else 0) + self.head_grads,
+                f"temporary/stage {j}: fp32 accumulated grads": acc,
+                f"activations/stage {j}: {len(self.flight)} micro-batches in flight": self.saves(),
+                f"gathered/stage {j}: p2p receive buffers and held sends": c.recv + self.sends(),
+                f"gathered/stage {j}: its last reduce-scatter input held": self.rs_held}
+
+
+def looped_moments(stages: list[_Stage], actions: list) -> list[Peak]:
+    """The live bytes at each candidate moment of the rank's step: walk `actions` (rank_actions) over its
+    local stages (`stages`, local index = stage index // pp). The readable reference looped_peak's fast path
+    (_most) agrees with."""
+    return [p.plus(others) for p, others in _walk(stages, actions)]
+
+
+def _most(stages: list[_Stage], actions: list) -> Peak:
+    """The first of looped_moments' most, adding the other stages' lines to that moment alone."""
+    p, others = max(_walk(stages, actions), key=lambda m: m[0].bytes + sum(m[1].values()))
+    return p.plus(others)
+
+
+def _walk(stages: list[_Stage], actions: list):
+    """Each moment of the acting stage, with the lines of what the rank's other stages hold then (_Held.lines)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    pp = stages[0].lay.pp
+    held = [_Held(c) for c in stages]
+    # the probe's phase of what runs between passes: `schedule` before the rank's last forward or backward,
+    # `optimizer` after it (probes/peak_analysis.py phases_of)
+    last_pass = max([i for i, a in enumerate(actions) if a.computation_type in (C.FORWARD, C.FULL_BACKWARD)])
+    for i, a in enumerate(actions):
+        j = a.stage_index // pp
+        me = held[j]
+        kind, mb = a.computation_type, a.microbatch_index
+        if kind in (C.UNSHARD, C.RESHARD):
+            continue
+        others: dict[str, int] = {}
+        for k, o in enumerate(held):
+            if k != j:
+                others.update(o.lines(k))
+        if kind == C.FORWARD:
+            yield from ((p, others) for p in (_at_loss(me, mb) if me.c.has_head else _at_forward(me, mb)))
+            _after_forward(me, mb)
+        elif kind == C.FULL_BACKWARD:
+            yield from ((p, others) for p in _at_backward(me, mb))
+            _after_backward(me, mb)
+        elif kind == C.REDUCE_GRAD:
+            phase = "schedule" if i < last_pass else "optimizer"
+            yield from ((replace(p, phase=phase), others) for p in _at_reduce_grad(me))
+            _after_reduce_grad(me)
+        else:
+            raise ValueError(f"{a}: not an action of the looped schedules")
+
+
+def _after_forward(me: _Held, mb: int) -> None:
+    c = me.c
+    me.flight.append(mb)
+    if not c.last:
+        me.fwd_sent += 1
+    if c.has_head:
+        # the loss's reduce-scatter of [norm, lm_head] (the norm's grad with it once a backward made one):
+        # a param with a sharded grad adds the output into it, one without takes a view of the output, which
+        # then stays alive (_fsdp_collectives.py foreach_reduce_scatter_copy_out)
+        with_norm = me.norm_acc
+        rs = (c.head_full if with_norm else c.sh.lm_full) * F32
+        viewed = (not me.lm_has_grad) or (with_norm and not me.norm_has_grad)
+        if viewed:
+            me.head_grads += rs // c.ds
+        me.lm_has_grad = True
+        me.norm_has_grad = me.norm_has_grad or with_norm
+        me.rs_held, me.norm_acc, me.head_unsharded = rs, False, False
+
+
+def _after_reduce_grad(me: _Held) -> None:
+    """perform_reduce_grad reduce-scatters every unit with an unsharded grad: on the last stage the final
+    norm's too where a backward came after the last loss (alone: lm_head's the losses reduced), its output
+    the norm's grad where it had none (a view) or added into it."""
+    c = me.c
+    if me.norm_acc and not me.norm_has_grad:
+        me.head_grads += c.sh.norm_full // c.ds * F32
+    me.reduced, me.rs_held, me.norm_acc = True, 0, False
+
+
+def _after_backward(me: _Held, mb: int) -> None:
+    c = me.c
+    me.flight.remove(mb)
+    me.backs += 1
+    if not c.first:
+        me.bwd_sent += 1
+    if c.has_head:
+        me.norm_acc, me.head_unsharded = True, True
+
+
+def _state(c: _Stage) -> dict[str, int]:
+    return {_STATE: c.kept}
+
+
+def _at_forward(me: _Held, mb: int) -> list[Peak]:
+    """With SP, a stage before the last: the forward at its last block's w2 reduce-scatter (pp_peak's
+    _at_last_warmup_forward) with this stage's micro-batches in flight."""
+    c = me.c
+    if not c.lay.sequence_parallel or c.lay.tp == 1 or not c.Ls:
+        return []
+    flight = len(me.flight) + 1
+    act, full = c.act, c.T * c.h * BF16
+    p2p = c.recv + me.sends()
+    work = 4 * act + full + (full if c.rules.rs_input_copy else 0)
+    acc = c.acc_all if me.backs else 0
+    d = {**_state(c), "resident/unsharded params (the stage's units)": me.unsharded(),
+         f"activations/{flight} micro-batches x {c.Ls} blocks": flight * c.chunk_saves(),
+         "temporary/fp32 accumulated grads": acc,
+         "temporary/block input, attention residual, ffn_norm output, w2's output and its reduce-scatter's input "
+         "and output": work, "gathered/p2p buffers and held sends": p2p}
+    parts = {"resident": c.kept + me.unsharded(), "activations": flight * c.chunk_saves(), "gathered": p2p,
+             "temporary": acc + work}
+    return [Peak.of(parts, phase="forward", what=f"micro-batch {mb}'s forward at block {c.Ls - 1}'s w2 "
+                    f"reduce-scatter (SP), stage {c.s}", detail=d)]
+
+
+def _at_backward(me: _Held, mb: int) -> list[Peak]:
+    """A backward at each of its blocks' moments (_Stage.block_moments); on the last stage first its final
+    norm's (pp_peak's _at_final_norm_backward, _at_blocks_after_final_norm)."""
+    c = me.c
+    others_saves = me.saves() - me.saves() // max(1, len(me.flight))
+    p2p = c.recv + me.sends()
+    out: list[Peak] = []
+    g = me.head_grads
+    gathered = p2p + me.rs_held
+    if c.has_head:
+        out_b = c.T * c.h * BF16  # the stage's output (the final norm's, with SP all-gathered)
+        acc = c.acc_all if me.backs else 0
+        work = c.at_final_norm_working()
+        saved = c.chunk_saves() + c.norm_saved() + out_b + others_saves
+        d = {**_state(c), "resident/grads ([norm, lm_head]'s outputs)": g,
+             "resident/unsharded params (every unit)": c.unsharded, "temporary/fp32 accumulated grads (blocks)": acc,
+             f"activations/micro-batch {mb}'s blocks, the final norm's input and output; the others'": saved,
+             "temporary/RMSNorm backward fp32 [T, h] x 5, the norm's bf16 weight grad": work,
+             "gathered/the last loss's reduce-scatter input held, p2p buffers and held sends": gathered}
+        out.append(Peak.of({"resident": c.kept + g + c.unsharded, "activations": saved, "gathered": gathered,
+                            "temporary": acc + work}, phase="backward",
+                           what=f"micro-batch {mb}'s final norm backward, stage {c.s}", detail=d))
+    for k in range(c.Ls - 1, -1, -1):
+        acc = (c.acc_all if me.backs else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
+        # the grad into the stage's last block is the P2P receive buffer (the last stage: the final norm's own)
+        incoming = c.act if (k < c.Ls - 1 or c.has_head) else 0
+        extra = c.T * c.h * BF16 if c.has_head else 0
+        for name, saved_k, work_k in c.block_moments(k, incoming):
+            out.append(c.in_block(f"micro-batch {mb} backward at block {k}'s {name}, stage {c.s}", g, acc, gathered,
+                                  f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches", saved_k + extra + others_saves,
+                                  f"block {k}'s backward at its {name}", work_k))
+    return out
+
+
+def _at_loss(me: _Held, mb: int) -> list[Peak]:
+    """The last stage's forward runs its loss: lm_head's reduce-scatter at the loss's last chunk and a chunk's
+    cross-entropy backward before it (pp_peak's _at_lm_head_reduce_scatter, _at_loss_chunk_backward), the
+    stage's other micro-batches in flight."""
+    c = me.c
+    T, h = c.T, c.h
+    copies = chunk_copies(c.lay, T, h)
+    saved = me.saves() + c.chunk_saves() + c.final_norm_saves() + copies[0]
+    acc = (c.acc_all if me.backs else 0)
+    p2p = c.recv + me.sends()
+    with_norm = me.norm_acc
+    rs = (c.head_full if with_norm else c.sh.lm_full) * F32
+    g_out = me.head_grads + rs // c.ds  # the output beside the grads alive
+    unsharded = c.unsharded
+    wrapper = c.at_lm_head_rs_working(copies)
+    copy = rs_temporary(c.rules, c.ds, rs)
+    t = acc + c.held(c.lm_numel()) + wrapper + copy
+    d = {**_state(c), "resident/grads ([norm, lm_head]'s outputs, this one's)": g_out,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/fp32 accumulated grads (blocks; lm_head's held)": acc + c.held(c.lm_numel()),
+         "activations/the micro-batches in flight, this one's blocks and final norm": saved,
+         "temporary/grad accumulator, last chunk's logits and input grad": wrapper,
+         "gathered/reduce-scatter input (fp32)": rs, "temporary/gloo copy or divided input (fp32)": copy,
+         "gathered/p2p buffers and held sends": p2p}
+    out = [Peak.of({"resident": c.kept + g_out + unsharded, "activations": saved, "gathered": rs + p2p,
+                    "temporary": t}, phase="backward",
+                   what=f"lm_head reduce-scatter at micro-batch {mb}'s last loss chunk", detail=d)]
+    wrap = c.at_loss_chunk_working(copies)
+    norm_acc = c.h * F32 if with_norm else 0
+    d = {**_state(c), "resident/grads ([norm, lm_head]'s outputs)": me.head_grads,
+         "resident/unsharded params (every unit)": unsharded,
+         "temporary/fp32 accumulated grads (blocks, the norm's)": acc + norm_acc,
+         "activations/the micro-batches in flight, this one's blocks and final norm": saved,
+         "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
+         "gathered/the loss before's reduce-scatter input (held)": me.rs_held, "gathered/p2p buffers and held sends": p2p}
+    out.append(Peak.of({"resident": c.kept + me.head_grads + unsharded, "activations": saved,
+                        "gathered": me.rs_held + p2p, "temporary": acc + norm_acc + wrap}, phase="backward",
+                       what=f"micro-batch {mb}'s loss chunk cross-entropy backward", detail=d))
+    return out
+
+
+def _at_reduce_grad(me: _Held) -> list[Peak]:
+    """REDUCE_GRAD: perform_reduce_grad unit by unit (pp_peak's _at_perform_reduce_grad), this stage's every
+    send held."""
+    c = me.c
+    cands = []
+    p2p = c.recv + me.sends()
+    for u, (name, full, _numel, last_numel) in enumerate(c.order):
+        after = c.order[u + 1:]
+        unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (c.head_full * BF16 if c.has_head else 0)
+        acc = sum([m for _, _, m, _ in after]) * F32 + (c.h * F32 if me.norm_acc else 0) + c.held(last_numel)
+        g = me.head_grads + sum([f // c.ds * F32 for _, f, _, _ in c.order[:u + 1]])
+        last_out = c.T * c.h * BF16 if c.has_head else 0
+        copy = rs_temporary(c.rules, c.ds, full * F32)
+        d = {**_state(c), "resident/grads (units reduced, lm_head synced)": g,
+             "resident/unsharded params (units after)": unsharded_after,
+             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
+             "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
+             "gathered/p2p buffers and held sends": p2p, "activations/last micro-batch's final norm output": last_out}
+        parts = {"resident": c.kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
+                 "temporary": acc + copy}
+        cands.append(Peak.of(parts, phase="optimizer", what=f"perform_reduce_grad: {name}, stage {c.s}",
+                             detail={k: v for k, v in d.items() if v}))
+    return cands
+
+
+def looped_peak(model, lay, rank: int, local: list, kept: int, grads: int, emb_numel: int, block_numel: int,
+                head_numel: int, ac: str, rules, optim: int | None, sched: str) -> Peak:
+    """The steady-step peak of PP rank `rank` holding the stages `local` ((index, pp_stages entry, Sharded)
+    each) under a looped schedule: the most of looped_moments (the first on ties); optim: the rank's
+    optimizer-state bytes, for the first step's peak (pp_peak's)."""
+    S = lay.pp * lay.vp
+    cs = [_stage(model, lay, stage, s, sh, kept, 0, emb_numel, block_numel, head_numel, ac, rules, stages=S)
+          for s, stage, sh in local]
+    best = _most(cs, rank_actions(sched, lay.pp, lay.vp, lay.num_microbatches, rank))
+    if optim is not None:
+        # (every moment lacks the same optimizer state in step 0, so the steady step's most is step 0's)
+        first = first_step_peak([(best, optim)], kept + grads, _STATE,
+                                ("gathered/p2p receive buffers", sum([c.recv for c in cs])))
+        if first.bytes != best.bytes:
+            best.first = first
+    return best
+
+
+def looped_end_grads(stages: list[_Stage], actions: list) -> int:
+    """The rank's grad bytes once its step's actions have run (every stage reduced, the head's reduce-scatter
+    outputs that a grad views): the walk's account, which the state's grads (pp.py) must equal."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    pp = stages[0].lay.pp
+    held = [_Held(c) for c in stages]
+    for a in actions:
+        me = held[a.stage_index // pp]
+        if a.computation_type == C.FORWARD:
+            _after_forward(me, a.microbatch_index)
+        elif a.computation_type == C.FULL_BACKWARD:
+            _after_backward(me, a.microbatch_index)
+        elif a.computation_type == C.REDUCE_GRAD:
+            _after_reduce_grad(me)
+    return sum([h.shard_grads() + h.head_grads for h in held])
