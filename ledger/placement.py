@@ -120,7 +120,8 @@ class Peak:
         parts, detail = dict(self.parts), dict(self.detail)
         for key, v in lines.items():
             if v:
-                parts[key.split("/", 1)[0]] += v
+                part = key.split("/", 1)[0]
+                parts[part] = parts.get(part, 0) + v
                 detail[key] = v
         return replace(self, bytes=sum(parts.values()), parts=parts, detail=detail)
 

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (31 small multiruns, 53 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (31 small multiruns, 54 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -125,11 +125,12 @@ SWEEPS = (
     # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
     ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.global_batch_size=2", NO_AC)),
-    # and under full AC (hidden 256: the step's setup tensors, not modelled, stay well under 1%): both stages at
-    # w2's reduce-scatter in a block's recompute
+    # and under full and selective AC (hidden 256: the step's setup tensors, not modelled, stay well under 1%), 3
+    # micro-batches: both stages at w2's reduce-scatter in a block's recompute, stage 0 at backward 1 with 1F1B's
+    # held warm-up send; under selective AC the fused wqkv's recompute leaves alive into the next step (stage 1)
     ("w4ppspac", ("cluster.ranks=4", "model.seq_len=1024", "model.hidden=256", "model.ffn_hidden=768", "model.heads=4",
                   "model.kv_heads=2", "model.vocab=512", "layout.pp=2", "layout.tp=2", "layout.sequence_parallel=true",
-                  "layout.global_batch_size=2", "framework.activation_checkpoint=full")),
+                  "layout.global_batch_size=3", "framework.activation_checkpoint=full,selective")),
     # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
     ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
                  NO_AC)),
@@ -220,7 +221,7 @@ def test_peak_within_one_percent(sweep):
     pk = df[df.quantity == "peak_bytes"]
     for rec in sweep["ok"]:
         if not any(c.get("peak") for c in records.rank_classes(rec["prediction"])):
-            # PP where pp_peak_unmodelled says why (a schedule other than 1F1B, SP under selective AC): no peak row, the note says so
+            # PP where pp_peak_unmodelled / looped_unmodelled say why (InterleavedZeroBubble, 4 stages a rank): no peak row, the note says so
             assert any("no peak row" in n for n in rec["prediction"]["notes"]), records.job_name(rec)
             continue
         for phase in ("first", "steady"):
@@ -271,7 +272,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     whose saved tensors the peak probe once kept alive (572,172 B `unnamed` at pp2 stage 0's every
     peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
     wo's weight for its input grad, at the gather's dim-1 cat; with SP at seq 1024 stage 0 in its last warm-up
-    forward at w2's reduce-scatter, and under full AC both stages at w2's reduce-scatter in a block's recompute;
+    forward at w2's reduce-scatter, and under full and selective AC both stages at w2's reduce-scatter in a block's recompute;
     with CP (pp2·cp2 under 1F1B and GPipe) both stages at a block's ffn_norm backward."""
     kinds = set()
     for rec in sweep["ok"]:
@@ -280,12 +281,13 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
         pred_of = records.predicted_ranks(rec["prediction"])
         pred = {r["rank"]: pred_of(r["rank"]).get("peak") for r in rec["measurement"]["ranks"]}
         for r in rec["measurement"]["ranks"]:
-            if pred[r["rank"]] is None:  # no peak modelled (pp_peak_unmodelled: another schedule, SP under selective AC)
+            if pred[r["rank"]] is None:  # no peak modelled (pp_peak_unmodelled / looped_unmodelled say why)
                 continue
             pk = r["steps"][-1]["peak"]
             where, want = measured_peak_where(pk), pred[r["rank"]]
             name = (records.job_name(rec), r["rank"])
-            assert pk["at_peak"].get("unnamed", 0) <= 64, (name, pk["at_peak"])
+            # (but what the ledger names: SP under selective AC, the fused wqkv's recompute leftovers from the step before)
+            assert pk["at_peak"].get("unnamed", 0) <= want["parts"].get("unnamed", 0) + 64, (name, pk["at_peak"])
             assert where["phase"] == want["phase"], (name, where, want["what"])
             what = want["what"]
             if what.startswith("perform_reduce_grad"):  # (a looped schedule's REDUCE_GRAD mid-step: phase schedule)
@@ -294,7 +296,7 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 assert where["op"] == "aten.cat.default", (name, where)
                 kinds.add("wo gather")
                 continue
-            if "reduce-scatter in its recompute" in what:  # SP under full AC: the recompute's w2 reduce-scatter
+            if "reduce-scatter in its recompute" in what:  # SP under AC: the recompute's w2 reduce-scatter
                 assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
                 kinds.add("sp recompute")
                 continue

@@ -230,6 +230,7 @@ def _looped(m, lay, fw, rank):
 
     S, ds = lay.pp * lay.vp, lay.dp_shard * lay.cp
     st = L.place(m, lay, fw).rank_state(rank)
+    m = F.as_built(m, fw)  # (the model as torchtitan builds it: its wqkv fused where framework.fuse_qkv)
     emb, block, head = [sum([prod(p.shape) for p in u]) for u in F.unit_params(m, lay.tp)]
     kept = st.params_bytes + st.optim_bytes + st.other_bytes
     cs = [PK._stage(m, lay, PP.pp_stages(m.layers, S)[s], s, PP._stage_sharded(m, lay.tp, ds, S, s), kept, 0, emb,
@@ -240,7 +241,8 @@ def _looped(m, lay, fw, rank):
 
 @pytest.mark.parametrize("sched", ["Interleaved1F1B", "LoopedBFS"])
 @pytest.mark.parametrize("kw,ac", [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, sequence_parallel=True), "full"),
-                                   (dict(cp=2), "none"), (dict(vp=3, global_batch_size=6), "full")])
+                                   (dict(cp=2), "none"), (dict(vp=3, global_batch_size=6), "full"),
+                                   (dict(tp=2, sequence_parallel=True, global_batch_size=8), "selective")])
 def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
     reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
@@ -250,7 +252,8 @@ def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
 
     m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=256)
     lay = _lay(world=8, pp=2, **{"vp": 2, "global_batch_size": 4, **kw})
-    fw = _fw(pipeline_parallel_schedule=sched, activation_checkpoint=ac)
+    # (torchtitan's fused wqkv under SP and selective AC: what its recomputes leave alive into the next step)
+    fw = _fw(pipeline_parallel_schedule=sched, activation_checkpoint=ac, fuse_qkv=ac == "selective")
     for rank in range(lay.world):
         st, cs, actions = _looped(m, lay, fw, rank)
         ms = LP.looped_moments(cs, actions)
@@ -277,3 +280,31 @@ def test_looped_schedules_refuse_what_the_walk_does_not_derive():
     m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=32)
     pl = L.place(m, _lay(world=4, pp=2, vp=4, global_batch_size=8), _fw(pipeline_parallel_schedule="Interleaved1F1B"))
     assert pl.rank_state(0).peak is None and any("mid-step" in n and "no peak row" in n for n in pl.notes)
+
+
+@pytest.mark.parametrize("sched,pp,vp,n", [("Interleaved1F1B", 2, 2, 4), ("Interleaved1F1B", 4, 3, 8),
+                                           ("LoopedBFS", 2, 3, 6), ("Interleaved1F1B", 4, 2, 6)])
+def test_looped_actions_are_torchs_lowering(sched, pp, vp, n):
+    """pp_looped.rank_actions leaves out torch's UNSHARD / RESHARD: with no more than 3 stages a rank torch's own
+    lowering (_add_unshard_reshard, then _add_reduce_grad) unshards every stage before the first compute action
+    and reshards none before its REDUCE_GRAD, and its compute and REDUCE_GRAD actions are rank_actions'."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
+
+    from ledger.faithful.titan import pp_looped as LP
+    from ledger.faithful.titan.schedules import rank_compute_order
+
+    for rank in range(pp):
+        compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
+        torch_order = _add_reduce_grad(_add_unshard_reshard(compute), n)
+        kinds = [a.computation_type for a in torch_order]
+        assert kinds[:vp] == [C.UNSHARD] * vp and kinds.count(C.UNSHARD) == vp
+        for i, a in enumerate(torch_order):
+            if a.computation_type == C.RESHARD:
+                assert _done_before(torch_order, i, a.stage_index, C.REDUCE_GRAD)
+        assert [a for a in torch_order if a.computation_type not in (C.UNSHARD, C.RESHARD)] == list(
+            LP.rank_actions(sched, pp, vp, n, rank))
+
+
+def _done_before(order, i, stage, kind) -> bool:
+    return any(a.stage_index == stage and a.computation_type == kind for a in order[:i])

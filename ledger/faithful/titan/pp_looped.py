@@ -12,7 +12,8 @@ what every other stage of the rank holds at that point (_Held). What the runtime
 - REDUCE_GRAD runs a stage's perform_reduce_grad right after its last backward, mid-step: that stage's
   units are resharded and its grads reduce-scattered while the rank's other stages still compute;
 - UNSHARD: with no more stages a rank than MAX_ACTIVE_STAGES every stage is unsharded at the step's start
-  and stays so until its REDUCE_GRAD (more re-gather mid-step: not derived, looped_unmodelled);
+  and stays so until its REDUCE_GRAD (more re-gather mid-step: not derived, looped_unmodelled; a test holds
+  torch's own lowering to it);
 - the last stage's loss runs inside its forward (_maybe_compute_loss): ChunkedLossWrapper reduce-scatters
   [norm, lm_head]'s grad at its last chunk (the norm's with it once a backward gave the norm one) and
   reshards that group; _DecoderOutputGradientBackProp keeps the micro-batch's [B, S, h] grad until its
@@ -21,6 +22,7 @@ what every other stage of the rank holds at that point (_Held). What the runtime
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
@@ -43,20 +45,25 @@ def looped_unmodelled(sched: str, vp: int) -> str | None:
     return None
 
 
-def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> list:
-    """The rank's compute actions with torch's UNSHARD / RESHARD and REDUCE_GRAD, as _PipelineScheduleRuntime
-    lowers a compute-only schedule (_prepare_schedule_with_comms; the sends and receives are not needed here:
-    a forward sends on, a backward sends back, wherever the neighbour stage is on another rank)."""
-    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
+@lru_cache(maxsize=256)
+def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> tuple:
+    """The rank's compute actions with torch's REDUCE_GRAD after each stage's last backward, as
+    _PipelineScheduleRuntime lowers a compute-only schedule (_prepare_schedule_with_comms). Its UNSHARD / RESHARD
+    (_add_unshard_reshard) are left out: with no more stages a rank than MAX_ACTIVE_STAGES they unshard every stage
+    before the first action and reshard each after its REDUCE_GRAD (schedules.unshards; torch's pass rescans the
+    rest of the schedule at every action, quadratic in the micro-batches); the sends and receives are not needed
+    here: a forward sends on, a backward sends back, wherever the neighbour stage is on another rank."""
+    from torch.distributed.pipelining.schedules import _add_reduce_grad
 
     compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
-    return _add_reduce_grad(_add_unshard_reshard(compute), n)
+    return tuple(_add_reduce_grad(compute, n))
 
 
 @dataclass
 class _Held:
     """What one local stage holds between actions, as the walk moves through the rank's actions."""
     c: _Stage
+    j: int  # its local index
     flight: list = field(default_factory=list)  # micro-batches forwarded, not yet backpropagated
     backs: int = 0  # backwards done
     reduced: bool = False  # its REDUCE_GRAD ran
@@ -68,6 +75,8 @@ class _Held:
     lm_has_grad: bool = False
     norm_has_grad: bool = False
     rs_held: int = 0  # the stage's last reduce-scatter input, held until its next one
+    at: int = -1  # the walk's action index
+    last_pass: int = -1  # the rank's last forward or backward (_steps)
 
     def shard_grads(self) -> int:
         """The units' sharded fp32 grads once reduce-scattered (REDUCE_GRAD)."""
@@ -89,62 +98,129 @@ class _Held:
     def sends(self) -> int:
         return (self.fwd_sent + self.bwd_sent) * self.c.act
 
-    def lines(self, j: int) -> dict[str, int]:
+    def lines(self) -> dict[str, int]:
         """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
-        c = self.c
+        c, j = self.c, self.j
         acc = (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
         return {f"resident/stage {j}: unsharded params": self.unsharded(),
                 f"resident/stage {j}: sharded grads": (self.shard_grads() if self.reduced else 0) + self.head_grads,
                 f"temporary/stage {j}: fp32 accumulated grads": acc,
                 f"activations/stage {j}: {len(self.flight)} micro-batches in flight": self.saves(),
                 f"gathered/stage {j}: p2p receive buffers and held sends": c.recv + self.sends(),
-                f"gathered/stage {j}: its last reduce-scatter input held": self.rs_held}
+                f"gathered/stage {j}: its last reduce-scatter input held": self.rs_held,
+                **({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()} if c.sac_held else {})}
+
+    def total(self) -> int:
+        """The sum of lines(), as the fast path (_most) needs it."""
+        c = self.c
+        acc = (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
+        return (self.unsharded() + (self.shard_grads() if self.reduced else 0) + self.head_grads + acc + self.saves()
+                + c.recv + self.sends() + self.rs_held + c.sac_held)
 
 
 def looped_moments(stages: list[_Stage], actions: list) -> list[Peak]:
     """The live bytes at each candidate moment of the rank's step: walk `actions` (rank_actions) over its
-    local stages (`stages`, local index = stage index // pp). The readable reference looped_peak's fast path
-    (_most) agrees with."""
-    return [p.plus(others) for p, others in _walk(stages, actions)]
+    local stages (`stages`, local index = stage index // pp). The readable reference that looped_peak's fast
+    path (_most) agrees with."""
+    return [p.plus(others) for i, a, me, held in _steps(stages, actions) for p, others in _action_moments(a, me, held)]
 
 
 def _most(stages: list[_Stage], actions: list) -> Peak:
-    """The first of looped_moments' most, adding the other stages' lines to that moment alone."""
-    p, others = max(_walk(stages, actions), key=lambda m: m[0].bytes + sum(m[1].values()))
-    return p.plus(others)
+    """The first of looped_moments' most. Within one action every moment of the acting stage moves by the same
+    bytes with the state the walk carries (its other micro-batches' saves, its sends, its [norm, lm_head] grads,
+    its held reduce-scatter input: _offset), and the other stages' lines move all of them alike: so each kind of
+    action (_template_key) is priced once, and only the action with the most is priced moment by moment."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    templates: dict = {}
+    best, best_i = -1, -1
+    totals, last = [], None  # each stage's total() as of now: a stage's changes only when it acts
+    for i, a, me, held in _steps(stages, actions):
+        if not totals:
+            totals = [o.total() for o in held]
+        if last is not None:
+            totals[last.j] = last.total()
+        last = me
+        key = _template_key(a, me)
+        if key not in templates:
+            templates[key] = max([p.bytes for p, _ in _action_moments(a, me, (me,))], default=None)
+            if templates[key] is not None:
+                templates[key] -= _offset(a, me, C)
+        if templates[key] is None:
+            continue
+        score = templates[key] + _offset(a, me, C) + me.c.sac_held + sum(totals) - totals[me.j]
+        if score > best:
+            best, best_i = score, i
+    for i, a, me, held in _steps(stages, actions):
+        if i == best_i:
+            return max([p.plus(others) for p, others in _action_moments(a, me, held)], key=lambda m: m.bytes)
+    raise ValueError("no moment")
 
 
-def _walk(stages: list[_Stage], actions: list):
-    """Each moment of the acting stage, with the lines of what the rank's other stages hold then (_Held.lines)."""
+def _template_key(a, me: "_Held") -> tuple:
+    """What shapes an action's moments beside _offset: its stage and kind, whether the stage has run a backward
+    (its accumulators), on the last stage whether the loss reduces the norm's grad too and the reduce-scatter input
+    it holds (a loss's cross-entropy moment holds it, its reduce-scatter moment does not)."""
+    return (a.stage_index, a.computation_type, bool(me.backs), me.norm_acc, me.rs_held if me.c.has_head else 0,
+            me.reduced)
+
+
+def _offset(a, me: "_Held", C) -> int:
+    """The bytes the acting stage's walk state adds alike to each moment of the action (its template aside);
+    C: torch's _ComputationType."""
+    if a.computation_type == C.FULL_BACKWARD:
+        per = me.saves() // max(1, len(me.flight))
+        return me.saves() - per + me.sends() + me.head_grads + me.rs_held
+    if a.computation_type == C.FORWARD:
+        return me.saves() + me.sends() + me.head_grads
+    return 0  # (REDUCE_GRAD: once a stage, priced as it comes)
+
+
+def _steps(stages: list[_Stage], actions: list):
+    """The walk: (index, action, the acting stage's _Held, every stage's) before each action, the action's effect
+    applied when the caller moves on."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     pp = stages[0].lay.pp
-    held = [_Held(c) for c in stages]
+    held = [_Held(c, j) for j, c in enumerate(stages)]
     # the probe's phase of what runs between passes: `schedule` before the rank's last forward or backward,
     # `optimizer` after it (probes/peak_analysis.py phases_of)
     last_pass = max([i for i, a in enumerate(actions) if a.computation_type in (C.FORWARD, C.FULL_BACKWARD)])
+    for h in held:
+        h.last_pass = last_pass
     for i, a in enumerate(actions):
-        j = a.stage_index // pp
-        me = held[j]
+        me = held[a.stage_index // pp]
         kind, mb = a.computation_type, a.microbatch_index
         if kind in (C.UNSHARD, C.RESHARD):
             continue
-        others: dict[str, int] = {}
-        for k, o in enumerate(held):
-            if k != j:
-                others.update(o.lines(k))
+        me.at = i
+        yield i, a, me, held
         if kind == C.FORWARD:
-            yield from ((p, others) for p in (_at_loss(me, mb) if me.c.has_head else _at_forward(me, mb)))
             _after_forward(me, mb)
         elif kind == C.FULL_BACKWARD:
-            yield from ((p, others) for p in _at_backward(me, mb))
             _after_backward(me, mb)
         elif kind == C.REDUCE_GRAD:
-            phase = "schedule" if i < last_pass else "optimizer"
-            yield from ((replace(p, phase=phase), others) for p in _at_reduce_grad(me))
             _after_reduce_grad(me)
         else:
             raise ValueError(f"{a}: not an action of the looped schedules")
+
+
+def _action_moments(a, me: "_Held", held) -> list:
+    """The acting stage's moments of action `a`, each with the lines of what the rank's other stages hold then
+    (_Held.lines) and what this one holds from the step before."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    others: dict[str, int] = me.c.held_lines() if me.c.sac_held else {}
+    for o in held:
+        if o is not me:
+            others.update(o.lines())
+    kind, mb = a.computation_type, a.microbatch_index
+    if kind == C.FORWARD:
+        return [(p, others) for p in (_at_loss(me, mb) if me.c.has_head else _at_forward(me, mb))]
+    if kind == C.FULL_BACKWARD:
+        return [(p, others) for p in _at_backward(me, mb)]
+    phase = "schedule" if me.at < me.last_pass else "optimizer"
+    return [(replace(p, phase=phase), others) for p in _at_reduce_grad(me)]
 
 
 def _after_forward(me: _Held, mb: int) -> None:
@@ -336,7 +412,7 @@ def looped_end_grads(stages: list[_Stage], actions: list) -> int:
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     pp = stages[0].lay.pp
-    held = [_Held(c) for c in stages]
+    held = [_Held(c, j) for j, c in enumerate(stages)]
     for a in actions:
         me = held[a.stage_index // pp]
         if a.computation_type == C.FORWARD:

@@ -5,7 +5,7 @@ HSDP's replicas too (pp.py's placement: with PP the grads are set to None each s
 all-reduce runs in place on the reduce-scatter output that becomes the new sharded grad,
 _fsdp_collectives.py foreach_reduce, and holds nothing beside it), with CP (the rank's
 S / cp positions of each sequence, FSDP over dp_shard x cp, SDPA's saves of K and V all-gathered over cp:
-peak.saved_per_layer), with TP (DTensor's placements: dtensor.py) and SP without or under full activation
+peak.saved_per_layer), with TP (DTensor's placements: dtensor.py) and SP under any activation
 checkpointing (pp_peak_unmodelled names the rest). pp_peak is the most of pp_moments,
 each moment its own function below over the values they share (_Stage; the last micro-batch's on the
 last stage, _LastMicrobatch). peak.py has the peak without PP, whose moments these echo.
@@ -49,15 +49,12 @@ _STATE = "resident/state (params, optim, other)"
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a
-    rank, over FSDP / HSDP, with CP, with TP (with SP: activation checkpointing none or full) where a block's
+    rank, over FSDP / HSDP, with CP, with TP (with and without SP) where a block's
     backward moves no activation-sized tensor beyond the rowwise input grads (dtensor.redistributes_in_block:
     SwiGLU's reduce-scattered grads, a Shard -> Shard move)."""
     if lay.vp == 1 and sched not in ("1F1B", "GPipe"):
         return "pp_peak derives 1F1B and GPipe only"
     if lay.tp > 1:
-        if lay.sequence_parallel and ac not in ("none", "full"):
-            # (SelectiveAC's recompute with SP keeps more than full AC's without PP: peak._at_recompute_rs)
-            return "with sequence parallelism pp_peak derives activation_checkpoint none and full only"
         T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens
         if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
             return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
@@ -98,7 +95,7 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
     The most of these moments (measured on tests/test_titan.py's PP jobs, the probe's census), in this
     order: perform_reduce_grad at each unit (_at_perform_reduce_grad); on stages before the last, a
     micro-batch's backward at each block (_at_microbatch_backward: _Stage.block_moments: its attention_norm,
-    ffn_norm and SwiGLU backward, with TP wo's gathered weight, with SP under full AC the recompute's w2
+    ffn_norm and SwiGLU backward, with TP wo's gathered weight, with SP under AC the recompute's w2
     reduce-scatter) and with SP the last warm-up forward (_at_last_warmup_forward); on the last stage, its last
     micro-batch's lm_head reduce-scatter at the last loss chunk (_at_lm_head_reduce_scatter), a loss
     chunk's cross-entropy backward (_at_loss_chunk_backward), the final norm's backward
@@ -118,7 +115,7 @@ def _moments(c: _Stage) -> list[Peak]:
         x = _last_microbatch(c)
         cands += [_at_lm_head_reduce_scatter(c, x), _at_loss_chunk_backward(c, x), _at_final_norm_backward(c, x),
                   *_at_blocks_after_final_norm(c, x)]
-    return cands
+    return [p.plus(c.held_lines()) for p in cands] if c.sac_held else cands
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ class _Stage:
     attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
     attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
     wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
-    recompute_rs: int  # SP under full AC: what a block's recompute holds at w2's reduce-scatter (0 otherwise)
+    recompute_rs: int  # SP under AC: what a block's recompute holds at w2's reduce-scatter (0 otherwise)
     ds: int
     P: int
     n: int  # micro-batches
@@ -159,11 +156,19 @@ class _Stage:
     unsharded: int  # every unit unsharded, as in the micro-batches' backward
     acc_all: int  # every unit's fp32 accumulator (no head)
     recv: int  # the P2P receive buffers
+    # SP under SelectiveAC with the fused wqkv, a stage after the first: what a step's block recomputes leave alive
+    # into the next step (_stage)
+    sac_held: int = 0
     rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
     # GPipe (torch's ScheduleGPipe._step_microbatches): every forward, then every backward; the forward sends'
     # works (fwd_sends_to_wait) and the backward sends' (bwd_sends_to_wait) are kept in lists until the step's
     # end, so every activation sent on and every input grad sent back stays referenced
     gpipe: bool = False
+
+    def held_lines(self) -> dict[str, int]:
+        """Peak.plus lines of what a step holds from the step before at every moment (sac_held)."""
+        return {"unnamed/each block's recompute all-gather and attention_norm output shard, from the step before":
+                self.sac_held}
 
     def norm_saved(self) -> int:
         """What an RMSNorm saves of its input: the composite's fp32 upcast, or the fused kernel's bf16
@@ -236,7 +241,7 @@ class _Stage:
                ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
                 self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
         if self.recompute_rs:
-            # SP under full AC (peak._at_recompute_rs without PP): the block's output grad all-gathered for w2's
+            # SP under AC (peak._at_recompute_rs without PP): the block's output grad all-gathered for w2's
             # backward, then its recompute forward to w2's reduce-scatter: every save of the block, the
             # attention's residual sum, ffn_norm's output, w2's TP-full output, the reduce-scatter's copy of its
             # input on gloo and its output (measured: pp2·tp2·SP at seq 1024, both stages' peak)
@@ -310,6 +315,15 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
     shard_bytes = sum([f // ds * F32 for _, f, _, _ in order])
     Tn = T // tp if sp else T  # the tokens a norm sees and the residual stream holds (SP: Shard(1))
     act = Tn * h * BF16
+    # SP under SelectiveAC with torchtitan's fused wqkv (FusedQKVLinear: a local_map over the SP all-gather of its
+    # input): a block's recompute keeps its attention_norm output shard alive at w2's reduce-scatter (peak.py's
+    # _at_recompute_rs, the same without PP), and on every stage after the first (whose input comes over P2P and
+    # needs a grad) every block's recompute leaves that shard and the [T, h] all-gather it fed alive into the next
+    # step, one set a block, replaced a step later (the probe's census, objects live at a step's start by where the
+    # step before made them: pp2·tp2·SP at seq 1024, hidden 256, under 1F1B with 2 and 3 micro-batches and under
+    # Interleaved1F1B, stages 1 and 2 of 4; none with wq / wk / wv separate, under full AC or on stage 0). What
+    # holds them is not traced: a measured rule, as peak.py's
+    fused_sac = sp and ac == "selective" and model.fused_qkv
     return _Stage(
         lay=lay, sh=sh, s=s, kept=kept, block_grad_numel=grad_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
         has_head=has_head, T=T, Tn=Tn, h=h, ffn=model.ffn_hidden // tp,
@@ -318,12 +332,12 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         attn_grads_numel=grad_numel - qkv_local * h - h,
         wo_gather=2 * h * q * BF16 if gathers else 0,
         recompute_rs=(act1 + 3 * act + 2 * T * h * BF16 + (T * h * BF16 if rules.rs_input_copy else 0)
-                      if sp and ac == "full" else 0), ds=ds, P=P, n=n, first=first, last=last, act=act,
+                      + (act if fused_sac else 0) if sp and ac != "none" else 0), ds=ds, P=P, n=n, first=first, last=last, act=act,
         act1=act1, blk=ac_saved + ac_kept, ck_in=ck_in, first_in=0 if s == 0 else ck_in, order=tuple(order),
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
         acc_all=(emb_numel * has_emb + Ls * grad_numel) * F32, recv=n * ((not first) + (not last)) * act,
-        rules=rules, gpipe=gpipe)
+        rules=rules, gpipe=gpipe, sac_held=Ls * (T * h * BF16 + act) if fused_sac and s > 0 else 0)
 
 
 def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
@@ -401,12 +415,17 @@ def _at_microbatch_backward(c: _Stage) -> list[Peak]:
     if c.last or not Ls:
         return cands
     warm = n if c.gpipe else min(n, c.P - c.s)  # GPipe: every forward before the first backward
-    for i in sorted({0, min(1, n - 1)}):
+    # Schedule1F1B._step_microbatches keeps its warm-up's last `send_work` (the sends of forward warm - 2) until
+    # the cool-down reassigns it: through the steady loop's backwards (0 .. n - warm) that output stays held after
+    # its own backward, so backward warm - 1 holds one activation more than backward 1 where warm > 2 (measured:
+    # pp2·tp2·SP under selective AC with 3 micro-batches, stage 0 at backward 1, forward 0's output in the census)
+    for i in sorted({0, min(1, n - 1), *([warm - 1] if not c.gpipe and 1 < warm <= n - warm + 1 else [])}):
         flight = min(warm, n - i)
-        # the sends held: 1F1B's in-flight outputs and the input grad last sent back; GPipe's every output and
-        # every input grad sent so far (_Stage.gpipe)
+        send_work = act if not c.gpipe and warm >= 2 and warm - 1 <= i <= n - warm else 0
+        # the sends held: 1F1B's in-flight outputs, the warm-up's last send_work and the input grad last sent
+        # back; GPipe's every output and every input grad sent so far (_Stage.gpipe)
         p2p = c.recv + (n * act + i * act * (not c.first) if c.gpipe else
-                        flight * act + (act if i >= 1 and not c.first else 0))
+                        flight * act + send_work + (act if i >= 1 and not c.first else 0))
         for k in range(Ls - 1, -1, -1):
             acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
