@@ -239,10 +239,14 @@ def _looped(m, lay, fw, rank):
     return st, cs, LP.rank_actions(fw.pipeline_parallel_schedule, lay.pp, lay.vp, lay.num_microbatches, st.stage)
 
 
-@pytest.mark.parametrize("sched", ["Interleaved1F1B", "LoopedBFS"])
-@pytest.mark.parametrize("kw,ac", [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, sequence_parallel=True), "full"),
-                                   (dict(cp=2), "none"), (dict(vp=3, global_batch_size=6), "full"),
-                                   (dict(tp=2, sequence_parallel=True, global_batch_size=8), "selective")])
+_LOOPED_CASES = [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, sequence_parallel=True), "full"),
+                 (dict(cp=2), "none"), (dict(vp=3, global_batch_size=6), "full"),
+                 (dict(tp=2, sequence_parallel=True, global_batch_size=8), "selective")]
+
+
+# (LoopedBFS with four stages a rank is refused: test_looped_schedules_refuse_what_the_walk_does_not_derive)
+@pytest.mark.parametrize("sched,kw,ac", [(s, kw, ac) for s in ("Interleaved1F1B", "LoopedBFS") for kw, ac in _LOOPED_CASES]
+                         + [("Interleaved1F1B", dict(vp=4, global_batch_size=8), "none")])
 def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
     reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
@@ -262,24 +266,30 @@ def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
         if st.peak.first:
             assert st.peak.bytes - st.peak.first.bytes == st.optim_bytes
         assert LP.looped_end_grads(cs, actions) == st.grads_bytes
-        stages = {c.s for c in cs if c.Ls}  # (a last stage of no blocks reduces its final norm alone)
-        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "perform_reduce_grad" in x.what} == stages
-        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "backward at block" in x.what} == stages
+        # (a last stage of no blocks reduces its final norm alone; a first of none its tok_embeddings)
+        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "perform_reduce_grad" in x.what} == \
+            {c.s for c in cs if c.order}
+        assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "backward at block" in x.what} == \
+            {c.s for c in cs if c.Ls}
         losses = {x.what for x in ms if x.what.startswith("lm_head reduce-scatter")}
         assert len(losses) == (lay.num_microbatches if any(c.has_head for c in cs) else 0)
 
 
 def test_looped_schedules_refuse_what_the_walk_does_not_derive():
-    """looped_unmodelled: the zero-bubble schedules' split backward and more stages a rank than the runtime
-    keeps unsharded are refused, with the reason in the prediction's notes and no peak row."""
+    """looped_unmodelled: the zero-bubble schedules' split backward and LoopedBFS with more stages a rank than the
+    runtime keeps unsharded (its last stage's REDUCE_GRAD, measured) are refused, with the reason in the
+    prediction's notes and no peak row; Interleaved1F1B's four stages a rank (torch's UNSHARD / RESHARD mid-step)
+    are walked."""
     from ledger.faithful.titan import pp_looped as LP
 
     assert "split backward" in LP.looped_unmodelled("InterleavedZeroBubble", 2)
-    assert "mid-step" in LP.looped_unmodelled("Interleaved1F1B", 4)
-    assert LP.looped_unmodelled("LoopedBFS", 3) is None
+    assert "REDUCE_GRAD" in LP.looped_unmodelled("LoopedBFS", 4)
+    assert LP.looped_unmodelled("LoopedBFS", 3) is None and LP.looped_unmodelled("Interleaved1F1B", 4) is None
     m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=32)
-    pl = L.place(m, _lay(world=4, pp=2, vp=4, global_batch_size=8), _fw(pipeline_parallel_schedule="Interleaved1F1B"))
-    assert pl.rank_state(0).peak is None and any("mid-step" in n and "no peak row" in n for n in pl.notes)
+    lay = _lay(world=4, pp=2, vp=4, global_batch_size=8)
+    pl = L.place(m, lay, _fw(pipeline_parallel_schedule="LoopedBFS"))
+    assert pl.rank_state(0).peak is None and any("REDUCE_GRAD" in n and "no peak row" in n for n in pl.notes)
+    assert L.place(m, lay, _fw(pipeline_parallel_schedule="Interleaved1F1B")).rank_state(0).peak is not None
 
 
 @pytest.mark.parametrize("sched,pp,vp,n", [("Interleaved1F1B", 2, 2, 4), ("Interleaved1F1B", 4, 3, 8),
