@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (31 small multiruns, 54 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (31 small multiruns, 53 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -143,12 +143,11 @@ SWEEPS = (
     # both micro-batches' saves held (pp_peak._gpipe_last_stage)
     ("w2ppgpipe", ("cluster.ranks=2", *LONG_PP, "model.vocab=4096", "layout.pp=2", "layout.global_batch_size=2",
                    "framework.pipeline_parallel_schedule=GPipe", NO_AC)),
-    # two stages a rank at a long sequence (pp_looped.py: the walk over the rank's actions): Interleaved1F1B and
-    # LoopedBFS, each rank at a block's SwiGLU backward with its other stage's micro-batches in flight, LoopedBFS's
-    # last stage at its final norm's backward with all four micro-batches' saves
+    # two stages a rank at a long sequence (pp_looped.py: the walk over the rank's actions): LoopedBFS, rank 0 at
+    # stage 2's SwiGLU backward with stage 0's four micro-batches in flight, the last stage at its final norm's
+    # backward with all four micro-batches' saves (Interleaved1F1B there, by hand: docs/ledger-titan.md)
     ("w2ppvp", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.vp=2",
-                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=Interleaved1F1B,LoopedBFS",
-                NO_AC)),
+                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=LoopedBFS", NO_AC)),
     # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
     # (the SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",

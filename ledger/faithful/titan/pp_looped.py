@@ -88,7 +88,7 @@ class _Held:
 
     def shard_grads(self) -> int:
         """The units' sharded fp32 grads once reduce-scattered (REDUCE_GRAD)."""
-        return sum([f // self.c.ds * F32 for _, f, _, _ in self.c.order])
+        return self.shard
 
     def unsharded(self) -> int:
         c = self.c
@@ -96,12 +96,16 @@ class _Held:
             return 0
         return c.unsharded - (0 if self.head_unsharded or not c.has_head else c.head_full * BF16)
 
-    def saves(self) -> int:
-        """Its micro-batches in flight: each block's saves; on the last stage a micro-batch whose loss ran also
-        holds the final norm's saves and output and its accumulated output grad."""
+    def __post_init__(self):
         c = self.c
-        per = c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0)
-        return len(self.flight) * per
+        # a micro-batch in flight: each block's saves; on the last stage, its loss having run, also the final
+        # norm's saves and output and its accumulated output grad
+        self.per = c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0)
+        self.shard = sum([f // c.ds * F32 for _, f, _, _ in c.order])
+
+    def saves(self) -> int:
+        """Its micro-batches in flight (per: what each holds)."""
+        return len(self.flight) * self.per
 
     def sends(self) -> int:
         return (self.fwd_sent + self.bwd_sent) * self.c.act
@@ -177,8 +181,7 @@ def _offset(a, me: "_Held", C) -> int:
     """The bytes the acting stage's walk state adds alike to each moment of the action (its template aside);
     C: torch's _ComputationType."""
     if a.computation_type == C.FULL_BACKWARD:
-        per = me.saves() // max(1, len(me.flight))
-        return me.saves() - per + me.sends() + me.head_grads + me.rs_held
+        return me.saves() - me.per + me.sends() + me.head_grads + me.rs_held
     if a.computation_type == C.FORWARD:
         return me.saves() + me.sends() + me.head_grads
     return 0  # (REDUCE_GRAD: once a stage, priced as it comes)
