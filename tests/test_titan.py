@@ -283,6 +283,12 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
             if pred[r["rank"]] is None:  # no peak modelled (pp_peak_unmodelled / looped_unmodelled say why)
                 continue
             pk = r["steps"][-1]["peak"]
+            if pk.get("prompt_peak_bytes", pk["peak_bytes"]) != pk["peak_bytes"]:
+                # a gloo worker thread freed late and moved the measured maximum (world 8 on 2 cores: w8pptp's stage
+                # 0 at wo's input-grad mm after the gathered weight's cat, the all-gather's buffer still live), and the
+                # prompt replay drops that buffer at its last recorded use, before the cat: neither moment is the
+                # framework's own; test_peak_within_one_percent judges its bytes
+                continue
             where, want = measured_peak_where(pk), pred[r["rank"]]
             name = (records.job_name(rec), r["rank"])
             # (but what the ledger names: SP under selective AC, the fused wqkv's recompute leftovers from the step before)

@@ -54,10 +54,10 @@ def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> tuple:
     """The rank's compute actions with torch's REDUCE_GRAD after each stage's last backward, as
     _PipelineScheduleRuntime lowers a compute-only schedule (_prepare_schedule_with_comms). Its UNSHARD / RESHARD
     (_add_unshard_reshard) are left out where they change nothing: with no more stages a rank than
-    MAX_ACTIVE_STAGES they unshard every stage
-    before the first action and reshard each after its REDUCE_GRAD (schedules.unshards; torch's pass rescans the
-    rest of the schedule at every action, quadratic in the micro-batches); the sends and receives are not needed
-    here: a forward sends on, a backward sends back, wherever the neighbour stage is on another rank."""
+    MAX_ACTIVE_STAGES they unshard every stage before the first action and reshard each after its REDUCE_GRAD
+    (schedules.unshards; torch's pass rescans the rest of the schedule at every action, quadratic in the
+    micro-batches). The sends and receives are not needed here: a forward sends on, a backward sends back,
+    wherever the neighbour stage is on another rank."""
     from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
 
     compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
