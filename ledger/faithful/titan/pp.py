@@ -231,8 +231,8 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
                 return looped_peak(model, lay, r, local, kept, grads, emb, block, head, ac,
                                    rules if rules is not None else RULES[CPU_GLOO], st.optim_bytes, sched)
             return pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
-                           emb, block, head, getattr(fw, "activation_checkpoint", "none"),
-                           **({"rules": rules} if rules is not None else {}), optim=st.optim_bytes, sched=sched)
+                           emb, block, head, ac, **({"rules": rules} if rules is not None else {}),
+                           optim=st.optim_bytes, sched=sched)
 
         # where pp_peak_unmodelled names a reason it is not modelled
         st.peak = peak if peak_modelled else None

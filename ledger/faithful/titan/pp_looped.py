@@ -86,10 +86,6 @@ class _Held:
     at: int = -1  # the walk's action index
     last_pass: int = -1  # the rank's last forward or backward (_steps)
 
-    def shard_grads(self) -> int:
-        """The units' sharded fp32 grads once reduce-scattered (REDUCE_GRAD)."""
-        return self.shard
-
     def unsharded(self) -> int:
         c = self.c
         if self.reduced or self.resharded:
@@ -101,7 +97,7 @@ class _Held:
         # a micro-batch in flight: each block's saves; on the last stage, its loss having run, also the final
         # norm's saves and output and its accumulated output grad
         self.per = c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0)
-        self.shard = sum([f // c.ds * F32 for _, f, _, _ in c.order])
+        self.shard = sum([f // c.ds * F32 for _, f, _, _ in c.order])  # its units' grads once reduce-scattered
 
     def saves(self) -> int:
         """Its micro-batches in flight (per: what each holds)."""
@@ -110,13 +106,21 @@ class _Held:
     def sends(self) -> int:
         return (self.fwd_sent + self.bwd_sent) * self.c.act
 
+    def grads(self) -> int:
+        """Its sharded grads: the units' once reduced, [norm, lm_head]'s reduce-scatter outputs alive."""
+        return (self.shard if self.reduced else 0) + self.head_grads
+
+    def accumulators(self) -> int:
+        """Its fp32 accumulated grads: the units' after a backward until reduced, the final norm's."""
+        c = self.c
+        return (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
+
     def lines(self) -> dict[str, int]:
         """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
         c, j = self.c, self.j
-        acc = (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
         return {f"resident/stage {j}: unsharded params": self.unsharded(),
-                f"resident/stage {j}: sharded grads": (self.shard_grads() if self.reduced else 0) + self.head_grads,
-                f"temporary/stage {j}: fp32 accumulated grads": acc,
+                f"resident/stage {j}: sharded grads": self.grads(),
+                f"temporary/stage {j}: fp32 accumulated grads": self.accumulators(),
                 f"activations/stage {j}: {len(self.flight)} micro-batches in flight": self.saves(),
                 f"gathered/stage {j}: p2p receive buffers and held sends": c.recv + self.sends(),
                 f"gathered/stage {j}: its last reduce-scatter input held": self.rs_held,
@@ -125,9 +129,8 @@ class _Held:
     def total(self) -> int:
         """The sum of lines(), as the fast path (_most) needs it."""
         c = self.c
-        acc = (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
-        return (self.unsharded() + (self.shard_grads() if self.reduced else 0) + self.head_grads + acc + self.saves()
-                + c.recv + self.sends() + self.rs_held + c.sac_held)
+        return (self.unsharded() + self.grads() + self.accumulators() + self.saves() + c.recv + self.sends()
+                + self.rs_held + c.sac_held)
 
 
 def looped_moments(stages: list[_Stage], actions: list) -> list[Peak]:
@@ -307,7 +310,7 @@ def _at_backward(me: _Held, mb: int) -> list[Peak]:
     """A backward at each of its blocks' moments (_Stage.block_moments); on the last stage first its final
     norm's (pp_peak's _at_final_norm_backward, _at_blocks_after_final_norm)."""
     c = me.c
-    others_saves = me.saves() - me.saves() // max(1, len(me.flight))
+    others_saves = me.saves() - me.per  # (the micro-batch in backward is in flight)
     p2p = c.recv + me.sends()
     out: list[Peak] = []
     g = me.head_grads
@@ -424,16 +427,7 @@ def looped_peak(model, lay, rank: int, local: list, kept: int, grads: int, emb_n
 def looped_end_grads(stages: list[_Stage], actions: list) -> int:
     """The rank's grad bytes once its step's actions have run (every stage reduced, the head's reduce-scatter
     outputs that a grad views): the walk's account, which the state's grads (pp.py) must equal."""
-    from torch.distributed.pipelining.schedules import _ComputationType as C
-
-    pp = stages[0].lay.pp
-    held = [_Held(c, j) for j, c in enumerate(stages)]
-    for a in actions:
-        me = held[a.stage_index // pp]
-        if a.computation_type == C.FORWARD:
-            _after_forward(me, a.microbatch_index)
-        elif a.computation_type == C.FULL_BACKWARD:
-            _after_backward(me, a.microbatch_index)
-        elif a.computation_type == C.REDUCE_GRAD:
-            _after_reduce_grad(me)
-    return sum([h.shard_grads() + h.head_grads for h in held])
+    held: list = []
+    for _i, _a, _me, held in _steps(stages, actions):  # (the walk applies each action as it moves on)
+        pass
+    return sum([h.grads() for h in held])
