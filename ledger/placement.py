@@ -81,6 +81,9 @@ class _Lazy:
         obj.__dict__[self.slot] = value
 
 
+_KNOWN_PARTS = frozenset(PEAK_PARTS)
+
+
 @dataclass
 class Peak:
     """A rank's most live bytes within one optimizer step, and its parts at that moment.
@@ -103,8 +106,8 @@ class Peak:
     bound: Optional[tuple[int, int]] = None
 
     def __post_init__(self):
-        unknown = set(self.parts) - set(PEAK_PARTS)
-        if unknown:
+        if not _KNOWN_PARTS.issuperset(self.parts):
+            unknown = set(self.parts) - _KNOWN_PARTS
             raise ValueError(f"peak parts {sorted(unknown)} unknown; known: {PEAK_PARTS}")
         if sum(self.parts.values()) != self.bytes:
             raise ValueError(f"peak parts sum to {sum(self.parts.values())}, not its bytes {self.bytes}")

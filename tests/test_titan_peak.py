@@ -246,7 +246,10 @@ _LOOPED_CASES = [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, s
 
 # (LoopedBFS with four stages a rank is refused: test_looped_schedules_refuse_what_the_walk_does_not_derive)
 @pytest.mark.parametrize("sched,kw,ac", [(s, kw, ac) for s in ("Interleaved1F1B", "LoopedBFS") for kw, ac in _LOOPED_CASES]
-                         + [("Interleaved1F1B", dict(vp=4, global_batch_size=8), "none")])
+                         + [("Interleaved1F1B", dict(vp=4, global_batch_size=8), "none"),
+                            # (8 blocks over 8 stages, 16 micro-batches: torch's mid-step UNSHARD / RESHARD move
+                            # another stage's params than the acting one's, which a fast path must follow)
+                            ("Interleaved1F1B", dict(vp=4, global_batch_size=16, layers=8), "none")])
 def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
     reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
@@ -254,7 +257,8 @@ def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     rule of the norm's view); each stage has its kinds of moment, on the last stage every loss's."""
     from ledger.faithful.titan import pp_looped as LP
 
-    m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=256)
+    kw = dict(kw)
+    m = ModelShape(layers=kw.pop("layers", 6), hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=256)
     lay = _lay(world=8, pp=2, **{"vp": 2, "global_batch_size": 4, **kw})
     # (torchtitan's fused wqkv under SP and selective AC: what its recomputes leave alive into the next step)
     fw = _fw(pipeline_parallel_schedule=sched, activation_checkpoint=ac, fuse_qkv=ac == "selective")

@@ -22,7 +22,7 @@ what every other stage of the rank holds at that point (_Held). What the runtime
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
@@ -49,7 +49,12 @@ def looped_unmodelled(sched: str, vp: int) -> str | None:
     return None
 
 
-@lru_cache(maxsize=256)
+class _Actions(tuple):
+    """rank_actions' actions, with the walk's structure over them made once per stages' kinds (_trace_of)."""
+    traces: dict
+
+
+@lru_cache(maxsize=1024)
 def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> tuple:
     """The rank's compute actions with torch's REDUCE_GRAD after each stage's last backward, as
     _PipelineScheduleRuntime lowers a compute-only schedule (_prepare_schedule_with_comms). Its UNSHARD / RESHARD
@@ -63,12 +68,20 @@ def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> tuple:
     compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
     if vp > MAX_ACTIVE_STAGES:  # (more stages than stay unsharded: torch's own UNSHARD / RESHARD, mid-step)
         compute = _add_unshard_reshard(compute)
-    return tuple(_add_reduce_grad(compute, n))
+    out = _Actions(_add_reduce_grad(compute, n))
+    out.traces = {}
+    return out
+
+
+# what [norm, lm_head]'s last reduce-scatter input held is: none, lm_head's grad alone, or the norm's with it
+_NO_RS, _LM_RS, _HEAD_RS = 0, 1, 2
 
 
 @dataclass
 class _Held:
-    """What one local stage holds between actions, as the walk moves through the rank's actions."""
+    """What one local stage holds between actions, as the walk moves through the rank's actions: the walk's
+    structure (counts and flags, the same whatever the stage's sizes: _trace) and its stage `c` to price it
+    (counts() x bytes_per(), one home for what each line holds)."""
     c: _Stage
     j: int  # its local index
     flight: list = field(default_factory=list)  # micro-batches forwarded, not yet backpropagated
@@ -79,123 +92,254 @@ class _Held:
     resharded: bool = False  # its units resharded by the runtime's RESHARD, until its next UNSHARD
     head_unsharded: bool = True  # [norm, lm_head] unsharded (the loss reshards it, the final norm's backward unshards)
     norm_acc: bool = False  # the final norm's fp32 accumulated grad (a backward made it, the next loss reduces it)
-    head_grads: int = 0  # [norm, lm_head]'s reduce-scatter outputs alive (their grads' storages)
+    # [norm, lm_head]'s reduce-scatter outputs alive (a grad views them): of lm_head's alone, of both, of the norm's
+    lm_views: int = 0
+    head_views: int = 0
+    norm_views: int = 0
     lm_has_grad: bool = False
     norm_has_grad: bool = False
-    rs_held: int = 0  # the stage's last reduce-scatter input, held until its next one
+    rs_kind: int = _NO_RS  # the stage's last reduce-scatter input, held until its next one
     at: int = -1  # the walk's action index
     last_pass: int = -1  # the rank's last forward or backward (_steps)
 
-    def unsharded(self) -> int:
-        c = self.c
-        if self.reduced or self.resharded:
-            return 0
-        return c.unsharded - (0 if self.head_unsharded or not c.has_head else c.head_full * BF16)
+    def counts(self) -> tuple:
+        """The walk's structure of this stage: how many of each of _ENTRIES it holds (bytes_per: the bytes of one)."""
+        live = not (self.reduced or self.resharded)
+        head = self.c.has_head
+        got = {"unsharded": live and (self.head_unsharded or not head), "unsharded_but_head": live
+               and not self.head_unsharded and head, "shard": self.reduced, "lm_view": self.lm_views,
+               "head_view": self.head_views, "norm_view": self.norm_views, "acc": bool(self.backs) and not self.reduced,
+               "norm_acc": self.norm_acc, "flight": len(self.flight), "recv": 1, "send": self.fwd_sent + self.bwd_sent,
+               "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS, "sac": 1}
+        return tuple([int(got[name]) for name, _ in _ENTRIES])
 
-    def __post_init__(self):
-        c = self.c
-        # a micro-batch in flight: each block's saves; on the last stage, its loss having run, also the final
-        # norm's saves and output and its accumulated output grad
-        self.per = c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0)
-        self.shard = sum([f // c.ds * F32 for _, f, _, _ in c.order])  # its units' grads once reduce-scattered
+    def line(self, name: str) -> int:
+        """The bytes of one of the lines (_ENTRIES' second column) that this stage holds."""
+        return sum([k * b for (_, ln), k, b in zip(_ENTRIES, self.counts(), self.bytes_each) if ln == name])
+
+    def lines(self) -> dict[str, int]:
+        """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
+        c, j = self.c, self.j
+        out = {f"{part}/stage {j}: {name.format(flight=len(self.flight))}": self.line(key)
+               for key, (part, name) in _LINE_NAMES.items()}
+        if c.sac_held:
+            out.update({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()})
+        return out
+
+    def total(self) -> int:
+        """The sum of lines()."""
+        return sum([k * b for k, b in zip(self.counts(), self.bytes_each)])
+
+    def unsharded(self) -> int:
+        return self.line("unsharded params")
+
+    @cached_property
+    def bytes_each(self) -> tuple:
+        return bytes_per(self.c)  # (its stage's sizes do not change along the walk)
+
+    def _one(self, entry: str) -> int:
+        return self.bytes_each[_AT[entry]]
+
+    @property
+    def per(self) -> int:
+        """What a micro-batch in flight holds (bytes_per)."""
+        return self._one("flight")
+
+    @property
+    def head_grads(self) -> int:
+        """[norm, lm_head]'s reduce-scatter outputs alive."""
+        return (self.lm_views * self._one("lm_view") + self.head_views * self._one("head_view")
+                + self.norm_views * self._one("norm_view"))
+
+    @property
+    def rs_held(self) -> int:
+        return (self.rs_kind == _LM_RS) * self._one("rs_lm") + (self.rs_kind == _HEAD_RS) * self._one("rs_head")
 
     def saves(self) -> int:
         """Its micro-batches in flight (per: what each holds)."""
         return len(self.flight) * self.per
 
     def sends(self) -> int:
-        return (self.fwd_sent + self.bwd_sent) * self.c.act
+        return (self.fwd_sent + self.bwd_sent) * self._one("send")
 
-    def grads(self) -> int:
-        """Its sharded grads: the units' once reduced, [norm, lm_head]'s reduce-scatter outputs alive."""
-        return (self.shard if self.reduced else 0) + self.head_grads
 
-    def accumulators(self) -> int:
-        """Its fp32 accumulated grads: the units' after a backward until reduced, the final norm's."""
-        c = self.c
-        return (c.acc_all if self.backs and not self.reduced else 0) + (c.h * F32 if self.norm_acc else 0)
+# what a stage holds between actions, entry by entry: its name and the Peak.plus line it adds to (_Held.lines);
+# _Held.counts says how many of each, bytes_per the bytes of one
+_ENTRIES = (("unsharded", "unsharded params"), ("unsharded_but_head", "unsharded params"),
+            ("shard", "sharded grads"), ("lm_view", "sharded grads"), ("head_view", "sharded grads"),
+            ("norm_view", "sharded grads"), ("acc", "fp32 accumulated grads"), ("norm_acc", "fp32 accumulated grads"),
+            ("flight", "micro-batches in flight"), ("recv", "p2p receive buffers and held sends"),
+            ("send", "p2p receive buffers and held sends"), ("rs_lm", "its last reduce-scatter input held"),
+            ("rs_head", "its last reduce-scatter input held"), ("sac", "unnamed"))
+_AT = {name: i for i, (name, _) in enumerate(_ENTRIES)}
+_LINE_NAMES = {"unsharded params": ("resident", "unsharded params"), "sharded grads": ("resident", "sharded grads"),
+               "fp32 accumulated grads": ("temporary", "fp32 accumulated grads"),
+               "micro-batches in flight": ("activations", "{flight} micro-batches in flight"),
+               "p2p receive buffers and held sends": ("gathered", "p2p receive buffers and held sends"),
+               "its last reduce-scatter input held": ("gathered", "its last reduce-scatter input held")}
 
-    def lines(self) -> dict[str, int]:
-        """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
-        c, j = self.c, self.j
-        return {f"resident/stage {j}: unsharded params": self.unsharded(),
-                f"resident/stage {j}: sharded grads": self.grads(),
-                f"temporary/stage {j}: fp32 accumulated grads": self.accumulators(),
-                f"activations/stage {j}: {len(self.flight)} micro-batches in flight": self.saves(),
-                f"gathered/stage {j}: p2p receive buffers and held sends": c.recv + self.sends(),
-                f"gathered/stage {j}: its last reduce-scatter input held": self.rs_held,
-                **({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()} if c.sac_held else {})}
 
-    def total(self) -> int:
-        """The sum of lines(), as the fast path (_most) needs it."""
-        c = self.c
-        return (self.unsharded() + self.grads() + self.accumulators() + self.saves() + c.recv + self.sends()
-                + self.rs_held + c.sac_held)
+def bytes_per(c: _Stage) -> tuple:
+    """The bytes of one of each of _ENTRIES for stage c, in their order."""
+    sh, ds = c.sh, c.ds
+    one = {"unsharded": c.unsharded,  # every unit unsharded
+           "unsharded_but_head": c.unsharded - c.head_full * BF16,  # [norm, lm_head] resharded by the loss
+           "shard": sum([f // ds * F32 for _, f, _, _ in c.order]),  # its units' grads once reduce-scattered
+           # a reduce-scatter output a grad views: lm_head's grad's, [norm, lm_head]'s, the final norm's alone
+           "lm_view": sh.lm_full * F32 // ds, "head_view": c.head_full * F32 // ds, "norm_view": sh.norm_full // ds * F32,
+           "acc": c.acc_all, "norm_acc": c.h * F32,  # its units' fp32 accumulators, the final norm's
+           # a micro-batch in flight: its blocks' saves; on the last stage, its loss having run, also the final
+           # norm's saves and output and its accumulated output grad
+           "flight": c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0),
+           "recv": c.recv, "send": c.act,  # the receive buffers; a held send
+           # the last loss's reduce-scatter input held: lm_head's grad's, [norm, lm_head]'s
+           "rs_lm": sh.lm_full * F32, "rs_head": c.head_full * F32,
+           "sac": c.sac_held}  # what the step before's recomputes left
+    return tuple([one[name] for name, _ in _ENTRIES])
+
+
+# the entries an action's walk state adds alike to each of its moments beside its template (_offset): a forward's
+# in-flight saves, held sends and [norm, lm_head] grads; a backward's, and the held reduce-scatter input (less the
+# micro-batch in backward, in flight)
+_FORWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send")) for name, _ in _ENTRIES])
+_BACKWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head"))
+                          for name, _ in _ENTRIES])
 
 
 def looped_moments(stages: list[_Stage], actions: list) -> list[Peak]:
     """The live bytes at each candidate moment of the rank's step: walk `actions` (rank_actions) over its
     local stages (`stages`, local index = stage index // pp). The readable reference that looped_peak's fast
     path (_most) agrees with."""
-    return [p.plus(others) for i, a, me, held in _steps(stages, actions) for p, others in _action_moments(a, me, held)]
+    return [p.plus(others) for i, a, me, held in _steps(stages, actions, stages[0].lay.pp)
+            for p, others in _action_moments(a, me, held)]
 
 
 def _most(stages: list[_Stage], actions: list) -> Peak:
     """The first of looped_moments' most. Within one action every moment of the acting stage moves by the same
     bytes with the state the walk carries (its other micro-batches' saves, its sends, its [norm, lm_head] grads,
     its held reduce-scatter input: _offset), and the other stages' lines move all of them alike: so each kind of
-    action (_template_key) is priced once, and only the action with the most is priced moment by moment."""
+    action (_template_key) is priced once, every action scored as its template, its offset and the other stages'
+    totals over the walk's structure (_trace: counts, the same for every stage size) times each stage's
+    bytes_per, and only the action with the most is priced moment by moment."""
+    import numpy as np
+
+    tr = _trace_of(stages, actions)
+    if not tr.index:
+        raise ValueError("no moment")
+    per = np.array([bytes_per(c) for c in stages], dtype=np.int64)  # [stage, entry]
+    totals = np.einsum("sae,se->sa", tr.counts, per)  # each stage's total before each action
+    cols = np.arange(len(tr.index))
+    mine = tr.counts[tr.acting, cols]  # [action, entry]: the acting stage's counts
+    mask = np.array([(0,) * len(_ENTRIES), _FORWARD_OFFSET, _BACKWARD_OFFSET], dtype=np.int64)[tr.kind]
+    offset = (mine * per[tr.acting] * mask).sum(1) - (tr.kind == 2) * per[tr.acting, _AT["flight"]]
+    score = totals.sum(0) - totals[tr.acting, cols] + offset + per[tr.acting, _AT["sac"]]
+    templates = {}
+    for at, key in enumerate(tr.keys):
+        if key not in templates:
+            templates[key] = _template(stages, actions, tr, at)
+    priced = np.array([templates[key] is not None for key in tr.keys])
+    if not priced.any():
+        raise ValueError("no moment")
+    score += np.array([templates[key] or 0 for key in tr.keys], dtype=np.int64)
+    best_at = int(np.argmax(np.where(priced, score, score.min() - 1)))  # (the first on ties)
+    i, a = tr.index[best_at], actions[tr.index[best_at]]
+    held = [_Held(c, j, **tr.states[best_at][j]) for j, c in enumerate(stages)]
+    me = held[tr.acting[best_at]]
+    return max([p.plus(others) for p, others in _action_moments(a, me, held)], key=lambda m: m.bytes)
+
+
+def _template(stages: list[_Stage], actions: list, tr: "_Trace", at: int) -> int | None:
+    """The most of the acting stage's moments of the trace's action `at`, less its _offset (None: it has none)."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    templates: dict = {}
-    best, best_i = -1, -1
-    totals, last = [], None  # each stage's total() as of now: a stage's changes only when it acts
-    for i, a, me, held in _steps(stages, actions):
-        if not totals:
-            totals = [o.total() for o in held]
-        if last is not None:
-            totals[last.j] = last.total()
-        last = me
-        key = _template_key(a, me)
-        if key not in templates:
-            templates[key] = max([p.bytes for p, _ in _action_moments(a, me, (me,))], default=None)
-            if templates[key] is not None:
-                templates[key] -= _offset(a, me, C)
-        if templates[key] is None:
-            continue
-        score = templates[key] + _offset(a, me, C) + me.c.sac_held + sum(totals) - totals[me.j]
-        if score > best:
-            best, best_i = score, i
-    for i, a, me, held in _steps(stages, actions):
-        if i == best_i:
-            return max([p.plus(others) for p, others in _action_moments(a, me, held)], key=lambda m: m.bytes)
-    raise ValueError("no moment")
+    a = actions[tr.index[at]]
+    j = tr.acting[at]
+    me = _Held(stages[j], j, **tr.states[at][j])
+    most = max([p.bytes for p, _ in _action_moments(a, me, (me,))], default=None)
+    return None if most is None else most - _offset(a, me, C)
 
 
 def _template_key(a, me: "_Held") -> tuple:
     """What shapes an action's moments beside _offset: its stage and kind, whether the stage has run a backward
     (its accumulators), on the last stage whether the loss reduces the norm's grad too and the reduce-scatter input
     it holds (a loss's cross-entropy moment holds it, its reduce-scatter moment does not)."""
-    return (a.stage_index, a.computation_type, bool(me.backs), me.norm_acc, me.rs_held if me.c.has_head else 0,
+    return (a.stage_index, a.computation_type, bool(me.backs), me.norm_acc, me.rs_kind if me.c.has_head else 0,
             me.reduced)
 
 
 def _offset(a, me: "_Held", C) -> int:
     """The bytes the acting stage's walk state adds alike to each moment of the action (its template aside);
     C: torch's _ComputationType."""
-    if a.computation_type == C.FULL_BACKWARD:
-        return me.saves() - me.per + me.sends() + me.head_grads + me.rs_held
-    if a.computation_type == C.FORWARD:
-        return me.saves() + me.sends() + me.head_grads
-    return 0  # (REDUCE_GRAD: once a stage, priced as it comes)
+    if a.computation_type not in (C.FORWARD, C.FULL_BACKWARD):
+        return 0  # (REDUCE_GRAD: once a stage, priced as it comes)
+    mask = _FORWARD_OFFSET if a.computation_type == C.FORWARD else _BACKWARD_OFFSET
+    less = me.per if a.computation_type == C.FULL_BACKWARD else 0
+    return sum([k * b * m for k, b, m in zip(me.counts(), me.bytes_each, mask)]) - less
 
 
-def _steps(stages: list[_Stage], actions: list):
-    """The walk: (index, action, the acting stage's _Held, every stage's) before each action, the action's effect
-    applied when the caller moves on."""
+@dataclass
+class _Trace:
+    """The walk's structure over a rank's actions (_steps with every stage's kinds, not its sizes): per action
+    the walk stops at, its index in the actions, the acting local stage, its kind (0 REDUCE_GRAD, 1 FORWARD,
+    2 FULL_BACKWARD), its _template_key, and every stage's _Held fields (states) and counts() before it."""
+    index: list
+    acting: object  # numpy int array
+    kind: object
+    keys: list
+    states: list
+    counts: object  # numpy [stage, action, entry]
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """What the walk's structure reads of a stage: its place in the pipeline, not its sizes."""
+    first: bool
+    last: bool
+    has_head: bool
+
+
+def _trace_of(stages: list[_Stage], actions) -> _Trace:
+    """The walk's structure over `actions` for stages of these kinds: made once per rank_actions' actions."""
+    kinds = tuple([_Kinds(c.first, c.last, c.has_head) for c in stages])
+    key = (kinds, stages[0].lay.pp)
+    traces = getattr(actions, "traces", None)
+    if traces is None:
+        return _trace(*key, actions)
+    if key not in traces:
+        traces[key] = _trace(*key, actions)
+    return traces[key]
+
+
+_STATE_FIELDS = ("flight", "backs", "reduced", "fwd_sent", "bwd_sent", "resharded", "head_unsharded", "norm_acc",
+                 "lm_views", "head_views", "norm_views", "lm_has_grad", "norm_has_grad", "rs_kind", "at",
+                 "last_pass")
+
+
+def _trace(kinds: tuple, pp: int, actions) -> _Trace:
+    import numpy as np
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    pp = stages[0].lay.pp
+    code = {C.REDUCE_GRAD: 0, C.FORWARD: 1, C.FULL_BACKWARD: 2}
+    index, acting, kind, keys, states, counts = [], [], [], [], [], []
+    for i, a, me, held in _steps(list(kinds), actions, pp):
+        index.append(i)
+        acting.append(me.j)
+        kind.append(code[a.computation_type])
+        keys.append(_template_key(a, me))
+        states.append([{f: (list(h.flight) if f == "flight" else getattr(h, f)) for f in _STATE_FIELDS}
+                       for h in held])
+        counts.append([h.counts() for h in held])
+    arr = np.array(counts, dtype=np.int64).reshape(len(index), len(kinds), len(_ENTRIES)).transpose(1, 0, 2)
+    return _Trace(index, np.array(acting, dtype=np.int64), np.array(kind, dtype=np.int64), keys, states,
+                  np.ascontiguousarray(arr))
+
+
+def _steps(stages: list, actions: list, pp: int):
+    """The walk: (index, action, the acting stage's _Held, every stage's) before each action, the action's effect
+    applied when the caller moves on. stages: _Stage (to price what each holds) or _Kinds (the structure alone);
+    pp: a stage's rank is its index mod pp, its local index the index // pp."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
     # (more stages a rank than stay unsharded: each starts sharded, torch's UNSHARD / RESHARD actions gather and
     # free its units mid-step, its fp32 accumulators kept)
     lowered = len(stages) > MAX_ACTIVE_STAGES
@@ -251,23 +395,24 @@ def _after_forward(me: _Held, mb: int) -> None:
         # a param with a sharded grad adds the output into it, one without takes a view of the output, which
         # then stays alive (_fsdp_collectives.py foreach_reduce_scatter_copy_out)
         with_norm = me.norm_acc
-        rs = (c.head_full if with_norm else c.sh.lm_full) * F32
         viewed = (not me.lm_has_grad) or (with_norm and not me.norm_has_grad)
         if viewed:
-            me.head_grads += rs // c.ds
+            if with_norm:
+                me.head_views += 1
+            else:
+                me.lm_views += 1
         me.lm_has_grad = True
         me.norm_has_grad = me.norm_has_grad or with_norm
-        me.rs_held, me.norm_acc, me.head_unsharded = rs, False, False
+        me.rs_kind, me.norm_acc, me.head_unsharded = (_HEAD_RS if with_norm else _LM_RS), False, False
 
 
 def _after_reduce_grad(me: _Held) -> None:
     """perform_reduce_grad reduce-scatters every unit with an unsharded grad: on the last stage the final
     norm's too where a backward came after the last loss (alone: lm_head's the losses reduced), its output
     the norm's grad where it had none (a view) or added into it."""
-    c = me.c
     if me.norm_acc and not me.norm_has_grad:
-        me.head_grads += c.sh.norm_full // c.ds * F32
-    me.reduced, me.rs_held, me.norm_acc = True, 0, False
+        me.norm_views += 1
+    me.reduced, me.rs_kind, me.norm_acc = True, _NO_RS, False
 
 
 def _after_backward(me: _Held, mb: int) -> None:
@@ -428,6 +573,6 @@ def looped_end_grads(stages: list[_Stage], actions: list) -> int:
     """The rank's grad bytes once its step's actions have run (every stage reduced, the head's reduce-scatter
     outputs that a grad views): the walk's account, which the state's grads (pp.py) must equal."""
     held: list = []
-    for _i, _a, _me, held in _steps(stages, actions):  # (the walk applies each action as it moves on)
+    for _i, _a, _me, held in _steps(stages, actions, stages[0].lay.pp):  # (it applies each action moving on)
         pass
-    return sum([h.grads() for h in held])
+    return sum([h.line("sharded grads") for h in held])
