@@ -36,7 +36,10 @@ LOOPED = ("Interleaved1F1B", "LoopedBFS")
 def looped_unmodelled(sched: str, vp: int) -> str | None:
     """Why looped_peak does not derive a multi-stage schedule's peak, or None where it does."""
     if sched in ZERO_BUBBLE:
-        return "the zero-bubble schedules' split backward (I / W) is not derived"
+        # traced (docs/ledger-titan.md): I keeps the micro-batch's saves and the grads into each weight's node until
+        # W frees them, so a stage holds every micro-batch forwarded until its W; the moments inside I and W are not
+        return ("the zero-bubble schedules' split backward (I holds the micro-batch's saves and its weights' "
+                "incoming grads until W) is not derived")
     if sched not in LOOPED:
         return f"{sched}'s peak is not derived"
     if sched == "LoopedBFS" and vp > MAX_ACTIVE_STAGES:
