@@ -220,7 +220,7 @@ def test_peak_within_one_percent(sweep):
     pk = df[df.quantity == "peak_bytes"]
     for rec in sweep["ok"]:
         if not any(c.get("peak") for c in records.rank_classes(rec["prediction"])):
-            # PP where pp_peak_unmodelled / looped_unmodelled say why (InterleavedZeroBubble, 4 stages a rank): no peak row, the note says so
+            # PP where pp_peak_unmodelled / looped_unmodelled say why (InterleavedZeroBubble): no peak row, the note says so
             assert any("no peak row" in n for n in rec["prediction"]["notes"]), records.job_name(rec)
             continue
         for phase in ("first", "steady"):

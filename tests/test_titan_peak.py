@@ -244,12 +244,11 @@ _LOOPED_CASES = [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, s
                  (dict(tp=2, sequence_parallel=True, global_batch_size=8), "selective")]
 
 
-# (LoopedBFS with four stages a rank is refused: test_looped_schedules_refuse_what_the_walk_does_not_derive)
 @pytest.mark.parametrize("sched,kw,ac", [(s, kw, ac) for s in ("Interleaved1F1B", "LoopedBFS") for kw, ac in _LOOPED_CASES]
-                         + [("Interleaved1F1B", dict(vp=4, global_batch_size=8), "none"),
-                            # (8 blocks over 8 stages, 16 micro-batches: torch's mid-step UNSHARD / RESHARD move
-                            # another stage's params than the acting one's, which a fast path must follow)
-                            ("Interleaved1F1B", dict(vp=4, global_batch_size=16, layers=8), "none")])
+                         + [(s, dict(vp=4, global_batch_size=8), "none") for s in ("Interleaved1F1B", "LoopedBFS")]
+                         # (8 blocks over 8 stages, 16 micro-batches: torch's mid-step UNSHARD / RESHARD move another
+                         # stage's params than the acting one's, which a fast path must follow)
+                         + [(s, dict(vp=4, global_batch_size=16, layers=8), "none") for s in ("Interleaved1F1B", "LoopedBFS")])
 def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
     reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
@@ -280,20 +279,19 @@ def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
 
 
 def test_looped_schedules_refuse_what_the_walk_does_not_derive():
-    """looped_unmodelled: the zero-bubble schedules' split backward and LoopedBFS with more stages a rank than the
-    runtime keeps unsharded (its last stage's REDUCE_GRAD, measured) are refused, with the reason in the
-    prediction's notes and no peak row; Interleaved1F1B's four stages a rank (torch's UNSHARD / RESHARD mid-step)
+    """looped_unmodelled: the zero-bubble schedules' split backward is refused, with the reason in the prediction's
+    notes and no peak row; Interleaved1F1B's and LoopedBFS's four stages a rank (torch's UNSHARD / RESHARD mid-step)
     are walked."""
     from ledger.faithful.titan import pp_looped as LP
 
     assert "split backward" in LP.looped_unmodelled("InterleavedZeroBubble", 2)
-    assert "REDUCE_GRAD" in LP.looped_unmodelled("LoopedBFS", 4)
-    assert LP.looped_unmodelled("LoopedBFS", 3) is None and LP.looped_unmodelled("Interleaved1F1B", 4) is None
+    assert LP.looped_unmodelled("LoopedBFS", 4) is None and LP.looped_unmodelled("Interleaved1F1B", 4) is None
     m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=32)
+    zb = L.place(m, _lay(world=4, pp=2, vp=2, global_batch_size=8), _fw(pipeline_parallel_schedule="InterleavedZeroBubble"))
+    assert zb.rank_state(0).peak is None and any("split backward" in n and "no peak row" in n for n in zb.notes)
     lay = _lay(world=4, pp=2, vp=4, global_batch_size=8)
-    pl = L.place(m, lay, _fw(pipeline_parallel_schedule="LoopedBFS"))
-    assert pl.rank_state(0).peak is None and any("REDUCE_GRAD" in n and "no peak row" in n for n in pl.notes)
-    assert L.place(m, lay, _fw(pipeline_parallel_schedule="Interleaved1F1B")).rank_state(0).peak is not None
+    for sched in ("Interleaved1F1B", "LoopedBFS"):
+        assert L.place(m, lay, _fw(pipeline_parallel_schedule=sched)).rank_state(0).peak is not None
 
 
 @pytest.mark.parametrize("sched,pp,vp,n", [("Interleaved1F1B", 2, 2, 4), ("Interleaved1F1B", 4, 3, 8),

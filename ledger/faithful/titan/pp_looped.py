@@ -42,13 +42,6 @@ def looped_unmodelled(sched: str, vp: int) -> str | None:
                 "incoming grads until W) is not derived")
     if sched not in LOOPED:
         return f"{sched}'s peak is not derived"
-    if sched == "LoopedBFS" and vp > MAX_ACTIVE_STAGES:
-        # measured (pp2·vp4, 6 layers, 4 micro-batches): the last stage, [norm, lm_head] alone, reduce-scatters
-        # the whole unit at its REDUCE_GRAD where the walk has only the norm left (every loss ran before the
-        # backwards and reduced lm_head): 1,407,108 B (4.6%) under; under Interleaved1F1B the same stages within
-        # 0.03%. Why torch's mid-step UNSHARD of that stage keeps lm_head's grad unsharded is not traced
-        return (f"LoopedBFS with more than {MAX_ACTIVE_STAGES} stages a rank: its last stage's REDUCE_GRAD "
-                "reduce-scatters all of [norm, lm_head] (measured), which the walk does not derive")
     return None
 
 
