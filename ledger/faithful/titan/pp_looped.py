@@ -26,7 +26,7 @@ from functools import cached_property, lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
-from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage
+from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage, reduce_grad_moments
 from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, ZERO_BUBBLE, rank_compute_order
 from ledger.placement import Peak
 
@@ -523,28 +523,10 @@ def _at_loss(me: _Held, mb: int) -> list[Peak]:
 
 
 def _at_reduce_grad(me: _Held) -> list[Peak]:
-    """REDUCE_GRAD: perform_reduce_grad unit by unit (pp_peak's _at_perform_reduce_grad), this stage's every
-    send held."""
+    """REDUCE_GRAD: perform_reduce_grad unit by unit (pp_peak's reduce_grad_moments), this stage's every send
+    held."""
     c = me.c
-    cands = []
-    p2p = c.recv + me.sends()
-    for u, (name, full, _numel, last_numel) in enumerate(c.order):
-        after = c.order[u + 1:]
-        unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (c.head_full * BF16 if c.has_head else 0)
-        acc = sum([m for _, _, m, _ in after]) * F32 + (c.h * F32 if me.norm_acc else 0) + c.held(last_numel)
-        g = me.head_grads + sum([f // c.ds * F32 for _, f, _, _ in c.order[:u + 1]])
-        last_out = c.T * c.h * BF16 if c.has_head else 0
-        copy = rs_temporary(c.rules, c.ds, full * F32)
-        d = {**_state(c), "resident/grads (units reduced, lm_head synced)": g,
-             "resident/unsharded params (units after)": unsharded_after,
-             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
-             "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
-             "gathered/p2p buffers and held sends": p2p, "activations/last micro-batch's final norm output": last_out}
-        parts = {"resident": c.kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
-                 "temporary": acc + copy}
-        cands.append(Peak.of(parts, phase="optimizer", what=f"perform_reduce_grad: {name}, stage {c.s}",
-                             detail={k: v for k, v in d.items() if v}))
-    return cands
+    return reduce_grad_moments(c, me.head_grads, me.norm_acc, c.recv + me.sends(), f", stage {c.s}")
 
 
 def looped_peak(model, lay, rank: int, local: list, kept: int, grads: int, emb_numel: int, block_numel: int,

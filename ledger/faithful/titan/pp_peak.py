@@ -341,39 +341,42 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
 
 
 def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
+    """perform_reduce_grad after the stage's last backward (reduce_grad_moments): [norm, lm_head]'s grads and the
+    final norm's accumulator held, the last activation sent on and input grad sent back; GPipe's every one
+    (_Stage.gpipe: its send lists live until _step_microbatches returns, after perform_reduce_grad)."""
+    p2p = c.recv + ((not c.last) + (not c.first)) * c.act * (c.n if c.gpipe else 1)
+    return reduce_grad_moments(c, c.head_grads, c.has_head, p2p)
+
+
+def reduce_grad_moments(c: _Stage, head_grads: int, norm_acc: bool, p2p: int, label: str = "") -> list[Peak]:
     """perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
     lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
     chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
     and a second full-size fp32 buffer (gloo's copy of the input with a shard group of more than
     one; with one, foreach_reduce's reduce_scatter_input / gradient_divide_factor); the units after
-    it still unsharded with their accumulators, the units before it with their sharded grads."""
-    h, act, kept, order = c.h, c.act, c.kept, c.order
+    it still unsharded with their accumulators, the units before it with their sharded grads.
+    head_grads: [norm, lm_head]'s grads alive (the last stage); norm_acc: whether the final norm's fp32
+    accumulated grad is held; p2p: the receive buffers and the sends held; label: after each moment's name
+    (pp_looped.py names the stage)."""
+    h, kept, order = c.h, c.kept, c.order
     cands = []
     for u, (name, full, _numel, last_numel) in enumerate(order):
         after = order[u + 1:]
         unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (c.head_full * BF16 if c.has_head else 0)
-        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if c.has_head else 0)  # the norm's own
-        acc += c.held(last_numel)
-        g = c.head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
-        # the last activation sent on and input grad sent back; GPipe's every one (_Stage.gpipe: its send lists
-        # live until _step_microbatches returns, after perform_reduce_grad)
-        p2p = c.recv + ((not c.last) + (not c.first)) * act * (c.n if c.gpipe else 1)
+        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if norm_acc else 0) + c.held(last_numel)
+        g = head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
         # the last micro-batch's final-norm output (the stage's output; with SP all-gathered for lm_head)
-        last_out = c.T * h * BF16 if c.last else 0
+        last_out = c.T * h * BF16 if c.has_head else 0
         copy = rs_temporary(c.rules, c.ds, full * F32)
         d = {_STATE: kept, "resident/grads (units reduced, lm_head synced)": g,
              "resident/unsharded params (units after)": unsharded_after,
              "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
              "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
-             "gathered/p2p buffers and held sends": p2p}
-        if not copy:
-            del d["temporary/gloo copy or divided input (fp32)"]
-        if last_out:
-            d["activations/last micro-batch's final norm output"] = last_out
+             "gathered/p2p buffers and held sends": p2p, "activations/last micro-batch's final norm output": last_out}
         parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,
                  "temporary": acc + copy}
-        cands.append(Peak.of(parts, phase="optimizer",
-                          what=f"perform_reduce_grad: {name}", detail=d))
+        cands.append(Peak.of(parts, phase="optimizer", what=f"perform_reduce_grad: {name}{label}",
+                             detail={k: v for k, v in d.items() if v}))
     return cands
 
 
