@@ -107,7 +107,7 @@ def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...]) -> _Common:
     kept = (inp,) * len(rows) if checkpointed else saves
     cached = tuple(None if r is None else _by_part(moe_activations.sac_kept(model, B, S, rules, lay.ep, r))
                    for r in rows) if fw.activation_checkpoint == "selective" else ({},) * len(rows)
-    batch = titan_peak.batch_saved_bytes(B, S, fw.activation_checkpoint)
+    batch = titan_peak.batch_saved_bytes(B, S, fw.activation_checkpoint, lay.tp)
     # (batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
     # moments name the grads they hold)
     return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, cached, batch + I64,

@@ -138,14 +138,36 @@ def saved_per_layer(model, B: int, S: int, ac: str, tp: int = 1, sp: bool = Fals
 
 
 
-def batch_saved_bytes(B: int, S: int, ac: str) -> int:
+def batch_saved_bytes(B: int, S: int, ac: str, tp: int = 1) -> int:
     """Of the step's small tensors, those of the three moved to the device (trainer.py
     post_dataloading_process: input ids, labels, positions, T int64 each) that autograd packs for
     backward, which the probe counts as activations (its category: saved for backward), as the ledger
-    does: the ids (the embedding's) and the labels (the loss's) always, the positions too where
-    activation checkpointing wraps the blocks (the checkpoint saves the block's inputs). Measured:
-    2 x T int64 without checkpointing, 3 x T with selective or full (the torchtitan matrix, seq 32-2048)."""
-    return (2 if ac == "none" else 3) * B * S * I64
+    does: the ids (the embedding's, but with TP, whose vocab-parallel embedding saves its local ids instead:
+    vocab_parallel_saves) and the labels (the loss's), the positions too where activation checkpointing wraps
+    the blocks (the checkpoint saves the block's inputs). Measured: 2 x T int64 without checkpointing, 3 x T
+    with selective or full (the torchtitan matrix, seq 32-2048); one fewer with TP (tp2·SP at seq 512)."""
+    return ((2 if ac == "none" else 3) - (tp > 1)) * B * S * I64
+
+
+def vocab_parallel_saves(lay, B: int, S: int) -> int:
+    """What tok_embeddings saves for its backward beyond the batch's ids (batch_saved_bytes) where it runs
+    vocab-parallel: with a TP group torchtitan's Embedding.forward (models/common/embedding.py) embeds the clamped
+    local ids (int64, which F.embedding saves) and multiplies the rows by the bf16 mask of those this rank holds
+    (which the mul saves): T x (8 + 2) B, T the rank's tokens, until tok_embeddings' backward, the step's last
+    (measured: pp2·tp2·SP at seq 1024, stage 0, each micro-batch in flight a clamp's 8,192 B and a _to_copy's
+    2,048 B)."""
+    return B * S // lay.cp * (I64 + BF16) if lay.tp > 1 else 0
+
+
+_EMB_TP = "activations/the vocab-parallel embedding's local ids and row mask"
+
+
+def _with_embedding_saves(detail: dict, lay, B: int, S: int) -> int:
+    """vocab_parallel_saves, named in `detail` where there are any."""
+    emb = vocab_parallel_saves(lay, B, S)
+    if emb:
+        detail[_EMB_TP] = emb
+    return emb
 
 
 def batch_bytes(model, B: int, S: int) -> int:
@@ -325,8 +347,8 @@ def at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: i
     # hidden states the wrapper backpropagates from), the valid-token count
     root = (Tn * h * BF16 if rules.fused_rms_norm else Tn * h * F32 * 2) + Tn * F32 + T * h * BF16
     copies = chunk_copies(lay, T, h)  # the wrapper's chunk lists (micro-batch > 1)
-    batch = batch_saved_bytes(B, model.seq_len, ac)
-    acts = L * act1 + root + I64 + copies[0] + batch
+    batch = batch_saved_bytes(B, model.seq_len, ac, lay.tp)
+    acts = L * act1 + root + I64 + copies[0] + batch + _with_embedding_saves(detail, lay, B, model.seq_len)
     detail[f"activations/{L} blocks saved ({ac})"] = L * act1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
     detail["activations/root norm and hidden states"] = root
@@ -416,9 +438,10 @@ def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     reshard = fw.reshard_after_forward in ("default", "always")
     act1, kept1, _ = saved_per_layer(model, B, S, ac, tp, sp, lay.cp, rules)
     unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
-    batch = batch_saved_bytes(B, S, ac)
+    batch = batch_saved_bytes(B, S, ac, lay.tp)
     norm_saved = Tn * h * BF16 + Tn * F32 if rules.fused_rms_norm else Tn * h * F32
-    acts = L * act1 + norm_saved + I64 + batch
+    emb = vocab_parallel_saves(lay, B, S)
+    acts = L * act1 + norm_saved + I64 + batch + emb
     work = 5 * Tn * h * F32 + h * BF16
     ag = sh.layer_full * BF16 if reshard and ds > 1 else 0
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
@@ -434,6 +457,8 @@ def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
               "temporary/batch, selective AC's kept outputs": small}
     if ag:
         detail["gathered/the last block's all-gather (backward prefetch)"] = ag
+    if emb:
+        detail[_EMB_TP] = emb
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": ag + held, "temporary": work + small,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward", what="the final norm's backward",
@@ -478,10 +503,10 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
         detail["resident/unsharded params (reshard_after_forward never)"] = unsharded
     # activations: the blocks before, and the global valid-token count the loss divides by
     # (trainer.py: loss / global_valid_tokens, an int64 all-reduced)
-    batch = batch_saved_bytes(B, S, ac)
-    acts = before * act1 + I64 + batch
+    batch = batch_saved_bytes(B, S, ac, lay.tp)
     detail[f"activations/{before} blocks saved ({ac})"] = before * act1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
+    acts = before * act1 + I64 + batch + _with_embedding_saves(detail, lay, B, S)
     # gathered: the prefetched all-gather output of the unit before and HSDP's held all-reduce inputs
     # (_fsdp_backward_held), the reduce-scatter input (fp32, padded full) and output (its shard)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
@@ -532,8 +557,9 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
     ds = lay.dp_shard
     reshard = fw.reshard_after_forward in ("default", "always")
     act1, _, _ = saved_per_layer(model, B, S, "none", tp, False, 1, rules)
-    batch = batch_saved_bytes(B, S, "none")
-    acts = (k + 1) * act1 - T * (f // tp) * BF16 + I64 + batch
+    batch = batch_saved_bytes(B, S, "none", tp)
+    emb = vocab_parallel_saves(lay, B, S)
+    acts = (k + 1) * act1 - T * (f // tp) * BF16 + I64 + batch + emb
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32  # the unit after's reduce-scatter input
@@ -549,8 +575,8 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
               "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
               "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
     detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
-              f"activations/{k + 1} blocks saved (w2's input freed)": acts - I64 - batch,
-              "activations/the batch on the device (ids, labels, positions)": batch}
+              f"activations/{k + 1} blocks saved (w2's input freed)": acts - I64 - batch - emb,
+              "activations/the batch on the device (ids, labels, positions)": batch, _EMB_TP: emb}
     detail.update({key: v for key, v in swiglu.items() if v})
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": 0, "temporary": 0, "unnamed": UNNAMED}
     for key, v in swiglu.items():
@@ -585,10 +611,10 @@ def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     detail: dict[str, int] = {"resident/state": resident}
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
-    batch = batch_saved_bytes(B, S, ac)
-    acts = (k + 1) * ck1 + I64 + batch
+    batch = batch_saved_bytes(B, S, ac, lay.tp)
     detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
+    acts = (k + 1) * ck1 + I64 + batch + _with_embedding_saves(detail, lay, B, S)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
     if ag:

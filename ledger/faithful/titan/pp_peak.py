@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.dtensor import partial_weight_grads, redistributes_in_block, wo_input_grad_gathers_weight
-from ledger.faithful.titan.peak import LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer
+from ledger.faithful.titan.peak import (LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer,
+                                       vocab_parallel_saves)
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.placement import Peak
@@ -159,6 +160,9 @@ class _Stage:
     # SP under SelectiveAC with the fused wqkv, a stage after the first: what a step's block recomputes leave alive
     # into the next step (_stage)
     sac_held: int = 0
+    # the first stage with TP: what its vocab-parallel tok_embeddings saves per micro-batch until its backward
+    # (peak.vocab_parallel_saves)
+    emb_saves: int = 0
     rules: Rules = RULES[CPU_GLOO]  # the target's (target.py)
     # GPipe (torch's ScheduleGPipe._step_microbatches): every forward, then every backward; the forward sends'
     # works (fwd_sends_to_wait) and the backward sends' (bwd_sends_to_wait) are kept in lists until the step's
@@ -208,11 +212,11 @@ class _Stage:
 
     def chunk_saves(self) -> int:
         """One micro-batch's saves on this stage between its forward and backward."""
-        return self.Ls * self.blk - self.first_in
+        return self.Ls * self.blk - self.first_in + self.emb_saves
 
     def before(self, k: int) -> int:
-        """The saves of blocks 0..k-1 of the micro-batch in backward."""
-        return k * self.blk - (self.first_in if k else 0)
+        """The saves of blocks 0..k-1 of the micro-batch in backward (and its embedding's, on the first stage)."""
+        return k * self.blk - (self.first_in if k else 0) + self.emb_saves
 
     def own(self, k: int) -> int:
         """Block k's checkpoint input while the block is recomputed and backpropagated."""
@@ -337,7 +341,8 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         head_full=head_full, head_grads=grads - shard_bytes,
         unsharded=sum([f for _, f, _, _ in order]) * BF16 + (head_full * BF16 if has_head else 0),
         acc_all=(emb_numel * has_emb + Ls * grad_numel) * F32, recv=n * ((not first) + (not last)) * act,
-        rules=rules, gpipe=gpipe, sac_held=Ls * (T * h * BF16 + act) if fused_sac and s > 0 else 0)
+        rules=rules, gpipe=gpipe, sac_held=Ls * (T * h * BF16 + act) if fused_sac and s > 0 else 0,
+        emb_saves=vocab_parallel_saves(lay, B, S) if has_emb else 0)
 
 
 def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
