@@ -21,7 +21,7 @@ what every other stage of the rank holds at that point (_Held). What the runtime
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
@@ -238,7 +238,7 @@ def _most(stages: list[_Stage], actions: list) -> Peak:
         raise ValueError("no moment")
     score += np.array([templates[key] or 0 for key in tr.keys], dtype=np.int64)
     best_at = int(np.argmax(np.where(priced, score, score.min() - 1)))  # (the first on ties)
-    i, a = tr.index[best_at], actions[tr.index[best_at]]
+    a = actions[tr.index[best_at]]
     held = [_Held(c, j, **tr.states[best_at][j]) for j, c in enumerate(stages)]
     me = held[tr.acting[best_at]]
     return max([p.plus(others) for p, others in _action_moments(a, me, held)], key=lambda m: m.bytes)
@@ -306,12 +306,12 @@ def _trace_of(stages: list[_Stage], actions) -> _Trace:
     return traces[key]
 
 
-_STATE_FIELDS = ("flight", "backs", "reduced", "fwd_sent", "bwd_sent", "resharded", "head_unsharded", "norm_acc",
-                 "lm_views", "head_views", "norm_views", "lm_has_grad", "norm_has_grad", "rs_kind", "at",
-                 "last_pass")
+# a _Held's walk state: its fields but its stage and local index
+_STATE_FIELDS = tuple([f.name for f in fields(_Held) if f.name not in ("c", "j")])
 
 
 def _trace(kinds: tuple, pp: int, actions) -> _Trace:
+    """_steps over stages of these kinds (`pp`: to find a stage's local index), recorded action by action."""
     import numpy as np
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
