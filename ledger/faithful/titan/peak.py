@@ -440,8 +440,7 @@ def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     unsharded = head_numel * BF16 + (0 if reshard else (L * block_numel + emb_numel) * BF16)
     batch = batch_saved_bytes(B, S, ac, lay.tp)
     norm_saved = Tn * h * BF16 + Tn * F32 if rules.fused_rms_norm else Tn * h * F32
-    emb = vocab_parallel_saves(lay, B, S)
-    acts = L * act1 + norm_saved + I64 + batch + emb
+    acts = L * act1 + norm_saved + I64 + batch
     work = 5 * Tn * h * F32 + h * BF16
     ag = sh.layer_full * BF16 if reshard and ds > 1 else 0
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
@@ -457,8 +456,7 @@ def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
               "temporary/batch, selective AC's kept outputs": small}
     if ag:
         detail["gathered/the last block's all-gather (backward prefetch)"] = ag
-    if emb:
-        detail[_EMB_TP] = emb
+    acts += _with_embedding_saves(detail, lay, B, S)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": ag + held, "temporary": work + small,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward", what="the final norm's backward",

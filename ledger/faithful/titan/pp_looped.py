@@ -122,10 +122,6 @@ class _Held:
             out.update({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()})
         return out
 
-    def total(self) -> int:
-        """The sum of lines()."""
-        return sum([k * b for k, b in zip(self.counts(), self.bytes_each)])
-
     def unsharded(self) -> int:
         return self.line("unsharded params")
 
