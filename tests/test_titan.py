@@ -80,6 +80,11 @@ SWEEPS = (
     # SwiGLU moment is the peak; at vocab 1024 the final norm's backward is)
     ("w4tp4gqa", ("cluster.ranks=4", "model.seq_len=640", "model.hidden=640", "model.ffn_hidden=1792", "model.vocab=512",
                   "model.heads=16", "model.kv_heads=4", "model.layers=2", "layout.tp=4", NO_AC, NO_SP)),
+    # TP without SP at a shape where w2's input grad leaves its mm Partial (hidden 256, ffn 768, T 512, tp2): under
+    # full AC, without PP (tp2·dp2) and with it (pp2·tp2, uneven vocab rows), every stage's peak at SwiGLU's second
+    # reduce-scatter of that grad in a block's recompute (peak.swiglu_backward)
+    ("w4tpac512", ("cluster.ranks=4", "model.seq_len=512", "model.heads=4", "model.kv_heads=2", "model.vocab=1001",
+                   "layout.tp=2", "layout.pp=1,2", "layout.global_batch_size=2", NO_SP, "framework.activation_checkpoint=full")),
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
     ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1001", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.micro_batch_size=2", NO_AC)),
@@ -270,7 +275,8 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
     graph outlives its step: stage 0 runs pipelining's forward metadata inference with no backward,
     whose saved tensors the peak probe once kept alive (572,172 B `unnamed` at pp2 stage 0's every
     peak; probes/peak.py's pack hook). With TP (pp2·tp2, pp2·tp2·dp2) the stages peak where DTensor gathers
-    wo's weight for its input grad, at the gather's dim-1 cat; with SP at seq 1024 stage 0 in its last warm-up
+    wo's weight for its input grad, at the gather's dim-1 cat; without SP where w2's input grad leaves its mm
+    Partial (pp2·tp2 at seq 512 under full AC), at SwiGLU's second reduce-scatter of it; with SP at seq 1024 stage 0 in its last warm-up
     forward at w2's reduce-scatter, and under full and selective AC both stages at w2's reduce-scatter in a block's recompute;
     with CP (pp2·cp2 under 1F1B and GPipe) both stages at a block's ffn_norm backward."""
     kinds = set()
@@ -301,6 +307,10 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 assert where["op"] == "aten.cat.default", (name, where)
                 kinds.add("wo gather")
                 continue
+            if "reduce-scatter of w2's Partial input grad" in what:  # TP without SP: SwiGLU's Partial grads
+                assert where["op"] == "_c10d_functional.reduce_scatter_tensor.default", (name, where)
+                kinds.add("swiglu partial")
+                continue
             if "reduce-scatter in its recompute" in what:  # SP under AC: the recompute's w2 reduce-scatter
                 assert where["op"] in ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default"), (name, where)
                 kinds.add("sp recompute")
@@ -315,7 +325,8 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
                 continue
             kinds.add("reduce" if what.startswith("perform_reduce_grad") else
                       "loss" if what.startswith("lm_head reduce-scatter") else "backward")
-    assert kinds == {"reduce", "loss", "backward", "wo gather", "sp forward", "sp recompute", "ffn_norm"}, kinds
+    assert kinds == {"reduce", "loss", "backward", "wo gather", "sp forward", "sp recompute", "ffn_norm",
+                     "swiglu partial"}, kinds
 
 
 @pytest.mark.real
@@ -415,7 +426,7 @@ def test_uneven_vocab_tp_ranks_hold_their_chunk_rows(sweep):
     and lm_head, rank 1 500 (DTensor Shard(0) as torch.chunk), so the TP ranks' measured optimizer state
     differs by exactly 2 x 1 row x hidden x (exp_avg + exp_avg_sq) without FSDP."""
     jobs = [r for r in sweep["ok"] if r["config"]["model"]["vocab"] == 1001]
-    assert {records.layout_name(r) for r in jobs} == {"tp2", "tp2·dp2·sp", "tp2·pp2"}
+    assert {records.layout_name(r) for r in jobs} == {"tp2", "tp2·dp2·sp", "tp2·pp2", "tp2·dp2"}
     df = sweep["table"]
     for rec in jobs:
         assert any("vocab 1001 split as torch.chunk over tp=2" in n and "501, 500 rows" in n

@@ -170,6 +170,12 @@ def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool
     return any(k == "all_to_all" for k, _ in out) or sum(1 for k, n in out if k == "reduce_scatter" and n == T * f) > 1
 
 
+def moves_shard_to_shard_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool:
+    """Whether a block's backward redistributes a tensor Shard -> Shard (an all-to-all on a cuda mesh, the whole
+    tensor all-gathered on a cpu one: _executed), whose transient buffers the PP peak's moments do not hold."""
+    return any(k == "all_to_all" for k, _ in layer_backward_comm(model, T, tp, sp, False)[0])
+
+
 @dataclass(frozen=True)
 class RowwiseBackward:
     """One rowwise linear's (wo's or w2's) two backward mms as DTensor runs them: the placement each grad

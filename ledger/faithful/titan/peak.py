@@ -535,6 +535,37 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
                 what=f"layers.{k} post-backward reduce-scatter ({rules.collectives})", detail=_scalars(detail))
 
 
+class SwigluBackward(NamedTuple):
+    """A block's SwiGLU backward at its largest moment (swiglu_backward)."""
+    at: str  # the moment
+    lines: dict  # "part/line" -> bytes
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.lines.values())
+
+
+def swiglu_backward(model, T: int, tp: int, sp: bool = False) -> SwigluBackward:
+    """A block's SwiGLU backward (silu(w1 x) * w3 x, the product into w2) at its largest moment, the second
+    factor's grad, beside w2's weight grad and the block's output grad; T the rank's tokens. Each factor's
+    grad is a mul of w2's input grad by the other factor. Where DTensor leaves w2's input grad Partial (TP
+    without SP at the shapes dtensor.w2_grad_placements names: a full [T, ffn] on every TP rank), the
+    propagator reduce-scatters it to the factor's Shard for each mul (aten.mul.Tensor P -> S(2),
+    dtensor.layer_backward_comm), so at the second mul's reduce-scatter the Partial grad, the first mul's
+    result (the rank's [T, ffn / tp]) and the reduce-scatter's cat'ed input and its output are live (measured:
+    tp4 at hidden 640, ffn 1792, T 640 (w4tp4gqa), tp2 at hidden 256, ffn 768, T 512 under full AC, with and
+    without PP, and pp2·tp4 by hand: the peak there). Else w2's input grad and both factors' grads, the rank's
+    [T, ffn / tp] each."""
+    f = model.ffn_hidden
+    fl = f // tp
+    if tp > 1 and w2_grad_placements(model, T, tp, sp)[1] == "P":
+        return SwigluBackward("SwiGLU's second reduce-scatter of w2's Partial input grad", {
+            "temporary/w2's input grad (Partial, full [T, ffn])": T * f * BF16,
+            "temporary/the first mul's result (the rank's [T, ffn / tp])": T * fl * BF16,
+            "gathered/the second reduce-scatter's input (cat) and output": T * f * BF16 + T * fl * BF16})
+    return SwigluBackward("SwiGLU", {"temporary/the grads of silu's and w3's outputs and their product": 3 * T * fl * BF16})
+
+
 def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
                        rules: Rules = RULES[CPU_GLOO]) -> Peak | None:
     """TP without SP where DTensor's cost model leaves w2's input grad Partial (dtensor.w2_grad_placements:
@@ -564,9 +595,7 @@ def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_
     # a shard group of one runs no collective: its held input is not a collective's buffer
     held_part = "gathered" if ds > 1 else "temporary"
     swiglu = {"temporary/w2's weight grad (Partial, full [hidden, ffn])": h * f * BF16 if o_w == "P" else 0,
-              "temporary/w2's input grad (Partial, full [T, ffn])": T * f * BF16,
-              "temporary/the first mul's result (the rank's [T, ffn / tp])": T * (f // tp) * BF16,
-              "gathered/the second reduce-scatter's input (cat) and output": T * f * BF16 + T * (f // tp) * BF16,
+              **swiglu_backward(model, T, tp).lines,
               "temporary/residual-stream grad (Partial, bf16)": T * h * BF16,
               f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
               "gathered/backward prefetch all-gather (the unit before)": ag,
@@ -640,7 +669,10 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     f = model.ffn_hidden // lay.tp
     resid = (T // lay.tp if sp else T) * model.hidden * BF16
     unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered, st.small
-    work = full1 - T * f * BF16 + f * model.hidden * BF16 + 3 * T * f * BF16 + resid
+    # w2's weight grad: TP-full where DTensor leaves it Partial (TP without SP at some shapes), until FSDP reduces it
+    w2_full = lay.tp > 1 and w2_grad_placements(model, T, lay.tp, sp)[0] == "P"
+    w2_grad = model.ffn_hidden * model.hidden * BF16 if w2_full else f * model.hidden * BF16
+    work = full1 - T * f * BF16 + w2_grad + swiglu_backward(model, T, lay.tp, sp).bytes + resid
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves (w2's input freed), w2's weight grad, SwiGLU grads, residual grad"] = work
     if kept1:
@@ -724,7 +756,8 @@ def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
                 "unsharded (bf16) with fp32 accumulated grads through the step and reduces each unit after the last "
                 "backward (perform_reduce_grad); the peak is there, in a micro-batch's backward with 1F1B's "
                 "micro-batches in flight (a checkpointed block recomputed first; with TP, where DTensor gathers wo's "
-                "weight for its input grad, that moment), or at the last stage's loss; with TP the rowwise weights "
+                "weight for its input grad, that moment, and where it leaves w2's input grad Partial, SwiGLU's second "
+                "reduce-scatter of it), or at the last stage's loss; with TP the rowwise weights "
                 "whose grads leave their mm Partial hold them TP-full until perform_reduce_grad. Not "
                 "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
     out = ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.dtensor import partial_weight_grads, redistributes_in_block, wo_input_grad_gathers_weight
+from ledger.faithful.titan.dtensor import (moves_shard_to_shard_in_block, partial_weight_grads, w2_grad_placements,
+                                          wo_input_grad_gathers_weight)
 from ledger.faithful.titan.peak import (LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer,
-                                       vocab_parallel_saves)
+                                       SwigluBackward, swiglu_backward, vocab_parallel_saves)
 from ledger.faithful.titan.target import RULES, Rules
 from ledger.target import CPU_GLOO
 from ledger.placement import Peak
@@ -50,16 +51,21 @@ _STATE = "resident/state (params, optim, other)"
 
 def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a
-    rank, over FSDP / HSDP, with CP, with TP (with and without SP) where a block's
-    backward moves no activation-sized tensor beyond the rowwise input grads (dtensor.redistributes_in_block:
-    SwiGLU's reduce-scattered grads, a Shard -> Shard move)."""
+    rank, over FSDP / HSDP, with CP, with TP (with and without SP; without, SwiGLU's reduce-scattered Partial
+    grads where DTensor leaves w2's input grad Partial: peak.swiglu_backward) but where a block's backward
+    moves a tensor Shard -> Shard beside a local input grad of w2."""
     if lay.vp == 1 and sched not in ("1F1B", "GPipe"):
         return "pp_peak derives 1F1B and GPipe only"
     if lay.tp > 1:
         T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens
-        if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
-            return ("at this shape a block's backward redistributes an activation-sized grad (SwiGLU's reduce-scattered "
-                    "grads or a Shard -> Shard move), which pp_peak does not derive")
+        sp = bool(lay.sequence_parallel)
+        # a Shard -> Shard move's transient buffers (w2's input or weight, inside its mm backward) stay under the
+        # SwiGLU moment where w2's input grad leaves its mm Partial (two full [T, ffn] then: measured pp2·tp4 at
+        # hidden 640, ffn 1792, T 640, the peak at SwiGLU's reduce-scatter); beside a local input grad they may not
+        if moves_shard_to_shard_in_block(model, T, lay.tp, sp) and w2_grad_placements(model, T, lay.tp, sp)[1] != "P":
+            return ("at this shape a block's backward redistributes a tensor Shard -> Shard (an all-to-all; a cpu mesh "
+                    "all-gathers it whole) and w2's input grad is not Partial: those buffers, which pp_peak does not "
+                    "derive, may be the block's largest")
     return None
 
 
@@ -137,6 +143,7 @@ class _Stage:
     h: int
     ffn: int  # the TP-local ffn columns
     w2_grad_numel: int  # w2's weight grad out of its mm (TP-full where it leaves Partial: partial_weight_grads)
+    swiglu: SwigluBackward  # a block's SwiGLU backward at its largest moment (peak.swiglu_backward)
     attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
     attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
     wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
@@ -227,10 +234,10 @@ class _Stage:
         input then, its backward's working set). At its attention_norm: its seven linears' and two
         norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
         temporaries (aten rms_norm decomposed: mul, sum, pow, mul, div), of its own saves only that
-        norm's fp32 input. At its SwiGLU backward's second mul: w2's bf16 weight grad, the grads of
-        silu's and w3's outputs and their product (bf16 [T, ffn] each), its saves but w2's input
-        (freed by w2's mm backward), and `incoming`, the grad flowing into it where that is a tensor
-        of its own (not the P2P receive buffer). At its ffn_norm, between them: the feed-forward's three
+        norm's fp32 input. At its SwiGLU backward's second factor's grad (peak.swiglu_backward: with TP
+        without SP where w2's input grad leaves its mm Partial, its second reduce-scatter): w2's bf16 weight
+        grad, SwiGLU's grads, its saves but w2's input (freed by w2's mm backward), and `incoming`, the grad
+        flowing into it where that is a tensor of its own (not the P2P receive buffer). At its ffn_norm, between them: the feed-forward's three
         weight grads, the norm's temporaries and fp32 input, the attention half's saves. At long sequences
         the SwiGLU moment is the larger; where the tokens are few for the weights (CP) the ffn_norm's."""
         T, h, ffn = self.T, self.h, self.ffn
@@ -242,8 +249,8 @@ class _Stage:
                # not the weight grads: stage 0's peak)
                ("ffn_norm", self.before(k) + self.own(k) + self.attn_saves + self.norm_saved(),
                 (2 * ffn * h + self.w2_grad_numel) * BF16 + 5 * self.Tn * h * F32 + incoming),
-               ("SwiGLU", self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
-                self.w2_grad_numel * BF16 + 3 * T * ffn * BF16 + incoming))
+               (self.swiglu.at, self.before(k) + self.own(k) + self.act1 - T * ffn * BF16,
+                self.w2_grad_numel * BF16 + self.swiglu.bytes + incoming))
         if self.recompute_rs:
             # SP under AC (peak._at_recompute_rs without PP): the block's output grad all-gathered for w2's
             # backward, then its recompute forward to w2's reduce-scatter: every save of the block, the
@@ -332,6 +339,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         lay=lay, sh=sh, s=s, kept=kept, block_grad_numel=grad_numel, head_numel=head_numel, has_emb=has_emb, Ls=Ls,
         has_head=has_head, T=T, Tn=Tn, h=h, ffn=model.ffn_hidden // tp,
         w2_grad_numel=h * f if "w2" in full else h * f // tp,
+        swiglu=swiglu_backward(model, T, tp, sp),
         attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
         attn_grads_numel=grad_numel - qkv_local * h - h,
         wo_gather=2 * h * q * BF16 if gathers else 0,

@@ -166,7 +166,7 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
         if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
             pl.notes.append("titan peak, TP without SP: where DTensor leaves w2's input grad Partial, SwiGLU's "
                             "backward reduce-scatters it twice and the peak holds both full-size Partial grads "
-                            "(peak._at_swiglu_partial; measured at tp4, hidden 640, ffn 1792, T 640: within "
+                            "(peak.swiglu_backward; measured at tp4, hidden 640, ffn 1792, T 640: within "
                             "5,128 B); the transient buffers of DTensor's other redistributions inside a block's "
                             "backward (the all-gather a cpu mesh runs for Shard -> Shard) are freed before it and "
                             "are not a moment of their own")
