@@ -54,9 +54,9 @@ def test_search_is_the_ledger_per_layout():
     """Every row of a plan is what validate + predict say of that layout alone: the same resident
     bytes and most-loaded stage, or the same ConfigError (the planner's one rule of its own, TP inside a
     node, aside); refusals are counted by that reason with its numbers replaced."""
-    # (a shape where DTensor redistributes an activation-sized grad in a block's backward under TP without SP:
-    # torchtitan's PP rows there are on their resident state only)
-    m = preset("tiny", layers=6, hidden=640, ffn_hidden=1792, heads=16, kv_heads=4, vocab=512, seq_len=640)
+    # (a shape where, under TP without SP at tp4, a block's backward moves a tensor Shard -> Shard beside a local
+    # w2 input grad: torchtitan's PP rows there are on their resident state only, pp_peak_unmodelled)
+    m = preset("tiny", layers=6, hidden=1024, ffn_hidden=2816, heads=16, kv_heads=4, vocab=512, seq_len=512)
     sp = Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True)
     plan = search(m, HW8, sp, _bases("megatron", "deepspeed", "titan"))
     assert sum(c["layouts"] for c in plan.counts.values()) == len(plan.rows)
@@ -90,7 +90,7 @@ def test_search_is_the_ledger_per_layout():
     order = [r for r in plan.rows if r.status != "refused"]
     assert [r.fits for r in order] == sorted((r.fits for r in order), reverse=True)
     # the fitting rows judged on their peak first, then those that fit on their resident state only (no peak
-    # predicted: torchtitan's PP where a block's backward redistributes, DeepSpeed-Ulysses'), each by step time
+    # predicted: torchtitan's PP where pp_peak_unmodelled says why), each by step time
     judged = [r.peak_includes != RESIDENT_ONLY for r in order if r.fits]
     assert judged == sorted(judged, reverse=True) and any(judged) and not all(judged)
     for j in (True, False):
