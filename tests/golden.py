@@ -136,6 +136,8 @@ def titan_cases():
                                      *_lay(8 if m == "llama3_70b" else 2, 1, 8, sequence_parallel=True)]
     yield "titan/tiny/long-seq", ["model=tiny", "model.seq_len=2048", *_fw("titan", activation_checkpoint="full"),
                                   *_lay(1, 1, 2)]
+    yield "titan/llama3_8b/tp4-cp2-nosp", ["model=llama3_8b", *_fw("titan", activation_checkpoint="none"),
+                                          *_lay(4, 1, 2, cp=2, sequence_parallel=False)]
     yield "titan/refused/fp32-params", ["model=tiny", *_fw("titan", mixed_precision_param="float32"), *_lay(1, 1, 2)]
     yield "titan/tiny/pp-tp", ["model=tiny", *_fw("titan"), *_lay(2, 2, 2, global_batch_size=8)]
     yield "titan/tiny/pp-cp-hsdp", ["model=tiny", "model.seq_len=256", *_fw("titan", activation_checkpoint="full"),

@@ -54,9 +54,8 @@ def test_search_is_the_ledger_per_layout():
     """Every row of a plan is what validate + predict say of that layout alone: the same resident
     bytes and most-loaded stage, or the same ConfigError (the planner's one rule of its own, TP inside a
     node, aside); refusals are counted by that reason with its numbers replaced."""
-    # (a shape where, under TP without SP at tp4, a block's backward moves a tensor Shard -> Shard beside a local
-    # w2 input grad: torchtitan's PP rows there are on their resident state only, pp_peak_unmodelled)
-    m = preset("tiny", layers=6, hidden=1024, ffn_hidden=2816, heads=16, kv_heads=4, vocab=512, seq_len=512)
+    # (a shape where DTensor redistributes activation-sized tensors in a block's backward under TP without SP)
+    m = preset("tiny", layers=6, hidden=640, ffn_hidden=1792, heads=16, kv_heads=4, vocab=512, seq_len=640)
     sp = Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True)
     plan = search(m, HW8, sp, _bases("megatron", "deepspeed", "titan"))
     assert sum(c["layouts"] for c in plan.counts.values()) == len(plan.rows)
@@ -89,12 +88,20 @@ def test_search_is_the_ledger_per_layout():
     assert all(c["fits"] for c in plan.counts.values())  # every framework has a fitting layout of tiny on 8
     order = [r for r in plan.rows if r.status != "refused"]
     assert [r.fits for r in order] == sorted((r.fits for r in order), reverse=True)
-    # the fitting rows judged on their peak first, then those that fit on their resident state only (no peak
-    # predicted: torchtitan's PP where pp_peak_unmodelled says why), each by step time
-    judged = [r.peak_includes != RESIDENT_ONLY for r in order if r.fits]
+    fitting = [r.est_step_s for r in order if r.fits]
+    assert fitting == sorted(fitting)
+
+
+def test_rows_judged_on_their_peak_rank_before_those_on_their_resident_state():
+    """The fitting rows judged on their peak first, then those that fit on their resident state only (no peak
+    predicted: DeepSpeed-MoE with top-3 routing), each by step time."""
+    plan = search(preset("tiny_moe", moe_router_topk=3), HW8, Space(8, (1, 2), (1, 2), 2, (1, 2, 3), (False, True), True),
+                  _bases("megatron", "deepspeed"))
+    order = [r for r in plan.rows if r.fits]
+    judged = [r.peak_includes != RESIDENT_ONLY for r in order]
     assert judged == sorted(judged, reverse=True) and any(judged) and not all(judged)
     for j in (True, False):
-        fitting = [r.est_step_s for r in order if r.fits and (r.peak_includes != RESIDENT_ONLY) == j]
+        fitting = [r.est_step_s for r in order if (r.peak_includes != RESIDENT_ONLY) == j]
         assert fitting == sorted(fitting)
 
 

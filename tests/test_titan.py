@@ -85,6 +85,11 @@ SWEEPS = (
     # reduce-scatter of that grad in a block's recompute (peak.swiglu_backward)
     ("w4tpac512", ("cluster.ranks=4", "model.seq_len=512", "model.heads=4", "model.kv_heads=2", "model.vocab=1001",
                    "layout.tp=2", "layout.pp=1,2", "layout.global_batch_size=2", NO_SP, "framework.activation_checkpoint=full")),
+    # TP without SP at few tokens a rank for the weights (tp4·cp2, hidden 1024, ffn 2816, T 512 a rank): w2's weight
+    # grad leaves its mm Partial (a full [hidden, ffn]) beside a local input grad, after DTensor's Shard -> Shard moves
+    # in w2's mm backward: the peak at a block's ffn_norm backward (peak._at_ffn_norm)
+    ("w8tp4cp", ("cluster.ranks=8", "model.seq_len=1024", "model.hidden=1024", "model.ffn_hidden=2816", "model.heads=16",
+                 "model.kv_heads=4", "model.vocab=512", "model.layers=2", "layout.tp=4", "layout.cp=2", NO_SP, NO_AC)),
     # sequence parallelism: reduce-scatters / all-gathers around every block instead of all-reduces
     ("w4tpsp", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1001", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.micro_batch_size=2", NO_AC)),
@@ -249,8 +254,8 @@ def test_peak_within_one_percent(sweep):
 # peaks the ledger misses, named in the prediction's notes with their measured size (the job's name ->
 # (the note's words, {phase: measured - predicted bytes on every rank}))
 PEAK_FINDINGS: dict = {
-    # none now: the TP-without-SP job (w4tp4gqa) peaks at SwiGLU's second reduce-scatter of w2's Partial input
-    # grad (peak._at_swiglu_partial), within 5,128 B
+    # none now: the TP-without-SP jobs peak at a block's own backward moments (w4tp4gqa at SwiGLU's second
+    # reduce-scatter of w2's Partial input grad, peak._at_swiglu, within 5,128 B; w8tp4cp at its ffn_norm's)
 }
 
 

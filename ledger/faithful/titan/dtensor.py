@@ -161,21 +161,6 @@ def _executed(kind: str, cpu_mesh: bool) -> str:
     return "all_gather" if cpu_mesh and kind == "all_to_all" else kind
 
 
-def redistributes_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool:
-    """Whether a block's backward redistributes an activation-sized tensor beyond the rowwise input grads
-    (a Shard -> Shard move of x2d or W, or SwiGLU's reduce-scattered grads): buffers the peak's moments do
-    not hold (the Placement's notes name the finding)."""
-    out = layer_backward_comm(model, T, tp, sp, False)[0]
-    f = model.ffn_hidden
-    return any(k == "all_to_all" for k, _ in out) or sum(1 for k, n in out if k == "reduce_scatter" and n == T * f) > 1
-
-
-def moves_shard_to_shard_in_block(model: ModelShape, T: int, tp: int, sp: bool) -> bool:
-    """Whether a block's backward redistributes a tensor Shard -> Shard (an all-to-all on a cuda mesh, the whole
-    tensor all-gathered on a cpu one: _executed), whose transient buffers the PP peak's moments do not hold."""
-    return any(k == "all_to_all" for k, _ in layer_backward_comm(model, T, tp, sp, False)[0])
-
-
 @dataclass(frozen=True)
 class RowwiseBackward:
     """One rowwise linear's (wo's or w2's) two backward mms as DTensor runs them: the placement each grad

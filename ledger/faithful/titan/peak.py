@@ -225,12 +225,13 @@ def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, he
                 seen.append((rc, model.layers + 1 - k))
                 if rc.bytes > best.bytes:
                     best = rc
-        if not ac and lay.tp > 1 and not lay.sequence_parallel and lay.cp == 1 and not model.num_experts:
-            sw = _at_swiglu_partial(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
-            if sw is not None:
-                seen.append((sw, model.layers + 1 - k))
-                if sw.bytes > best.bytes:
-                    best = sw
+        if not ac and lay.tp > 1 and not lay.sequence_parallel and not model.num_experts:
+            # TP without SP: the block's own moments in its backward (SwiGLU's, then ffn_norm's)
+            for at in (_at_swiglu, _at_ffn_norm):
+                pk = at(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
+                seen.append((pk, model.layers + 1 - k))
+                if pk.bytes > best.bytes:
+                    best = pk
         pk = _at_block(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules)
         seen.append((pk, model.layers + 1 - k))
         if pk.bytes > best.bytes:
@@ -566,50 +567,85 @@ def swiglu_backward(model, T: int, tp: int, sp: bool = False) -> SwigluBackward:
     return SwigluBackward("SwiGLU", {"temporary/the grads of silu's and w3's outputs and their product": 3 * T * fl * BF16})
 
 
-def _at_swiglu_partial(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
-                       rules: Rules = RULES[CPU_GLOO]) -> Peak | None:
-    """TP without SP where DTensor's cost model leaves w2's input grad Partial (dtensor.w2_grad_placements:
-    a full [T, ffn] on every TP rank): block k's SwiGLU backward at the second of its two reduce-scatters
-    (each factor's grad is a mul of that Partial grad by the other factor's Shard: the propagator
-    reduce-scatters it to Shard for each, dtensor.layer_backward_comm). Live: w2's weight grad (Partial,
-    a full [hidden, ffn], where its mm leaves it so, until FSDP's post-backward reduces it), its input grad
-    (Partial [T, ffn]), the first mul's result (the rank's [T, ffn / tp]), the second reduce-scatter's cat'ed
-    input and its output; w2's saved input freed by its mm backward; the block's unsharded parameters, the
-    residual stream's (Partial) grad, the reduce-scatter input of the unit after held (FSDP: until the next
-    post-backward). None where the input grad is not Partial. Measured on the CPU (tp4, GQA 16 / 4
-    heads, hidden 640, ffn 1792, T 640: tests/test_titan.py w4tp4gqa): the steady peak on every rank."""
-    B, S, L, h, tp = lay.micro_batch_size, model.seq_len, model.layers, model.hidden, lay.tp
-    T, f = B * S, model.ffn_hidden
-    o_w, o_x = w2_grad_placements(model, T, tp)
-    if o_x != "P":
-        return None
-    ds = lay.dp_shard
+def _in_block_backward(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int, rules: Rules,
+                       saved_label: str, saved: int, work: dict[str, int], what: str) -> Peak:
+    """A moment inside block k's backward (no PP, no activation checkpointing): `saved` of the blocks' saves
+    (blocks 0..k-1's and what block k still holds), `work` the backward's own buffers ("part/line" -> bytes),
+    beside the block's unsharded parameters, the residual stream's grad, the batch, and FSDP's buffers: the
+    reduce-scatter input of the unit after held (until the next post-backward), the prefetched all-gather of
+    the unit before, HSDP's held all-reduce inputs."""
+    B, S, L, h = lay.micro_batch_size, model.seq_len, model.layers, model.hidden
+    T = B * S // lay.cp  # the rank's tokens
     reshard = fw.reshard_after_forward in ("default", "always")
-    act1, _, _ = saved_per_layer(model, B, S, "none", tp, False, 1, rules)
-    batch = batch_saved_bytes(B, S, "none", tp)
+    batch = batch_saved_bytes(B, S, "none", lay.tp)
     emb = vocab_parallel_saves(lay, B, S)
-    acts = (k + 1) * act1 - T * (f // tp) * BF16 + I64 + batch + emb
+    acts = saved + I64 + batch + emb
     unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
     ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
     rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32  # the unit after's reduce-scatter input
     # a shard group of one runs no collective: its held input is not a collective's buffer
-    held_part = "gathered" if ds > 1 else "temporary"
-    swiglu = {"temporary/w2's weight grad (Partial, full [hidden, ffn])": h * f * BF16 if o_w == "P" else 0,
-              **swiglu_backward(model, T, tp).lines,
-              "temporary/residual-stream grad (Partial, bf16)": T * h * BF16,
-              f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
-              "gathered/backward prefetch all-gather (the unit before)": ag,
-              "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
-              "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
+    held_part = "gathered" if ds_of(lay) > 1 else "temporary"
+    lines = {**work,
+             "temporary/residual-stream grad (bf16)": T * h * BF16,
+             f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
+             "gathered/backward prefetch all-gather (the unit before)": ag,
+             "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
+             "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
     detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
-              f"activations/{k + 1} blocks saved (w2's input freed)": acts - I64 - batch - emb,
+              f"activations/{saved_label}": saved,
               "activations/the batch on the device (ids, labels, positions)": batch, _EMB_TP: emb}
-    detail.update({key: v for key, v in swiglu.items() if v})
+    detail.update({key: v for key, v in lines.items() if v})
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": 0, "temporary": 0, "unnamed": UNNAMED}
-    for key, v in swiglu.items():
+    for key, v in lines.items():
         parts[key.split("/", 1)[0]] += v
-    return Peak.of(parts, phase="backward", what=f"layers.{k}: SwiGLU backward, its second reduce-scatter of w2's "
-                   "Partial input grad", detail=_scalars(detail))
+    return Peak.of(parts, phase="backward", what=f"layers.{k}: {what}", detail=_scalars(detail))
+
+
+def _w2_grad_line(model, T: int, tp: int) -> tuple[str, int]:
+    """w2's weight grad as its mm leaves it: Partial, a full [hidden, ffn] on every TP rank where DTensor's
+    choice makes it so (dtensor.w2_grad_placements), until FSDP's post-backward reduces it; else its shard."""
+    h, f = model.hidden, model.ffn_hidden
+    if tp > 1 and w2_grad_placements(model, T, tp)[0] == "P":
+        return "temporary/w2's weight grad (Partial, full [hidden, ffn])", h * f * BF16
+    return "temporary/w2's weight grad", h * (f // tp) * BF16
+
+
+def _at_swiglu(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+               rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """TP without SP, no activation checkpointing: block k's SwiGLU backward at its largest moment
+    (swiglu_backward: where DTensor leaves w2's input grad Partial, the second of its two reduce-scatters):
+    w2's weight grad (_w2_grad_line), SwiGLU's grads, blocks 0..k's saves but w2's input (freed by its mm
+    backward). Measured on the CPU: tp4 at hidden 640, ffn 1792, T 640 (tests/test_titan.py w4tp4gqa, w2's
+    input grad Partial): the steady peak on every rank."""
+    T, tp = lay.micro_batch_size * model.seq_len // lay.cp, lay.tp
+    act1, _, _ = saved_per_layer(model, lay.micro_batch_size, model.seq_len, "none", tp, False, lay.cp, rules)
+    sw = swiglu_backward(model, T, tp)
+    w2 = _w2_grad_line(model, T, tp)
+    what = "SwiGLU backward" + (", its second reduce-scatter of w2's Partial input grad" if sw.at != "SwiGLU" else "")
+    return _in_block_backward(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules,
+                              f"{k + 1} blocks saved (w2's input freed)",
+                              (k + 1) * act1 - T * (model.ffn_hidden // tp) * BF16, {w2[0]: w2[1], **sw.lines}, what)
+
+
+def _at_ffn_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
+                 rules: Rules = RULES[CPU_GLOO]) -> Peak:
+    """TP without SP, no activation checkpointing: block k's ffn_norm backward (pp_peak's ffn_norm moment): the
+    feed-forward's three weight grads (w2's as its mm leaves it, _w2_grad_line), the RMSNorm composite's five fp32
+    [T, h] temporaries, the attention half's saves and the norm's fp32 input, the feed-forward's own saves freed.
+    Where the tokens are few for the weights (CP) this is the block's largest: measured tp4·cp2 at hidden 1024,
+    ffn 2816, T 512 a rank (w2's weight grad Partial, DTensor's Shard -> Shard moves in w2's mm backward before
+    it), by hand: the steady peak on every rank."""
+    B, S, tp, h = lay.micro_batch_size, model.seq_len, lay.tp, model.hidden
+    T = B * S // lay.cp
+    act1, _, saves = saved_per_layer(model, B, S, "none", tp, False, lay.cp, rules)
+    attn = act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2
+    norm_in = T * h * BF16 + T * F32 if rules.fused_rms_norm else T * h * F32  # (pp_peak._Stage.norm_saved)
+    w2 = _w2_grad_line(model, T, tp)
+    work = {w2[0]: w2[1], "temporary/w1's and w3's weight grads": 2 * h * (model.ffn_hidden // tp) * BF16,
+            "temporary/the norm composite's five fp32 [T, h]": 5 * T * h * F32}
+    return _in_block_backward(model, lay, fw, sh, resident, block_numel, emb_numel, k, rules,
+                              f"{k} blocks saved, this block's attention half and ffn_norm's input",
+                              k * act1 + attn + norm_in, work, "ffn_norm backward")
 
 
 class _RecomputeState(NamedTuple):

@@ -206,7 +206,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     # (pp_peak_unmodelled names what it does not derive)
     # (several stages a rank: the looped schedules' walk, pp_looped.py, over the same per-stage byte counts)
     unmodelled = (looped_unmodelled(sched, lay.vp) if lay.vp > 1 else None) or \
-        pp_peak_unmodelled(model, lay, sched, getattr(fw, "activation_checkpoint", "none"))
+        pp_peak_unmodelled(lay, sched)
     peak_modelled = unmodelled is None
     memo: dict = {}
 

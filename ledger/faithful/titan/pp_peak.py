@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.dtensor import (moves_shard_to_shard_in_block, partial_weight_grads, w2_grad_placements,
-                                          wo_input_grad_gathers_weight)
+from ledger.faithful.titan.dtensor import partial_weight_grads, wo_input_grad_gathers_weight
 from ledger.faithful.titan.peak import (LOSS_CHUNKS, chunk_copies, first_step_peak, rs_temporary, saved_per_layer,
                                        SwigluBackward, swiglu_backward, vocab_parallel_saves)
 from ledger.faithful.titan.target import RULES, Rules
@@ -49,23 +48,14 @@ from ledger.placement import Peak
 _STATE = "resident/state (params, optim, other)"
 
 
-def pp_peak_unmodelled(model, lay, sched: str, ac: str = "none") -> str | None:
+def pp_peak_unmodelled(lay, sched: str) -> str | None:
     """Why pp_peak does not derive this layout's peak, or None where it does: 1F1B or GPipe, one stage a
     rank, over FSDP / HSDP, with CP, with TP (with and without SP; without, SwiGLU's reduce-scattered Partial
-    grads where DTensor leaves w2's input grad Partial: peak.swiglu_backward) but where a block's backward
-    moves a tensor Shard -> Shard beside a local input grad of w2."""
+    grads where DTensor leaves w2's input grad Partial: peak.swiglu_backward; DTensor's Shard -> Shard moves
+    inside w2's mm backward stay under the block's SwiGLU or ffn_norm moment: measured pp2·tp4 at hidden 640,
+    ffn 1792, T 640 and, without PP, tp4·cp2 at hidden 1024, ffn 2816, T 512 a rank)."""
     if lay.vp == 1 and sched not in ("1F1B", "GPipe"):
         return "pp_peak derives 1F1B and GPipe only"
-    if lay.tp > 1:
-        T = lay.micro_batch_size * model.seq_len // lay.cp  # the rank's tokens
-        sp = bool(lay.sequence_parallel)
-        # a Shard -> Shard move's transient buffers (w2's input or weight, inside its mm backward) stay under the
-        # SwiGLU moment where w2's input grad leaves its mm Partial (two full [T, ffn] then: measured pp2·tp4 at
-        # hidden 640, ffn 1792, T 640, the peak at SwiGLU's reduce-scatter); beside a local input grad they may not
-        if moves_shard_to_shard_in_block(model, T, lay.tp, sp) and w2_grad_placements(model, T, lay.tp, sp)[1] != "P":
-            return ("at this shape a block's backward redistributes a tensor Shard -> Shard (an all-to-all; a cpu mesh "
-                    "all-gathers it whole) and w2's input grad is not Partial: those buffers, which pp_peak does not "
-                    "derive, may be the block's largest")
     return None
 
 

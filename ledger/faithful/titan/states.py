@@ -22,7 +22,7 @@ from operator import attrgetter
 
 from ledger.faithful.titan import peak as titan_peak
 from ledger.faithful.titan.comm import first_step, lm_head_regathers, mesh_labels, step_comm
-from ledger.faithful.titan.dtensor import layer_backward_comm, redistributes_in_block
+from ledger.faithful.titan.dtensor import layer_backward_comm
 from ledger.faithful.titan.fsdp import as_built, sharded, unit_params, vocab_split_note
 from ledger.faithful.titan.pp import place_pp
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
@@ -163,11 +163,12 @@ def _place_tp_rank(model: ModelShape, lay: Layout, fw, grid: Grid, ds: int, t: i
                             "choice may differ (DEVICES_PER_HOST)")
         for gap in gaps:
             pl.notes.append(f"titan tp: {gap}; collectives past that point are not predicted")
-        if redistributes_in_block(model, T, lay.tp, bool(lay.sequence_parallel)):
-            pl.notes.append("titan peak, TP without SP: where DTensor leaves w2's input grad Partial, SwiGLU's "
-                            "backward reduce-scatters it twice and the peak holds both full-size Partial grads "
-                            "(peak.swiglu_backward; measured at tp4, hidden 640, ffn 1792, T 640: within "
-                            "5,128 B); the transient buffers of DTensor's other redistributions inside a block's "
-                            "backward (the all-gather a cpu mesh runs for Shard -> Shard) are freed before it and "
-                            "are not a moment of their own")
+        if not lay.sequence_parallel:
+            pl.notes.append("titan peak, TP without SP: a block's own backward moments are the peak's candidates, "
+                            "SwiGLU's (where DTensor leaves w2's input grad Partial, its two reduce-scatters hold "
+                            "both full-size Partial grads: peak.swiglu_backward) and ffn_norm's (w2's weight grad, "
+                            "Partial where DTensor leaves it so, beside the norm's fp32 temporaries); measured at "
+                            "tp4, hidden 640, ffn 1792, T 640 within 5,128 B and tp4·cp2, hidden 1024, ffn 2816, T 512 "
+                            "a rank within 15,864 B, where the buffers of DTensor's Shard -> Shard moves inside w2's "
+                            "mm backward stay under them")
     return pl
