@@ -157,8 +157,8 @@ def titan_cases():
     yield "titan/llama3_70b/pp-tp", ["model=llama3_70b", "model.seq_len=8192", *_fw("titan", activation_checkpoint="full"),
                                      *_lay(8, 4, 4, sequence_parallel=False, global_batch_size=16)]
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
-    yield "titan/refused/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
-                                *_lay(1, 2, 1, vp=2, global_batch_size=4)]
+    yield "titan/tiny/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
+                             *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/llama3_8b/zero-bubble", ["model=llama3_8b",
                                           *_fw("titan", pipeline_parallel_schedule="InterleavedZeroBubble"),
                                           *_lay(1, 4, 2, vp=2, global_batch_size=16)]

@@ -39,6 +39,7 @@ from ledger.faithful.titan import dtensor as D
 from ledger.faithful.titan import fsdp as F
 from ledger.faithful.titan import pp as PP
 from ledger.faithful.titan import states as L
+from ledger.faithful.titan.schedules import local_stages
 from ledger.layout import ConfigError, validate
 from ledger.model import ModelShape, preset
 from tests.conftest import (REPO, REPO_PATH, assert_every_row_reconciles, launch, peak_evidence, run_sweeps, titan_fw,
@@ -126,11 +127,13 @@ SWEEPS = (
     ("w4ppvp4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=6", "layout.pp=2",
                  "layout.vp=4", "layout.global_batch_size=8",
                  "framework.pipeline_parallel_schedule=Interleaved1F1B,LoopedBFS", NO_AC)),
-    # InterleavedZeroBubble (two stages a rank over FSDP): its split backward leaves the last stage's final norm
-    # weight without a gradient (schedules.final_norm_gets_grad): no grad shard, no AdamW state, no reduce-scatter
-    # of it, one fewer per-param norm in the grad norm
+    # InterleavedZeroBubble and ZBVZeroBubble (two stages a rank over FSDP; ZBV's V: rank 0 holds the first and
+    # the last stage, no P2P between the two stages rank 1 holds): their split backward leaves the last stage's
+    # final norm weight without a gradient (schedules.final_norm_gets_grad): no grad shard, no AdamW state, no
+    # reduce-scatter of it, one fewer per-param norm in the grad norm
     ("w4ppzb", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
-                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble", NO_AC)),
+                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble,ZBVZeroBubble",
+                NO_AC)),
     # PP with TP and SP under 1F1B at a long sequence, its peak modelled (pp_peak): stage 0 in its last warm-up
     # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
     ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
@@ -468,13 +471,17 @@ def test_loss_is_finite_and_shared(sweep):
         losses = {m["rank"]: [s["loss"] for s in m["steps"]] for m in rec["measurement"]["ranks"]}
         lay = rec["prediction"]["layout"]
         if lay["pp"] > 1:
-            # trainer.py pp_forward_backward_step: only the last stage has the loss; the others
-            # return -1.0, summed over the loss mesh (dp_replicate x dp_shard x cp) like the real one
-            last = rec["prediction"]["world"] * (lay["pp"] - 1) // lay["pp"]  # pp is the outermost grid dim
+            # trainer.py pp_forward_backward_step: only the last stage's ranks have the loss (under a V schedule
+            # PP rank 0's: schedules.local_stages); the others return -1.0, summed over the loss mesh
+            # (dp_replicate x dp_shard x cp) like the real one
+            sched = rec["config"]["framework"].get("pipeline_parallel_schedule") or "1F1B"
+            last = lay["pp"] * lay["vp"] - 1
+            loss_pp = next(p for p in range(lay["pp"]) if last in local_stages(p, lay["pp"], lay["vp"], sched))
+            per_pp = rec["prediction"]["world"] // lay["pp"]  # pp is the outermost grid dim
             for r, v in losses.items():
-                if r < last:
+                if r // per_pp != loss_pp:
                     assert v == [-1.0 * lay["dp_shard"] * lay["dp_replicate"] * lay["cp"]] * len(v), (r, v)
-            losses = {r: v for r, v in losses.items() if r >= last}
+            losses = {r: v for r, v in losses.items() if r // per_pp == loss_pp}
         first = next(iter(losses.values()))
         assert all(x is not None and 0 < x < 20 for x in first)
         assert all(v == first for v in losses.values())  # global avg loss, reduced on the loss mesh
@@ -876,7 +883,8 @@ def test_zero_bubble_last_stage_keeps_no_final_norm_state():
 @pytest.mark.parametrize("world,kw,fw,needle", [
     (8, dict(pp=2, vp=2), {}, "pipeline_parallel_schedule='1F1B' runs one stage a rank"),
     (8, dict(pp=2), dict(pipeline_parallel_schedule="Interleaved1F1B"), "at least 2 stages per rank"),
-    (8, dict(pp=2, vp=2), dict(pipeline_parallel_schedule="ZBVZeroBubble"), "its V order"),
+    (8, dict(pp=2, vp=3, global_batch_size=8), dict(pipeline_parallel_schedule="ZBVZeroBubble"),
+     "runs exactly 2 stages a rank"),
     (8, dict(pp=2, vp=4, global_batch_size=8), dict(pipeline_parallel_schedule="InterleavedZeroBubble"),
      "beyond 3 stages a rank"),
     (8, dict(pp=2, vp=2, tp=2), dict(pipeline_parallel_schedule="InterleavedZeroBubble"), "FSDP / HSDP alone"),
@@ -1194,7 +1202,8 @@ def test_unshard_counts_are_torchs_lowering():
                     (name, pp, vp, n, rank)
                 assert [SC.unshards(name, pp, vp, n, s) for s in SC.local_stages(rank, pp, vp, name)] == \
                     [torch_counts[s] for s in SC.local_stages(rank, pp, vp, name)]
-    assert "V order" in SC.stages_error("ZBVZeroBubble", 2, 2) and SC.stages_error("InterleavedZeroBubble", 2, 2) is None
+    assert SC.stages_error("ZBVZeroBubble", 2, 2) is None and SC.stages_error("InterleavedZeroBubble", 2, 2) is None
+    assert "not modelled" in SC.stages_error("DualPipeV", 2, 2)
     # pipeline_parallel_layers_per_stage gives pp * vp stages where an integer does
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None
     assert SC.losses_after_a_backward("Interleaved1F1B", 4, 2, 8) == 7 == SC.losses_after_a_backward("1F1B", 4, 1, 8)

@@ -62,8 +62,6 @@ def final_norm_gets_grad(name: str) -> bool:
 
 # schedules the ledger does not model, and why
 NOT_MODELLED = {
-    "ZBVZeroBubble": "its V order (the actions of max(2 * pp - 1, n) micro-batches, schedules.py "
-                     "ScheduleZBVZeroBubble) is not modelled",
     "DualPipeV": "its overlapped forward-backward actions are not modelled (no CPU run confirms them)",
 }
 
@@ -174,6 +172,13 @@ def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
 
         return ScheduleLoopedBFS._calculate_single_rank_operations(
             SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), rank)
+    if name == "ZBVZeroBubble":  # (what its __init__ reads: the group's size, the stages, the micro-batches)
+        from types import SimpleNamespace
+
+        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+        return ScheduleZBVZeroBubble._calculate_single_rank_operations(
+            SimpleNamespace(pp_group_size=pp, num_stages=pp * vp, _n_microbatches=n), rank)
     raise ValueError(f"{name}: its unshards are not modelled")
 
 

@@ -68,9 +68,13 @@ PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interlea
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
 
-def time_policy(fw, lay, device: str) -> TimePolicy:
+def time_policy(fw, lay, device: str) -> TimePolicy | str:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
     sched = schedule_of(fw)
+    if lay.pp > 1 and sched not in PIPELINE_ORDER:
+        # ZBVZeroBubble's V places a rank's second chunk at stage 2 pp - 1 - rank, where the simulation's chunk c of
+        # stage s is virtual stage c pp + s (ledger/timing/pipeline.py)
+        return f"step time: {sched}'s V stage order is not simulated (ledger/timing/pipeline.py)"
     cuda = device == "cuda"
     fused = fuses_qkv(fw)
     option = str(getattr(fw, "selective_ac_option", "op"))
