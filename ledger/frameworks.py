@@ -68,8 +68,7 @@ class FrameworkLedger:
     plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
     plan_hsdp: bool = False
     # (fw, lay, device) -> ledger/timing/step.py TimePolicy: how its step runs (schedule, recompute,
-    # attention kernel, what hides its data-parallel collectives), or a line saying why the step-time model does
-    # not cover this layout; None: no step-time model
+    # attention kernel, what hides its data-parallel collectives); None: no step-time model
     time_policy: Optional[Callable[[Any, Any, str], Any]] = None
     # (tp, ep) -> the expert tensor parallel degree an MoE layout is tried with (Megatron: tp at ep = 1)
     plan_expert_tp: Callable[[int, int], int] = lambda tp, ep: 1

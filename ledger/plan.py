@@ -451,11 +451,7 @@ def _step_time(model: ModelShape, lay: Layout, c: Candidate, hw: Hardware, row: 
     if spec.time_policy is None:
         row.est["model"] = f"roofline (the profile's peak x its GEMM efficiency): {c.framework} has no time policy"
         return
-    policy = spec.time_policy(c.fw, lay, hw.profile.device)
-    if isinstance(policy, str):  # a layout the step-time model does not cover: the roofline stays
-        row.est["model"] = f"roofline (the profile's peak x its GEMM efficiency): {policy}"
-        return
-    st = step_time(model, lay, row.placement, policy, hw.profile)
+    st = step_time(model, lay, row.placement, spec.time_policy(c.fw, lay, hw.profile.device), hw.profile)
     row.est = {"model": "step time (ledger/timing)", "target": st.target, "est_step_s": st.step_s, "mfu": st.mfu,
                "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu, "bubble_s": st.bubble_s,
                "exposed_s": st.exposed_s, "waterfall": [[k, v] for k, v in st.waterfall]}

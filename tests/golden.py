@@ -159,6 +159,8 @@ def titan_cases():
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/tiny/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
                              *_lay(1, 2, 1, vp=2, global_batch_size=4)]
+    yield "titan/tiny/dualpipev", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="DualPipeV"),
+                                   *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/llama3_8b/zero-bubble", ["model=llama3_8b",
                                           *_fw("titan", pipeline_parallel_schedule="InterleavedZeroBubble"),
                                           *_lay(1, 4, 2, vp=2, global_batch_size=16)]

@@ -236,11 +236,77 @@ def test_zero_bubble_order_splits_every_backward_and_fills_the_bubble(pp, vp, n)
             pipeline._run(*args, None, zero_bubble_order, lambda s, c: ws[s][c]), p2p
 
 
+def test_v_placement_is_torch_s_stage_mapping():
+    """pipeline.virtual_stage / stage_of: a loop places chunk c of stage s at c pp + s, a V at s and 2 pp - 1 - s
+    (torch's generate_stage_to_rank_mapping, style "v"), each the other's inverse."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    for pp in (2, 3, 4, 8):
+        ranks = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+        for s in range(pp):
+            for c in range(2):
+                v = pipeline.virtual_stage(pp, s, c, "v")
+                assert ranks[v] == s == pipeline.stage_of(pp, v, "v")
+                assert pipeline.stage_of(pp, pipeline.virtual_stage(pp, s, c), "loop") == s
+
+
+@pytest.mark.parametrize("name,pp,n", [("ZBVZeroBubble", 2, 4), ("ZBVZeroBubble", 4, 8), ("ZBVZeroBubble", 4, 16),
+                                       ("DualPipeV", 2, 4), ("DualPipeV", 4, 8), ("DualPipeV", 4, 16)])
+def test_v_schedules_run_their_order_over_the_v(name, pp, n):
+    """torch's V schedules (schedules.runtime_order: ZBVZeroBubble's and DualPipeV's _calculate_single_rank_operations,
+    an overlapped forward-backward's two actions one after the other): every micro-batch runs a forward and a whole
+    backward, or its I then its W, on each of a rank's two chunks. Simulated over the V (pipeline.virtual_stage: a
+    task waits for its neighbour virtual stage's, plus p2p only where that one is on another stage), each task
+    starts after its inputs; with W the weight-grad part of each backward the busy time is a whole-backward order's
+    and the step shorter than Interleaved1F1B's; _run_fast equals _run to the bit, with and without p2p."""
+    import random
+    from collections import Counter
+
+    from ledger.faithful.titan.schedules import interleaved_order, runtime_order
+
+    def order(pp_, vp_, r, m):
+        return runtime_order(name, pp_, vp_, r, m)
+
+    for r in range(pp):
+        tasks = order(pp, 2, r, n)
+        for mb in range(n):
+            for c in range(2):
+                got = Counter(k for k, m_, c_ in tasks if (m_, c_) == (mb, c))
+                assert got in (Counter({pipeline.F: 1, pipeline.B: 1}),
+                               Counter({pipeline.F: 1, pipeline.I: 1, pipeline.W: 1})), (r, mb, c, got)
+    f, b, w = (lambda s, c: 1.0), (lambda s, c: 2.0), (lambda s, c: 1.0)
+    p2p = 0.25
+    v = pipeline.simulate(pp, 2, n, f, b, p2p, order, w, "v")
+    il = pipeline.simulate(pp, 2, n, f, b, 0.0, interleaved_order)
+    assert all(v.busy_s(s) == pytest.approx(il.busy_s(s)) for s in range(pp))
+    assert pipeline.simulate(pp, 2, n, f, b, 0.0, order, w, "v").step_s < il.step_s
+    end = {}
+    for s, lane in enumerate(v.lanes):
+        for t, start, stop in lane:
+            end[t.kind, t.micro_batch, pipeline.virtual_stage(pp, s, t.chunk, "v")] = (start, stop)
+    last = 2 * pp - 1
+    for (kind, mb, vs), (start, _) in end.items():
+        hop = lambda u: p2p if pipeline.stage_of(pp, u, "v") != pipeline.stage_of(pp, vs, "v") else 0.0
+        if kind == "F" and vs:
+            assert start >= end["F", mb, vs - 1][1] + hop(vs - 1) - 1e-12
+        if kind in ("B", "I") and vs < last:
+            nxt = end.get(("B", mb, vs + 1)) or end[("I", mb, vs + 1)]
+            assert start >= nxt[1] + hop(vs + 1) - 1e-12
+    rnd = random.Random(pp * 10 + n)
+    fs = [[rnd.uniform(0.5, 2.0) for _ in range(2)] for _ in range(pp)]
+    bs = [[rnd.uniform(1.0, 4.0) for _ in range(2)] for _ in range(pp)]
+    ws = [[rnd.uniform(0.2, 0.8) * bs[s][c] for c in range(2)] for s in range(pp)]
+    for p2p in (0.0, 0.25):
+        args = (pp, 2, n, lambda s, c: fs[s][c], lambda s, c: bs[s][c], p2p)
+        assert pipeline._run_fast(*args, order, lambda s, c: ws[s][c], "v") == \
+            pipeline._run(*args, None, order, lambda s, c: ws[s][c], "v"), p2p
+
+
 def test_titan_s_zero_bubble_schedule_is_timed_with_split_backwards():
     """torchtitan's InterleavedZeroBubble on the same layout as Interleaved1F1B (pp4, vp2): the same forward
     and backward time (but the copies of the final norm's grad, which its split backward leaves without one:
     schedules.final_norm_gets_grad), a smaller bubble (its Ws fill it), so a shorter step; the sources line
-    says so."""
+    says so; and ZBVZeroBubble's and DualPipeV's over their V."""
     layout = dict(dp=4, pp=4, vp=2, global_batch_size=32)
     runs = {sched: _predict("titan", layout, f"framework.pipeline_parallel_schedule={sched}",
                             "framework.activation_checkpoint=none", "model.layers=32")[2]
@@ -249,6 +315,12 @@ def test_titan_s_zero_bubble_schedule_is_timed_with_split_backwards():
     assert zb.forward_s == pytest.approx(il.forward_s) and zb.backward_s == pytest.approx(il.backward_s, rel=1e-4)
     assert 0 < zb.bubble_s < il.bubble_s and zb.step_s < il.step_s
     assert any("InterleavedZeroBubble's order simulated" in n for n in zb.notes)
+    # the V schedules (two chunks a rank, placed as a V: rank 0 holds the head too): a bubble their orders shrink
+    for sched in ("ZBVZeroBubble", "DualPipeV"):
+        v = _predict("titan", layout, f"framework.pipeline_parallel_schedule={sched}",
+                     "framework.activation_checkpoint=none", "model.layers=32")[2]
+        assert 0 < v.bubble_s < il.bubble_s and v.step_s < il.step_s
+        assert any(f"{sched}'s order simulated over its V" in n for n in v.notes), v.notes
 
 
 def test_a_gemm_s_time_by_hand():

@@ -11,7 +11,7 @@ settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (wor
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
 uneven vocab, full AC; with SP at seq 1024, without and with full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
-LoopedBFS; InterleavedZeroBubble over FSDP (the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
+LoopedBFS; InterleavedZeroBubble, ZBVZeroBubble and DualPipeV over FSDP (under the first two the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
 build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
@@ -127,13 +127,14 @@ SWEEPS = (
     ("w4ppvp4", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "model.layers=6", "layout.pp=2",
                  "layout.vp=4", "layout.global_batch_size=8",
                  "framework.pipeline_parallel_schedule=Interleaved1F1B,LoopedBFS", NO_AC)),
-    # InterleavedZeroBubble and ZBVZeroBubble (two stages a rank over FSDP; ZBV's V: rank 0 holds the first and
-    # the last stage, no P2P between the two stages rank 1 holds): their split backward leaves the last stage's
-    # final norm weight without a gradient (schedules.final_norm_gets_grad): no grad shard, no AdamW state, no
-    # reduce-scatter of it, one fewer per-param norm in the grad norm
+    # InterleavedZeroBubble, ZBVZeroBubble and DualPipeV (two stages a rank over FSDP; the V schedules: rank 0 holds
+    # the first and the last stage, no P2P between the two stages rank 1 holds): the zero-bubble ones' split backward
+    # leaves the last stage's final norm weight without a gradient (schedules.final_norm_gets_grad): no grad shard, no
+    # AdamW state, no reduce-scatter of it, one fewer per-param norm in the grad norm; DualPipeV's full backwards
+    # give it one, carried by the losses after them (schedules.losses_after_a_backward: 2 of its 4)
     ("w4ppzb", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.vp=2",
-                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble,ZBVZeroBubble",
-                NO_AC)),
+                "layout.global_batch_size=8",
+                "framework.pipeline_parallel_schedule=InterleavedZeroBubble,ZBVZeroBubble,DualPipeV", NO_AC)),
     # PP with TP and SP under 1F1B at a long sequence, its peak modelled (pp_peak): stage 0 in its last warm-up
     # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
     ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
@@ -233,7 +234,7 @@ def test_peak_within_one_percent(sweep):
     pk = df[df.quantity == "peak_bytes"]
     for rec in sweep["ok"]:
         if not any(c.get("peak") for c in records.rank_classes(rec["prediction"])):
-            # PP where pp_peak_unmodelled / looped_unmodelled say why (InterleavedZeroBubble): no peak row, the note says so
+            # PP where pp_peak_unmodelled / looped_unmodelled say why (the zero-bubble schedules, DualPipeV): no peak row, the note says so
             assert any("no peak row" in n for n in rec["prediction"]["notes"]), records.job_name(rec)
             continue
         for phase in ("first", "steady"):
@@ -888,6 +889,7 @@ def test_zero_bubble_last_stage_keeps_no_final_norm_state():
     (8, dict(pp=2, vp=4, global_batch_size=8), dict(pipeline_parallel_schedule="InterleavedZeroBubble"),
      "beyond 3 stages a rank"),
     (8, dict(pp=2, vp=2, tp=2), dict(pipeline_parallel_schedule="InterleavedZeroBubble"), "FSDP / HSDP alone"),
+    (8, dict(pp=2, vp=2, tp=2, global_batch_size=16), dict(pipeline_parallel_schedule="DualPipeV"), "FSDP / HSDP alone"),
     (8, dict(pp=2, vp=2, global_batch_size=20), dict(pipeline_parallel_schedule="Interleaved1F1B"),
      "multiple of its rounds"),
     (2, dict(pp=2, global_batch_size=1), {}, "1F1B needs at least pp=2"),
@@ -1203,7 +1205,10 @@ def test_unshard_counts_are_torchs_lowering():
                 assert [SC.unshards(name, pp, vp, n, s) for s in SC.local_stages(rank, pp, vp, name)] == \
                     [torch_counts[s] for s in SC.local_stages(rank, pp, vp, name)]
     assert SC.stages_error("ZBVZeroBubble", 2, 2) is None and SC.stages_error("InterleavedZeroBubble", 2, 2) is None
-    assert "not modelled" in SC.stages_error("DualPipeV", 2, 2)
+    assert SC.stages_error("DualPipeV", 2, 2) is None
+    # the last stage's losses after a full backward (an I gives the final norm no grad): DualPipeV at pp2 runs
+    # F0 I0 W0 F1 B1 F2 B2 F3 B3 on it (torch's order), so two
+    assert SC.losses_after_a_backward("DualPipeV", 2, 2, 4) == 2
     # pipeline_parallel_layers_per_stage gives pp * vp stages where an integer does
     assert SC.layers_per_stage(22, 4, 3) == 2 and SC.layers_per_stage(6, 2, 3) is None
     assert SC.losses_after_a_backward("Interleaved1F1B", 4, 2, 8) == 7 == SC.losses_after_a_backward("1F1B", 4, 1, 8)

@@ -48,10 +48,7 @@ def predict(fw, model, lay, placement, hw_cfg, mode: str = "faithful", cpu_run: 
     # the trace's tasks: 2 per micro-batch per chunk per stage; past TRACE_TASKS the step is computed
     # without them (pipeline.step_seconds) and no step_trace.json is written
     trace = trace and 2 * lay.num_microbatches * lay.vp * lay.pp <= TRACE_TASKS
-    policy = spec.time_policy(fw, lay, hw.device)
-    if isinstance(policy, str):  # the layout the model does not cover, said why
-        return policy
-    return step_time(model, lay, placement, policy, hw, trace=trace)
+    return step_time(model, lay, placement, spec.time_policy(fw, lay, hw.device), hw, trace=trace)
 
 
 TRACE_TASKS = 20_000

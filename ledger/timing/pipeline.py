@@ -27,6 +27,22 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 
+def virtual_stage(pp: int, s: int, c: int, style: str = "loop") -> int:
+    """The virtual stage that chunk c of stage s runs: c pp + s in a loop (Megatron's and torch's interleaved and
+    looped schedules); in a V (torch's ZBVZeroBubble and DualPipeV, two chunks a stage:
+    generate_stage_to_rank_mapping style "v") s, then 2 pp - 1 - s."""
+    if style == "v":
+        return s if c == 0 else 2 * pp - 1 - s
+    return c * pp + s
+
+
+def stage_of(pp: int, v: int, style: str = "loop") -> int:
+    """The stage that runs virtual stage v (virtual_stage's inverse)."""
+    if style == "v":
+        return v if v < pp else 2 * pp - 1 - v
+    return v % pp
+
+
 # a task's kind in an order: a forward, a whole backward, a backward's input-grad and weight-grad halves
 # (False and True: the orders without a split are (is backward, micro-batch, chunk))
 F, B, I, W = False, True, 2, 3
@@ -104,25 +120,26 @@ def _order(pp: int, vp: int, stage: int, m: int, schedule="1f1b") -> list[tuple]
 
 
 def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
-             weight_s=None) -> Simulation:
+             weight_s=None, style: str = "loop") -> Simulation:
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
     stage c pp + s) plus the hop, a backward (or its input-grad half I) its own forward and the next
     virtual stage's input grad plus the hop, a weight-grad half W its own I. schedule: one of ORDERS or
-    an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them."""
+    an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them; style: how
+    the chunks place as virtual stages (virtual_stage)."""
     sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
-    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule, weight_s)
+    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule, weight_s, style)
     return sim
 
 
-def _durations(pp: int, vp: int, forward_s, backward_s, weight_s) -> dict:
+def _durations(pp: int, vp: int, forward_s, backward_s, weight_s, style: str = "loop") -> dict:
     """Each task kind's time on each virtual stage, (kind, v) -> seconds: I and W split a backward where
     weight_s is given (module docstring: on virtual stage 0 I is nothing and W the whole backward)."""
     dur = {}
     for s in range(pp):
         for c in range(vp):
-            v = c * pp + s
+            v = virtual_stage(pp, s, c, style)
             dur[(F, v)] = forward_s(s, c)
             dur[(B, v)] = b = backward_s(s, c)
             if weight_s is not None:
@@ -132,12 +149,13 @@ def _durations(pp: int, vp: int, forward_s, backward_s, weight_s) -> dict:
 
 
 def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, schedule: str = "1f1b",
-         weight_s=None) -> float:
+         weight_s=None, style: str = "loop") -> float:
     """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
     where lanes is given. A task's end is keyed by (kind, micro-batch, virtual stage), an I's as a B's
     (the input grad the previous virtual stage waits for)."""
-    orders = [[(kind, mb, c * pp + s, c) for kind, mb, c in _order(pp, vp, s, m, schedule)] for s in range(pp)]
-    dur = _durations(pp, vp, forward_s, backward_s, weight_s)
+    orders = [[(kind, mb, virtual_stage(pp, s, c, style), c) for kind, mb, c in _order(pp, vp, s, m, schedule)]
+              for s in range(pp)]
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style)
     done: dict[tuple, float] = {}
     free = [0.0] * pp
     pos = [0] * pp
@@ -158,7 +176,7 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, s
                         ready = done.get((F, mb, v - 1))
                         if ready is None:
                             break
-                        if (v - 1) % pp != s:
+                        if stage_of(pp, v - 1, style) != s:
                             ready += p2p_s
                 elif kind == W:
                     ready = done.get((B, mb, v))  # its own I
@@ -172,7 +190,7 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, s
                         nxt = done.get((B, mb, v + 1))
                         if nxt is None:
                             break
-                        nxt += p2p_s if (v + 1) % pp != s else 0.0
+                        nxt += p2p_s if stage_of(pp, v + 1, style) != s else 0.0
                         if nxt > ready:
                             ready = nxt
                 start = free[s] if free[s] > ready else ready
@@ -190,31 +208,34 @@ def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, s
 
 
 @lru_cache(maxsize=256)
-def _flat_orders(pp: int, vp: int, m: int, schedule: str = "1f1b") -> tuple[tuple[tuple[bool, int, int], ...], ...]:
+def _flat_orders(pp: int, vp: int, m: int, schedule: str = "1f1b", style: str = "loop"
+                 ) -> tuple[tuple[tuple[bool, int, int], ...], ...]:
     """Each stage's _order as (kind, slot, virtual stage) with slot = v m + micro-batch: an index
     into _run_fast's end-time arrays (a planner meets the same pp, vp, m in many layouts)."""
-    return tuple(tuple((kind, (c * pp + s) * m + mb, c * pp + s) for kind, mb, c in _order(pp, vp, s, m, schedule))
+    vs = [[virtual_stage(pp, s, c, style) for c in range(vp)] for s in range(pp)]
+    return tuple(tuple((kind, vs[s][c] * m + mb, vs[s][c]) for kind, mb, c in _order(pp, vp, s, m, schedule))
                  for s in range(pp))
 
 
 def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, schedule: str = "1f1b",
-              weight_s=None) -> float:
+              weight_s=None, style: str = "loop") -> float:
     """_run's step end (the readable reference, which simulate() keeps) over flat arrays: a task's end
     time in fwd_end / bwd_end[slot] (-1.0 until it ran; an I's in bwd_end, a W's nowhere: nothing waits
     for it), the hops per virtual stage worked out once, the stages' orders cached (_flat_orders). The
     same loop and the same float operations in the same order, so the same result to the bit
     (tests/test_timing.py)."""
     nv = pp * vp
-    dur = _durations(pp, vp, forward_s, backward_s, weight_s)
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style)
     f_dur = [dur[(F, v)] for v in range(nv)]
     b_dur = [dur[(B, v)] for v in range(nv)]
     i_dur = [dur[(I, v)] for v in range(nv)] if weight_s is not None else b_dur
     w_dur = [dur[(W, v)] for v in range(nv)] if weight_s is not None else b_dur
     # the hop into a virtual stage's forward (from v - 1) and into its backward (from v + 1): p2p where
     # the neighbour sits on another stage
-    f_hop = [p2p_s if (v - 1) % pp != v % pp else 0.0 for v in range(nv)]
-    b_hop = [p2p_s if (v + 1) % pp != v % pp else 0.0 for v in range(nv)]
-    orders = _flat_orders(pp, vp, m, schedule)
+    at = [stage_of(pp, v, style) for v in range(nv)]
+    f_hop = [p2p_s if v and at[v - 1] != at[v] else 0.0 for v in range(nv)]
+    b_hop = [p2p_s if v < nv - 1 and at[v + 1] != at[v] else 0.0 for v in range(nv)]
+    orders = _flat_orders(pp, vp, m, schedule, style)
     fwd_end = [-1.0] * (nv * m)
     bwd_end = [-1.0] * (nv * m)
     free = [0.0] * pp
@@ -270,7 +291,7 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
 
 
 def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
-                 weight_s=None) -> float:
+                 weight_s=None, style: str = "loop") -> float:
     """simulate(...).step_s (the readable reference, kept beside it) without simulating every
     micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
     system): adding pp micro-batches adds the same time, or a cycle of c such increments (c = 2 or 3
@@ -278,11 +299,12 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
     (r = (m - base) mod pp, k = 0..PROBE) show the cycle, and the rest is extrapolated; without a
     cycle in the probes it simulates all of m. tests/test_timing.py checks the two agree. GPipe's and
     LoopedBFS's orders (all forwards before the backwards) have no such steady state, and a framework's
-    own order function is not known to have one: simulated whole (weight_s: its split backwards')."""
+    own order function is not known to have one: simulated whole (weight_s: its split backwards'; style: a V's
+    placement, virtual_stage)."""
     if pp == 1:  # no pipelining: every micro-batch's forward and backward back to back
         return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
-    if schedule in ("gpipe", "looped_bfs") or callable(schedule):
-        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule, weight_s)
+    if schedule in ("gpipe", "looped_bfs") or callable(schedule) or style != "loop":
+        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule, weight_s, style)
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if m <= base + (PROBE + 1) * pp:
         return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)

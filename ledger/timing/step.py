@@ -44,7 +44,7 @@ from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.timing import collectives, ops
 from ledger.timing.hardware import Profile
-from ledger.timing.pipeline import simulate, step_seconds
+from ledger.timing.pipeline import simulate, step_seconds, virtual_stage
 
 # the data-parallel family of dims (the grad reductions and the param gathers of DDP, the distributed
 # optimizer, FSDP2, ZeRO); ledger/plan.py's as well
@@ -62,6 +62,9 @@ class TimePolicy:
     # micro-batch, chunk)] (torch's Interleaved1F1B where the micro-batches are no multiple of pp; a
     # zero-bubble order's I and W halves: pipeline.py)
     pipeline_order: object = None
+    # how a stage's chunks place as virtual stages (pipeline.virtual_stage): "loop" (chunk c of stage s is c pp + s)
+    # or "v" (torch's V schedules: s, then 2 pp - 1 - s)
+    stage_style: str = "loop"
     # the order splits each backward into its input-grad half and its weight-grad half (pipeline.py's I and W):
     # W the backward's weight-grad GEMMs (ops.backward_of's .wgrad), I the rest
     split_backward: bool = False
@@ -193,7 +196,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     rows and states). trace: keep the simulated schedule's tasks (StepTime.simulation, the Chrome
     trace's lanes); without it the pipeline's step comes from pipeline.step_seconds (the planner's)."""
     m = lay.num_microbatches
-    vp = lay.vp if policy.schedule in ("interleaved", "looped_bfs") else 1  # the orders of several chunks a stage
+    # the orders of several chunks a stage
+    vp = lay.vp if policy.schedule in ("interleaved", "looped_bfs") or policy.stage_style == "v" else 1
     sh = shard_of(model, lay, policy)
     head_f = ops.head_forward(sh)
     head_b = ops.backward_of(head_f)
@@ -207,20 +211,22 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     per_chunk = model.layers // (lay.pp * vp)
     extra = model.layers - per_chunk * lay.pp * vp  # the remainder on the last virtual stage
 
+    last_v = lay.pp * vp - 1
+
     def chunk_layers(stage: int, chunk: int) -> int:
-        return per_chunk + (extra if (stage, chunk) == (lay.pp - 1, vp - 1) else 0)
+        return per_chunk + (extra if has_head(stage, chunk) else 0)
 
     def chunk_kinds(stage: int, chunk: int, every: int = 1) -> dict:
-        """The chunk's layers by kind: virtual stage chunk x pp + stage holds the per_chunk layers from
-        its index on (the last one the remainder too). every: of them only those whose index + 1 it
+        """The chunk's layers by kind: its virtual stage (pipeline.virtual_stage) holds the per_chunk layers
+        from its index on (the last one the remainder too). every: of them only those whose index + 1 it
         divides (the layers that recompute, TimePolicy.recompute_every)."""
-        first = (chunk * lay.pp + stage) * per_chunk
+        first = virtual_stage(lay.pp, stage, chunk, policy.stage_style) * per_chunk
         layers = [i for i in range(first, first + chunk_layers(stage, chunk)) if (i + 1) % every == 0]
         moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
         return {"dense": len(layers) - moe, "moe": moe}
 
     def has_head(stage, chunk):
-        return (stage, chunk) == (lay.pp - 1, vp - 1)
+        return virtual_stage(lay.pp, stage, chunk, policy.stage_style) == last_v
 
     f_layer = {k: ops.seconds(v, hw) for k, v in fwd_of.items()}
     b_layer = {k: ops.seconds(bwd_of[k], hw) for k in fwd_of}
@@ -288,8 +294,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
     order = policy.pipeline_order or policy.schedule
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s) if trace else None
-    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s)
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, policy.stage_style) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, policy.stage_style)
 
     def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
         return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))

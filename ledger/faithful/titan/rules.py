@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ledger.checks import one_of
 from ledger.faithful.titan.pp import pp_stages
-from ledger.faithful.titan.schedules import (SCHEDULES, ZERO_BUBBLE, microbatch_error, schedule_of, stages_error,
+from ledger.faithful.titan.schedules import (SCHEDULES, SPLIT_BACKWARD, microbatch_error, schedule_of, stages_error,
                                              stages_split_error)
 from ledger.layout import ConfigError
 
@@ -75,11 +75,11 @@ def validate_layout(model, lay, fw_cfg) -> None:
         why = stages_error(sched, lay.pp, lay.vp) or stages_split_error(model.layers, lay.pp, lay.vp, sched)
         if why:
             raise ConfigError(f"titan: pp={lay.pp}: {why}")
-        if sched in ZERO_BUBBLE and (lay.tp > 1 or lay.cp > 1):
+        if sched in SPLIT_BACKWARD and (lay.tp > 1 or lay.cp > 1):
             # measured on the CPU (pp2 vp2 at world 4): tp2 without SP or checkpointing reconciles as Interleaved1F1B's
             # with the final norm's TP all-reduce gone; tp2 with SP under full AC runs 2-3 times the TP all-gathers and
             # reduce-scatters Interleaved1F1B's does (the checkpointed blocks' recompute, its count not derived); cp2
-            # fails inside torchtitan on the last stage (IndexError)
+            # fails inside torchtitan on the last stage (IndexError); DualPipeV's I / W likewise, not run with them
             raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} is modelled over "
                               f"FSDP / HSDP alone, not with tp={lay.tp} cp={lay.cp} (its split backward re-runs a "
                               "checkpointed block's TP collectives more often than derived; with cp torchtitan fails on "

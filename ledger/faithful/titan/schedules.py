@@ -53,6 +53,9 @@ def local_stages(pp_rank: int, pp: int, vp: int, name: str) -> tuple[int, ...]:
 # computes no gradient for it (lm_head's comes from the loss chunks' own backward; the blocks stay unsharded
 # under PP). 1F1B's full backward accumulates into the graph's own leaf.
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# the schedules that split backwards into I and W: the zero-bubble ones, every backward; DualPipeV some (its others
+# full backwards, with the overlapped forward-backward actions run one after the other: the runtime's default)
+SPLIT_BACKWARD = ZERO_BUBBLE + ("DualPipeV",)
 
 
 def final_norm_gets_grad(name: str) -> bool:
@@ -60,18 +63,12 @@ def final_norm_gets_grad(name: str) -> bool:
     return name not in ZERO_BUBBLE
 
 
-# schedules the ledger does not model, and why
-NOT_MODELLED = {
-    "DualPipeV": "its overlapped forward-backward actions are not modelled (no CPU run confirms them)",
-}
 
 
 def stages_error(name: str, pp: int, vp: int) -> str | None:
     """What torchtitan (pipeline_parallel.py _get_pipeline_metadata) and torch's schedules refuse of vp
-    stages a rank, and what the ledger does not model."""
+    stages a rank, and what the ledger does not model of them."""
     style = SCHEDULES[name].style
-    if name in NOT_MODELLED:
-        return f"framework.pipeline_parallel_schedule={name!r}: {NOT_MODELLED[name]}"
     if style == "single" and vp != 1:
         return (f"framework.pipeline_parallel_schedule={name!r} runs one stage a rank (torchtitan: \"Single stage "
                 f"schedule requires exactly 1 stage per rank\"); layout.vp={vp} needs a looped schedule "
@@ -143,18 +140,35 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
 
 
 @lru_cache(maxsize=1024)
-def zero_bubble_order(pp: int, vp: int, rank: int, n: int) -> tuple:
-    """The (kind, micro-batch, local chunk) a PP rank runs under InterleavedZeroBubble, kind F, I or W
-    (ledger/timing/pipeline.py's), in torch's own order (ScheduleInterleavedZeroBubble.
-    _calculate_single_rank_operations: _get_1f1b_rank_ops with enable_zero_bubble, each backward split
-    into its input-grad half and a weight-grad half that fills the bubble): the step-time model's order."""
+def runtime_order(name: str, pp: int, vp: int, rank: int, n: int) -> tuple:
+    """The (kind, micro-batch, local chunk) a PP rank runs under runtime schedule `name`, kind F, B, I or W
+    (ledger/timing/pipeline.py's), in torch's own order (rank_compute_order: InterleavedZeroBubble's
+    _get_1f1b_rank_ops with enable_zero_bubble, each backward split into its input-grad half and a weight-grad
+    half that fills the bubble; the V schedules' orders, an overlapped forward-backward's two actions one after
+    the other), the chunk its index among the rank's stages (local_stages): the step-time model's order."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    from ledger.timing.pipeline import F, I, W
+    from ledger.timing.pipeline import B, F, I, W
 
-    kind = {C.FORWARD: F, C.BACKWARD_INPUT: I, C.BACKWARD_WEIGHT: W}
-    return tuple((kind[a.computation_type], a.microbatch_index, a.stage_index // pp)
-                 for a in rank_compute_order("InterleavedZeroBubble", pp, vp, n, rank) if a is not None)
+    kind = {C.FORWARD: F, C.FULL_BACKWARD: B, C.BACKWARD_INPUT: I, C.BACKWARD_WEIGHT: W}
+    mine = local_stages(rank, pp, vp, name)
+    return tuple((kind[b.computation_type], b.microbatch_index, mine.index(b.stage_index))
+                 for a in rank_compute_order(name, pp, vp, n, rank) if a is not None for b in (a.sub_actions or (a,)))
+
+
+def zero_bubble_order(pp: int, vp: int, rank: int, n: int) -> tuple:
+    """InterleavedZeroBubble's runtime_order (the step-time model's order function: pp, vp, stage, m)."""
+    return runtime_order("InterleavedZeroBubble", pp, vp, rank, n)
+
+
+def zbv_order(pp: int, vp: int, rank: int, n: int) -> tuple:
+    """ZBVZeroBubble's runtime_order (an order function)."""
+    return runtime_order("ZBVZeroBubble", pp, vp, rank, n)
+
+
+def dualpipev_order(pp: int, vp: int, rank: int, n: int) -> tuple:
+    """DualPipeV's runtime_order (an order function)."""
+    return runtime_order("DualPipeV", pp, vp, rank, n)
 
 
 def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
@@ -172,12 +186,13 @@ def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
 
         return ScheduleLoopedBFS._calculate_single_rank_operations(
             SimpleNamespace(_stages=[None] * vp, pp_group_size=pp, _n_microbatches=n), rank)
-    if name == "ZBVZeroBubble":  # (what its __init__ reads: the group's size, the stages, the micro-batches)
+    if name in ("ZBVZeroBubble", "DualPipeV"):  # (what its __init__ reads: the group's size, the stages, the micro-batches)
         from types import SimpleNamespace
 
-        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-        return ScheduleZBVZeroBubble._calculate_single_rank_operations(
+        cls = ScheduleZBVZeroBubble if name == "ZBVZeroBubble" else ScheduleDualPipeV
+        return cls._calculate_single_rank_operations(
             SimpleNamespace(pp_group_size=pp, num_stages=pp * vp, _n_microbatches=n), rank)
     raise ValueError(f"{name}: its unshards are not modelled")
 
@@ -219,25 +234,37 @@ def unshards(name: str, pp: int, vp: int, n: int, stage: int) -> int:
     return _rank_unshards(name, pp, vp, n, stage % pp).get(stage, 0)
 
 
+def _last_stage_actions(name: str, pp: int, vp: int, n: int) -> list:
+    """The last stage's compute actions in its rank's order (torch's _calculate_single_rank_operations; an
+    overlapped forward-backward's sub-actions in their order)."""
+    last = pp * vp - 1
+    rank = next(r for r in range(pp) if last in local_stages(r, pp, vp, name))
+    out = []
+    for a in rank_compute_order(name, pp, vp, n, rank):
+        for b in (a.sub_actions or (a,)) if a is not None else ():
+            if b.stage_index == last:
+                out.append(b)
+    return out
+
+
 @lru_cache(maxsize=1024)
 def losses_after_a_backward(name: str, pp: int, vp: int, n: int) -> int:
-    """How many of the last stage's n micro-batch losses run after one of its backwards: components/loss.py
-    ChunkedLossWrapper reduces [norm, lm_head] at each loss's last chunk, with the norm's grad the backwards
-    before it accumulated (pp.py). 1F1B runs F0 B0 F1 B1 ... (n - 1); GPipe and LoopedBFS run every forward
-    before any backward (0); Interleaved1F1B's order on the last rank is torch's own
-    (ScheduleInterleaved1F1B._calculate_single_rank_operations, a function of these four numbers)."""
+    """How many of the last stage's n micro-batch losses run after one of its full backwards since the loss
+    before: components/loss.py ChunkedLossWrapper reduces [norm, lm_head] at each loss's last chunk, with the
+    norm's grad the backwards since accumulated (pp.py); an input-only backward (a zero-bubble I) gives the norm
+    none (final_norm_gets_grad's comment). 1F1B runs F0 B0 F1 B1 ... (n - 1); GPipe and LoopedBFS run every
+    forward before any backward (0); the runtime schedules' order is torch's own (_last_stage_actions)."""
     if name == "1F1B":
         return n - 1
     if name in ("GPipe", "LoopedBFS"):
         return 0
     from torch.distributed.pipelining.schedules import _ComputationType
 
-    last, seen_backward, count = pp * vp - 1, False, 0
-    for a in rank_compute_order("Interleaved1F1B", pp, vp, n, pp - 1):
-        if a is None or a.stage_index != last:
-            continue
+    fresh, count = False, 0
+    for a in _last_stage_actions(name, pp, vp, n):
         if a.computation_type == _ComputationType.FORWARD:
-            count += seen_backward
-        else:
-            seen_backward = True
+            count += fresh
+            fresh = False
+        elif a.computation_type == _ComputationType.FULL_BACKWARD:
+            fresh = True
     return count

@@ -7,8 +7,10 @@
              (stage by stage, breadth first); InterleavedZeroBubble in torch's own order
              (ScheduleInterleavedZeroBubble: schedules.zero_bubble_order), each backward split into its
              input-grad half I and its weight-grad half W (stage.py backward_one_chunk full_backward=False,
-             backward_weight_one_chunk), W filling the bubble; ZBVZeroBubble and DualPipeV are refused
-             (schedules.py)
+             backward_weight_one_chunk), W filling the bubble; ZBVZeroBubble and DualPipeV in torch's own
+             orders (schedules.runtime_order; DualPipeV's overlapped forward-backward as its two actions one after
+             the other, some of its backwards whole) over their V placement (a rank's chunks are stages r and
+             2 pp - 1 - r: pipeline.virtual_stage)
   recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
@@ -51,7 +53,7 @@ from dataclasses import replace
 
 from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
-from ledger.faithful.titan.schedules import interleaved_order, schedule_of, zero_bubble_order
+from ledger.faithful.titan.schedules import dualpipev_order, interleaved_order, schedule_of, zbv_order, zero_bubble_order
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -63,18 +65,17 @@ SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "res
                              "swiglu")
 # the pipeline order each schedule the ledger models runs (module docstring; ledger/timing/pipeline.py)
 PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs",
-                  "InterleavedZeroBubble": "interleaved"}  # (its own order, split backwards: time_policy)
+                  "InterleavedZeroBubble": "interleaved",  # (its own order, split backwards: time_policy)
+                  "ZBVZeroBubble": "v", "DualPipeV": "v"}  # (their own orders over a V placement: time_policy)
+# the runtime schedules run as torch orders them, with split backwards (schedules.runtime_order)
+OWN_ORDER = {"InterleavedZeroBubble": zero_bubble_order, "ZBVZeroBubble": zbv_order, "DualPipeV": dualpipev_order}
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
 
-def time_policy(fw, lay, device: str) -> TimePolicy | str:
+def time_policy(fw, lay, device: str) -> TimePolicy:
     ac = getattr(fw, "activation_checkpoint", "none") or "none"
     sched = schedule_of(fw)
-    if lay.pp > 1 and sched not in PIPELINE_ORDER:
-        # ZBVZeroBubble's V places a rank's second chunk at stage 2 pp - 1 - rank, where the simulation's chunk c of
-        # stage s is virtual stage c pp + s (ledger/timing/pipeline.py)
-        return f"step time: {sched}'s V stage order is not simulated (ledger/timing/pipeline.py)"
     cuda = device == "cuda"
     fused = fuses_qkv(fw)
     option = str(getattr(fw, "selective_ac_option", "op"))
@@ -91,11 +92,13 @@ def time_policy(fw, lay, device: str) -> TimePolicy | str:
     schedule = "none" if lay.pp == 1 else PIPELINE_ORDER[sched]
     # torch's Interleaved1F1B is Megatron's interleaved order where the micro-batches are a multiple of pp
     # (tests/test_timing.py compares them); otherwise its own flexible rounds
-    # InterleavedZeroBubble: torch's own order, its backwards split (module docstring)
-    zero_bubble = sched == "InterleavedZeroBubble" and lay.pp > 1
-    own = (zero_bubble_order if zero_bubble else
+    # the zero-bubble schedules and DualPipeV: torch's own order, backwards split (module docstring); the V ones
+    # over their V placement
+    split = sched in OWN_ORDER and lay.pp > 1
+    own = (OWN_ORDER[sched] if split else
            interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None)
-    return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=zero_bubble, recompute=recompute,
+    return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=split,
+                      stage_style="v" if schedule == "v" else "loop", recompute=recompute,
                       recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
@@ -121,6 +124,9 @@ def _pipeline_note(sched: str, pp: int) -> str:
     if sched == "InterleavedZeroBubble":
         return ("; InterleavedZeroBubble's order simulated, each backward as its input-grad half and its weight-grad "
                 "GEMMs apart")
+    if PIPELINE_ORDER[sched] == "v":
+        return (f"; {sched}'s order simulated over its V (a rank's chunks are stages r and 2 pp - 1 - r), its split "
+                "backwards as input-grad half and weight-grad GEMMs apart")
     return f"; {sched}'s order simulated"
 
 
