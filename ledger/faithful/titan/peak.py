@@ -601,11 +601,11 @@ def _in_block_backward(model, lay, fw, sh, resident: int, block_numel: int, emb_
     return Peak.of(parts, phase="backward", what=f"layers.{k}: {what}", detail=_scalars(detail))
 
 
-def _w2_grad_line(model, T: int, tp: int) -> tuple[str, int]:
+def _w2_grad_line(model, T: int, tp: int, sp: bool = False) -> tuple[str, int]:
     """w2's weight grad as its mm leaves it: Partial, a full [hidden, ffn] on every TP rank where DTensor's
     choice makes it so (dtensor.w2_grad_placements), until FSDP's post-backward reduces it; else its shard."""
     h, f = model.hidden, model.ffn_hidden
-    if tp > 1 and w2_grad_placements(model, T, tp)[0] == "P":
+    if tp > 1 and w2_grad_placements(model, T, tp, sp)[0] == "P":
         return "temporary/w2's weight grad (Partial, full [hidden, ffn])", h * f * BF16
     return "temporary/w2's weight grad", h * (f // tp) * BF16
 
@@ -705,9 +705,8 @@ def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     f = model.ffn_hidden // lay.tp
     resid = (T // lay.tp if sp else T) * model.hidden * BF16
     unsharded, acts, gathered, small = st.unsharded, st.acts, st.gathered, st.small
-    # w2's weight grad: TP-full where DTensor leaves it Partial (TP without SP at some shapes), until FSDP reduces it
-    w2_full = lay.tp > 1 and w2_grad_placements(model, T, lay.tp, sp)[0] == "P"
-    w2_grad = model.ffn_hidden * model.hidden * BF16 if w2_full else f * model.hidden * BF16
+    # w2's weight grad as its mm leaves it (TP-full where DTensor leaves it Partial)
+    w2_grad = _w2_grad_line(model, T, lay.tp, sp)[1]
     work = full1 - T * f * BF16 + w2_grad + swiglu_backward(model, T, lay.tp, sp).bytes + resid
     temp = work + k * kept1 + small
     detail["temporary/the recompute's saves (w2's input freed), w2's weight grad, SwiGLU grads, residual grad"] = work
