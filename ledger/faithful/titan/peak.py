@@ -480,6 +480,18 @@ def _fsdp_backward_held(sh, lay, fw, layers: int, k: int) -> tuple[int, int]:
     return ag, held
 
 
+def _in_backward_held(sh, lay, fw, layers: int, k: int, block_numel: int, emb_numel: int) -> tuple[int, int, int, int]:
+    """(unsharded, prefetched all-gather, HSDP's held all-reduce inputs, reduce-scatter input held) while block k
+    is backpropagated, no PP: its unsharded parameters (with reshard_after_forward "never" the blocks before and
+    the embedding too), _fsdp_backward_held's two, and the reduce-scatter input of the unit after (fp32, padded
+    full: _fsdp_param_group.py keeps it until the next post_backward; after the last block, the final norm's)."""
+    reshard = fw.reshard_after_forward in ("default", "always")
+    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    ag, held = _fsdp_backward_held(sh, lay, fw, layers, k)
+    rs_held = (sh.layer_full if k < layers - 1 else sh.norm_full) * F32
+    return unsharded, ag, held, rs_held
+
+
 def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
               rules: Rules = RULES[CPU_GLOO]) -> Peak:
     """Live bytes while the backend reduce-scatters block k's grads (its post-backward, after its reshard)."""
@@ -574,15 +586,10 @@ def _in_block_backward(model, lay, fw, sh, resident: int, block_numel: int, emb_
     beside the block's unsharded parameters, the residual stream's grad, the batch, and FSDP's buffers: the
     reduce-scatter input of the unit after held (until the next post-backward), the prefetched all-gather of
     the unit before, HSDP's held all-reduce inputs."""
-    B, S, L, h = lay.micro_batch_size, model.seq_len, model.layers, model.hidden
+    B, S, h = lay.micro_batch_size, model.seq_len, model.hidden
     T = B * S // lay.cp  # the rank's tokens
-    reshard = fw.reshard_after_forward in ("default", "always")
     batch = batch_saved_bytes(B, S, "none", lay.tp)
-    emb = vocab_parallel_saves(lay, B, S)
-    acts = saved + I64 + batch + emb
-    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
-    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
-    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32  # the unit after's reduce-scatter input
+    unsharded, ag, held, rs_held = _in_backward_held(sh, lay, fw, model.layers, k, block_numel, emb_numel)
     # a shard group of one runs no collective: its held input is not a collective's buffer
     held_part = "gathered" if ds_of(lay) > 1 else "temporary"
     lines = {**work,
@@ -593,7 +600,8 @@ def _in_block_backward(model, lay, fw, sh, resident: int, block_numel: int, emb_
              "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
     detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
               f"activations/{saved_label}": saved,
-              "activations/the batch on the device (ids, labels, positions)": batch, _EMB_TP: emb}
+              "activations/the batch on the device (ids, labels, positions)": batch}
+    acts = saved + I64 + batch + _with_embedding_saves(detail, lay, B, S)
     detail.update({key: v for key, v in lines.items() if v})
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": 0, "temporary": 0, "unnamed": UNNAMED}
     for key, v in lines.items():
@@ -666,20 +674,17 @@ def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     "never" the earlier ones too), blocks 0..k-1's checkpoint saves and block k's input, the batch, and
     FSDP2's backward buffers (the unit before's prefetched all-gather, the reduce-scatter input of the
     unit after still held: _fsdp_param_group.py keeps it until the next post_backward, HSDP's)."""
-    B, S, L = lay.micro_batch_size, model.seq_len, model.layers
+    B, S = lay.micro_batch_size, model.seq_len
     ac = getattr(fw, "activation_checkpoint", "none")
-    reshard = fw.reshard_after_forward in ("default", "always")
     full1 = saved_per_layer(model, B, S, "none", lay.tp, sp, lay.cp, rules)[0]
     ck1, kept1, _ = saved_per_layer(model, B, S, ac, lay.tp, sp, lay.cp, rules)
     detail: dict[str, int] = {"resident/state": resident}
-    unsharded = block_numel * BF16 + (0 if reshard else k * block_numel * BF16 + emb_numel * BF16)
+    unsharded, ag, held, rs_held = _in_backward_held(sh, lay, fw, model.layers, k, block_numel, emb_numel)
     detail["resident/unsharded params (this block; the earlier ones with never)"] = unsharded
     batch = batch_saved_bytes(B, S, ac, lay.tp)
     detail[f"activations/{k} blocks' checkpoint saves and this block's input ({ac})"] = (k + 1) * ck1
     detail["activations/the batch on the device (ids, labels, positions)"] = batch
     acts = (k + 1) * ck1 + I64 + batch + _with_embedding_saves(detail, lay, B, S)
-    ag, held = _fsdp_backward_held(sh, lay, fw, L, k)
-    rs_held = (sh.layer_full if k < L - 1 else sh.norm_full) * F32
     if ag:
         detail["gathered/backward prefetch all-gather (the unit before)"] = ag
     detail["gathered/reduce-scatter input held (the unit after)"] = rs_held
