@@ -205,7 +205,7 @@ def test_the_flat_pipeline_run_is_the_reference_run(pp, vp):
 
 @pytest.mark.parametrize("pp,vp,n", [(2, 2, 4), (4, 2, 8), (4, 3, 12), (2, 3, 6)])
 def test_zero_bubble_order_splits_every_backward_and_fills_the_bubble(pp, vp, n):
-    """torch's InterleavedZeroBubble order (schedules.zero_bubble_order, its _calculate_single_rank_operations):
+    """torch's InterleavedZeroBubble order (schedules.RUNTIME_ORDERS, its _calculate_single_rank_operations):
     every micro-batch runs a forward, an input-grad half I and a weight-grad half W on each of a rank's
     chunks, W after its I. Simulated with W the weight-grad part of each backward, the busy time is
     Interleaved1F1B's with whole backwards and the step is shorter: the Ws fill the bubble. _run_fast (the
@@ -213,7 +213,9 @@ def test_zero_bubble_order_splits_every_backward_and_fills_the_bubble(pp, vp, n)
     import random
     from collections import Counter
 
-    from ledger.faithful.titan.schedules import interleaved_order, zero_bubble_order
+    from ledger.faithful.titan.schedules import RUNTIME_ORDERS, interleaved_order
+
+    zero_bubble_order = RUNTIME_ORDERS["InterleavedZeroBubble"]
 
     for r in range(pp):
         order = zero_bubble_order(pp, vp, r, n)
@@ -253,7 +255,7 @@ def test_v_placement_is_torch_s_stage_mapping():
 @pytest.mark.parametrize("name,pp,n", [("ZBVZeroBubble", 2, 4), ("ZBVZeroBubble", 4, 8), ("ZBVZeroBubble", 4, 16),
                                        ("DualPipeV", 2, 4), ("DualPipeV", 4, 8), ("DualPipeV", 4, 16)])
 def test_v_schedules_run_their_order_over_the_v(name, pp, n):
-    """torch's V schedules (schedules.runtime_order: ZBVZeroBubble's and DualPipeV's _calculate_single_rank_operations,
+    """torch's V schedules (schedules.RUNTIME_ORDERS: ZBVZeroBubble's and DualPipeV's _calculate_single_rank_operations,
     an overlapped forward-backward's two actions one after the other): every micro-batch runs a forward and a whole
     backward, or its I then its W, on each of a rank's two chunks. Simulated over the V (pipeline.virtual_stage: a
     task waits for its neighbour virtual stage's, plus p2p only where that one is on another stage), each task
@@ -262,10 +264,9 @@ def test_v_schedules_run_their_order_over_the_v(name, pp, n):
     import random
     from collections import Counter
 
-    from ledger.faithful.titan.schedules import interleaved_order, runtime_order
+    from ledger.faithful.titan.schedules import RUNTIME_ORDERS, interleaved_order
 
-    def order(pp_, vp_, r, m):
-        return runtime_order(name, pp_, vp_, r, m)
+    order = RUNTIME_ORDERS[name]
 
     for r in range(pp):
         tasks = order(pp, 2, r, n)

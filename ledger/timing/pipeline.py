@@ -124,7 +124,7 @@ def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
-    stage c pp + s) plus the hop, a backward (or its input-grad half I) its own forward and the next
+    stage virtual_stage(pp, s, c, style)) plus the hop, a backward (or its input-grad half I) its own forward and the next
     virtual stage's input grad plus the hop, a weight-grad half W its own I. schedule: one of ORDERS or
     an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them; style: how
     the chunks place as virtual stages (virtual_stage)."""

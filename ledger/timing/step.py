@@ -57,14 +57,13 @@ GRAD_KINDS = ("reduce_scatter", "all_reduce")
 class TimePolicy:
     """How a framework runs a step, as its time module reads it from its knobs (each field's source
     is in that module)."""
-    schedule: str = "1f1b"  # none | pipeline.ORDERS (the pipeline's order; pipeline.order)
+    # none | pipeline.ORDERS (the pipeline's order; pipeline.order) | v (torch's V schedules, two chunks a stage
+    # placed as a V: pipeline.virtual_stage; their own order in pipeline_order)
+    schedule: str = "1f1b"
     # the framework's own order where it differs from the named one's: (pp, vp, stage, m) -> [(kind,
     # micro-batch, chunk)] (torch's Interleaved1F1B where the micro-batches are no multiple of pp; a
     # zero-bubble order's I and W halves: pipeline.py)
     pipeline_order: object = None
-    # how a stage's chunks place as virtual stages (pipeline.virtual_stage): "loop" (chunk c of stage s is c pp + s)
-    # or "v" (torch's V schedules: s, then 2 pp - 1 - s)
-    stage_style: str = "loop"
     # the order splits each backward into its input-grad half and its weight-grad half (pipeline.py's I and W):
     # W the backward's weight-grad GEMMs (ops.backward_of's .wgrad), I the rest
     split_backward: bool = False
@@ -196,8 +195,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     rows and states). trace: keep the simulated schedule's tasks (StepTime.simulation, the Chrome
     trace's lanes); without it the pipeline's step comes from pipeline.step_seconds (the planner's)."""
     m = lay.num_microbatches
-    # the orders of several chunks a stage
-    vp = lay.vp if policy.schedule in ("interleaved", "looped_bfs") or policy.stage_style == "v" else 1
+    vp = lay.vp if policy.schedule in ("interleaved", "looped_bfs", "v") else 1  # the orders of several chunks a stage
+    style = "v" if policy.schedule == "v" else "loop"  # how the chunks place as virtual stages
     sh = shard_of(model, lay, policy)
     head_f = ops.head_forward(sh)
     head_b = ops.backward_of(head_f)
@@ -220,13 +219,13 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         """The chunk's layers by kind: its virtual stage (pipeline.virtual_stage) holds the per_chunk layers
         from its index on (the last one the remainder too). every: of them only those whose index + 1 it
         divides (the layers that recompute, TimePolicy.recompute_every)."""
-        first = virtual_stage(lay.pp, stage, chunk, policy.stage_style) * per_chunk
+        first = virtual_stage(lay.pp, stage, chunk, style) * per_chunk
         layers = [i for i in range(first, first + chunk_layers(stage, chunk)) if (i + 1) % every == 0]
         moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
         return {"dense": len(layers) - moe, "moe": moe}
 
     def has_head(stage, chunk):
-        return virtual_stage(lay.pp, stage, chunk, policy.stage_style) == last_v
+        return virtual_stage(lay.pp, stage, chunk, style) == last_v
 
     f_layer = {k: ops.seconds(v, hw) for k, v in fwd_of.items()}
     b_layer = {k: ops.seconds(bwd_of[k], hw) for k in fwd_of}
@@ -294,8 +293,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
     order = policy.pipeline_order or policy.schedule
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, policy.stage_style) if trace else None
-    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, policy.stage_style)
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style)
 
     def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
         return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))

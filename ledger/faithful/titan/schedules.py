@@ -4,7 +4,7 @@ how torchtitan is told how many stages a rank holds. pp.py places the stages; ru
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from ledger.checks import knob
@@ -61,8 +61,6 @@ SPLIT_BACKWARD = ZERO_BUBBLE + ("DualPipeV",)
 def final_norm_gets_grad(name: str) -> bool:
     """Whether the last stage's final norm weight gets a gradient under schedule `name` (ZERO_BUBBLE's comment)."""
     return name not in ZERO_BUBBLE
-
-
 
 
 def stages_error(name: str, pp: int, vp: int) -> str | None:
@@ -139,36 +137,33 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
                  for a in rank_compute_order("Interleaved1F1B", pp, vp, n, rank) if a is not None)
 
 
+def _compute_actions(name: str, pp: int, vp: int, n: int, rank: int):
+    """rank_compute_order's actions but the idle slots, an overlapped forward-backward (DualPipeV's OVERLAP_F_B)
+    as its sub-actions in their order (the runtime's default runs them one after the other)."""
+    for a in rank_compute_order(name, pp, vp, n, rank):
+        if a is not None:
+            yield from a.sub_actions or (a,)
+
+
 @lru_cache(maxsize=1024)
 def runtime_order(name: str, pp: int, vp: int, rank: int, n: int) -> tuple:
     """The (kind, micro-batch, local chunk) a PP rank runs under runtime schedule `name`, kind F, B, I or W
-    (ledger/timing/pipeline.py's), in torch's own order (rank_compute_order: InterleavedZeroBubble's
+    (ledger/timing/pipeline.py's), in torch's own order (_compute_actions: InterleavedZeroBubble's
     _get_1f1b_rank_ops with enable_zero_bubble, each backward split into its input-grad half and a weight-grad
-    half that fills the bubble; the V schedules' orders, an overlapped forward-backward's two actions one after
-    the other), the chunk its index among the rank's stages (local_stages): the step-time model's order."""
+    half that fills the bubble; the V schedules' orders), the chunk its index among the rank's stages
+    (local_stages): the step-time model's order."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     from ledger.timing.pipeline import B, F, I, W
 
     kind = {C.FORWARD: F, C.FULL_BACKWARD: B, C.BACKWARD_INPUT: I, C.BACKWARD_WEIGHT: W}
     mine = local_stages(rank, pp, vp, name)
-    return tuple((kind[b.computation_type], b.microbatch_index, mine.index(b.stage_index))
-                 for a in rank_compute_order(name, pp, vp, n, rank) if a is not None for b in (a.sub_actions or (a,)))
+    return tuple((kind[a.computation_type], a.microbatch_index, mine.index(a.stage_index))
+                 for a in _compute_actions(name, pp, vp, n, rank))
 
 
-def zero_bubble_order(pp: int, vp: int, rank: int, n: int) -> tuple:
-    """InterleavedZeroBubble's runtime_order (the step-time model's order function: pp, vp, stage, m)."""
-    return runtime_order("InterleavedZeroBubble", pp, vp, rank, n)
-
-
-def zbv_order(pp: int, vp: int, rank: int, n: int) -> tuple:
-    """ZBVZeroBubble's runtime_order (an order function)."""
-    return runtime_order("ZBVZeroBubble", pp, vp, rank, n)
-
-
-def dualpipev_order(pp: int, vp: int, rank: int, n: int) -> tuple:
-    """DualPipeV's runtime_order (an order function)."""
-    return runtime_order("DualPipeV", pp, vp, rank, n)
+# the step-time model's order function (pp, vp, stage, m) of each schedule that splits backwards: torch's own
+RUNTIME_ORDERS = {name: partial(runtime_order, name) for name in SPLIT_BACKWARD}
 
 
 def rank_compute_order(name: str, pp: int, vp: int, n: int, rank: int) -> list:
@@ -239,12 +234,7 @@ def _last_stage_actions(name: str, pp: int, vp: int, n: int) -> list:
     overlapped forward-backward's sub-actions in their order)."""
     last = pp * vp - 1
     rank = next(r for r in range(pp) if last in local_stages(r, pp, vp, name))
-    out = []
-    for a in rank_compute_order(name, pp, vp, n, rank):
-        for b in (a.sub_actions or (a,)) if a is not None else ():
-            if b.stage_index == last:
-                out.append(b)
-    return out
+    return [a for a in _compute_actions(name, pp, vp, n, rank) if a.stage_index == last]
 
 
 @lru_cache(maxsize=1024)

@@ -5,7 +5,7 @@
              forward, then every backward), Interleaved1F1B with vp stages a rank (Megatron's interleaved
              order where the micro-batches are a multiple of pp, else torch's own), LoopedBFS with vp stages a rank
              (stage by stage, breadth first); InterleavedZeroBubble in torch's own order
-             (ScheduleInterleavedZeroBubble: schedules.zero_bubble_order), each backward split into its
+             (ScheduleInterleavedZeroBubble: schedules.RUNTIME_ORDERS), each backward split into its
              input-grad half I and its weight-grad half W (stage.py backward_one_chunk full_backward=False,
              backward_weight_one_chunk), W filling the bubble; ZBVZeroBubble and DualPipeV in torch's own
              orders (schedules.runtime_order; DualPipeV's overlapped forward-backward as its two actions one after
@@ -53,7 +53,7 @@ from dataclasses import replace
 
 from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
-from ledger.faithful.titan.schedules import dualpipev_order, interleaved_order, schedule_of, zbv_order, zero_bubble_order
+from ledger.faithful.titan.schedules import RUNTIME_ORDERS, interleaved_order, schedule_of
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -67,8 +67,6 @@ SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "res
 PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs",
                   "InterleavedZeroBubble": "interleaved",  # (its own order, split backwards: time_policy)
                   "ZBVZeroBubble": "v", "DualPipeV": "v"}  # (their own orders over a V placement: time_policy)
-# the runtime schedules run as torch orders them, with split backwards (schedules.runtime_order)
-OWN_ORDER = {"InterleavedZeroBubble": zero_bubble_order, "ZBVZeroBubble": zbv_order, "DualPipeV": dualpipev_order}
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -94,11 +92,10 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     # (tests/test_timing.py compares them); otherwise its own flexible rounds
     # the zero-bubble schedules and DualPipeV: torch's own order, backwards split (module docstring); the V ones
     # over their V placement
-    split = sched in OWN_ORDER and lay.pp > 1
-    own = (OWN_ORDER[sched] if split else
+    split = sched in RUNTIME_ORDERS and lay.pp > 1
+    own = (RUNTIME_ORDERS[sched] if split else
            interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None)
-    return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=split,
-                      stage_style="v" if schedule == "v" else "loop", recompute=recompute,
+    return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=split, recompute=recompute,
                       recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
