@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: faithful ledger against real CPU/gloo Trainer runs, the CPU redirects, dry.
 
-One shared sweep (31 small multiruns, 53 jobs) covers dp_shard 2 (world 2: activation
+One shared sweep (35 small multiruns, 59 jobs) covers dp_shard 2 (world 2: activation
 checkpointing none, selective and full, each reshard setting) and dp_shard 4, HSDP
 dp_replicate2·dp_shard2, tp2·dp_shard2 (world 4, vocab 1030 so dim-0 shards are padded and
 uneven), each with reshard_after_forward always (true) and never (false); tp2 at seq 16, tp4;
@@ -11,7 +11,7 @@ settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (wor
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
 uneven vocab, full AC; with SP at seq 1024, without and with full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
-LoopedBFS; InterleavedZeroBubble, ZBVZeroBubble and DualPipeV over FSDP (under the first two the last stage's final norm weight gets no gradient); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
+LoopedBFS; InterleavedZeroBubble, ZBVZeroBubble and DualPipeV over FSDP (under the first two the last stage's final norm weight gets no gradient; their peak the walk's I and W), InterleavedZeroBubble at seq 1024; pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
 build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
@@ -61,7 +61,7 @@ LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.h
 # setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
 # 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
 LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
-LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppvp", "w2ppac", "w2longac", "w2tpspac")
+LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppvp", "w2ppzb", "w2ppac", "w2longac", "w2tpspac")
 SWEEPS = (
     # activation checkpointing (the peak's recompute moments): none, SelectiveAC, FullAC, each with both reshard settings
     ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never",
@@ -162,6 +162,10 @@ SWEEPS = (
     # backward with all four micro-batches' saves (Interleaved1F1B there, by hand: docs/ledger-titan.md)
     ("w2ppvp", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.vp=2",
                 "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=LoopedBFS", NO_AC)),
+    # the zero-bubble split backward at a long sequence (pp_looped.py's I and W): each rank's peak inside an I (its
+    # stage's every micro-batch forwarded, the I before's captured grads held for its W), at block 0's attention_norm
+    ("w2ppzb", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.vp=2",
+                "layout.global_batch_size=4", "framework.pipeline_parallel_schedule=InterleavedZeroBubble", NO_AC)),
     # PP with activation checkpointing at a long sequence: a checkpointed block's recompute in its backward
     # (the SwiGLU moment) on both stages
     ("w2ppac", ("cluster.ranks=2", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.global_batch_size=2",
@@ -341,13 +345,13 @@ def test_pipeline_peak_is_at_the_predicted_moment(sweep):
 @pytest.mark.real
 def test_long_sequences_peak_at_their_moments(sweep):
     """Long sequences (titan_peak: at_final_norm, at_loss_chunk; pp_peak's SwiGLU, final-norm and loss-chunk
-    moments, with and without activation checkpointing): each rank's measured steady peak is in the
+    moments, with and without activation checkpointing; pp_looped's zero-bubble I): each rank's measured steady peak is in the
     backward at the operator of the moment the ledger predicts, and the jobs reach every one of those
     moments (with activation checkpointing and no PP: a block's SwiGLU backward in its recompute; with TP
     and SP under full AC w2's reduce-scatter in the recompute's forward)."""
     # (w2's reduce-scatter: the collective, or gloo's concatenated copy of its input just before it)
     op_of = {"final norm": ("aten.mul.Tensor",), "cross-entropy": ("aten._log_softmax_backward_data.default",),
-             "SwiGLU": ("aten.mul.Tensor",),
+             "SwiGLU": ("aten.mul.Tensor",), "'s I at block": ("aten.mul.Tensor",),
              "reduce-scatter": ("_c10d_functional.reduce_scatter_tensor.default", "aten.cat.default")}
     kinds = set()
     for rec in sweep["ok"]:
@@ -364,7 +368,7 @@ def test_long_sequences_peak_at_their_moments(sweep):
                 (records.job_name(rec), r["rank"], what, where)
     assert kinds == {("final norm", 1, 1), ("cross-entropy", 1, 1), ("SwiGLU", 1, 1), ("SwiGLU", 2, 1),
                      ("final norm", 2, 1), ("cross-entropy", 2, 1), ("reduce-scatter", 1, 1), ("SwiGLU", 2, 2),
-                     ("final norm", 2, 2)}, kinds
+                     ("final norm", 2, 2), ("'s I at block", 2, 2)}, kinds
 
 
 @pytest.mark.real

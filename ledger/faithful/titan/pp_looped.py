@@ -1,6 +1,7 @@
-"""Peak live bytes of a torchtitan 0.3.0 PP rank that holds several stages, CPU/gloo: the looped runtime
-schedules Interleaved1F1B and LoopedBFS (torch 2.13 torch/distributed/pipelining/schedules.py
-_PipelineScheduleRuntime), over FSDP2 / HSDP, with CP and TP as pp_peak.py derives them for one stage a rank.
+"""Peak live bytes of a torchtitan 0.3.0 PP rank that holds several stages, CPU/gloo: the runtime schedules
+(torch 2.13 torch/distributed/pipelining/schedules.py _PipelineScheduleRuntime) Interleaved1F1B and LoopedBFS,
+over FSDP2 / HSDP, with CP and TP as pp_peak.py derives them for one stage a rank, and the split backward's
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV (their I and W actions) without activation checkpointing.
 
 Where pp_peak.py's moments follow from 1F1B's and GPipe's fixed shapes, these walk the rank's own action
 list as torch lowers it (rank_compute_order, then schedules.py _add_unshard_reshard and _add_reduce_grad)
@@ -17,7 +18,12 @@ what every other stage of the rank holds at that point (_Held). What the runtime
 - the last stage's loss runs inside its forward (_maybe_compute_loss): ChunkedLossWrapper reduce-scatters
   [norm, lm_head]'s grad at its last chunk (the norm's with it once a backward gave the norm one) and
   reshards that group; _DecoderOutputGradientBackProp keeps the micro-batch's [B, S, h] grad until its
-  backward, whose final norm unshards the group again.
+  backward, whose final norm unshards the group again;
+- a split backward's I keeps the micro-batch's saves and the grads it captures for W, W frees them and sets bf16
+  .grads that the next I's post_backward (or REDUCE_GRAD) accumulates (_at_input_backward, _at_weight_backward);
+  the first stage's I computes nothing and its W runs the whole backward (rank_actions);
+- the V placement's middle pair passes on the rank, the passed tensor the receiver's receive buffer
+  (_Stage.local_next).
 """
 from __future__ import annotations
 
@@ -27,21 +33,19 @@ from functools import cached_property, lru_cache
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
 from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage, reduce_grad_moments
-from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, ZERO_BUBBLE, rank_compute_order
+from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, SPLIT_BACKWARD, compute_actions
 from ledger.placement import Peak
 
-LOOPED = ("Interleaved1F1B", "LoopedBFS")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD)
 
 
-def looped_unmodelled(sched: str, vp: int) -> str | None:
+def looped_unmodelled(sched: str, vp: int, ac: str = "none") -> str | None:
     """Why looped_peak does not derive a multi-stage schedule's peak, or None where it does."""
-    if sched in ZERO_BUBBLE:
-        # traced (docs/ledger-titan.md): I keeps the micro-batch's saves and the grads into each weight's node until
-        # W frees them, so a stage holds every micro-batch forwarded until its W; the moments inside I and W are not
-        return ("the zero-bubble schedules' split backward (I holds the micro-batch's saves and its weights' "
-                "incoming grads until W) is not derived")
     if sched not in LOOPED:
         return f"{sched}'s peak is not derived"
+    if sched in SPLIT_BACKWARD and ac != "none":
+        return (f"{sched}'s split backward under activation checkpointing (what I's recompute keeps for W) is not "
+                "derived")
     return None
 
 
@@ -59,14 +63,29 @@ def rank_actions(sched: str, pp: int, vp: int, n: int, rank: int) -> tuple:
     (schedules.unshards; torch's pass rescans the rest of the schedule at every action, quadratic in the
     micro-batches). The sends and receives are not needed here: a forward sends on, a backward sends back,
     wherever the neighbour stage is on another rank."""
-    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
+    from torch.distributed.pipelining.schedules import _Action, _add_reduce_grad, _add_unshard_reshard
+    from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    compute = [a for a in rank_compute_order(sched, pp, vp, n, rank) if a is not None]
+    compute = list(compute_actions(sched, pp, vp, n, rank))
     if vp > MAX_ACTIVE_STAGES:  # (more stages than stay unsharded: torch's own UNSHARD / RESHARD, mid-step)
         compute = _add_unshard_reshard(compute)
-    out = _Actions(_add_reduce_grad(compute, n))
+    # the first stage's split backward as torch's stage runs it (stage.py): its I computes nothing (its input needs
+    # no grad), its W the whole backward (stage_backward)
+    out = _Actions([_Action(0, C.FULL_BACKWARD, a.microbatch_index) if (a.stage_index, a.computation_type) ==
+                    (0, C.BACKWARD_WEIGHT) else a for a in _add_reduce_grad(compute, n)
+                    if (a.stage_index, a.computation_type) != (0, C.BACKWARD_INPUT)])
     out.traces = {}
     return out
+
+
+# an action's kind as the walk's arrays code it (torch's _ComputationType by name)
+_KIND_CODES = {"REDUCE_GRAD": 0, "FORWARD": 1, "FULL_BACKWARD": 2, "BACKWARD_INPUT": 3, "BACKWARD_WEIGHT": 4}
+_KIND_FULL = 2
+
+
+def _kind(a) -> int:
+    """-1: an UNSHARD or RESHARD (the walk applies it, no moment)."""
+    return _KIND_CODES.get(a.computation_type.name, -1)
 
 
 # what [norm, lm_head]'s last reduce-scatter input held is: none, lm_head's grad alone, or the norm's with it
@@ -82,6 +101,12 @@ class _Held:
     j: int  # its local index
     flight: list = field(default_factory=list)  # micro-batches forwarded, not yet backpropagated
     backs: int = 0  # backwards done
+    # a split backward's micro-batches whose I ran and whose W has not: their saves and captured grads
+    # (_Stage.captured_grads) held until W
+    captured: list = field(default_factory=list)
+    wgrads: bool = False  # bf16 weight grads a W set, not yet accumulated (the next I's post_backward, REDUCE_GRAD)
+    acc_made: bool = False  # its units' fp32 accumulators made (a full backward's post_backward or an I's)
+    passed_in: int = 0  # activations and grads a neighbour on this rank passed it this step (_Stage.local_next)
     reduced: bool = False  # its REDUCE_GRAD ran
     fwd_sent: int = 0  # activations sent on (all kept in send_ops)
     bwd_sent: int = 0  # input grads sent back
@@ -104,8 +129,11 @@ class _Held:
         head = self.c.has_head
         got = {"unsharded": live and (self.head_unsharded or not head), "unsharded_but_head": live
                and not self.head_unsharded and head, "shard": self.reduced, "lm_view": self.lm_views,
-               "head_view": self.head_views, "norm_view": self.norm_views, "acc": bool(self.backs) and not self.reduced,
-               "norm_acc": self.norm_acc, "flight": len(self.flight), "recv": 1, "send": self.fwd_sent + self.bwd_sent,
+               "head_view": self.head_views, "norm_view": self.norm_views, "acc": self.acc_made and not self.reduced,
+               "norm_acc": self.norm_acc, "flight": len(self.flight), "cap_saves": len(self.captured),
+               "cap_grads": len(self.captured), "wgrads": self.wgrads, "recv": 1, "send": self.fwd_sent + self.bwd_sent,
+               "local_old": self.c.n * (self.c.local_next + self.c.local_prev) - self.passed_in,
+               "local_new": self.passed_in,
                "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS, "sac": 1}
         return tuple([int(got[name]) for name, _ in _ENTRIES])
 
@@ -116,7 +144,8 @@ class _Held:
     def lines(self) -> dict[str, int]:
         """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
         c, j = self.c, self.j
-        out = {f"{part}/stage {j}: {name.format(flight=len(self.flight))}": self.line(key)
+        out = {f"{part}/stage {j}: {name.format(flight=len(self.flight) + len(self.captured), captured=len(self.captured))}":
+               self.line(key)
                for key, (part, name) in _LINE_NAMES.items()}
         if c.sac_held:
             out.update({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()})
@@ -151,8 +180,26 @@ class _Held:
         """Its micro-batches in flight (per: what each holds)."""
         return len(self.flight) * self.per
 
+    def kept_for_w(self, wgrads: bool = True) -> dict[str, int]:
+        """Peak.plus lines of what a split backward holds for its W's while this stage acts: the micro-batches
+        whose I ran, their saves and captured grads, and (wgrads) the bf16 weight grads a W set."""
+        j, n = self.j, len(self.captured)
+        return {f"activations/stage {j}: {n} micro-batches' saves (I run, W not)": n * self._one("cap_saves"),
+                f"temporary/stage {j}: {n} micro-batches' grads captured for W": n * self._one("cap_grads"),
+                f"temporary/stage {j}: bf16 weight grads from W, not yet accumulated": self.wgrads * self._one("wgrads")
+                if wgrads else 0}
+
     def sends(self) -> int:
         return (self.fwd_sent + self.bwd_sent) * self._one("send")
+
+    def p2p(self) -> int:
+        """Its receive buffers from other ranks and its held sends."""
+        return self._one("recv") + self.sends()
+
+    def local_passes(self) -> dict[str, int]:
+        """Peak.plus lines of its receive buffers from a neighbour on this rank (_Stage.local_next): the tensors the
+        step before passed until this step's pass of the same micro-batch replaces them, then this step's."""
+        return {f"{part}/stage {self.j}: {name}": self.line(key) for key, (part, name) in _LOCAL_LINE_NAMES.items()}
 
 
 # what a stage holds between actions, entry by entry: its name and the Peak.plus line it adds to (_Held.lines);
@@ -160,15 +207,23 @@ class _Held:
 _ENTRIES = (("unsharded", "unsharded params"), ("unsharded_but_head", "unsharded params"),
             ("shard", "sharded grads"), ("lm_view", "sharded grads"), ("head_view", "sharded grads"),
             ("norm_view", "sharded grads"), ("acc", "fp32 accumulated grads"), ("norm_acc", "fp32 accumulated grads"),
-            ("flight", "micro-batches in flight"), ("recv", "p2p receive buffers and held sends"),
+            ("flight", "micro-batches in flight"), ("cap_saves", "micro-batches in flight"),
+            ("cap_grads", "captured grads"), ("wgrads", "bf16 weight grads"), ("recv", "p2p receive buffers and held sends"),
+            ("local_old", "local passes before"), ("local_new", "local passes"),
             ("send", "p2p receive buffers and held sends"), ("rs_lm", "its last reduce-scatter input held"),
             ("rs_head", "its last reduce-scatter input held"), ("sac", "unnamed"))
 _AT = {name: i for i, (name, _) in enumerate(_ENTRIES)}
 _LINE_NAMES = {"unsharded params": ("resident", "unsharded params"), "sharded grads": ("resident", "sharded grads"),
                "fp32 accumulated grads": ("temporary", "fp32 accumulated grads"),
                "micro-batches in flight": ("activations", "{flight} micro-batches in flight"),
+               "captured grads": ("temporary", "{captured} micro-batches' grads captured for W (I run, W not)"),
+               "bf16 weight grads": ("temporary", "bf16 weight grads from W, not yet accumulated"),
                "p2p receive buffers and held sends": ("gathered", "p2p receive buffers and held sends"),
                "its last reduce-scatter input held": ("gathered", "its last reduce-scatter input held")}
+# (the acting stage's too, alike at each of its moments: _action_moments)
+_LOCAL_LINE_NAMES = {"local passes before": ("unnamed", "the step before's activations and grads passed on the rank"),
+                     "local passes": ("temporary", "this step's activations and grads passed on the rank")}
+_LINE_NAMES.update(_LOCAL_LINE_NAMES)
 
 
 def bytes_per(c: _Stage) -> tuple:
@@ -183,19 +238,31 @@ def bytes_per(c: _Stage) -> tuple:
            # a micro-batch in flight: its blocks' saves; on the last stage, its loss having run, also the final
            # norm's saves and output and its accumulated output grad
            "flight": c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0),
-           "recv": c.recv, "send": c.act,  # the receive buffers; a held send
+           # a micro-batch whose I ran: its blocks' saves (I's retain_graph keeps them; the loss's detach_ frees the
+           # final norm's and the output grad, which no param group's node reaches) and its captured grads
+           "cap_saves": c.chunk_saves(), "cap_grads": c.captured_grads(),
+           "wgrads": c.Ls * c.block_grad_numel * BF16,  # a W's bf16 .grad of each block's params
+           "recv": c.recv - c.recv_local, "send": c.act,  # the receive buffers from other ranks; a held send
+           "local_old": c.act, "local_new": c.act,  # a receive buffer a local pass set (_Held.local_passes)
            # the last loss's reduce-scatter input held: lm_head's grad's, [norm, lm_head]'s
            "rs_lm": sh.lm_full * F32, "rs_head": c.head_full * F32,
            "sac": c.sac_held}  # what the step before's recomputes left
     return tuple([one[name] for name, _ in _ENTRIES])
 
 
-# the entries an action's walk state adds alike to each of its moments beside its template (_offset): a forward's
-# in-flight saves, held sends and [norm, lm_head] grads; a backward's, and the held reduce-scatter input (less the
-# micro-batch in backward, in flight)
-_FORWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send")) for name, _ in _ENTRIES])
-_BACKWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head"))
-                          for name, _ in _ENTRIES])
+# the entries an action's walk state adds alike to each of its moments beside its template (_offset), by its
+# _kind: a forward's in-flight saves, held sends, [norm, lm_head] grads, what a split backward keeps for W and the
+# local passes' buffers (_HELD_ALIKE, _action_moments); a backward's, and the held reduce-scatter input (less the
+# micro-batch in backward, in flight); a split backward's I's, every micro-batch in flight (but the bf16 grads a W
+# set, which its blocks' post_backward accumulate one by one); its W's, those bf16 grads too
+_HELD_ALIKE = ("cap_saves", "cap_grads", "local_old", "local_new")
+_FORWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", *_HELD_ALIKE, "wgrads"))
+                         for name, _ in _ENTRIES])
+_BACKWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head",
+                                       *_HELD_ALIKE, "wgrads")) for name, _ in _ENTRIES])
+_INPUT_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head",
+                                    *_HELD_ALIKE)) for name, _ in _ENTRIES])
+_OFFSETS = ((0,) * len(_ENTRIES), _FORWARD_OFFSET, _BACKWARD_OFFSET, _INPUT_OFFSET, _BACKWARD_OFFSET)
 
 
 def looped_moments(stages: list[_Stage], actions: list) -> list[Peak]:
@@ -222,7 +289,7 @@ def _most(stages: list[_Stage], actions: list) -> Peak:
     totals = np.einsum("sae,se->sa", tr.counts, per)  # each stage's total before each action
     cols = np.arange(len(tr.index))
     mine = tr.counts[tr.acting, cols]  # [action, entry]: the acting stage's counts
-    mask = np.array([(0,) * len(_ENTRIES), _FORWARD_OFFSET, _BACKWARD_OFFSET], dtype=np.int64)[tr.kind]
+    mask = np.array(_OFFSETS, dtype=np.int64)[tr.kind]
     offset = (mine * per[tr.acting] * mask).sum(1) - (tr.kind == 2) * per[tr.acting, _AT["flight"]]
     score = totals.sum(0) - totals[tr.acting, cols] + offset + per[tr.acting, _AT["sac"]]
     templates = {}
@@ -242,38 +309,35 @@ def _most(stages: list[_Stage], actions: list) -> Peak:
 
 def _template(stages: list[_Stage], actions: list, tr: "_Trace", at: int) -> int | None:
     """The most of the acting stage's moments of the trace's action `at`, less its _offset (None: it has none)."""
-    from torch.distributed.pipelining.schedules import _ComputationType as C
-
     a = actions[tr.index[at]]
     j = tr.acting[at]
     me = _Held(stages[j], j, **tr.states[at][j])
     most = max([p.bytes for p, _ in _action_moments(a, me, (me,))], default=None)
-    return None if most is None else most - _offset(a, me, C)
+    return None if most is None else most - _offset(a, me)
 
 
 def _template_key(a, me: "_Held") -> tuple:
-    """What shapes an action's moments beside _offset: its stage and kind, whether the stage has run a backward
-    (its accumulators), on the last stage whether the loss reduces the norm's grad too and the reduce-scatter input
-    it holds (a loss's cross-entropy moment holds it, its reduce-scatter moment does not)."""
-    return (a.stage_index, a.computation_type, bool(me.backs), me.norm_acc, me.rs_kind if me.c.has_head else 0,
-            me.reduced)
+    """What shapes an action's moments beside _offset: its stage and kind, whether the stage's accumulators are
+    made and a W's bf16 grads wait for them, on the last stage whether the loss reduces the norm's grad too and the
+    reduce-scatter input it holds (a loss's cross-entropy moment holds it, its reduce-scatter moment does not)."""
+    return (a.stage_index, a.computation_type, me.acc_made, me.wgrads, me.norm_acc,
+            me.rs_kind if me.c.has_head else 0, me.reduced)
 
 
-def _offset(a, me: "_Held", C) -> int:
-    """The bytes the acting stage's walk state adds alike to each moment of the action (its template aside);
-    C: torch's _ComputationType."""
-    if a.computation_type not in (C.FORWARD, C.FULL_BACKWARD):
+def _offset(a, me: "_Held") -> int:
+    """The bytes the acting stage's walk state adds alike to each moment of the action (its template aside)."""
+    kind = _kind(a)
+    if not kind:
         return 0  # (REDUCE_GRAD: once a stage, priced as it comes)
-    mask = _FORWARD_OFFSET if a.computation_type == C.FORWARD else _BACKWARD_OFFSET
-    less = me.per if a.computation_type == C.FULL_BACKWARD else 0
-    return sum([k * b * m for k, b, m in zip(me.counts(), me.bytes_each, mask)]) - less
+    less = me.per if kind == _KIND_FULL else 0
+    return sum([k * b * m for k, b, m in zip(me.counts(), me.bytes_each, _OFFSETS[kind])]) - less
 
 
 @dataclass
 class _Trace:
     """The walk's structure over a rank's actions (_steps with every stage's kinds, not its sizes): per action
-    the walk stops at, its index in the actions, the acting local stage, its kind (0 REDUCE_GRAD, 1 FORWARD,
-    2 FULL_BACKWARD), its _template_key, and every stage's _Held fields (states) and counts() before it."""
+    the walk stops at, its index in the actions, the acting local stage, its _kind, its _template_key, and every
+    stage's _Held fields (states) and counts() before it."""
     index: list
     acting: object  # numpy int array
     kind: object
@@ -288,11 +352,14 @@ class _Kinds:
     first: bool
     last: bool
     has_head: bool
+    local_next: bool
+    local_prev: bool
+    n: int  # the micro-batches (a stage's local passes in a step)
 
 
 def _trace_of(stages: list[_Stage], actions) -> _Trace:
     """The walk's structure over `actions` for stages of these kinds: made once per rank_actions' actions."""
-    kinds = tuple([_Kinds(c.first, c.last, c.has_head) for c in stages])
+    kinds = tuple([_Kinds(c.first, c.last, c.has_head, c.local_next, c.local_prev, c.n) for c in stages])
     key = (kinds, stages[0].lay.pp)
     traces = getattr(actions, "traces", None)
     if traces is None:
@@ -309,16 +376,14 @@ _STATE_FIELDS = tuple([f.name for f in fields(_Held) if f.name not in ("c", "j")
 def _trace(kinds: tuple, pp: int, actions) -> _Trace:
     """_steps over stages of these kinds (`pp`: to find a stage's local index), recorded action by action."""
     import numpy as np
-    from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    code = {C.REDUCE_GRAD: 0, C.FORWARD: 1, C.FULL_BACKWARD: 2}
     index, acting, kind, keys, states, counts = [], [], [], [], [], []
     for i, a, me, held in _steps(list(kinds), actions, pp):
         index.append(i)
         acting.append(me.j)
-        kind.append(code[a.computation_type])
+        kind.append(_kind(a))
         keys.append(_template_key(a, me))
-        states.append([{f: (list(h.flight) if f == "flight" else getattr(h, f)) for f in _STATE_FIELDS}
+        states.append([{f: (list(getattr(h, f)) if f in ("flight", "captured") else getattr(h, f)) for f in _STATE_FIELDS}
                        for h in held])
         counts.append([h.counts() for h in held])
     arr = np.array(counts, dtype=np.int64).reshape(len(index), len(kinds), len(_ENTRIES)).transpose(1, 0, 2)
@@ -338,7 +403,7 @@ def _steps(stages: list, actions: list, pp: int):
     held = [_Held(c, j, resharded=lowered) for j, c in enumerate(stages)]
     # the probe's phase of what runs between passes: `schedule` before the rank's last forward or backward,
     # `optimizer` after it (probes/peak_analysis.py phases_of)
-    last_pass = max([i for i, a in enumerate(actions) if a.computation_type in (C.FORWARD, C.FULL_BACKWARD)])
+    last_pass = max([i for i, a in enumerate(actions) if _kind(a) > 0])
     for h in held:
         h.last_pass = last_pass
     for i, a in enumerate(actions):
@@ -353,10 +418,19 @@ def _steps(stages: list, actions: list, pp: int):
             _after_forward(me, mb)
         elif kind == C.FULL_BACKWARD:
             _after_backward(me, mb)
+        elif kind == C.BACKWARD_INPUT:
+            _after_input_backward(me, mb)
+        elif kind == C.BACKWARD_WEIGHT:
+            _after_weight_backward(me, mb)
         elif kind == C.REDUCE_GRAD:
             _after_reduce_grad(me)
         else:
             raise ValueError(f"{a}: not an action of the looped schedules")
+        # a pass to a neighbour stage on this rank (stage.py set_local_fwd_input, set_local_bwd_input)
+        if kind == C.FORWARD and me.c.local_next:
+            held[(a.stage_index + 1) // pp].passed_in += 1
+        elif kind in (C.FULL_BACKWARD, C.BACKWARD_INPUT) and me.c.local_prev:
+            held[(a.stage_index - 1) // pp].passed_in += 1
 
 
 def _action_moments(a, me: "_Held", held) -> list:
@@ -369,18 +443,26 @@ def _action_moments(a, me: "_Held", held) -> list:
         if o is not me:
             others.update(o.lines())
     kind, mb = a.computation_type, a.microbatch_index
+    if kind == C.REDUCE_GRAD:  # (after the stage's last W: nothing is kept for one)
+        phase = "schedule" if me.at < me.last_pass else "optimizer"
+        return [(replace(p, phase=phase).plus(me.local_passes()), others) for p in _at_reduce_grad(me)]
+    # (I accumulates the W's grads block by block)
+    kept = {**me.kept_for_w(wgrads=kind != C.BACKWARD_INPUT), **me.local_passes()}
     if kind == C.FORWARD:
-        return [(p, others) for p in (_at_loss(me, mb) if me.c.has_head else _at_forward(me, mb))]
-    if kind == C.FULL_BACKWARD:
-        return [(p, others) for p in _at_backward(me, mb)]
-    phase = "schedule" if me.at < me.last_pass else "optimizer"
-    return [(replace(p, phase=phase), others) for p in _at_reduce_grad(me)]
+        moments = _at_loss(me, mb) if me.c.has_head else _at_forward(me, mb)
+    elif kind == C.FULL_BACKWARD:
+        moments = _at_backward(me, mb)
+    elif kind == C.BACKWARD_INPUT:
+        moments = _at_input_backward(me, mb)
+    else:
+        moments = _at_weight_backward(me, mb)
+    return [(p.plus(kept), others) for p in moments]
 
 
 def _after_forward(me: _Held, mb: int) -> None:
     c = me.c
     me.flight.append(mb)
-    if not c.last:
+    if not (c.last or c.local_next):
         me.fwd_sent += 1
     if c.has_head:
         # the loss's reduce-scatter of [norm, lm_head] (the norm's grad with it once a backward made one):
@@ -404,17 +486,42 @@ def _after_reduce_grad(me: _Held) -> None:
     the norm's grad where it had none (a view) or added into it."""
     if me.norm_acc and not me.norm_has_grad:
         me.norm_views += 1
-    me.reduced, me.rs_kind, me.norm_acc = True, _NO_RS, False
+    me.reduced, me.rs_kind, me.norm_acc, me.wgrads = True, _NO_RS, False, False
 
 
 def _after_backward(me: _Held, mb: int) -> None:
     c = me.c
     me.flight.remove(mb)
     me.backs += 1
-    if not c.first:
+    # its post_backward accumulates each block's grad (a W's before it with it) into the fp32 accumulators
+    me.acc_made, me.wgrads = True, False
+    if not (c.first or c.local_prev):
         me.bwd_sent += 1
     if c.has_head:
         me.norm_acc, me.head_unsharded = True, True
+
+
+def _after_input_backward(me: _Held, mb: int) -> None:
+    """A split backward's I (a stage after the first: rank_actions runs the first's as its W's full backward):
+    the micro-batch's saves and captured grads kept for its W, its input grad sent back, the bf16 grads of the W's
+    before accumulated by each block's post_backward; on the last stage the final norm's backward unshards
+    [norm, lm_head] again (its pre-backward), as a full backward's, but gives the norm no grad
+    (schedules.ZERO_BUBBLE)."""
+    me.flight.remove(mb)
+    me.captured.append(mb)
+    me.bwd_sent += not me.c.local_prev
+    if me.wgrads:
+        me.acc_made, me.wgrads = True, False
+    if me.c.has_head:
+        me.head_unsharded = True
+
+
+def _after_weight_backward(me: _Held, mb: int) -> None:
+    """A split backward's W: stage_backward_weight frees the micro-batch's saves and captured grads group by
+    group and sets (or adds to) each weight's bf16 .grad, which FSDP accumulates at the next I or REDUCE_GRAD."""
+    me.captured.remove(mb)
+    me.backs += 1
+    me.wgrads = True
 
 
 def _state(c: _Stage) -> dict[str, int]:
@@ -429,9 +536,9 @@ def _at_forward(me: _Held, mb: int) -> list[Peak]:
         return []
     flight = len(me.flight) + 1
     act, full = c.act, c.T * c.h * BF16
-    p2p = c.recv + me.sends()
+    p2p = me.p2p()
     work = 4 * act + full + (full if c.rules.rs_input_copy else 0)
-    acc = c.acc_all if me.backs else 0
+    acc = c.acc_all if me.acc_made else 0
     d = {**_state(c), "resident/unsharded params (the stage's units)": me.unsharded(),
          f"activations/{flight} micro-batches x {c.Ls} blocks": flight * c.chunk_saves(),
          "temporary/fp32 accumulated grads": acc,
@@ -448,13 +555,13 @@ def _at_backward(me: _Held, mb: int) -> list[Peak]:
     norm's (pp_peak's _at_final_norm_backward, _at_blocks_after_final_norm)."""
     c = me.c
     others_saves = me.saves() - me.per  # (the micro-batch in backward is in flight)
-    p2p = c.recv + me.sends()
+    p2p = me.p2p()
     out: list[Peak] = []
     g = me.head_grads
     gathered = p2p + me.rs_held
     if c.has_head:
         out_b = c.T * c.h * BF16  # the stage's output (the final norm's, with SP all-gathered)
-        acc = c.acc_all if me.backs else 0
+        acc = c.acc_all if me.acc_made else 0
         work = c.at_final_norm_working()
         saved = c.chunk_saves() + c.norm_saved() + out_b + others_saves
         d = {**_state(c), "resident/grads ([norm, lm_head]'s outputs)": g,
@@ -466,7 +573,7 @@ def _at_backward(me: _Held, mb: int) -> list[Peak]:
                             "temporary": acc + work}, phase="backward",
                            what=f"micro-batch {mb}'s final norm backward, stage {c.s}", detail=d))
     for k in range(c.Ls - 1, -1, -1):
-        acc = (c.acc_all if me.backs else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
+        acc = (c.acc_all if me.acc_made else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
         # the grad into the stage's last block is the P2P receive buffer (the last stage: the final norm's own)
         incoming = c.act if (k < c.Ls - 1 or c.has_head) else 0
         extra = c.T * c.h * BF16 if c.has_head else 0
@@ -474,6 +581,94 @@ def _at_backward(me: _Held, mb: int) -> list[Peak]:
             out.append(c.in_block(f"micro-batch {mb} backward at block {k}'s {name}, stage {c.s}", g, acc, gathered,
                                   f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches", saved_k + extra + others_saves,
                                   f"block {k}'s backward at its {name}", work_k))
+    return out
+
+
+def _at_input_backward(me: _Held, mb: int) -> list[Peak]:
+    """A split backward's I on a stage after the first (stage.py backward_one_chunk(full_backward=False):
+    pipelining/_backward.py stage_backward_input), from the top block down: autograd.grad of the stage's input with
+    retain_graph, so none of the micro-batch's saves is freed and no weight grad is made; each weight's incoming
+    grad is captured for W (_Stage.captured_grads, growing block by block). FSDP's post_backward still runs as each
+    block's input grad is made: it accumulates the bf16 grads a W set (wgrads) into the fp32 accumulators, making
+    them at the first (_fsdp_param.py to_accumulated_grad_if_needed, accumulate_unsharded_grad_if_needed). A
+    block's moment is its attention_norm's backward, where every grad of the block is captured, beside the RMSNorm
+    composite's five fp32 [T, h] (the residual grad the block's input grad adds to is wo's captured one; measured:
+    InterleavedZeroBubble pp2·vp2 at seq 1024, hidden 128: stage 1's second I at block 0 is rank 1's peak, the
+    probe's census by op equal to these lines but the step's setup tensors). On the last stage its final norm's
+    backward first (the norm weight, resharded by the loss, gets no grad: schedules.ZERO_BUBBLE)."""
+    c = me.c
+    saved = me.saves()  # every micro-batch in flight, this one's too
+    gathered = me.p2p() + me.rs_held
+    g = me.head_grads
+    blk16, blk32 = c.block_grad_numel * BF16, c.block_grad_numel * F32
+    norm_work = 5 * c.Tn * c.h * F32
+
+    def moment(what: str, folded: int, caps: int, work: dict) -> Peak:
+        # `folded` blocks (those above) ran their post_backward: a W's grads accumulated (into accumulators made
+        # there, the first time), the others' still bf16
+        acc = c.acc_all if me.acc_made else (folded * blk32 if me.wgrads else 0)
+        pending = (c.Ls - folded) * blk16 if me.wgrads else 0
+        d = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
+             "resident/grads ([norm, lm_head]'s outputs)": g, f"activations/micro-batch {mb} and the others in flight": saved,
+             f"temporary/micro-batch {mb}'s grads captured for W so far": caps, "temporary/fp32 accumulated grads": acc,
+             "temporary/bf16 weight grads from W, not yet accumulated": pending,
+             "gathered/p2p buffers and held sends (the last loss's reduce-scatter input held)": gathered, **work}
+        return Peak.of({"resident": c.kept + c.unsharded + g, "activations": saved, "gathered": gathered,
+                        "temporary": caps + acc + pending + sum(work.values())}, phase="backward",
+                       what=f"micro-batch {mb}'s I at {what}, stage {c.s}", detail={n: v for n, v in d.items() if v})
+
+    out = []
+    if c.has_head:
+        out.append(moment("its final norm's backward", 0, 0,
+                          {"temporary/RMSNorm backward fp32 [T, h] x 5": norm_work}))
+    for k in range(c.Ls - 1, -1, -1):
+        out.append(moment(f"block {k}'s attention_norm backward", c.Ls - 1 - k, c.captured_grads(k),
+                          {"temporary/RMSNorm backward fp32 [T, h] x 5": norm_work}))
+    return out
+
+
+def _at_weight_backward(me: _Held, mb: int) -> list[Peak]:
+    """A split backward's W on a stage after the first (pipelining/_backward.py stage_backward_weight): param
+    group by group, in the stage's parameter order (a block's q / k / v projection(s), wo, w1, w2, w3, its norms),
+    autograd.grad of the group's weights from its captured grads (retain_graph off: the group's nodes free what
+    they saved), its captured grads then deleted, each weight's bf16 .grad set to the result or added into. The
+    loop's `dweights` keeps the group before's result alive while the next group's is made. Its moments: its
+    start (everything the I kept, the first weight grad), and block 0's second feed-forward weight grad (w2's, w1's
+    beside it): the attention groups' captured grads and saved inputs freed by then, the grads set so far (or,
+    where a W before left its .grads, w1's result held by the loop) (measured: InterleavedZeroBubble pp2·vp2 at seq
+    32, stage 1's last W after the one before it: 10 bf16 .grads and two [ffn, h] results, the peak). A stage of
+    no blocks (the head alone) has no param group: its W computes nothing."""
+    c = me.c
+    if not c.Ls:
+        return []
+    T, h = c.T, c.h
+    p2p = me.p2p() + me.rs_held
+    g = me.head_grads
+    acc = c.acc_all if me.acc_made else 0
+    qkv_first = (c.qkv if c.fused_qkv else c.q) * h * BF16  # wqkv's, or wq's
+    ffn_dw = c.ffn * h * BF16
+    attn_dw = (c.qkv + c.q) * h * BF16  # the q / k / v projections' and wo's
+    # by w2's: the attention groups' captured grads (the q / k / v projections' and wo's), w1's, and their mms'
+    # saved inputs (attention_norm's output, the attention's output) gone; the attention's other saves go with its
+    # graph once wo's group drops it, counted here as still held (an upper bound by them, where W is the peak only
+    # at few tokens a micro-batch)
+    freed_saves = T * h * BF16 + T * c.q * BF16
+    freed_caps = T * c.qkv * BF16 + c.act + T * c.ffn * BF16
+    base = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
+            "resident/grads ([norm, lm_head]'s outputs)": g, "activations/the other micro-batches in flight": me.saves(),
+            "temporary/fp32 accumulated grads": acc,
+            "gathered/p2p buffers and held sends (the last loss's reduce-scatter input held)": p2p}
+    start = {"temporary/block 0's first weight grad (bf16)": qkv_first}
+    made = ({"temporary/w1's weight grad, held by the loop, and w2's (bf16)": 2 * ffn_dw} if me.wgrads else
+            {"temporary/block 0's weight grads set: the attention's and w1's, and w2's (bf16)": attn_dw + 2 * ffn_dw})
+    out = []
+    for what, work, saves_less, caps_less in (("its first weight grad", start, 0, 0),
+                                              ("block 0's w2 weight grad", made, freed_saves, freed_caps)):
+        d = {**base, **work, "activations/less: block 0's attention saved inputs (freed)": -saves_less,
+             "temporary/less: block 0's attention captured grads and w1's (freed)": -caps_less}
+        out.append(Peak.of({"resident": c.kept + c.unsharded + g, "activations": me.saves() - saves_less, "gathered": p2p,
+                            "temporary": acc + sum(work.values()) - caps_less}, phase="backward",
+                           what=f"micro-batch {mb}'s W at {what}, stage {c.s}", detail={k: v for k, v in d.items() if v}))
     return out
 
 
@@ -485,8 +680,8 @@ def _at_loss(me: _Held, mb: int) -> list[Peak]:
     T, h = c.T, c.h
     copies = chunk_copies(c.lay, T, h)
     saved = me.saves() + c.chunk_saves() + c.final_norm_saves() + copies[0]
-    acc = (c.acc_all if me.backs else 0)
-    p2p = c.recv + me.sends()
+    acc = (c.acc_all if me.acc_made else 0)
+    p2p = me.p2p()
     with_norm = me.norm_acc
     rs = (c.head_full if with_norm else c.sh.lm_full) * F32
     g_out = me.head_grads + rs // c.ds  # the output beside the grads alive
@@ -522,7 +717,18 @@ def _at_reduce_grad(me: _Held) -> list[Peak]:
     """REDUCE_GRAD: perform_reduce_grad unit by unit (pp_peak's reduce_grad_moments), this stage's every send
     held."""
     c = me.c
-    return reduce_grad_moments(c, me.head_grads, me.norm_acc, c.recv + me.sends(), f", stage {c.s}")
+    return reduce_grad_moments(c, me.head_grads, me.norm_acc, me.p2p(), f", stage {c.s}",
+                               acc_made=me.acc_made, bf16_grads=me.wgrads)
+
+
+def looped_stages(model, lay, local: list, kept: int, emb_numel: int, block_numel: int, head_numel: int, ac: str,
+                  rules) -> list[_Stage]:
+    """The _Stage of each of a rank's stages `local` ((index, pp_stages entry, Sharded) each), with which of its
+    neighbours are on the rank (the V schedules' middle pair: _Stage.local_next)."""
+    S = lay.pp * lay.vp
+    mine = {s for s, _, _ in local}
+    return [replace(_stage(model, lay, stage, s, sh, kept, 0, emb_numel, block_numel, head_numel, ac, rules, stages=S),
+                    local_next=s + 1 in mine, local_prev=s - 1 in mine) for s, stage, sh in local]
 
 
 def looped_peak(model, lay, rank: int, local: list, kept: int, grads: int, emb_numel: int, block_numel: int,
@@ -530,9 +736,7 @@ def looped_peak(model, lay, rank: int, local: list, kept: int, grads: int, emb_n
     """The steady-step peak of PP rank `rank` holding the stages `local` ((index, pp_stages entry, Sharded)
     each) under a looped schedule: the most of looped_moments (the first on ties); optim: the rank's
     optimizer-state bytes, for the first step's peak (pp_peak's)."""
-    S = lay.pp * lay.vp
-    cs = [_stage(model, lay, stage, s, sh, kept, 0, emb_numel, block_numel, head_numel, ac, rules, stages=S)
-          for s, stage, sh in local]
+    cs = looped_stages(model, lay, local, kept, emb_numel, block_numel, head_numel, ac, rules)
     best = _most(cs, rank_actions(sched, lay.pp, lay.vp, lay.num_microbatches, rank))
     if optim is not None:
         # (every moment lacks the same optimizer state in step 0, so the steady step's most is step 0's)

@@ -136,6 +136,9 @@ class _Stage:
     swiglu: SwigluBackward  # a block's SwiGLU backward at its largest moment (peak.swiglu_backward)
     attn_saves: int  # a block's saves of its attention half (its attention_norm's to SDPA's)
     attn_grads_numel: int  # the block's grads but its q / k / v projections' and attention_norm's
+    qkv: int  # the q / k / v projections' output columns (TP-local), fused or not
+    q: int  # the q projection's (wo's input columns)
+    fused_qkv: bool  # one wqkv weight (torchtitan's FusedQKVLinear) or wq, wk, wv
     wo_gather: int  # wo's weight all-gathered and cat'ed for its input grad (0 where DTensor does not)
     recompute_rs: int  # SP under AC: what a block's recompute holds at w2's reduce-scatter (0 otherwise)
     ds: int
@@ -165,11 +168,22 @@ class _Stage:
     # works (fwd_sends_to_wait) and the backward sends' (bwd_sends_to_wait) are kept in lists until the step's
     # end, so every activation sent on and every input grad sent back stays referenced
     gpipe: bool = False
+    # a neighbour stage on this rank (the V schedules' middle pair, schedules.local_stages): the runtime passes the
+    # activation (its grad) on without P2P, setting it as the receiver's receive buffer (stage.py set_local_fwd_input,
+    # set_local_bwd_input), which holds it until the next step's pass replaces it: counted as that receive buffer (recv),
+    # no held send
+    local_next: bool = False
+    local_prev: bool = False
 
     def held_lines(self) -> dict[str, int]:
         """Peak.plus lines of what a step holds from the step before at every moment (sac_held)."""
         return {"unnamed/each block's recompute all-gather and attention_norm output shard, from the step before":
                 self.sac_held}
+
+    @property
+    def recv_local(self) -> int:
+        """The receive buffers (recv) of its passes from a neighbour on this rank (local_next, local_prev)."""
+        return self.n * self.act * (self.local_next + self.local_prev)
 
     def norm_saved(self) -> int:
         """What an RMSNorm saves of its input: the composite's fp32 upcast, or the fused kernel's bf16
@@ -210,6 +224,29 @@ class _Stage:
     def chunk_saves(self) -> int:
         """One micro-batch's saves on this stage between its forward and backward."""
         return self.Ls * self.blk - self.first_in + self.emb_saves
+
+    def captured_block(self) -> int:
+        """What a zero-bubble I (pipelining/_backward.py stage_backward_input) leaves captured for its W in one
+        block: the grad flowing into each weight's node, which get_param_groups' prehooks keep in its param group
+        until stage_backward_weight: the two norms' [T, h] (the composite multiplies by the weight in fp32: the
+        upcast's grad; the fused kernel's node takes its bf16 output grad, from sources), w1's and w3's [T, ffn]
+        (silu_backward's and the mul's), the q / k / v projections' (the fused wqkv's cat), wo's [T, h] (the
+        residual grad past the feed-forward). w2's is the block's output grad, held anyway (the block above's
+        input grad, the P2P receive buffer, or the final norm's input grad: captured_grads). Measured: 3,407,872 B
+        a block at hidden 128, ffn 384, T 1024 (the probe's census by op, InterleavedZeroBubble)."""
+        T, Tn, h = self.T, self.Tn, self.h
+        norm = Tn * h * (BF16 if self.rules.fused_rms_norm else F32)
+        return 2 * norm + 2 * T * self.ffn * BF16 + T * self.qkv * BF16 + self.act
+
+    def captured_grads(self, k: int = 0) -> int:
+        """What a micro-batch's I has captured on this stage by block k's backward (k = 0: all of it): blocks
+        k..Ls-1 (captured_block) and the output grad of each below the top (the block above's input grad), on the
+        last stage the top one's too (the final norm's input grad; the top block's on a stage before the last is the
+        P2P receive buffer). On the first stage I computes nothing (stage.py backward_one_chunk skips it: W runs the
+        whole backward)."""
+        if self.first:
+            return 0
+        return (self.Ls - k) * self.captured_block() + (self.Ls - 1 - k + self.has_head) * self.act
 
     def before(self, k: int) -> int:
         """The saves of blocks 0..k-1 of the micro-batch in backward (and its embedding's, on the first stage)."""
@@ -331,7 +368,7 @@ def _stage(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: int
         w2_grad_numel=h * f if "w2" in full else h * f // tp,
         swiglu=swiglu_backward(model, T, tp, sp),
         attn_saves=act1 - saves["swiglu"] - saves["2 rmsnorms"] // 2,
-        attn_grads_numel=grad_numel - qkv_local * h - h,
+        attn_grads_numel=grad_numel - qkv_local * h - h, qkv=qkv_local, q=q // tp, fused_qkv=model.fused_qkv,
         wo_gather=2 * h * q * BF16 if gathers else 0,
         recompute_rs=(act1 + 3 * act + 2 * T * h * BF16 + (T * h * BF16 if rules.rs_input_copy else 0)
                       + (act if fused_sac else 0) if sp and ac != "none" else 0), ds=ds, P=P, n=n, first=first, last=last, act=act,
@@ -351,7 +388,8 @@ def _at_perform_reduce_grad(c: _Stage) -> list[Peak]:
     return reduce_grad_moments(c, c.head_grads, c.has_head, p2p)
 
 
-def reduce_grad_moments(c: _Stage, head_grads: int, norm_acc: bool, p2p: int, label: str = "") -> list[Peak]:
+def reduce_grad_moments(c: _Stage, head_grads: int, norm_acc: bool, p2p: int, label: str = "", acc_made: bool = True,
+                        bf16_grads: bool = False) -> list[Peak]:
     """perform_reduce_grad, unit by unit in the stage's order (tok_embeddings, the blocks, [norm,
     lm_head]): a unit resharded (its bf16 params freed), its fp32 reduce-scatter input (padded full,
     chunk_cat of its accumulators, which are then freed), its output shard (the new sharded grad)
@@ -360,20 +398,24 @@ def reduce_grad_moments(c: _Stage, head_grads: int, norm_acc: bool, p2p: int, la
     it still unsharded with their accumulators, the units before it with their sharded grads.
     head_grads: [norm, lm_head]'s grads alive (the last stage); norm_acc: whether the final norm's fp32
     accumulated grad is held; p2p: the receive buffers and the sends held; label: after each moment's name
-    (pp_looped.py names the stage)."""
+    (pp_looped.py names the stage). After a split backward's W (pp_looped.py) the units' grads are bf16 .grads
+    (bf16_grads) that each unit's post_backward accumulates first, into the fp32 accumulators (acc_made) or into new
+    ones: the units after it hold them."""
     h, kept, order = c.h, c.kept, c.order
     cands = []
     for u, (name, full, _numel, last_numel) in enumerate(order):
         after = order[u + 1:]
         unsharded_after = sum([f for _, f, _, _ in after]) * BF16 + (c.head_full * BF16 if c.has_head else 0)
-        acc = sum([m for _, _, m, _ in after]) * F32 + (h * F32 if norm_acc else 0) + c.held(last_numel)
+        acc = (sum([m for _, _, m, _ in after]) * (F32 * acc_made + BF16 * bf16_grads) + (h * F32 if norm_acc else 0)
+               + c.held(last_numel))
         g = head_grads + sum([f // c.ds * F32 for _, f, _, _ in order[:u + 1]])
         # the last micro-batch's final-norm output (the stage's output; with SP all-gathered for lm_head)
         last_out = c.T * h * BF16 if c.has_head else 0
         copy = rs_temporary(c.rules, c.ds, full * F32)
+        acc_kind = "a W's bf16 and fp32" if bf16_grads else "fp32"
         d = {_STATE: kept, "resident/grads (units reduced, lm_head synced)": g,
              "resident/unsharded params (units after)": unsharded_after,
-             "temporary/fp32 accumulated grads (units after; the unit's last one held)": acc,
+             f"temporary/{acc_kind} accumulated grads (units after; the unit's last one held)": acc,
              "gathered/reduce-scatter input (fp32)": full * F32, "temporary/gloo copy or divided input (fp32)": copy,
              "gathered/p2p buffers and held sends": p2p, "activations/last micro-batch's final norm output": last_out}
         parts = {"resident": kept + g + unsharded_after, "activations": last_out, "gathered": full * F32 + p2p,

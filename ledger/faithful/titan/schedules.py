@@ -137,7 +137,7 @@ def interleaved_order(pp: int, vp: int, rank: int, n: int) -> tuple:
                  for a in rank_compute_order("Interleaved1F1B", pp, vp, n, rank) if a is not None)
 
 
-def _compute_actions(name: str, pp: int, vp: int, n: int, rank: int):
+def compute_actions(name: str, pp: int, vp: int, n: int, rank: int):
     """rank_compute_order's actions but the idle slots, an overlapped forward-backward (DualPipeV's OVERLAP_F_B)
     as its sub-actions in their order (the runtime's default runs them one after the other)."""
     for a in rank_compute_order(name, pp, vp, n, rank):
@@ -148,7 +148,7 @@ def _compute_actions(name: str, pp: int, vp: int, n: int, rank: int):
 @lru_cache(maxsize=1024)
 def runtime_order(name: str, pp: int, vp: int, rank: int, n: int) -> tuple:
     """The (kind, micro-batch, local chunk) a PP rank runs under runtime schedule `name`, kind F, B, I or W
-    (ledger/timing/pipeline.py's), in torch's own order (_compute_actions: InterleavedZeroBubble's
+    (ledger/timing/pipeline.py's), in torch's own order (compute_actions: InterleavedZeroBubble's
     _get_1f1b_rank_ops with enable_zero_bubble, each backward split into its input-grad half and a weight-grad
     half that fills the bubble; the V schedules' orders), the chunk its index among the rank's stages
     (local_stages): the step-time model's order."""
@@ -159,7 +159,7 @@ def runtime_order(name: str, pp: int, vp: int, rank: int, n: int) -> tuple:
     kind = {C.FORWARD: F, C.FULL_BACKWARD: B, C.BACKWARD_INPUT: I, C.BACKWARD_WEIGHT: W}
     mine = local_stages(rank, pp, vp, name)
     return tuple((kind[a.computation_type], a.microbatch_index, mine.index(a.stage_index))
-                 for a in _compute_actions(name, pp, vp, n, rank))
+                 for a in compute_actions(name, pp, vp, n, rank))
 
 
 # the step-time model's order function (pp, vp, stage, m) of each schedule that splits backwards: torch's own
@@ -234,7 +234,7 @@ def _last_stage_actions(name: str, pp: int, vp: int, n: int) -> list:
     overlapped forward-backward's sub-actions in their order)."""
     last = pp * vp - 1
     rank = next(r for r in range(pp) if last in local_stages(r, pp, vp, name))
-    return [a for a in _compute_actions(name, pp, vp, n, rank) if a.stage_index == last]
+    return [a for a in compute_actions(name, pp, vp, n, rank) if a.stage_index == last]
 
 
 @lru_cache(maxsize=1024)
