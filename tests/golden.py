@@ -157,13 +157,17 @@ def titan_cases():
     yield "titan/llama3_70b/pp-tp", ["model=llama3_70b", "model.seq_len=8192", *_fw("titan", activation_checkpoint="full"),
                                      *_lay(8, 4, 4, sequence_parallel=False, global_batch_size=16)]
     yield "titan/refused/vp", ["model=tiny", *_fw("titan"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
-    yield "titan/tiny/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
-                             *_lay(1, 2, 1, vp=2, global_batch_size=4)]
-    yield "titan/tiny/dualpipev", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="DualPipeV"),
+    yield "titan/tiny/zbv", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble",
+                                                activation_checkpoint="none"), *_lay(1, 2, 1, vp=2, global_batch_size=4)]
+    yield "titan/tiny/dualpipev", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="DualPipeV",
+                                                      activation_checkpoint="none"),
                                    *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/llama3_8b/zero-bubble", ["model=llama3_8b",
-                                          *_fw("titan", pipeline_parallel_schedule="InterleavedZeroBubble"),
+                                          *_fw("titan", pipeline_parallel_schedule="InterleavedZeroBubble",
+                                               activation_checkpoint="none"),
                                           *_lay(1, 4, 2, vp=2, global_batch_size=16)]
+    yield "titan/refused/zero-bubble-sac", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="ZBVZeroBubble"),
+                                            *_lay(1, 2, 1, vp=2, global_batch_size=4)]
     yield "titan/llama3_70b/interleaved", ["model=llama3_70b", *_fw("titan", pipeline_parallel_schedule="Interleaved1F1B"),
                                            *_lay(8, 4, 2, vp=2, sequence_parallel=True, global_batch_size=16)]
     yield "titan/tiny/gpipe", ["model=tiny", *_fw("titan", pipeline_parallel_schedule="GPipe", activation_checkpoint="none"),

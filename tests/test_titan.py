@@ -894,6 +894,9 @@ def test_zero_bubble_last_stage_keeps_no_final_norm_state():
      "beyond 3 stages a rank"),
     (8, dict(pp=2, vp=2, tp=2), dict(pipeline_parallel_schedule="InterleavedZeroBubble"), "FSDP / HSDP alone"),
     (8, dict(pp=2, vp=2, tp=2, global_batch_size=16), dict(pipeline_parallel_schedule="DualPipeV"), "FSDP / HSDP alone"),
+    # torch's selective checkpoint allows one backward over its region; the split backward runs two (I, then W)
+    (4, dict(pp=2, vp=2, global_batch_size=8), dict(pipeline_parallel_schedule="ZBVZeroBubble",
+                                                    activation_checkpoint="selective"), "only allowed to backward once"),
     (8, dict(pp=2, vp=2, global_batch_size=20), dict(pipeline_parallel_schedule="Interleaved1F1B"),
      "multiple of its rounds"),
     (2, dict(pp=2, global_batch_size=1), {}, "1F1B needs at least pp=2"),

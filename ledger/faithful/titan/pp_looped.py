@@ -44,8 +44,12 @@ def looped_unmodelled(sched: str, vp: int, ac: str = "none") -> str | None:
     if sched not in LOOPED:
         return f"{sched}'s peak is not derived"
     if sched in SPLIT_BACKWARD and ac != "none":
-        return (f"{sched}'s split backward under activation checkpointing (what I's recompute keeps for W) is not "
-                "derived")
+        # (selective: torch refuses it, rules.py) full: W runs one autograd.grad a param group, each a new graph task
+        # that re-runs the block's checkpointed forward, and the recomputes stay referenced until the stage's W ends
+        # (measured: InterleavedZeroBubble pp2·vp2 at seq 1024, hidden 128, stage 1's W: seven recomputes of each of
+        # its two blocks live at rank 1's peak, 106,201,960 B against 99,629,408 B without checkpointing)
+        return (f"{sched}'s split backward under activation checkpointing is not derived (its W re-runs a "
+                "checkpointed block's forward once a param group and holds every recompute to its end)")
     return None
 
 
@@ -137,15 +141,16 @@ class _Held:
                "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS, "sac": 1}
         return tuple([int(got[name]) for name, _ in _ENTRIES])
 
-    def line(self, name: str) -> int:
-        """The bytes of one of the lines (_ENTRIES' second column) that this stage holds."""
-        return sum([k * b for (_, ln), k, b in zip(_ENTRIES, self.counts(), self.bytes_each) if ln == name])
+    def line(self, name: str, counts: tuple | None = None) -> int:
+        """The bytes of one of the lines (_ENTRIES' second column) that this stage holds (counts: its counts())."""
+        counts = counts or self.counts()
+        return sum([k * b for (_, ln), k, b in zip(_ENTRIES, counts, self.bytes_each) if ln == name])
 
     def lines(self) -> dict[str, int]:
         """Peak.plus lines of what this stage holds while another of the rank's stages acts."""
-        c, j = self.c, self.j
-        out = {f"{part}/stage {j}: {name.format(flight=len(self.flight) + len(self.captured), captured=len(self.captured))}":
-               self.line(key)
+        c, j, counts = self.c, self.j, self.counts()
+        flight, captured = len(self.flight) + len(self.captured), len(self.captured)
+        out = {f"{part}/stage {j}: {name.format(flight=flight, captured=captured)}": self.line(key, counts)
                for key, (part, name) in _LINE_NAMES.items()}
         if c.sac_held:
             out.update({f"unnamed/stage {j}: {k.split('/', 1)[1]}": v for k, v in c.held_lines().items()})
@@ -184,6 +189,8 @@ class _Held:
         """Peak.plus lines of what a split backward holds for its W's while this stage acts: the micro-batches
         whose I ran, their saves and captured grads, and (wgrads) the bf16 weight grads a W set."""
         j, n = self.j, len(self.captured)
+        if not (n or self.wgrads):
+            return {}
         return {f"activations/stage {j}: {n} micro-batches' saves (I run, W not)": n * self._one("cap_saves"),
                 f"temporary/stage {j}: {n} micro-batches' grads captured for W": n * self._one("cap_grads"),
                 f"temporary/stage {j}: bf16 weight grads from W, not yet accumulated": self.wgrads * self._one("wgrads")
@@ -199,7 +206,10 @@ class _Held:
     def local_passes(self) -> dict[str, int]:
         """Peak.plus lines of its receive buffers from a neighbour on this rank (_Stage.local_next): the tensors the
         step before passed until this step's pass of the same micro-batch replaces them, then this step's."""
-        return {f"{part}/stage {self.j}: {name}": self.line(key) for key, (part, name) in _LOCAL_LINE_NAMES.items()}
+        if not (self.c.local_next or self.c.local_prev):
+            return {}
+        counts = self.counts()
+        return {f"{part}/stage {self.j}: {name}": self.line(key, counts) for key, (part, name) in _LOCAL_LINE_NAMES.items()}
 
 
 # what a stage holds between actions, entry by entry: its name and the Peak.plus line it adds to (_Held.lines);
@@ -445,7 +455,9 @@ def _action_moments(a, me: "_Held", held) -> list:
     kind, mb = a.computation_type, a.microbatch_index
     if kind == C.REDUCE_GRAD:  # (after the stage's last W: nothing is kept for one)
         phase = "schedule" if me.at < me.last_pass else "optimizer"
-        return [(replace(p, phase=phase).plus(me.local_passes()), others) for p in _at_reduce_grad(me)]
+        local = me.local_passes()
+        return [(replace(p, phase=phase).plus(local) if local else replace(p, phase=phase), others)
+                for p in _at_reduce_grad(me)]
     # (I accumulates the W's grads block by block)
     kept = {**me.kept_for_w(wgrads=kind != C.BACKWARD_INPUT), **me.local_passes()}
     if kind == C.FORWARD:
@@ -456,7 +468,7 @@ def _action_moments(a, me: "_Held", held) -> list:
         moments = _at_input_backward(me, mb)
     else:
         moments = _at_weight_backward(me, mb)
-    return [(p.plus(kept), others) for p in moments]
+    return [(p.plus(kept) if kept else p, others) for p in moments]
 
 
 def _after_forward(me: _Held, mb: int) -> None:

@@ -84,6 +84,15 @@ def validate_layout(model, lay, fw_cfg) -> None:
                               f"FSDP / HSDP alone, not with tp={lay.tp} cp={lay.cp} (its split backward re-runs a "
                               "checkpointed block's TP collectives more often than derived; with cp torchtitan fails on "
                               "the last stage)")
+        if sched in SPLIT_BACKWARD and getattr(fw_cfg, "activation_checkpoint", None) == "selective":
+            # torch/utils/checkpoint.py's selective checkpoint refuses a second backward over a region it computed,
+            # and the split backward runs two (I with retain_graph, then W): measured on the CPU at pp2 vp2 under each
+            # of the three (the job fails on the last stage's rank with torch's message)
+            raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} with "
+                              "framework.activation_checkpoint='selective': torch refuses it (\"Trying to backward an "
+                              "extra time. You are only allowed to backward once on any region computed under "
+                              "selective activation checkpoint.\": the split backward's I and W are two); use none or "
+                              "full")
         pp_stages(model.layers, lay.pp * lay.vp)  # torchtitan's own refusals of the split
     # torch _context_parallel/_attention.py _create_cp_block_mask (FlexAttention CP) raises
     # NotImplementedError unless seq_len % (cp * 128) == 0 (the BlockMask is sharded in blocks)
