@@ -137,6 +137,24 @@ def _pp_moments(m, lay, rank):
                             st.params_bytes + st.optim_bytes + st.other_bytes, st.grads_bytes, emb, block, head)
 
 
+@pytest.mark.parametrize("seq,ac,gpipe,tp", [(32, "none", False, 1), (1024, "none", False, 1), (1024, "full", False, 1),
+                                              (1024, "none", True, 1), (512, "selective", False, 2), (512, "none", True, 2)])
+def test_pp_peak_fast_path_is_the_first_most_of_the_moments(seq, ac, gpipe, tp):
+    """pp_peak prices each backward's block moments as bytes and builds the first most alone (pp_peak.block_peaks):
+    on every stage, with and without checkpointing, GPipe, TP with SP, it is the first most of every moment built."""
+    from math import prod
+
+    m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=512, seq_len=seq)
+    lay = _lay(world=2 * tp, pp=2, tp=tp, sequence_parallel=tp > 1, global_batch_size=3)
+    emb, block, head = [sum([prod(p.shape) for p in u]) for u in F.unit_params(m, tp)]
+    for s in range(lay.pp):
+        c = PK._stage(m, lay, PP.pp_stages(m.layers, lay.pp)[s], s, PP._stage_sharded(m, tp, lay.dp_shard, lay.pp, s),
+                      10**6, 10**5, emb, block, head, ac, gpipe=gpipe)
+        every, fast = PK._moments(c), PK._moments(c, most_only=True)
+        assert len(fast) < len(every) or c.last  # (the last stage's backward: pp_peak's own last-micro-batch moments)
+        assert max(fast, key=lambda x: x.bytes) == max(every, key=lambda x: x.bytes)
+
+
 def test_pp_moments_follow_pipelining():
     """pp_peak's moments (tests/test_titan.py's real PP jobs measure them): the peak is the most; stage
     by stage the kinds each stage has; perform_reduce_grad from unit to unit trades the next unit's

@@ -32,7 +32,7 @@ from functools import cached_property, lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
-from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage, reduce_grad_moments
+from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage, block_peaks, reduce_grad_moments
 from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, SPLIT_BACKWARD, compute_actions
 from ledger.placement import Peak
 
@@ -322,7 +322,7 @@ def _template(stages: list[_Stage], actions: list, tr: "_Trace", at: int) -> int
     a = actions[tr.index[at]]
     j = tr.acting[at]
     me = _Held(stages[j], j, **tr.states[at][j])
-    most = max([p.bytes for p, _ in _action_moments(a, me, (me,))], default=None)
+    most = max([p.bytes for p, _ in _action_moments(a, me, (me,), most_only=True)], default=None)
     return None if most is None else most - _offset(a, me)
 
 
@@ -443,9 +443,10 @@ def _steps(stages: list, actions: list, pp: int):
             held[(a.stage_index - 1) // pp].passed_in += 1
 
 
-def _action_moments(a, me: "_Held", held) -> list:
+def _action_moments(a, me: "_Held", held, most_only: bool = False) -> list:
     """The acting stage's moments of action `a`, each with the lines of what the rank's other stages hold then
-    (_Held.lines) and what this one holds from the step before."""
+    (_Held.lines) and what this one holds from the step before; most_only: a full backward's most block moment
+    alone (_at_backward: its most is the same, first on ties)."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     others: dict[str, int] = me.c.held_lines() if me.c.sac_held else {}
@@ -463,7 +464,7 @@ def _action_moments(a, me: "_Held", held) -> list:
     if kind == C.FORWARD:
         moments = _at_loss(me, mb) if me.c.has_head else _at_forward(me, mb)
     elif kind == C.FULL_BACKWARD:
-        moments = _at_backward(me, mb)
+        moments = _at_backward(me, mb, most_only)
     elif kind == C.BACKWARD_INPUT:
         moments = _at_input_backward(me, mb)
     else:
@@ -562,9 +563,10 @@ def _at_forward(me: _Held, mb: int) -> list[Peak]:
                     f"reduce-scatter (SP), stage {c.s}", detail=d)]
 
 
-def _at_backward(me: _Held, mb: int) -> list[Peak]:
+def _at_backward(me: _Held, mb: int, most_only: bool = False) -> list[Peak]:
     """A backward at each of its blocks' moments (_Stage.block_moments); on the last stage first its final
-    norm's (pp_peak's _at_final_norm_backward, _at_blocks_after_final_norm)."""
+    norm's (pp_peak's _at_final_norm_backward, _at_blocks_after_final_norm); most_only: of the block moments the
+    first most alone (pp_peak.block_peaks)."""
     c = me.c
     others_saves = me.saves() - me.per  # (the micro-batch in backward is in flight)
     p2p = me.p2p()
@@ -584,16 +586,17 @@ def _at_backward(me: _Held, mb: int) -> list[Peak]:
         out.append(Peak.of({"resident": c.kept + g + c.unsharded, "activations": saved, "gathered": gathered,
                             "temporary": acc + work}, phase="backward",
                            what=f"micro-batch {mb}'s final norm backward, stage {c.s}", detail=d))
+    moments = []  # each block moment's in_block arguments (pp_peak.block_peaks)
     for k in range(c.Ls - 1, -1, -1):
         acc = (c.acc_all if me.acc_made else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
         # the grad into the stage's last block is the P2P receive buffer (the last stage: the final norm's own)
         incoming = c.act if (k < c.Ls - 1 or c.has_head) else 0
         extra = c.T * c.h * BF16 if c.has_head else 0
         for name, saved_k, work_k in c.block_moments(k, incoming):
-            out.append(c.in_block(f"micro-batch {mb} backward at block {k}'s {name}, stage {c.s}", g, acc, gathered,
-                                  f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches", saved_k + extra + others_saves,
-                                  f"block {k}'s backward at its {name}", work_k))
-    return out
+            moments.append((f"micro-batch {mb} backward at block {k}'s {{}}, stage {c.s}", name, g, acc, gathered,
+                            f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches", saved_k + extra + others_saves,
+                            f"block {k}'s backward at its {{}}", work_k))
+    return out + block_peaks(c, moments, most_only)
 
 
 def _at_input_backward(me: _Held, mb: int) -> list[Peak]:

@@ -68,7 +68,7 @@ def pp_peak(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept: in
     (zero_grad(set_to_none=True) with PP: none but the units already reduced)."""
     c = _stage(model, lay, stage, s, sh, kept, grads, emb_numel, block_numel, head_numel, ac, rules,
                sched == "GPipe")
-    cands = _moments(c)
+    cands = _moments(c, most_only=True)
     best = max(cands, key=lambda p: p.bytes)
     if optim is not None:
         # the stage's P2P receive buffers (stage.py: made once, kept between steps) beside the state the first
@@ -103,9 +103,10 @@ def pp_moments(model, lay, stage: tuple[bool, int, int, bool], s: int, sh, kept:
                            sched == "GPipe"))
 
 
-def _moments(c: _Stage) -> list[Peak]:
-    """pp_moments over the stage's shared values."""
-    cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c) + _at_last_warmup_forward(c)
+def _moments(c: _Stage, most_only: bool = False) -> list[Peak]:
+    """pp_moments over the stage's shared values; most_only: of a backward's block moments only the first most
+    (pp_peak's fast path: the peak is the same, first on ties, as the list's)."""
+    cands = _at_perform_reduce_grad(c) + _at_microbatch_backward(c, most_only) + _at_last_warmup_forward(c)
     if c.has_head and c.gpipe:
         cands += _gpipe_last_stage(c)
     elif c.has_head:
@@ -300,6 +301,10 @@ class _Stage:
         unsharded_grads.clear() frees all but that one (measured: pp2·dp2's tok_embeddings grad)."""
         return last_numel * F32 if self.ds > 1 else 0
 
+    def in_block_bytes(self, g: int, acc: int, gathered: int, saved: int, work: int) -> int:
+        """in_block's bytes, its Peak not built (the fast paths pick a backward's most block moment first)."""
+        return self.kept + self.unsharded + g + saved + gathered + acc + work
+
     def in_block(self, what: str, g: int, acc: int, gathered: int, saved_label: str, saved: int, work_label: str,
                  work: int) -> Peak:
         """A moment inside a block's backward (_at_microbatch_backward, _at_blocks_after_final_norm):
@@ -448,7 +453,7 @@ def _at_last_warmup_forward(c: _Stage) -> list[Peak]:
                     "reduce-scatter (SP)", detail=d)]
 
 
-def _at_microbatch_backward(c: _Stage) -> list[Peak]:
+def _at_microbatch_backward(c: _Stage, most_only: bool = False) -> list[Peak]:
     """The backward of a micro-batch i (0, and 1 where there are more) at block k, on stages before the
     last: at block k's attention_norm backward every unit's accumulator (i >= 1; the blocks after k at
     i = 0), the saved tensors of the blocks before k and of the other micro-batches in flight
@@ -457,11 +462,12 @@ def _at_microbatch_backward(c: _Stage) -> list[Peak]:
     (bf16 [T, h]), the attention_norm's fp32 input it saved and the five fp32 [T, h] temporaries of
     the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div); or, at long
     sequences, earlier in the same block, at its SwiGLU backward (the block's saved tensors but w2's
-    input, three bf16 [T, ffn] grads, w2's weight grad): _Stage.block_moments."""
+    input, three bf16 [T, ffn] grads, w2's weight grad): _Stage.block_moments. most_only: the first most of
+    them alone (first_most_block)."""
     Ls, n, act = c.Ls, c.n, c.act
-    cands: list[Peak] = []
     if c.last or not Ls:
-        return cands
+        return []
+    moments = []  # each moment's in_block arguments
     warm = n if c.gpipe else min(n, c.P - c.s)  # GPipe: every forward before the first backward
     # Schedule1F1B._step_microbatches keeps its warm-up's last `send_work` (the sends of forward warm - 2) until
     # the cool-down reassigns it: through the steady loop's backwards (0 .. n - warm) that output stays held after
@@ -478,11 +484,20 @@ def _at_microbatch_backward(c: _Stage) -> list[Peak]:
             acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
             for name, saved, work in c.block_moments(k, act if k < Ls - 1 else 0):
-                cands.append(c.in_block(f"micro-batch {i} backward at block {k}'s {name}", 0, acc, p2p,
-                                        f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
-                                        (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {name}",
-                                        work))
-    return cands
+                moments.append((f"micro-batch {i} backward at block {k}'s {{}}", name, 0, acc, p2p,
+                                f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
+                                (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {{}}", work))
+    return block_peaks(c, moments, most_only)
+
+
+def block_peaks(c: _Stage, moments: list, most_only: bool) -> list[Peak]:
+    """The Peaks of a backward's block moments, each (what, the moment's name, g, acc, gathered, saved label, saved,
+    work label, work) as _Stage.in_block reads them, `what` and the work label with a {} for the moment's name;
+    most_only: the first most alone (in_block_bytes: a fast path builds only the Peak it may keep)."""
+    if most_only and moments:
+        moments = [max(moments, key=lambda m: c.in_block_bytes(m[2], m[3], m[4], m[6], m[8]))]
+    return [c.in_block(what.format(name), g, acc, gathered, saved_label, saved, work_label.format(name), work)
+            for what, name, g, acc, gathered, saved_label, saved, work_label, work in moments]
 
 
 class _LastMicrobatch(NamedTuple):
