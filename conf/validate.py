@@ -192,6 +192,12 @@ def validate_plan(p, model, layout=None) -> None:
         if t not in ("p2p", "all_gather", "a2a"):
             raise ConfigError(f"plan.cp_comm_types has {t!r}: each must be one of p2p, all_gather, a2a (a2a+p2p "
                               "needs framework.hierarchical_context_parallel_sizes: set framework.cp_comm_type)")
+    from ledger.faithful.titan.schedules import SCHEDULES
+
+    for name in p.get("pipeline_schedules") or []:
+        if name not in SCHEDULES:
+            raise ConfigError(f"plan.pipeline_schedules has {name!r}: each must be one of {', '.join(SCHEDULES)} "
+                              "(torchtitan's framework.pipeline_parallel_schedule)")
     for n, allowed in (("micro_batch_sizes", None), ("vps", None), ("zero_stages", (1, 2, 3)),
                        ("sequence_parallel", (False, True)), ("distributed_optimizer", (False, True)),
                        ("recompute", ("none", "selective", "full")), ("offload_optimizer", ("none", "cpu")),

@@ -60,7 +60,8 @@ def space(cfg) -> Space:
     return Space(gbs, tuple(p.micro_batch_sizes), tuple(p.vps), p.max_cp, tuple(p.zero_stages),
                  tuple(bool(x) for x in p.sequence_parallel), bool(p.hsdp), tuple(p.recompute),
                  tuple(bool(x) for x in p.distributed_optimizer), tuple(p.get("cp_comm_types") or ()),
-                 tuple(p.get("offload_optimizer") or ("none",)), tuple(p.get("offload_param") or ("none",)))
+                 tuple(p.get("offload_optimizer") or ("none",)), tuple(p.get("offload_param") or ("none",)),
+                 tuple(p.get("pipeline_schedules") or ()))
 
 
 def framework_bases(cfg) -> dict[str, dict]:
@@ -266,6 +267,8 @@ def _lay(r: Row) -> str:
         s += " dopt"
     if "cp_comm_type" in kn:
         s += f" cp:{kn['cp_comm_type']}"
+    if kn.get("pipeline_parallel_schedule") not in (None, "1F1B", "Interleaved1F1B"):  # (torchtitan's defaults unnamed)
+        s += f" {kn['pipeline_parallel_schedule']}"
     if "decoder_first_pipeline_num_layers" in kn or "decoder_last_pipeline_num_layers" in kn:
         s += f" split {kn.get('decoder_first_pipeline_num_layers', '-')}/{kn.get('decoder_last_pipeline_num_layers', '-')}"
     if kn.get("account_for_embedding_in_pipeline_split"):

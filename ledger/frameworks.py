@@ -65,7 +65,7 @@ class FrameworkLedger:
     # the knobs the search sets per row (a value the base config gives them is not carried into a row,
     # nor into the ready sweep's overrides), each with the value a row starts from
     plan_chooses: dict = field(default_factory=dict)
-    plan_splits: Callable[[int, int, int], list] = lambda layers, pp, vp: [{}]
+    plan_splits: Callable[[int, int, int, object], list] = lambda layers, pp, vp, space: [{}]
     plan_hsdp: bool = False
     # (fw, lay, device) -> ledger/timing/step.py TimePolicy: how its step runs (schedule, recompute,
     # attention kernel, what hides its data-parallel collectives); None: no step-time model

@@ -119,6 +119,7 @@ class Space:
     cp_comm_types: tuple[str, ...] = ()  # Megatron's cp_comm_type tried where cp > 1; () = as configured
     offload_optimizer: tuple[str, ...] = ("none",)  # DeepSpeed's ZeRO-Offload tried (where it models it)
     offload_param: tuple[str, ...] = ("none",)  # and ZeRO-3's parameter offload
+    pipeline_schedules: tuple[str, ...] = ()  # torchtitan's schedules tried where pp > 1; () = its default's
 
 
 @dataclass(slots=True)
@@ -237,7 +238,7 @@ def candidates(model: ModelShape, hw: Hardware, space: Space, framework: str, ba
                 for vp in space.vps:
                     if vp > 1 and pp == 1:
                         continue  # interleaving is across stages: pp = 1 has no vp to choose
-                    splits = spec.plan_splits(model.layers, pp, vp)
+                    splits = spec.plan_splits(model.layers, pp, vp, space)
                     for kn0, split, rc in ((k0, s, r) for k0 in spec.plan_knob_sets(space, model, dp, cp) for s in splits for r in rcs):
                         kn = {**kn0, **split, **rc}
                         key = tuple(kn.items())

@@ -105,6 +105,31 @@ def test_rows_judged_on_their_peak_rank_before_those_on_their_resident_state():
         assert fitting == sorted(fitting)
 
 
+def test_listed_pipeline_schedules_are_tried_each_with_its_stages():
+    """plan.pipeline_schedules: torchtitan's pipelines run each listed schedule with the stages a rank it takes (the V
+    ones 2, InterleavedZeroBubble 2 to 3, 1F1B one); a split backward's rows carry their peak without recompute, are
+    refused with torch's reason under selective recompute (with TP with the ledger's) and fit on their resident state
+    alone under full."""
+    listed = ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    plan = search(preset("tiny", layers=6), HW8, Space(16, (1,), (1, 2), 1, (1,), (False,), False,
+                                                       ("none", "selective", "full"), pipeline_schedules=listed),
+                  _bases("titan"))
+    pipelined = [r for r in plan.rows if r.layout["pp"] > 1]
+    tried = {(r.knobs["pipeline_parallel_schedule"], r.layout["vp"]) for r in pipelined}
+    assert tried == {("1F1B", 1), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)}
+    for r in pipelined:
+        split = r.knobs["pipeline_parallel_schedule"] != "1F1B"
+        ac = r.knobs["activation_checkpoint"]
+        if split and r.layout["tp"] > 1:  # (modelled over FSDP / HSDP alone; or no TP split at all)
+            assert r.status == "refused"
+        elif split and ac == "selective":
+            assert r.status == "refused" and "only allowed to backward once" in r.reason, r.reason
+        elif r.status != "refused":
+            assert (r.peak_includes == RESIDENT_ONLY) == (split and ac == "full"), (r.knobs, r.peak_includes)
+    assert any(r.status != "refused" and r.knobs["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+               and r.peak_includes == PEAK_INCLUDES for r in pipelined)
+
+
 @pytest.mark.parametrize("model,gpus", [(preset("tiny", layers=6), 8), (preset("llama3_1b", seq_len=1024), 64)])
 def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(model, gpus):
     """The fast path (Placement.stage_representatives: Megatron's heaviest DP rank per stage class,
@@ -208,6 +233,7 @@ def test_estimate_is_the_documented_roofline():
     ("plan.watch=[{tpp:8}]", "plan.watch[0] has tpp: its keys must be among"),
     ("plan.offload_optimizer=[nvme]", "plan.offload_optimizer has 'nvme': each must be one of none, cpu"),
     ("plan.host_memory_gb=0", "plan.host_memory_gb=0.0 must be > 0"),
+    ("plan.pipeline_schedules=[ZB1P]", "plan.pipeline_schedules has 'ZB1P': each must be one of 1F1B, GPipe"),
 ])
 def test_bad_plan_input_names_the_field(override, message):
     cfg = _compose("mode=plan", "plan.gpus=16", "plan.global_batch_tokens=1024", override)

@@ -206,8 +206,8 @@ def plan_knob_sets(space, model=None, dp: int | None = None, cp: int = 1) -> lis
     return [{"use_distributed_optimizer": v, **t} for v in values for t in (types or [{}])]
 
 
-def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
-    """The pipeline splits the planner tries, as knobs."""
+def plan_splits(layers: int, pp: int, vp: int, space=None) -> list[dict]:
+    """The pipeline splits the planner tries, as knobs (space: the planner's, not read here)."""
     return [split_knobs(s) for s in pipeline_splits(layers, pp, vp)]
 
 

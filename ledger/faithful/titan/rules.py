@@ -163,9 +163,13 @@ def validate_experts(model, lay) -> None:
            "efsdp = dp_shard / ep)")
 
 
-def plan_splits(layers: int, pp: int, vp: int) -> list[dict]:
-    """The schedule the planner gives a pipeline: torchtitan's default 1F1B with one stage a rank,
-    Interleaved1F1B (torch's looped 1F1B) with vp stages."""
+def plan_splits(layers: int, pp: int, vp: int, space=None) -> list[dict]:
+    """The schedules the planner gives a pipeline: those of plan.pipeline_schedules (space) that run vp stages a
+    rank (schedules.stages_error: none where no listed one does), or, none listed, torchtitan's default 1F1B with
+    one stage a rank and Interleaved1F1B (torch's looped 1F1B) with vp stages."""
     if pp == 1:
         return [{}]
+    listed = getattr(space, "pipeline_schedules", ())
+    if listed:
+        return [{"pipeline_parallel_schedule": n} for n in listed if stages_error(n, pp, vp) is None]
     return [{"pipeline_parallel_schedule": "1F1B" if vp == 1 else "Interleaved1F1B"}]
