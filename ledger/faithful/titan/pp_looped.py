@@ -32,7 +32,7 @@ from functools import cached_property, lru_cache
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
-from ledger.faithful.titan.pp_peak import _STATE, _Stage, _stage, block_peaks, reduce_grad_moments
+from ledger.faithful.titan.pp_peak import _STATE, BlockMoment, _Stage, _stage, block_peaks, reduce_grad_moments
 from ledger.faithful.titan.schedules import MAX_ACTIVE_STAGES, SPLIT_BACKWARD, compute_actions
 from ledger.placement import Peak
 
@@ -586,16 +586,16 @@ def _at_backward(me: _Held, mb: int, most_only: bool = False) -> list[Peak]:
         out.append(Peak.of({"resident": c.kept + g + c.unsharded, "activations": saved, "gathered": gathered,
                             "temporary": acc + work}, phase="backward",
                            what=f"micro-batch {mb}'s final norm backward, stage {c.s}", detail=d))
-    moments = []  # each block moment's in_block arguments (pp_peak.block_peaks)
+    moments = []
     for k in range(c.Ls - 1, -1, -1):
         acc = (c.acc_all if me.acc_made else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
         # the grad into the stage's last block is the P2P receive buffer (the last stage: the final norm's own)
         incoming = c.act if (k < c.Ls - 1 or c.has_head) else 0
         extra = c.T * c.h * BF16 if c.has_head else 0
         for name, saved_k, work_k in c.block_moments(k, incoming):
-            moments.append((f"micro-batch {mb} backward at block {k}'s {{}}, stage {c.s}", name, g, acc, gathered,
-                            f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches", saved_k + extra + others_saves,
-                            f"block {k}'s backward at its {{}}", work_k))
+            moments.append(BlockMoment(f"micro-batch {mb} backward at block {k}'s {{}}, stage {c.s}", name, g, acc,
+                                       gathered, f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches",
+                                       saved_k + extra + others_saves, f"block {k}'s backward at its {{}}", work_k))
     return out + block_peaks(c, moments, most_only)
 
 

@@ -463,11 +463,11 @@ def _at_microbatch_backward(c: _Stage, most_only: bool = False) -> list[Peak]:
     the RMSNorm composite's backward (aten rms_norm decomposed: mul, sum, pow, mul, div); or, at long
     sequences, earlier in the same block, at its SwiGLU backward (the block's saved tensors but w2's
     input, three bf16 [T, ffn] grads, w2's weight grad): _Stage.block_moments. most_only: the first most of
-    them alone (first_most_block)."""
+    them alone (block_peaks)."""
     Ls, n, act = c.Ls, c.n, c.act
     if c.last or not Ls:
         return []
-    moments = []  # each moment's in_block arguments
+    moments = []
     warm = n if c.gpipe else min(n, c.P - c.s)  # GPipe: every forward before the first backward
     # Schedule1F1B._step_microbatches keeps its warm-up's last `send_work` (the sends of forward warm - 2) until
     # the cool-down reassigns it: through the steady loop's backwards (0 .. n - warm) that output stays held after
@@ -484,20 +484,34 @@ def _at_microbatch_backward(c: _Stage, most_only: bool = False) -> list[Peak]:
             acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
             for name, saved, work in c.block_moments(k, act if k < Ls - 1 else 0):
-                moments.append((f"micro-batch {i} backward at block {k}'s {{}}", name, 0, acc, p2p,
-                                f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
-                                (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {{}}", work))
+                moments.append(BlockMoment(f"micro-batch {i} backward at block {k}'s {{}}", name, 0, acc, p2p,
+                                           f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
+                                           (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {{}}",
+                                           work))
     return block_peaks(c, moments, most_only)
 
 
-def block_peaks(c: _Stage, moments: list, most_only: bool) -> list[Peak]:
-    """The Peaks of a backward's block moments, each (what, the moment's name, g, acc, gathered, saved label, saved,
-    work label, work) as _Stage.in_block reads them, `what` and the work label with a {} for the moment's name;
-    most_only: the first most alone (in_block_bytes: a fast path builds only the Peak it may keep)."""
+class BlockMoment(NamedTuple):
+    """A moment inside a block's backward, as _Stage.in_block reads it (its what and work label with a {} for
+    the moment's name)."""
+    what: str
+    name: str
+    g: int
+    acc: int
+    gathered: int
+    saved_label: str
+    saved: int
+    work_label: str
+    work: int
+
+
+def block_peaks(c: _Stage, moments: list[BlockMoment], most_only: bool) -> list[Peak]:
+    """The Peaks of a backward's block moments; most_only: the first most alone (in_block_bytes: a fast path
+    builds only the Peak it may keep)."""
     if most_only and moments:
-        moments = [max(moments, key=lambda m: c.in_block_bytes(m[2], m[3], m[4], m[6], m[8]))]
-    return [c.in_block(what.format(name), g, acc, gathered, saved_label, saved, work_label.format(name), work)
-            for what, name, g, acc, gathered, saved_label, saved, work_label, work in moments]
+        moments = [max(moments, key=lambda m: c.in_block_bytes(m.g, m.acc, m.gathered, m.saved, m.work))]
+    return [c.in_block(m.what.format(m.name), m.g, m.acc, m.gathered, m.saved_label, m.saved,
+                       m.work_label.format(m.name), m.work) for m in moments]
 
 
 class _LastMicrobatch(NamedTuple):
