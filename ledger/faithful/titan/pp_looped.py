@@ -587,15 +587,16 @@ def _at_backward(me: _Held, mb: int, most_only: bool = False) -> list[Peak]:
                             "temporary": acc + work}, phase="backward",
                            what=f"micro-batch {mb}'s final norm backward, stage {c.s}", detail=d))
     moments = []
+    what = f"micro-batch {mb} backward at block {{k}}'s {{name}}, stage {c.s}"
+    saved_label = f"blocks 0..{{k}}; {len(me.flight) - 1} other micro-batches"
     for k in range(c.Ls - 1, -1, -1):
         acc = (c.acc_all if me.acc_made else (c.Ls - 1 - k) * c.block_grad_numel * F32) + (c.h * F32 if c.has_head else 0)
         # the grad into the stage's last block is the P2P receive buffer (the last stage: the final norm's own)
         incoming = c.act if (k < c.Ls - 1 or c.has_head) else 0
         extra = c.T * c.h * BF16 if c.has_head else 0
         for name, saved_k, work_k in c.block_moments(k, incoming):
-            moments.append(BlockMoment(f"micro-batch {mb} backward at block {k}'s {{}}, stage {c.s}", name, g, acc,
-                                       gathered, f"blocks 0..{k}; {len(me.flight) - 1} other micro-batches",
-                                       saved_k + extra + others_saves, f"block {k}'s backward at its {{}}", work_k))
+            moments.append(BlockMoment(what, saved_label, k, name, g, acc, gathered, saved_k + extra + others_saves,
+                                       work_k))
     return out + block_peaks(c, moments, most_only)
 
 

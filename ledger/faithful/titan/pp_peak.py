@@ -33,6 +33,7 @@ the step before.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from ledger.dtypes import BF16, FP32 as F32
@@ -257,7 +258,19 @@ class _Stage:
         """Block k's checkpoint input while the block is recomputed and backpropagated."""
         return self.ck_in if (k or self.s == 0) else 0
 
+    @cached_property
+    def _block_moments_made(self) -> dict:
+        """block_moments already made, by (k, incoming): a stage's backwards ask for the same ones (a cached_property
+        lives in the instance, so dataclasses.replace starts a new stage without them)."""
+        return {}
+
     def block_moments(self, k: int, incoming: int) -> tuple:
+        made = self._block_moments_made
+        if (k, incoming) not in made:
+            made[k, incoming] = self._block_moments(k, incoming)
+        return made[k, incoming]
+
+    def _block_moments(self, k: int, incoming: int) -> tuple:
         """Block k's moments in its backward: (name, the saves of blocks 0..k and its checkpoint's
         input then, its backward's working set). At its attention_norm: its seven linears' and two
         norms' bf16 weight grads, the residual grad, the RMSNorm composite's five fp32 [T, h]
@@ -480,28 +493,28 @@ def _at_microbatch_backward(c: _Stage, most_only: bool = False) -> list[Peak]:
         # back; GPipe's every output and every input grad sent so far (_Stage.gpipe)
         p2p = c.recv + (n * act + i * act * (not c.first) if c.gpipe else
                         flight * act + send_work + (act if i >= 1 and not c.first else 0))
+        what = f"micro-batch {i} backward at block {{k}}'s {{name}}"
+        saved_label = f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{{k}}"
         for k in range(Ls - 1, -1, -1):
             acc = c.acc_all if i >= 1 else (Ls - 1 - k) * c.block_grad_numel * F32
             # the grad into the stage's last block is the P2P receive buffer, the residual grad below it
             for name, saved, work in c.block_moments(k, act if k < Ls - 1 else 0):
-                moments.append(BlockMoment(f"micro-batch {i} backward at block {k}'s {{}}", name, 0, acc, p2p,
-                                           f"{flight - 1} other micro-batches x {Ls} blocks, blocks 0..{k}",
-                                           (flight - 1) * c.chunk_saves() + saved, f"block {k}'s backward at its {{}}",
+                moments.append(BlockMoment(what, saved_label, k, name, 0, acc, p2p, (flight - 1) * c.chunk_saves() + saved,
                                            work))
     return block_peaks(c, moments, most_only)
 
 
 class BlockMoment(NamedTuple):
-    """A moment inside a block's backward, as _Stage.in_block reads it (its what and work label with a {} for
-    the moment's name)."""
+    """A moment inside block k's backward, as _Stage.in_block reads it, its what and saved label with {k} and
+    {name} (the moment's) to fill (block_peaks: only for the Peaks built)."""
     what: str
+    saved_label: str
+    k: int
     name: str
     g: int
     acc: int
     gathered: int
-    saved_label: str
     saved: int
-    work_label: str
     work: int
 
 
@@ -510,8 +523,8 @@ def block_peaks(c: _Stage, moments: list[BlockMoment], most_only: bool) -> list[
     builds only the Peak it may keep)."""
     if most_only and moments:
         moments = [max(moments, key=lambda m: c.in_block_bytes(m.g, m.acc, m.gathered, m.saved, m.work))]
-    return [c.in_block(m.what.format(m.name), m.g, m.acc, m.gathered, m.saved_label, m.saved,
-                       m.work_label.format(m.name), m.work) for m in moments]
+    return [c.in_block(m.what.format(k=m.k, name=m.name), m.g, m.acc, m.gathered, m.saved_label.format(k=m.k), m.saved,
+                       f"block {m.k}'s backward at its {m.name}", m.work) for m in moments]
 
 
 class _LastMicrobatch(NamedTuple):
