@@ -2,15 +2,17 @@
 torch/distributed/pipelining): its stages, their placement and their collectives.
 
 What the ledger models: framework.pipeline_parallel_schedule's stages a rank (schedules.py: 1F1B and GPipe
-one, Interleaved1F1B and LoopedBFS layout.vp of them) over FSDP on dp_shard x cp, with HSDP, TP (with and
-without SP) and CP; reshard_after_forward default / never. The rank's local batch (global_batch_size / dp)
+one, Interleaved1F1B and LoopedBFS layout.vp of them, InterleavedZeroBubble 2 to 3, ZBVZeroBubble and DualPipeV
+two in a V) over FSDP on dp_shard x cp, with HSDP, TP (with and without SP) and CP (the split backward's schedules
+over FSDP / HSDP alone: rules.py); reshard_after_forward default / never. The rank's local batch (global_batch_size / dp)
 is split into num_microbatches pipeline micro-batches of micro_batch_size
 (parallelism.pipeline_parallel_microbatch_size). Each stage holds the modules pipeline_parallel.py gives
 it (pp_stages over pp * vp stages); a rank's state is its stages' (_pp_parts), its collectives each
 stage's (_stage_comm: P2P per micro-batch with the stages on other ranks, FSDP once per step and the last
 stage's [norm, lm_head] per micro-batch, TP and CP per micro-batch, step 0's vote and metadata inference)
-and the step's grad-norm and loss all-reduces once (_pp_comm). Its peak is pp_peak.py's, for 1F1B over
-FSDP or HSDP, with CP and TP (pp_peak_unmodelled names what it does not derive).
+and the step's grad-norm and loss all-reduces once (_pp_comm). Its peak is pp_peak.py's with one stage a rank
+(1F1B, GPipe) and pp_looped.py's with several (the walk over the rank's actions, the split backward's I and W
+among them); pp_peak_unmodelled and looped_unmodelled name what they do not derive.
 """
 from __future__ import annotations
 
