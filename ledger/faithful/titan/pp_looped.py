@@ -124,6 +124,10 @@ class _Held:
     lm_has_grad: bool = False
     norm_has_grad: bool = False
     rs_kind: int = _NO_RS  # the stage's last reduce-scatter input, held until its next one
+    # HSDP: the last loss's all-reduced reduce-scatter output where it was added into [norm, lm_head]'s grads (no grad
+    # views it), which FSDPParamGroup keeps as _all_reduce_state.all_reduce_input until the group's next reduce
+    # (post_backward's _wait_for_post_backward): none, lm_head's, [norm, lm_head]'s
+    ar_kind: int = _NO_RS
     at: int = -1  # the walk's action index
     last_pass: int = -1  # the rank's last forward or backward (_steps)
 
@@ -138,7 +142,8 @@ class _Held:
                "cap_grads": len(self.captured), "wgrads": self.wgrads, "recv": 1, "send": self.fwd_sent + self.bwd_sent,
                "local_old": self.c.n * (self.c.local_next + self.c.local_prev) - self.passed_in,
                "local_new": self.passed_in,
-               "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS, "sac": 1}
+               "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS,
+               "ar_lm": self.ar_kind == _LM_RS, "ar_head": self.ar_kind == _HEAD_RS, "sac": 1}
         return tuple([int(got[name]) for name, _ in _ENTRIES])
 
     def line(self, name: str, counts: tuple | None = None) -> int:
@@ -199,6 +204,13 @@ class _Held:
     def sends(self) -> int:
         return (self.fwd_sent + self.bwd_sent) * self._one("send")
 
+    def ar_held(self) -> int:
+        """HSDP's last loss's all-reduce input held (ar_kind)."""
+        return (self.ar_kind == _LM_RS) * self._one("ar_lm") + (self.ar_kind == _HEAD_RS) * self._one("ar_head")
+
+    def ar_lines(self) -> dict[str, int]:
+        return {f"temporary/stage {self.j}: HSDP's last loss's all-reduce input held": self.ar_held()}
+
     def p2p(self) -> int:
         """Its receive buffers from other ranks and its held sends."""
         return self._one("recv") + self.sends()
@@ -220,6 +232,7 @@ _ENTRIES = (("unsharded", "unsharded params"), ("unsharded_but_head", "unsharded
             ("flight", "micro-batches in flight"), ("cap_saves", "micro-batches in flight"),
             ("cap_grads", "captured grads"), ("wgrads", "bf16 weight grads"), ("recv", "p2p receive buffers and held sends"),
             ("local_old", "local passes before"), ("local_new", "local passes"),
+            ("ar_lm", "HSDP all-reduce input held"), ("ar_head", "HSDP all-reduce input held"),
             ("send", "p2p receive buffers and held sends"), ("rs_lm", "its last reduce-scatter input held"),
             ("rs_head", "its last reduce-scatter input held"), ("sac", "unnamed"))
 _AT = {name: i for i, (name, _) in enumerate(_ENTRIES)}
@@ -229,7 +242,8 @@ _LINE_NAMES = {"unsharded params": ("resident", "unsharded params"), "sharded gr
                "captured grads": ("temporary", "{captured} micro-batches' grads captured for W (I run, W not)"),
                "bf16 weight grads": ("temporary", "bf16 weight grads from W, not yet accumulated"),
                "p2p receive buffers and held sends": ("gathered", "p2p receive buffers and held sends"),
-               "its last reduce-scatter input held": ("gathered", "its last reduce-scatter input held")}
+               "its last reduce-scatter input held": ("gathered", "its last reduce-scatter input held"),
+               "HSDP all-reduce input held": ("temporary", "HSDP's last loss's all-reduce input held")}
 # (the acting stage's too, alike at each of its moments: _action_moments)
 _LOCAL_LINE_NAMES = {"local passes before": ("unnamed", "the step before's activations and grads passed on the rank"),
                      "local passes": ("temporary", "this step's activations and grads passed on the rank")}
@@ -256,6 +270,8 @@ def bytes_per(c: _Stage) -> tuple:
            "local_old": c.act, "local_new": c.act,  # a receive buffer a local pass set (_Held.local_passes)
            # the last loss's reduce-scatter input held: lm_head's grad's, [norm, lm_head]'s
            "rs_lm": sh.lm_full * F32, "rs_head": c.head_full * F32,
+           # HSDP's held all-reduce input: the loss's reduce-scatter output (lm_head's, [norm, lm_head]'s)
+           "ar_lm": sh.lm_full * F32 // ds, "ar_head": c.head_full * F32 // ds,
            "sac": c.sac_held}  # what the step before's recomputes left
     return tuple([one[name] for name, _ in _ENTRIES])
 
@@ -269,9 +285,9 @@ _HELD_ALIKE = ("cap_saves", "cap_grads", "local_old", "local_new")
 _FORWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", *_HELD_ALIKE, "wgrads"))
                          for name, _ in _ENTRIES])
 _BACKWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head",
-                                       *_HELD_ALIKE, "wgrads")) for name, _ in _ENTRIES])
+                                       *_HELD_ALIKE, "wgrads", "ar_lm", "ar_head")) for name, _ in _ENTRIES])
 _INPUT_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head",
-                                    *_HELD_ALIKE)) for name, _ in _ENTRIES])
+                                    *_HELD_ALIKE, "ar_lm", "ar_head")) for name, _ in _ENTRIES])
 _OFFSETS = ((0,) * len(_ENTRIES), _FORWARD_OFFSET, _BACKWARD_OFFSET, _INPUT_OFFSET, _BACKWARD_OFFSET)
 
 
@@ -331,7 +347,7 @@ def _template_key(a, me: "_Held") -> tuple:
     made and a W's bf16 grads wait for them, on the last stage whether the loss reduces the norm's grad too and the
     reduce-scatter input it holds (a loss's cross-entropy moment holds it, its reduce-scatter moment does not)."""
     return (a.stage_index, a.computation_type, me.acc_made, me.wgrads, me.norm_acc,
-            me.rs_kind if me.c.has_head else 0, me.reduced)
+            (me.rs_kind, me.ar_kind) if me.c.has_head else 0, me.reduced)
 
 
 def _offset(a, me: "_Held") -> int:
@@ -365,11 +381,12 @@ class _Kinds:
     local_next: bool
     local_prev: bool
     n: int  # the micro-batches (a stage's local passes in a step)
+    hsdp: bool
 
 
 def _trace_of(stages: list[_Stage], actions) -> _Trace:
     """The walk's structure over `actions` for stages of these kinds: made once per rank_actions' actions."""
-    kinds = tuple([_Kinds(c.first, c.last, c.has_head, c.local_next, c.local_prev, c.n) for c in stages])
+    kinds = tuple([_Kinds(c.first, c.last, c.has_head, c.local_next, c.local_prev, c.n, c.hsdp) for c in stages])
     key = (kinds, stages[0].lay.pp)
     traces = getattr(actions, "traces", None)
     if traces is None:
@@ -459,8 +476,9 @@ def _action_moments(a, me: "_Held", held, most_only: bool = False) -> list:
         local = me.local_passes()
         return [(replace(p, phase=phase).plus(local) if local else replace(p, phase=phase), others)
                 for p in _at_reduce_grad(me)]
-    # (I accumulates the W's grads block by block)
-    kept = {**me.kept_for_w(wgrads=kind != C.BACKWARD_INPUT), **me.local_passes()}
+    # (I accumulates the W's grads block by block; a loss's own moments say whether HSDP's all-reduce input is held)
+    kept = {**me.kept_for_w(wgrads=kind != C.BACKWARD_INPUT), **me.local_passes(),
+            **(me.ar_lines() if kind != C.FORWARD and me.ar_kind else {})}
     if kind == C.FORWARD:
         moments = _at_loss(me, mb) if me.c.has_head else _at_forward(me, mb)
     elif kind == C.FULL_BACKWARD:
@@ -491,6 +509,10 @@ def _after_forward(me: _Held, mb: int) -> None:
         me.lm_has_grad = True
         me.norm_has_grad = me.norm_has_grad or with_norm
         me.rs_kind, me.norm_acc, me.head_unsharded = (_HEAD_RS if with_norm else _LM_RS), False, False
+        # HSDP all-reduces the output (ChunkedLossWrapper turns gradient sync on at the last chunk) and FSDP holds it
+        # until the group's next reduce: its own buffer where it was added into the grads, not viewed by one
+        # (measured: pp2·vp2·rep2 at seq 512 under LoopedBFS and InterleavedZeroBubble, the last stage's rank)
+        me.ar_kind = _NO_RS if (viewed or not c.hsdp) else me.rs_kind
 
 
 def _after_reduce_grad(me: _Held) -> None:
@@ -499,7 +521,7 @@ def _after_reduce_grad(me: _Held) -> None:
     the norm's grad where it had none (a view) or added into it."""
     if me.norm_acc and not me.norm_has_grad:
         me.norm_views += 1
-    me.reduced, me.rs_kind, me.norm_acc, me.wgrads = True, _NO_RS, False, False
+    me.reduced, me.rs_kind, me.norm_acc, me.wgrads, me.ar_kind = True, _NO_RS, False, False, _NO_RS
 
 
 def _after_backward(me: _Held, mb: int) -> None:
@@ -723,9 +745,10 @@ def _at_loss(me: _Held, mb: int) -> list[Peak]:
          "activations/the micro-batches in flight, this one's blocks and final norm": saved,
          "temporary/grad accumulator, lm_head's fp32 grad, chunk logits, cross-entropy backward": wrap,
          "gathered/the loss before's reduce-scatter input (held)": me.rs_held, "gathered/p2p buffers and held sends": p2p}
+    # (HSDP's all-reduce input of the loss before, held until this loss's own reduce at its last chunk)
     out.append(Peak.of({"resident": c.kept + me.head_grads + unsharded, "activations": saved,
                         "gathered": me.rs_held + p2p, "temporary": acc + norm_acc + wrap}, phase="backward",
-                       what=f"micro-batch {mb}'s loss chunk cross-entropy backward", detail=d))
+                       what=f"micro-batch {mb}'s loss chunk cross-entropy backward", detail=d).plus(me.ar_lines()))
     return out
 
 
@@ -733,8 +756,10 @@ def _at_reduce_grad(me: _Held) -> list[Peak]:
     """REDUCE_GRAD: perform_reduce_grad unit by unit (pp_peak's reduce_grad_moments), this stage's every send
     held."""
     c = me.c
-    return reduce_grad_moments(c, me.head_grads, me.norm_acc, me.p2p(), f", stage {c.s}",
-                               acc_made=me.acc_made, bf16_grads=me.wgrads)
+    # (HSDP's all-reduce input held until [norm, lm_head]'s own reduce, the last unit's)
+    return [p.plus(me.ar_lines()) if me.ar_kind else p
+            for p in reduce_grad_moments(c, me.head_grads, me.norm_acc, me.p2p(), f", stage {c.s}",
+                                         acc_made=me.acc_made, bf16_grads=me.wgrads)]
 
 
 def looped_stages(model, lay, local: list, kept: int, emb_numel: int, block_numel: int, head_numel: int, ac: str,
