@@ -309,8 +309,8 @@ def test_looped_schedules_refuse_what_the_walk_does_not_derive():
     from ledger.faithful.titan import pp_looped as LP
 
     for sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        assert "split backward" in LP.looped_unmodelled(sched, 2, "full") and LP.looped_unmodelled(sched, 2) is None
-    assert LP.looped_unmodelled("LoopedBFS", 4) is None and LP.looped_unmodelled("Interleaved1F1B", 4) is None
+        assert "split backward" in LP.looped_unmodelled(sched, "full") and LP.looped_unmodelled(sched) is None
+    assert LP.looped_unmodelled("LoopedBFS") is None and LP.looped_unmodelled("Interleaved1F1B") is None
     m = ModelShape(layers=6, hidden=128, ffn_hidden=384, heads=4, kv_heads=2, vocab=1030, seq_len=32)
     zb_lay = _lay(world=4, pp=2, vp=2, global_batch_size=8)
     zb = L.place(m, zb_lay, _fw(pipeline_parallel_schedule="InterleavedZeroBubble", activation_checkpoint="selective"))

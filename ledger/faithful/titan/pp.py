@@ -207,7 +207,7 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
     # pp2·rep2 and pp2·dp2·rep2, tests/test_titan.py and docs/ledger-titan.md), with CP and TP
     # (pp_peak_unmodelled names what it does not derive)
     # (several stages a rank: the looped schedules' walk, pp_looped.py, over the same per-stage byte counts)
-    unmodelled = (looped_unmodelled(sched, lay.vp, getattr(fw, "activation_checkpoint", "none")) if lay.vp > 1
+    unmodelled = (looped_unmodelled(sched, getattr(fw, "activation_checkpoint", "none")) if lay.vp > 1
                   else None) or \
         pp_peak_unmodelled(lay, sched)
     peak_modelled = unmodelled is None

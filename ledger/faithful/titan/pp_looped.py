@@ -39,7 +39,7 @@ from ledger.placement import Peak
 LOOPED = ("Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD)
 
 
-def looped_unmodelled(sched: str, vp: int, ac: str = "none") -> str | None:
+def looped_unmodelled(sched: str, ac: str = "none") -> str | None:
     """Why looped_peak does not derive a multi-stage schedule's peak, or None where it does."""
     if sched not in LOOPED:
         return f"{sched}'s peak is not derived"
