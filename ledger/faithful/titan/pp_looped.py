@@ -139,7 +139,7 @@ class _Held:
                and not self.head_unsharded and head, "shard": self.reduced, "lm_view": self.lm_views,
                "head_view": self.head_views, "norm_view": self.norm_views, "acc": self.acc_made and not self.reduced,
                "norm_acc": self.norm_acc, "flight": len(self.flight), "cap_saves": len(self.captured),
-               "cap_grads": len(self.captured), "wgrads": self.wgrads, "recv": 1, "send": self.fwd_sent + self.bwd_sent,
+               "cap_grads": len(self.captured), "cap_gathered": len(self.captured), "wgrads": self.wgrads, "recv": 1, "send": self.fwd_sent + self.bwd_sent,
                "local_old": self.c.n * (self.c.local_next + self.c.local_prev) - self.passed_in,
                "local_new": self.passed_in,
                "rs_lm": self.rs_kind == _LM_RS, "rs_head": self.rs_kind == _HEAD_RS,
@@ -198,6 +198,7 @@ class _Held:
             return {}
         return {f"activations/stage {j}: {n} micro-batches' saves (I run, W not)": n * self._one("cap_saves"),
                 f"temporary/stage {j}: {n} micro-batches' grads captured for W": n * self._one("cap_grads"),
+                f"gathered/stage {j}: {n} micro-batches' all-gathered grads captured for W (SP)": n * self._one("cap_gathered"),
                 f"temporary/stage {j}: bf16 weight grads from W, not yet accumulated": self.wgrads * self._one("wgrads")
                 if wgrads else 0}
 
@@ -230,7 +231,7 @@ _ENTRIES = (("unsharded", "unsharded params"), ("unsharded_but_head", "unsharded
             ("shard", "sharded grads"), ("lm_view", "sharded grads"), ("head_view", "sharded grads"),
             ("norm_view", "sharded grads"), ("acc", "fp32 accumulated grads"), ("norm_acc", "fp32 accumulated grads"),
             ("flight", "micro-batches in flight"), ("cap_saves", "micro-batches in flight"),
-            ("cap_grads", "captured grads"), ("wgrads", "bf16 weight grads"), ("recv", "p2p receive buffers and held sends"),
+            ("cap_grads", "captured grads"), ("cap_gathered", "captured grads, all-gathered"), ("wgrads", "bf16 weight grads"), ("recv", "p2p receive buffers and held sends"),
             ("local_old", "local passes before"), ("local_new", "local passes"),
             ("ar_lm", "HSDP all-reduce input held"), ("ar_head", "HSDP all-reduce input held"),
             ("send", "p2p receive buffers and held sends"), ("rs_lm", "its last reduce-scatter input held"),
@@ -240,6 +241,8 @@ _LINE_NAMES = {"unsharded params": ("resident", "unsharded params"), "sharded gr
                "fp32 accumulated grads": ("temporary", "fp32 accumulated grads"),
                "micro-batches in flight": ("activations", "{flight} micro-batches in flight"),
                "captured grads": ("temporary", "{captured} micro-batches' grads captured for W (I run, W not)"),
+               "captured grads, all-gathered": ("gathered", "{captured} micro-batches' all-gathered grads captured for W "
+                                                "(SP; I run, W not)"),
                "bf16 weight grads": ("temporary", "bf16 weight grads from W, not yet accumulated"),
                "p2p receive buffers and held sends": ("gathered", "p2p receive buffers and held sends"),
                "its last reduce-scatter input held": ("gathered", "its last reduce-scatter input held"),
@@ -264,7 +267,8 @@ def bytes_per(c: _Stage) -> tuple:
            "flight": c.chunk_saves() + (c.final_norm_saves() + c.T * c.h * BF16 if c.has_head else 0),
            # a micro-batch whose I ran: its blocks' saves (I's retain_graph keeps them; the loss's detach_ frees the
            # final norm's and the output grad, which no param group's node reaches) and its captured grads
-           "cap_saves": c.chunk_saves(), "cap_grads": c.captured_grads(),
+           "cap_saves": c.chunk_saves(), "cap_grads": c.captured_grads() - c.captured_gathered(),
+           "cap_gathered": c.captured_gathered(),  # (SP: the all-gathered ones, _Stage.captured_block)
            "wgrads": c.Ls * c.block_grad_numel * BF16,  # a W's bf16 .grad of each block's params
            "recv": c.recv - c.recv_local, "send": c.act,  # the receive buffers from other ranks; a held send
            "local_old": c.act, "local_new": c.act,  # a receive buffer a local pass set (_Held.local_passes)
@@ -281,7 +285,7 @@ def bytes_per(c: _Stage) -> tuple:
 # local passes' buffers (_HELD_ALIKE, _action_moments); a backward's, and the held reduce-scatter input (less the
 # micro-batch in backward, in flight); a split backward's I's, every micro-batch in flight (but the bf16 grads a W
 # set, which its blocks' post_backward accumulate one by one); its W's, those bf16 grads too
-_HELD_ALIKE = ("cap_saves", "cap_grads", "local_old", "local_new")
+_HELD_ALIKE = ("cap_saves", "cap_grads", "cap_gathered", "local_old", "local_new")
 _FORWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", *_HELD_ALIKE, "wgrads"))
                          for name, _ in _ENTRIES])
 _BACKWARD_OFFSET = tuple([int(name in ("lm_view", "head_view", "norm_view", "flight", "send", "rs_lm", "rs_head",
@@ -641,27 +645,33 @@ def _at_input_backward(me: _Held, mb: int) -> list[Peak]:
     blk16, blk32 = c.block_grad_numel * BF16, c.block_grad_numel * F32
     norm_work = 5 * c.Tn * c.h * F32
 
-    def moment(what: str, folded: int, caps: int, work: dict) -> Peak:
+    def moment(what: str, folded: int, caps: int, caps_gathered: int, work: dict, residual: int = 0) -> Peak:
         # `folded` blocks (those above) ran their post_backward: a W's grads accumulated (into accumulators made
         # there, the first time), the others' still bf16
         acc = c.acc_all if me.acc_made else (folded * blk32 if me.wgrads else 0)
         pending = (c.Ls - folded) * blk16 if me.wgrads else 0
         d = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
              "resident/grads ([norm, lm_head]'s outputs)": g, f"activations/micro-batch {mb} and the others in flight": saved,
-             f"temporary/micro-batch {mb}'s grads captured for W so far": caps, "temporary/fp32 accumulated grads": acc,
-             "temporary/bf16 weight grads from W, not yet accumulated": pending,
+             f"temporary/micro-batch {mb}'s grads captured for W so far": caps - caps_gathered,
+             f"gathered/micro-batch {mb}'s all-gathered grads captured for W so far (SP)": caps_gathered,
+             "gathered/the block's residual grad beside wo's all-gathered copy (SP)": residual,
+             "temporary/fp32 accumulated grads": acc, "temporary/bf16 weight grads from W, not yet accumulated": pending,
              "gathered/p2p buffers and held sends (the last loss's reduce-scatter input held)": gathered, **work}
-        return Peak.of({"resident": c.kept + c.unsharded + g, "activations": saved, "gathered": gathered,
-                        "temporary": caps + acc + pending + sum(work.values())}, phase="backward",
+        return Peak.of({"resident": c.kept + c.unsharded + g, "activations": saved,
+                        "gathered": gathered + caps_gathered + residual,
+                        "temporary": caps - caps_gathered + acc + pending + sum(work.values())}, phase="backward",
                        what=f"micro-batch {mb}'s I at {what}, stage {c.s}", detail={n: v for n, v in d.items() if v})
 
     out = []
     if c.has_head:
-        out.append(moment("its final norm's backward", 0, 0,
+        out.append(moment("its final norm's backward", 0, 0, 0,
                           {"temporary/RMSNorm backward fp32 [T, h] x 5": norm_work}))
+    # with SP the residual grad the block's input grad adds to is a Shard(1) tensor of its own, all-gathered for wo
+    # (without, it is wo's captured grad itself)
+    residual = c.act if c.sp else 0
     for k in range(c.Ls - 1, -1, -1):
         out.append(moment(f"block {k}'s attention_norm backward", c.Ls - 1 - k, c.captured_grads(k),
-                          {"temporary/RMSNorm backward fp32 [T, h] x 5": norm_work}))
+                          c.captured_gathered(k), {"temporary/RMSNorm backward fp32 [T, h] x 5": norm_work}, residual))
     return out
 
 
@@ -691,7 +701,10 @@ def _at_weight_backward(me: _Held, mb: int) -> list[Peak]:
     # graph once wo's group drops it, counted here as still held (an upper bound by them, where W is the peak only
     # at few tokens a micro-batch)
     freed_saves = T * h * BF16 + T * c.q * BF16
-    freed_caps = T * c.qkv * BF16 + c.act + T * c.ffn * BF16
+    # (wo's captured grad: with SP its all-gathered copy, _Stage.captured_block)
+    wo_cap = T * h * BF16 if c.sp else c.act
+    freed_caps = T * c.qkv * BF16 + T * c.ffn * BF16 + (0 if c.sp else wo_cap)
+    freed_gathered = wo_cap if c.sp else 0
     base = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
             "resident/grads ([norm, lm_head]'s outputs)": g, "activations/the other micro-batches in flight": me.saves(),
             "temporary/fp32 accumulated grads": acc,
@@ -700,11 +713,14 @@ def _at_weight_backward(me: _Held, mb: int) -> list[Peak]:
     made = ({"temporary/w1's weight grad, held by the loop, and w2's (bf16)": 2 * ffn_dw} if me.wgrads else
             {"temporary/block 0's weight grads set: the attention's and w1's, and w2's (bf16)": attn_dw + 2 * ffn_dw})
     out = []
-    for what, work, saves_less, caps_less in (("its first weight grad", start, 0, 0),
-                                              ("block 0's w2 weight grad", made, freed_saves, freed_caps)):
+    for what, work, saves_less, caps_less, gathered_less in (
+            ("its first weight grad", start, 0, 0, 0),
+            ("block 0's w2 weight grad", made, freed_saves, freed_caps, freed_gathered)):
         d = {**base, **work, "activations/less: block 0's attention saved inputs (freed)": -saves_less,
-             "temporary/less: block 0's attention captured grads and w1's (freed)": -caps_less}
-        out.append(Peak.of({"resident": c.kept + c.unsharded + g, "activations": me.saves() - saves_less, "gathered": p2p,
+             "temporary/less: block 0's attention captured grads and w1's (freed)": -caps_less,
+             "gathered/less: block 0's wo captured grad, all-gathered (SP; freed)": -gathered_less}
+        out.append(Peak.of({"resident": c.kept + c.unsharded + g, "activations": me.saves() - saves_less,
+                            "gathered": p2p - gathered_less,
                             "temporary": acc + sum(work.values()) - caps_less}, phase="backward",
                            what=f"micro-batch {mb}'s W at {what}, stage {c.s}", detail={k: v for k, v in d.items() if v}))
     return out

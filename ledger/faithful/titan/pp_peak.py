@@ -255,6 +255,11 @@ class _Stage:
         """One micro-batch's saves on this stage between its forward and backward."""
         return self.Ls * self.blk - self.first_in + self.emb_saves
 
+    @property
+    def sp(self) -> bool:
+        """The residual stream sequence-sharded over tp (SP)."""
+        return bool(self.lay.sequence_parallel) and self.lay.tp > 1
+
     def captured_block(self) -> int:
         """What a zero-bubble I (pipelining/_backward.py stage_backward_input) leaves captured for its W in one
         block: the grad flowing into each weight's node, which get_param_groups' prehooks keep in its param group
@@ -262,21 +267,29 @@ class _Stage:
         upcast's grad; the fused kernel's node takes its bf16 output grad, from sources), w1's and w3's [T, ffn]
         (silu_backward's and the mul's), the q / k / v projections' (the fused wqkv's cat), wo's [T, h] (the
         residual grad past the feed-forward). w2's is the block's output grad, held anyway (the block above's
-        input grad, the P2P receive buffer, or the final norm's input grad: captured_grads). Measured: 3,407,872 B
-        a block at hidden 128, ffn 384, T 1024 (the probe's census by op, InterleavedZeroBubble)."""
+        input grad, the P2P receive buffer, or the final norm's input grad: captured_grads). With SP wo's and w2's
+        are the all-gathered [T, h] copies of those Shard(1) grads (their mms' grad_output: the Partial ->
+        Shard(1) redistribution's backward), tensors of their own (captured_gathered), and the residual grads
+        themselves are not kept. Measured: 3,407,872 B a block at hidden 128, ffn 384, T 1024 (the probe's census
+        by op, InterleavedZeroBubble); with tp2 and SP, 2,097,152 B a block, 1,048,576 B of it all-gathered."""
         T, Tn, h = self.T, self.Tn, self.h
         norm = Tn * h * (BF16 if self.rules.fused_rms_norm else F32)
-        return 2 * norm + 2 * T * self.ffn * BF16 + T * self.qkv * BF16 + self.act
+        return 2 * norm + 2 * T * self.ffn * BF16 + T * self.qkv * BF16 + (2 * T * h * BF16 if self.sp else self.act)
+
+    def captured_gathered(self, k: int = 0) -> int:
+        """Of captured_grads(k), the all-gather outputs (SP: wo's and w2's grad_output a block, captured_block)."""
+        return 0 if (self.first or not self.sp) else (self.Ls - k) * 2 * self.T * self.h * BF16
 
     def captured_grads(self, k: int = 0) -> int:
         """What a micro-batch's I has captured on this stage by block k's backward (k = 0: all of it): blocks
-        k..Ls-1 (captured_block) and the output grad of each below the top (the block above's input grad), on the
-        last stage the top one's too (the final norm's input grad; the top block's on a stage before the last is the
-        P2P receive buffer). On the first stage I computes nothing (stage.py backward_one_chunk skips it: W runs the
-        whole backward)."""
+        k..Ls-1 (captured_block) and, without SP, the output grad of each below the top (the block above's input
+        grad), on the last stage the top one's too (the final norm's input grad; the top block's on a stage before
+        the last is the P2P receive buffer). On the first stage I computes nothing (stage.py backward_one_chunk
+        skips it: W runs the whole backward)."""
         if self.first:
             return 0
-        return (self.Ls - k) * self.captured_block() + (self.Ls - 1 - k + self.has_head) * self.act
+        outputs = 0 if self.sp else (self.Ls - 1 - k + self.has_head) * self.act
+        return (self.Ls - k) * self.captured_block() + outputs
 
     def before(self, k: int) -> int:
         """The saves of blocks 0..k-1 of the micro-batch in backward (and its embedding's, on the first stage)."""
