@@ -7,7 +7,7 @@ record lists each distinct state once with the ranks that hold it (Placement.ran
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -126,7 +126,8 @@ class Peak:
                 part = key.split("/", 1)[0]
                 parts[part] = parts.get(part, 0) + v
                 detail[key] = v
-        return replace(self, bytes=sum(parts.values()), parts=parts, detail=detail)
+        # (built directly: dataclasses.replace's generic path is most of this method's cost in a plan's walks)
+        return Peak(sum(parts.values()), parts, self.phase, self.what, detail, self.first, self.timeline, self.bound)
 
     def to_dict(self) -> dict:
         d = {"bytes": self.bytes, "parts": dict(self.parts), "phase": self.phase, "what": self.what,

@@ -269,7 +269,9 @@ _LOOPED_CASES = [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, s
                          + [(s, dict(vp=4, global_batch_size=16, layers=8), "none") for s in ("Interleaved1F1B", "LoopedBFS")]
                          # the split backwards (I and W): looped, over HSDP, three stages a rank, the V placements
                          + [("InterleavedZeroBubble", kw, "none") for kw in (dict(), dict(dp_replicate=2),
-                                                                            dict(vp=3, global_batch_size=6))]
+                                                                            dict(vp=3, global_batch_size=6),
+                                                                            dict(tp=2, sequence_parallel=True))]
+                         + [("ZBVZeroBubble", dict(tp=2, global_batch_size=16), "none")]
                          # (DualPipeV: at least as many micro-batches as stages)
                          + [(s, kw, "none") for s in ("ZBVZeroBubble", "DualPipeV")
                             for kw in (dict(global_batch_size=16), dict(global_batch_size=32, layers=8))])

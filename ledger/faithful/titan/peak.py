@@ -557,6 +557,9 @@ class SwigluBackward(NamedTuple):
     def bytes(self) -> int:
         return sum(self.lines.values())
 
+    def __hash__(self) -> int:  # (its lines a dict: a stage carrying one is a key of pp_looped's template cache)
+        return hash((self.at, tuple(self.lines.items())))
+
 
 def swiglu_backward(model, T: int, tp: int, sp: bool = False) -> SwigluBackward:
     """A block's SwiGLU backward (silu(w1 x) * w3 x, the product into w2) at its largest moment, the second

@@ -323,9 +323,10 @@ def _most(stages: list[_Stage], actions: list) -> Peak:
     offset = (mine * per[tr.acting] * mask).sum(1) - (tr.kind == 2) * per[tr.acting, _AT["flight"]]
     score = totals.sum(0) - totals[tr.acting, cols] + offset + per[tr.acting, _AT["sac"]]
     templates = {}
+    sizes = _SHARED.sizes(stages)
     for at, key in enumerate(tr.keys):
         if key not in templates:
-            templates[key] = _template(stages, actions, tr, at)
+            templates[key] = _SHARED.template(stages, actions, tr, at, sizes[tr.acting[at]])
     priced = np.array([templates[key] is not None for key in tr.keys])
     if not priced.any():
         raise ValueError("no moment")
@@ -344,6 +345,37 @@ def _template(stages: list[_Stage], actions: list, tr: "_Trace", at: int) -> int
     me = _Held(stages[j], j, **tr.states[at][j])
     most = max([p.bytes for p, _ in _action_moments(a, me, (me,), most_only=True)], default=None)
     return None if most is None else most - _offset(a, me)
+
+
+class _SharedTemplates:
+    """_template's values shared by the walks of every rank and layout (a plan walks thousands): an action's template
+    is read from its acting stage's sizes and its _template_key, the stage's index aside (a key's first item), and
+    the middle stages of a pipeline are alike in size on every rank. A stage's sizes are all its fields but its
+    index, and of that whether it is the first (_Stage.own); each distinct one is numbered here. Both tables are
+    emptied together once they hold `limit` entries (the numbers restart)."""
+
+    def __init__(self, limit: int = 200_000):
+        self.limit = limit
+        self.numbers: dict = {}
+        self.values: dict = {}
+
+    def sizes(self, stages: list[_Stage]) -> list[int]:
+        """The numbers of a walk's stages' sizes (the tables emptied first where full, never amid a walk)."""
+        if len(self.numbers) >= self.limit or len(self.values) >= self.limit:
+            self.numbers.clear()
+            self.values.clear()
+        return [self.numbers.setdefault(tuple([getattr(c, f) for f in _SIZE_FIELDS]) + (c.s == 0,), len(self.numbers))
+                for c in stages]
+
+    def template(self, stages: list[_Stage], actions: list, tr: "_Trace", at: int, sizes: int) -> int | None:
+        key = (sizes, tr.keys[at][1:])
+        if key not in self.values:
+            self.values[key] = _template(stages, actions, tr, at)
+        return self.values[key]
+
+
+_SIZE_FIELDS = tuple([f.name for f in fields(_Stage) if f.name != "s"])
+_SHARED = _SharedTemplates()
 
 
 def _template_key(a, me: "_Held") -> tuple:
