@@ -11,7 +11,7 @@ settings), cp2·dp_shard2, cp2·dp_replicate2, tp2·cp2 with and without SP (wor
 parallelism under torchtitan's default 1F1B: pp2 (world 2, 3 micro-batches), pp2·dp_shard2 (vocab
 1030, 2 micro-batches) and pp4 (8 layers: a middle stage with neighbours both sides); PP with TP (and SP,
 uneven vocab, full AC; with SP at seq 1024, without and with full AC), CP and HSDP, pp2·tp2·dp2 at world 8, under 1F1B, Interleaved1F1B, GPipe and
-LoopedBFS; InterleavedZeroBubble, ZBVZeroBubble and DualPipeV over FSDP (under the first two the last stage's final norm weight gets no gradient; their peak the walk's I and W), InterleavedZeroBubble at seq 1024, over FSDP and over tp2 with SP (world 4); pp2·rep2 (HSDP under 1F1B, its peak modelled); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
+LoopedBFS; InterleavedZeroBubble, ZBVZeroBubble and DualPipeV over FSDP (under the first two the last stage's final norm weight gets no gradient; their peak the walk's I and W), InterleavedZeroBubble at seq 1024, over FSDP and over tp2 with SP (world 4); pp2·rep2 at seq 512 (HSDP under 1F1B, its peak modelled, the last loss's all-reduced output held); gradient accumulation without PP (tp2·dp2·SP, 3 micro-batches); long sequences on
 narrow Llamas (the peak moments of long sequences: seq 512 hidden 64 without PP, seq 1024 hidden 128 with
 pp2, each at a small and a large vocab), pp2 with full and selective activation checkpointing there. The jobs
 build q / k / v as one wqkv as torchtitan's llama3 flavors do (framework.fuse_qkv, its default); the
@@ -61,7 +61,8 @@ LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.h
 # setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
 # 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
 LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
-LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppvp", "w2ppzb", "w4ppzbsp", "w2ppac", "w2longac", "w2tpspac")
+LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppvp", "w2ppzb", "w4ppzbsp", "w4pprep", "w2ppac", "w2longac",
+             "w2tpspac")
 SWEEPS = (
     # activation checkpointing (the peak's recompute moments): none, SelectiveAC, FullAC, each with both reshard settings
     ("w2", ("cluster.ranks=2", "model.seq_len=32", "framework.reshard_after_forward=always,never",
@@ -145,9 +146,12 @@ SWEEPS = (
     ("w4ppspac", ("cluster.ranks=4", "model.seq_len=1024", "model.hidden=256", "model.ffn_hidden=768", "model.heads=4",
                   "model.kv_heads=2", "model.vocab=512", "layout.pp=2", "layout.tp=2", "layout.sequence_parallel=true",
                   "layout.global_batch_size=3", "framework.activation_checkpoint=full,selective")),
-    # HSDP under 1F1B, its peak modelled (pp_peak): the replicas' all-reduce at perform_reduce_grad
-    ("w4pprep", ("cluster.ranks=4", "model.seq_len=32", "model.vocab=1030", "layout.pp=2", "layout.dp_replicate=2",
-                 NO_AC)),
+    # HSDP under 1F1B at seq 512, its peak modelled (pp_peak): stage 0 at a block's SwiGLU backward, the last stage at
+    # its final norm's backward with the last loss's all-reduced [norm, lm_head] output held by FSDP
+    # (pp_peak.hsdp_loss_outputs_held: 1.9% under without it)
+    ("w4pprep", ("cluster.ranks=4", "model.seq_len=512", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4",
+                 "model.kv_heads=2", "model.vocab=512", "layout.pp=2", "layout.dp_replicate=2",
+                 "layout.global_batch_size=8", NO_AC)),
     # long sequences (the peak's other moments): the final norm's backward (a small vocab)
     # or a loss chunk's cross-entropy backward (a large vocab) outweighs the reduce-scatters; with PP a
     # block's SwiGLU backward on stage 0 and the last stage's final norm / loss chunk
