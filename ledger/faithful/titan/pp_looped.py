@@ -260,7 +260,7 @@ def bytes_per(c: _Stage) -> tuple:
            "unsharded_but_head": c.unsharded - c.head_full * BF16,  # [norm, lm_head] resharded by the loss
            "shard": sum([f // ds * F32 for _, f, _, _ in c.order]),  # its units' grads once reduce-scattered
            # a reduce-scatter output a grad views: lm_head's grad's, [norm, lm_head]'s, the final norm's alone
-           "lm_view": sh.lm_full * F32 // ds, "head_view": c.head_full * F32 // ds, "norm_view": sh.norm_full // ds * F32,
+           "lm_view": c.loss_output_shard(with_norm=False), "head_view": c.loss_output_shard(with_norm=True), "norm_view": sh.norm_full // ds * F32,
            "acc": c.acc_all, "norm_acc": c.h * F32,  # its units' fp32 accumulators, the final norm's
            # a micro-batch in flight: its blocks' saves; on the last stage, its loss having run, also the final
            # norm's saves and output and its accumulated output grad
@@ -275,7 +275,7 @@ def bytes_per(c: _Stage) -> tuple:
            # the last loss's reduce-scatter input held: lm_head's grad's, [norm, lm_head]'s
            "rs_lm": sh.lm_full * F32, "rs_head": c.head_full * F32,
            # HSDP's held all-reduce input: the loss's reduce-scatter output (lm_head's, [norm, lm_head]'s)
-           "ar_lm": sh.lm_full * F32 // ds, "ar_head": c.head_full * F32 // ds,
+           "ar_lm": c.loss_output_shard(with_norm=False), "ar_head": c.loss_output_shard(with_norm=True),
            "sac": c.sac_held}  # what the step before's recomputes left
     return tuple([one[name] for name, _ in _ENTRIES])
 
@@ -770,7 +770,7 @@ def _at_loss(me: _Held, mb: int) -> list[Peak]:
     p2p = me.p2p()
     with_norm = me.norm_acc
     rs = (c.head_full if with_norm else c.sh.lm_full) * F32
-    g_out = me.head_grads + rs // c.ds  # the output beside the grads alive
+    g_out = me.head_grads + c.loss_output_shard(with_norm)  # the output beside the grads alive
     unsharded = c.unsharded
     wrapper = c.at_lm_head_rs_working(copies)
     copy = rs_temporary(c.rules, c.ds, rs)

@@ -131,7 +131,7 @@ def hsdp_loss_outputs_held(c: _Stage) -> tuple[int, int]:
     stage's final norm backward 1.88% under without it)."""
     if not (c.has_head and c.hsdp):
         return 0, 0
-    one = (c.sh.lm_full if c.gpipe else c.head_full) // c.ds * F32
+    one = c.loss_output_shard(with_norm=not c.gpipe)
     first_added = 1 if c.gpipe else 2  # the first loss whose output is added into existing grads
     return one * (c.n - 2 >= first_added), one * (c.n - 1 >= first_added)
 
@@ -245,6 +245,12 @@ class _Stage:
         T, h, chunk, Vh = self.T, self.h, self.T // LOSS_CHUNKS, self.lm_numel()
         ce = (3 if self.lay.tp == 1 else 4) * chunk * (Vh // h) * F32
         return T * h * F32 + Vh * F32 + chunk * (Vh // h) * BF16 + ce + copies[1]
+
+    def loss_output_shard(self, with_norm: bool) -> int:
+        """A loss's reduce-scatter output on this rank, fp32: lm_head's grad's shard, or (with_norm: where a backward
+        gave the final norm a grad since the loss before) [norm, lm_head]'s. HSDP all-reduces it and FSDP holds it
+        (hsdp_loss_outputs_held; pp_looped's ar_kind)."""
+        return (self.head_full if with_norm else self.sh.lm_full) * F32 // self.ds
 
     def at_final_norm_working(self) -> int:
         """The final norm's backward: the RMSNorm composite's five fp32 [T, h] temporaries and the norm's
