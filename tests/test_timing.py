@@ -324,6 +324,39 @@ def test_titan_s_zero_bubble_schedule_is_timed_with_split_backwards():
         assert any(f"{sched}'s order simulated over its V" in n for n in v.notes), v.notes
 
 
+def test_a_split_backward_under_full_ac_recomputes_each_block_once_a_param_group_in_its_w():
+    """torch's stage_backward_weight runs one autograd.grad a param group and torch.utils.checkpoint recomputes a
+    block once a graph task (the TP collectives of those recomputes measured: tests/test_titan.py's w4ppzbac): under
+    full AC a zero-bubble W re-runs each of its blocks' forward 7 times (the fused wqkv, wo, w1, w2, w3 and the two
+    norms' weights; 9 with wq / wk / wv). On the critical stage (pp rank 1: virtual stages 1 and 3, the head's; both
+    off virtual stage 0, whose W is its whole backward) the recompute term grows by exactly those forwards, one set a
+    micro-batch per chunk, and the step by about as much."""
+    from dataclasses import replace
+
+    from ledger import frameworks
+    from ledger.faithful.titan.schedules import block_param_groups
+    from ledger.parallel import predict
+    from ledger.timing import ops
+    from ledger.timing.step import shard_of, step_time
+    from tests.conftest import compose_config
+
+    hw = hardware.profile("h100")
+    layout = dict(dp=2, pp=2, vp=2, global_batch_size=16)
+    for fused in (True, False):
+        over = ("framework.pipeline_parallel_schedule=InterleavedZeroBubble", "framework.activation_checkpoint=full",
+                f"framework.fuse_qkv={str(fused).lower()}", "model.layers=8")
+        m, lay, st = _predict("titan", layout, *over)
+        cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+        policy = frameworks.get("titan").time_policy(cfg.framework, lay, "cuda")
+        assert policy.weight_recomputes == block_param_groups(fused) == (7 if fused else 9)
+        base = step_time(m, lay, predict(m, lay, cfg.framework), replace(policy, weight_recomputes=0), hw)
+        per_layer = ops.seconds(ops.layer_forward(shard_of(m, lay, policy)), hw)
+        extra = dict(st.waterfall)["recompute"] - dict(base.waterfall)["recompute"]
+        # 2 chunks x 2 blocks each (8 layers over 4 virtual stages), every micro-batch
+        assert extra == pytest.approx(policy.weight_recomputes * per_layer * 2 * 2 * lay.num_microbatches)
+        assert st.step_s - base.step_s == pytest.approx(extra, rel=0.25)
+
+
 def test_a_gemm_s_time_by_hand():
     """8192^3 bf16 on the H100 preset: 32 x 32 tiles of 128 x 256 over 132 SMs in 8 waves."""
     p = hardware.profile("h100")

@@ -120,22 +120,24 @@ def _order(pp: int, vp: int, stage: int, m: int, schedule="1f1b") -> list[tuple]
 
 
 def simulate(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
-             weight_s=None, style: str = "loop") -> Simulation:
+             weight_s=None, style: str = "loop", weight_extra_s=None) -> Simulation:
     """forward_s(stage, chunk) / backward_s(stage, chunk): one micro-batch's time on that virtual stage;
     p2p_s: one transfer between stages (none inside a stage). Each stage takes its next task when its
     input is there: a forward the previous virtual stage's output (v - 1; chunk c on stage s is virtual
     stage virtual_stage(pp, s, c, style)) plus the hop, a backward (or its input-grad half I) its own forward and the next
     virtual stage's input grad plus the hop, a weight-grad half W its own I. schedule: one of ORDERS or
-    an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them; style: how
-    the chunks place as virtual stages (virtual_stage)."""
+    an order function; weight_s(stage, chunk): the W half of backward_s, where the order splits them;
+    weight_extra_s(stage, chunk): what a W runs beyond that half (a checkpointed block's recomputes, one a param
+    group: the framework's time policy); style: how the chunks place as virtual stages (virtual_stage)."""
     sim = Simulation(pp, vp, m, [[] for _ in range(pp)])
-    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule, weight_s, style)
+    _run(pp, vp, m, forward_s, backward_s, p2p_s, sim.lanes, schedule, weight_s, style, weight_extra_s)
     return sim
 
 
-def _durations(pp: int, vp: int, forward_s, backward_s, weight_s, style: str = "loop") -> dict:
+def _durations(pp: int, vp: int, forward_s, backward_s, weight_s, style: str = "loop", weight_extra_s=None) -> dict:
     """Each task kind's time on each virtual stage, (kind, v) -> seconds: I and W split a backward where
-    weight_s is given (module docstring: on virtual stage 0 I is nothing and W the whole backward)."""
+    weight_s is given (module docstring: on virtual stage 0 I is nothing and W the whole backward), a W with
+    weight_extra_s's work beyond its half (virtual stage 0's whole backward without)."""
     dur = {}
     for s in range(pp):
         for c in range(vp):
@@ -144,18 +146,18 @@ def _durations(pp: int, vp: int, forward_s, backward_s, weight_s, style: str = "
             dur[(B, v)] = b = backward_s(s, c)
             if weight_s is not None:
                 w = weight_s(s, c) if v else b
-                dur[(I, v)], dur[(W, v)] = b - w, w
+                dur[(I, v)], dur[(W, v)] = b - w, w + (weight_extra_s(s, c) if weight_extra_s is not None and v else 0.0)
     return dur
 
 
 def _run(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, lanes, schedule: str = "1f1b",
-         weight_s=None, style: str = "loop") -> float:
+         weight_s=None, style: str = "loop", weight_extra_s=None) -> float:
     """The simulation's loop: the step's end; each task (Task, start, end) appended to lanes[stage]
     where lanes is given. A task's end is keyed by (kind, micro-batch, virtual stage), an I's as a B's
     (the input grad the previous virtual stage waits for)."""
     orders = [[(kind, mb, virtual_stage(pp, s, c, style), c) for kind, mb, c in _order(pp, vp, s, m, schedule)]
               for s in range(pp)]
-    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style)
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style, weight_extra_s)
     done: dict[tuple, float] = {}
     free = [0.0] * pp
     pos = [0] * pp
@@ -218,14 +220,14 @@ def _flat_orders(pp: int, vp: int, m: int, schedule: str = "1f1b", style: str = 
 
 
 def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, schedule: str = "1f1b",
-              weight_s=None, style: str = "loop") -> float:
+              weight_s=None, style: str = "loop", weight_extra_s=None) -> float:
     """_run's step end (the readable reference, which simulate() keeps) over flat arrays: a task's end
     time in fwd_end / bwd_end[slot] (-1.0 until it ran; an I's in bwd_end, a W's nowhere: nothing waits
     for it), the hops per virtual stage worked out once, the stages' orders cached (_flat_orders). The
     same loop and the same float operations in the same order, so the same result to the bit
     (tests/test_timing.py)."""
     nv = pp * vp
-    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style)
+    dur = _durations(pp, vp, forward_s, backward_s, weight_s, style, weight_extra_s)
     f_dur = [dur[(F, v)] for v in range(nv)]
     b_dur = [dur[(B, v)] for v in range(nv)]
     i_dur = [dur[(I, v)] for v in range(nv)] if weight_s is not None else b_dur
@@ -291,7 +293,7 @@ def _run_fast(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float, sch
 
 
 def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float = 0.0, schedule: str = "1f1b",
-                 weight_s=None, style: str = "loop") -> float:
+                 weight_s=None, style: str = "loop", weight_extra_s=None) -> float:
     """simulate(...).step_s (the readable reference, kept beside it) without simulating every
     micro-batch. Past its warm-up a schedule of fixed task times is eventually periodic (a max-plus
     system): adding pp micro-batches adds the same time, or a cycle of c such increments (c = 2 or 3
@@ -304,7 +306,7 @@ def step_seconds(pp: int, vp: int, m: int, forward_s, backward_s, p2p_s: float =
     if pp == 1:  # no pipelining: every micro-batch's forward and backward back to back
         return m * sum(forward_s(0, c) + backward_s(0, c) for c in range(vp))
     if schedule in ("gpipe", "looped_bfs") or callable(schedule) or style != "loop":
-        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule, weight_s, style)
+        return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s, schedule, weight_s, style, weight_extra_s)
     base = pp * (2 * vp + 2)  # past the warm-up ((pp - 1) * 2 + (vp - 1) * pp forwards) and a group more
     if m <= base + (PROBE + 1) * pp:
         return _run_fast(pp, vp, m, forward_s, backward_s, p2p_s)

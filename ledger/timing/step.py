@@ -44,7 +44,7 @@ from ledger.layout import Layout
 from ledger.model import ModelShape
 from ledger.timing import collectives, ops
 from ledger.timing.hardware import Profile
-from ledger.timing.pipeline import simulate, step_seconds, virtual_stage
+from ledger.timing.pipeline import W as WEIGHT_HALF, simulate, step_seconds, virtual_stage
 
 # the data-parallel family of dims (the grad reductions and the param gathers of DDP, the distributed
 # optimizer, FSDP2, ZeRO); ledger/plan.py's as well
@@ -67,6 +67,10 @@ class TimePolicy:
     # the order splits each backward into its input-grad half and its weight-grad half (pipeline.py's I and W):
     # W the backward's weight-grad GEMMs (ops.backward_of's .wgrad), I the rest
     split_backward: bool = False
+    # of a split backward's W, how many times it re-runs each recomputing layer's forward beyond its I's recompute
+    # (torch pipelining's W runs one autograd.grad a param group, a checkpointed block recomputing in each: the
+    # framework's time module)
+    weight_recomputes: int = 0
     recompute: str = "none"  # none | selective | full
     causal_kernel: bool = True  # attention skips the masked blocks (flash / cuDNN / TE fused)
     attention_kernel: str = "flash2"  # the kernel that runs attention (hardware.ATTENTION_KERNELS)
@@ -278,7 +282,10 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
                 + (b_head if has_head(stage, chunk) else 0.0) + 2 * per_mb_tp[stage] / 3 / vp
                 + (copies[stage][1] + accumulate[stage]) / m / vp)
 
-    wgt_s = None
+    wgt_s = w_extra = None
+    if policy.split_backward and policy.weight_recomputes:
+        def w_extra(stage, chunk):  # a W's recomputes beyond its half of the backward (TimePolicy.weight_recomputes)
+            return policy.weight_recomputes * sum(n * r_layer[k] for k, n in recomputed[stage, chunk].items() if n)
     if policy.split_backward:  # a zero-bubble order's W: the chunk's weight-grad GEMMs (TimePolicy.split_backward)
         w_layer = {k: ops.seconds([o for o in v if o.name.endswith(".wgrad")], hw) for k, v in bwd_of.items()}
         w_head = ops.seconds([o for o in head_b if o.name.endswith(".wgrad")], hw)
@@ -293,8 +300,8 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         lk = collectives.group_link(hw, lay, "pp", "send_recv")
         p2p = collectives.seconds("send_recv", e_p, 2, lk)
     order = policy.pipeline_order or policy.schedule
-    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style) if trace else None
-    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style)
+    sim = simulate(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style, w_extra) if trace else None
+    pipe_s = sim.step_s if trace else step_seconds(lay.pp, vp, m, fwd_s, bwd_s, p2p, order, wgt_s, style, w_extra)
 
     def per_mb(s):  # (forward, backward) of one micro-batch on stage s, its chunks together
         return sum(fwd_s(s, c) for c in range(vp)), sum(bwd_s(s, c) for c in range(vp))
@@ -304,7 +311,13 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     # forward, the last one's backward, or every pass
     dp_exposed = {}
     first_f, last_b = per_mb(crit)
-    busy_f, busy_b = m * first_f, m * last_b
+    # a W's recomputes beyond the backward (w_extra), on the critical stage: each chunk's W tasks in the order (virtual
+    # stage 0's are whole backwards: pipeline._durations)
+    w_more = 0.0
+    if w_extra is not None:
+        ws = [c for kind, _mb, c in order(lay.pp, vp, crit, m) if kind == WEIGHT_HALF]
+        w_more = sum(w_extra(crit, c) for c in ws if virtual_stage(lay.pp, crit, c, style))
+    busy_f, busy_b = m * first_f, m * last_b + w_more
     grad_t, param_t = {}, {}
     comm_s: dict[str, float] = {}
     for c, sec in stage_rows[crit]:
@@ -370,7 +383,7 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
     waterfall = [("model FLOPs at peak", ideal),
                  ("GEMM / attention efficiency", (split["gemm"] + split["attention"]) * m - ideal),
                  ("memory-bound ops", split["memory"] * m),
-                 ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m),
+                 ("recompute", (rc["gemm"] + rc["attention"] + rc["memory"]) * m + w_more),
                  ("DP collectives' copies", sum(copies[crit])),
                  ("grad accumulation", accumulate[crit])]
     waterfall += [(f"exposed {d}", t) for d, t in sorted(exposed.items()) if t > 0]

@@ -23,14 +23,15 @@ from typing import NamedTuple
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
-from ledger.faithful.titan.fsdp import Sharded, chunk_rows, rows_of, sharded_part, unit_params, vocab_split_note
+from ledger.faithful.titan.fsdp import (Sharded, chunk_rows, fuses_qkv, rows_of, sharded_part, unit_params,
+                                        vocab_split_note)
 from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
 from ledger.faithful.titan.pp_looped import looped_peak, looped_unmodelled
 from ledger.faithful.titan.pp_peak import pp_peak, pp_peak_unmodelled
 from ledger.faithful.titan.target import RULES
 from ledger.faithful.titan.ranks import build_state, placement, state_parts
-from ledger.faithful.titan.schedules import (final_norm_gets_grad, local_stages, losses_after_a_backward, schedule_of,
-                                             unshards)
+from ledger.faithful.titan.schedules import (block_param_groups, final_norm_gets_grad, local_stages,
+                                             losses_after_a_backward, schedule_of, split_backwards, unshards)
 from ledger.grid import Grid
 from ledger.layout import ConfigError, Layout
 from ledger.model import ModelShape
@@ -414,7 +415,7 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
         acc.add_several("dp_replicate", "all_reduce", "fp32", rep,
                         [(f * F32 // ds, c, f"HSDP {w}") for f, c, w in scatters])
     if lay.tp > 1:
-        _pp_tp_comm(acc, model, lay, fw, sh, stage, first, cpu_mesh)
+        _pp_tp_comm(acc, model, lay, fw, sh, stage, s, first, cpu_mesh)
     if lay.cp > 1:
         _pp_cp_comm(acc, model, lay, fw, stage, first)
 
@@ -427,7 +428,7 @@ def p2p_shape(model: ModelShape, lay: Layout) -> tuple[int, int, int]:
 
 
 def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharded, stage: tuple[bool, int, int, bool],
-                first: bool, cpu_mesh: bool) -> None:
+                s: int, first: bool, cpu_mesh: bool) -> None:
     """A stage's TP collectives (comm.py _tp_comm's, per micro-batch and for the stage's own modules),
     with what PP's no-sync backward changes: FSDP's post-backward redistributions of the TP grads
     (norm weights Partial -> Replicate, dtensor.py's PARAM moves) run once per step, in perform_reduce_grad,
@@ -441,8 +442,13 @@ def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
     act = T * h * BF16
     forwards = n + first  # the micro-batches' forwards, and step 0's metadata inference
     inference_bwd = _infers_backward(stage, first)
-    # a checkpointed block recomputes its forward in every backward through it, the inference's too
-    recomputes = (n + inference_bwd) * (getattr(fw, "activation_checkpoint", "none") != "none")
+    # a checkpointed block recomputes its forward in every backward through it, the inference's too: once a graph
+    # task (torch/utils/checkpoint.py: a recompute per graph task id, the whole forward, torchtitan's early_stop=False),
+    # so a split backward's W once more per param group of the block (stage_backward_weight: one autograd.grad a group,
+    # schedules.block_param_groups), beside its I's
+    sched = schedule_of(fw)
+    w_recomputes = split_backwards(sched, lay.pp, lay.vp, n, s) * block_param_groups(fuses_qkv(fw))
+    recomputes = (n + inference_bwd + w_recomputes) * (getattr(fw, "activation_checkpoint", "none") != "none")
     if lay.sequence_parallel:
         # SP (comm.py): forward Partial -> Shard(1) at the embedding and rowwise outputs (reduce-scatter),
         # Shard(1) -> Replicate at the attention / ffn inputs and the root norm's output (all-gather);

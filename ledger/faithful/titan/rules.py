@@ -79,15 +79,6 @@ def validate_layout(model, lay, fw_cfg) -> None:
             # measured on the CPU (pp2 vp2 cp2 at world 4): torchtitan fails on the last stage (IndexError)
             raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} with cp={lay.cp}: "
                               "torchtitan fails on the last stage (IndexError, measured on the CPU at pp2 vp2 cp2)")
-        if sched in SPLIT_BACKWARD and lay.tp > 1 and getattr(fw_cfg, "activation_checkpoint", None) == "full":
-            # measured on the CPU (pp2 vp2 at world 4): with tp2 and SP under full AC the split backward runs 2-3 times
-            # the TP all-gathers and reduce-scatters of Interleaved1F1B: W re-runs a checkpointed block's forward,
-            # its TP collectives with it, once a param group (pp_looped.looped_unmodelled); without checkpointing
-            # tp (with and without SP) reconciles (tests/test_titan.py)
-            raise ConfigError(f"titan: pp={lay.pp}: framework.pipeline_parallel_schedule={sched!r} with tp={lay.tp} "
-                              "under framework.activation_checkpoint='full' is not modelled: its W re-runs a "
-                              "checkpointed block's forward, TP collectives and all, once a param group (a count not "
-                              "derived); use activation_checkpoint=none")
         if sched in SPLIT_BACKWARD and getattr(fw_cfg, "activation_checkpoint", None) == "selective":
             # torch/utils/checkpoint.py's selective checkpoint refuses a second backward over a region it computed,
             # and the split backward runs two (I with retain_graph, then W): measured on the CPU at pp2 vp2 under each

@@ -58,6 +58,26 @@ ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 SPLIT_BACKWARD = ZERO_BUBBLE + ("DualPipeV",)
 
 
+@lru_cache(maxsize=1024)
+def split_backwards(name: str, pp: int, vp: int, n: int, stage: int) -> int:
+    """How many of stage `stage`'s backwards a step runs split into I and W (its BACKWARD_WEIGHT actions in torch's
+    order, compute_actions): every one under the zero-bubble schedules, some under DualPipeV (its others whole), none
+    on the first stage (stage.py: its I computes nothing, its W the whole backward) nor under the other schedules."""
+    if name not in SPLIT_BACKWARD or stage == 0:
+        return 0
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    return sum(a.computation_type == C.BACKWARD_WEIGHT and a.stage_index == stage
+               for rank in range(pp) for a in compute_actions(name, pp, vp, n, rank))
+
+
+def block_param_groups(fused_qkv: bool) -> int:
+    """The param groups of one block that a split backward's W runs one autograd.grad each (pipelining/_backward.py
+    get_param_groups: the params sharing an intermediate node; each of a block's weights has its own consumer, so
+    one group a weight): wqkv (or wq, wk, wv), wo, w1, w2, w3 and the two norms' weights."""
+    return (1 if fused_qkv else 3) + 4 + 2
+
+
 def final_norm_gets_grad(name: str) -> bool:
     """Whether the last stage's final norm weight gets a gradient under schedule `name` (ZERO_BUBBLE's comment)."""
     return name not in ZERO_BUBBLE

@@ -11,7 +11,8 @@
              orders (schedules.runtime_order; DualPipeV's overlapped forward-backward as its two actions one after
              the other, some of its backwards whole) over their V placement (a rank's chunks are stages r and
              2 pp - 1 - r: pipeline.virtual_stage)
-  recompute  activation_checkpoint: full re-runs every block's forward in backward; selective
+  recompute  activation_checkpoint: full re-runs every block's forward in backward (a split backward's W once
+             more per param group of the block: TimePolicy.weight_recomputes); selective
              (distributed/activation_checkpoint.py SelectiveAC) re-runs every op its save list does not
              keep: the save list holds the compute-intensive ops (aten.mm, FlexAttention) and the
              reduce-scatters, but its policy recomputes every second mm of a block's forward (the mm
@@ -53,7 +54,7 @@ from dataclasses import replace
 
 from ledger.dtypes import nbytes
 from ledger.faithful.titan.fsdp import fuses_qkv
-from ledger.faithful.titan.schedules import RUNTIME_ORDERS, interleaved_order, schedule_of
+from ledger.faithful.titan.schedules import RUNTIME_ORDERS, block_param_groups, interleaved_order, schedule_of
 from ledger.timing.ops import EAGER_FP32_RMSNORM_BYTES
 from ledger.timing.step import TimePolicy
 
@@ -95,7 +96,13 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
     split = sched in RUNTIME_ORDERS and lay.pp > 1
     own = (RUNTIME_ORDERS[sched] if split else
            interleaved_order if schedule == "interleaved" and lay.num_microbatches % lay.pp else None)
+    # a split backward under full AC: its W re-runs each block's forward once a param group (torch's
+    # stage_backward_weight, one autograd.grad a group; torch/utils/checkpoint.py, a recompute per graph task, the
+    # whole forward: torchtitan's early_stop=False), beside its I's recompute (measured: the TP collectives of those
+    # recomputes, tests/test_titan.py)
+    w_recomputes = block_param_groups(fused) if split and recompute == "full" else 0
     return TimePolicy(schedule=schedule, pipeline_order=own, split_backward=split, recompute=recompute,
+                      weight_recomputes=w_recomputes,
                       recompute_every=every,
                       causal_kernel=cuda,
                       attention_kernel="flex" if cuda else "math",
