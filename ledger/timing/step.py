@@ -11,7 +11,8 @@ step:
   pipeline    the stages' forwards and backwards simulated in the framework's schedule
               (ledger/timing/pipeline.py) with one p2p transfer [s/tp if SP, b, h] per hop: the bubble
               comes out of the simulation; a zero-bubble order runs each backward as its input-grad
-              half and its weight-grad GEMMs apart (TimePolicy.split_backward)
+              half and its weight-grad GEMMs apart (TimePolicy.split_backward), the W with the recomputes of its
+              blocks its framework names (TimePolicy.weight_recomputes: torch's W, one autograd.grad a param group)
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
               behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
