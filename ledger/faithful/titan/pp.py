@@ -4,8 +4,8 @@ torch/distributed/pipelining): its stages, their placement and their collectives
 What the ledger models: framework.pipeline_parallel_schedule's stages a rank (schedules.py: 1F1B and GPipe
 one, Interleaved1F1B and LoopedBFS layout.vp of them, InterleavedZeroBubble 2 to 3, ZBVZeroBubble and DualPipeV
 two in a V) over FSDP on dp_shard x cp, with HSDP, TP (with and without SP) and CP (the split backward's schedules
-without CP, and with TP not under full activation checkpointing: rules.py); reshard_after_forward default / never. The rank's local batch (global_batch_size / dp)
-is split into num_microbatches pipeline micro-batches of micro_batch_size
+without CP: rules.py); reshard_after_forward default / never. The rank's local batch (global_batch_size / dp) is
+split into num_microbatches pipeline micro-batches of micro_batch_size
 (parallelism.pipeline_parallel_microbatch_size). Each stage holds the modules pipeline_parallel.py gives
 it (pp_stages over pp * vp stages); a rank's state is its stages' (_pp_parts), its collectives each
 stage's (_stage_comm: P2P per micro-batch with the stages on other ranks, FSDP once per step and the last
@@ -471,10 +471,10 @@ def _pp_tp_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
                          (act, recomputes * 2 * L * recomputed(fw, "all_reduce"), "rowwise outputs, recompute")))
     # norm weight grads, Partial on tp: FSDP's post-backward all-reduces each, in fp32 (above)
     acc.add("tp", "all_reduce", h * F32, tp, "fp32", 2 * L, "norm weight grads (perform_reduce_grad)")
-    k = losses_after_a_backward(schedule_of(fw), lay.pp, lay.vp, n) if has_head else 0
+    k = losses_after_a_backward(sched, lay.pp, lay.vp, n) if has_head else 0
     # (perform_reduce_grad's only where the norm has a grad: none under the zero-bubble schedules,
     # schedules.final_norm_gets_grad)
-    acc.add("tp", "all_reduce", h * F32, tp, "fp32", (k + final_norm_gets_grad(schedule_of(fw))) * has_head,
+    acc.add("tp", "all_reduce", h * F32, tp, "fp32", (k + final_norm_gets_grad(sched)) * has_head,
             "final norm weight grad (last chunk / perform_reduce_grad)")
     if has_head:  # components/loss.py loss-parallel cross-entropy: 3 all-reduces per chunk (comm.py)
         acc.add("tp", "all_reduce", T // LOSS_CHUNKS * F32, tp, "fp32", 3 * LOSS_CHUNKS * forwards, "loss-parallel CE")

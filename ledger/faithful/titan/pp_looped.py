@@ -734,9 +734,8 @@ def _at_weight_backward(me: _Held, mb: int) -> list[Peak]:
     # at few tokens a micro-batch)
     freed_saves = T * h * BF16 + T * c.q * BF16
     # (wo's captured grad: with SP its all-gathered copy, _Stage.captured_block)
-    wo_cap = T * h * BF16 if c.sp else c.act
-    freed_caps = T * c.qkv * BF16 + T * c.ffn * BF16 + (0 if c.sp else wo_cap)
-    freed_gathered = wo_cap if c.sp else 0
+    freed_caps = T * c.qkv * BF16 + T * c.ffn * BF16 + (0 if c.sp else c.act)
+    freed_gathered = c.gathered_grad if c.sp else 0
     base = {_STATE: c.kept, "resident/unsharded params (every unit)": c.unsharded,
             "resident/grads ([norm, lm_head]'s outputs)": g, "activations/the other micro-batches in flight": me.saves(),
             "temporary/fp32 accumulated grads": acc,

@@ -280,11 +280,16 @@ class _Stage:
         by op, InterleavedZeroBubble); with tp2 and SP, 2,097,152 B a block, 1,048,576 B of it all-gathered."""
         T, Tn, h = self.T, self.Tn, self.h
         norm = Tn * h * (BF16 if self.rules.fused_rms_norm else F32)
-        return 2 * norm + 2 * T * self.ffn * BF16 + T * self.qkv * BF16 + (2 * T * h * BF16 if self.sp else self.act)
+        return 2 * norm + 2 * T * self.ffn * BF16 + T * self.qkv * BF16 + (2 * self.gathered_grad if self.sp else self.act)
+
+    @property
+    def gathered_grad(self) -> int:
+        """With SP, a rowwise linear's (wo's, w2's) grad_output: its Shard(1) grad all-gathered, [T, h] bf16."""
+        return self.T * self.h * BF16
 
     def captured_gathered(self, k: int = 0) -> int:
         """Of captured_grads(k), the all-gather outputs (SP: wo's and w2's grad_output a block, captured_block)."""
-        return 0 if (self.first or not self.sp) else (self.Ls - k) * 2 * self.T * self.h * BF16
+        return 0 if (self.first or not self.sp) else (self.Ls - k) * 2 * self.gathered_grad
 
     def captured_grads(self, k: int = 0) -> int:
         """What a micro-batch's I has captured on this stage by block k's backward (k = 0: all of it): blocks

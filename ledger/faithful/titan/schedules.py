@@ -61,14 +61,16 @@ SPLIT_BACKWARD = ZERO_BUBBLE + ("DualPipeV",)
 @lru_cache(maxsize=1024)
 def split_backwards(name: str, pp: int, vp: int, n: int, stage: int) -> int:
     """How many of stage `stage`'s backwards a step runs split into I and W (its BACKWARD_WEIGHT actions in torch's
-    order, compute_actions): every one under the zero-bubble schedules, some under DualPipeV (its others whole), none
-    on the first stage (stage.py: its I computes nothing, its W the whole backward) nor under the other schedules."""
+    order on the rank that holds it, compute_actions): every one under the zero-bubble schedules, some under
+    DualPipeV (its others whole), none on the first stage (stage.py: its I computes nothing, its W the whole
+    backward) nor under the other schedules."""
     if name not in SPLIT_BACKWARD or stage == 0:
         return 0
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
+    rank = next(r for r in range(pp) if stage in local_stages(r, pp, vp, name))
     return sum(a.computation_type == C.BACKWARD_WEIGHT and a.stage_index == stage
-               for rank in range(pp) for a in compute_actions(name, pp, vp, n, rank))
+               for a in compute_actions(name, pp, vp, n, rank))
 
 
 def block_param_groups(fused_qkv: bool) -> int:
