@@ -453,6 +453,43 @@ def test_fsdp2_copies_around_its_collectives_by_hand():
         assert dict(_predict(framework, dict(dp=16, global_batch_size=32), *over)[2].waterfall)["DP collectives' copies"] == 0
 
 
+def test_fsdp2_s_first_gathers_and_last_reductions_are_exposed_by_hand():
+    """torchtitan's FSDP2 opens each micro-batch's forward with tok_embeddings' all-gather and block 0's (only
+    the embedding's lookup between) and closes its backward with block 0's reduce-scatter and then
+    tok_embeddings', the compute stream waiting for the last: exposed, whatever the passes could hide. By
+    hand, with the rest of FSDP's collectives hidden: per micro-batch a bf16 all-gather and an fp32
+    reduce-scatter of (vocab x hidden + a block's parameters), one call a unit, at the ring's bytes over the
+    group's link plus its steps' latency. Under PP none is modelled; the torchtitan of 2024's root unit
+    holds the final norm and output too."""
+    import dataclasses
+
+    from ledger.faithful.titan.steptime import time_policy_2024
+    from ledger.parallel import predict
+    from ledger.timing.step import step_time
+    from tests.conftest import compose_config
+
+    over = ("framework.activation_checkpoint=none",)
+    m, lay, st = _predict("titan", dict(dp=16, global_batch_size=32), *over)
+    mb, n = lay.num_microbatches, 16
+    assert mb == 2
+    h100 = hardware.profile("h100")
+    link = collectives.group_link(h100, lay, "dp", "all_gather")
+
+    def ring(size_bytes, calls):
+        return size_bytes * (n - 1) / n / (link.busbw_gbps * 1e9) + calls * (n - 1) * link.latency_us * 1e-6
+
+    edge = m.vocab * m.hidden + m.layer_num_params(0)
+    assert st.exposed_s["dp"] == pytest.approx(ring(mb * edge * 2, 2 * mb) + ring(mb * edge * 4, 2 * mb), rel=1e-12)
+    cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+    pl = predict(m, lay, cfg.framework)
+    head = m.hidden + m.vocab * m.hidden
+    old = step_time(m, lay, pl, time_policy_2024(cfg.framework, lay, "cuda", "rmsnorm"), h100)
+    assert old.exposed_s["dp"] == pytest.approx(ring(mb * (edge + head) * 2, 3 * mb) + ring(mb * (edge + head) * 4, 3 * mb),
+                                                rel=1e-12)
+    _, _, piped = _predict("titan", dict(dp=8, pp=2, global_batch_size=32), *over)
+    assert "dp" not in piped.exposed_s
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_s_bucket_copies_and_accumulation_by_hand(zero):
     """DeepSpeed ZeRO-1/2 copies the grads into its IPG bucket on the compute stream before each grad
@@ -494,10 +531,15 @@ def test_a_hidden_collective_holds_the_sms_nccl_runs_it_on():
     import dataclasses
     assert collectives.sms_taken(a100.intra, dataclasses.replace(a100, sms=0)) == 0  # a CPU profile's
     over = ("framework.activation_checkpoint=none",)
-    m, lay, st = _predict("titan", dict(dp=16, global_batch_size=32), *over)
-    assert not any(d in DP_DIMS for d in st.exposed_s)  # every FSDP collective hidden
+    m, lay, _ = _predict("titan", dict(dp=16, global_batch_size=32), *over)
     cfg = compose_config("framework=titan", "model=llama3_8b", *over)
     h100 = hardware.profile("h100")
+    # without the passes' edges (FSDP2's first gathers and last reductions, exposed: the test below)
+    from ledger import frameworks
+    from ledger.timing.step import step_time
+    policy = dataclasses.replace(frameworks.get("titan").time_policy(cfg.framework, lay, "cuda"), dp_edge_units=((), ()))
+    st = step_time(m, lay, predict(m, lay, cfg.framework), policy, h100)
+    assert not any(d in DP_DIMS for d in st.exposed_s)  # every FSDP collective hidden
     by_hand = sum(collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(h100, lay, c.dim, c.kind))
                   * collectives.sms_taken(collectives.group_link(h100, lay, c.dim, c.kind), h100) / h100.sms
                   for c in predict(m, lay, cfg.framework).rank_state(0).comm if c.dim in DP_DIMS)

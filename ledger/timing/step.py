@@ -16,7 +16,9 @@ step:
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
               behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
-              ZeRO-3 prefetch); while hidden, each holds the SMs NCCL runs it on
+              ZeRO-3 prefetch), but for the gathers that open a micro-batch's forward and the reductions
+              that close its backward where the framework has such edges (TimePolicy.dp_edge_units:
+              FSDP2's first and last units), exposed; while hidden, each holds the SMs NCCL runs it on
               (collectives.sms_taken) and the compute beside it runs on the rest: its seconds x those
               SMs' share of the device
   copies      what the framework runs on the compute stream around those collectives
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ledger.dtypes import nbytes
 from ledger.grid import group_size
 from ledger.layout import Layout
 from ledger.model import ModelShape
@@ -98,6 +101,12 @@ class TimePolicy:
     # bandwidth (FSDP2's copy-out after every all-gather, copy-in before every reduce-scatter: its
     # steptime.py); empty where the collectives run on the parameters' and gradients' own buffers
     dp_copy_bytes: tuple = ()
+    # FSDP-style sharding's edges: the units whose gathers open each micro-batch's forward before any compute
+    # runs, and those whose reductions close its backward after the last (the framework's time module names
+    # them, in the order they run: "embedding" the token embedding, "head" the final norm and an untied output
+    # projection, "layer" the first decoder layer): exposed, whatever the passes' compute could hide
+    # (dp_edge_seconds); (gathered first, reduced last), empty where the framework has no such edges modelled
+    dp_edge_units: tuple = ((), ())
     # each micro-batch's backward adds its weight grads into the accumulated ones where the weight-grad
     # GEMM does not accumulate in place: bytes moved per byte of the rank's parameters (RankState.
     # params_bytes), at the memory's bandwidth; grad_accumulate_first: the first micro-batch adds too
@@ -187,6 +196,38 @@ def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float
             else:
                 bwd += t
     return fwd, bwd
+
+
+def unit_params(model: ModelShape, unit: str) -> int:
+    """The parameters of one edge unit (TimePolicy.dp_edge_units)."""
+    if unit == "embedding":
+        return model.vocab * model.hidden
+    if unit == "head":
+        return model.hidden + (0 if model.tied_embeddings else model.vocab * model.hidden)
+    if unit == "layer":
+        return model.layer_num_params(0)
+    raise ValueError(f"dp edge unit {unit!r}: known embedding, head, layer")
+
+
+def dp_edge_seconds(rows, model: ModelShape, policy: TimePolicy, m: int, groups: dict) -> tuple[float, float]:
+    """(reduction, gather) seconds per step of the data-parallel collectives at the passes' edges
+    (TimePolicy.dp_edge_units): on each data-parallel all-gather row the first units' bytes in its dtype, on
+    each reduce-scatter row the last units', one call a unit a micro-batch on the row's group and link
+    (collectives.seconds), at most the row's own seconds."""
+    gathered, reduced = policy.dp_edge_units
+    grad = param = 0.0
+    for c, sec in rows:
+        units = {"all_gather": gathered, "reduce_scatter": reduced}.get(c.kind, ()) if c.dim in DP_DIMS else ()
+        if not units or sec <= 0:
+            continue
+        n, link = groups[c.dim, c.kind]
+        edge_bytes = m * sum(unit_params(model, u) for u in units) * nbytes(c.dtype)
+        t = min(sec, collectives.seconds(c.kind, edge_bytes, n, link, calls=m * len(units)))
+        if c.kind == "all_gather":
+            param += t
+        else:
+            grad += t
+    return grad, param
 
 
 def _stage_of_rank(lay: Layout, stage: int) -> int:
@@ -328,9 +369,13 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
             into[c.dim] = into.get(c.dim, 0.0) + sec
     g_all, p_all = sum(grad_t.values()), sum(param_t.values())
     if policy.dp_grad == policy.dp_param == "every_pass":
-        # FSDP2 / ZeRO-3: gathers and reductions share the passes' compute (forward and backward)
-        over = max(0.0, g_all + p_all - busy_f - busy_b)
-        g_exp, p_exp = (over * g_all / (g_all + p_all), over * p_all / (g_all + p_all)) if over else (0.0, 0.0)
+        # FSDP2 / ZeRO-3: gathers and reductions share the passes' compute (forward and backward), but for
+        # those at the passes' edges (TimePolicy.dp_edge_units), with no compute beside them
+        edge_g, edge_p = dp_edge_seconds(stage_rows[crit], model, policy, m, groups)
+        rest_g, rest_p = g_all - edge_g, p_all - edge_p
+        over = max(0.0, rest_g + rest_p - busy_f - busy_b)
+        g_exp, p_exp = ((edge_g + over * rest_g / (rest_g + rest_p), edge_p + over * rest_p / (rest_g + rest_p))
+                        if over else (edge_g, edge_p))
     else:
         hidden_g = {"exposed": 0.0, "last_backward": last_b, "every_pass": busy_b}[policy.dp_grad]
         hidden_p = {"exposed": 0.0, "first_forward": first_f, "every_pass": busy_f}[policy.dp_param]

@@ -44,7 +44,17 @@
              each parameter's unsharded tensor, 2 bytes moved per byte of the buffer) and every
              reduce-scatter's copy-in (foreach_reduce_scatter_copy_in: chunk_cat reads the unsharded
              grads in the param dtype and writes the buffer in the reduce dtype: 1 + 2 / 4 bytes per
-             byte of an fp32 buffer from bf16 grads); HSDP's all-reduce runs in place on the output
+             byte of an fp32 buffer from bf16 grads); HSDP's all-reduce runs in place on the output.
+             The edges (distributed/fsdp.py apply_fsdp_to_decoder: tok_embeddings a unit of its own, or
+             with the norm and lm_head where tied; each block one; [norm, lm_head] one, not resharded
+             after forward; the root none): a micro-batch's forward starts with tok_embeddings' all-gather
+             and then block 0's, with only the embedding's lookup between, and its backward ends with
+             block 0's reduce-scatter and then tok_embeddings', with only the embedding's backward
+             between, and FSDP2's finalize_backward makes the compute stream wait for the last one
+             (_fsdp_state.py _root_post_backward_final_callback): exposed (TimePolicy.dp_edge_units;
+             without PP, where every micro-batch gathers and reduces: under PP not modelled). The tied unit's
+             norm (hidden parameters) is left out of the edge. HSDP's replicate all-reduce of those units
+             is not counted at the edge; with EP (a block's experts on a mesh of their own) no edge is modelled
   optimizer  torch AdamW over the fp32 shards (exp_avg and exp_avg_sq: 8 bytes of state an element;
              foreach on CUDA): reads param, grad, exp_avg, exp_avg_sq and writes three, 28 bytes
 """
@@ -68,6 +78,10 @@ SELECTIVE_RECOMPUTE_FUSED = ("attention_norm", "qkv_split", "rope", "proj", "res
 PIPELINE_ORDER = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "looped_bfs",
                   "InterleavedZeroBubble": "interleaved",  # (its own order, split backwards: time_policy)
                   "ZBVZeroBubble": "v", "DualPipeV": "v"}  # (their own orders over a V placement: time_policy)
+# FSDP2's units at a micro-batch's edges (module docstring): gathered first, reduced last
+EDGE_UNITS = (("embedding", "layer"), ("layer", "embedding"))
+# the torchtitan of 2024's (time_policy_2024): its root unit held tok_embeddings, norm and output
+EDGE_UNITS_2024 = (("embedding", "head", "layer"), ("layer", "embedding", "head"))
 # the eager kernels' bytes per element (forward, backward), module docstring
 KERNEL_BYTES = (("rope", (20, 20)), ("swiglu", (10, 16)))
 
@@ -111,6 +125,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       split_projections=True, fused_qkv=fused, kernel_bytes=KERNEL_BYTES,
                       dp_grad="every_pass", dp_param="every_pass",
                       dp_copy_bytes=(("all_gather", 2.0), ("reduce_scatter", 1.0 + grad_per_reduce)),
+                      dp_edge_units=EDGE_UNITS if lay.pp == 1 and not getattr(lay, "ep", 1) > 1 else ((), ()),
                       optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
@@ -150,6 +165,7 @@ def time_policy_2024(fw, lay, device: str, norm_type: str) -> TimePolicy:
     cuda = device == "cuda"
     norm = (("norm", EAGER_FP32_RMSNORM_BYTES),) if norm_type == "rmsnorm" else ()
     return replace(base, attention_kernel="flash2" if cuda else base.attention_kernel, repeat_kv=True,
+                   dp_edge_units=EDGE_UNITS_2024 if base.dp_edge_units[0] else base.dp_edge_units,
                    recompute_ops=base.recompute_ops + ("kv_repeat",),
                    kernel_bytes=base.kernel_bytes + norm,
                    sources=(base.sources[0] + "; the torchtitan of 2024: "
