@@ -490,6 +490,30 @@ def test_fsdp2_s_first_gathers_and_last_reductions_are_exposed_by_hand():
     assert "dp" not in piped.exposed_s
 
 
+def test_each_pass_hides_only_its_own_gathers_and_reductions():
+    """ZeRO-3's prefetch (as FSDP2's) runs a unit ahead inside its pass: a forward's gathers hide behind the
+    forwards only, a backward's gathers and reductions behind the backwards only, a gather's half in each pass.
+    With activation checkpointing the backward has room to spare where the forward has none: the forward's
+    excess is exposed, by hand from the comm ledger's rows, where one pool for both passes hid it all."""
+    from ledger.grid import group_size
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS, GRAD_KINDS
+    from tests.conftest import compose_config
+
+    over = ("framework.zero_stage=3", "framework.activation_checkpointing=true", "model.seq_len=3072")
+    m, lay, st = _predict("deepspeed", dict(dp=64, global_batch_size=64), *over)
+    cfg = compose_config("framework=deepspeed", "model=llama3_8b", *over)
+    h100 = hardware.profile("h100")
+    rows = [(c, collectives.comm_seconds(c, group_size(lay, c.dim), collectives.group_link(h100, lay, c.dim, c.kind)))
+            for c in predict(m, lay, cfg.framework).rank_state(0).comm if c.dim in DP_DIMS]
+    gathers = sum(t for c, t in rows if c.kind not in GRAD_KINDS)
+    reductions = sum(t for c, t in rows if c.kind in GRAD_KINDS)
+    fwd_over = gathers / 2 - st.forward_s
+    assert fwd_over > 0 and gathers / 2 + reductions < st.backward_s  # the forward short of room, the backward not
+    assert gathers + reductions < st.forward_s + st.backward_s  # one pool for both would hide them all
+    assert sum(t for d, t in st.exposed_s.items() if d in DP_DIMS) == pytest.approx(fwd_over, rel=1e-9)
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_s_bucket_copies_and_accumulation_by_hand(zero):
     """DeepSpeed ZeRO-1/2 copies the grads into its IPG bucket on the compute stream before each grad

@@ -15,10 +15,12 @@ step:
               blocks its framework names (TimePolicy.weight_recomputes: torch's W, one autograd.grad a param group)
   DP          the data-parallel dims' collectives (grad reduction, param gathers), hidden as the
               framework hides them (its TimePolicy, each rule citing its source): exposed in full,
-              behind the last micro-batch's backward, or behind the compute of every pass (FSDP2 /
-              ZeRO-3 prefetch), but for the gathers that open a micro-batch's forward and the reductions
-              that close its backward where the framework has such edges (TimePolicy.dp_edge_units:
-              FSDP2's first and last units), exposed; while hidden, each holds the SMs NCCL runs it on
+              behind the last micro-batch's backward, or behind the compute of their own pass (FSDP2 /
+              ZeRO-3 prefetch: a forward's gathers behind the forwards, a backward's gathers and
+              reductions behind the backwards), but for the gathers that open a micro-batch's forward
+              and the reductions that close its backward where the framework has such edges
+              (TimePolicy.dp_edge_units: FSDP2's first and last units), exposed; while hidden, each
+              holds the SMs NCCL runs it on
               (collectives.sms_taken) and the compute beside it runs on the rest: its seconds x those
               SMs' share of the device
   copies      what the framework runs on the compute stream around those collectives
@@ -369,13 +371,16 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
             into[c.dim] = into.get(c.dim, 0.0) + sec
     g_all, p_all = sum(grad_t.values()), sum(param_t.values())
     if policy.dp_grad == policy.dp_param == "every_pass":
-        # FSDP2 / ZeRO-3: gathers and reductions share the passes' compute (forward and backward), but for
-        # those at the passes' edges (TimePolicy.dp_edge_units), with no compute beside them
+        # FSDP2 / ZeRO-3: each pass's collectives behind that pass's compute, a forward's gathers behind the
+        # forwards, a backward's gathers and reductions behind the backwards (the prefetch runs one unit ahead
+        # inside its pass: nothing of one pass hides behind the other's), a gather's half in each pass (as its
+        # copies: dp_copy_seconds); those at the passes' edges (TimePolicy.dp_edge_units) beside no compute
         edge_g, edge_p = dp_edge_seconds(stage_rows[crit], model, policy, m, groups)
         rest_g, rest_p = g_all - edge_g, p_all - edge_p
-        over = max(0.0, rest_g + rest_p - busy_f - busy_b)
-        g_exp, p_exp = ((edge_g + over * rest_g / (rest_g + rest_p), edge_p + over * rest_p / (rest_g + rest_p))
-                        if over else (edge_g, edge_p))
+        over_f = max(0.0, rest_p / 2 - busy_f)
+        over_b = max(0.0, rest_p / 2 + rest_g - busy_b)
+        share_g = rest_g / (rest_g + rest_p / 2) if over_b else 0.0
+        g_exp, p_exp = edge_g + over_b * share_g, edge_p + over_f + over_b * (1.0 - share_g)
     else:
         hidden_g = {"exposed": 0.0, "last_backward": last_b, "every_pass": busy_b}[policy.dp_grad]
         hidden_p = {"exposed": 0.0, "first_forward": first_f, "every_pass": busy_f}[policy.dp_param]

@@ -16,7 +16,9 @@ deepspeed/runtime/.
              backward goes on (stage 2 every micro-batch, stage 1 at the accumulation boundary: the
              last backward), else after it; the updated partitions are all-gathered after the step
              (all_gather_dp_groups), exposed. zero/stage3.py: the coordinator prefetches parameters
-             under the compute and overlap_comm reduces behind it: both hidden by the passes' compute
+             under the compute and overlap_comm reduces behind it: each pass's hidden by that pass's
+             compute (the forward's fetches behind the forward, the backward's fetches and reductions
+             behind the backward: ledger/timing/step.py)
   grads      zero/stage_1_and_2.py with contiguous_gradients (its default): each grad reduction first
              copies the grads into the IPG bucket on the compute stream
              (reduce_independent_p_g_buckets_and_remove_grads: bucket.buffer narrow().copy_(grad), 2
