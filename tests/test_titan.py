@@ -57,9 +57,8 @@ SEPARATE = "framework.fuse_qkv=false"
 # hidden-64 weights as those of 2048 tokens outweigh hidden 256's, at 1/60 of the bf16 FLOPs (the final
 # norm's backward at vocab 320, above the byte tokenizer's 258; a loss chunk's cross-entropy at 8192)
 LONG = ("model.seq_len=512", "model.hidden=64", "model.ffn_hidden=192", "model.heads=4", "model.kv_heads=2")
-# with PP the same moments at seq 1024, hidden 128 (vocab 512 / 4096): the PP peak leaves out the step's
-# setup tensors (micro-batch inputs and labels, the loader's sample, the document masks; 59,036 B at seq
-# 512, 118,044 B at seq 1024, docs/ledger-titan.md), which at seq 512 hidden 64 are 1.1% of the peak
+# with PP the same moments at seq 1024, hidden 128 (vocab 512 / 4096), where the split backward's and SP's
+# captured grads and the HSDP loss output are large enough against the weights for a missing rule to show
 LONG_PP = ("model.seq_len=1024", "model.hidden=128", "model.ffn_hidden=384", "model.heads=4", "model.kv_heads=2")
 LONG_JOBS = ("w2long", "w2pplong", "w2ppgpipe", "w2ppvp", "w2ppzb", "w4ppzbsp", "w4pprep", "w2ppac", "w2longac",
              "w2tpspac")
@@ -140,7 +139,7 @@ SWEEPS = (
     # forward at w2's SP reduce-scatter, the last stage at a loss chunk's loss-parallel cross-entropy backward
     ("w4ppsp", ("cluster.ranks=4", *LONG_PP, "model.vocab=512", "layout.pp=2", "layout.tp=2",
                 "layout.sequence_parallel=true", "layout.global_batch_size=2", NO_AC)),
-    # and under full and selective AC (hidden 256: the step's setup tensors, not modelled, stay well under 1%), 3
+    # and under full and selective AC (hidden 256), 3
     # micro-batches: both stages at w2's reduce-scatter in a block's recompute, stage 0 at backward 1 with 1F1B's
     # held warm-up send; under selective AC the fused wqkv's recompute leaves alive into the next step (stage 1)
     ("w4ppspac", ("cluster.ranks=4", "model.seq_len=1024", "model.hidden=256", "model.ffn_hidden=768", "model.heads=4",

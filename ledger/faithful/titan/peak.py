@@ -189,6 +189,43 @@ def batch_bytes(model, B: int, S: int) -> int:
 
 
 
+def pp_batch_lines(model, lay, has_embedding: bool, has_head: bool, loader_on_device: bool = True) -> dict[str, int]:
+    """With PP, the step's small tensors on a stage's rank, live through its whole step (every rank loads the
+    batch: trainer.py), as the probe's census by op shows them (T = B S, B = micro_batch_size x micro-batches,
+    M micro-batches): the data loader's last sample (input, labels, positions: 3 x S int64, lift_fresh) and its
+    loader's int64, B + 1 [S] int64 storages stack makes (collate; what keeps them is not traced: a measured
+    rule), the batch's device copies (input, labels, positions: 3 x T int64; the embedding saves the ids on
+    the first stage where no TP runs it vocab-parallel, the loss the labels and the global valid-token count, an
+    int64, on the last: activations), each micro-batch's document mask (models/common/attention.py:
+    document_id int32 [b, S]; with b == 1 the offsets table, int32 round_up(S + 1, 128)) and its BlockMask's
+    eight int32 block tables ([b, 1, nb] and [b, 1, nb, nb], nb = S / 128), and the previous step's scalars;
+    the loader's tensors where they share the device's memory (loader_on_device: the CPU harness; target.py).
+    Measured on the CPU (pp2, hidden 128: 1F1B at seq 256 and 512 with 2 and 4 micro-batches, to the byte;
+    InterleavedZeroBubble pp2·vp2 at seq 1024 with 4, to the byte; pp2·tp2·SP at seq 1024 with 3, 8 and 24 B
+    under). The masks live inside the step's forward and backward only (trainer.py forward_backward_step makes
+    them): the first step's peak at its optimizer step holds the rest (PP_MASKS; measured, pp2 and pp4 at seq 32).
+    With CP the embedding and the loss save the batch's sequence shards (context_parallel's), not its copies, and
+    the shards and more stand beside these lines, not modelled (7,112 to 7,608 B at pp2·cp2, seq 256, 2 micro-batches)."""
+    b, M, S = lay.micro_batch_size, lay.num_microbatches, model.seq_len
+    B = b * M
+    nb = -(-S // FLEX_BLOCK)
+    ids = B * S * I64 if has_embedding and lay.tp == 1 and lay.cp == 1 else 0
+    labels = (B * S * I64 if lay.cp == 1 else 0) + I64 if has_head else 0
+    masks = B * S * 4 + (M * round_up(S + 1, 128) * 4 if b == 1 else 0) + 4 * B * (nb + nb * nb) * 4
+    return {"activations/the micro-batches' ids the embedding saves": ids,
+            "activations/the labels and the global valid-token count the loss saves": labels,
+            "temporary/the batch's other device copies (input, labels, positions)": 3 * B * S * I64 + I64 - ids - labels,
+            "temporary/the data loader's last sample and collated rows":
+                (3 * S * I64 + I64 + (B + 1) * S * I64) if loader_on_device else 0,
+            PP_MASKS: masks,
+            "unnamed/scalars live from the previous step": UNNAMED}
+
+
+# pp_batch_lines' masks: inside the step's forward and backward only
+PP_MASKS = "temporary/the micro-batches' document masks and BlockMask tables"
+
+
+
 
 def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,
          rules: Rules = RULES[CPU_GLOO], first: "FirstStep | None" = None) -> Peak:
@@ -801,7 +838,7 @@ def notes(lay, fw, rules: Rules = RULES[CPU_GLOO]) -> list[str]:
                 "micro-batches in flight (a checkpointed block recomputed first; with TP, where DTensor gathers wo's "
                 "weight for its input grad, that moment, and where it leaves w2's input grad Partial, SwiGLU's second "
                 "reduce-scatter of it), or at the last stage's loss; with TP the rowwise weights "
-                "whose grads leave their mm Partial hold them TP-full until perform_reduce_grad. Not "
-                "modelled: the batch's and micro-batch split's small tensors (a few KB; 239 KB at seq 2048); " + gpu]
+                "whose grads leave their mm Partial hold them TP-full until perform_reduce_grad; the step's batch, "
+                "its device copies and document masks beside every moment (pp_batch_lines); " + gpu]
     out = ["titan peak: predicted for CPU/gloo (the configured variant); " + gpu]
     return out

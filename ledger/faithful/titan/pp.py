@@ -25,7 +25,7 @@ from ledger.faithful.titan.comm import recomputed, mesh_labels
 from ledger.faithful.titan.dtensor import INPUT, PARAM, layer_backward_moves
 from ledger.faithful.titan.fsdp import (Sharded, chunk_rows, fuses_qkv, rows_of, sharded_part, unit_params,
                                         vocab_split_note)
-from ledger.faithful.titan.peak import LOSS_CHUNKS, notes as peak_notes
+from ledger.faithful.titan.peak import LOSS_CHUNKS, PP_MASKS, notes as peak_notes, pp_batch_lines
 from ledger.faithful.titan.pp_looped import looped_peak, looped_unmodelled
 from ledger.faithful.titan.pp_peak import pp_peak, pp_peak_unmodelled
 from ledger.faithful.titan.target import RULES
@@ -232,11 +232,16 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
             ac = getattr(fw, "activation_checkpoint", "none")
             if lay.vp > 1:
                 local = [(s, stages[s], _stage_sharded(model, lay.tp, ds, S, s, t)) for s in locals_of[r]]
-                return looped_peak(model, lay, r, local, kept, grads, emb, block, head, ac,
-                                   rules if rules is not None else RULES[CPU_GLOO], st.optim_bytes, sched)
-            return pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
-                           emb, block, head, ac, **({"rules": rules} if rules is not None else {}),
-                           optim=st.optim_bytes, sched=sched)
+                pk = looped_peak(model, lay, r, local, kept, grads, emb, block, head, ac,
+                                 rules if rules is not None else RULES[CPU_GLOO], st.optim_bytes, sched)
+            else:
+                pk = pp_peak(model, lay, stages[r], r, _stage_sharded(model, lay.tp, ds, S, r, t), kept, grads,
+                             emb, block, head, ac, **({"rules": rules} if rules is not None else {}),
+                             optim=st.optim_bytes, sched=sched)
+            # the step's batch and masks, live at every moment of the rank's step (peak.pp_batch_lines)
+            mine = [stages[s] for s in locals_of[r]]
+            return _with_batch(pk, pp_batch_lines(model, lay, any(g[0] for g in mine), any(g[3] for g in mine),
+                                                  rules is None or rules.loader_on_device))
 
         # where pp_peak_unmodelled names a reason it is not modelled
         st.peak = peak if peak_modelled else None
@@ -257,6 +262,16 @@ def _place_pp_tp_rank(model: ModelShape, lay: Layout, fw, rules, t: int) -> Plac
                         f"dp_replicate={lay.dp_replicate}: states and collectives predicted; the peak within a step "
                         f"is not modelled ({unmodelled}): no peak row")
     return pl
+
+
+def _with_batch(pk, lines: dict[str, int]):
+    """The peak (and its first step's) with the step's batch lines (peak.pp_batch_lines), live at every moment of
+    the step but its optimizer step, where the masks are gone (Peak.plus)."""
+    out = pk.plus(lines)
+    if pk.first is not None:
+        out.first = pk.first.plus(lines if pk.first.phase != "optimizer" else
+                                  {k: v for k, v in lines.items() if k != PP_MASKS})
+    return out
 
 
 def _stage_sharded(model: ModelShape, tp: int, ds: int, P: int, s: int, t: int = 0) -> Sharded:

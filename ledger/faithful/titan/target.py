@@ -53,10 +53,13 @@ class Rules(NamedTuple):
     fused_rms_norm: bool  # the norms save their bf16 input and rstd (not the fp32 upcasts)
     cpu_mesh: bool  # the device mesh is cpu: DTensor runs Shard -> Shard as an all-gather (dtensor._executed)
     router_fp32: bool  # the MoE router's autocast(float32) runs (CUDA), not disabled (CPU): moe_activations.py
+    # the data loader's host tensors share the device's memory (the CPU harness); on CUDA they stay on the host
+    # (trainer.py moves only the batch): peak.pp_batch_lines
+    loader_on_device: bool = True
 
 
 RULES = {CPU_GLOO: Rules(CPU_GLOO, "gloo", True, True, False, 1, False, True, False),
-         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True, False, True)}
+         CUDA_NCCL: Rules(CUDA_NCCL, "NCCL", False, False, True, 2, True, False, True, False)}
 
 
 def rules_of(target: str | None) -> Rules:
