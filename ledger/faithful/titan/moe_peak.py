@@ -111,7 +111,8 @@ def _common(model, lay, fw, st, rules: Rules, rows: tuple[int, ...]) -> _Common:
     # (batch_bytes counts a norm weight's bf16 grad, live at the dense moments it was measured at; the EP
     # moments name the grads they hold)
     return _Common(st.params_bytes + st.optim_bytes + st.other_bytes, saves, kept, inp, cached, batch + I64,
-                   titan_peak.batch_bytes(model, B, S) - batch - model.hidden * BF16, B * S * model.hidden * BF16)
+                   titan_peak.batch_bytes(model, B, S, rules.loader_on_device) - batch - model.hidden * BF16,
+                   B * S * model.hidden * BF16)
 
 
 def _by_part(lines: dict[str, int]) -> dict[str, int]:

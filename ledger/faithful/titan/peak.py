@@ -170,7 +170,7 @@ def _with_embedding_saves(detail: dict, lay, B: int, S: int) -> int:
     return emb
 
 
-def batch_bytes(model, B: int, S: int) -> int:
+def batch_bytes(model, B: int, S: int, loader_on_device: bool = True) -> int:
     """The step's small tensors live at the peak, as the probe's event list shows them (T = B*S):
     the data loader's last sample (input, labels, positions: 3 x S int64) and the collated batch
     (2 x T int64), the three moved to the device (3 x T int64; those saved for backward are
@@ -180,12 +180,14 @@ def batch_bytes(model, B: int, S: int) -> int:
     (torch/nn/attention/flex_attention.py BlockMask: kv_num_blocks, full_kv_num_blocks, q_num_blocks,
     full_q_num_blocks [B, 1, nb] and the four indices [B, 1, nb, nb], nb = S / 128 blocks, its
     _DEFAULT_SPARSE_BLOCK_SIZE), a norm weight's bf16 grad ([hidden]) and three more scalars (the
-    loader's int64, two fp32)."""
-    out = 3 * S * I64 + 2 * B * S * I64 + 3 * B * S * I64 + B * S * 4
+    loader's int64, two fp32). The loader's sample, collated batch and int64 where they share the device's
+    memory only (loader_on_device: the CPU harness; on CUDA they stay on the host: target.py)."""
+    loader = 3 * S * I64 + 2 * B * S * I64 + I64
+    out = (loader if loader_on_device else 0) + 3 * B * S * I64 + B * S * 4
     if B == 1:
         out += round_up(S + 1, 128) * 4
     nb = -(-S // FLEX_BLOCK)
-    return out + 4 * B * (nb + nb * nb) * 4 + model.hidden * BF16 + I64 + 2 * F32
+    return out + 4 * B * (nb + nb * nb) * 4 + model.hidden * BF16 + 2 * F32
 
 
 
@@ -404,12 +406,13 @@ def at_lm_head(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: i
     # chunks (gradient sync off until the last), the last chunk's bf16 logits and bf16 input grad
     chunk = T // LOSS_CHUNKS
     temp = (T * h * F32 + V * h * F32 + chunk * V * BF16 + chunk * h * BF16 + rs_copy + L * kept1
-            + batch_bytes(model, B, model.seq_len) - batch - h * BF16 + copies[1])
+            + batch_bytes(model, B, model.seq_len, rules.loader_on_device) - batch - h * BF16 + copies[1])
     detail["temporary/grad accumulator, lm_head unsharded grad, last chunk"] = T * h * F32 + V * h * F32 + \
         chunk * V * BF16 + chunk * h * BF16
     if kept1:
         detail["temporary/selective AC kept mm outputs"] = L * kept1
-    detail["temporary/batch, document mask, scalars"] = batch_bytes(model, B, model.seq_len) - batch - h * BF16
+    detail["temporary/batch, document mask, scalars"] = (batch_bytes(model, B, model.seq_len, rules.loader_on_device)
+                                                         - batch - h * BF16)
     parts = {"resident": resident + unsharded, "activations": acts, "gathered": gathered, "temporary": temp,
              "unnamed": UNNAMED}
     return Peak.of(parts, phase="backward",
@@ -484,7 +487,7 @@ def at_final_norm(model, lay, fw, sh, resident: int, block_numel: int, emb_numel
     held = sh.lm_full * F32 + (sh.lm_full * F32 // ds if lay.dp_replicate > 1 else 0)
     # (the wrapper has returned: its chunk copies and GradAccumulator are gone, the accumulated grad it
     # hands the decoder, bf16, is freed by the norm's backward before this moment)
-    small = batch_bytes(model, B, S) - batch - h * BF16 + L * kept1
+    small = batch_bytes(model, B, S, rules.loader_on_device) - batch - h * BF16 + L * kept1
     detail = {"resident/state": resident, "resident/unsharded params": unsharded,
               f"activations/{L} blocks saved ({ac})": L * act1, ("activations/the final norm's bf16 input and rstd" if rules.fused_rms_norm
                else "activations/the final norm's fp32 input"): norm_saved,
@@ -569,7 +572,7 @@ def _at_block(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: in
     # temporaries: gloo's copy of the reduce-scatter input (a shard group of one: foreach_reduce's
     # reduce_scatter_input / gradient_divide_factor, the same size), the residual grad (bf16), a selective
     # checkpoint's kept outputs, the batch and mask bookkeeping (batch_bytes)
-    small = batch_bytes(model, B, S) - batch
+    small = batch_bytes(model, B, S, rules.loader_on_device) - batch
     rs_copy = rs_temporary(rules, ds, rs_in)
     temp = rs_copy + resid + before * kept1 + small
     if rs_copy:
@@ -637,7 +640,7 @@ def _in_block_backward(model, lay, fw, sh, resident: int, block_numel: int, emb_
              f"{held_part}/reduce-scatter input held (the unit after)": rs_held,
              "gathered/backward prefetch all-gather (the unit before)": ag,
              "gathered/HSDP: all-reduce inputs held (norm, later blocks)": held,
-             "temporary/batch, document mask, scalars": batch_bytes(model, B, S) - batch}
+             "temporary/batch, document mask, scalars": batch_bytes(model, B, S, rules.loader_on_device) - batch}
     detail = {"resident/state": resident, "resident/unsharded params (this block; the earlier ones with never)": unsharded,
               f"activations/{saved_label}": saved,
               "activations/the batch on the device (ids, labels, positions)": batch}
@@ -731,7 +734,7 @@ def _recompute_state(model, lay, fw, sh, resident: int, block_numel: int, emb_nu
     if held:
         detail["gathered/HSDP: all-reduce inputs held (norm, later blocks)"] = held
     return _RecomputeState(detail, B * S // lay.cp, full1, kept1, unsharded, acts, ag + rs_held + held,
-                           batch_bytes(model, B, S) - batch)
+                           batch_bytes(model, B, S, rules.loader_on_device) - batch)
 
 
 def _at_recompute(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, k: int,
