@@ -309,7 +309,8 @@ class PlanConfig:
     vps: list[int] = field(default_factory=lambda: [1, 2])  # virtual pipeline chunks tried (pp > 1)
     max_cp: int = 8
     # torchtitan's pipeline schedules tried where pp > 1 (framework.pipeline_parallel_schedule's names), each with the
-    # stages a rank it runs (layout.vp); [] = torchtitan's default 1F1B with one stage a rank, Interleaved1F1B with vp
+    # stages a rank it runs (layout.vp); [] = 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and
+    # DualPipeV (ledger/faithful/titan/rules.py PLAN_SCHEDULES; GPipe and LoopedBFS when listed)
     pipeline_schedules: list[str] = field(default_factory=list)
     # Megatron's context-parallel attentions tried where cp > 1 (p2p | all_gather | a2a; a2a+p2p needs its
     # hierarchical sizes: set framework.cp_comm_type for it); [] = framework.cp_comm_type as configured

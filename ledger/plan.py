@@ -119,7 +119,7 @@ class Space:
     cp_comm_types: tuple[str, ...] = ()  # Megatron's cp_comm_type tried where cp > 1; () = as configured
     offload_optimizer: tuple[str, ...] = ("none",)  # DeepSpeed's ZeRO-Offload tried (where it models it)
     offload_param: tuple[str, ...] = ("none",)  # and ZeRO-3's parameter offload
-    pipeline_schedules: tuple[str, ...] = ()  # torchtitan's schedules tried where pp > 1; () = its default's
+    pipeline_schedules: tuple[str, ...] = ()  # torchtitan's schedules tried where pp > 1; () = rules.PLAN_SCHEDULES
 
 
 @dataclass(slots=True)

@@ -72,8 +72,11 @@ def question(measured_mfu: float, hw_name: str) -> int:
                   8 * prof.intra.busbw_gbps, 8 * prof.inter.busbw_gbps,
                   profile=prof)
     gbs = q["tokens"] // q["seq_len"]
+    # torchtitan's pipelines under its default 1F1B and its looped 1F1B only: the split-backward schedules do not
+    # change its best layout at this scale (measured on docs/planning.md's 70B / 1,024-GPU plan: the same best
+    # torchtitan row with all five, at about twice its search time)
     space = Space(gbs, (1, 2, 4), (1, 2, 5), 8, (1, 2, 3), (False, True), True, ("none", "selective", "full"),
-                  (True,))
+                  (True,), pipeline_schedules=("1F1B", "Interleaved1F1B"))
     bases = {n: OmegaConf.to_container(OmegaConf.structured(FRAMEWORK_SCHEMAS[n])) for n in FRAMEWORK_NAMES}
     bases["megatron"].update(overlap_grad_reduce=True, overlap_param_gather=True)
     plan = search(model, hw, space, bases, "faithful", "time")

@@ -158,13 +158,16 @@ def validate_experts(model, lay) -> None:
            "efsdp = dp_shard / ep)")
 
 
+# the schedules the planner tries where plan.pipeline_schedules lists none: torchtitan's default 1F1B, its looped
+# 1F1B and the split-backward schedules it ships; GPipe and LoopedBFS when listed (each keeps every micro-batch in
+# flight for a bubble no smaller than 1F1B's or Interleaved1F1B's)
+PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 def plan_splits(layers: int, pp: int, vp: int, space=None) -> list[dict]:
-    """The schedules the planner gives a pipeline: those of plan.pipeline_schedules (space) that run vp stages a
-    rank (schedules.stages_error: none where no listed one does), or, none listed, torchtitan's default 1F1B with
-    one stage a rank and Interleaved1F1B (torch's looped 1F1B) with vp stages."""
+    """The schedules the planner gives a pipeline: those of plan.pipeline_schedules (space), or PLAN_SCHEDULES where
+    it lists none, that run vp stages a rank (schedules.stages_error: none where none does)."""
     if pp == 1:
         return [{}]
-    listed = getattr(space, "pipeline_schedules", ())
-    if listed:
-        return [{"pipeline_parallel_schedule": n} for n in listed if stages_error(n, pp, vp) is None]
-    return [{"pipeline_parallel_schedule": "1F1B" if vp == 1 else "Interleaved1F1B"}]
+    listed = getattr(space, "pipeline_schedules", ()) or PLAN_SCHEDULES
+    return [{"pipeline_parallel_schedule": n} for n in listed if stages_error(n, pp, vp) is None]
