@@ -267,7 +267,8 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
     counted by reason) with the fields a user reads, plus the plot and sweep."""
     rec, rows = _plan_job(tmp_path, "model=llama3_70b", "model.seq_len=8192", "plan.gpus=1024", "plan.gpus_per_node=8",
                           "plan.gpu_memory_gb=80", "plan.global_batch_tokens=4194304", "framework=all",
-                          "plan.max_cp=1")  # (Megatron's CP rows, from sources: tests/test_megatron_cp.py)
+                          "plan.max_cp=1", "plan.micro_batch_sizes=[1,2]")  # (Megatron's CP rows, from sources:
+    # tests/test_megatron_cp.py; micro-batch 4 left to the article's own question, tests/test_timing.py)
     p = rec["plan"]
     assert p["counts"]["megatron"]["fits"] > 0 and p["counts"]["titan"]["fits"] > 0
     assert p["counts"]["deepspeed"]["fits"] == 0 and p["counts"]["deepspeed"]["refused"] == p["counts"]["deepspeed"]["layouts"]
