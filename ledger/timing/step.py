@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from ledger.dtypes import nbytes
 from ledger.grid import group_size
 from ledger.layout import Layout
-from ledger.model import ModelShape
+from ledger.model import ModelShape, numel
 from ledger.timing import collectives, ops
 from ledger.timing.hardware import Profile
 from ledger.timing.pipeline import W as WEIGHT_HALF, simulate, step_seconds, virtual_stage
@@ -200,12 +200,13 @@ def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float
     return fwd, bwd
 
 
-def unit_params(model: ModelShape, unit: str) -> int:
-    """The parameters of one edge unit (TimePolicy.dp_edge_units)."""
+def edge_unit_params(model: ModelShape, unit: str) -> int:
+    """The parameters of one edge unit (TimePolicy.dp_edge_units), as the model lists them."""
     if unit == "embedding":
         return model.vocab * model.hidden
     if unit == "head":
-        return model.hidden + (0 if model.tied_embeddings else model.vocab * model.hidden)
+        return (sum(numel(shape) for _, shape in model.norm_params("norm"))
+                + (0 if model.tied_embeddings else model.vocab * model.hidden))
     if unit == "layer":
         return model.layer_num_params(0)
     raise ValueError(f"dp edge unit {unit!r}: known embedding, head, layer")
@@ -223,7 +224,7 @@ def dp_edge_seconds(rows, model: ModelShape, policy: TimePolicy, m: int, groups:
         if not units or sec <= 0:
             continue
         n, link = groups[c.dim, c.kind]
-        edge_bytes = m * sum(unit_params(model, u) for u in units) * nbytes(c.dtype)
+        edge_bytes = m * sum(edge_unit_params(model, u) for u in units) * nbytes(c.dtype)
         t = min(sec, collectives.seconds(c.kind, edge_bytes, n, link, calls=m * len(units)))
         if c.kind == "all_gather":
             param += t

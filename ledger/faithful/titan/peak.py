@@ -170,63 +170,66 @@ def _with_embedding_saves(detail: dict, lay, B: int, S: int) -> int:
     return emb
 
 
+def loader_sample_bytes(S: int) -> int:
+    """The data loader's last sample (input, labels, positions: 3 x S int64) and the loader's int64."""
+    return 3 * S * I64 + I64
+
+
+def document_mask_bytes(b: int, M: int, S: int) -> int:
+    """M batches' document masks of b sequences each (models/common/attention.py
+    get_efficient_causal_mask_mod_for_packed_document: document_id int32 [b, S]; with b == 1 the offsets
+    table, int32 round_up(S + 1, 128)) and their BlockMasks' eight int32 block tables
+    (torch/nn/attention/flex_attention.py BlockMask: kv_num_blocks, full_kv_num_blocks, q_num_blocks,
+    full_q_num_blocks [b, 1, nb] and the four indices [b, 1, nb, nb], nb = S / 128 blocks, its
+    _DEFAULT_SPARSE_BLOCK_SIZE)."""
+    nb = -(-S // FLEX_BLOCK)
+    return M * (b * S * 4 + (round_up(S + 1, 128) * 4 if b == 1 else 0) + 4 * b * (nb + nb * nb) * 4)
+
+
 def batch_bytes(model, B: int, S: int, loader_on_device: bool = True) -> int:
     """The step's small tensors live at the peak, as the probe's event list shows them (T = B*S):
-    the data loader's last sample (input, labels, positions: 3 x S int64) and the collated batch
-    (2 x T int64), the three moved to the device (3 x T int64; those saved for backward are
-    activations: batch_saved_bytes), the document mask of models/common/attention.py
-    get_efficient_causal_mask_mod_for_packed_document (document_id int32 [B, S]; with B == 1 the
-    offsets table, int32 round_up(S + 1, 128)), the BlockMask's eight int32 block tables
-    (torch/nn/attention/flex_attention.py BlockMask: kv_num_blocks, full_kv_num_blocks, q_num_blocks,
-    full_q_num_blocks [B, 1, nb] and the four indices [B, 1, nb, nb], nb = S / 128 blocks, its
-    _DEFAULT_SPARSE_BLOCK_SIZE), a norm weight's bf16 grad ([hidden]) and three more scalars (the
-    loader's int64, two fp32). The loader's sample, collated batch and int64 where they share the device's
-    memory only (loader_on_device: the CPU harness; on CUDA they stay on the host: target.py)."""
-    loader = 3 * S * I64 + 2 * B * S * I64 + I64
-    out = (loader if loader_on_device else 0) + 3 * B * S * I64 + B * S * 4
-    if B == 1:
-        out += round_up(S + 1, 128) * 4
-    nb = -(-S // FLEX_BLOCK)
-    return out + 4 * B * (nb + nb * nb) * 4 + model.hidden * BF16 + 2 * F32
-
-
-
-def pp_batch_lines(model, lay, has_embedding: bool, has_head: bool, loader_on_device: bool = True) -> dict[str, int]:
-    """With PP, the step's small tensors on a stage's rank, live through its whole step (every rank loads the
-    batch: trainer.py), as the probe's census by op shows them (T = B S, B = micro_batch_size x micro-batches,
-    M micro-batches): the data loader's last sample (input, labels, positions: 3 x S int64, lift_fresh) and its
-    loader's int64, B + 1 [S] int64 storages stack makes (collate; what keeps them is not traced: a measured
-    rule), the batch's device copies (input, labels, positions: 3 x T int64; the embedding saves the ids on
-    the first stage where no TP runs it vocab-parallel, the loss the labels and the global valid-token count, an
-    int64, on the last: activations), each micro-batch's document mask (models/common/attention.py:
-    document_id int32 [b, S]; with b == 1 the offsets table, int32 round_up(S + 1, 128)) and its BlockMask's
-    eight int32 block tables ([b, 1, nb] and [b, 1, nb, nb], nb = S / 128), and the previous step's scalars;
-    the loader's tensors where they share the device's memory (loader_on_device: the CPU harness; target.py).
-    Measured on the CPU (pp2, hidden 128: 1F1B at seq 256 and 512 with 2 and 4 micro-batches, to the byte;
-    InterleavedZeroBubble pp2·vp2 at seq 1024 with 4, to the byte; pp2·tp2·SP at seq 1024 with 3, 8 and 24 B
-    under). The masks live inside the step's forward and backward only (trainer.py forward_backward_step makes
-    them): the first step's peak at its optimizer step holds the rest (PP_MASKS; measured, pp2 and pp4 at seq 32).
-    With CP the embedding and the loss save the batch's sequence shards (context_parallel's), not its copies, and
-    the shards and more stand beside these lines, not modelled (7,112 to 7,608 B at pp2·cp2, seq 256, 2 micro-batches)."""
-    b, M, S = lay.micro_batch_size, lay.num_microbatches, model.seq_len
-    B = b * M
-    nb = -(-S // FLEX_BLOCK)
-    ids = B * S * I64 if has_embedding and lay.tp == 1 and lay.cp == 1 else 0
-    labels = (B * S * I64 if lay.cp == 1 else 0) + I64 if has_head else 0
-    masks = B * S * 4 + (M * round_up(S + 1, 128) * 4 if b == 1 else 0) + 4 * B * (nb + nb * nb) * 4
-    return {"activations/the micro-batches' ids the embedding saves": ids,
-            "activations/the labels and the global valid-token count the loss saves": labels,
-            "temporary/the batch's other device copies (input, labels, positions)": 3 * B * S * I64 + I64 - ids - labels,
-            "temporary/the data loader's last sample and collated rows":
-                (3 * S * I64 + I64 + (B + 1) * S * I64) if loader_on_device else 0,
-            PP_MASKS: masks,
-            "unnamed/scalars live from the previous step": UNNAMED}
+    the data loader's last sample and int64 (loader_sample_bytes) and the collated batch (2 x T int64),
+    the three moved to the device (3 x T int64; those saved for backward are activations:
+    batch_saved_bytes), the batch's document mask and BlockMask tables (document_mask_bytes), a norm
+    weight's bf16 grad ([hidden]) and two fp32 scalars. The loader's sample, collated batch and int64
+    where they share the device's memory only (loader_on_device: the CPU harness; on CUDA they stay on the
+    host: target.py)."""
+    loader = loader_sample_bytes(S) + 2 * B * S * I64
+    return ((loader if loader_on_device else 0) + 3 * B * S * I64 + document_mask_bytes(B, 1, S)
+            + model.hidden * BF16 + 2 * F32)
 
 
 # pp_batch_lines' masks: inside the step's forward and backward only
 PP_MASKS = "temporary/the micro-batches' document masks and BlockMask tables"
 
 
+def pp_batch_lines(model, lay, has_embedding: bool, has_head: bool, loader_on_device: bool = True) -> dict[str, int]:
+    """With PP, the step's small tensors on a stage's rank, live through its whole step (every rank loads the
+    batch: trainer.py), as the probe's census by op shows them (T = B S, B = micro_batch_size x micro-batches,
+    M micro-batches): the data loader's last sample and int64 (loader_sample_bytes), B + 1 [S] int64 storages
+    stack makes (collate; what keeps them is not traced: a measured rule), the batch's device copies (input,
+    labels, positions: 3 x T int64; the embedding saves the ids on the first stage where no TP runs it
+    vocab-parallel, the loss the labels and the global valid-token count, an int64, on the last: activations),
+    each micro-batch's document mask and BlockMask tables (document_mask_bytes) and the previous step's scalars;
+    the loader's tensors where they share the device's memory (loader_on_device: the CPU harness; target.py).
+    Measured on the CPU (pp2, hidden 128: 1F1B at seq 256 and 512 with 2 and 4 micro-batches, to the byte;
+    InterleavedZeroBubble pp2·vp2 at seq 1024 with 4, to the byte; pp2·tp2·SP at seq 1024 with 3, 8 and 24 B
+    under). The masks live inside the step's forward and backward only (trainer.py forward_backward_step makes
+    them): the first step's peak at its optimizer step holds the rest (PP_MASKS; measured, pp2 and pp4 at seq 32).
+    With CP the embedding and the loss save the batch's sequence shards (context_parallel's), not its copies, and
+    the shards and more stand beside these lines, not modelled (7,112 to 7,608 B at pp2·cp2, seq 256, 2
+    micro-batches)."""
+    b, M, S = lay.micro_batch_size, lay.num_microbatches, model.seq_len
+    B = b * M
+    ids = B * S * I64 if has_embedding and lay.tp == 1 and lay.cp == 1 else 0
+    labels = (B * S * I64 if lay.cp == 1 else 0) + I64 if has_head else 0
+    return {"activations/the micro-batches' ids the embedding saves": ids,
+            "activations/the labels and the global valid-token count the loss saves": labels,
+            "temporary/the batch's other device copies (input, labels, positions)": 3 * B * S * I64 + I64 - ids - labels,
+            "temporary/the data loader's last sample and collated rows":
+                loader_sample_bytes(S) + (B + 1) * S * I64 if loader_on_device else 0,
+            PP_MASKS: document_mask_bytes(b, M, S),
+            "unnamed/scalars live from the previous step": UNNAMED}
 
 
 def peak(model, lay, fw, sh, resident: int, block_numel: int, emb_numel: int, head_numel: int,

@@ -125,7 +125,7 @@ def time_policy(fw, lay, device: str) -> TimePolicy:
                       split_projections=True, fused_qkv=fused, kernel_bytes=KERNEL_BYTES,
                       dp_grad="every_pass", dp_param="every_pass",
                       dp_copy_bytes=(("all_gather", 2.0), ("reduce_scatter", 1.0 + grad_per_reduce)),
-                      dp_edge_units=EDGE_UNITS if lay.pp == 1 and not getattr(lay, "ep", 1) > 1 else ((), ()),
+                      dp_edge_units=EDGE_UNITS if lay.pp == 1 and getattr(lay, "ep", 1) == 1 else ((), ()),
                       optimizer_state_bytes=8,
                       optimizer_traffic_bytes=28,
                       sources=(f"titan time policy: FSDP2 prefetch and reduce-scatter behind the passes' compute, "
