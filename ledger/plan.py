@@ -35,6 +35,8 @@ from ledger.timing.collectives import network_lanes, network_rate
 PEAK_INCLUDES = "predicted peak within a step: resident + activations in flight + transient buffers + temporaries"
 RESIDENT_ONLY = "resident state only: this framework's ledger predicts no peak for this layout"
 OVER_BUDGET = "resident state only: it alone exceeds the budget (the peak, at least as large, is not computed)"
+OVER_BUDGET_STAGE = ("predicted peak of the stages computed: one stage's alone exceeds the budget (the other stages' "
+                     "peaks, which cannot make the row fit, are not computed)")
 RECOMPUTE_NOTE = ("recompute: enumerated as each framework names it (Megatron recompute_granularity selective / "
                   "full uniform 1 layer, torchtitan activation_checkpoint, DeepSpeed activation_checkpointing); "
                   "it lowers the peak's activations, and the step-time estimate charges its forward FLOPs again "
@@ -351,9 +353,10 @@ def estimate(model: ModelShape, lay: Layout, hw: Hardware, framework: str, fw, w
             "overlap_dp": ov, "est_step_s": compute + exposed}
 
 
-def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithful") -> Row:
+def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithful", watch=()) -> Row:
     """One candidate through validate + the ledger: a refused row with the ledger's reason, or the
-    row of its prediction."""
+    row of its prediction. A too-big row's stages are priced until one is over the budget, but where a
+    `watch` entry matches it (every stage's peak: the plan prints them)."""
     lay = c.lay
     row = Row(c.framework, layout_dict(lay), c.knobs, "refused")
     if c.fw is None:
@@ -390,13 +393,18 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         # big whatever its peak, which is not computed (a search meets thousands; per_stage is most of a
         # predicted row's cost)
         return _over_budget(row, res, g, wire, links, lanes, lay, hw, model, c)
+    # a stage over the budget settles the verdict: the other stages' peaks (most of a too-big row's cost in a
+    # search) are priced only for a watched row
+    room = None if any(row.matches(w) for w in watch) else hw.budget_bytes - row.outside_allocator_bytes
     try:
-        row.per_stage = per_stage(row)
+        row.per_stage = per_stage(row, room)
     except ConfigError as e:  # the peak model refuses what it does not model (e.g. a recompute setting)
         row.reason, row.placement = str(e), None
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
     row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
+    if len(row.per_stage) < lay.pp:
+        row.peak_includes = OVER_BUDGET_STAGE
     _state_and_estimate(row, g, wire, links, lanes, lay, hw, model, c)
     if hw.host_memory_bytes and row.host_bytes > hw.host_memory_bytes:
         row.status = "too_big"
@@ -408,7 +416,9 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
             _step_time(model, lay, c, hw, row)
     else:
         row.status = "too_big"
-        what = "predicted peak" if row.peak_includes == PEAK_INCLUDES else "resident state only"
+        what = {PEAK_INCLUDES: "predicted peak", RESIDENT_ONLY: "resident state only"}.get(
+            row.peak_includes, f"stage {max(row.per_stage, key=lambda s: s['peak_bytes'])['stage']}'s predicted peak; "
+                               "the other stages not priced")
         beside = (f" + {row.outside_allocator_bytes / 1e9:.2f} GB beside the tensors"
                   if row.outside_allocator_bytes else "")
         row.reason = (f"peak {row.peak_bytes / 1e9:.2f} GB ({what}){beside} > plan.memory_fraction x "
@@ -462,11 +472,13 @@ def _step_time(model: ModelShape, lay: Layout, c: Candidate, hw: Hardware, row: 
 peak_of = peak_or_resident  # (ledger/units.py)
 
 
-def per_stage(row: Row) -> list[dict]:
+def per_stage(row: Row, room: int | None = None) -> list[dict]:
     """The rank of each pipeline stage with the highest predicted peak (peak_of), among the ranks the
     ledger names for the stage (Placement.stage_representatives: a handful per stage, the heaviest in
     resident state, which hold the largest buffers); per_stage_walk is the reference over every rank
-    (test_plan: they agree)."""
+    (test_plan: they agree). With `room` (the bytes the budget leaves the tensors), the stages are priced
+    first and last stage first (the embedding, the most micro-batches in flight; the head) and no further
+    once one's peak is over it: the rows of those priced, in stage order."""
     pl = row.placement
     pp = pl.layout["pp"]
     if pp == 1:  # one stage: the most-loaded rank is the layout's
@@ -474,14 +486,16 @@ def per_stage(row: Row) -> list[dict]:
     if pl.stage_representatives is None:
         return per_stage_walk(row)
     out = []
-    for st in range(pp):
+    for st in (0, pp - 1, *range(1, pp - 1)):
         best, best_rank = None, None
         for r in pl.stage_representatives(st):
             s = pl.rank_state(r)
             if best is None or peak_of(s) > peak_of(best):
                 best, best_rank = s, r
         out.append(_stage_row(st, best_rank, best))
-    return out
+        if room is not None and out[-1]["peak_bytes"] > room:
+            break
+    return sorted(out, key=lambda s: s["stage"])
 
 
 def _rank_of(pl, state) -> int:
@@ -568,7 +582,7 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
         n = {"layouts": 0, "fits": 0, "too_big": 0, "refused": 0}
         why = refused.setdefault(name, {})
         for c in candidates(model, hw, space, name, base):
-            r = evaluate(model, c, hw, mode)
+            r = evaluate(model, c, hw, mode, watch)
             n["layouts"] += 1
             n[r.status] += 1
             if r.status == "refused":

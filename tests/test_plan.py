@@ -15,8 +15,8 @@ from ledger.layout import ConfigError, Layout, validate
 from ledger.model import preset
 from ledger.parallel import predict
 from ledger.faithful.megatron.rules import pipeline_splits
-from ledger.plan import (OVER_BUDGET, PEAK_INCLUDES, REFUSED_ROWS, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
-                         per_stage_walk, reason_key, search, step_flops)
+from ledger.plan import (OVER_BUDGET, OVER_BUDGET_STAGE, PEAK_INCLUDES, REFUSED_ROWS, RESIDENT_ONLY, peak_of, Hardware, FrameworkView, Space, bubble, candidates, estimate, link_of,
+                         per_stage, per_stage_walk, reason_key, search, step_flops)
 from tests.conftest import REPO, compose_config, launch
 
 register()
@@ -143,11 +143,42 @@ def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(
     assert any(r.layout["pp"] > 1 and r.framework == "titan" for r in rows)
     assert any(r.knobs.get("decoder_first_pipeline_num_layers") for r in rows) or model.layers % 4 == 0
     for r in rows:
-        walk = per_stage_walk(r)
-        assert [s["peak_bytes"] for s in r.per_stage] == [s["peak_bytes"] for s in walk]
+        walk, every = per_stage_walk(r), per_stage(r)
+        assert [s["peak_bytes"] for s in every] == [s["peak_bytes"] for s in walk]
         assert max(s["peak_bytes"] for s in r.per_stage) == r.peak_bytes
-        for s in r.per_stage:
+        for s in every:
             assert peak_of(r.placement.rank_state(s["rank"])) == s["peak_bytes"]
+
+
+def test_a_too_big_row_prices_its_stages_until_one_is_over_the_budget():
+    """A row whose resident state fits and one stage's peak does not is settled once that stage is priced
+    (first and last stage first, then the others in order): its per_stage holds the stages priced, each the
+    row every stage's pricing gives, one of them over the budget, and says so; a watched row has every stage."""
+    model = preset("tiny", layers=6)
+    space = Space(16, (1, 2), (1, 2, 4), 2, (1,), (False, True), False)
+    free = search(model, HW8, space, _bases("titan"))
+    # a budget amid the pipelined rows' stage peaks (the tiny rows' resident state is under all of them)
+    peaks = sorted(s["peak_bytes"] for r in free.rows if r.layout["pp"] == 4 and r.per_stage for s in r.per_stage)
+    hw = Hardware(8, 4, peaks[len(peaks) // 2], 1.0, 989.0, 0.4, 3600.0, 400.0)
+    watch = {"framework": "titan", "pp": 4, "micro_batch_size": 2}
+    plan = search(model, hw, space, _bases("titan"), watch=(watch,))
+    cut = [r for r in plan.rows if r.peak_includes == OVER_BUDGET_STAGE]
+    assert any(r.layout["pp"] == 4 for r in cut)
+    for r in cut:
+        every = per_stage(r)
+        assert r.status == "too_big" and "other stages not priced" in r.reason and r.outside_allocator_bytes == 0
+        assert 1 <= len(r.per_stage) < r.layout["pp"] and r.per_stage == [every[s["stage"]] for s in r.per_stage]
+        assert [s["peak_bytes"] > hw.budget_bytes for s in r.per_stage].count(True) == 1
+        priced = [s["stage"] for s in r.per_stage]
+        last = r.layout["pp"] - 1
+        # first, last, then the rest in order: the one over the budget is the last priced
+        order = [st for st in (0, last, *range(1, last)) if st in priced]
+        assert order == [0, last, *range(1, last)][:len(priced)]
+        assert every[order[-1]]["peak_bytes"] > hw.budget_bytes
+    watched = [r for r in plan.rows if r.matches(watch) and r.status == "too_big"]
+    assert watched and all(len(r.per_stage) == 4 and r.peak_includes == PEAK_INCLUDES for r in watched)
+    fits = [r for r in plan.rows if r.fits]
+    assert fits and all(len(r.per_stage) == r.layout["pp"] for r in fits)
 
 
 @pytest.mark.parametrize("sort", ["peak", "wire"])
@@ -277,7 +308,8 @@ def test_article_question_70b_on_1024_gpus(tmp_path):
     assert sum(r["status"] == "refused" for r in rows) == min(REFUSED_ROWS, sum(c["refused"] for c in p["counts"].values()))
     for r in rows:
         assert ROW_KEYS <= set(r) and LAYOUT_KEYS <= set(r["layout"])
-        assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY, OVER_BUDGET) if r["status"] != "refused" else ("",))
+        assert r["peak_includes"] in ((PEAK_INCLUDES, RESIDENT_ONLY, OVER_BUDGET, OVER_BUDGET_STAGE)
+                                      if r["status"] != "refused" else ("",))
         if r["peak_includes"] == OVER_BUDGET:  # its state alone over the budget: too big, no peak computed
             assert r["status"] == "too_big" and r["per_stage"] is None and r["peak_bytes"] == r["resident_bytes"]
             assert r["resident_bytes"] + r["outside_allocator_bytes"] > 0.9 * 80e9
