@@ -9,7 +9,8 @@ micro-batch sizes 1-4, global batch 16M tokens (2,048 sequences of 8,192), 80 GB
 selective and full (plan.recompute's default). Printed: layouts evaluated
 (predicted or refused with the ledger's reason), layouts per second and the total, best of
 --repeat runs from cold ledger caches; --files adds the whole job (per-stage detail of the top
-rows, plan.json, plan.csv, the plot) into a temporary directory. Target: under 10 s on one core.
+rows, plan.json, plan.csv, the plot) into a temporary directory; --workers N spreads the search over N forked
+processes (plan.workers). Target: under 10 s on one core.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--files", action="store_true", help="also time the whole job with its files")
+    ap.add_argument("--workers", type=int, default=1, help="processes the search spreads over (plan.workers)")
     args = ap.parse_args()
     from launchers.plan import framework_bases, hardware, space
     from ledger.model import ModelShape
@@ -56,11 +58,12 @@ def main() -> None:
     for _ in range(args.repeat):
         _clear_caches()
         t0 = time.perf_counter()
-        plan = search(model, hw, sp, bases)
+        plan = search(model, hw, sp, bases, workers=args.workers)
         runs.append((time.perf_counter() - t0, plan))
     dt, plan = min(runs, key=lambda r: r[0])
     n = sum(c["layouts"] for c in plan.counts.values())
-    print(f"llama3_405b on 16,384 GPUs, all three frameworks, micro-batch 1-4 (best of {args.repeat}, cold caches):")
+    print(f"llama3_405b on 16,384 GPUs, all three frameworks, micro-batch 1-4 (best of {args.repeat}, cold caches, "
+          f"{args.workers} process{'es' if args.workers > 1 else ''}):")
     for fw, c in plan.counts.items():
         print(f"  {fw:9s} {c['layouts']:6,} layouts: {c['fits']:4,} fit, {c['too_big']:4,} too big, "
               f"{c['refused']:6,} refused")
@@ -69,7 +72,7 @@ def main() -> None:
         from launchers.job import run_job
 
         with tempfile.TemporaryDirectory() as d:
-            job = compose([f"plan.sweep_dir={os.path.join(d, 'sweeps')}"])
+            job = compose([f"plan.sweep_dir={os.path.join(d, 'sweeps')}", f"plan.workers={args.workers}"])
             _clear_caches()
             t0 = time.perf_counter()
             import contextlib

@@ -344,6 +344,8 @@ class PlanConfig:
     # layouts to find and detail whatever their rank, each matched on the keys it gives, e.g.
     # [{framework: megatron, tp: 8, pp: 16, dp: 128, cp: 1}] (the Llama 3 405B production layout)
     watch: list[dict[str, Any]] = field(default_factory=list)
+    # processes the search spreads its layouts over (forked from this one; the rows the same whatever the number)
+    workers: int = 1
 
 
 @dataclass

@@ -172,7 +172,7 @@ def validate_plan(p, model, layout=None) -> None:
     if p.global_batch_tokens is None and (layout is None or layout.global_batch_size < 1):
         raise ConfigError("mode=plan needs the batch: set plan.global_batch_tokens (tokens per step) or "
                           "layout.global_batch_size (sequences per step)")
-    _at_least("plan", p, ("gpus", "gpus_per_node", "top", "max_cp"), 1)
+    _at_least("plan", p, ("gpus", "gpus_per_node", "top", "max_cp", "workers"), 1)
     why = limits.too_large("plan.gpus", p.gpus, limits.MAX_PLAN_GPUS)
     if why:
         raise ConfigError(why)

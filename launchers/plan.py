@@ -81,7 +81,8 @@ def run_plan(cfg, job_dir: str) -> dict:
 
     hw, sp = hardware(cfg.plan, cfg.hardware, target.of(cfg.mode, cfg.cluster)), space(cfg)
     bases = framework_bases(cfg)
-    plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort, watch=[dict(w) for w in cfg.plan.watch])
+    plan = search(model, hw, sp, bases, cfg.ledger.mode, cfg.plan.sort, watch=[dict(w) for w in cfg.plan.watch],
+                  workers=cfg.plan.workers)
     t0 = time.perf_counter()
     fitting = [r for r in plan.rows if r.fits]
     top = fitting[:cfg.plan.top]
@@ -116,7 +117,8 @@ def run_plan(cfg, job_dir: str) -> dict:
     except Exception as e:  # noqa: BLE001 - a plot that cannot be drawn (no matplotlib backend) loses no row
         files["plot_error"] = f"{type(e).__name__}: {e}"
     notes = [f"peak = {PEAK_INCLUDES} (a row whose ledger predicts no peak says `{RESIDENT_ONLY}`; a row whose "
-             "resident state alone exceeds the budget is too big, its peak not computed)",
+             "resident state alone exceeds the budget is too big, its peak not computed; a row with one stage over "
+             "the budget is too big, its other stages not priced unless plan.watch names it)",
              RECOMPUTE_NOTE, EST_NOTE]
     if any(st.get("peak_bound") for r in rows for st in (r.get("per_stage") or [])):
         notes.append(BOUND_NOTE)
@@ -129,6 +131,7 @@ def run_plan(cfg, job_dir: str) -> dict:
                "hardware": hw.__dict__,
                "global_batch_size": sp.global_batch_size, "tokens_per_step": sp.global_batch_size * model.seq_len,
                "sort": cfg.plan.sort, "counts": plan.counts, "refused": plan.refused, "search_s": plan.seconds,
+               "workers": cfg.plan.workers,
                "refused_unlisted": plan.refused_unlisted,
                "write_s": time.perf_counter() - t0, "notes": notes, "files": files,
                "top": [rows[plan.rows.index(r)] for r in top[:cfg.plan.sweep_top]],
@@ -353,7 +356,10 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
         con.print(f"* {n}" if n.startswith("peak") else f"note: {n}", markup=False)
     con.print("** estimate, not a measurement; (node): the dim's groups lie inside a node, (net): across nodes "
               f"(the {hw.profile.target} profile's links)", markup=False)
-    con.print(f"searched in {plan.seconds:.2f} s", markup=False)
+    con.print(f"searched in {plan.seconds:.2f} s"
+              + (f" over {cfg.plan.workers} processes" if cfg.plan.workers > 1 else
+                 f" (plan.workers=N spreads it over N processes; this machine has {os.cpu_count()} CPUs)"
+                 if (os.cpu_count() or 1) > 1 else ""), markup=False)
     if sweep:
         for run in sweep["runs"]:
             con.print(f"sweep (rows {', '.join(map(str, run['rows']))}): {run['command']}", markup=False, soft_wrap=True)

@@ -565,12 +565,50 @@ def _tie(r: Row) -> tuple:
     return (r.framework, tuple(r.layout.values()), tuple(sorted((k, repr(v)) for k, v in r.knobs.items())))
 
 
+# candidates a search's worker process evaluates at a time (plan.workers > 1)
+WORKER_CHUNK = 64
+
+
+def evaluated(model: ModelShape, hw: Hardware, space: Space, name: str, base: dict, mode: str, watch,
+              workers: int = 1) -> Iterator[Row]:
+    """evaluate over every candidate of one framework, in candidates' order: in this process, or (workers > 1)
+    spread over that many forked processes a chunk of candidates at a time, each row coming back without
+    its Placement (not written out; this process keeps none of theirs)."""
+    if workers <= 1:
+        for c in candidates(model, hw, space, name, base):
+            yield evaluate(model, c, hw, mode, watch)
+        return
+    import multiprocessing
+
+    global _FORKED
+    # the candidates reach the forked processes as this module's state at the fork, not pickled
+    _FORKED = (model, hw, mode, watch, list(candidates(model, hw, space, name, base)))
+    chunks = [(i, min(i + WORKER_CHUNK, len(_FORKED[4]))) for i in range(0, len(_FORKED[4]), WORKER_CHUNK)]
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for rows in pool.imap(_evaluate_chunk, chunks):
+                yield from rows
+    finally:
+        _FORKED = None
+
+
+_FORKED = None  # (model, hw, mode, watch, candidates) while a search's worker processes run (evaluated)
+
+
+def _evaluate_chunk(span: tuple[int, int]) -> list[Row]:
+    model, hw, mode, watch, cands = _FORKED
+    rows = [evaluate(model, c, hw, mode, watch) for c in cands[span[0]:span[1]]]
+    for r in rows:
+        r.placement = None
+    return rows
+
+
 def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, dict], mode: str = "faithful",
-           sort: str = "time", watch=(), refused_rows: int = REFUSED_ROWS) -> Plan:
+           sort: str = "time", watch=(), refused_rows: int = REFUSED_ROWS, workers: int = 1) -> Plan:
     """Every candidate of every framework (frameworks: name -> its base config as a plain dict),
-    evaluated, with its peak per stage; rows that the ledger predicts first in `sort` order (fitting ones ahead), then the
-    refused ones: the first refused_rows of them and every one a `watch` entry matches (the others
-    counted under their reasons alone)."""
+    evaluated (workers: in that many processes, `evaluated`), with its peak per stage; rows that the ledger
+    predicts first in `sort` order (fitting ones ahead), then the refused ones: the first refused_rows of
+    them and every one a `watch` entry matches (the others counted under their reasons alone)."""
     import time
 
     t0 = time.perf_counter()
@@ -581,8 +619,7 @@ def search(model: ModelShape, hw: Hardware, space: Space, frameworks: dict[str, 
     for name, base in frameworks.items():
         n = {"layouts": 0, "fits": 0, "too_big": 0, "refused": 0}
         why = refused.setdefault(name, {})
-        for c in candidates(model, hw, space, name, base):
-            r = evaluate(model, c, hw, mode, watch)
+        for r in evaluated(model, hw, space, name, base, mode, watch, workers):
             n["layouts"] += 1
             n[r.status] += 1
             if r.status == "refused":

@@ -150,6 +150,22 @@ def test_per_stage_from_the_ledgers_representatives_is_the_walk_over_every_rank(
             assert peak_of(r.placement.rank_state(s["rank"])) == s["peak_bytes"]
 
 
+def test_a_search_over_worker_processes_gives_the_rows_of_one_process():
+    """plan.workers: the candidates spread over forked processes a chunk at a time come back as the rows,
+    counts and refusals one process gives, in the same order (their Placements left in the workers)."""
+    from ledger import plan as P
+
+    model, hw = preset("llama3_1b", seq_len=1024), Hardware(64, 8, int(80e9), 0.9, 989.0, 0.4, 3600.0, 400.0)
+    space = Space(128, (1, 2), (1, 2), 2, (1,), (False, True), False)
+    bases = _bases("megatron", "titan", "deepspeed")
+    one = search(model, hw, space, bases)
+    many = search(model, hw, space, bases, workers=2)
+    assert len(one.rows) > 3 * P.WORKER_CHUNK  # (more chunks than workers)
+    assert [r.to_dict() for r in many.rows] == [r.to_dict() for r in one.rows]
+    assert (many.counts, many.refused, many.refused_unlisted) == (one.counts, one.refused, one.refused_unlisted)
+    assert all(r.placement is None for r in many.rows) and P._FORKED is None
+
+
 def test_a_too_big_row_prices_its_stages_until_one_is_over_the_budget():
     """A row whose resident state fits and one stage's peak does not is settled once that stage is priced
     (first and last stage first, then the others in order): its per_stage holds the stages priced, each the
@@ -265,6 +281,7 @@ def test_estimate_is_the_documented_roofline():
     ("plan.watch=[{tpp:8}]", "plan.watch[0] has tpp: its keys must be among"),
     ("plan.offload_optimizer=[nvme]", "plan.offload_optimizer has 'nvme': each must be one of none, cpu"),
     ("plan.host_memory_gb=0", "plan.host_memory_gb=0.0 must be > 0"),
+    ("plan.workers=0", "plan.workers=0 must be >= 1"),
     ("plan.pipeline_schedules=[ZB1P]", "plan.pipeline_schedules has 'ZB1P': each must be one of 1F1B, GPipe"),
 ])
 def test_bad_plan_input_names_the_field(override, message):
