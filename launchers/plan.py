@@ -122,6 +122,9 @@ def run_plan(cfg, job_dir: str) -> dict:
              RECOMPUTE_NOTE, EST_NOTE]
     if any(st.get("peak_bound") for r in rows for st in (r.get("per_stage") or [])):
         notes.append(BOUND_NOTE)
+    if any(r.host_bytes for r in plan.rows if r.status != "refused"):
+        notes.append("host GB: what ZeRO-Offload keeps in host memory per GPU (host_bytes, not in the peak), a fit of "
+                     f"its own against plan.host_memory_gb = {cfg.plan.host_memory_gb:g} GB")
     if plan.refused_unlisted:
         notes.append(f"plan.json / plan.csv list the first {REFUSED_ROWS:,} refused layouts (and the watched ones); "
                      f"{plan.refused_unlisted:,} more are counted under their reasons above, not listed")
@@ -305,8 +308,10 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
 
     def table(title: str, rows: list[Row]) -> Table:
         t = Table(title=title)
-        for c in ("#", "framework", "layout", "peak GB*", "stage", "fits", "wire per step per dim (link)", "bubble",
-                  "est step s**", "MFU**"):
+        # ZeRO-Offload's host buffers: a fit of their own against plan.host_memory_gb, a column where a row has them
+        host = any(r.host_bytes for r in rows)
+        for c in ("#", "framework", "layout", "peak GB*", *(("host GB",) if host else ()), "stage", "fits",
+                  "wire per step per dim (link)", "bubble", "est step s**", "MFU**"):
             t.add_column(c, justify="left" if c in ("framework", "layout", "wire per step per dim (link)") else "right")
         for r in rows:
             # the dims that carry at least 1% of the row's bytes, largest first (a grad-norm all-reduce
@@ -315,6 +320,7 @@ def render(plan: Plan, top: list[Row], watched: list[list[Row]], cfg, hw: Hardwa
                                                                                   key=lambda kv: -kv[1])
                             if b >= 0.01 * r.wire_total)
             t.add_row(str(rank[id(r)]) if r.status != "refused" else "-", r.framework, _lay(r), _gb(r.peak_bytes),
+                      *((_gb(r.host_bytes) if r.host_bytes else "",) if host else ()),
                       "" if r.stage is None else str(r.stage), _fits_cell(r),
                       wire if r.status != "refused" else (r.reason or "")[:70],
                       "" if r.bubble is None else f"{r.bubble:.3f}",

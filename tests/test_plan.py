@@ -610,12 +610,23 @@ def test_megatron_cp_layouts_are_tried_with_each_listed_attention(tmp_path, caps
     assert {r["basis"] for r in plain if r["layout"]["cp"] > 1 and r["status"] != "refused"} == {basis("p2p")}
 
 
-def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path):
+def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path, capsys):
     """DeepSpeed's ZeRO-Offload rows (plan.offload_optimizer): judged on the device's peak (the resident state
     less host_bytes), their host_bytes against plan.host_memory_gb (a row over it is too big, the reason says
-    so), timed with the optimizer step on the host and the host link's transfers."""
+    so), timed with the optimizer step on the host and the host link's transfers; a printed table with such a
+    row has a host column."""
     rec, plan = _plan_job(tmp_path, "model=llama3_8b", "framework=deepspeed", "plan.gpus=8",
-                          "plan.global_batch_tokens=262144", "plan.recompute=[full]", "plan.host_memory_gb=20")
+                          "plan.global_batch_tokens=262144", "plan.recompute=[full]", "plan.host_memory_gb=20",
+                          "plan.watch=[{offload_optimizer:cpu,zero_stage:3}]")
+    out = capsys.readouterr().out
+    watched = out[out.index("watch {"):]
+    header = next(ln for ln in watched.splitlines() if "peak GB*" in ln)
+    cols = [c.strip() for c in header.split("┃")[1:-1]]
+    assert cols[3:5] == ["peak GB*", "host GB"]
+    assert "host GB: what ZeRO-Offload keeps in host memory per GPU" in " ".join(out.split())
+    cells = [[c.strip() for c in ln.split("│")[1:-1]] for ln in watched.splitlines() if "deepspeed" in ln and "│" in ln]
+    by_rank = {r["rank"]: r for r in plan if r.get("rank")}
+    assert cells and all(float(c[4]) == round(by_rank[int(c[0])]["host_bytes"] / 1e9, 2) > 0 for c in cells if c[0] != "-")
     off = [r for r in plan if r["knobs"]["offload_optimizer"] == "cpu"]
     assert off and {r["knobs"]["zero_stage"] for r in off} == {1, 2, 3}
     for r in off:
