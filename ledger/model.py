@@ -191,6 +191,15 @@ def _embedding(model: ModelShape) -> tuple[str, tuple[int, int]]:
     return "tok_embeddings.weight", (model.vocab, model.hidden)
 
 
+def routed_rows(tokens: int, topk: int, experts: int, local: int) -> tuple[int, int, int]:
+    """(balanced, fewest, most) rows a rank's `local` experts of `experts` compute in one MoE layer when
+    `tokens` tokens (the dispatching group's) are each routed to `topk` distinct experts: balanced every expert
+    tokens x topk / experts; at most each token once per local expert; at least its topk choices less those the
+    other experts can take (with every expert local: every row)."""
+    return (tokens * topk * local // experts, tokens * topk - tokens * min(topk, experts - local),
+            tokens * min(topk, local))
+
+
 def numel(shape) -> int:
     n = 1
     for d in shape:

@@ -329,6 +329,15 @@ def test_tp_without_sp_is_predicted_with_sp_and_refused_to_run(tmp_path):
     assert not (tmp_path / "d" / "run.sh").exists()
 
 
+def test_routed_rows_range_by_hand():
+    """ledger.model.routed_rows, the one rule every MoE peak's bound reads: 10 tokens, top-2 of 8 experts."""
+    from ledger.model import routed_rows
+
+    assert routed_rows(10, 2, 8, 2) == (5, 0, 20)  # 2 local: 20 x 2 / 8; the other 6 take every choice; each once
+    assert routed_rows(10, 2, 8, 7) == (17, 10, 20)  # 7 local: one other expert takes at most one choice a token
+    assert routed_rows(10, 2, 8, 8) == (20, 20, 20)  # every expert local (ep 1): every row
+
+
 def test_mixtral_states_per_rank_by_hand():
     """Mixtral 8x7B, tp2·ep4·pp2·dp8 with SP, the last stage's heaviest rank, from the shapes alone: 16
     layers of 2 local experts each [2*14336, 4096] + [4096, 14336] (bf16 params, fp32 grads), padded to

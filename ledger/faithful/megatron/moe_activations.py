@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from ledger.dtypes import INT64 as I64, FP32 as F32
 from ledger.layout import Layout
-from ledger.model import ModelShape
+from ledger.model import ModelShape, routed_rows
 
 
 class MoEShape(NamedTuple):
@@ -99,8 +99,7 @@ def rows_range(mo: MoEShape) -> tuple[int, int, int]:
     group, each routed to k distinct experts; balanced every expert T_g * k / E (the local ones E_l of
     them); at most each token once per local expert, at least its k choices less those the other
     E - E_l experts can take (with ep = 1 every row: T * k)."""
-    tg = mo.T * mo.N
-    return tg * mo.k * mo.E_l // mo.E, tg * mo.k - tg * min(mo.k, mo.E - mo.E_l), tg * min(mo.k, mo.E_l)
+    return routed_rows(mo.T * mo.N, mo.k, mo.E, mo.E_l)
 
 
 def router_saved(mo: MoEShape) -> int:

@@ -41,6 +41,7 @@ from ledger.faithful.titan import moe_activations
 from ledger.faithful.titan import peak as titan_peak
 from ledger.faithful.titan.fsdp import block_params, chunk_rows, sharded, unit_params
 from ledger.faithful.titan.target import Rules
+from ledger.model import routed_rows
 from ledger.placement import Peak
 
 
@@ -324,10 +325,9 @@ def _at_dense_rs(model, lay, fw, u: EPUnits, c: _Common, j: int, rules: Rules) -
 
 def _rows(model, lay) -> tuple[int, int, int]:
     """(balanced, fewest, most) rows one rank's E/ep experts compute in one MoE layer: T tokens on each of
-    the ep ranks, each routed to k distinct experts (megatron's moe_activations.rows_range's rule)."""
-    T, k, E, ep = lay.micro_batch_size * model.seq_len, model.moe_router_topk, model.num_experts, lay.ep
-    tg, local = T * ep, E // ep
-    return tg * k * local // E, tg * k - tg * min(k, E - local), tg * min(k, local)
+    the ep ranks, each routed to k distinct experts (ledger.model.routed_rows)."""
+    T, E, ep = lay.micro_batch_size * model.seq_len, model.num_experts, lay.ep
+    return routed_rows(T * ep, model.moe_router_topk, E, E // ep)
 
 
 def _dense_moments(model, lay, fw, u: EPUnits, c: _Common, rules: Rules) -> list[Peak]:
