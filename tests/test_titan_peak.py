@@ -286,7 +286,7 @@ _LOOPED_CASES = [(dict(), "none"), (dict(dp_replicate=2), "none"), (dict(tp=2, s
                             for kw in (dict(global_batch_size=16), dict(global_batch_size=32, layers=8))])
 def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
     """pp_looped.py: the rank's peak (the fast path, _most) is the first most of looped_moments (the readable
-    reference), step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
+    reference), each stage's counts at every action its counts_reference, step 0's differs from it by the optimizer state alone, and the walk's grads at the step's end
     (every stage reduce-scattered, the [norm, lm_head] outputs a grad views) are the state's grads (pp.py's
     rule of the norm's view); each stage has its kinds of moment, on the last stage every loss's."""
     from ledger.faithful.titan import pp_looped as LP
@@ -304,6 +304,9 @@ def test_looped_peak_is_the_walks_most_and_its_grads_the_states(sched, kw, ac):
         if st.peak.first:
             assert st.peak.bytes - st.peak.first.bytes == st.optim_bytes
         assert LP.looped_end_grads(cs, actions) == st.grads_bytes
+        # the walk's structure at every action, its fast tuple as the readable one
+        for _, _, _, held in LP._steps(cs, actions, lay.pp):
+            assert all(h.counts() == h.counts_reference() for h in held)
         # (a last stage of no blocks reduces its final norm alone; a first of none its tok_embeddings)
         assert {int(x.what.rsplit("stage ", 1)[1]) for x in ms if "perform_reduce_grad" in x.what} == \
             {c.s for c in cs if c.order}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
+from operator import attrgetter
 
 from ledger.dtypes import BF16, FP32 as F32
 from ledger.faithful.titan.peak import chunk_copies, first_step_peak, rs_temporary
@@ -132,6 +133,19 @@ class _Held:
     last_pass: int = -1  # the rank's last forward or backward (_steps)
 
     def counts(self) -> tuple:
+        """counts_reference's tuple built in _ENTRIES' order directly (a walk asks it at every action of every
+        stage: most of a plan's walk time), tested equal to it."""
+        live = not (self.reduced or self.resharded)
+        head = self.c.has_head
+        caps = len(self.captured)
+        return (int(live and (self.head_unsharded or not head)), int(live and not self.head_unsharded and head),
+                int(self.reduced), self.lm_views, self.head_views, self.norm_views,
+                int(self.acc_made and not self.reduced), int(self.norm_acc), len(self.flight), caps, caps, caps,
+                int(self.wgrads), 1, self.c.n * (self.c.local_next + self.c.local_prev) - self.passed_in,
+                self.passed_in, int(self.ar_kind == _LM_RS), int(self.ar_kind == _HEAD_RS),
+                self.fwd_sent + self.bwd_sent, int(self.rs_kind == _LM_RS), int(self.rs_kind == _HEAD_RS), 1)
+
+    def counts_reference(self) -> tuple:
         """The walk's structure of this stage: how many of each of _ENTRIES it holds (bytes_per: the bytes of one)."""
         live = not (self.reduced or self.resharded)
         head = self.c.has_head
@@ -333,7 +347,7 @@ def _most(stages: list[_Stage], actions: list) -> Peak:
     score += np.array([templates[key] or 0 for key in tr.keys], dtype=np.int64)
     best_at = int(np.argmax(np.where(priced, score, score.min() - 1)))  # (the first on ties)
     a = actions[tr.index[best_at]]
-    held = [_Held(c, j, **tr.states[best_at][j]) for j, c in enumerate(stages)]
+    held = [_Held(c, j, **_fields(tr.states[best_at][j])) for j, c in enumerate(stages)]
     me = held[tr.acting[best_at]]
     return max([p.plus(others) for p, others in _action_moments(a, me, held)], key=lambda m: m.bytes)
 
@@ -342,7 +356,7 @@ def _template(stages: list[_Stage], actions: list, tr: "_Trace", at: int) -> int
     """The most of the acting stage's moments of the trace's action `at`, less its _offset (None: it has none)."""
     a = actions[tr.index[at]]
     j = tr.acting[at]
-    me = _Held(stages[j], j, **tr.states[at][j])
+    me = _Held(stages[j], j, **_fields(tr.states[at][j]))
     most = max([p.bytes for p, _ in _action_moments(a, me, (me,), most_only=True)], default=None)
     return None if most is None else most - _offset(a, me)
 
@@ -432,8 +446,22 @@ def _trace_of(stages: list[_Stage], actions) -> _Trace:
     return traces[key]
 
 
-# a _Held's walk state: its fields but its stage and local index
+# a _Held's walk state: its fields but its stage and local index, read at once (_snapshot)
 _STATE_FIELDS = tuple([f.name for f in fields(_Held) if f.name not in ("c", "j")])
+_READ_STATE = attrgetter(*_STATE_FIELDS)
+_LISTS = tuple([i for i, f in enumerate(_STATE_FIELDS) if f in ("flight", "captured")])  # (copied: the walk mutates them)
+
+
+def _snapshot(h: "_Held") -> list:
+    """h's walk state as its values in _STATE_FIELDS' order (_fields makes them keywords again)."""
+    values = list(_READ_STATE(h))
+    for i in _LISTS:
+        values[i] = list(values[i])
+    return values
+
+
+def _fields(values: list) -> dict:
+    return dict(zip(_STATE_FIELDS, [list(v) if i in _LISTS else v for i, v in enumerate(values)]))
 
 
 def _trace(kinds: tuple, pp: int, actions) -> _Trace:
@@ -446,8 +474,7 @@ def _trace(kinds: tuple, pp: int, actions) -> _Trace:
         acting.append(me.j)
         kind.append(_kind(a))
         keys.append(_template_key(a, me))
-        states.append([{f: (list(getattr(h, f)) if f in ("flight", "captured") else getattr(h, f)) for f in _STATE_FIELDS}
-                       for h in held])
+        states.append([_snapshot(h) for h in held])
         counts.append([h.counts() for h in held])
     arr = np.array(counts, dtype=np.int64).reshape(len(index), len(kinds), len(_ENTRIES)).transpose(1, 0, 2)
     return _Trace(index, np.array(acting, dtype=np.int64), np.array(kind, dtype=np.int64), keys, states,
