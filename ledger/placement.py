@@ -53,12 +53,17 @@ class Comm:
     # (low, high) of buffer_bytes where the sizes follow data (an MoE router's choices): buffer_bytes is
     # then the balanced case; None: exact
     buffer_range: Optional[tuple[int, int]] = None
+    # of buffer_bytes, the calls a forward pass makes, where the ledger says which pass each call runs in
+    # (the step-time model hides each pass's collectives behind that pass); None: not said
+    forward_buffer_bytes: Optional[int] = None
 
     def to_dict(self) -> dict:
         d = {"dim": self.dim, "kind": self.kind, "count": self.count, "buffer_bytes": self.buffer_bytes,
              "wire_bytes": self.wire_bytes, "dtype": self.dtype, "what": self.what}
         if self.buffer_range is not None:
             d["buffer_range"] = list(self.buffer_range)
+        if self.forward_buffer_bytes is not None:
+            d["forward_buffer_bytes"] = self.forward_buffer_bytes
         return d
 
 
@@ -216,17 +221,19 @@ class CommBuilder:
         return self.add_sums((dim, kind, dtype), count, buffer_bytes, wire, [what] if what else [])
 
     def add_sums(self, key: tuple[str, str, str], count: int, buffer_bytes: int, wire: int,
-                 whats: list[str]) -> "CommBuilder":
+                 whats: list[str], forward_bytes: Optional[int] = None) -> "CommBuilder":
         """Several call sites' sums at once, into the record of key = (dim, kind, dtype); whats: their
-        names (repeats allowed), a list the builder keeps and extends."""
+        names (repeats allowed), a list the builder keeps and extends; forward_bytes: of buffer_bytes, those
+        of calls a forward pass makes (None: not said, and then not said for the record)."""
         a = self._acc.get(key)
         if a is None:
-            self._acc[key] = [count, buffer_bytes, wire, whats]
+            self._acc[key] = [count, buffer_bytes, wire, whats, forward_bytes]
         else:
             a[0] += count
             a[1] += buffer_bytes
             a[2] += wire
             a[3] += whats
+            a[4] = None if a[4] is None or forward_bytes is None else a[4] + forward_bytes
         return self
 
     def add(self, dim: str, kind: str, buffer_bytes: int, group_size: int, dtype: str = "",
@@ -238,20 +245,25 @@ class CommBuilder:
 
     def add_several(self, dim: str, kind: str, dtype: str, group_size: int, calls) -> "CommBuilder":
         """Several call sites' calls of one (dim, kind, dtype), each (buffer bytes, how many times,
-        what): the same as add() of each, summed before they meet the record (one merge)."""
+        what) or (..., whether a forward pass makes them; None: not said): the same as add() of each, summed
+        before they meet the record (one merge); the forward ones' bytes kept where every call says its pass."""
         if group_size <= 1:
             return self
         count = buf = wire = 0
+        forward: Optional[int] = 0
         whats = []
-        for b, c, what in calls:
+        for call in calls:
+            b, c, what = call[:3]
             if c:
                 count += c
                 buf += b * c
                 wire += wire_bytes(kind, b, group_size) * c
                 if what:
                     whats.append(what)
+                forward = (None if forward is None or len(call) < 4 or call[3] is None
+                           else forward + (b * c if call[3] else 0))
         if count:
-            self.add_sums((dim, kind, dtype), count, buf, wire, whats)
+            self.add_sums((dim, kind, dtype), count, buf, wire, whats, forward)
         return self
 
     def add_routed(self, dim: str, kind: str, dtype: str, group_size: int, what: str, calls) -> "CommBuilder":
@@ -298,8 +310,9 @@ class CommBuilder:
         """The records, sorted by (dim, kind, dtype)."""
         acc, out = self._acc, []
         for key in _sorted_keys(tuple(acc)):
-            c, b, w, s = acc[key]
-            out.append(Comm(key[0], key[1], c, b, w, key[2], s[0] if len(s) == 1 else what_of(s)))
+            c, b, w, s, fwd = acc[key]
+            out.append(Comm(key[0], key[1], c, b, w, key[2], s[0] if len(s) == 1 else what_of(s),
+                            forward_buffer_bytes=fwd))
             if key in self._range:
                 lo, hi = self._range[key]
                 out[-1].buffer_range = (b + lo, b + hi)

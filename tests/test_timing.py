@@ -453,6 +453,77 @@ def test_fsdp2_copies_around_its_collectives_by_hand():
         assert dict(_predict(framework, dict(dp=16, global_batch_size=32), *over)[2].waterfall)["DP collectives' copies"] == 0
 
 
+@pytest.mark.parametrize("reshard", ["always", "never"])
+def test_fsdp2_s_gathers_are_timed_in_the_pass_of_their_calls(reshard):
+    """torchtitan's comm rows say which pass each all-gather runs in (Comm.forward_buffer_bytes): every
+    micro-batch's forward gathers tok_embeddings, each block and [norm, lm_head] (again for the loss wrapper);
+    its backward gathers [norm, lm_head] (resharded by the loss) and, resharded after forward, each block and
+    tok_embeddings again; not resharded, nothing more. By hand from the model's units; the copies' time
+    (dp_copy_seconds) split alike, every reduce-scatter's in the backward; ZeRO-3's rows say nothing (half)."""
+    from ledger.faithful.titan.steptime import time_policy
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS, dp_copy_seconds, gather_forward_share
+    from tests.conftest import compose_config
+
+    over = ("framework.activation_checkpoint=none", f"framework.reshard_after_forward={reshard}")
+    m, lay, st = _predict("titan", dict(dp=16, global_batch_size=32), *over)
+    cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+    pl = predict(m, lay, cfg.framework)
+    rows = [c for c in pl.rank_state(0).comm if c.dim in DP_DIMS]
+    (ag,) = [c for c in rows if c.kind == "all_gather"]
+    M, emb, layer, head = lay.num_microbatches, m.vocab * m.hidden, m.layer_num_params(0), m.hidden + m.vocab * m.hidden
+    assert M == 2
+    forward = M * 2 * (emb + m.layers * layer + 2 * head)
+    backward = M * 2 * (head + (m.layers * layer + emb if reshard == "always" else 0))
+    assert (ag.forward_buffer_bytes, ag.buffer_bytes) == (forward, forward + backward)
+    h100 = hardware.profile("h100")
+    policy = time_policy(cfg.framework, lay, "cuda")
+    per_byte = dict(policy.dp_copy_bytes)
+
+    def copy(c):
+        return per_byte[c.kind] * c.buffer_bytes / (h100.hbm_gbps * 1e9 * h100.memory_efficiency) + c.count * h100.kernel_overhead_s
+
+    fwd, bwd = dp_copy_seconds([(c, 0.0) for c in rows], policy, h100)
+    share = forward / (forward + backward)
+    assert gather_forward_share(ag) == share and (share > 0.9) == (reshard == "never")
+    assert fwd == pytest.approx(copy(ag) * share, rel=1e-12)
+    assert bwd == pytest.approx(copy(ag) * (1 - share) + sum(copy(c) for c in rows if c.kind == "reduce_scatter"),
+                                rel=1e-12)
+    z3 = _predict("deepspeed", dict(dp=16, global_batch_size=32), "framework.zero_stage=3")[:2]
+    zrows = predict(*z3, compose_config("framework=deepspeed", "model=llama3_8b", "framework.zero_stage=3").framework)
+    assert all(gather_forward_share(c) == 0.5 for c in zrows.rank_state(0).comm if c.kind == "all_gather")
+
+
+def test_fsdp2_without_resharding_hides_its_gathers_behind_the_forwards():
+    """Not resharded after forward, torchtitan's units gather in the forward only (but [norm, lm_head]'s
+    backward regather): the forwards hide the gathers' forward share less the edge, the backwards the rest with
+    the reductions; at seq 2048 under full AC the forward falls short where the half rule hid it. By hand
+    from the comm ledger's rows, the edges as the step gives them (dp_edge_seconds)."""
+    from ledger.faithful.titan.steptime import time_policy
+    from ledger.grid import group_size
+    from ledger.parallel import predict
+    from ledger.timing.step import DP_DIMS, GRAD_KINDS, dp_edge_seconds, gather_forward_share
+    from tests.conftest import compose_config
+
+    over = ("framework.activation_checkpoint=full", "framework.reshard_after_forward=never", "model.seq_len=2048")
+    m, lay, st = _predict("titan", dict(dp=256, global_batch_size=256), *over)
+    cfg = compose_config("framework=titan", "model=llama3_8b", *over)
+    h100 = hardware.profile("h100")
+    groups = {(c.dim, c.kind): (group_size(lay, c.dim), collectives.group_link(h100, lay, c.dim, c.kind))
+              for c in predict(m, lay, cfg.framework).rank_state(0).comm}
+    rows = [(c, collectives.comm_seconds(c, *groups[c.dim, c.kind]))
+            for c in predict(m, lay, cfg.framework).rank_state(0).comm if c.dim in DP_DIMS]
+    gathers_f = sum(t * gather_forward_share(c) for c, t in rows if c.kind not in GRAD_KINDS)
+    gathers_b = sum(t * (1 - gather_forward_share(c)) for c, t in rows if c.kind not in GRAD_KINDS)
+    reductions = sum(t for c, t in rows if c.kind in GRAD_KINDS)
+    edge_g, edge_p = dp_edge_seconds(rows, m, time_policy(cfg.framework, lay, "cuda"), lay.num_microbatches, groups)
+    fwd_over = gathers_f - edge_p - st.forward_s
+    assert gathers_b < 0.1 * gathers_f  # ([norm, lm_head]'s backward regather alone)
+    assert fwd_over > 0 and gathers_b + reductions - edge_g < st.backward_s  # the forward short of room, the backward not
+    assert (gathers_f + gathers_b) / 2 - edge_p / 2 < st.forward_s  # the half rule: no forward excess
+    assert st.exposed_s["dp"] == pytest.approx(edge_g + edge_p + fwd_over, rel=1e-9)
+
+
 def test_fsdp2_s_first_gathers_and_last_reductions_are_exposed_by_hand():
     """torchtitan's FSDP2 opens each micro-batch's forward with tok_embeddings' all-gather and block 0's (only
     the embedding's lookup between) and closes its backward with block 0's reduce-scatter and then

@@ -25,9 +25,9 @@ step:
               SMs' share of the device
   copies      what the framework runs on the compute stream around those collectives
               (TimePolicy.dp_copy_bytes: FSDP2's copy-in / copy-out, ZeRO's IPG bucket), memory-bound
-              work in the passes: an all-gather's half in the forward, half in the backward (a layer
-              gathers before its forward and, resharded, again before its backward), the rest in the
-              backward; and where the weight-grad GEMMs do not accumulate in place, each micro-batch's
+              work in the passes: an all-gather's in the pass of its calls where the ledger says it
+              (gather_forward_share: Comm.forward_buffer_bytes), else half in each (a layer gathers before
+              its forward and, resharded, again before its backward), the rest in the backward; and where the weight-grad GEMMs do not accumulate in place, each micro-batch's
               backward adding its grads into the accumulated ones (TimePolicy.grad_accumulate_bytes)
   optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
               param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
@@ -183,10 +183,21 @@ def shard_of(model: ModelShape, lay: Layout, policy: TimePolicy, w: int = 2) -> 
                      capacity_factor=policy.expert_capacity_factor, min_capacity=policy.expert_min_capacity)
 
 
+def gather_forward_share(c) -> float:
+    """The share of an all-gather row's bytes (Comm) its forward passes run: as the ledger says where it says
+    which pass each call runs in (Comm.forward_buffer_bytes: torchtitan's FSDP2, whose units without
+    resharding after forward gather once, in the forward), else half: FSDP2 resharding after forward and
+    ZeRO-3 gather each unit again for its backward."""
+    if c.forward_buffer_bytes is None or not c.buffer_bytes:
+        return 0.5
+    return c.forward_buffer_bytes / c.buffer_bytes
+
+
 def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float]:
     """(forward, backward) seconds per step of the copies around a rank's data-parallel collectives
     (rows: its (Comm, seconds)), at the memory's bandwidth, a kernel's fixed cost per call (module
-    docstring: an all-gather's copies half in each pass, the rest in the backward)."""
+    docstring: an all-gather's copies in the pass of its calls, gather_forward_share; the rest in the
+    backward)."""
     per_byte = dict(policy.dp_copy_bytes)
     fwd = bwd = 0.0
     for c, _sec in rows:
@@ -194,7 +205,8 @@ def dp_copy_seconds(rows, policy: TimePolicy, hw: Profile) -> tuple[float, float
             t = (per_byte[c.kind] * c.buffer_bytes / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
                  + c.count * hw.kernel_overhead_s)
             if c.kind == "all_gather":
-                fwd, bwd = fwd + t / 2, bwd + t / 2
+                share = gather_forward_share(c)
+                fwd, bwd = fwd + t * share, bwd + t * (1.0 - share)
             else:
                 bwd += t
     return fwd, bwd
@@ -364,23 +376,27 @@ def step_time(model: ModelShape, lay: Layout, placement, policy: TimePolicy, hw:
         w_more = sum(w_extra(crit, c) for c in ws if virtual_stage(lay.pp, crit, c, style))
     busy_f, busy_b = m * first_f, m * last_b + w_more
     grad_t, param_t = {}, {}
+    p_fwd = 0.0  # of the gathers' seconds, the forwards' (gather_forward_share)
     comm_s: dict[str, float] = {}
     for c, sec in stage_rows[crit]:
         comm_s[c.dim] = comm_s.get(c.dim, 0.0) + sec
         if c.dim in DP_DIMS:
             into = grad_t if c.kind in GRAD_KINDS else param_t
             into[c.dim] = into.get(c.dim, 0.0) + sec
+            if c.kind not in GRAD_KINDS:
+                p_fwd += sec * gather_forward_share(c)
     g_all, p_all = sum(grad_t.values()), sum(param_t.values())
     if policy.dp_grad == policy.dp_param == "every_pass":
         # FSDP2 / ZeRO-3: each pass's collectives behind that pass's compute, a forward's gathers behind the
         # forwards, a backward's gathers and reductions behind the backwards (the prefetch runs one unit ahead
-        # inside its pass: nothing of one pass hides behind the other's), a gather's half in each pass (as its
-        # copies: dp_copy_seconds); those at the passes' edges (TimePolicy.dp_edge_units) beside no compute
+        # inside its pass: nothing of one pass hides behind the other's), each gather in the pass of its calls
+        # (gather_forward_share, as its copies: dp_copy_seconds); those at the passes' edges
+        # (TimePolicy.dp_edge_units: the forward's first gathers, the backward's last reductions) beside no compute
         edge_g, edge_p = dp_edge_seconds(stage_rows[crit], model, policy, m, groups)
-        rest_g, rest_p = g_all - edge_g, p_all - edge_p
-        over_f = max(0.0, rest_p / 2 - busy_f)
-        over_b = max(0.0, rest_p / 2 + rest_g - busy_b)
-        share_g = rest_g / (rest_g + rest_p / 2) if over_b else 0.0
+        rest_g, rest_pf, rest_pb = g_all - edge_g, max(0.0, p_fwd - edge_p), p_all - p_fwd
+        over_f = max(0.0, rest_pf - busy_f)
+        over_b = max(0.0, rest_pb + rest_g - busy_b)
+        share_g = rest_g / (rest_g + rest_pb) if over_b else 0.0
         g_exp, p_exp = edge_g + over_b * share_g, edge_p + over_f + over_b * (1.0 - share_g)
     else:
         hidden_g = {"exposed": 0.0, "last_backward": last_b, "every_pass": busy_b}[policy.dp_grad]

@@ -39,7 +39,8 @@ def first_step(steady: list[Comm], sh: Sharded, ds: int, fsdp_dim: str) -> list[
     for c in steady:
         if (c.dim, c.kind, c.dtype) == (fsdp_dim, "all_gather", "bf16"):
             c = Comm(c.dim, c.kind, c.count - 1, c.buffer_bytes - buf, c.wire_bytes - wire_bytes(c.kind, buf, ds),
-                     c.dtype, "; ".join(w for w in c.what.split("; ") if w != REGATHER))
+                     c.dtype, "; ".join(w for w in c.what.split("; ") if w != REGATHER),
+                     forward_buffer_bytes=None if c.forward_buffer_bytes is None else c.forward_buffer_bytes - buf)
         out.append(c)
     return out
 
@@ -72,11 +73,13 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
     # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
     # once ([norm, lm_head] again where the loss wrapper unshards it: lm_head_regathers), and ends
     # with lm_head.reshard(): the norm's backward gathers the group again
+    # (each call's pass: the loss wrapper's unshard runs in the forward, before any backward)
     acc.add_several(fsdp, "all_gather", "bf16", ds,
-               ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
-                (head * BF16, 1, "forward unshard (norm)"), (head * BF16, lm_head_regathers(fw, steady), REGATHER),
-                (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
-                (emb * BF16, reshard, "backward unshard")))
+               ((emb * BF16, 1, "forward unshard", True), (layer * BF16, L, "forward unshard", True),
+                (head * BF16, 1, "forward unshard (norm)", True),
+                (head * BF16, lm_head_regathers(fw, steady), REGATHER, True),
+                (head * BF16, 1, "backward unshard (norm)", False),
+                (layer * BF16, L * reshard, "backward unshard", False), (emb * BF16, reshard, "backward unshard", False)))
     # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
     # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
     # shard is all-reduced over dp_replicate
@@ -124,7 +127,8 @@ def _times(acc: CommBuilder, n: int) -> CommBuilder:
     out = CommBuilder()
     for c in acc.build():
         out.add_sums((c.dim, c.kind, c.dtype), c.count * n, c.buffer_bytes * n, c.wire_bytes * n,
-                     c.what.split("; ") if c.what else [])
+                     c.what.split("; ") if c.what else [],
+                     None if c.forward_buffer_bytes is None else c.forward_buffer_bytes * n)
     return out
 
 

@@ -124,17 +124,18 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     acc = CommBuilder()
     # comm.step_comm's FSDP order, the block's dense group over fsdp
     acc.add_several("dp", "all_gather", "bf16", ds,
-                    ((emb * BF16, 1, "forward unshard"), (layer * BF16, L, "forward unshard"),
-                     (head * BF16, 1, "forward unshard (norm)"),
-                     (head * BF16, lm_head_regathers(fw, steady), REGATHER),
-                     (head * BF16, 1, "backward unshard (norm)"), (layer * BF16, L * reshard, "backward unshard"),
-                     (emb * BF16, reshard, "backward unshard")))
+                    ((emb * BF16, 1, "forward unshard", True), (layer * BF16, L, "forward unshard", True),
+                     (head * BF16, 1, "forward unshard (norm)", True),
+                     (head * BF16, lm_head_regathers(fw, steady), REGATHER, True),
+                     (head * BF16, 1, "backward unshard (norm)", False),
+                     (layer * BF16, L * reshard, "backward unshard", False), (emb * BF16, reshard, "backward unshard", False)))
     acc.add_several("dp", "reduce_scatter", "fp32", ds,
                     ((lm * F32, 1, "lm_head grad (last chunk)"), (norm * F32, 1, "norm grad"),
                      (layer * F32, L, "layer grads"), (emb * F32, 1, "tok_embeddings grad")))
     # the block's expert group over efsdp (its own FSDP param group)
     if x_layer:
-        acc.add(edp_dim, "all_gather", x_layer * BF16, efsdp, "bf16", L * (1 + reshard), "experts unshard")
+        acc.add_several(edp_dim, "all_gather", "bf16", efsdp, ((x_layer * BF16, L, "experts unshard", True),
+                                                              (x_layer * BF16, L * reshard, "experts unshard", False)))
         acc.add(edp_dim, "reduce_scatter", x_layer * F32, efsdp, "fp32", L, "expert grads")
     # grad clipping with EP (distributed/utils.py _clip_grad_norm_with_ep): the stacked per-param norms
     # of each kind reduced once, the dense ones over fsdp, the experts' over their whole (efsdp, ep)

@@ -374,8 +374,11 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
     # a runtime schedule with more than MAX_ACTIVE_STAGES stages a rank reshards some mid-step and gathers them
     # again (schedules.unshards)
     u = unshards(schedule_of(fw), lay.pp, lay.vp, n, s)
-    gathers = [(emb, has_emb * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)"),
-               (layer, L * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)")]
+    # (each call's pass where one: a runtime's mid-step UNSHARDs come before forwards and backwards alike)
+    gathers = [(emb, has_emb * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)",
+                True if u == 1 else None),
+               (layer, L * u, "forward unshard (once per step)" if u == 1 else f"UNSHARD ({u} per step)",
+                True if u == 1 else None)]
     scatters = [(layer, L, "layer grads (perform_reduce_grad)"),
                 (emb, has_emb, "tok_embeddings grad (perform_reduce_grad)")]
     if has_head:
@@ -384,9 +387,10 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
         # its chunks: F0's norm gathers it; every micro-batch's loss unshards it again (wrapper)
         # and its backward through the norm gathers it once more (left unsharded for the next
         # forward by reshard_after_backward(False))
-        gathers += [(head, u, "[norm, lm_head]: F0 norm forward" if u == 1 else f"[norm, lm_head]: UNSHARD ({u} per step)"),
-                    (head, n, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch"),
-                    (head, n, "[norm, lm_head]: norm backward, per micro-batch")]
+        gathers += [(head, u, "[norm, lm_head]: F0 norm forward" if u == 1 else f"[norm, lm_head]: UNSHARD ({u} per step)",
+                     True if u == 1 else None),
+                    (head, n, "[norm, lm_head]: ChunkedLossWrapper unshard, per micro-batch", True),
+                    (head, n, "[norm, lm_head]: norm backward, per micro-batch", False)]
         # the wrapper's last chunk syncs lm_head (set_requires_gradient_sync(True, recurse=False)): a loss
         # before any of the stage's backwards reduces lm_head's grad alone (1F1B: micro-batch 0's), a later
         # one lm_head + the norm grad the backwards before it accumulated (schedules.losses_after_a_backward);
@@ -420,11 +424,12 @@ def _stage_comm(acc: CommBuilder, model: ModelShape, lay: Layout, fw, sh: Sharde
         # _post_metadata_inference_cleanup reshards); the last stage's backward inference calls the
         # loss (the wrapper: lm_head's grad reduced at its last chunk, the group resharded) and
         # autograd.grad through the norm (gathers [norm, lm_head] again)
-        gathers += [(emb, has_emb, "metadata inference forward"), (layer, L, "metadata inference forward")]
+        gathers += [(emb, has_emb, "metadata inference forward", True), (layer, L, "metadata inference forward", True)]
         if has_head:
-            gathers += [(head, 1, "metadata inference forward"), (head, 1, "metadata inference: norm backward")]
+            gathers += [(head, 1, "metadata inference forward", True),
+                        (head, 1, "metadata inference: norm backward", False)]
             scatters.append((sh.lm_full, 1, "metadata inference: ChunkedLossWrapper lm_head grad"))
-    acc.add_several(fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w) for f, c, w in gathers])
+    acc.add_several(fsdp, "all_gather", "bf16", ds, [(f * BF16, c, w, fwd) for f, c, w, fwd in gathers])
     acc.add_several(fsdp, "reduce_scatter", "fp32", ds, [(f * F32, c, w) for f, c, w in scatters])
     if rep > 1:  # HSDP: each reduced shard all-reduced over dp_replicate (_fsdp_collectives.py foreach_reduce)
         acc.add_several("dp_replicate", "all_reduce", "fp32", rep,
