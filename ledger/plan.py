@@ -402,9 +402,8 @@ def evaluate(model: ModelShape, c: Candidate, hw: Hardware, mode: str = "faithfu
         row.reason, row.placement = str(e), None
         return row
     row.peak_bytes = max(s["peak_bytes"] for s in row.per_stage)
-    row.peak_includes = PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY
-    if len(row.per_stage) < lay.pp:
-        row.peak_includes = OVER_BUDGET_STAGE
+    row.peak_includes = (OVER_BUDGET_STAGE if len(row.per_stage) < lay.pp else
+                         PEAK_INCLUDES if all(s["peak_modelled"] for s in row.per_stage) else RESIDENT_ONLY)
     _state_and_estimate(row, g, wire, links, lanes, lay, hw, model, c)
     if hw.host_memory_bytes and row.host_bytes > hw.host_memory_bytes:
         row.status = "too_big"

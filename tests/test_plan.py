@@ -637,9 +637,10 @@ def test_offload_rows_fit_the_device_and_the_host_apart(tmp_path, capsys):
     cols = [c.strip() for c in header.split("┃")[1:-1]]
     assert cols[3:5] == ["peak GB*", "host GB"]
     assert "host GB: what ZeRO-Offload keeps in host memory per GPU" in " ".join(out.split())
-    cells = [[c.strip() for c in ln.split("│")[1:-1]] for ln in watched.splitlines() if "deepspeed" in ln and "│" in ln]
+    cells = list(zip(_column(watched, "#", "deepspeed"), _column(watched, "host GB", "deepspeed")))
     by_rank = {r["rank"]: r for r in plan if r.get("rank")}
-    assert cells and all(float(c[4]) == round(by_rank[int(c[0])]["host_bytes"] / 1e9, 2) > 0 for c in cells if c[0] != "-")
+    assert cells and all(float(host) == round(by_rank[int(rank)]["host_bytes"] / 1e9, 2) > 0
+                         for rank, host in cells if rank != "-")
     off = [r for r in plan if r["knobs"]["offload_optimizer"] == "cpu"]
     assert off and {r["knobs"]["zero_stage"] for r in off} == {1, 2, 3}
     for r in off:

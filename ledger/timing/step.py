@@ -27,8 +27,9 @@ step:
               (TimePolicy.dp_copy_bytes: FSDP2's copy-in / copy-out, ZeRO's IPG bucket), memory-bound
               work in the passes: an all-gather's in the pass of its calls where the ledger says it
               (gather_forward_share: Comm.forward_buffer_bytes), else half in each (a layer gathers before
-              its forward and, resharded, again before its backward), the rest in the backward; and where the weight-grad GEMMs do not accumulate in place, each micro-batch's
-              backward adding its grads into the accumulated ones (TimePolicy.grad_accumulate_bytes)
+              its forward and, resharded, again before its backward), the rest in the backward; and
+              where the weight-grad GEMMs do not accumulate in place, each micro-batch's backward adding
+              its grads into the accumulated ones (TimePolicy.grad_accumulate_bytes)
   optimizer   the step's Adam over the rank's owned elements, memory-bound: a fused Adam reads fp32
               param, grad, exp_avg, exp_avg_sq and writes the three back and a bf16 param copy, 30 bytes
               an element (the policy's bytes: torchtitan's torch AdamW keeps no master copy)

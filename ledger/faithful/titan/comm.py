@@ -58,6 +58,22 @@ def mesh_labels(grid: Grid) -> tuple[str, str, str]:
     return _labels_of(grid.cp > 1, grid.dp > 1, grid.dp_replicate > 1)
 
 
+def fsdp_gathers(emb: int, layer: int, head: int, L: int, fw, steady: bool) -> tuple:
+    """A step's FSDP all-gathers without PP (CommBuilder.add_several's calls: bytes, times, what, whether a
+    forward makes them), of units of emb, layer and [norm, lm_head] (head) elements.
+    _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers once
+    ([norm, lm_head] again where the loss wrapper unshards it, before any backward: lm_head_regathers), and
+    ends with lm_head.reshard(): the norm's backward gathers the group again, and, resharded after forward
+    (distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" without PP = True), each block and
+    tok_embeddings too."""
+    reshard = fw.reshard_after_forward in ("default", "always")
+    return ((emb * BF16, 1, "forward unshard", True), (layer * BF16, L, "forward unshard", True),
+            (head * BF16, 1, "forward unshard (norm)", True),
+            (head * BF16, lm_head_regathers(fw, steady), REGATHER, True),
+            (head * BF16, 1, "backward unshard (norm)", False),
+            (layer * BF16, L * reshard, "backward unshard", False), (emb * BF16, reshard, "backward unshard", False))
+
+
 def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, grid: Grid | None = None,
               cpu_mesh: bool = True) -> list[Comm]:
     """A rank's collectives of one step (steady or the first); cpu_mesh: the target's device mesh is cpu
@@ -67,19 +83,8 @@ def step_comm(model: ModelShape, lay: Layout, fw, sh: Sharded, steady: bool, gri
     fsdp, batch_dim, loss_dim = mesh_labels(grid or lay.grid)  # the "fsdp" mesh: dp_shard x cp
     L = model.layers
     emb, layer, head = sh.emb_full, sh.layer_full, sh.norm_full + sh.lm_full
-    # distributed/fsdp.py get_fsdp_reshard_after_forward_policy: "default" (no PP) = True
-    reshard = fw.reshard_after_forward in ("default", "always")
     acc = CommBuilder()
-    # _fsdp_collectives.py foreach_all_gather: one bf16 buffer per unit. Forward: every unit gathers
-    # once ([norm, lm_head] again where the loss wrapper unshards it: lm_head_regathers), and ends
-    # with lm_head.reshard(): the norm's backward gathers the group again
-    # (each call's pass: the loss wrapper's unshard runs in the forward, before any backward)
-    acc.add_several(fsdp, "all_gather", "bf16", ds,
-               ((emb * BF16, 1, "forward unshard", True), (layer * BF16, L, "forward unshard", True),
-                (head * BF16, 1, "forward unshard (norm)", True),
-                (head * BF16, lm_head_regathers(fw, steady), REGATHER, True),
-                (head * BF16, 1, "backward unshard (norm)", False),
-                (layer * BF16, L * reshard, "backward unshard", False), (emb * BF16, reshard, "backward unshard", False)))
+    acc.add_several(fsdp, "all_gather", "bf16", ds, fsdp_gathers(emb, layer, head, L, fw, steady))
     # foreach_reduce: one fp32 reduce-scatter per call: lm_head at the last chunk (gradient sync off
     # before), norm after its backward, then the blocks and tok_embeddings; with HSDP each reduced
     # shard is all-reduced over dp_replicate

@@ -37,7 +37,7 @@ from __future__ import annotations
 from math import prod
 
 from ledger.dtypes import BF16, FP32 as F32
-from ledger.faithful.titan.comm import REGATHER, lm_head_regathers
+from ledger.faithful.titan.comm import fsdp_gathers, lm_head_regathers
 from ledger.faithful.titan import moe_peak
 from ledger.faithful.titan import peak as titan_peak
 from ledger.faithful.titan.fsdp import as_built, block_params, chunk_rows, rows_of, sharded, unit_params
@@ -123,12 +123,7 @@ def _comm(model: ModelShape, lay: Layout, fw, steady: bool) -> list[Comm]:
     reshard = fw.reshard_after_forward in ("default", "always")
     acc = CommBuilder()
     # comm.step_comm's FSDP order, the block's dense group over fsdp
-    acc.add_several("dp", "all_gather", "bf16", ds,
-                    ((emb * BF16, 1, "forward unshard", True), (layer * BF16, L, "forward unshard", True),
-                     (head * BF16, 1, "forward unshard (norm)", True),
-                     (head * BF16, lm_head_regathers(fw, steady), REGATHER, True),
-                     (head * BF16, 1, "backward unshard (norm)", False),
-                     (layer * BF16, L * reshard, "backward unshard", False), (emb * BF16, reshard, "backward unshard", False)))
+    acc.add_several("dp", "all_gather", "bf16", ds, fsdp_gathers(emb, layer, head, L, fw, steady))
     acc.add_several("dp", "reduce_scatter", "fp32", ds,
                     ((lm * F32, 1, "lm_head grad (last chunk)"), (norm * F32, 1, "norm grad"),
                      (layer * F32, L, "layer grads"), (emb * F32, 1, "tok_embeddings grad")))

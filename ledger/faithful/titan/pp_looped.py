@@ -461,7 +461,7 @@ def _snapshot(h: "_Held") -> list:
 
 
 def _fields(values: list) -> dict:
-    return dict(zip(_STATE_FIELDS, [list(v) if i in _LISTS else v for i, v in enumerate(values)]))
+    return dict(zip(_STATE_FIELDS, values))
 
 
 def _trace(kinds: tuple, pp: int, actions) -> _Trace:
